@@ -1,0 +1,551 @@
+"""The meshnet wire protocol: one module owns every byte that crosses a socket.
+
+A message is a ZeroMQ multipart message::
+
+    [envelope ...] [MAGIC] [kind: 1 byte] [header: msgpack map] [buffer 0] ... [buffer n]
+
+``MAGIC`` is ``b"MESH"`` followed by the protocol version as one ASCII digit. The header
+is a msgpack map whose keys are the fields of the message's dataclass below; a message
+that carries tensors lists them in ``header["tensors"]`` as ``{"dtype", "shape"}`` maps,
+one per raw buffer frame that follows. Raw buffers are little-endian, C-contiguous.
+
+Everything a peer sends is validated here and rejected with a typed ``ProtocolError``
+(never an ``assert``). This module imports neither sockets nor torch.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import types
+import typing
+from dataclasses import dataclass, field
+from enum import IntEnum
+from typing import Any, ClassVar, Sequence
+
+import msgpack
+
+VERSION = 1
+MAGIC = b"MESH%d" % VERSION
+MAGIC_PREFIX = b"MESH"
+
+MAX_HEADER_BYTES = 1 << 20  # 1 MiB of msgpack is far more than any honest header needs
+MAX_BUFFERS = 8
+MAX_BUFFER_BYTES = 512 << 20  # hard ceiling; nodes usually configure less
+MAX_TENSOR_DIMS = 4
+MAX_STRING = 1 << 20
+MAX_LIST = 1 << 16
+MAX_LAYERS = 4096
+
+# dtype name -> item size in bytes. The receiver refuses anything else.
+DTYPE_SIZES = {"float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4}
+
+
+class ErrorCode:
+    """Codes carried by ``Error.code``; clients switch on these, not on messages."""
+
+    BAD_FRAME = "bad_frame"  # the frame failed validation
+    VERSION = "version"  # the peer speaks another protocol version
+    BAD_REQUEST = "bad_request"  # a well-formed message asks for something impossible
+    UNKNOWN_MODEL = "unknown_model"
+    UNKNOWN_NODE = "unknown_node"  # tracker: heartbeat from a node it does not know; re-register
+    NO_ROUTE = "no_route"
+    BUSY = "busy"
+    PROMPT_TOO_LONG = "prompt_too_long"
+    INTERNAL = "internal"
+    HOP_FAILED = "hop_failed"
+    CANCELLED = "cancelled"
+
+
+class ProtocolError(Exception):
+    """A peer sent something this protocol does not accept."""
+
+    def __init__(self, message: str, code: str = ErrorCode.BAD_FRAME):
+        super().__init__(message)
+        self.code = code
+
+
+class Kind(IntEnum):
+    FORWARD = 1
+    TOKEN = 2
+    CACHE_MISS = 3
+    CANCEL = 4
+    CLOSE = 5
+    ERROR = 6
+    PING = 7
+    PONG = 8
+    GENERATE = 10
+    EVENT = 11
+    REGISTER = 20
+    HEARTBEAT = 21
+    ROUTE_REQUEST = 22
+    ROUTE = 23
+    REPORT = 24
+    STATUS_REQUEST = 25
+    STATUS = 26
+    ASSIGN_REQUEST = 27
+    ASSIGN = 28
+    ACK = 29
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """dtype and shape of one raw buffer frame."""
+
+    dtype: str
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return DTYPE_SIZES[self.dtype] * math.prod(self.shape)
+
+
+# --------------------------------------------------------------------------- records
+
+
+@dataclass(frozen=True)
+class Hop:
+    """One step of a route: ``node`` runs layers ``start_layer..end_layer`` inclusive."""
+
+    node: str
+    endpoint: str
+    start_layer: int
+    end_layer: int
+
+    def validate(self) -> None:
+        if not 0 <= self.start_layer <= self.end_layer < MAX_LAYERS:
+            raise ProtocolError(f"hop layers {self.start_layer}-{self.end_layer} out of range")
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How the tail turns logits into a token. temperature 0 means greedy."""
+
+    temperature: float = 0.0
+    top_k: int = 0  # 0: no top-k cut
+    top_p: float = 1.0
+    seed: int | None = None
+
+    def validate(self) -> None:
+        if not (0.0 <= self.temperature <= 100.0):
+            raise ProtocolError("temperature must be in [0, 100]", ErrorCode.BAD_REQUEST)
+        if not (0 <= self.top_k <= 1 << 20):
+            raise ProtocolError("top_k must be in [0, 2**20]", ErrorCode.BAD_REQUEST)
+        if not (0.0 < self.top_p <= 1.0):
+            raise ProtocolError("top_p must be in (0, 1]", ErrorCode.BAD_REQUEST)
+        if self.seed is not None and not (0 <= self.seed < 1 << 63):
+            raise ProtocolError("seed must be in [0, 2**63)", ErrorCode.BAD_REQUEST)
+
+
+# --------------------------------------------------------------------------- messages
+
+
+@dataclass(frozen=True)
+class Message:
+    KIND: ClassVar[Kind]
+    # Tensor specs of the buffers that travel with the message (empty for most kinds).
+    tensors: tuple[TensorSpec, ...] = field(default=(), kw_only=True)
+
+    def validate(self) -> None:
+        """Semantic checks beyond types; subclasses extend."""
+
+
+@dataclass(frozen=True)
+class Forward(Message):
+    """Run layers start_layer..end_layer for a session, then pass along ``route``.
+
+    Buffer 0 is ``input_ids`` (int64, (1, q)) when start_layer is 0, else hidden states
+    ((1, q, hidden) in the wire dtype). ``pos`` is the sequence position of the first of
+    the q tokens. ``reset`` drops any KV the hop holds for the session first (re-prefill).
+    """
+
+    KIND: ClassVar[Kind] = Kind.FORWARD
+    session: str
+    step: int
+    pos: int
+    start_layer: int
+    end_layer: int
+    route: tuple[Hop, ...]  # the hops after this one, in order
+    reply_to: str  # endpoint of the head: TOKEN / CACHE_MISS / ERROR go there
+    sampling: Sampling = Sampling()
+    reset: bool = False
+
+    def validate(self) -> None:
+        if not 0 <= self.start_layer <= self.end_layer < MAX_LAYERS:
+            raise ProtocolError(f"layers {self.start_layer}-{self.end_layer} out of range")
+        if self.pos < 0 or self.step < 0:
+            raise ProtocolError("pos and step must be >= 0")
+        if len(self.tensors) != 1:
+            raise ProtocolError("FORWARD carries exactly one tensor")
+        spec = self.tensors[0]
+        if self.start_layer == 0:
+            if spec.dtype != "int64" or len(spec.shape) != 2:
+                raise ProtocolError("FORWARD from layer 0 carries int64 input_ids of shape (1, q)")
+        elif len(spec.shape) != 3 or spec.dtype not in ("float32", "float16", "bfloat16"):
+            raise ProtocolError("FORWARD carries float hidden states of shape (1, q, hidden)")
+        if spec.shape[0] != 1 or spec.shape[1] < 1:
+            raise ProtocolError("FORWARD tensor must have batch 1 and at least one token")
+        expected = self.end_layer + 1
+        for hop in self.route:
+            if hop.start_layer != expected:
+                raise ProtocolError(f"route hop starts at {hop.start_layer}, expected {expected}")
+            expected = hop.end_layer + 1
+
+
+@dataclass(frozen=True)
+class Token(Message):
+    """The tail's sampled token for ``step``; ``pos`` is the position it will occupy."""
+
+    KIND: ClassVar[Kind] = Kind.TOKEN
+    session: str
+    step: int
+    token: int
+    pos: int
+
+
+@dataclass(frozen=True)
+class CacheMiss(Message):
+    """A hop was asked to continue a session whose KV it does not hold (``have`` tokens)."""
+
+    KIND: ClassVar[Kind] = Kind.CACHE_MISS
+    session: str
+    step: int
+    node: str
+    have: int
+
+
+@dataclass(frozen=True)
+class Cancel(Message):
+    """Stop a session; ``route`` lists the hops after the receiver, which pass it on."""
+
+    KIND: ClassVar[Kind] = Kind.CANCEL
+    session: str
+    route: tuple[Hop, ...] = ()
+
+
+@dataclass(frozen=True)
+class Close(Message):
+    """The session ended normally: free its KV, pass along ``route``."""
+
+    KIND: ClassVar[Kind] = Kind.CLOSE
+    session: str
+    route: tuple[Hop, ...] = ()
+
+
+@dataclass(frozen=True)
+class Error(Message):
+    KIND: ClassVar[Kind] = Kind.ERROR
+    code: str
+    message: str
+    session: str | None = None
+    step: int | None = None
+    node: str | None = None
+
+
+@dataclass(frozen=True)
+class Ping(Message):
+    KIND: ClassVar[Kind] = Kind.PING
+    nonce: int
+
+
+@dataclass(frozen=True)
+class Pong(Message):
+    KIND: ClassVar[Kind] = Kind.PONG
+    nonce: int
+    node: str = ""
+    sessions: int = 0
+
+
+@dataclass(frozen=True)
+class Generate(Message):
+    """Client -> head: generate for ``messages`` (chat) or ``prompt`` (raw) along ``route``."""
+
+    KIND: ClassVar[Kind] = Kind.GENERATE
+    request_id: str
+    route: tuple[Hop, ...]
+    messages: tuple[dict, ...] | None = None
+    prompt: str | None = None
+    max_tokens: int = 256
+    stop: tuple[str, ...] = ()
+    sampling: Sampling = Sampling()
+    api_key: str | None = None  # who to bill; reported to the tracker, never checked here
+
+    def validate(self) -> None:
+        if (self.messages is None) == (self.prompt is None):
+            raise ProtocolError("GENERATE needs exactly one of messages or prompt", ErrorCode.BAD_REQUEST)
+        if not self.route:
+            raise ProtocolError("GENERATE needs a route", ErrorCode.BAD_REQUEST)
+        if not 1 <= self.max_tokens <= 1 << 20:
+            raise ProtocolError("max_tokens must be in [1, 2**20]", ErrorCode.BAD_REQUEST)
+        if len(self.stop) > 16 or any(not s for s in self.stop):
+            raise ProtocolError("stop takes at most 16 non-empty strings", ErrorCode.BAD_REQUEST)
+        for m in self.messages or ():
+            if not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+                raise ProtocolError("each message needs string role and content", ErrorCode.BAD_REQUEST)
+        if self.route[0].start_layer != 0:
+            raise ProtocolError("a route must start at layer 0", ErrorCode.BAD_REQUEST)
+        expected = 0
+        for hop in self.route:
+            if hop.start_layer != expected:
+                raise ProtocolError(f"route hop starts at {hop.start_layer}, expected {expected}")
+            expected = hop.end_layer + 1
+
+
+@dataclass(frozen=True)
+class Event(Message):
+    """Head -> client. ``event`` is "start", "token", "done" or "error"."""
+
+    KIND: ClassVar[Kind] = Kind.EVENT
+    request_id: str
+    event: str
+    text: str = ""
+    token_ids: tuple[int, ...] = ()
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    error_code: str | None = None
+    route: tuple[Hop, ...] = ()
+
+
+@dataclass(frozen=True)
+class Register(Message):
+    KIND: ClassVar[Kind] = Kind.REGISTER
+    node_id: str
+    endpoint: str
+    model: str
+    fingerprint: str
+    num_layers: int
+    start_layer: int
+    end_layer: int
+    hardware: dict = field(default_factory=dict)
+    benchmark: float = 0.0  # layer-steps per second on a fixed workload at start-up
+    max_sessions: int = 0
+
+
+@dataclass(frozen=True)
+class Heartbeat(Message):
+    KIND: ClassVar[Kind] = Kind.HEARTBEAT
+    node_id: str
+    sessions: int = 0
+    queued: int = 0
+
+
+@dataclass(frozen=True)
+class RouteRequest(Message):
+    KIND: ClassVar[Kind] = Kind.ROUTE_REQUEST
+    model: str
+    exclude: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Route(Message):
+    KIND: ClassVar[Kind] = Kind.ROUTE
+    model: str
+    hops: tuple[Hop, ...]
+    estimated_tps: float = 0.0
+
+
+@dataclass(frozen=True)
+class Report(Message):
+    """Head -> tracker: progress (``final`` false) or completion of a request."""
+
+    KIND: ClassVar[Kind] = Kind.REPORT
+    request_id: str
+    node_id: str
+    model: str
+    route: tuple[Hop, ...] = ()
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    elapsed: float = 0.0
+    final: bool = False
+    finish_reason: str | None = None
+    api_key: str | None = None
+    max_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class StatusRequest(Message):
+    KIND: ClassVar[Kind] = Kind.STATUS_REQUEST
+
+
+@dataclass(frozen=True)
+class Status(Message):
+    KIND: ClassVar[Kind] = Kind.STATUS
+    body: dict
+
+
+@dataclass(frozen=True)
+class AssignRequest(Message):
+    """A node without --layers asks which span to hold."""
+
+    KIND: ClassVar[Kind] = Kind.ASSIGN_REQUEST
+    model: str
+    num_layers: int
+    max_layers: int = 0  # how many layers fit this node's memory budget; 0: all
+
+
+@dataclass(frozen=True)
+class Assign(Message):
+    KIND: ClassVar[Kind] = Kind.ASSIGN
+    start_layer: int
+    end_layer: int
+
+
+@dataclass(frozen=True)
+class Ack(Message):
+    KIND: ClassVar[Kind] = Kind.ACK
+    ok: bool = True
+    detail: str = ""
+
+
+MESSAGE_TYPES: dict[Kind, type[Message]] = {
+    cls.KIND: cls
+    for cls in (
+        Forward, Token, CacheMiss, Cancel, Close, Error, Ping, Pong, Generate, Event,
+        Register, Heartbeat, RouteRequest, Route, Report, StatusRequest, Status,
+        AssignRequest, Assign, Ack,
+    )
+}
+
+# --------------------------------------------------------------------------- encode
+
+
+def _plain(value: Any) -> Any:
+    if dataclasses.is_dataclass(value):
+        return {f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, (tuple, list)):
+        return [_plain(v) for v in value]
+    return value
+
+
+def encode(message: Message, buffers: Sequence[Any] = ()) -> list[Any]:
+    """Frames for ``message`` (without envelope). ``buffers`` are raw buffer objects."""
+    if len(buffers) != len(message.tensors):
+        raise ValueError("one buffer per tensor spec")
+    header = _plain(message)
+    header["tensors"] = [{"dtype": t.dtype, "shape": list(t.shape)} for t in message.tensors]
+    return [MAGIC, bytes([message.KIND]), msgpack.packb(header, use_bin_type=True), *buffers]
+
+
+# --------------------------------------------------------------------------- decode
+
+
+def split_envelope(frames: Sequence[Any]) -> tuple[list[Any], list[Any]]:
+    """Split ROUTER/DEALER frames into (envelope, body) at the first MAGIC-like frame."""
+    for i, frame in enumerate(frames[:4]):
+        if bytes(frame[:4]) == MAGIC_PREFIX:
+            return list(frames[:i]), list(frames[i:])
+    raise ProtocolError("no meshnet magic frame in the first four frames")
+
+
+def decode(body: Sequence[Any], max_buffer_bytes: int = MAX_BUFFER_BYTES) -> tuple[Message, list[memoryview]]:
+    """Validate and decode a body (frames from MAGIC on). Returns (message, buffers).
+
+    Buffers come back as memoryviews over the received frames: no copy is made.
+    """
+    if len(body) < 3:
+        raise ProtocolError(f"a message has at least 3 frames, got {len(body)}")
+    views = [memoryview(f) if not isinstance(f, memoryview) else f for f in body]
+    magic = views[0].tobytes()
+    if magic != MAGIC:
+        if magic[:4] == MAGIC_PREFIX:
+            raise ProtocolError(
+                f"protocol version {magic[4:]!r} is not supported (this peer speaks {VERSION})",
+                ErrorCode.VERSION,
+            )
+        raise ProtocolError("bad magic frame")
+    if views[1].nbytes != 1:
+        raise ProtocolError("kind frame must be one byte")
+    try:
+        kind = Kind(views[1].tobytes()[0])
+    except ValueError:
+        raise ProtocolError(f"unknown message kind {views[1].tobytes()[0]}") from None
+    if views[2].nbytes > MAX_HEADER_BYTES:
+        raise ProtocolError("header too large")
+    try:
+        header = msgpack.unpackb(views[2], raw=False, strict_map_key=True, max_str_len=MAX_STRING,
+                                 max_bin_len=MAX_STRING, max_array_len=MAX_LIST, max_map_len=MAX_LIST)
+    except Exception as exc:  # msgpack raises a zoo of types for bad input
+        raise ProtocolError(f"header is not valid msgpack: {type(exc).__name__}") from None
+    if not isinstance(header, dict):
+        raise ProtocolError("header must be a msgpack map")
+    buffers = views[3:]
+    specs = _tensor_specs(header.pop("tensors", []), buffers, max_buffer_bytes)
+    message = _build(MESSAGE_TYPES[kind], header, specs)
+    return message, buffers
+
+
+def _tensor_specs(raw: Any, buffers: list[memoryview], max_buffer_bytes: int) -> tuple[TensorSpec, ...]:
+    if not isinstance(raw, list) or len(raw) > MAX_BUFFERS:
+        raise ProtocolError("tensors must be a list of at most %d specs" % MAX_BUFFERS)
+    if len(raw) != len(buffers):
+        raise ProtocolError(f"header names {len(raw)} tensors but {len(buffers)} buffers follow")
+    specs = []
+    for spec, buf in zip(raw, buffers):
+        if not isinstance(spec, dict) or set(spec) != {"dtype", "shape"}:
+            raise ProtocolError("a tensor spec is a map with exactly dtype and shape")
+        dtype, shape = spec["dtype"], spec["shape"]
+        if dtype not in DTYPE_SIZES:
+            raise ProtocolError(f"dtype {dtype!r} is not allowed")
+        if (not isinstance(shape, list) or not 1 <= len(shape) <= MAX_TENSOR_DIMS
+                or not all(type(d) is int and 0 <= d <= 1 << 31 for d in shape)):
+            raise ProtocolError("shape must be 1-4 non-negative ints")
+        t = TensorSpec(dtype, tuple(shape))
+        if t.nbytes > max_buffer_bytes:
+            raise ProtocolError(f"tensor of {t.nbytes} bytes exceeds the {max_buffer_bytes}-byte limit")
+        if t.nbytes != buf.nbytes:
+            raise ProtocolError(f"tensor spec says {t.nbytes} bytes but the buffer has {buf.nbytes}")
+        specs.append(t)
+    return tuple(specs)
+
+
+def _build(cls: type, header: dict, specs: tuple[TensorSpec, ...] = ()) -> Any:
+    """Build dataclass ``cls`` from a header map, checking every field's type."""
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls) if f.init and f.name != "tensors"}
+    unknown = set(header) - names
+    if unknown:
+        raise ProtocolError(f"{cls.__name__}: unknown fields {sorted(unknown)[:5]}")
+    kwargs = {}
+    for f in dataclasses.fields(cls):
+        if not f.init or f.name == "tensors":
+            continue
+        if f.name in header:
+            kwargs[f.name] = _coerce(header[f.name], hints[f.name], f"{cls.__name__}.{f.name}")
+        elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            raise ProtocolError(f"{cls.__name__}: missing field {f.name!r}")
+    if issubclass(cls, Message):
+        kwargs["tensors"] = specs
+    obj = cls(**kwargs)
+    obj.validate()
+    return obj
+
+
+def _coerce(value: Any, hint: Any, where: str) -> Any:
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in typing.get_args(hint):
+            return None
+        (inner,) = [a for a in typing.get_args(hint) if a is not type(None)]
+        return _coerce(value, inner, where)
+    if origin is tuple:
+        if not isinstance(value, list):
+            raise ProtocolError(f"{where} must be a list")
+        (inner, _) = typing.get_args(hint)
+        return tuple(_coerce(v, inner, where) for v in value)
+    if dataclasses.is_dataclass(hint):
+        if not isinstance(value, dict):
+            raise ProtocolError(f"{where} must be a map")
+        return _build(hint, value)
+    if hint is float:
+        if type(value) not in (int, float) or not math.isfinite(value):
+            raise ProtocolError(f"{where} must be a finite number")
+        return float(value)
+    if hint is int:
+        if type(value) is not int:
+            raise ProtocolError(f"{where} must be an int")
+        return value
+    if hint in (str, bool, dict):
+        if type(value) is not hint:
+            raise ProtocolError(f"{where} must be a {hint.__name__}")
+        return value
+    raise TypeError(f"no coercion for {hint!r}")  # a bug in this module, not in the peer
