@@ -155,7 +155,7 @@ class Forward(Message):
 
     Buffer 0 is ``input_ids`` (int64, (1, q)) when start_layer is 0, else hidden states
     ((1, q, hidden) in the wire dtype). ``pos`` is the sequence position of the first of
-    the q tokens. ``reset`` drops any KV the hop holds for the session first (re-prefill).
+    the q tokens; pos 0 starts the session afresh on every hop (prefill or re-prefill).
     """
 
     KIND: ClassVar[Kind] = Kind.FORWARD
@@ -167,7 +167,6 @@ class Forward(Message):
     route: tuple[Hop, ...]  # the hops after this one, in order
     reply_to: str  # endpoint of the head: TOKEN / CACHE_MISS / ERROR go there
     sampling: Sampling = Sampling()
-    reset: bool = False
 
     def validate(self) -> None:
         if not 0 <= self.start_layer <= self.end_layer < MAX_LAYERS:

@@ -1,0 +1,108 @@
+"""Run decoder layers start..end of a shard for one session. No sockets here.
+
+This follows ``LlamaModel.forward`` with the library's own pieces (embedding, rotary
+embeddings, mask helpers, decoder layers, DynamicCache), except that lengths and mask
+sizes come from the first layer this hop runs: the cache's default (layer 0) is empty
+on a shard that does not hold layer 0.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from .kv import KVStore, SessionKV
+from .models import ShardWeights
+
+log = logging.getLogger(__name__)
+
+
+class CacheMissError(Exception):
+    """The session's KV is not here (evicted, restarted, or a different layer span)."""
+
+    def __init__(self, have: int):
+        super().__init__(f"session KV holds {have} tokens")
+        self.have = have
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What one hop produced: hidden states for the next hop, or the tail's logits."""
+
+    hidden: torch.Tensor | None  # (1, q, hidden) when this hop is not the tail
+    logits: torch.Tensor | None  # (vocab,) float32 of the last position, on the tail
+
+
+class ShardExecutor:
+    def __init__(self, weights: ShardWeights, kv: KVStore):
+        self.w = weights
+        self.kv = kv
+        config = weights.config
+        types = getattr(config, "layer_types", None)
+        sliding = getattr(config, "sliding_window", None) is not None
+        self.layer_types = list(types) if types else [
+            "sliding_attention" if sliding else "full_attention"] * config.num_hidden_layers
+
+    @property
+    def hidden_size(self) -> int:
+        return self.w.config.hidden_size
+
+    def check_span(self, start: int, end: int) -> None:
+        if not self.w.shard.covers(start, end):
+            raise ValueError(f"layers {start}-{end} are outside this node's shard {self.w.shard}")
+
+    @torch.inference_mode()
+    def run(self, session: str, start: int, end: int, inputs: torch.Tensor, pos: int) -> StepResult:
+        """Run layers start..end on ``inputs`` at positions pos.. for ``session``.
+
+        ``inputs`` is input_ids (1, q) when start is 0, else hidden states (1, q, hidden).
+        pos 0 starts the session afresh (prefill, or re-prefill after a cache miss);
+        otherwise pos must continue the session's cache, else CacheMissError.
+        """
+        self.check_span(start, end)
+        kv = self._session_kv(session, start, end, pos)
+        q = inputs.shape[1]
+        if start == 0:
+            hidden = self.w.embed(inputs.to(self.w.device))  # (1, q, hidden)
+        else:
+            hidden = inputs.to(device=self.w.device, dtype=self.w.dtype)  # (1, q, hidden)
+        position_ids = torch.arange(pos, pos + q, device=self.w.device).unsqueeze(0)  # (1, q)
+        masks = self._masks(kv, hidden, position_ids, start, end)
+        position_embeddings = self.w.rotary(hidden, position_ids)
+        for i in range(start, end + 1):
+            hidden = self.w.layers[i](hidden, attention_mask=masks[self.layer_types[i]],
+                                      position_ids=position_ids, cache=kv.cache, use_cache=True,
+                                      position_embeddings=position_embeddings)
+        kv.length = pos + q
+        kv.touch()
+        if end != self.w.shard.num_layers - 1:
+            return StepResult(hidden=hidden, logits=None)
+        last = self.w.norm(hidden[:, -1:, :])  # (1, 1, hidden)
+        return StepResult(hidden=None, logits=self.w.lm_head(last)[0, -1].float())  # (vocab,)
+
+    def _session_kv(self, session: str, start: int, end: int, pos: int) -> SessionKV:
+        from transformers import DynamicCache
+
+        if pos == 0:
+            kv = SessionKV(cache=DynamicCache(config=self.w.config), start=start, end=end)
+            self.kv.put(session, kv)
+            return kv
+        kv = self.kv.get(session)
+        if kv is None or kv.length != pos or (kv.start, kv.end) != (start, end):
+            raise CacheMissError(0 if kv is None else kv.length)
+        return kv
+
+    def _masks(self, kv: SessionKV, hidden: torch.Tensor, position_ids: torch.Tensor,
+               start: int, end: int) -> dict[str, torch.Tensor | None]:
+        from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+
+        makers = {"full_attention": create_causal_mask, "sliding_attention": create_sliding_window_causal_mask}
+        masks = {}
+        for i in range(start, end + 1):
+            kind = self.layer_types[i]
+            if kind not in masks:
+                # sizes from this hop's own first layer of that kind, never layer 0
+                masks[kind] = makers[kind](config=self.w.config, inputs_embeds=hidden, attention_mask=None,
+                                           cache=kv.cache, position_ids=position_ids, layer_idx=i)
+        return masks

