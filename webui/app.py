@@ -1,0 +1,129 @@
+"""The meshnet web UI: a Quart app over the fabric client, and ``serve`` to run it.
+
+``create_app(config, client)`` wires the OpenAI-compatible API and the static dashboard
+to any object with ``fabric.client.AsyncClient``'s interface; ``serve(config)`` builds the
+real client and runs the app under hypercorn until Ctrl-C (or SIGTERM).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from pathlib import Path
+from typing import Any, Awaitable, Callable
+
+from hypercorn.asyncio import serve as hypercorn_serve
+from hypercorn.config import Config as HypercornConfig
+from quart import Quart, Response, request
+from werkzeug.exceptions import HTTPException, InternalServerError
+
+from .accounting import Accounting
+from .config import WebUIConfig
+from .errors import ApiError
+from .openai_api import EXTENSION, INTERNAL_ERROR, ApiContext, api_error_response, blueprint, render_api_error
+
+__all__ = ["WebUIConfig", "create_app", "serve", "serve_async"]
+
+logger = logging.getLogger(__name__)
+
+STATIC = Path(__file__).parent / "static"
+ClientFactory = Callable[[WebUIConfig], Any]
+
+
+def create_app(config: WebUIConfig, client: Any) -> Quart:
+    """The web UI app. ``client`` is not closed by the app: its creator owns it.
+
+    Usage accounting is at ``app.extensions["meshnet"].accounting``.
+    """
+    app = Quart(__name__, static_folder=str(STATIC), static_url_path="/static")
+    app.config["MAX_CONTENT_LENGTH"] = config.max_body_bytes
+    app.extensions[EXTENSION] = ApiContext(config, client, Accounting())
+    app.register_blueprint(blueprint)
+    app.register_error_handler(ApiError, render_api_error)
+    app.register_error_handler(HTTPException, _http_error)
+    app.register_error_handler(Exception, _unexpected_error)
+
+    @app.get("/")
+    async def index() -> Response:
+        return await app.send_static_file("index.html")
+
+    return app
+
+
+async def _http_error(error: HTTPException) -> Any:
+    """404/405/413 and friends: OpenAI error objects under /v1, Quart's pages elsewhere."""
+    if not _is_api_path(request.path):
+        return error
+    code = (error.name or "error").lower().replace(" ", "_")
+    return api_error_response(ApiError(error.code or 500, error.description or error.name,
+                                       "invalid_request_error", None, code))
+
+
+async def _unexpected_error(error: Exception) -> Any:
+    logger.error("unhandled error on %s %s", request.method, request.path, exc_info=error)
+    if not _is_api_path(request.path):
+        return InternalServerError()
+    return api_error_response(INTERNAL_ERROR)
+
+
+def _is_api_path(path: str) -> bool:
+    return path == "/v1" or path.startswith("/v1/")
+
+
+# --------------------------------------------------------------------------- serving
+
+
+def serve(config: WebUIConfig, *, client_factory: ClientFactory | None = None) -> None:
+    """Serve until Ctrl-C or SIGTERM, then shut down cleanly (closing the fabric client).
+
+    ``client_factory(config)`` builds the client; by default ``fabric.client.AsyncClient``.
+    """
+    asyncio.run(serve_async(config, client_factory=client_factory))
+
+
+async def serve_async(config: WebUIConfig, *, client_factory: ClientFactory | None = None,
+                      shutdown_trigger: Callable[[], Awaitable[None]] | None = None) -> None:
+    """``serve`` as a coroutine; without ``shutdown_trigger`` SIGINT/SIGTERM end it."""
+    client = (client_factory or _fabric_client)(config)
+    stop = asyncio.Event()
+    installed = _install_signal_handlers(stop) if shutdown_trigger is None else []
+    try:
+        app = create_app(config, client)
+        logger.info("meshnet web UI on http://%s", _bind_address(config))
+        await hypercorn_serve(app, _hypercorn_config(config), shutdown_trigger=shutdown_trigger or stop.wait)
+    finally:
+        for sig in installed:
+            asyncio.get_running_loop().remove_signal_handler(sig)
+        await client.close()
+        logger.info("meshnet web UI stopped")
+
+
+def _fabric_client(config: WebUIConfig) -> Any:
+    from fabric.client import AsyncClient  # the web UI's only import of the fabric client
+
+    return AsyncClient(config.tracker, timeout=config.client_timeout)
+
+
+def _install_signal_handlers(stop: asyncio.Event) -> list[signal.Signals]:
+    loop = asyncio.get_running_loop()
+    installed = []
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        try:
+            loop.add_signal_handler(sig, stop.set)
+        except (NotImplementedError, RuntimeError):  # not the main thread, or no signals here
+            continue
+        installed.append(sig)
+    return installed
+
+
+def _bind_address(config: WebUIConfig) -> str:
+    host = f"[{config.host}]" if ":" in config.host else config.host
+    return f"{host}:{config.port}"
+
+
+def _hypercorn_config(config: WebUIConfig) -> HypercornConfig:
+    hc = HypercornConfig()
+    hc.bind = [_bind_address(config)]
+    hc.accesslog = None
+    hc.graceful_timeout = 5.0  # seconds in-flight requests get at shutdown before cancellation
+    return hc

@@ -1,0 +1,221 @@
+"""Parse and validate OpenAI request bodies into frozen ``GenerationRequest`` records.
+
+Everything a client sends is checked here and refused with a 400 ``ApiError`` naming
+the offending ``param``; nothing past this module sees untyped JSON. Fields we do not
+implement (``user``, ``presence_penalty``, ``logprobs``, ...) are ignored, as OpenAI-
+compatible servers commonly do.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from fabric.protocol import Sampling
+
+from .errors import ApiError
+
+if TYPE_CHECKING:
+    from .config import WebUIConfig
+
+ROLES = ("system", "user", "assistant")
+MAX_STOP = 4  # OpenAI's limit on stop sequences
+MAX_MODEL_CHARS = 256
+MAX_SEED = (1 << 63) - 1
+MAX_TOP_K = 1 << 20
+
+
+@dataclass(frozen=True)
+class ChatMessage:
+    role: str  # one of ROLES
+    content: str
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """A validated /v1/chat/completions (``messages``) or /v1/completions (``prompt``) body."""
+
+    model: str
+    messages: tuple[ChatMessage, ...] | None  # chat requests
+    prompt: str | None  # text completion requests
+    max_tokens: int
+    stop: tuple[str, ...]
+    sampling: Sampling
+    stream: bool
+    include_usage: bool  # stream_options.include_usage: a last chunk carries usage
+
+    @property
+    def is_chat(self) -> bool:
+        return self.messages is not None
+
+    def generate_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments for ``client.generate(model, ...)``."""
+        messages = None
+        if self.messages is not None:
+            messages = [{"role": m.role, "content": m.content} for m in self.messages]
+        return {"messages": messages, "prompt": self.prompt, "max_tokens": self.max_tokens,
+                "stop": self.stop, "sampling": self.sampling}
+
+
+# --------------------------------------------------------------------------- entry points
+
+
+def parse_json_object(raw: bytes) -> dict[str, Any]:
+    """The request body as a JSON object, or a 400."""
+    try:
+        body = json.loads(raw, parse_constant=_reject_constant)
+    except RecursionError:
+        raise ApiError.invalid("request body nests too deeply") from None
+    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError, too many digits
+        raise ApiError.invalid(f"request body is not valid JSON: {str(exc)[:200]}") from None
+    if not isinstance(body, dict):
+        raise ApiError.invalid("request body must be a JSON object")
+    return body
+
+
+def parse_chat(body: dict[str, Any], config: WebUIConfig) -> GenerationRequest:
+    messages = _messages(body.get("messages"))
+    chars = sum(len(m.content) for m in messages)
+    _check_prompt_length(chars, config, "messages")
+    max_tokens = _integer(body, "max_completion_tokens", None, 1, config.max_tokens_limit)
+    if max_tokens is None:
+        max_tokens = _integer(body, "max_tokens", config.default_max_tokens, 1, config.max_tokens_limit)
+    return GenerationRequest(messages=messages, prompt=None, max_tokens=max_tokens,
+                             **_common(body, config))
+
+
+def parse_completion(body: dict[str, Any], config: WebUIConfig) -> GenerationRequest:
+    prompt = body.get("prompt")
+    if prompt is None:
+        raise ApiError.invalid("prompt is required", "prompt")
+    prompt = _text(prompt, "prompt")
+    _check_prompt_length(len(prompt), config, "prompt")
+    max_tokens = _integer(body, "max_tokens", config.default_max_tokens, 1, config.max_tokens_limit)
+    return GenerationRequest(messages=None, prompt=prompt, max_tokens=max_tokens,
+                             **_common(body, config))
+
+
+# --------------------------------------------------------------------------- fields
+
+
+def _common(body: dict[str, Any], config: WebUIConfig) -> dict[str, Any]:
+    """Fields shared by both endpoints, as GenerationRequest keyword arguments."""
+    model = body.get("model")
+    if model is None:
+        raise ApiError.invalid("model is required", "model")
+    model = _text(model, "model")
+    if not model or len(model) > MAX_MODEL_CHARS:
+        raise ApiError.invalid(f"model must be 1-{MAX_MODEL_CHARS} characters", "model")
+    if _integer(body, "n", 1, 1, None) != 1:
+        raise ApiError.invalid("only n=1 is supported", "n")
+    stream = _boolean(body, "stream", False)
+    return {"model": model, "stop": _stop(body.get("stop")), "sampling": _sampling(body, config),
+            "stream": stream, "include_usage": _include_usage(body.get("stream_options"), stream)}
+
+
+def _sampling(body: dict[str, Any], config: WebUIConfig) -> Sampling:
+    temperature = _number(body, "temperature", config.default_temperature, 0.0, 2.0)
+    top_p = _number(body, "top_p", 1.0, 0.0, 1.0, low_open=True)
+    top_k = _integer(body, "top_k", 0, 0, MAX_TOP_K)
+    seed = _integer(body, "seed", None, 0, MAX_SEED)
+    return Sampling(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+
+
+def _messages(value: Any) -> tuple[ChatMessage, ...]:
+    if value is None:
+        raise ApiError.invalid("messages is required", "messages")
+    if not isinstance(value, list) or not value:
+        raise ApiError.invalid("messages must be a non-empty array", "messages")
+    return tuple(_message(item, i) for i, item in enumerate(value))
+
+
+def _message(item: Any, index: int) -> ChatMessage:
+    param = f"messages[{index}]"
+    if not isinstance(item, dict):
+        raise ApiError.invalid(f"{param} must be an object with role and content", param)
+    role = item.get("role")
+    if role not in ROLES:
+        raise ApiError.invalid(f"{param}.role must be one of {', '.join(ROLES)}", f"{param}.role")
+    content = item.get("content")
+    if not isinstance(content, str):
+        raise ApiError.invalid(f"{param}.content must be a string", f"{param}.content")
+    return ChatMessage(role, _text(content, f"{param}.content"))
+
+
+def _stop(value: Any) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    items = [value] if isinstance(value, str) else value
+    if not isinstance(items, list) or len(items) > MAX_STOP:
+        raise ApiError.invalid(f"stop must be a string or an array of at most {MAX_STOP} strings", "stop")
+    stops = tuple(_text(s, "stop") for s in items)
+    if any(not s for s in stops):
+        raise ApiError.invalid("stop sequences must not be empty", "stop")
+    return stops
+
+
+def _include_usage(value: Any, stream: bool) -> bool:
+    if value is None:
+        return False
+    if not stream:
+        raise ApiError.invalid("stream_options is only allowed when stream is true", "stream_options")
+    if not isinstance(value, dict):
+        raise ApiError.invalid("stream_options must be an object", "stream_options")
+    return _boolean(value, "include_usage", False, "stream_options.include_usage")
+
+
+def _check_prompt_length(chars: int, config: WebUIConfig, param: str) -> None:
+    if chars > config.max_prompt_chars:
+        raise ApiError.invalid(f"the prompt has {chars} characters; this server accepts at most "
+                               f"{config.max_prompt_chars}", param, "context_length_exceeded")
+
+
+# --------------------------------------------------------------------------- scalars
+
+
+def _text(value: Any, param: str) -> str:
+    """A string that can be encoded as UTF-8 (JSON allows lone surrogates; we do not)."""
+    if not isinstance(value, str):
+        raise ApiError.invalid(f"{param} must be a string", param)
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ApiError.invalid(f"{param} is not valid Unicode (lone surrogate)", param) from None
+    return value
+
+
+def _number(body: dict, name: str, default: float, low: float, high: float, *, low_open: bool = False) -> float:
+    value = body.get(name)
+    if value is None:
+        return default
+    if type(value) not in (int, float):  # bool is an int subclass, and refused here
+        raise ApiError.invalid(f"{name} must be a number", name)
+    if not (low < value <= high if low_open else low <= value <= high):
+        interval = f"({low}, {high}]" if low_open else f"[{low}, {high}]"
+        raise ApiError.invalid(f"{name} must be in {interval}", name)
+    return float(value)
+
+
+def _integer(body: dict, name: str, default: int | None, low: int, high: int | None) -> int | None:
+    value = body.get(name)
+    if value is None:
+        return default
+    if type(value) is not int:
+        raise ApiError.invalid(f"{name} must be an integer", name)
+    if value < low or (high is not None and value > high):
+        bound = f"in [{low}, {high}]" if high is not None else f">= {low}"
+        raise ApiError.invalid(f"{name} must be {bound}", name)
+    return value
+
+
+def _boolean(body: dict, name: str, default: bool, param: str | None = None) -> bool:
+    value = body.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise ApiError.invalid(f"{param or name} must be a boolean", param or name)
+    return value
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON number")

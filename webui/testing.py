@@ -1,0 +1,133 @@
+"""A fake fabric client with ``fabric.client.AsyncClient``'s interface, for tests.
+
+It speaks the same event sequence as the real client (start, token..., done), raises the
+same ``FabricError`` type, honours ``max_tokens``, and records every call and whether each
+stream was closed, so tests can check that the web UI cancels what it abandons.
+"""
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+from fabric.protocol import ErrorCode, Event, Hop, Sampling
+
+from .errors import fabric_error_class
+
+
+class FakeFabricError(fabric_error_class()):  # type: ignore[misc]
+    """A ``FabricError`` (the real one once fabric.client exists) with a known constructor."""
+
+    def __init__(self, code: str, message: str):
+        Exception.__init__(self, message)
+        self.code = code
+        self.message = message
+
+
+@dataclass(frozen=True)
+class Script:
+    """What the fake fabric does for one request."""
+
+    tokens: tuple[str, ...] = ("Hello", ",", " world", "!")
+    prompt_tokens: int = 7
+    error_before: str | None = None  # an ErrorCode raised before the first event
+    raise_on_call: bool = False  # raise error_before from generate() itself, not from the stream
+    error_after: int | None = None  # raise hop_failed after this many tokens
+    hang_after: int | None = None  # block forever after this many tokens (disconnect tests)
+    hang_at_start: bool = False  # block forever before the start event
+
+
+@dataclass(frozen=True)
+class GenerateCall:
+    model: str
+    messages: list[dict] | None
+    prompt: str | None
+    max_tokens: int
+    stop: tuple[str, ...]
+    sampling: Sampling
+    request_id: str | None
+    api_key: str | None
+
+
+class FakeStream:
+    """The async iterator ``generate`` returns; records ``aclose``."""
+
+    def __init__(self, call: GenerateCall, script: Script):
+        self.call = call
+        self.aclosed = False  # aclose() was called
+        self.finished = False  # the stream ran to its end
+        self.sent: list[Event] = []
+        self._events = self._script(script)
+
+    def __aiter__(self) -> FakeStream:
+        return self
+
+    async def __anext__(self) -> Event:
+        if self.aclosed:
+            raise StopAsyncIteration
+        try:
+            event = await anext(self._events)
+        except StopAsyncIteration:
+            self.finished = True
+            raise
+        self.sent.append(event)
+        return event
+
+    async def aclose(self) -> None:
+        self.aclosed = True
+        await self._events.aclose()
+
+    async def _script(self, script: Script):
+        rid = self.call.request_id or "fake"
+        if script.error_before:
+            raise FakeFabricError(script.error_before, f"fake {script.error_before}")
+        if script.hang_at_start:
+            await asyncio.Event().wait()
+        yield Event(request_id=rid, event="start", route=(Hop("fake-node", "tcp://fake:1", 0, 29),))
+        tokens = script.tokens[: self.call.max_tokens]
+        for i, text in enumerate(tokens):
+            if script.hang_after == i:
+                await asyncio.Event().wait()
+            if script.error_after == i:
+                raise FakeFabricError(ErrorCode.HOP_FAILED, "fake hop failure")
+            yield Event(request_id=rid, event="token", text=text, token_ids=(100 + i,))
+        finish = "length" if len(script.tokens) > self.call.max_tokens else "stop"
+        yield Event(request_id=rid, event="done", finish_reason=finish,
+                    prompt_tokens=script.prompt_tokens, completion_tokens=len(tokens))
+
+
+@dataclass
+class FakeClient:
+    """Stands in for ``fabric.client.AsyncClient``."""
+
+    model_list: list[dict] = field(default_factory=lambda: [
+        {"id": "smollm2-135m", "num_layers": 30, "nodes": 2, "routable": True}])
+    script: Script = Script()
+    models_error: str | None = None  # an ErrorCode models() raises
+    calls: list[GenerateCall] = field(default_factory=list)
+    streams: list[FakeStream] = field(default_factory=list)
+    closed: bool = False
+
+    async def models(self) -> list[dict]:
+        if self.models_error:
+            raise FakeFabricError(self.models_error, f"fake {self.models_error}")
+        return [dict(m) for m in self.model_list]
+
+    async def status(self) -> dict:
+        return {"nodes": [], "plans": {}, "events": [], "stats": {}}
+
+    def generate(self, model: str, *, messages: list[dict] | None = None, prompt: str | None = None,
+                 max_tokens: int = 256, stop: tuple[str, ...] = (), sampling: Sampling = Sampling(),
+                 request_id: str | None = None, api_key: str | None = None) -> FakeStream:
+        call = GenerateCall(model, messages, prompt, max_tokens, stop, sampling, request_id, api_key)
+        self.calls.append(call)
+        script = self.script
+        if all(m["id"] != model for m in self.model_list):
+            script = Script(error_before=ErrorCode.UNKNOWN_MODEL)
+        if script.raise_on_call and script.error_before:
+            raise FakeFabricError(script.error_before, f"fake {script.error_before}")
+        stream = FakeStream(call, script)
+        self.streams.append(stream)
+        return stream
+
+    async def close(self) -> None:
+        self.closed = True
