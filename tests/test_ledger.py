@@ -1,0 +1,118 @@
+"""Usage ledger: idempotent per request id, billing guard, restart survival."""
+from __future__ import annotations
+
+import pytest
+
+from fabric.protocol import Hop, ProtocolError, Report
+from tracker.ledger import (
+    BILLED, HELD, VOID, Ledger, billing_verdict, default_ledger_path, key_id,
+)
+
+ONE = (Hop("full", "tcp://f:1", 0, 39),)
+TWO = (Hop("gpu", "tcp://g:1", 0, 21), Hop("cpu", "tcp://c:1", 22, 39))
+
+
+def report(rid: str = "r1", out: int = 50, route=TWO, reason: str | None = "stop",
+           key: str | None = "sk-alice", max_tokens: int = 256, prompt: int = 12) -> Report:
+    return Report(request_id=rid, node_id=route[0].node if route else "head", model="m",
+                  route=route, prompt_tokens=prompt, completion_tokens=out, elapsed=2.0,
+                  final=True, finish_reason=reason, api_key=key, max_tokens=max_tokens)
+
+
+@pytest.fixture
+def ledger(tmp_path):
+    with Ledger(tmp_path / "ledger.sqlite3") as led:
+        yield led
+
+
+def test_a_resent_report_never_bills_twice(ledger):
+    entry, new = ledger.record(report())
+    assert new and entry.status == BILLED
+    again, new = ledger.record(report(out=999))  # a retry, even with different numbers
+    assert not new and again == entry
+    assert ledger.usage_by_key() == {key_id("sk-alice"): {
+        "requests": 1, "prompt_tokens": 12, "completion_tokens": 50}}
+    assert ledger.totals()[BILLED]["requests"] == 1
+
+
+def test_usage_per_key_and_per_serving_node(ledger):
+    ledger.record(report("r1"))
+    ledger.record(report("r2", out=10, route=ONE, key="sk-bob"))
+    ledger.record(report("r3", out=5, route=ONE, key=None))
+    by_key = ledger.usage_by_key()
+    assert by_key[key_id("sk-bob")]["completion_tokens"] == 10
+    assert by_key["anonymous"] == {"requests": 1, "prompt_tokens": 12, "completion_tokens": 5}
+    assert ledger.usage_by_node() == {
+        "cpu": {"requests": 1, "prompt_tokens": 12, "completion_tokens": 50},
+        "gpu": {"requests": 1, "prompt_tokens": 12, "completion_tokens": 50},
+        "full": {"requests": 2, "prompt_tokens": 24, "completion_tokens": 15},
+    }
+
+
+def test_api_keys_are_not_stored_in_clear(ledger, tmp_path):
+    ledger.record(report(key="sk-very-secret"))
+    ledger.close()
+    assert b"sk-very-secret" not in b"".join(p.read_bytes() for p in tmp_path.iterdir())
+    assert key_id(None) is None and key_id("x").startswith("sha256:")
+
+
+@pytest.mark.parametrize("kwargs, status", [
+    (dict(reason="error", out=40), VOID),  # errored: never billed
+    (dict(reason="cancelled", out=0), VOID),  # cancelled before the first token
+    (dict(reason="cancel", out=0, route=ONE), VOID),
+    (dict(reason="cancelled", out=7), BILLED),  # cancelled after tokens: pay for them
+    (dict(reason="stop", out=1), HELD),  # ADR-0020: 1 token from a 2-hop route
+    (dict(reason="stop", out=3), HELD),
+    (dict(reason="stop", out=0), HELD),
+    (dict(reason="stop", out=4), BILLED),
+    (dict(reason="stop", out=1, route=ONE), BILLED),  # short answers are fine on one node
+    (dict(reason="length", out=2, max_tokens=2), BILLED),  # the client asked for 2 tokens
+    (dict(reason="length", out=2, max_tokens=0), BILLED),  # max_tokens unknown: trust length
+    (dict(reason="length", out=2, max_tokens=100), HELD),  # "length" but not the client's cut
+])
+def test_billing_guard(ledger, kwargs, status):
+    verdict = billing_verdict(report(**kwargs))
+    assert verdict.status == status
+    assert bool(verdict.reason) == (status != BILLED)
+    entry, _ = ledger.record(report(**kwargs))
+    assert (entry.status, entry.reason) == (verdict.status, verdict.reason)
+    billed = ledger.usage_by_key()
+    assert (key_id("sk-alice") in billed) == (status == BILLED)
+
+
+def test_held_completions_are_listed_with_a_reason(ledger):
+    ledger.record(report("r1", out=1))
+    ledger.record(report("r2", out=50))
+    (held,) = ledger.held()
+    assert held.request_id == "r1" and "2-hop" in held.reason
+    assert ledger.totals()[HELD] == {"requests": 1, "prompt_tokens": 12, "completion_tokens": 1}
+    assert ledger.get("nope") is None
+
+
+def test_the_ledger_survives_a_restart(tmp_path):
+    path = tmp_path / "deep" / "dir" / "ledger.sqlite3"
+    with Ledger(path) as led:
+        led.record(report("r1"))
+    with Ledger(path) as led:
+        assert led.get("r1").status == BILLED
+        assert led.record(report("r1"))[1] is False
+        assert led.totals()[BILLED]["requests"] == 1
+
+
+@pytest.mark.parametrize("bad", [
+    dict(request_id=""), dict(completion_tokens=-1), dict(elapsed=-0.5),
+    dict(route=(Hop("a", "tcp://a:1", 0, 9), Hop("b", "tcp://b:1", 0, 39))),  # ADR-0020 shape
+    dict(route=(Hop("a", "tcp://a:1", 5, 39),)),
+])
+def test_malformed_reports_are_refused(ledger, bad):
+    fields = dict(request_id="r", node_id="n", model="m", final=True, finish_reason="stop")
+    with pytest.raises(ProtocolError) as info:
+        ledger.record(Report(**{**fields, **bad}))
+    assert info.value.code == "bad_request"
+    assert ledger.totals()[BILLED]["requests"] == 0
+
+
+def test_default_path_honours_xdg_data_home(tmp_path):
+    assert default_ledger_path({"XDG_DATA_HOME": "/x"}).as_posix() == "/x/meshnet/ledger.sqlite3"
+    assert default_ledger_path({"HOME": "/home/u"}).as_posix() == \
+        "/home/u/.local/share/meshnet/ledger.sqlite3"

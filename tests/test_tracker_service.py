@@ -1,0 +1,348 @@
+"""The tracker over real ZeroMQ sockets on random loopback ports, in a thread."""
+from __future__ import annotations
+
+import json
+import os
+import selectors
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import msgpack
+import pytest
+import zmq
+
+from fabric.protocol import (
+    MAGIC, Ack, Assign, AssignRequest, Error, Forward, Heartbeat, Hop, Kind, Ping, Pong,
+    Register, Report, Route, RouteRequest, Status, StatusRequest, TensorSpec, decode, encode,
+    split_envelope,
+)
+from tracker.service import Tracker, TrackerConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+TIMEOUT = 5.0
+
+
+@pytest.fixture
+def context():
+    """A context whose sockets are all closed with linger=0, then terminated (bounded)."""
+    ctx = zmq.Context()
+    yield ctx
+    ctx.destroy(linger=0)
+    assert ctx.closed
+
+
+class Peer:
+    """A DEALER talking to the tracker the way nodes and clients do."""
+
+    def __init__(self, context: zmq.Context, endpoint: str):
+        self.sock = context.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(endpoint)
+
+    def send_raw(self, frames: list[bytes]):
+        self.sock.send_multipart(frames)
+        return self.recv()
+
+    def call(self, message):
+        return self.send_raw(encode(message))
+
+    def recv(self):
+        assert self.sock.poll(TIMEOUT * 1000), "the tracker did not answer"
+        _, body = split_envelope(self.sock.recv_multipart())
+        message, _ = decode(body)
+        return message
+
+    def status(self) -> dict:
+        reply = self.call(StatusRequest())
+        assert isinstance(reply, Status)
+        return reply.body
+
+
+class Running:
+    """A tracker thread; ``stop()`` ends it and checks the thread really finished."""
+
+    def __init__(self, tmp_path: Path, context: zmq.Context, **overrides):
+        fields = dict(bind="tcp://127.0.0.1:*", pub="tcp://127.0.0.1:*",
+                      db=tmp_path / "ledger.sqlite3", heartbeat_interval=0.2, stats_interval=0.1)
+        self.tracker = Tracker(TrackerConfig(**{**fields, **overrides}))
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self.tracker.run, args=(self._stop,),
+                                        name="tracker-under-test")
+        self._thread.start()
+        assert self.tracker.ready.wait(TIMEOUT), "the tracker did not bind"
+        self.peer = Peer(context, self.tracker.endpoint)
+
+    def stop(self) -> None:
+        self.peer.sock.close(linger=0)
+        self._stop.set()
+        self._thread.join(TIMEOUT)
+        assert not self._thread.is_alive(), "the tracker did not stop"
+
+
+@pytest.fixture
+def start(tmp_path, context):
+    running: list[Running] = []
+
+    def _start(**overrides) -> Running:
+        running.append(Running(tmp_path, context, **overrides))
+        return running[-1]
+
+    yield _start
+    for r in running:
+        r.stop()
+
+
+def register(node_id: str, start: int, end: int, bench: float = 100.0, **kw) -> Register:
+    fields = dict(node_id=node_id, endpoint=f"tcp://127.0.0.1:{7000 + start}", model="m",
+                  fingerprint="f", num_layers=30, start_layer=start, end_layer=end,
+                  benchmark=bench, hardware={"device": "cpu"})
+    return Register(**{**fields, **kw})
+
+
+HOPS = (Hop("a", "tcp://127.0.0.1:7000", 0, 14), Hop("b", "tcp://127.0.0.1:7015", 15, 29))
+
+
+def report(rid: str, tokens: int, elapsed: float, final: bool, reason: str | None = None,
+           route=HOPS) -> Report:
+    return Report(request_id=rid, node_id="a", model="m", route=route, prompt_tokens=7,
+                  completion_tokens=tokens, elapsed=elapsed, final=final, finish_reason=reason,
+                  api_key="sk-test", max_tokens=64)
+
+
+def test_register_two_nodes_and_route(start):
+    peer = start().peer
+    assert isinstance(peer.call(register("a", 0, 14)), Ack)
+    assert isinstance(peer.call(register("b", 15, 29)), Ack)
+    route = peer.call(RouteRequest(model="m"))
+    assert isinstance(route, Route) and route.model == "m"
+    assert [(h.node, h.start_layer, h.end_layer) for h in route.hops] == [("a", 0, 14), ("b", 15, 29)]
+    assert route.hops[1].endpoint == "tcp://127.0.0.1:7015" and route.estimated_tps > 0
+    unknown = peer.call(RouteRequest(model="nope"))
+    assert isinstance(unknown, Error) and unknown.code == "unknown_model"
+    missing = peer.call(RouteRequest(model="m", exclude=("b",)))
+    assert isinstance(missing, Error) and missing.code == "no_route"
+    assert "15-29" in missing.message and "b (excluded)" in missing.message
+
+
+def test_status_shape(start):
+    peer = start().peer
+    peer.call(register("a", 0, 14))
+    peer.call(register("b", 15, 29, max_sessions=4))
+    peer.call(Heartbeat(node_id="b", sessions=2, queued=1))
+    peer.call(RouteRequest(model="m"))
+    body = json.loads(json.dumps(peer.status()))  # JSON-friendly end to end
+    assert {"nodes", "plans", "events", "stats", "usage", "tracker"} <= set(body)
+    nodes = {n["id"]: n for n in body["nodes"]}
+    assert set(nodes) == {"a", "b"}
+    b = nodes["b"]
+    assert b["endpoint"] == "tcp://127.0.0.1:7015" and b["model"] == "m" and b["layers"] == [15, 29]
+    assert (b["sessions"], b["queued"], b["max_sessions"]) == (2, 1, 4)
+    (plan,) = body["plans"]["m"]
+    assert plan["estimated_tps"] > 0
+    assert plan["hops"] == [
+        {"node": "a", "endpoint": "tcp://127.0.0.1:7000", "start_layer": 0, "end_layer": 14},
+        {"node": "b", "endpoint": "tcp://127.0.0.1:7015", "start_layer": 15, "end_layer": 29}]
+    (selected,) = [e for e in body["events"] if e["kind"] == "route selected"]
+    assert [(h["start_layer"], h["end_layer"]) for h in selected["hops"]] == [(0, 14), (15, 29)]
+    assert body["stats"]["counts"]["completions"] == 0
+    assert body["usage"]["totals"]["billed"]["requests"] == 0
+
+
+def test_heartbeat_expiry(start):
+    running = start(heartbeat_interval=0.2, expiry_missed=3)
+    peer, interval = running.peer, 0.2
+    peer.call(register("a", 0, 29))
+    peer.call(register("b", 0, 29))
+    until = time.monotonic() + 4 * interval  # longer than the 0.6 s expiry
+    while time.monotonic() < until:
+        assert isinstance(peer.call(Heartbeat(node_id="b")), Ack)
+        time.sleep(interval / 4)
+    last_ack = time.monotonic()
+    assert [n["id"] for n in peer.status()["nodes"]] == ["b"]  # a stopped at once: gone
+    # b's heartbeats stop now: it must be gone within two intervals after its expiry.
+    time.sleep(max(0.0, last_ack + running.tracker.registry.expiry_s + 2 * interval - time.monotonic()))
+    body = peer.status()
+    assert body["nodes"] == [] and body["plans"] == {}
+    assert sum(e["kind"] == "error" and "expired" in e["message"] for e in body["events"]) == 2
+    late = peer.call(Heartbeat(node_id="b"))
+    assert isinstance(late, Error) and late.code == "unknown_node"
+
+
+def test_unknown_node_heartbeat_asks_to_register(start):
+    peer = start().peer
+    reply = peer.call(Heartbeat(node_id="ghost", sessions=1))
+    assert isinstance(reply, Error) and reply.code == "unknown_node" and reply.node == "ghost"
+    assert isinstance(peer.call(register("ghost", 0, 29)), Ack)
+    assert isinstance(peer.call(Heartbeat(node_id="ghost", sessions=1)), Ack)
+    assert peer.status()["nodes"][0]["sessions"] == 1
+
+
+def _header(**fields) -> bytes:
+    return msgpack.packb({**fields, "tensors": []})
+
+
+BAD_FRAMES = [
+    ([b"garbage"], "bad_frame"),
+    ([b""], "bad_frame"),
+    ([MAGIC, bytes([99]), _header()], "bad_frame"),  # unknown kind
+    ([MAGIC, b"\x14\x14", _header()], "bad_frame"),  # kind is not one byte
+    ([b"MESH9", bytes([Kind.REGISTER]), _header()], "version"),
+    ([MAGIC, bytes([Kind.REGISTER]), b"\xc1not msgpack"], "bad_frame"),
+    ([MAGIC, bytes([Kind.REGISTER]), msgpack.packb([1, 2])], "bad_frame"),  # not a map
+    ([MAGIC, bytes([Kind.HEARTBEAT]), _header(node_id=5)], "bad_frame"),  # wrong type
+    ([MAGIC, bytes([Kind.HEARTBEAT]), _header(node_id="a", extra=1)], "bad_frame"),
+    ([MAGIC, bytes([Kind.REGISTER]), _header(node_id="a")], "bad_frame"),  # missing fields
+    ([MAGIC, bytes([Kind.HEARTBEAT]), _header(node_id="a"), b"\0" * 8], "bad_frame"),
+    (encode(register("a", 5, 99)), "bad_request"),  # layers outside the model
+    (encode(Forward(session="s", step=0, pos=0, start_layer=0, end_layer=1, route=(),
+                    reply_to="x", tensors=(TensorSpec("int64", (1, 1)),)), [b"\0" * 8]),
+     "bad_frame"),  # a tensor-carrying frame: the tracker takes no buffers
+    (encode(Ping(nonce=1))[:2], "bad_frame"),  # truncated
+    (encode(Assign(start_layer=0, end_layer=1)), "bad_request"),  # not a tracker request
+    (encode(Report(request_id="", node_id="a", model="m", final=True)), "bad_request"),
+    (encode(AssignRequest(model="m", num_layers=0)), "bad_request"),
+]
+
+
+@pytest.mark.parametrize("frames, code", BAD_FRAMES)
+def test_malformed_frames_get_an_error_and_the_tracker_carries_on(start, frames, code):
+    peer = start().peer
+    reply = peer.send_raw(frames)
+    assert isinstance(reply, Error) and reply.code == code, reply
+    assert isinstance(peer.call(Ping(nonce=7)), Pong)
+    assert isinstance(peer.call(register("a", 0, 29)), Ack)
+    assert [n["id"] for n in peer.status()["nodes"]] == ["a"]
+
+
+def test_a_req_style_delimiter_is_echoed(start):
+    peer = start().peer
+    peer.sock.send_multipart([b"", *encode(Ping(nonce=3))])
+    assert peer.sock.poll(TIMEOUT * 1000)
+    envelope, body = split_envelope(peer.sock.recv_multipart())
+    assert envelope == [b""] and decode(body)[0] == Pong(nonce=3, node="tracker")
+
+
+def test_auto_assignment(start):
+    peer = start().peer
+    assert peer.call(AssignRequest(model="m", num_layers=30, max_layers=15)) == \
+        Assign(start_layer=0, end_layer=14)
+    peer.call(register("a", 0, 14))
+    assert peer.call(AssignRequest(model="m", num_layers=30, max_layers=15)) == \
+        Assign(start_layer=15, end_layer=29)
+    assert peer.call(AssignRequest(model="m", num_layers=30)) == Assign(start_layer=0, end_layer=29)
+
+
+class Subscriber:
+    def __init__(self, context: zmq.Context, endpoint: str):
+        self.sock = context.socket(zmq.SUB)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.SUBSCRIBE, b"")
+        self.sock.connect(endpoint)
+
+    def until(self, predicate) -> tuple[bytes, dict]:
+        deadline = time.monotonic() + TIMEOUT
+        while time.monotonic() < deadline:
+            if self.sock.poll(100):
+                topic, payload = self.sock.recv_multipart()
+                message = (topic, msgpack.unpackb(payload))
+                if predicate(*message):
+                    return message
+        raise AssertionError("expected publication did not arrive")
+
+
+def test_reports_become_events_stats_and_ledger_rows(start, context):
+    running = start()
+    peer = running.peer
+    sub = Subscriber(context, running.tracker.pub_endpoint)
+    sub.until(lambda topic, _: topic == b"stats")  # the subscription is live
+    peer.call(register("a", 0, 14))
+    _, plans = sub.until(lambda topic, p: topic == b"plans" and p["plans"])
+    assert plans["plans"] == {"m": []} and plans["gaps"] == {"m": [[15, 29]]}
+    peer.call(register("b", 15, 29))
+    _, plans = sub.until(lambda topic, p: topic == b"plans" and p["plans"]["m"])
+    assert [h["node"] for h in plans["plans"]["m"][0]["hops"]] == ["a", "b"]
+
+    for tokens, elapsed in ((0, 0.1), (2, 0.5), (6, 0.9), (20, 2.3)):
+        assert isinstance(peer.call(report("r1", tokens, elapsed, final=False)), Ack)
+    _, event = sub.until(lambda t, e: t == b"events" and e["kind"] == "progress" and e["tokens"] == 20)
+    assert event["tps"] == pytest.approx(10.0) and event["key"] == "r1" and event["queue"] == 0
+    done = peer.call(report("r1", 24, 2.7, final=True, reason="stop"))
+    assert done == Ack(detail="billed")
+    _, event = sub.until(lambda t, e: t == b"events" and e["kind"] == "complete")
+    assert (event["completion_tokens"], event["billing"], event["duration"]) == (24, "billed", 2.7)
+
+    held = peer.call(report("r2", 1, 0.2, final=True, reason="stop"))
+    assert held.detail.startswith("held (suspiciously short")
+    assert isinstance(peer.call(report("r3", 0, 0.1, final=True, reason="error")), Ack)
+    body = peer.status()
+    kinds = [e["kind"] for e in body["events"] if e.get("key") == "r1"]
+    assert kinds == ["connected", "progress", "complete"]  # progress updated in place
+    assert body["events"][-1]["kind"] == "error" and body["events"][-1]["key"] == "r3"
+    stats = body["stats"]
+    assert stats["counts"] == {"completions": 3, "fed": 1, "too_short": 1, "errors": 1}
+    assert stats["ttft"][0]["seconds"] == pytest.approx(0.4)  # 2 tokens at 0.5 s, 0.1 s/token
+    assert {r["node"] for r in stats["layer_steps_per_s"]} == {"a", "b"}
+    assert body["usage"]["totals"]["billed"]["completion_tokens"] == 24
+    assert body["usage"]["totals"]["held"]["requests"] == 1
+    assert body["usage"]["by_node"]["b"]["completion_tokens"] == 24
+
+
+def test_restart_with_the_same_db_keeps_the_ledger(start):
+    first = start()
+    first.peer.call(register("a", 0, 29))
+    route = (Hop("a", "tcp://127.0.0.1:7000", 0, 29),)
+    assert first.peer.call(report("r1", 30, 3.0, final=True, reason="stop", route=route)).detail == "billed"
+    first.stop()
+    second = start()
+    body = second.peer.status()
+    assert body["nodes"] == [] and body["usage"]["totals"]["billed"]["requests"] == 1
+    again = second.peer.call(report("r1", 30, 3.0, final=True, reason="stop", route=route))
+    assert again.detail == "already recorded: billed"
+    assert second.peer.status()["usage"]["totals"]["billed"]["completion_tokens"] == 30
+    # The restarted tracker learns the topology again from the nodes themselves.
+    assert second.peer.call(Heartbeat(node_id="a")).code == "unknown_node"
+    assert isinstance(second.peer.call(register("a", 0, 29)), Ack)
+    assert second.peer.call(RouteRequest(model="m")).hops[0].node == "a"
+
+
+def _read_until(proc: subprocess.Popen, needle: str) -> str:
+    selector = selectors.DefaultSelector()
+    selector.register(proc.stderr, selectors.EVENT_READ)
+    seen, deadline = "", time.monotonic() + 10
+    while needle not in seen and time.monotonic() < deadline:
+        if selector.select(timeout=0.2):
+            line = proc.stderr.readline()
+            if not line:
+                break
+            seen += line
+    selector.close()
+    assert needle in seen, seen
+    return seen
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_serve_exits_cleanly_on_a_signal_without_torch(tmp_path, sig):
+    script = (
+        "import logging, sys\n"
+        "logging.basicConfig(level=logging.INFO)\n"
+        "from tracker.service import TrackerConfig, serve\n"
+        "serve(TrackerConfig(bind='tcp://127.0.0.1:*', pub='tcp://127.0.0.1:*', db=sys.argv[1]))\n"
+        "assert 'torch' not in sys.modules and 'transformers' not in sys.modules\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen([sys.executable, "-c", script, str(tmp_path / "l.sqlite3")],
+                            cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True)
+    try:
+        _read_until(proc, "tracker listening on tcp://127.0.0.1:")
+        proc.send_signal(sig)
+        assert proc.wait(timeout=10) == 0
+        assert "tracker stopped" in proc.stderr.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        proc.stderr.close()

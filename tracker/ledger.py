@@ -1,0 +1,236 @@
+"""The usage ledger: one SQLite row per completed request, keyed by request id.
+
+A re-sent report finds its row and bills nothing twice. The billing guard decides, per
+completion, one of:
+
+- ``billed``: counted as usage;
+- ``held``: recorded with a reason for review, not counted -- a multi-hop route that
+  produced 3 or fewer tokens without being cut by the client's own ``max_tokens``
+  looks like the ADR-0020 broken-route signature;
+- ``void``: never billed -- the request errored, or was cancelled before its first token.
+
+API keys are stored as ``key_id(api_key)`` (a truncated SHA-256), never in clear text.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import sqlite3
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Mapping
+
+from fabric.protocol import ErrorCode, ProtocolError, Report
+
+log = logging.getLogger(__name__)
+
+BILLED, HELD, VOID = "billed", "held", "void"
+SHORT_OUTPUT_TOKENS = 3  # at or below this, a multi-hop completion is held
+CANCELLED = ("cancel", "cancelled")
+SCHEMA_VERSION = 1
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS completions (
+    request_id TEXT PRIMARY KEY,
+    recorded_at REAL NOT NULL,
+    model TEXT NOT NULL,
+    head_node TEXT NOT NULL,
+    api_key_id TEXT,
+    prompt_tokens INTEGER NOT NULL,
+    completion_tokens INTEGER NOT NULL,
+    max_tokens INTEGER NOT NULL,
+    elapsed REAL NOT NULL,
+    finish_reason TEXT,
+    route TEXT NOT NULL,
+    hops INTEGER NOT NULL,
+    status TEXT NOT NULL CHECK (status IN ('billed', 'held', 'void')),
+    reason TEXT NOT NULL
+);
+CREATE TABLE IF NOT EXISTS served (
+    request_id TEXT NOT NULL REFERENCES completions(request_id),
+    node_id TEXT NOT NULL,
+    start_layer INTEGER NOT NULL,
+    end_layer INTEGER NOT NULL,
+    PRIMARY KEY (request_id, node_id, start_layer)
+);
+CREATE INDEX IF NOT EXISTS completions_key ON completions(api_key_id, status);
+"""
+
+
+def default_ledger_path(environ: Mapping[str, str] = os.environ) -> Path:
+    """``$XDG_DATA_HOME/meshnet/ledger.sqlite3``, else ``~/.local/share/meshnet/...``."""
+    base = environ.get("XDG_DATA_HOME") or str(Path(environ.get("HOME") or Path.home()) / ".local" / "share")
+    return Path(base) / "meshnet" / "ledger.sqlite3"
+
+
+def key_id(api_key: str | None) -> str | None:
+    """The stored identity of an API key (the key itself is never written)."""
+    if not api_key:
+        return None
+    return "sha256:" + hashlib.sha256(api_key.encode()).hexdigest()[:16]
+
+
+@dataclass(frozen=True)
+class Verdict:
+    status: str  # billed, held or void
+    reason: str  # human-readable why
+
+
+def billing_verdict(report: Report) -> Verdict:
+    """The billing guard for one final report (pure)."""
+    tokens, hops = report.completion_tokens, len(report.route)
+    if report.finish_reason == "error":
+        return Verdict(VOID, "the request ended in an error")
+    if report.finish_reason in CANCELLED and tokens == 0:
+        return Verdict(VOID, "cancelled before the first token")
+    if hops > 1 and tokens <= SHORT_OUTPUT_TOKENS and not _cut_by_client(report):
+        return Verdict(HELD, f"suspiciously short: {tokens} output tokens from a {hops}-hop route")
+    return Verdict(BILLED, "")
+
+
+def _cut_by_client(report: Report) -> bool:
+    """True when the client's own max_tokens ended the output (finish_reason "length")."""
+    if report.finish_reason != "length":
+        return False
+    return report.max_tokens <= 0 or report.completion_tokens >= report.max_tokens
+
+
+def _check_text(value: str | None, name: str, limit: int = 256, optional: bool = False) -> None:
+    if (value is None and optional) or (value is not None and 0 < len(value) <= limit):
+        return
+    raise ProtocolError(f"{name} must be 1-{limit} characters", ErrorCode.BAD_REQUEST)
+
+
+def check_report(report: Report) -> None:
+    """Reject reports the ledger cannot trust; raises ProtocolError(BAD_REQUEST)."""
+    _check_text(report.request_id, "request_id")
+    _check_text(report.node_id, "node_id")
+    _check_text(report.model, "model")
+    _check_text(report.finish_reason, "finish_reason", 64, optional=True)
+    _check_text(report.api_key, "api_key", 4096, optional=True)
+    counts = (report.prompt_tokens, report.completion_tokens, report.max_tokens)
+    if any(not 0 <= c < 1 << 31 for c in counts) or report.elapsed < 0:
+        raise ProtocolError("token counts and elapsed must be >= 0", ErrorCode.BAD_REQUEST)
+    if len(report.route) > 64:
+        raise ProtocolError("a route has at most 64 hops", ErrorCode.BAD_REQUEST)
+    expected = 0
+    for hop in report.route:
+        if hop.start_layer != expected:
+            raise ProtocolError(f"route hop starts at {hop.start_layer}, expected {expected}",
+                                ErrorCode.BAD_REQUEST)
+        expected = hop.end_layer + 1
+
+
+@dataclass(frozen=True)
+class LedgerEntry:
+    request_id: str
+    recorded_at: float  # unix time
+    model: str
+    head_node: str
+    api_key_id: str | None
+    prompt_tokens: int
+    completion_tokens: int
+    max_tokens: int
+    elapsed: float
+    finish_reason: str | None
+    route: str  # JSON list of [node, start_layer, end_layer]
+    hops: int
+    status: str
+    reason: str
+
+
+_COLUMNS = ", ".join(LedgerEntry.__dataclass_fields__)
+
+
+class Ledger:
+    """SQLite-backed usage ledger; use from one thread (the service loop)."""
+
+    def __init__(self, path: Path | str):
+        if str(path) != ":memory:":
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+        self.path = path
+        self._db = sqlite3.connect(str(path))
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute("PRAGMA synchronous=NORMAL")
+        with self._db:
+            self._db.executescript(_SCHEMA)
+            self._db.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
+
+    def __enter__(self) -> Ledger:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._db.close()
+
+    def record(self, report: Report, now: float | None = None) -> tuple[LedgerEntry, bool]:
+        """Record a final report once. Returns (entry, True) or (existing entry, False)."""
+        check_report(report)
+        verdict = billing_verdict(report)
+        entry = LedgerEntry(
+            request_id=report.request_id, recorded_at=time.time() if now is None else now,
+            model=report.model, head_node=report.node_id, api_key_id=key_id(report.api_key),
+            prompt_tokens=report.prompt_tokens, completion_tokens=report.completion_tokens,
+            max_tokens=report.max_tokens, elapsed=report.elapsed,
+            finish_reason=report.finish_reason,
+            route=json.dumps([[h.node, h.start_layer, h.end_layer] for h in report.route]),
+            hops=len(report.route), status=verdict.status, reason=verdict.reason)
+        with self._db:
+            cur = self._db.execute(
+                f"INSERT OR IGNORE INTO completions ({_COLUMNS}) VALUES "
+                f"({', '.join('?' * len(LedgerEntry.__dataclass_fields__))})",
+                tuple(getattr(entry, f) for f in LedgerEntry.__dataclass_fields__))
+            if cur.rowcount == 0:
+                log.info("report %s was already recorded; not billed again", report.request_id)
+                return self.get(report.request_id), False
+            self._db.executemany(
+                "INSERT OR IGNORE INTO served VALUES (?, ?, ?, ?)",
+                [(report.request_id, h.node, h.start_layer, h.end_layer) for h in report.route]
+                or [(report.request_id, report.node_id, 0, 0)])
+        return entry, True
+
+    def get(self, request_id: str) -> LedgerEntry | None:
+        row = self._db.execute(f"SELECT {_COLUMNS} FROM completions WHERE request_id = ?",
+                               (request_id,)).fetchone()
+        return LedgerEntry(*row) if row else None
+
+    def _usage(self, sql: str, status: str) -> dict[str, dict]:
+        rows = self._db.execute(sql, (status,)).fetchall()
+        return {who: {"requests": n, "prompt_tokens": p, "completion_tokens": c}
+                for who, n, p, c in rows}
+
+    def usage_by_key(self, status: str = BILLED) -> dict[str, dict]:
+        """Tokens in/out per API key id (``"anonymous"`` for requests without a key)."""
+        return self._usage(
+            "SELECT COALESCE(api_key_id, 'anonymous'), COUNT(*), SUM(prompt_tokens), "
+            "SUM(completion_tokens) FROM completions WHERE status = ? GROUP BY 1 ORDER BY 1",
+            status)
+
+    def usage_by_node(self, status: str = BILLED) -> dict[str, dict]:
+        """Tokens in/out per serving node (every node on the request's route)."""
+        return self._usage(
+            "SELECT node_id, COUNT(*), SUM(prompt_tokens), SUM(completion_tokens) FROM "
+            "(SELECT DISTINCT s.node_id, c.request_id, c.prompt_tokens, c.completion_tokens "
+            " FROM served s JOIN completions c USING (request_id) WHERE c.status = ?) "
+            "GROUP BY 1 ORDER BY 1", status)
+
+    def held(self, limit: int = 50) -> list[LedgerEntry]:
+        rows = self._db.execute(
+            f"SELECT {_COLUMNS} FROM completions WHERE status = 'held' "
+            "ORDER BY recorded_at DESC LIMIT ?", (limit,)).fetchall()
+        return [LedgerEntry(*r) for r in rows]
+
+    def totals(self) -> dict[str, dict]:
+        """Requests and tokens per status: ``{"billed": {...}, "held": {...}, "void": {...}}``."""
+        out = {s: {"requests": 0, "prompt_tokens": 0, "completion_tokens": 0}
+               for s in (BILLED, HELD, VOID)}
+        for status, n, p, c in self._db.execute(
+                "SELECT status, COUNT(*), SUM(prompt_tokens), SUM(completion_tokens) "
+                "FROM completions GROUP BY status"):
+            out[status] = {"requests": n, "prompt_tokens": p, "completion_tokens": c}
+        return out

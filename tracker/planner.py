@@ -1,0 +1,321 @@
+"""Route planning: a pure function from a registry snapshot to ranked routes.
+
+A route is a tuple of ``fabric.protocol.Hop`` covering layers ``0..L-1`` contiguously.
+Each hop starts at the previous hop's ``end_layer + 1`` -- never at the downstream node's
+own shard start (ADR-0020: a full node used as a tail after a partial head runs from
+the head's end + 1, not from layer 0).
+
+Cost model, per generated token::
+
+    seconds = sum over hops of  layers * per_layer_s(node) * (1 + slowdown * sessions)
+                              + queue_penalty_s * queued(node)
+            + link_cost_s * messages
+
+where ``per_layer_s`` comes from measured layer-steps/s for (node, model) when the
+stats store has it, else from the node's start-up benchmark, and ``messages`` is the
+number of network hand-offs per token: one per hop for a pipeline (the last one returns
+the token to the head), none for a single node.
+
+The search is a shortest path over layer boundaries (a DAG). A hop of node n ends either
+at n's own end + 1 or where another node's shard starts: with a cost linear in the number
+of layers, moving the switch point between two consecutive nodes towards the nearer of
+those limits never makes the route slower (checked against brute force in the tests).
+Each boundary keeps the few cheapest partial routes ("labels") with the set of nodes
+they used, so a node appears at most once per route and several ranked routes come out.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Iterable, Mapping, Sequence
+
+from fabric.protocol import Hop
+
+from .registry import NodeInfo
+
+Throughput = Mapping[tuple[str, str], float]  # (node_id, model) -> measured layer-steps/s
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Knobs of the per-token cost estimate; defaults suit a LAN of similar machines."""
+
+    link_cost_s: float = 0.002  # one hidden-state hand-off between two nodes, per token
+    queue_penalty_s: float = 0.05  # added per token for each request queued at a node
+    session_slowdown: float = 0.25  # each active session adds this share to a hop's compute
+    default_benchmark: float = 100.0  # layer-steps/s assumed when a node reported none
+    pipeline_margin: float = 0.05  # a pipeline must be this much faster to outrank one node
+
+
+@dataclass(frozen=True)
+class PlannedRoute:
+    """One candidate route and its estimated per-token time."""
+
+    hops: tuple[Hop, ...]
+    seconds_per_token: float
+    fingerprint: str
+    num_layers: int
+
+    @property
+    def estimated_tps(self) -> float:
+        return 1.0 / self.seconds_per_token if self.seconds_per_token > 0 else 0.0
+
+    def to_dict(self) -> dict:
+        return {
+            "hops": [hop_dict(h) for h in self.hops],
+            "estimated_tps": round(self.estimated_tps, 3),
+            "seconds_per_token": self.seconds_per_token,
+            "fingerprint": self.fingerprint,
+        }
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Ranked routes for one model; ``gaps`` and ``skipped`` explain an empty plan."""
+
+    model: str
+    routes: tuple[PlannedRoute, ...]
+    gaps: tuple[tuple[int, int], ...] = ()  # inclusive layer ranges no usable node serves
+    skipped: tuple[tuple[str, str], ...] = ()  # (node_id, why it was not considered)
+
+    @property
+    def best(self) -> PlannedRoute | None:
+        return self.routes[0] if self.routes else None
+
+    def describe_missing(self) -> str:
+        """A one-line reason for an empty plan, for NO_ROUTE errors."""
+        parts = [f"no route for {self.model!r}"]
+        if self.gaps:
+            parts.append("layers " + ", ".join(_span(a, b) for a, b in self.gaps) + " are not served")
+        if self.skipped:
+            parts.append("skipped " + ", ".join(f"{n} ({why})" for n, why in self.skipped))
+        return ": ".join(parts[:2]) + ("; " + parts[2] if len(parts) > 2 else "")
+
+
+def _span(a: int, b: int) -> str:
+    return f"{a}" if a == b else f"{a}-{b}"
+
+
+def hop_dict(hop: Hop) -> dict:
+    return {"node": hop.node, "endpoint": hop.endpoint,
+            "start_layer": hop.start_layer, "end_layer": hop.end_layer}
+
+
+# --------------------------------------------------------------------------- costs
+
+
+def layer_rate(node: NodeInfo, throughput: Throughput, cost: CostModel) -> float:
+    """Layer-steps/s for ``node``: measured if known, else benchmark, else the default."""
+    measured = throughput.get((node.node_id, node.model), 0.0)
+    if measured > 0:
+        return measured
+    return node.benchmark if node.benchmark > 0 else cost.default_benchmark
+
+
+def hop_compute_seconds(node: NodeInfo, layers: int, throughput: Throughput,
+                        cost: CostModel) -> float:
+    """Per-token compute of ``layers`` layers on ``node`` under its current load."""
+    base = layers / layer_rate(node, throughput, cost)
+    return base * (1.0 + cost.session_slowdown * node.sessions) + cost.queue_penalty_s * node.queued
+
+
+def link_seconds(num_hops: int, cost: CostModel) -> float:
+    """Network hand-offs per token: one per hop in a pipeline, none on a single node."""
+    return cost.link_cost_s * num_hops if num_hops > 1 else 0.0
+
+
+def estimate_route(hops: Sequence[Hop], nodes: Mapping[str, NodeInfo],
+                   throughput: Throughput | None = None,
+                   cost: CostModel = CostModel()) -> float | None:
+    """Per-token seconds of an explicit route; None if a hop's node is not known."""
+    throughput = throughput or {}
+    total = link_seconds(len(hops), cost)
+    for hop in hops:
+        node = nodes.get(hop.node)
+        if node is None:
+            return None
+        total += hop_compute_seconds(node, hop.end_layer - hop.start_layer + 1, throughput, cost)
+    return total
+
+
+def hop_weights(hops: Sequence[Hop], nodes: Mapping[str, NodeInfo],
+                throughput: Throughput | None = None,
+                cost: CostModel = CostModel()) -> list[float] | None:
+    """Predicted unloaded compute seconds per hop; None if a hop's node is not known."""
+    throughput = throughput or {}
+    if any(h.node not in nodes for h in hops):
+        return None
+    return [(h.end_layer - h.start_layer + 1) / layer_rate(nodes[h.node], throughput, cost)
+            for h in hops]
+
+
+# --------------------------------------------------------------------------- planning
+
+
+def plan_routes(nodes: Iterable[NodeInfo], model: str, num_layers: int | None = None,
+                exclude: Iterable[str] = (), max_routes: int = 3,
+                throughput: Throughput | None = None, cost: CostModel = CostModel()) -> Plan:
+    """Rank up to ``max_routes`` routes for ``model`` over the snapshot ``nodes``.
+
+    Only nodes with the same model id, fingerprint and layer count share a route
+    (``num_layers`` None: any layer count, planned per group). Excluded nodes and nodes
+    at ``max_sessions`` are skipped.
+    """
+    throughput = throughput or {}
+    usable, skipped = _usable(nodes, model, num_layers, frozenset(exclude))
+    routes: list[PlannedRoute] = []
+    for (fingerprint, layers), group in _groups(usable).items():
+        routes.extend(_best_paths(group, layers, fingerprint, throughput, cost,
+                                  keep=max_routes + 3))
+    routes.sort(key=lambda r: _rank_key(r, cost))
+    ranked = tuple(routes[:max_routes])
+    gaps = () if ranked else _gaps_of_best_group(nodes, usable, model, num_layers)
+    return Plan(model=model, routes=ranked, gaps=gaps, skipped=tuple(skipped))
+
+
+def plan_all(nodes: Sequence[NodeInfo], throughput: Throughput | None = None,
+             max_routes: int = 3, cost: CostModel = CostModel()) -> dict[str, Plan]:
+    """One plan per registered model id."""
+    models = sorted({n.model for n in nodes})
+    return {m: plan_routes(nodes, m, throughput=throughput, max_routes=max_routes, cost=cost)
+            for m in models}
+
+
+def _usable(nodes: Iterable[NodeInfo], model: str, num_layers: int | None,
+            exclude: frozenset[str]) -> tuple[list[NodeInfo], list[tuple[str, str]]]:
+    usable, skipped = [], []
+    for node in nodes:
+        if node.model != model:
+            continue
+        if node.node_id in exclude:
+            skipped.append((node.node_id, "excluded"))
+        elif node.at_capacity:
+            skipped.append((node.node_id, f"at capacity {node.sessions}/{node.max_sessions}"))
+        elif num_layers is not None and node.num_layers != num_layers:
+            skipped.append((node.node_id, f"has {node.num_layers} layers, not {num_layers}"))
+        else:
+            usable.append(node)
+    return usable, skipped
+
+
+def _groups(nodes: Iterable[NodeInfo]) -> dict[tuple[str, int], list[NodeInfo]]:
+    groups: dict[tuple[str, int], list[NodeInfo]] = defaultdict(list)
+    for node in nodes:
+        groups[(node.fingerprint, node.num_layers)].append(node)
+    return groups
+
+
+def _rank_key(route: PlannedRoute, cost: CostModel) -> tuple:
+    handicap = 1.0 + cost.pipeline_margin if len(route.hops) > 1 else 1.0
+    return (route.seconds_per_token * handicap, len(route.hops),
+            tuple((h.node, h.start_layer) for h in route.hops))
+
+
+def _boundaries(nodes: Sequence[NodeInfo], num_layers: int) -> list[int]:
+    edges = {0, num_layers}
+    for n in nodes:
+        edges.update((n.start_layer, n.end_layer + 1))
+    return sorted(b for b in edges if 0 <= b <= num_layers)
+
+
+# A partial path: (seconds so far, hops, node ids used).
+_Label = tuple[float, tuple[Hop, ...], frozenset[str]]
+
+
+def _label_key(label: _Label) -> tuple[float, int]:
+    return (label[0], len(label[1]))  # sorts are stable: ties keep snapshot order
+
+
+def _trim(labels: list[_Label], keep: int) -> None:
+    """Keep the ``keep`` cheapest labels once the list has grown well past that."""
+    if len(labels) > 4 * keep:
+        labels.sort(key=_label_key)
+        del labels[keep:]
+
+
+def _best_paths(nodes: Sequence[NodeInfo], num_layers: int, fingerprint: str,
+                throughput: Throughput, cost: CostModel, keep: int) -> list[PlannedRoute]:
+    """k-best shortest paths from boundary 0 to ``num_layers`` with distinct nodes."""
+    bounds = _boundaries(nodes, num_layers)
+    starts = sorted({n.start_layer for n in nodes})
+    labels: dict[int, list[_Label]] = {b: [] for b in bounds}
+    labels[0].append((0.0, (), frozenset()))
+    for b in bounds[:-1]:
+        frontier = sorted(labels[b], key=_label_key)[:keep]
+        for node in nodes:
+            if frontier and node.start_layer <= b <= node.end_layer:
+                for e in _hop_ends(node, b, starts):
+                    _extend(labels[e], frontier, node, b, e, throughput, cost)
+        for e in bounds:
+            if e > b:
+                _trim(labels[e], keep)
+    finals = sorted(labels[num_layers], key=_label_key)[:keep]
+    # Every edge paid one hand-off; a single node has none (it samples its own token).
+    return [PlannedRoute(hops, s - (cost.link_cost_s if len(hops) == 1 else 0.0),
+                         fingerprint, num_layers) for s, hops, _ in finals]
+
+
+def _hop_ends(node: NodeInfo, b: int, starts: Sequence[int]) -> list[int]:
+    """Where a hop of ``node`` from boundary ``b`` may end (exclusive): at the node's own
+    end, or where another node's shard starts (the next hop can take over there)."""
+    last = node.end_layer + 1
+    return [s for s in starts if b < s < last] + [last]
+
+
+def _extend(target: list[_Label], frontier: list[_Label], node: NodeInfo, b: int, e: int,
+            throughput: Throughput, cost: CostModel) -> None:
+    """Append every frontier label extended by a hop of ``node`` over layers b..e-1."""
+    step = hop_compute_seconds(node, e - b, throughput, cost) + cost.link_cost_s
+    hop = Hop(node=node.node_id, endpoint=node.endpoint, start_layer=b, end_layer=e - 1)
+    for seconds, hops, used in frontier:
+        if node.node_id not in used:
+            target.append((seconds + step, hops + (hop,), used | {node.node_id}))
+
+
+# --------------------------------------------------------------------------- coverage
+
+
+def coverage_gaps(nodes: Iterable[NodeInfo], num_layers: int) -> tuple[tuple[int, int], ...]:
+    """Inclusive layer ranges of 0..num_layers-1 that no node in ``nodes`` holds."""
+    covered = [False] * num_layers
+    for n in nodes:
+        for layer in range(n.start_layer, min(n.end_layer, num_layers - 1) + 1):
+            covered[layer] = True
+    gaps, start = [], None
+    for layer, held in enumerate(covered + [True]):
+        if not held and start is None:
+            start = layer
+        elif held and start is not None:
+            gaps.append((start, layer - 1))
+            start = None
+    return tuple(gaps)
+
+
+def _gaps_of_best_group(all_nodes: Iterable[NodeInfo], usable: Sequence[NodeInfo], model: str,
+                        num_layers: int | None) -> tuple[tuple[int, int], ...]:
+    """Gaps of the (fingerprint, layer count) group that misses the fewest layers."""
+    keys = {(n.fingerprint, n.num_layers) for n in all_nodes
+            if n.model == model and (num_layers is None or n.num_layers == num_layers)}
+    if not keys:
+        return ((0, num_layers - 1),) if num_layers else ()
+    groups = _groups(usable)
+    candidates = [coverage_gaps(groups.get(k, ()), k[1]) for k in keys]
+    return min(candidates, key=lambda gaps: (sum(b - a + 1 for a, b in gaps), gaps))
+
+
+def assign_span(nodes: Iterable[NodeInfo], model: str, num_layers: int,
+                max_layers: int = 0) -> tuple[int, int]:
+    """The least-covered contiguous span of ``max_layers`` layers (0: all) for ``model``.
+
+    Coverage counts registered nodes of the same model and layer count; ties go to the
+    span whose busiest layer is least covered, then to the lowest start.
+    """
+    width = max_layers if 0 < max_layers < num_layers else num_layers
+    counts = [0] * num_layers
+    for n in nodes:
+        if n.model == model and n.num_layers == num_layers:
+            for layer in range(n.start_layer, n.end_layer + 1):
+                counts[layer] += 1
+    best = min(range(num_layers - width + 1),
+               key=lambda s: (sum(counts[s:s + width]), max(counts[s:s + width]), s))
+    return best, best + width - 1

@@ -1,0 +1,159 @@
+"""Who holds what: registered nodes, their load, and heartbeat expiry.
+
+The registry is plain in-memory state owned by the tracker's service loop (one thread);
+it never touches a socket. A restarted tracker starts empty and is repopulated when the
+nodes' heartbeats are answered with UNKNOWN_NODE and they register again.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field, replace
+from typing import Callable
+
+from fabric.protocol import MAX_LAYERS, ErrorCode, Heartbeat, ProtocolError, Register
+
+log = logging.getLogger(__name__)
+
+MAX_ID = 256  # longest node id, model id or fingerprint the tracker accepts
+MAX_ENDPOINT = 1024
+
+
+@dataclass(frozen=True)
+class NodeInfo:
+    """One registered node as the planner and the status view see it."""
+
+    node_id: str
+    endpoint: str
+    model: str
+    fingerprint: str  # config + weight digest; only equal fingerprints share a route
+    num_layers: int  # the model's layer count as the node loaded it
+    start_layer: int  # first layer this node holds (inclusive)
+    end_layer: int  # last layer this node holds (inclusive)
+    hardware: dict = field(default_factory=dict, hash=False, compare=False)
+    benchmark: float = 0.0  # layer-steps/s measured at start-up; 0: unknown
+    max_sessions: int = 0  # concurrent sessions it accepts; 0: no limit
+    sessions: int = 0  # active sessions at the last heartbeat
+    queued: int = 0  # requests waiting at the last heartbeat
+    last_seen: float = 0.0  # registry clock at the last register/heartbeat
+
+    @property
+    def layers(self) -> tuple[int, int]:
+        return (self.start_layer, self.end_layer)
+
+    @property
+    def at_capacity(self) -> bool:
+        return self.max_sessions > 0 and self.sessions >= self.max_sessions
+
+    def topology_key(self) -> tuple:
+        """What the planner's routes depend on, apart from load."""
+        return (self.endpoint, self.model, self.fingerprint, self.num_layers,
+                self.start_layer, self.end_layer, self.benchmark, self.max_sessions,
+                self.at_capacity)
+
+
+def _check_text(value: str, name: str, limit: int = MAX_ID) -> None:
+    if not value or len(value) > limit:
+        raise ProtocolError(f"{name} must be 1-{limit} characters", ErrorCode.BAD_REQUEST)
+
+
+def validate_register(msg: Register) -> None:
+    """Reject registrations no route could use; raises ProtocolError(BAD_REQUEST)."""
+    _check_text(msg.node_id, "node_id")
+    _check_text(msg.model, "model")
+    _check_text(msg.fingerprint, "fingerprint")
+    _check_text(msg.endpoint, "endpoint", MAX_ENDPOINT)
+    if not 1 <= msg.num_layers <= MAX_LAYERS:
+        raise ProtocolError(f"num_layers must be in [1, {MAX_LAYERS}]", ErrorCode.BAD_REQUEST)
+    if not 0 <= msg.start_layer <= msg.end_layer < msg.num_layers:
+        raise ProtocolError(
+            f"layers {msg.start_layer}-{msg.end_layer} are not inside 0-{msg.num_layers - 1}",
+            ErrorCode.BAD_REQUEST)
+    if msg.benchmark < 0 or msg.max_sessions < 0:
+        raise ProtocolError("benchmark and max_sessions must be >= 0", ErrorCode.BAD_REQUEST)
+
+
+def validate_heartbeat(msg: Heartbeat) -> None:
+    _check_text(msg.node_id, "node_id")
+    if msg.sessions < 0 or msg.queued < 0:
+        raise ProtocolError("sessions and queued must be >= 0", ErrorCode.BAD_REQUEST)
+
+
+class Registry:
+    """Registered nodes keyed by node id, with heartbeat-based expiry.
+
+    ``version`` increases on every topology change (a node joins, leaves, changes its
+    shard or endpoint, or crosses its session limit), so callers can republish plans.
+    """
+
+    def __init__(self, heartbeat_interval: float = 1.0, expiry_missed: int = 3,
+                 clock: Callable[[], float] = time.monotonic):
+        if heartbeat_interval <= 0 or expiry_missed < 1:
+            raise ValueError("heartbeat_interval must be > 0 and expiry_missed >= 1")
+        self.expiry_s = heartbeat_interval * expiry_missed
+        self._clock = clock
+        self._nodes: dict[str, NodeInfo] = {}
+        self.version = 0
+
+    def register(self, msg: Register) -> NodeInfo:
+        """Add or replace a node (load starts at zero). Validates first."""
+        validate_register(msg)
+        old = self._nodes.get(msg.node_id)
+        node = NodeInfo(
+            node_id=msg.node_id, endpoint=msg.endpoint, model=msg.model,
+            fingerprint=msg.fingerprint, num_layers=msg.num_layers,
+            start_layer=msg.start_layer, end_layer=msg.end_layer,
+            hardware=dict(msg.hardware), benchmark=msg.benchmark,
+            max_sessions=msg.max_sessions, last_seen=self._clock())
+        self._nodes[msg.node_id] = node
+        if old is None or old.topology_key() != node.topology_key():
+            self.version += 1
+            log.info("node %s registered: %s layers %d-%d at %s", node.node_id, node.model,
+                     node.start_layer, node.end_layer, node.endpoint)
+        return node
+
+    def heartbeat(self, msg: Heartbeat) -> NodeInfo | None:
+        """Refresh a node's liveness and load; None if the node is unknown (re-register)."""
+        validate_heartbeat(msg)
+        old = self._nodes.get(msg.node_id)
+        if old is None:
+            return None
+        node = replace(old, sessions=msg.sessions, queued=msg.queued, last_seen=self._clock())
+        self._nodes[msg.node_id] = node
+        if node.at_capacity != old.at_capacity:
+            self.version += 1
+        return node
+
+    def expire(self) -> list[NodeInfo]:
+        """Drop nodes that missed ``expiry_missed`` heartbeats; returns them."""
+        deadline = self._clock() - self.expiry_s
+        gone = [n for n in self._nodes.values() if n.last_seen < deadline]
+        for node in gone:
+            del self._nodes[node.node_id]
+            log.warning("node %s expired (no heartbeat for %.1fs)", node.node_id, self.expiry_s)
+        if gone:
+            self.version += 1
+        return gone
+
+    def remove(self, node_id: str) -> NodeInfo | None:
+        node = self._nodes.pop(node_id, None)
+        if node is not None:
+            self.version += 1
+        return node
+
+    def get(self, node_id: str) -> NodeInfo | None:
+        return self._nodes.get(node_id)
+
+    def snapshot(self) -> tuple[NodeInfo, ...]:
+        """An immutable view, ordered by node id."""
+        return tuple(self._nodes[k] for k in sorted(self._nodes))
+
+    def models(self) -> list[str]:
+        return sorted({n.model for n in self._nodes.values()})
+
+    def age(self, node: NodeInfo) -> float:
+        """Seconds since the node was last heard from."""
+        return max(0.0, self._clock() - node.last_seen)
+
+    def __len__(self) -> int:
+        return len(self._nodes)

@@ -1,0 +1,381 @@
+"""The tracker process: a ROUTER for requests from nodes and clients, a PUB for updates.
+
+Requests (``fabric.protocol``) and their replies:
+
+===================  ===========================================================
+Register             Ack, or Error(BAD_REQUEST)
+Heartbeat            Ack, or Error(UNKNOWN_NODE) -- the node must register again
+RouteRequest         Route (best route), or Error(UNKNOWN_MODEL / NO_ROUTE)
+Report               Ack (``detail`` is the billing status of a final report)
+StatusRequest        Status(body=...) -- see ``Tracker.status_body``
+AssignRequest        Assign(start_layer, end_layer)
+Ping                 Pong
+anything malformed   Error(code) from the ProtocolError; the tracker carries on
+===================  ===========================================================
+
+PUB topics, each ``[topic, msgpack payload]``: ``plans`` (on every topology change),
+``stats`` (every ``stats_interval``) and ``events`` (each console-ring insert/update).
+"""
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import zmq
+
+from fabric.protocol import (
+    MAX_LAYERS, VERSION, Ack, Assign, AssignRequest, Error, ErrorCode, Heartbeat, Message,
+    Ping, Pong, ProtocolError, Register, Report, Route, RouteRequest, Status, StatusRequest,
+    decode, encode, split_envelope,
+)
+
+from .events import EventRing
+from .ledger import Ledger, check_report, default_ledger_path
+from .planner import (
+    CostModel, Plan, assign_span, estimate_route, hop_dict, hop_weights, layer_rate,
+    link_seconds, plan_all, plan_routes,
+)
+from .registry import NodeInfo, Registry
+from .stats import Completion, StatsStore, decode_timing, route_label
+
+log = logging.getLogger(__name__)
+
+TOPIC_PLANS, TOPIC_STATS, TOPIC_EVENTS = b"plans", b"stats", b"events"
+STATUS_EVENTS = 50  # recent events included in a Status body
+MAX_INFLIGHT = 4096  # requests whose first progress report is remembered
+MAX_DRAIN = 100  # messages handled per poll wake-up before housekeeping runs
+
+
+@dataclass(frozen=True)
+class TrackerConfig:
+    bind: str = "tcp://127.0.0.1:5555"  # ROUTER address for requests ("tcp://host:*": any port)
+    pub: str = "tcp://127.0.0.1:5556"  # PUB address for plans, stats and events
+    db: Path | str = field(default_factory=default_ledger_path)  # SQLite ledger file (":memory:": none)
+    heartbeat_interval: float = 1.0  # seconds between a node's heartbeats
+    expiry_missed: int = 3  # missed heartbeats after which a node is dropped
+    stats_interval: float = 2.0  # seconds between publications on the stats topic
+    event_ring: int = 200  # console events kept in memory
+    max_routes: int = 3  # ranked routes per model in plans and status
+    stats_window: int = 64  # samples kept per rolling statistic
+    max_message_bytes: int = 4 << 20  # ZeroMQ drops larger inbound messages
+    cost: CostModel = CostModel()  # the planner's cost knobs
+
+
+class Tracker:
+    """Registry, planner, stats, ledger and publisher behind one ZeroMQ loop.
+
+    All state is owned by the thread that calls ``run``. ``ready`` is set once both
+    sockets are bound; ``endpoint`` and ``pub_endpoint`` then hold the real addresses.
+    """
+
+    def __init__(self, config: TrackerConfig, context: zmq.Context | None = None):
+        self.config = config
+        self.ready = threading.Event()
+        self.endpoint: str | None = None
+        self.pub_endpoint: str | None = None
+        self._context = context
+        self.registry = Registry(config.heartbeat_interval, config.expiry_missed)
+        self.stats = StatsStore(config.stats_window)
+        self.events = EventRing(config.event_ring)
+        self._inflight: OrderedDict[str, tuple[int, float] | None] = OrderedDict()
+        self._ledger: Ledger | None = None
+        self._pub: zmq.Socket | None = None
+        self._started = time.monotonic()
+        self._plans_version = -1
+        self._next_stats = 0.0
+
+    # ----------------------------------------------------------------- loop
+
+    def run(self, stop: threading.Event) -> None:
+        """Serve until ``stop`` is set; sockets and the ledger are closed on every path."""
+        context = self._context or zmq.Context()
+        sockets: list[zmq.Socket] = []
+        try:
+            with Ledger(self.config.db) as ledger:
+                self._ledger = ledger
+                router = self._bind(context, zmq.ROUTER, self.config.bind, sockets)
+                self._pub = self._bind(context, zmq.PUB, self.config.pub, sockets)
+                self.endpoint = router.getsockopt_string(zmq.LAST_ENDPOINT)
+                self.pub_endpoint = self._pub.getsockopt_string(zmq.LAST_ENDPOINT)
+                log.info("tracker listening on %s, publishing on %s, ledger %s",
+                         self.endpoint, self.pub_endpoint, self.config.db)
+                self.ready.set()
+                self._loop(router, stop)
+        finally:
+            for sock in sockets:
+                sock.close(linger=0)
+            self._pub = self._ledger = None
+            if self._context is None:
+                context.term()
+            log.info("tracker stopped")
+
+    def _bind(self, context: zmq.Context, kind: int, address: str,
+              sockets: list[zmq.Socket]) -> zmq.Socket:
+        sock = context.socket(kind)
+        sockets.append(sock)
+        sock.setsockopt(zmq.LINGER, 0)
+        if kind == zmq.ROUTER:
+            sock.setsockopt(zmq.MAXMSGSIZE, self.config.max_message_bytes)
+        sock.bind(address)
+        return sock
+
+    def _loop(self, router: zmq.Socket, stop: threading.Event) -> None:
+        poller = zmq.Poller()
+        poller.register(router, zmq.POLLIN)
+        timeout_ms = max(10, int(min(self.config.heartbeat_interval / 4, 0.25) * 1000))
+        while not stop.is_set():
+            if poller.poll(timeout_ms):
+                self._drain(router)
+            self._housekeeping()
+
+    def _drain(self, router: zmq.Socket) -> None:
+        for _ in range(MAX_DRAIN):
+            try:
+                frames = router.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            envelope, reply = self.respond(frames)
+            if not envelope:
+                continue
+            try:
+                router.send_multipart([*envelope, *encode(reply)], zmq.NOBLOCK)
+            except zmq.ZMQError as exc:
+                log.warning("could not reply to a peer: %s", exc)
+
+    def _housekeeping(self) -> None:
+        self._expire()
+        now = time.monotonic()
+        if now >= self._next_stats:
+            self._next_stats = now + self.config.stats_interval
+            self._publish(TOPIC_STATS, {"ts": time.time(), "stats": self.stats.snapshot(),
+                                        "nodes": self._node_rows(), "usage": self._usage()})
+
+    def _expire(self) -> None:
+        for node in self.registry.expire():
+            self._emit(self.events.add("error", f"node {node.node_id} expired (missed heartbeats)",
+                                       node=node.node_id, model=node.model, code="expired"))
+        if self.registry.version != self._plans_version:
+            self._plans_version = self.registry.version
+            self._publish(TOPIC_PLANS, {"ts": time.time(), "version": self._plans_version,
+                                        **self._plans_view()})
+
+    # ----------------------------------------------------------------- dispatch
+
+    def respond(self, frames: list[bytes]) -> tuple[list[bytes], Message]:
+        """(reply envelope, reply) for one inbound ROUTER message; never raises."""
+        try:
+            envelope, body = split_envelope(frames)
+        except ProtocolError as exc:
+            return frames[:1], Error(code=exc.code, message=str(exc))
+        try:
+            message, _ = decode(body, max_buffer_bytes=0)
+            return envelope, self.handle(message)
+        except ProtocolError as exc:
+            return envelope, Error(code=exc.code, message=str(exc))
+        except Exception:  # a bug here must not take the tracker down
+            log.exception("error handling a %d-frame message", len(frames))
+            return envelope, Error(code=ErrorCode.INTERNAL, message="internal tracker error")
+
+    def handle(self, message: Message) -> Message:
+        """The reply to one decoded message; raises ProtocolError for a refusal."""
+        match message:
+            case Register():
+                return self._on_register(message)
+            case Heartbeat():
+                return self._on_heartbeat(message)
+            case RouteRequest():
+                return self._on_route_request(message)
+            case Report():
+                return self._on_report(message)
+            case StatusRequest():
+                self._expire()
+                return Status(body=self.status_body())
+            case AssignRequest():
+                return self._on_assign(message)
+            case Ping(nonce=nonce):
+                return Pong(nonce=nonce, node="tracker")
+            case _:
+                raise ProtocolError(f"the tracker does not handle {message.KIND.name}",
+                                    ErrorCode.BAD_REQUEST)
+
+    # ----------------------------------------------------------------- handlers
+
+    def _on_register(self, msg: Register) -> Message:
+        old = self.registry.get(msg.node_id)
+        node = self.registry.register(msg)
+        if old is not None and old.fingerprint != node.fingerprint:
+            self.stats.forget_node(node.node_id)
+        self._expire()  # publishes plans if the topology changed
+        return Ack(detail=f"registered {node.node_id} layers {node.start_layer}-{node.end_layer}")
+
+    def _on_heartbeat(self, msg: Heartbeat) -> Message:
+        if self.registry.heartbeat(msg) is None:
+            return Error(code=ErrorCode.UNKNOWN_NODE, node=msg.node_id,
+                         message=f"node {msg.node_id!r} is not registered; register again")
+        return Ack()
+
+    def _on_route_request(self, msg: RouteRequest) -> Message:
+        self._expire()
+        if msg.model not in self.registry.models():
+            self._route_error(msg, ErrorCode.UNKNOWN_MODEL, f"no node serves model {msg.model!r}")
+        plan = plan_routes(self.registry.snapshot(), msg.model, exclude=msg.exclude,
+                           max_routes=1, throughput=self.stats.layer_rates(), cost=self.config.cost)
+        best = plan.best
+        if best is None:
+            self._route_error(msg, ErrorCode.NO_ROUTE, plan.describe_missing())
+        hops = [hop_dict(h) for h in best.hops]
+        self._emit(self.events.add(
+            "route selected", f"route selected for {msg.model}: {route_label(best.hops)} "
+            f"(~{best.estimated_tps:.1f} tok/s)", model=msg.model, hops=hops,
+            estimated_tps=best.estimated_tps, exclude=list(msg.exclude)))
+        return Route(model=msg.model, hops=best.hops, estimated_tps=best.estimated_tps)
+
+    def _route_error(self, msg: RouteRequest, code: str, text: str) -> None:
+        self._emit(self.events.add("error", text, model=msg.model, code=code,
+                                   exclude=list(msg.exclude)))
+        raise ProtocolError(text, code)
+
+    def _on_assign(self, msg: AssignRequest) -> Message:
+        if not msg.model or not 1 <= msg.num_layers <= MAX_LAYERS or msg.max_layers < 0:
+            raise ProtocolError("assign needs a model, 1 <= num_layers <= "
+                                f"{MAX_LAYERS} and max_layers >= 0", ErrorCode.BAD_REQUEST)
+        start, end = assign_span(self.registry.snapshot(), msg.model, msg.num_layers, msg.max_layers)
+        return Assign(start_layer=start, end_layer=end)
+
+    # ----------------------------------------------------------------- reports
+
+    def _on_report(self, msg: Report) -> Message:
+        check_report(msg)
+        return self._on_completion(msg) if msg.final else self._on_progress(msg)
+
+    def _remember(self, request_id: str, first: tuple[int, float] | None) -> None:
+        self._inflight[request_id] = first
+        while len(self._inflight) > MAX_INFLIGHT:
+            self._inflight.popitem(last=False)
+
+    def _on_progress(self, msg: Report) -> Message:
+        rid = msg.request_id
+        if rid not in self._inflight:
+            self._remember(rid, None)
+            self._emit(self.events.add(
+                "connected", f"{msg.node_id} connected for {msg.model}", key=rid,
+                node=msg.node_id, model=msg.model, hops=[hop_dict(h) for h in msg.route]))
+        if msg.completion_tokens > 0:
+            if self._inflight[rid] is None:
+                self._inflight[rid] = (msg.completion_tokens, msg.elapsed)
+            timing = decode_timing(msg.completion_tokens, msg.elapsed, self._inflight[rid])
+            tps = 1.0 / timing.seconds_per_token if timing else 0.0
+            head = self.registry.get(msg.node_id)
+            self._emit(self.events.upsert(
+                "progress", rid, f"{msg.completion_tokens} tokens · {tps:.1f} tok/s",
+                node=msg.node_id, model=msg.model, tokens=msg.completion_tokens,
+                tps=round(tps, 3), queue=head.queued if head else 0, elapsed=msg.elapsed))
+        return Ack()
+
+    def _on_completion(self, msg: Report) -> Message:
+        first = self._inflight.pop(msg.request_id, None)
+        entry, new = self._ledger.record(msg)
+        if not new:
+            return Ack(detail=f"already recorded: {entry.status}")
+        self._record_stats(msg, first)
+        kind = "error" if msg.finish_reason == "error" else "complete"
+        billing = entry.status + (f" ({entry.reason})" if entry.reason else "")
+        self._emit(self.events.add(
+            kind, f"{msg.model}: {msg.prompt_tokens} in / {msg.completion_tokens} out in "
+            f"{msg.elapsed:.2f}s, {msg.finish_reason}, {billing}", key=msg.request_id,
+            node=msg.node_id, model=msg.model, prompt_tokens=msg.prompt_tokens,
+            completion_tokens=msg.completion_tokens, duration=msg.elapsed,
+            finish_reason=msg.finish_reason, billing=entry.status, billing_reason=entry.reason,
+            hops=[hop_dict(h) for h in msg.route]))
+        return Ack(detail=billing)
+
+    def _record_stats(self, msg: Report, first: tuple[int, float] | None) -> None:
+        nodes = {n.node_id: n for n in self.registry.snapshot()}
+        rates, cost = self.stats.layer_rates(), self.config.cost
+        self.stats.record(
+            Completion(model=msg.model, route=msg.route, completion_tokens=msg.completion_tokens,
+                       elapsed=msg.elapsed, finish_reason=msg.finish_reason, first_progress=first),
+            hop_weights=hop_weights(msg.route, nodes, rates, cost),
+            link_s=link_seconds(len(msg.route), cost),
+            predicted_s=estimate_route(msg.route, nodes, rates, cost))
+
+    # ----------------------------------------------------------------- views
+
+    def _plans(self) -> dict[str, Plan]:
+        return plan_all(self.registry.snapshot(), self.stats.layer_rates(),
+                        self.config.max_routes, self.config.cost)
+
+    def _plans_view(self) -> dict:
+        plans = self._plans()
+        return {"plans": {m: [r.to_dict() for r in p.routes] for m, p in plans.items()},
+                "gaps": {m: [list(g) for g in p.gaps] for m, p in plans.items() if p.gaps}}
+
+    def _node_row(self, node: NodeInfo, rates: dict) -> dict:
+        measured = rates.get((node.node_id, node.model))
+        return {"id": node.node_id, "endpoint": node.endpoint, "model": node.model,
+                "fingerprint": node.fingerprint, "layers": [node.start_layer, node.end_layer],
+                "num_layers": node.num_layers, "sessions": node.sessions, "queued": node.queued,
+                "max_sessions": node.max_sessions, "benchmark": node.benchmark,
+                "layer_steps_per_s": layer_rate(node, rates, self.config.cost),
+                "measured": measured is not None, "hardware": node.hardware,
+                "last_seen_s": round(self.registry.age(node), 3)}
+
+    def _node_rows(self) -> list[dict]:
+        rates = self.stats.layer_rates()
+        return [self._node_row(n, rates) for n in self.registry.snapshot()]
+
+    def _usage(self) -> dict:
+        if self._ledger is None:
+            return {}
+        return {"totals": self._ledger.totals(), "by_key": self._ledger.usage_by_key(),
+                "by_node": self._ledger.usage_by_node()}
+
+    def status_body(self) -> dict:
+        """Everything ``meshnet status --json`` shows; msgpack- and JSON-friendly."""
+        return {
+            "tracker": {"protocol": VERSION, "uptime_s": round(time.monotonic() - self._started, 3),
+                        "endpoint": self.endpoint, "pub": self.pub_endpoint,
+                        "heartbeat_interval": self.config.heartbeat_interval,
+                        "expiry_s": self.registry.expiry_s},
+            "nodes": self._node_rows(),
+            **self._plans_view(),
+            "events": self.events.recent(limit=STATUS_EVENTS),
+            "stats": self.stats.snapshot(),
+            "usage": self._usage(),
+        }
+
+    # ----------------------------------------------------------------- publishing
+
+    def _emit(self, event: dict) -> None:
+        self._publish(TOPIC_EVENTS, event)
+
+    def _publish(self, topic: bytes, payload: Any) -> None:
+        if self._pub is None:
+            return
+        try:
+            self._pub.send_multipart([topic, msgpack.packb(payload, use_bin_type=True)], zmq.NOBLOCK)
+        except zmq.ZMQError as exc:
+            log.debug("dropped a %s publication: %s", topic.decode(), exc)
+
+
+def serve(config: TrackerConfig) -> None:
+    """Run a tracker in this (main) thread until SIGINT or SIGTERM, then exit cleanly."""
+    stop = threading.Event()
+
+    def _request_stop(signum: int, _frame: Any) -> None:
+        log.info("signal %d: stopping the tracker", signum)
+        stop.set()
+
+    previous = {sig: signal.signal(sig, _request_stop) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        Tracker(config).run(stop)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
