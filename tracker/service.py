@@ -25,7 +25,7 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import msgpack
 import zmq
@@ -237,7 +237,7 @@ class Tracker:
             estimated_tps=best.estimated_tps, exclude=list(msg.exclude)))
         return Route(model=msg.model, hops=best.hops, estimated_tps=best.estimated_tps)
 
-    def _route_error(self, msg: RouteRequest, code: str, text: str) -> None:
+    def _route_error(self, msg: RouteRequest, code: str, text: str) -> NoReturn:
         self._emit(self.events.add("error", text, model=msg.model, code=code,
                                    exclude=list(msg.exclude)))
         raise ProtocolError(text, code)
