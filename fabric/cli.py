@@ -1,0 +1,322 @@
+"""``meshnet`` command line: every flag is resolved here, once, into config dataclasses."""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+DEFAULT_TRACKER = "tcp://127.0.0.1:5555"
+DEFAULT_PUB = "tcp://127.0.0.1:5556"
+
+log = logging.getLogger("meshnet")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=getattr(logging, args.log_level.upper()),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    try:
+        return args.func(args) or 0
+    except KeyboardInterrupt:
+        return 130
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="meshnet", description="Run one language model across several machines over a ZeroMQ fabric.")
+    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _up_parser(sub)
+    _tracker_parser(sub)
+    _node_parser(sub)
+    _webui_parser(sub)
+    _chat_parser(sub)
+    _status_parser(sub)
+    return parser
+
+
+def _tracker_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tracker", default=DEFAULT_TRACKER, help="tracker endpoint (default %(default)s)")
+
+
+# --------------------------------------------------------------------------- up
+
+
+def _up_parser(sub) -> None:
+    p = sub.add_parser("up", help="start a whole local cluster: tracker, nodes and web UI",
+                       description="Start a tracker, N nodes splitting the model's layers evenly, and the web "
+                                   "UI, on this machine. Ctrl-C stops them all.")
+    p.add_argument("--model", default="smollm2-135m", help="model reference (default %(default)s)")
+    p.add_argument("--nodes", type=int, default=2, help="how many nodes split the layers (default %(default)s)")
+    p.add_argument("--port", type=int, default=8000, help="web UI port (default %(default)s)")
+    p.add_argument("--host", default="127.0.0.1", help="web UI host (default %(default)s)")
+    p.add_argument("--tracker", default=DEFAULT_TRACKER, help="tracker bind endpoint (default %(default)s)")
+    p.add_argument("--pub", default=DEFAULT_PUB, help="tracker PUB endpoint (default %(default)s)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.set_defaults(func=cmd_up)
+
+
+def cmd_up(args) -> int:
+    from .models import ModelError, load_config, resolve, default_cache_root
+    from .shard import even_split
+
+    try:
+        source = resolve(args.model)
+        num_layers = load_config(source, default_cache_root()).num_hidden_layers
+        shards = even_split(num_layers, args.nodes)
+    except (ModelError, ValueError) as exc:
+        log.error("%s", exc)
+        return 2
+    threads = max(1, (os.cpu_count() or 1) // len(shards))
+    me = [sys.executable, "-m", "fabric.cli", "--log-level", args.log_level]
+    commands = [[*me, "tracker", "--bind", args.tracker, "--pub", args.pub]]
+    commands += [[*me, "node", "--model", args.model, "--layers", str(s), "--tracker", args.tracker,
+                  "--threads", str(threads), "--dtype", args.dtype, "--no-progress"] for s in shards]
+    commands.append([*me, "webui", "--tracker", args.tracker, "--pub", args.pub, "--host", args.host,
+                     "--port", str(args.port)])
+    return supervise(commands, url=f"http://{args.host}:{args.port}", tracker=args.tracker, nodes=len(shards))
+
+
+def supervise(commands: list[list[str]], url: str, tracker: str, nodes: int) -> int:
+    """Run every command; stop them all on Ctrl-C or when any one dies."""
+    procs: list[subprocess.Popen] = []
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    try:
+        for cmd in commands:
+            procs.append(subprocess.Popen(cmd))
+        _announce_when_ready(tracker, nodes, url, stop, procs)
+        while not stop.is_set():
+            dead = [p for p in procs if p.poll() is not None]
+            if dead:
+                log.error("a process exited (%s); stopping the cluster", " ".join(dead[0].args[3:5]))
+                return 1
+            stop.wait(0.5)
+        return 0
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        _stop_all(procs)
+
+
+def _announce_when_ready(tracker: str, nodes: int, url: str, stop: threading.Event, procs) -> None:
+    from .client import Client, FabricError
+
+    with Client(tracker, timeout=2.0) as client:
+        while not stop.is_set() and all(p.poll() is None for p in procs):
+            try:
+                status = client.status()
+                if len(status.get("nodes", [])) >= nodes and any(status.get("plans", {}).values()):
+                    print(f"\nmeshnet is up: {nodes} nodes serving. Dashboard and API at {url}\n"
+                          f"Press Ctrl-C to stop.\n", flush=True)
+                    return
+            except FabricError:
+                pass
+            stop.wait(0.5)
+
+
+def _stop_all(procs: list[subprocess.Popen], grace: float = 10.0) -> None:
+    for proc in reversed(procs):
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+    deadline = time.monotonic() + grace
+    for proc in procs:
+        try:
+            proc.wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+# --------------------------------------------------------------------------- tracker
+
+
+def _tracker_parser(sub) -> None:
+    p = sub.add_parser("tracker", help="run the tracker (registry, route plans, stats, usage ledger)")
+    p.add_argument("--bind", default=DEFAULT_TRACKER, help="ROUTER endpoint (default %(default)s)")
+    p.add_argument("--pub", default=DEFAULT_PUB, help="PUB endpoint for plans/stats/events (default %(default)s)")
+    p.add_argument("--db", default=None, help="SQLite usage ledger (default: under the user data directory)")
+    p.add_argument("--heartbeat", type=float, default=1.0, help="node heartbeat interval in seconds")
+    p.set_defaults(func=cmd_tracker)
+
+
+def cmd_tracker(args) -> int:
+    from tracker.service import TrackerConfig, serve
+
+    kwargs = dict(bind=args.bind, pub=args.pub, heartbeat_interval=args.heartbeat)
+    if args.db:
+        kwargs["db"] = args.db
+    serve(TrackerConfig(**kwargs))
+    return 0
+
+
+# --------------------------------------------------------------------------- node
+
+
+def _node_parser(sub) -> None:
+    p = sub.add_parser("node", help="serve a range of a model's layers",
+                       description="Load a contiguous range of a model's layers and serve them on the fabric.")
+    p.add_argument("--model", required=True,
+                   help="a Hugging Face directory, a .gguf file, or an alias such as smollm2-135m")
+    p.add_argument("--model-id", default=None, help="id clients use for this model (default: alias or file name)")
+    p.add_argument("--layers", default=None, help="inclusive range such as 0-14 (default: ask the tracker)")
+    _tracker_flag(p)
+    p.add_argument("--bind", default="tcp://127.0.0.1:0", help="ROUTER endpoint; port 0 picks one")
+    p.add_argument("--advertise", default=None, help="endpoint peers dial (default: the bound one)")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--threads", type=int, default=0, help="torch threads (default: all cores)")
+    p.add_argument("--max-sessions", type=int, default=64, help="sessions this node keeps KV for")
+    p.add_argument("--max-prompt-tokens", type=int, default=4096, help="longest prompt the head accepts")
+    p.add_argument("--node-id", default=None, help="stable id (default: random per start)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar while loading")
+    p.set_defaults(func=cmd_node)
+
+
+def cmd_node(args) -> int:
+    import torch
+
+    from .models import ModelError, default_cache_root, load_config, resolve
+    from .node import Node, NodeConfig
+    from .shard import parse_layers
+
+    if args.device == "cuda" and not torch.cuda.is_available():
+        log.error("--device cuda: no CUDA device is available here")
+        return 2
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    try:
+        source = resolve(args.model, args.model_id)
+        num_layers = load_config(source, default_cache_root()).num_hidden_layers
+        shard = (parse_layers(args.layers, num_layers) if args.layers
+                 else _assigned_shard(args.tracker, source.model_id, num_layers))
+    except (ModelError, ValueError) as exc:
+        log.error("%s", exc)
+        return 2
+    config = NodeConfig(source=source, shard=shard, bind=args.bind, advertise=args.advertise,
+                        tracker=args.tracker, device=args.device,
+                        dtype=torch.bfloat16 if args.dtype == "bfloat16" else torch.float32,
+                        max_sessions=args.max_sessions, max_prompt_tokens=args.max_prompt_tokens,
+                        cache_root=default_cache_root(), progress=not args.no_progress,
+                        **({"node_id": args.node_id} if args.node_id else {}))
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    Node(config).run(stop)
+    log.info("node stopped")
+    return 0
+
+
+def _assigned_shard(tracker: str, model_id: str, num_layers: int):
+    from . import protocol as p
+    from .client import Client
+    from .shard import Shard
+
+    with Client(tracker, timeout=10.0) as client:
+        reply = client.ask(p.AssignRequest(model_id, num_layers))
+    if not isinstance(reply, p.Assign):
+        raise ValueError(f"the tracker gave no layer assignment: {reply}")
+    log.info("tracker assigned layers %d-%d", reply.start_layer, reply.end_layer)
+    return Shard(reply.start_layer, reply.end_layer, num_layers)
+
+
+# --------------------------------------------------------------------------- webui
+
+
+def _webui_parser(sub) -> None:
+    p = sub.add_parser("webui", help="serve the dashboard and the OpenAI-compatible API")
+    _tracker_flag(p)
+    p.add_argument("--pub", default=DEFAULT_PUB, help="tracker PUB endpoint for live events")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-keys", default=None, help="file with one API key per line (default: no auth)")
+    p.set_defaults(func=cmd_webui)
+
+
+def cmd_webui(args) -> int:
+    from webui.app import WebUIConfig, serve
+
+    keys: frozenset[str] = frozenset()
+    if args.api_keys:
+        with open(args.api_keys) as fh:
+            keys = frozenset(line.strip() for line in fh if line.strip() and not line.startswith("#"))
+    serve(WebUIConfig(tracker=args.tracker, host=args.host, port=args.port, api_keys=keys))
+    return 0
+
+
+# --------------------------------------------------------------------------- chat / status
+
+
+def _chat_parser(sub) -> None:
+    p = sub.add_parser("chat", help="send one prompt and stream the reply to the terminal")
+    _tracker_flag(p)
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default)")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("prompt", help="the user message")
+    p.set_defaults(func=cmd_chat)
+
+
+def cmd_chat(args) -> int:
+    from .client import Client, FabricError
+    from .protocol import Sampling
+
+    sampling = Sampling(temperature=args.temperature, top_p=args.top_p, seed=args.seed)
+    with Client(args.tracker) as client:
+        try:
+            for event in client.generate(args.model, messages=[{"role": "user", "content": args.prompt}],
+                                         max_tokens=args.max_tokens, sampling=sampling):
+                if event.event == "token":
+                    print(event.text, end="", flush=True)
+        except FabricError as exc:
+            print(f"\nerror: {exc}", file=sys.stderr)
+            return 1
+    print()
+    return 0
+
+
+def _status_parser(sub) -> None:
+    p = sub.add_parser("status", help="nodes, coverage and current route plans")
+    _tracker_flag(p)
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=cmd_status)
+
+
+def cmd_status(args) -> int:
+    from .client import Client, FabricError
+
+    with Client(args.tracker, timeout=5.0) as client:
+        try:
+            status = client.status()
+        except FabricError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 1
+    print(json.dumps(status, indent=2) if args.json else format_status(status))
+    return 0
+
+
+def format_status(status: dict) -> str:
+    lines = [f"{'NODE':<20} {'MODEL':<18} {'LAYERS':<9} {'SESSIONS':>8}  ENDPOINT"]
+    for n in status.get("nodes", []):
+        a, b = n["layers"]
+        lines.append(f"{n['id']:<20} {n['model']:<18} {f'{a}-{b}':<9} {n.get('sessions', 0):>8}  {n['endpoint']}")
+    for model, plans in status.get("plans", {}).items():
+        lines.append(f"\nplans for {model}:")
+        for plan in plans or []:
+            hops = " -> ".join(f"{h['node']}[{h['start_layer']}-{h['end_layer']}]" for h in plan["hops"])
+            lines.append(f"  {hops}  (~{plan.get('estimated_tps', 0):.1f} tok/s)")
+        if not plans:
+            lines.append("  no complete route")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,244 @@
+"""The scripting API over ZeroMQ: ask the tracker for a route, stream tokens from the head.
+
+    from fabric import Client
+    with Client("tcp://127.0.0.1:5555") as c:
+        for event in c.generate("smollm2-135m", messages=[{"role": "user", "content": "Hi"}]):
+            print(event.text, end="", flush=True)
+
+``AsyncClient`` offers the same over asyncio. Closing a generation early (break, or
+``aclose()``) cancels the request along the route, and every hop frees its KV.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from dataclasses import dataclass
+from typing import AsyncIterator, Iterator
+
+import zmq
+import zmq.asyncio
+
+from . import protocol as p
+
+
+class FabricError(Exception):
+    """The fabric refused or failed a request. ``code`` is a ``protocol.ErrorCode`` value."""
+
+    def __init__(self, code: str, message: str):
+        super().__init__(f"{code}: {message}")
+        self.code = code
+        self.message = message
+
+
+@dataclass(frozen=True)
+class GenerateArgs:
+    model: str
+    messages: tuple[dict, ...] | None
+    prompt: str | None
+    max_tokens: int
+    stop: tuple[str, ...]
+    sampling: p.Sampling
+    request_id: str
+    api_key: str | None
+
+    def message(self, route: tuple[p.Hop, ...]) -> p.Generate:
+        msg = p.Generate(request_id=self.request_id, route=route, messages=self.messages, prompt=self.prompt,
+                         max_tokens=self.max_tokens, stop=self.stop, sampling=self.sampling, api_key=self.api_key)
+        msg.validate()  # refuse bad arguments here, with the same words a node would use
+        return msg
+
+
+def _args(model, messages, prompt, max_tokens, stop, sampling, request_id, api_key) -> GenerateArgs:
+    return GenerateArgs(model, tuple(dict(m) for m in messages) if messages is not None else None, prompt,
+                        max_tokens, tuple(stop), sampling, request_id or uuid.uuid4().hex, api_key)
+
+
+def _route_from(reply: p.Message) -> tuple[p.Hop, ...]:
+    if isinstance(reply, p.Route):
+        return reply.hops
+    if isinstance(reply, p.Error):
+        raise FabricError(reply.code, reply.message)
+    raise FabricError(p.ErrorCode.INTERNAL, f"tracker answered {type(reply).__name__}")
+
+
+def _check(event: p.Message) -> p.Event:
+    """An event from the head, or the FabricError it stands for."""
+    if isinstance(event, p.Error):
+        raise FabricError(event.code, event.message)
+    if not isinstance(event, p.Event):
+        raise FabricError(p.ErrorCode.INTERNAL, f"head sent {type(event).__name__}")
+    if event.event == "error":
+        raise FabricError(event.error_code or p.ErrorCode.INTERNAL, event.text)
+    return event
+
+
+def _models(status: dict) -> list[dict]:
+    by_model: dict[str, dict] = {}
+    for node in status.get("nodes", []):
+        entry = by_model.setdefault(node["model"], {"id": node["model"], "num_layers": node.get("num_layers"),
+                                                    "nodes": 0, "routable": False})
+        entry["nodes"] += 1
+    for model, plans in status.get("plans", {}).items():
+        if model in by_model and plans:
+            by_model[model]["routable"] = True
+    return sorted(by_model.values(), key=lambda m: m["id"])
+
+
+def _dealer(ctx, endpoint: str):
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(endpoint)
+    return sock
+
+
+class Client:
+    """Blocking client. ``head`` skips the tracker and uses a one-hop route to that node."""
+
+    def __init__(self, tracker: str = "tcp://127.0.0.1:5555", *, timeout: float = 30.0):
+        self.tracker_endpoint = tracker
+        self.timeout = timeout
+        self.ctx = zmq.Context.instance()
+        self._tracker = None
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self._tracker is not None:
+            self._tracker.close(linger=0)
+            self._tracker = None
+
+    def ask(self, message: p.Message) -> p.Message:
+        """One request/reply with the tracker."""
+        if self._tracker is None:
+            self._tracker = _dealer(self.ctx, self.tracker_endpoint)
+        self._tracker.send_multipart(p.encode(message))
+        if not self._tracker.poll(self.timeout * 1000):
+            self.close()  # drop the socket: a late reply must not answer the next question
+            raise FabricError(p.ErrorCode.INTERNAL, f"tracker at {self.tracker_endpoint} did not answer")
+        return p.decode(self._tracker.recv_multipart())[0]
+
+    def status(self) -> dict:
+        reply = self.ask(p.StatusRequest())
+        if not isinstance(reply, p.Status):
+            raise FabricError(getattr(reply, "code", p.ErrorCode.INTERNAL), str(reply))
+        return reply.body
+
+    def models(self) -> list[dict]:
+        return _models(self.status())
+
+    def route(self, model: str, exclude: tuple[str, ...] = ()) -> tuple[p.Hop, ...]:
+        return _route_from(self.ask(p.RouteRequest(model, exclude)))
+
+    def generate(self, model: str, *, messages=None, prompt=None, max_tokens: int = 256, stop=(),
+                 sampling: p.Sampling = p.Sampling(), request_id: str | None = None,
+                 api_key: str | None = None, route: tuple[p.Hop, ...] | None = None) -> Iterator[p.Event]:
+        args = _args(model, messages, prompt, max_tokens, stop, sampling, request_id, api_key)
+        try:
+            msg = args.message(route or self.route(model))
+        except p.ProtocolError as exc:
+            raise FabricError(exc.code, str(exc)) from None
+        return self._stream(msg)
+
+    def _stream(self, msg: p.Generate) -> Iterator[p.Event]:
+        sock = _dealer(self.ctx, msg.route[0].endpoint)
+        done = False
+        try:
+            sock.send_multipart(p.encode(msg))
+            while True:
+                if not sock.poll(self.timeout * 1000):
+                    raise FabricError(p.ErrorCode.HOP_FAILED, f"head {msg.route[0].endpoint} went silent")
+                event = _check(p.decode(sock.recv_multipart())[0])
+                done = event.event == "done"
+                yield event
+                if done:
+                    return
+        finally:
+            if not done:
+                sock.send_multipart(p.encode(p.Cancel(msg.request_id)))
+            sock.close(linger=100 if not done else 0)
+
+    def chat(self, model: str, prompt: str, **kwargs) -> str:
+        """The whole reply to one user message, as text."""
+        events = self.generate(model, messages=[{"role": "user", "content": prompt}], **kwargs)
+        return "".join(e.text for e in events if e.event == "token")
+
+
+class AsyncClient:
+    """asyncio client with the same calls as ``Client``."""
+
+    def __init__(self, tracker: str = "tcp://127.0.0.1:5555", *, timeout: float = 30.0):
+        self.tracker_endpoint = tracker
+        self.timeout = timeout
+        self.ctx = zmq.asyncio.Context.instance()
+        self._lock = asyncio.Lock()
+        self._tracker = None
+
+    async def close(self) -> None:
+        if self._tracker is not None:
+            self._tracker.close(linger=0)
+            self._tracker = None
+
+    async def ask(self, message: p.Message) -> p.Message:
+        async with self._lock:  # one question in flight on the shared tracker socket
+            if self._tracker is None:
+                self._tracker = _dealer(self.ctx, self.tracker_endpoint)
+            await self._tracker.send_multipart(p.encode(message))
+            if not await self._tracker.poll(self.timeout * 1000):
+                await self.close()
+                raise FabricError(p.ErrorCode.INTERNAL, f"tracker at {self.tracker_endpoint} did not answer")
+            return p.decode(await self._tracker.recv_multipart())[0]
+
+    async def status(self) -> dict:
+        reply = await self.ask(p.StatusRequest())
+        if not isinstance(reply, p.Status):
+            raise FabricError(getattr(reply, "code", p.ErrorCode.INTERNAL), str(reply))
+        return reply.body
+
+    async def models(self) -> list[dict]:
+        return _models(await self.status())
+
+    async def route(self, model: str, exclude: tuple[str, ...] = ()) -> tuple[p.Hop, ...]:
+        return _route_from(await self.ask(p.RouteRequest(model, exclude)))
+
+    def generate(self, model: str, *, messages=None, prompt=None, max_tokens: int = 256, stop=(),
+                 sampling: p.Sampling = p.Sampling(), request_id: str | None = None,
+                 api_key: str | None = None, route: tuple[p.Hop, ...] | None = None) -> AsyncIterator[p.Event]:
+        args = _args(model, messages, prompt, max_tokens, stop, sampling, request_id, api_key)
+        return self._stream(args, route)
+
+    async def _stream(self, args: GenerateArgs, route) -> AsyncIterator[p.Event]:
+        try:
+            msg = args.message(route or await self.route(args.model))
+        except p.ProtocolError as exc:
+            raise FabricError(exc.code, str(exc)) from None
+        sock = _dealer(self.ctx, msg.route[0].endpoint)
+        done = False
+        try:
+            await sock.send_multipart(p.encode(msg))
+            while True:
+                if not await sock.poll(self.timeout * 1000):
+                    raise FabricError(p.ErrorCode.HOP_FAILED, f"head {msg.route[0].endpoint} went silent")
+                event = _check(p.decode(await sock.recv_multipart())[0])
+                done = event.event == "done"
+                yield event
+                if done:
+                    return
+        finally:
+            if not done:
+                await sock.send_multipart(p.encode(p.Cancel(msg.request_id)))
+            sock.close(linger=100 if not done else 0)
+
+
+def wait_for(predicate, timeout: float = 10.0, interval: float = 0.05) -> bool:
+    """Poll ``predicate`` until true or ``timeout``; for scripts and tests."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval)
+    return bool(predicate())

@@ -1,0 +1,354 @@
+"""The node daemon: poll sockets, decode frames, execute hops, forward, heartbeat.
+
+One thread owns every socket and the model. Inbound frames arrive on a ROUTER; frames to
+peers leave through one DEALER per peer endpoint. Work (a hop to execute) is queued and
+run between polls, so a node keeps answering while it computes for many sessions. When
+this node is the head of a request, its RouteSession sends the first hop to this very
+node: such frames are queued in-process instead of crossing a socket.
+"""
+from __future__ import annotations
+
+import logging
+import secrets
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import zmq
+
+from . import protocol as p
+from .executor import CacheMissError, ShardExecutor
+from .kv import KVStore
+from .models import ModelSource, fingerprint, load_shard, load_tokenizer
+from .route_session import RequestError, RouteSession, encode_prompt, eos_ids
+from .sampling import sample
+from .shard import Shard
+from .tensors import from_wire, to_wire
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class NodeConfig:
+    source: ModelSource  # what to load
+    shard: Shard  # which layers this node holds
+    bind: str = "tcp://127.0.0.1:0"  # ROUTER address; port 0 picks a free port
+    advertise: str | None = None  # endpoint peers should dial; defaults to the bound one
+    tracker: str | None = "tcp://127.0.0.1:5555"  # None: run without a tracker (tests, scripts)
+    device: str = "cpu"
+    dtype: torch.dtype = torch.float32
+    node_id: str = field(default_factory=lambda: "node-" + secrets.token_hex(4))
+    heartbeat_interval: float = 1.0  # seconds between heartbeats to the tracker
+    kv_idle_timeout: float = 300.0  # free a session's KV after this long unused
+    max_sessions: int = 64  # concurrent sessions this node keeps KV for
+    max_prompt_tokens: int = 4096  # the head refuses longer prompts
+    max_frame_bytes: int = 64 << 20  # largest tensor buffer accepted from a peer
+    cache_root: Path | None = None  # where parsed GGUF metadata is cached
+    progress: bool = True  # show a progress bar while weights load
+
+
+@dataclass
+class Work:
+    """A hop to execute: a FORWARD and its input tensor (already validated)."""
+
+    msg: p.Forward
+    tensor: torch.Tensor
+
+
+class Node:
+    def __init__(self, config: NodeConfig, ctx: zmq.Context | None = None):
+        self.config = config
+        self.ctx = ctx or zmq.Context.instance()
+        weights = load_shard(config.source, config.shard, dtype=config.dtype, device=config.device,
+                             progress=config.progress, cache_root=config.cache_root)
+        self.kv = KVStore(config.kv_idle_timeout)
+        self.executor = ShardExecutor(weights, self.kv)
+        self.tokenizer = load_tokenizer(config.source, config.cache_root) if config.shard.is_first else None
+        self.eos = eos_ids(self.tokenizer, weights.config) if self.tokenizer else frozenset()
+        self.fingerprint = fingerprint(config.source, weights.config)
+        self.router = self.ctx.socket(zmq.ROUTER)
+        self.router.setsockopt(zmq.LINGER, 0)
+        self.router.setsockopt(zmq.ROUTER_MANDATORY, 0)
+        self.router.bind(config.bind)
+        self.endpoint = config.advertise or self.router.getsockopt(zmq.LAST_ENDPOINT).decode()
+        self.peers: dict[str, zmq.Socket] = {}
+        self.tracker: zmq.Socket | None = None
+        self.work: deque[Work] = deque()
+        self.sessions: dict[str, RouteSession] = {}  # requests this node heads
+        self.clients: dict[str, bytes] = {}  # request id -> client identity on the ROUTER
+        self.benchmark = self._benchmark()
+        self.ready = threading.Event()
+        self._next_heartbeat = 0.0
+
+    # -- main loop ----------------------------------------------------------------------
+
+    def run(self, stop: threading.Event) -> None:
+        poller = zmq.Poller()
+        poller.register(self.router, zmq.POLLIN)
+        if self.config.tracker:
+            self.tracker = self._dealer(self.config.tracker)
+            poller.register(self.tracker, zmq.POLLIN)
+            self._register()
+        log.info("node %s serving layers %s of %s at %s", self.config.node_id, self.config.shard,
+                 self.config.source.model_id, self.endpoint)
+        self.ready.set()
+        try:
+            while not stop.is_set():
+                for sock, _ in poller.poll(0 if self.work else 50):
+                    self._drain(sock)
+                if self.work:
+                    self._execute(self.work.popleft())
+                self._periodic()
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        for sock in [self.router, *self.peers.values(), *([self.tracker] if self.tracker else [])]:
+            sock.close(linger=0)
+        self.peers.clear()
+
+    def _drain(self, sock: zmq.Socket) -> None:
+        """Read every frame waiting on ``sock`` (bounded, so work still runs)."""
+        for _ in range(256):
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            if sock is self.router:
+                self._inbound(frames[0].bytes, frames[1:])
+            else:
+                self._tracker_reply(frames)
+
+    def _periodic(self) -> None:
+        now = time.monotonic()
+        if self.tracker is not None and now >= self._next_heartbeat:
+            self._next_heartbeat = now + self.config.heartbeat_interval
+            self._to_tracker(p.Heartbeat(self.config.node_id, sessions=len(self.kv), queued=len(self.work)))
+        for session in self.kv.evict_idle():
+            log.info("freed idle session %s", session)
+
+    # -- inbound ------------------------------------------------------------------------
+
+    def _inbound(self, identity: bytes, frames: list) -> None:
+        try:
+            msg, buffers = p.decode(frames, self.config.max_frame_bytes)
+            self._dispatch(identity, msg, buffers)
+        except p.ProtocolError as exc:
+            log.warning("rejected frame from %r: %s", identity, exc)
+            self._reply(identity, p.Error(exc.code, str(exc), node=self.config.node_id))
+        except Exception as exc:  # a bug must cost one request, never the node
+            log.exception("failed handling a frame")
+            self._reply(identity, p.Error(p.ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}",
+                                          node=self.config.node_id))
+
+    def _dispatch(self, identity: bytes, msg: p.Message, buffers: list) -> None:
+        match msg:
+            case p.Forward():
+                self._accept_forward(msg, from_wire(msg.tensors[0], buffers[0]))
+            case p.Token() | p.CacheMiss():
+                self._to_session(msg.session, msg)
+            case p.Error(session=str() as session):
+                self._to_session(session, msg)
+            case p.Generate():
+                self._generate(identity, msg)
+            case p.Cancel() | p.Close():
+                self._end_session(msg)
+            case p.Ping():
+                self._reply(identity, p.Pong(msg.nonce, node=self.config.node_id, sessions=len(self.kv)))
+            case p.Error() | p.Pong() | p.Ack():
+                log.debug("ignoring %s", type(msg).__name__)
+            case _:
+                raise p.ProtocolError(f"a node does not accept {type(msg).__name__}", p.ErrorCode.BAD_REQUEST)
+
+    def _accept_forward(self, msg: p.Forward, tensor: torch.Tensor) -> None:
+        if not self.config.shard.covers(msg.start_layer, msg.end_layer):
+            raise p.ProtocolError(f"layers {msg.start_layer}-{msg.end_layer} are not on this node "
+                                  f"(it holds {self.config.shard})", p.ErrorCode.BAD_REQUEST)
+        if msg.start_layer > 0 and tensor.shape[-1] != self.executor.hidden_size:
+            raise p.ProtocolError(f"hidden size {tensor.shape[-1]} != {self.executor.hidden_size}")
+        if msg.pos == 0 and msg.session not in self.kv and len(self.kv) >= self.config.max_sessions:
+            self._send(msg.reply_to, p.Error(p.ErrorCode.BUSY, "node is at its session limit",
+                                             session=msg.session, step=msg.step, node=self.config.node_id))
+            return
+        self.work.append(Work(msg, tensor))
+
+    def _to_session(self, session: str, msg: p.Message) -> None:
+        rs = self.sessions.get(session)
+        if rs is None:
+            return  # a late reply for a request that already ended
+        match msg:
+            case p.Token():
+                events = rs.on_token(msg)
+            case p.CacheMiss():
+                events = rs.on_cache_miss(msg)
+            case _:
+                events = rs.on_error(msg)
+        self._emit(rs, events)
+
+    # -- executing hops -----------------------------------------------------------------
+
+    def _execute(self, work: Work) -> None:
+        msg = work.msg
+        try:
+            result = self.executor.run(msg.session, msg.start_layer, msg.end_layer, work.tensor, msg.pos)
+        except CacheMissError as miss:
+            self._send(msg.reply_to, p.CacheMiss(msg.session, msg.step, self.config.node_id, miss.have))
+            return
+        except Exception as exc:
+            log.exception("hop failed for session %s", msg.session)
+            self.kv.drop(msg.session)
+            self._send(msg.reply_to, p.Error(p.ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}",
+                                             session=msg.session, step=msg.step, node=self.config.node_id))
+            return
+        q = work.tensor.shape[1]
+        if result.logits is not None:
+            token = sample(result.logits, msg.sampling, msg.pos + q)
+            self._send(msg.reply_to, p.Token(msg.session, msg.step, token, msg.pos + q))
+            return
+        nxt = msg.route[0]
+        out = p.Forward(session=msg.session, step=msg.step, pos=msg.pos, start_layer=nxt.start_layer,
+                        end_layer=nxt.end_layer, route=msg.route[1:], reply_to=msg.reply_to,
+                        sampling=msg.sampling)
+        self._forward(nxt, out, result.hidden)
+
+    # -- requests this node heads -------------------------------------------------------
+
+    def _generate(self, identity: bytes, req: p.Generate) -> None:
+        if self.tokenizer is None or req.route[0].endpoint != self.endpoint:
+            raise p.ProtocolError("this node is not the head of that route", p.ErrorCode.BAD_REQUEST)
+        if req.request_id in self.sessions:
+            raise p.ProtocolError("request id already in flight", p.ErrorCode.BAD_REQUEST)
+        try:
+            prompt = encode_prompt(self.tokenizer, req, self.config.max_prompt_tokens)
+        except RequestError as exc:
+            self._reply(identity, p.Event(req.request_id, "error", text=str(exc), error_code=exc.code,
+                                          finish_reason="error"))
+            return
+        rs = RouteSession(req, prompt, tokenizer=self.tokenizer, eos=self.eos, reply_to=self.endpoint,
+                          transport=self, seed=secrets.randbits(62))
+        self.sessions[req.request_id] = rs
+        self.clients[req.request_id] = identity
+        self._emit(rs, rs.start())
+
+    def _end_session(self, msg: p.Cancel | p.Close) -> None:
+        rs = self.sessions.get(msg.session)
+        if rs is not None and isinstance(msg, p.Cancel):
+            self._emit(rs, rs.cancel())  # the client cancelled a request this node heads
+        else:
+            self._free(msg)
+
+    def _free(self, msg: p.Cancel | p.Close) -> None:
+        """Drop the session's KV and queued work here, then pass the message down the route."""
+        self.kv.drop(msg.session)
+        self.work = deque(w for w in self.work if w.msg.session != msg.session)
+        if msg.route:
+            nxt = msg.route[0]
+            self._send(nxt.endpoint, type(msg)(session=msg.session, route=msg.route[1:]))
+
+    def _emit(self, rs: RouteSession, events: list[p.Event]) -> None:
+        identity = self.clients.get(rs.session)
+        for event in events:
+            if identity is not None:
+                self._reply(identity, event)
+        if rs.finished:
+            self.sessions.pop(rs.session, None)
+            self.clients.pop(rs.session, None)
+            self._report(rs)
+
+    def _report(self, rs: RouteSession) -> None:
+        if self.tracker is None:
+            return
+        self._to_tracker(p.Report(
+            request_id=rs.session, node_id=self.config.node_id, model=self.config.source.model_id,
+            route=rs.route, prompt_tokens=rs.prompt_tokens, completion_tokens=len(rs.generated),
+            elapsed=rs.elapsed, final=True, finish_reason=rs.finished, api_key=rs.request.api_key,
+            max_tokens=rs.request.max_tokens))
+
+    # -- Transport (used by RouteSession) -----------------------------------------------
+
+    def forward(self, hop: p.Hop, message: p.Forward, tensor: torch.Tensor) -> None:
+        self._forward(hop, message, tensor)
+
+    def control(self, hop: p.Hop, message: p.Cancel | p.Close) -> None:
+        if hop.endpoint == self.endpoint:
+            self._free(message)
+        else:
+            self._send(hop.endpoint, message)
+
+    # -- outbound -----------------------------------------------------------------------
+
+    def _forward(self, hop: p.Hop, message: p.Forward, tensor: torch.Tensor) -> None:
+        if hop.endpoint == self.endpoint:
+            self.work.append(Work(message, tensor))
+            return
+        spec, buf = to_wire(tensor)
+        message = p.Forward(**{**_fields(message), "tensors": (spec,)})
+        self._peer(hop.endpoint).send_multipart(p.encode(message, [buf]), copy=False)
+
+    def _send(self, endpoint: str, message: p.Message) -> None:
+        if endpoint == self.endpoint:
+            self._dispatch(b"", message, [])
+        else:
+            self._peer(endpoint).send_multipart(p.encode(message))
+
+    def _reply(self, identity: bytes, message: p.Message) -> None:
+        if identity:
+            self.router.send_multipart([identity, *p.encode(message)])
+
+    def _peer(self, endpoint: str) -> zmq.Socket:
+        sock = self.peers.get(endpoint)
+        if sock is None:
+            sock = self.peers[endpoint] = self._dealer(endpoint)
+        return sock
+
+    def _dealer(self, endpoint: str) -> zmq.Socket:
+        sock = self.ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SNDHWM, 10000)
+        sock.connect(endpoint)
+        return sock
+
+    # -- tracker ------------------------------------------------------------------------
+
+    def _register(self) -> None:
+        c = self.config
+        self._to_tracker(p.Register(
+            node_id=c.node_id, endpoint=self.endpoint, model=c.source.model_id, fingerprint=self.fingerprint,
+            num_layers=c.shard.num_layers, start_layer=c.shard.start, end_layer=c.shard.end,
+            hardware={"device": c.device, "dtype": str(c.dtype).removeprefix("torch."),
+                      "threads": torch.get_num_threads()},
+            benchmark=self.benchmark, max_sessions=c.max_sessions))
+
+    def _to_tracker(self, message: p.Message) -> None:
+        if self.tracker is not None:
+            self.tracker.send_multipart(p.encode(message))
+
+    def _tracker_reply(self, frames: list) -> None:
+        try:
+            msg, _ = p.decode(frames)
+        except p.ProtocolError as exc:
+            log.warning("bad frame from tracker: %s", exc)
+            return
+        if isinstance(msg, p.Error) and msg.code == p.ErrorCode.UNKNOWN_NODE:
+            log.info("tracker does not know this node (restarted?): registering again")
+            self._register()
+
+    def _benchmark(self, reps: int = 3) -> float:
+        """Layer-steps per second for one decode token on a fixed workload."""
+        ex, shard = self.executor, self.config.shard
+        x = (torch.zeros((1, 1), dtype=torch.int64) if shard.is_first
+             else torch.zeros((1, 1, ex.hidden_size), dtype=self.config.dtype))
+        best = float("inf")
+        for _ in range(reps):
+            t = time.perf_counter()
+            ex.run("__bench__", shard.start, shard.end, x, 0)
+            best = min(best, time.perf_counter() - t)
+        self.kv.drop("__bench__")
+        return shard.size / max(best, 1e-9)
+
+
+def _fields(message: p.Message) -> dict:
+    return {f: getattr(message, f) for f in message.__dataclass_fields__ if f != "KIND"}

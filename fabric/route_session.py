@@ -1,0 +1,219 @@
+"""One request's distributed life, owned in one place (the head's side of a route).
+
+A RouteSession tokenizes (the head owns the tokenizer and chat template), sends the
+prompt along the route, turns each TOKEN the tail returns into a client event, applies
+EOS, stop strings and max_tokens, feeds the token back for the next step, re-prefills
+the whole history after a CACHE_MISS, and on every ending (done, cancel, error) tells
+every hop to free the session's KV. It never touches a socket: it talks through a
+``Transport`` (the node daemon's sockets, or an in-process one in tests).
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from .protocol import (CacheMiss, Cancel, Close, Error, ErrorCode, Event, Forward, Generate, Hop,
+                       Sampling, Token)
+
+log = logging.getLogger(__name__)
+
+
+class Transport(Protocol):
+    def forward(self, hop: Hop, message: Forward, tensor: torch.Tensor) -> None: ...
+    def control(self, hop: Hop, message: Cancel | Close) -> None: ...
+
+
+class RequestError(Exception):
+    """A request the head refuses before any work (bad input, prompt too long)."""
+
+    def __init__(self, code: str, message: str):
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass
+class Detokenizer:
+    """Incremental detokenization with stop strings held back until they cannot match."""
+
+    tokenizer: object
+    stop: tuple[str, ...] = ()
+    ids: list[int] = field(default_factory=list)
+    text: str = ""  # all complete text decoded so far
+    emitted: int = 0  # chars of ``text`` already sent to the client
+    _prefix: int = 0
+    _read: int = 0
+
+    def add(self, token: int) -> tuple[str, bool]:
+        """Feed a token; returns (text to emit now, whether a stop string matched)."""
+        self.ids.append(token)
+        before = self.tokenizer.decode(self.ids[self._prefix:self._read], skip_special_tokens=True)
+        after = self.tokenizer.decode(self.ids[self._prefix:], skip_special_tokens=True)
+        if len(after) > len(before) and not after.endswith("\ufffd"):
+            self.text += after[len(before):]
+            self._prefix, self._read = self._read, len(self.ids)
+        for s in self.stop:
+            at = self.text.find(s, max(0, self.emitted - len(s)))
+            if at != -1:
+                self.text = self.text[:at]
+                return self._take(len(self.text)), True
+        return self._take(len(self.text) - self._held_back()), False
+
+    def flush(self) -> str:
+        return self._take(len(self.text))
+
+    def _held_back(self) -> int:
+        """Length of the longest tail of ``text`` that could still start a stop string."""
+        best = 0
+        for s in self.stop:
+            for n in range(min(len(s) - 1, len(self.text)), best, -1):
+                if s.startswith(self.text[-n:]):
+                    best = n
+                    break
+        return best
+
+    def _take(self, upto: int) -> str:
+        upto = max(upto, self.emitted)
+        out, self.emitted = self.text[self.emitted:upto], upto
+        return out
+
+
+def encode_prompt(tokenizer, request: Generate, max_prompt_tokens: int) -> list[int]:
+    """Token ids of the request's prompt; the chat template applies to ``messages``."""
+    if request.messages is not None:
+        ids = tokenizer.apply_chat_template(list(request.messages), add_generation_prompt=True, tokenize=True,
+                                            return_dict=False)
+    else:
+        ids = tokenizer(request.prompt, add_special_tokens=True)["input_ids"]
+    ids = list(ids)
+    if not ids:
+        raise RequestError(ErrorCode.BAD_REQUEST, "the prompt is empty")
+    if len(ids) > max_prompt_tokens:
+        raise RequestError(ErrorCode.PROMPT_TOO_LONG,
+                           f"prompt has {len(ids)} tokens; this route takes at most {max_prompt_tokens}")
+    return ids
+
+
+def eos_ids(tokenizer, config) -> frozenset[int]:
+    ids = {tokenizer.eos_token_id, *_as_list(getattr(config, "eos_token_id", None))}
+    return frozenset(i for i in ids if i is not None)
+
+
+def _as_list(value) -> list:
+    return value if isinstance(value, list) else [value]
+
+
+class RouteSession:
+    """The head's state machine for one request. Feed it messages; it returns events."""
+
+    def __init__(self, request: Generate, prompt_ids: list[int], *, tokenizer, eos: frozenset[int],
+                 reply_to: str, transport: Transport, seed: int):
+        self.request = request
+        self.session = request.request_id
+        self.route = request.route
+        self.history = list(prompt_ids)  # prompt + every generated token fed so far
+        self.prompt_tokens = len(prompt_ids)
+        self.generated: list[int] = []
+        self.eos = eos
+        self.reply_to = reply_to
+        self.transport = transport
+        self.sampling = Sampling(request.sampling.temperature, request.sampling.top_k,
+                                 request.sampling.top_p, request.sampling.seed if request.sampling.seed
+                                 is not None else seed)
+        self.detok = Detokenizer(tokenizer, request.stop)
+        self.step = -1
+        self.finished: str | None = None
+        self.started_at = time.monotonic()
+        self.first_token_at: float | None = None
+        self.cache_misses = 0
+
+    # -- inputs -------------------------------------------------------------------------
+
+    def start(self) -> list[Event]:
+        self._send(self.history, pos=0)
+        return [Event(self.session, "start", route=self.route, prompt_tokens=self.prompt_tokens)]
+
+    def on_token(self, msg: Token) -> list[Event]:
+        if self.finished or msg.step != self.step:
+            return []  # stale reply from before a re-prefill or after the end
+        token = msg.token
+        self.first_token_at = self.first_token_at or time.monotonic()
+        self.generated.append(token)
+        if token in self.eos:
+            return [self._token_event(token, self.detok.flush()), *self._finish("stop")]
+        text, stopped = self.detok.add(token)
+        events = [self._token_event(token, text)]
+        if stopped:
+            return events + self._finish("stop")
+        if len(self.generated) >= self.request.max_tokens:
+            return events + self._finish("length", tail=self.detok.flush())
+        self.history.append(token)
+        self._send([token], pos=len(self.history) - 1)
+        return events
+
+    def on_cache_miss(self, msg: CacheMiss) -> list[Event]:
+        if self.finished or msg.step != self.step:
+            return []
+        self.cache_misses += 1
+        log.info("session %s: %s lost its KV (has %d tokens); re-prefilling %d tokens",
+                 self.session, msg.node, msg.have, len(self.history))
+        if self.cache_misses > 8:
+            return self.fail(ErrorCode.HOP_FAILED, "a hop keeps losing this session's KV")
+        self._send(self.history, pos=0)
+        return []
+
+    def on_error(self, msg: Error) -> list[Event]:
+        if self.finished or (msg.step is not None and msg.step != self.step):
+            return []
+        return self.fail(msg.code, f"{msg.node or 'a hop'}: {msg.message}")
+
+    def cancel(self) -> list[Event]:
+        """The client went away or pressed stop: free every hop's KV."""
+        if self.finished:
+            return []
+        self.finished = "cancelled"
+        self._tell_route(Cancel)
+        return [self._done("cancelled")]
+
+    def fail(self, code: str, message: str) -> list[Event]:
+        if self.finished:
+            return []
+        self.finished = "error"
+        self._tell_route(Cancel)
+        return [Event(self.session, "error", text=message, error_code=code, finish_reason="error",
+                      prompt_tokens=self.prompt_tokens, completion_tokens=len(self.generated))]
+
+    # -- internals ----------------------------------------------------------------------
+
+    def _send(self, ids: list[int], pos: int) -> None:
+        self.step += 1
+        head = self.route[0]
+        msg = Forward(session=self.session, step=self.step, pos=pos, start_layer=head.start_layer,
+                      end_layer=head.end_layer, route=self.route[1:], reply_to=self.reply_to,
+                      sampling=self.sampling)
+        self.transport.forward(head, msg, torch.tensor([ids], dtype=torch.int64))  # (1, q)
+
+    def _finish(self, reason: str, tail: str = "") -> list[Event]:
+        self.finished = reason
+        self._tell_route(Close)
+        events = [self._token_event(None, tail)] if tail else []
+        return events + [self._done(reason)]
+
+    def _tell_route(self, kind: type[Cancel] | type[Close]) -> None:
+        # the first hop passes it along the rest of the route
+        self.transport.control(self.route[0], kind(session=self.session, route=self.route[1:]))
+
+    def _token_event(self, token: int | None, text: str) -> Event:
+        return Event(self.session, "token", text=text, token_ids=() if token is None else (token,),
+                     completion_tokens=len(self.generated))
+
+    def _done(self, reason: str) -> Event:
+        return Event(self.session, "done", finish_reason=reason, prompt_tokens=self.prompt_tokens,
+                     completion_tokens=len(self.generated), route=self.route)
+
+    @property
+    def elapsed(self) -> float:
+        return time.monotonic() - self.started_at
