@@ -175,6 +175,9 @@ def _node_parser(sub) -> None:
     p.add_argument("--max-sessions", type=int, default=64, help="sessions this node keeps KV for")
     p.add_argument("--max-prompt-tokens", type=int, default=4096, help="longest prompt the head accepts")
     p.add_argument("--node-id", default=None, help="stable id (default: random per start)")
+    p.add_argument("--hop-timeout", type=float, default=30.0,
+                   help="seconds the head waits for a step's reply before re-sending it (default %(default)s)")
+    p.add_argument("--heartbeat", type=float, default=1.0, help="seconds between heartbeats to the tracker")
     p.add_argument("--no-progress", action="store_true", help="no progress bar while loading")
     p.set_defaults(func=cmd_node)
 
@@ -203,6 +206,7 @@ def cmd_node(args) -> int:
                         tracker=args.tracker, device=args.device,
                         dtype=torch.bfloat16 if args.dtype == "bfloat16" else torch.float32,
                         max_sessions=args.max_sessions, max_prompt_tokens=args.max_prompt_tokens,
+                        hop_timeout=args.hop_timeout, heartbeat_interval=args.heartbeat,
                         cache_root=default_cache_root(), progress=not args.no_progress,
                         **({"node_id": args.node_id} if args.node_id else {}))
     stop = threading.Event()

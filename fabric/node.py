@@ -12,7 +12,7 @@ import logging
 import secrets
 import threading
 import time
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -42,6 +42,8 @@ class NodeConfig:
     dtype: torch.dtype = torch.float32
     node_id: str = field(default_factory=lambda: "node-" + secrets.token_hex(4))
     heartbeat_interval: float = 1.0  # seconds between heartbeats to the tracker
+    hop_timeout: float = 30.0  # the head re-prefills a step that got no reply for this long
+    progress_interval: float = 0.5  # seconds between progress reports of a request this node heads
     kv_idle_timeout: float = 300.0  # free a session's KV after this long unused
     max_sessions: int = 64  # concurrent sessions this node keeps KV for
     max_prompt_tokens: int = 4096  # the head refuses longer prompts
@@ -79,6 +81,7 @@ class Node:
         self.work: deque[Work] = deque()
         self.sessions: dict[str, RouteSession] = {}  # requests this node heads
         self.clients: dict[str, bytes] = {}  # request id -> client identity on the ROUTER
+        self.counters: Counter[str] = Counter()  # frames, hops, cache misses, errors: for status and tests
         self.benchmark = self._benchmark()
         self.ready = threading.Event()
         self._next_heartbeat = 0.0
@@ -129,6 +132,8 @@ class Node:
             self._to_tracker(p.Heartbeat(self.config.node_id, sessions=len(self.kv), queued=len(self.work)))
         for session in self.kv.evict_idle():
             log.info("freed idle session %s", session)
+        for rs in list(self.sessions.values()):
+            self._emit(rs, rs.check_timeout(now, self.config.hop_timeout))
 
     # -- inbound ------------------------------------------------------------------------
 
@@ -137,6 +142,7 @@ class Node:
             msg, buffers = p.decode(frames, self.config.max_frame_bytes)
             self._dispatch(identity, msg, buffers)
         except p.ProtocolError as exc:
+            self.counters["rejected_frames"] += 1
             log.warning("rejected frame from %r: %s", identity, exc)
             self._reply(identity, p.Error(exc.code, str(exc), node=self.config.node_id))
         except Exception as exc:  # a bug must cost one request, never the node
@@ -195,6 +201,7 @@ class Node:
         try:
             result = self.executor.run(msg.session, msg.start_layer, msg.end_layer, work.tensor, msg.pos)
         except CacheMissError as miss:
+            self.counters["cache_miss"] += 1
             self._send(msg.reply_to, p.CacheMiss(msg.session, msg.step, self.config.node_id, miss.have))
             return
         except Exception as exc:
@@ -203,6 +210,7 @@ class Node:
             self._send(msg.reply_to, p.Error(p.ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}",
                                              session=msg.session, step=msg.step, node=self.config.node_id))
             return
+        self.counters["hops"] += 1
         q = work.tensor.shape[1]
         if result.logits is not None:
             token = sample(result.logits, msg.sampling, msg.pos + q)
@@ -257,14 +265,17 @@ class Node:
             self.sessions.pop(rs.session, None)
             self.clients.pop(rs.session, None)
             self._report(rs)
+        elif time.monotonic() - rs.reported_at >= self.config.progress_interval:
+            self._report(rs)  # progress for every request, streamed or not
 
     def _report(self, rs: RouteSession) -> None:
+        rs.reported_at = time.monotonic()
         if self.tracker is None:
             return
         self._to_tracker(p.Report(
             request_id=rs.session, node_id=self.config.node_id, model=self.config.source.model_id,
             route=rs.route, prompt_tokens=rs.prompt_tokens, completion_tokens=len(rs.generated),
-            elapsed=rs.elapsed, final=True, finish_reason=rs.finished, api_key=rs.request.api_key,
+            elapsed=rs.elapsed, final=rs.finished is not None, finish_reason=rs.finished, api_key=rs.request.api_key,
             max_tokens=rs.request.max_tokens))
 
     # -- Transport (used by RouteSession) -----------------------------------------------

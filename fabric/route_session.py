@@ -129,6 +129,9 @@ class RouteSession:
         self.started_at = time.monotonic()
         self.first_token_at: float | None = None
         self.cache_misses = 0
+        self.sent_at = time.monotonic()  # when the pending step was sent
+        self.retries = 0  # re-sends after a hop went silent
+        self.reported_at = float("-inf")  # when the head last reported progress to the tracker
 
     # -- inputs -------------------------------------------------------------------------
 
@@ -170,6 +173,20 @@ class RouteSession:
             return []
         return self.fail(msg.code, f"{msg.node or 'a hop'}: {msg.message}")
 
+    def check_timeout(self, now: float, timeout: float, max_retries: int = 3) -> list[Event]:
+        """No reply for ``timeout`` seconds: the frame was lost (a hop died or restarted).
+
+        Re-prefill the whole history along the route; a restarted hop picks it up.
+        """
+        if self.finished or now - self.sent_at < timeout:
+            return []
+        self.retries += 1
+        if self.retries > max_retries:
+            return self.fail(ErrorCode.HOP_FAILED, f"no reply from the route for {timeout:.0f} s")
+        log.warning("session %s: no reply for %.1f s; re-prefilling (try %d)", self.session, timeout, self.retries)
+        self._send(self.history, pos=0)
+        return []
+
     def cancel(self) -> list[Event]:
         """The client went away or pressed stop: free every hop's KV."""
         if self.finished:
@@ -190,6 +207,7 @@ class RouteSession:
 
     def _send(self, ids: list[int], pos: int) -> None:
         self.step += 1
+        self.sent_at = time.monotonic()
         head = self.route[0]
         msg = Forward(session=self.session, step=self.step, pos=pos, start_layer=head.start_layer,
                       end_layer=head.end_layer, route=self.route[1:], reply_to=self.reply_to,

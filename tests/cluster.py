@@ -1,0 +1,169 @@
+"""Clusters for tests: a tracker and nodes on loopback, in threads or in real processes."""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import zmq
+
+from fabric import Client
+from fabric import protocol as p
+from fabric.client import wait_for
+from fabric.models import resolve
+from fabric.node import Node, NodeConfig
+from fabric.shard import Shard
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def ping(endpoint: str, timeout: float = 5.0) -> p.Pong | None:
+    """PING a node; its PONG says how many sessions it holds KV for."""
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(endpoint)
+    try:
+        sock.send_multipart(p.encode(p.Ping(1)))
+        if not sock.poll(timeout * 1000):
+            return None
+        reply = p.decode(sock.recv_multipart())[0]
+        return reply if isinstance(reply, p.Pong) else None
+    finally:
+        sock.close()
+
+
+class ThreadCluster:
+    """A tracker and nodes in threads of this process, on real loopback sockets."""
+
+    def __init__(self, heartbeat: float = 0.2):
+        from tracker.service import Tracker, TrackerConfig
+
+        self.stop = threading.Event()
+        self.threads: list[threading.Thread] = []
+        self.tracker = Tracker(TrackerConfig(bind="tcp://127.0.0.1:*", pub="tcp://127.0.0.1:*", db=":memory:",
+                                             heartbeat_interval=heartbeat))
+        self._start(self.tracker.run)
+        self.tracker.ready.wait(10)
+        self.endpoint = self.tracker.endpoint
+        self.nodes: dict[str, Node] = {}
+        self.heartbeat = heartbeat
+
+    def _start(self, target) -> None:
+        t = threading.Thread(target=target, args=(self.stop,), daemon=True)
+        t.start()
+        self.threads.append(t)
+
+    def add_node(self, model_dir: Path, start: int, end: int, num_layers: int, node_id: str, **kw) -> Node:
+        config = NodeConfig(resolve(str(model_dir)), Shard(start, end, num_layers), tracker=self.endpoint,
+                            node_id=node_id, progress=False, heartbeat_interval=self.heartbeat, **kw)
+        node = Node(config)
+        self._start(node.run)
+        node.ready.wait(10)
+        self.nodes[node_id] = node
+        return node
+
+    def client(self) -> Client:
+        return Client(self.endpoint, timeout=30)
+
+    def wait_routable(self, model: str, nodes: int, timeout: float = 15.0) -> dict:
+        with self.client() as c:
+            assert wait_for(lambda: len(c.status()["nodes"]) >= nodes and c.status()["plans"].get(model),
+                            timeout), c.status()
+            return c.status()
+
+    def close(self) -> None:
+        self.stop.set()
+        for t in self.threads:
+            t.join(10)
+
+
+class ProcessCluster:
+    """``meshnet tracker`` and ``meshnet node`` as real processes, driven by the CLI."""
+
+    def __init__(self, tmp: Path, cache: Path, heartbeat: float = 0.3):
+        self.tmp = tmp
+        self.cache = cache  # XDG cache shared by the test session: GGUF metadata parsed once
+        self.heartbeat = heartbeat
+        self.endpoint = f"tcp://127.0.0.1:{free_port()}"
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.node_endpoints: dict[str, str] = {}
+        self.start_tracker()
+
+    def _spawn(self, name: str, *args: str) -> subprocess.Popen:
+        log = open(self.tmp / f"{name}.log", "ab")
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "XDG_CACHE_HOME": str(self.cache)}
+        proc = subprocess.Popen([sys.executable, "-m", "fabric.cli", "--log-level", "info", *args],
+                                stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
+        self.procs[name] = proc
+        return proc
+
+    def start_tracker(self) -> None:
+        self._spawn("tracker", "tracker", "--bind", self.endpoint, "--pub", f"tcp://127.0.0.1:{free_port()}",
+                    "--db", str(self.tmp / "ledger.sqlite3"), "--heartbeat", str(self.heartbeat))
+
+    def start_node(self, name: str, model: str, layers: str, port: int | None = None, *extra: str) -> str:
+        endpoint = f"tcp://127.0.0.1:{port or free_port()}"
+        self._spawn(name, "node", "--model", model, "--layers", layers, "--tracker", self.endpoint,
+                    "--bind", endpoint, "--node-id", name, "--threads", "1", "--no-progress",
+                    "--heartbeat", str(self.heartbeat), *extra)
+        self.node_endpoints[name] = endpoint
+        return endpoint
+
+    def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
+        proc = self.procs.pop(name)
+        proc.send_signal(sig)
+        proc.wait(10)
+
+    def client(self) -> Client:
+        return Client(self.endpoint, timeout=60)
+
+    def wait_nodes(self, names: list[str], model: str, timeout: float = 120.0) -> dict:
+        def ready():
+            try:
+                with Client(self.endpoint, timeout=2) as c:
+                    status = c.status()
+            except Exception:
+                return False
+            ids = {n["id"] for n in status["nodes"]}
+            return set(names) <= ids and bool(status["plans"].get(model))
+        assert wait_for(ready, timeout, 0.2), self.logs()
+        with self.client() as c:
+            return c.status()
+
+    def logs(self) -> str:
+        return "\n".join(f"== {f.name}\n{f.read_text()[-3000:]}" for f in sorted(self.tmp.glob("*.log")))
+
+    def close(self) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGINT)
+        for proc in self.procs.values():
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        self.procs.clear()
+
+
+def wait_sessions_zero(endpoints: list[str], timeout: float = 1.0) -> float:
+    """Seconds until every node reports zero sessions (or raises after ``timeout``)."""
+    start = time.monotonic()
+    while True:
+        counts = [getattr(ping(e, 1.0), "sessions", None) for e in endpoints]
+        if all(c == 0 for c in counts):
+            return time.monotonic() - start
+        if time.monotonic() - start > timeout:
+            raise AssertionError(f"sessions still held after {timeout}s: {counts}")
+        time.sleep(0.02)

@@ -1,0 +1,39 @@
+from __future__ import annotations
+
+import pytest
+
+from tests.cluster import ProcessCluster, ThreadCluster
+from tests.tiny_models import make_model
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory):
+    """family -> directory of a 6-layer random model (made once per test session)."""
+    root = tmp_path_factory.mktemp("models")
+    cache: dict = {}
+
+    def get(family: str = "llama"):
+        if family not in cache:
+            cache[family] = make_model(family, root / family)
+        return cache[family]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def xdg_cache(tmp_path_factory):
+    return tmp_path_factory.mktemp("xdg-cache")
+
+
+@pytest.fixture
+def thread_cluster():
+    cluster = ThreadCluster()
+    yield cluster
+    cluster.close()
+
+
+@pytest.fixture
+def process_cluster(tmp_path, xdg_cache):
+    cluster = ProcessCluster(tmp_path, xdg_cache)
+    yield cluster
+    cluster.close()
