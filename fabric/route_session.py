@@ -176,14 +176,16 @@ class RouteSession:
     def check_timeout(self, now: float, timeout: float, max_retries: int = 3) -> list[Event]:
         """No reply for ``timeout`` seconds: the frame was lost (a hop died or restarted).
 
-        Re-prefill the whole history along the route; a restarted hop picks it up.
+        Re-prefill the whole history along the route; a restarted hop picks it up. Each
+        retry waits twice as long as the one before (backoff), then the request fails.
         """
-        if self.finished or now - self.sent_at < timeout:
+        if self.finished or now - self.sent_at < timeout * 2 ** self.retries:
             return []
         self.retries += 1
         if self.retries > max_retries:
-            return self.fail(ErrorCode.HOP_FAILED, f"no reply from the route for {timeout:.0f} s")
-        log.warning("session %s: no reply for %.1f s; re-prefilling (try %d)", self.session, timeout, self.retries)
+            return self.fail(ErrorCode.HOP_FAILED, f"no reply from the route after {max_retries} re-sends")
+        log.warning("session %s: no reply for %.1f s; re-prefilling (try %d)", self.session, now - self.sent_at,
+                    self.retries)
         self._send(self.history, pos=0)
         return []
 

@@ -76,11 +76,12 @@ def make_model(family: str, directory: Path, num_layers: int = 6, seed: int = 0)
 
 
 def reference_greedy(directory: Path, input_ids: list[int], max_new_tokens: int) -> list[int]:
-    """Greedy continuation from one transformers process: the ground truth."""
+    """Greedy continuation from one transformers process: the ground truth. Like a head
+    node, it stops after the end-of-sequence token."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(directory).eval()
     ids = torch.tensor([input_ids])
-    out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None,
+    out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=_COMMON["eos_token_id"],
                          pad_token_id=0, attention_mask=torch.ones_like(ids))
     return out[0, len(input_ids):].tolist()

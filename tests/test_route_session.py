@@ -1,0 +1,151 @@
+"""Characterization of the Route Session seam, driven without sockets or HTTP.
+
+An in-memory transport connects the session to shard executors of a split model, so the
+test sees exactly the frames the session sends: prefill, decode, cache-miss re-prefill,
+cancellation and cleanup.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fabric.executor import CacheMissError, ShardExecutor
+from fabric.kv import KVStore
+from fabric.models import load_shard, load_tokenizer, resolve
+from fabric.protocol import CacheMiss, Cancel, Close, Forward, Generate, Hop, Token
+from fabric.route_session import Detokenizer, RouteSession, eos_ids
+from fabric.sampling import sample
+from fabric.shard import Shard
+from tests.tiny_models import reference_greedy
+
+
+class LocalTransport:
+    """Runs each FORWARD on in-process executors and queues the tail's reply."""
+
+    def __init__(self, executors: dict[str, ShardExecutor]):
+        self.executors = executors
+        self.replies: list = []
+        self.sent: list[Forward] = []
+        self.controls: list = []
+
+    def forward(self, hop: Hop, message: Forward, tensor: torch.Tensor) -> None:
+        self.sent.append(message)
+        x, hops = tensor, (hop, *message.route)
+        try:
+            for h in hops:
+                result = self.executors[h.node].run(message.session, h.start_layer, h.end_layer, x, message.pos)
+                x = result.hidden
+        except CacheMissError as miss:
+            self.replies.append(CacheMiss(message.session, message.step, h.node, miss.have))
+            return
+        pos = message.pos + tensor.shape[1]
+        self.replies.append(Token(message.session, message.step, sample(result.logits, message.sampling, pos), pos))
+
+    def control(self, hop: Hop, message) -> None:
+        self.controls.append(message)
+        for h in (hop, *message.route):
+            self.executors[h.node].kv.drop(message.session)
+
+
+@pytest.fixture
+def split(tiny_models):
+    model_dir = tiny_models("llama")
+    source = resolve(str(model_dir))
+    executors = {name: ShardExecutor(load_shard(source, Shard(a, b, 6), progress=False), KVStore())
+                 for name, (a, b) in {"h": (0, 2), "t": (3, 5)}.items()}
+    tok = load_tokenizer(source)
+    route = (Hop("h", "inproc://h", 0, 2), Hop("t", "inproc://t", 3, 5))
+    return model_dir, executors, tok, route
+
+
+def new_session(split, max_tokens=16, stop=()):
+    model_dir, executors, tok, route = split
+    request = Generate(request_id="r1", route=route, prompt="the quick brown fox", max_tokens=max_tokens, stop=stop)
+    ids = tok(request.prompt)["input_ids"]
+    transport = LocalTransport(executors)
+    rs = RouteSession(request, ids, tokenizer=tok, eos=frozenset(), reply_to="inproc://h",
+                      transport=transport, seed=7)
+    return rs, transport, ids
+
+
+def drive(rs, transport, on_reply=None):
+    events = rs.start()
+    while transport.replies and not rs.finished:
+        reply = transport.replies.pop(0)
+        if on_reply:
+            on_reply(reply)
+        events += rs.on_token(reply) if isinstance(reply, Token) else rs.on_cache_miss(reply)
+    return events
+
+
+def test_prefill_then_decode_matches_transformers(split):
+    rs, transport, ids = new_session(split)
+    events = drive(rs, transport)
+    tokens = [t for e in events if e.event == "token" for t in e.token_ids]
+    assert tokens == reference_greedy(split[0], ids, 16)
+    assert transport.sent[0].pos == 0 and len(transport.sent) == 16  # one prefill, 15 decode steps
+    assert [m.pos for m in transport.sent[1:]] == list(range(len(ids), len(ids) + 15))
+    assert events[-1].event == "done" and events[-1].finish_reason == "length"
+    assert isinstance(transport.controls[-1], Close)  # cleanup reached every hop
+    assert all(len(ex.kv) == 0 for ex in split[1].values())
+
+
+def test_cache_miss_reprefills_full_history(split):
+    rs, transport, ids = new_session(split)
+
+    def evict_once(reply):
+        if isinstance(reply, Token) and reply.step == 4:
+            split[1]["t"].kv.drop("r1")
+
+    events = drive(rs, transport, evict_once)
+    tokens = [t for e in events if e.event == "token" for t in e.token_ids]
+    assert tokens == reference_greedy(split[0], ids, 16)
+    reprefill = [m for m in transport.sent if m.pos == 0][1]
+    assert rs.cache_misses == 1 and reprefill.step == 6
+
+
+def test_cancel_frees_every_hop(split):
+    rs, transport, _ = new_session(split, max_tokens=50)
+    rs.start()
+    rs.on_token(transport.replies.pop(0))
+    assert all(len(ex.kv) == 1 for ex in split[1].values())
+    events = rs.cancel()
+    assert events[-1].finish_reason == "cancelled"
+    assert isinstance(transport.controls[-1], Cancel) and transport.controls[-1].route == split[3][1:]
+    assert all(len(ex.kv) == 0 for ex in split[1].values())
+    assert rs.on_token(transport.replies.pop(0)) == []  # late replies are ignored
+
+
+def test_stale_step_is_ignored(split):
+    rs, transport, _ = new_session(split)
+    rs.start()
+    reply = transport.replies.pop(0)
+    stale = Token(reply.session, reply.step + 5, reply.token, reply.pos)
+    assert rs.on_token(stale) == [] and not transport.sent[1:]
+
+
+class FakeTokenizer:
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(i) for i in ids)
+
+
+@pytest.mark.parametrize("stop,expect", [(("cd",), "ab"), (("x",), "abcde"), (("bcz",), "abcde")])
+def test_detokenizer_holds_back_stop_prefixes(stop, expect):
+    d = Detokenizer(FakeTokenizer(), stop)
+    out, stopped = "", False
+    for ch in "abcde":
+        text, stopped = d.add(ord(ch))
+        out += text
+        if stopped:
+            break
+    if not stopped:
+        out += d.flush()
+    assert out == expect
+
+
+def test_eos_ids_collects_tokenizer_and_config(split):
+    tok = split[2]
+
+    class C:
+        eos_token_id = [2, 9]
+    assert eos_ids(tok, C()) == frozenset({tok.eos_token_id, 2, 9})
