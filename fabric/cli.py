@@ -74,6 +74,8 @@ def cmd_up(args) -> int:
         log.error("%s", exc)
         return 2
     threads = max(1, (os.cpu_count() or 1) // len(shards))
+    log.info("starting a tracker, %d nodes (layers %s, %d torch threads each) and the web UI; loading weights…",
+             len(shards), ", ".join(map(str, shards)), threads)
     me = [sys.executable, "-m", "fabric.cli", "--log-level", args.log_level]
     commands = [[*me, "tracker", "--bind", args.tracker, "--pub", args.pub]]
     commands += [[*me, "node", "--model", args.model, "--layers", str(s), "--tracker", args.tracker,
@@ -308,18 +310,42 @@ def cmd_status(args) -> int:
 
 
 def format_status(status: dict) -> str:
-    lines = [f"{'NODE':<20} {'MODEL':<18} {'LAYERS':<9} {'SESSIONS':>8}  ENDPOINT"]
-    for n in status.get("nodes", []):
+    """A readable view: nodes, a coverage map per model, the plans, recent events."""
+    nodes = status.get("nodes", [])
+    lines = [f"{'NODE':<20} {'MODEL':<18} {'LAYERS':<9} {'SESSIONS':>8} {'LAYER-STEPS/S':>14}  ENDPOINT"]
+    for n in nodes:
         a, b = n["layers"]
-        lines.append(f"{n['id']:<20} {n['model']:<18} {f'{a}-{b}':<9} {n.get('sessions', 0):>8}  {n['endpoint']}")
-    for model, plans in status.get("plans", {}).items():
-        lines.append(f"\nplans for {model}:")
-        for plan in plans or []:
+        rate = n.get("layer_steps_per_s") or n.get("benchmark") or 0
+        lines.append(f"{n['id']:<20} {n['model']:<18} {f'{a}-{b}':<9} {n.get('sessions', 0):>8} {rate:>14.0f}"
+                     f"  {n['endpoint']}")
+    for model in sorted({n["model"] for n in nodes}):
+        lines += ["", f"{model}:", *coverage_map(model, nodes)]
+        plans = status.get("plans", {}).get(model) or []
+        for rank, plan in enumerate(plans, 1):
             hops = " -> ".join(f"{h['node']}[{h['start_layer']}-{h['end_layer']}]" for h in plan["hops"])
-            lines.append(f"  {hops}  (~{plan.get('estimated_tps', 0):.1f} tok/s)")
+            lines.append(f"  plan {rank}: {hops}  (~{plan.get('estimated_tps', 0):.1f} tok/s)")
         if not plans:
-            lines.append("  no complete route")
+            gaps = status.get("gaps", {}).get(model)
+            lines.append(f"  no complete route{f' (missing layers {gaps})' if gaps else ''}")
+    events = status.get("events", [])[-8:]
+    if events:
+        lines += ["", "recent events:"]
+        lines += [f"  {e.get('kind', ''):<15} {e.get('message', '')}" for e in events]
     return "\n".join(lines)
+
+
+def coverage_map(model: str, nodes: list[dict], width: int = 60) -> list[str]:
+    """One bar per node over the model's layer axis, e.g. ``node-a  |#####.....|  0-14``."""
+    mine = [n for n in nodes if n["model"] == model]
+    total = max((n.get("num_layers") or n["layers"][1] + 1) for n in mine)
+    scale = min(width, total) / total
+    rows = []
+    for n in sorted(mine, key=lambda n: n["layers"]):
+        a, b = n["layers"]
+        lo, hi = int(a * scale), max(int(a * scale) + 1, int((b + 1) * scale))
+        bar = "." * lo + "#" * (hi - lo) + "." * (int(total * scale) - hi)
+        rows.append(f"  {n['id']:<20} |{bar}| {a}-{b} of {total}")
+    return rows
 
 
 if __name__ == "__main__":

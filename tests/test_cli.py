@@ -1,0 +1,58 @@
+"""The `meshnet` command line as a user types it."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from tests.cluster import ROOT, free_port
+
+
+def meshnet(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "fabric.cli", *args], capture_output=True, text=True,
+                          timeout=timeout, cwd=ROOT)
+
+
+def test_help_lists_every_command():
+    out = meshnet("--help")
+    assert out.returncode == 0
+    for command in ("up", "tracker", "node", "webui", "chat", "status"):
+        assert command in out.stdout
+    node_help = meshnet("node", "--help").stdout
+    assert "--layers" in node_help and "--advertise" in node_help and "--dtype" in node_help
+
+
+def test_unknown_model_is_a_clear_error():
+    out = meshnet("node", "--model", "no-such-model", "--layers", "0-1")
+    assert out.returncode == 2
+    assert "unknown model 'no-such-model'" in out.stderr
+
+
+def test_bad_layer_range_is_a_clear_error(tiny_models):
+    out = meshnet("node", "--model", str(tiny_models("llama")), "--layers", "3-9")
+    assert out.returncode == 2 and "do not fit a 6-layer model" in out.stderr
+    out = meshnet("node", "--model", str(tiny_models("llama")), "--layers", "three")
+    assert out.returncode == 2 and "inclusive range like 0-14" in out.stderr
+
+
+def test_status_without_a_tracker_fails_fast():
+    out = meshnet("status", "--tracker", f"tcp://127.0.0.1:{free_port()}", timeout=30)
+    assert out.returncode == 1 and "did not answer" in out.stderr
+
+
+def test_status_json_and_chat_against_a_cluster(process_cluster, tiny_models):
+    model = tiny_models("llama")
+    process_cluster.start_node("a", str(model), "0-2")
+    process_cluster.start_node("b", str(model), "3-5")
+    process_cluster.wait_nodes(["a", "b"], model.name)
+    status = json.loads(meshnet("status", "--tracker", process_cluster.endpoint, "--json").stdout)
+    nodes = {n["id"]: n for n in status["nodes"]}
+    assert nodes["a"]["layers"] == [0, 2] and nodes["b"]["layers"] == [3, 5]
+    assert {"id", "endpoint", "model", "layers", "sessions"} <= set(nodes["a"])
+    plan = status["plans"][model.name][0]
+    assert {"hops", "estimated_tps"} <= set(plan)
+    assert {"node", "endpoint", "start_layer", "end_layer"} <= set(plan["hops"][0])
+    table = meshnet("status", "--tracker", process_cluster.endpoint).stdout
+    assert "plan 1:" in table and "|" in table
+    chat = meshnet("chat", "--tracker", process_cluster.endpoint, "--model", model.name, "--max-tokens", "8", "hi")
+    assert chat.returncode == 0 and chat.stdout.strip()
