@@ -8,6 +8,7 @@ node: such frames are queued in-process instead of crossing a socket.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import secrets
 import threading
@@ -296,7 +297,7 @@ class Node:
             self.work.append(Work(message, tensor))
             return
         spec, buf = to_wire(tensor)
-        message = p.Forward(**{**_fields(message), "tensors": (spec,)})
+        message = dataclasses.replace(message, tensors=(spec,))
         self._peer(hop.endpoint).send_multipart(p.encode(message, [buf]), copy=False)
 
     def _send(self, endpoint: str, message: p.Message) -> None:
@@ -360,6 +361,3 @@ class Node:
         self.kv.drop("__bench__")
         return shard.size / max(best, 1e-9)
 
-
-def _fields(message: p.Message) -> dict:
-    return {f: getattr(message, f) for f in message.__dataclass_fields__ if f != "KIND"}
