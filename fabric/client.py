@@ -62,8 +62,17 @@ def _route_from(reply: p.Message) -> tuple[p.Hop, ...]:
     raise FabricError(p.ErrorCode.INTERNAL, f"tracker answered {type(reply).__name__}")
 
 
-def _check(event: p.Message) -> p.Event:
+def _decode(frames) -> p.Message:
+    """Decode a reply; a peer speaking another protocol is a FabricError too."""
+    try:
+        return p.decode(frames)[0]
+    except p.ProtocolError as exc:
+        raise FabricError(exc.code, f"bad reply: {exc}") from None
+
+
+def _check(frames) -> p.Event:
     """An event from the head, or the FabricError it stands for."""
+    event = _decode(frames)
     if isinstance(event, p.Error):
         raise FabricError(event.code, event.message)
     if not isinstance(event, p.Event):
@@ -120,7 +129,7 @@ class Client:
         if not self._tracker.poll(self.timeout * 1000):
             self.close()  # drop the socket: a late reply must not answer the next question
             raise FabricError(p.ErrorCode.INTERNAL, f"tracker at {self.tracker_endpoint} did not answer")
-        return p.decode(self._tracker.recv_multipart())[0]
+        return _decode(self._tracker.recv_multipart())
 
     def status(self) -> dict:
         reply = self.ask(p.StatusRequest())
@@ -152,7 +161,7 @@ class Client:
             while True:
                 if not sock.poll(self.timeout * 1000):
                     raise FabricError(p.ErrorCode.HOP_FAILED, f"head {msg.route[0].endpoint} went silent")
-                event = _check(p.decode(sock.recv_multipart())[0])
+                event = _check(sock.recv_multipart())
                 done = event.event == "done"
                 yield event
                 if done:
@@ -191,7 +200,7 @@ class AsyncClient:
             if not await self._tracker.poll(self.timeout * 1000):
                 await self.close()
                 raise FabricError(p.ErrorCode.INTERNAL, f"tracker at {self.tracker_endpoint} did not answer")
-            return p.decode(await self._tracker.recv_multipart())[0]
+            return _decode(await self._tracker.recv_multipart())
 
     async def status(self) -> dict:
         reply = await self.ask(p.StatusRequest())
@@ -223,7 +232,7 @@ class AsyncClient:
             while True:
                 if not await sock.poll(self.timeout * 1000):
                     raise FabricError(p.ErrorCode.HOP_FAILED, f"head {msg.route[0].endpoint} went silent")
-                event = _check(p.decode(await sock.recv_multipart())[0])
+                event = _check(await sock.recv_multipart())
                 done = event.event == "done"
                 yield event
                 if done:

@@ -174,6 +174,10 @@ class Node:
         if not self.config.shard.covers(msg.start_layer, msg.end_layer):
             raise p.ProtocolError(f"layers {msg.start_layer}-{msg.end_layer} are not on this node "
                                   f"(it holds {self.config.shard})", p.ErrorCode.BAD_REQUEST)
+        if msg.end_layer != self.config.shard.num_layers - 1 and not msg.route:
+            raise p.ProtocolError(f"layers end at {msg.end_layer} but no hop follows", p.ErrorCode.BAD_REQUEST)
+        if msg.route and msg.route[-1].end_layer != self.config.shard.num_layers - 1:
+            raise p.ProtocolError("the route does not reach the last layer", p.ErrorCode.BAD_REQUEST)
         if msg.start_layer > 0 and tensor.shape[-1] != self.executor.hidden_size:
             raise p.ProtocolError(f"hidden size {tensor.shape[-1]} != {self.executor.hidden_size}")
         if msg.pos == 0 and msg.session not in self.kv and len(self.kv) >= self.config.max_sessions:
@@ -198,19 +202,23 @@ class Node:
     # -- executing hops -----------------------------------------------------------------
 
     def _execute(self, work: Work) -> None:
+        """Run one hop; any failure costs this session only, never the node."""
         msg = work.msg
         try:
-            result = self.executor.run(msg.session, msg.start_layer, msg.end_layer, work.tensor, msg.pos)
+            self._run_hop(work)
         except CacheMissError as miss:
             self.counters["cache_miss"] += 1
             self._send(msg.reply_to, p.CacheMiss(msg.session, msg.step, self.config.node_id, miss.have))
-            return
         except Exception as exc:
             log.exception("hop failed for session %s", msg.session)
+            self.counters["hop_errors"] += 1
             self.kv.drop(msg.session)
             self._send(msg.reply_to, p.Error(p.ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}",
                                              session=msg.session, step=msg.step, node=self.config.node_id))
-            return
+
+    def _run_hop(self, work: Work) -> None:
+        msg = work.msg
+        result = self.executor.run(msg.session, msg.start_layer, msg.end_layer, work.tensor, msg.pos)
         self.counters["hops"] += 1
         q = work.tensor.shape[1]
         if result.logits is not None:
@@ -230,6 +238,9 @@ class Node:
             raise p.ProtocolError("this node is not the head of that route", p.ErrorCode.BAD_REQUEST)
         if req.request_id in self.sessions:
             raise p.ProtocolError("request id already in flight", p.ErrorCode.BAD_REQUEST)
+        if req.route[-1].end_layer != self.config.shard.num_layers - 1:
+            raise p.ProtocolError(f"the route ends at layer {req.route[-1].end_layer}, not at the last layer "
+                                  f"{self.config.shard.num_layers - 1}", p.ErrorCode.BAD_REQUEST)
         try:
             prompt = encode_prompt(self.tokenizer, req, self.config.max_prompt_tokens)
         except RequestError as exc:
@@ -297,18 +308,32 @@ class Node:
             self.work.append(Work(message, tensor))
             return
         spec, buf = to_wire(tensor)
-        message = dataclasses.replace(message, tensors=(spec,))
-        self._peer(hop.endpoint).send_multipart(p.encode(message, [buf]), copy=False)
+        self._to_peer(hop.endpoint, p.encode(dataclasses.replace(message, tensors=(spec,)), [buf]), copy=False)
 
     def _send(self, endpoint: str, message: p.Message) -> None:
         if endpoint == self.endpoint:
             self._dispatch(b"", message, [])
         else:
-            self._peer(endpoint).send_multipart(p.encode(message))
+            self._to_peer(endpoint, p.encode(message))
+
+    def _to_peer(self, endpoint: str, frames: list, copy: bool = True) -> None:
+        """Send to a peer without ever blocking the loop: a full or bad peer loses the frame
+        (the head's timeout re-sends the step), not the node."""
+        try:
+            self._peer(endpoint).send_multipart(frames, flags=zmq.NOBLOCK, copy=copy)
+        except zmq.Again:
+            self.counters["dropped_frames"] += 1
+            log.warning("peer %s is not draining its queue; dropped a frame", endpoint)
+        except zmq.ZMQError as exc:
+            self.counters["dropped_frames"] += 1
+            log.warning("cannot send to %r: %s", endpoint, exc)
 
     def _reply(self, identity: bytes, message: p.Message) -> None:
         if identity:
-            self.router.send_multipart([identity, *p.encode(message)])
+            try:
+                self.router.send_multipart([identity, *p.encode(message)], flags=zmq.NOBLOCK)
+            except zmq.Again:
+                log.warning("client %r is not reading; dropped an event", identity)
 
     def _peer(self, endpoint: str) -> zmq.Socket:
         sock = self.peers.get(endpoint)
@@ -320,7 +345,11 @@ class Node:
         sock = self.ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SNDHWM, 10000)
-        sock.connect(endpoint)
+        try:
+            sock.connect(endpoint)
+        except zmq.ZMQError:
+            sock.close(linger=0)
+            raise
         return sock
 
     # -- tracker ------------------------------------------------------------------------
@@ -336,7 +365,10 @@ class Node:
 
     def _to_tracker(self, message: p.Message) -> None:
         if self.tracker is not None:
-            self.tracker.send_multipart(p.encode(message))
+            try:
+                self.tracker.send_multipart(p.encode(message), flags=zmq.NOBLOCK)
+            except zmq.Again:
+                log.warning("tracker is not reading; dropped a %s", type(message).__name__)
 
     def _tracker_reply(self, frames: list) -> None:
         try:

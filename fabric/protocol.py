@@ -431,7 +431,7 @@ def encode(message: Message, buffers: Sequence[Any] = ()) -> list[Any]:
 def split_envelope(frames: Sequence[Any]) -> tuple[list[Any], list[Any]]:
     """Split ROUTER/DEALER frames into (envelope, body) at the first MAGIC-like frame."""
     for i, frame in enumerate(frames[:4]):
-        if bytes(frame[:4]) == MAGIC_PREFIX:
+        if bytes(memoryview(frame)[:4]) == MAGIC_PREFIX:
             return list(frames[:i]), list(frames[i:])
     raise ProtocolError("no meshnet magic frame in the first four frames")
 
@@ -483,7 +483,7 @@ def _tensor_specs(raw: Any, buffers: list[memoryview], max_buffer_bytes: int) ->
         if not isinstance(spec, dict) or set(spec) != {"dtype", "shape"}:
             raise ProtocolError("a tensor spec is a map with exactly dtype and shape")
         dtype, shape = spec["dtype"], spec["shape"]
-        if dtype not in DTYPE_SIZES:
+        if not isinstance(dtype, str) or dtype not in DTYPE_SIZES:
             raise ProtocolError(f"dtype {dtype!r} is not allowed")
         if (not isinstance(shape, list) or not 1 <= len(shape) <= MAX_TENSOR_DIMS
                 or not all(type(d) is int and 0 <= d <= 1 << 31 for d in shape)):

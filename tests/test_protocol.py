@@ -523,9 +523,6 @@ def test_dtype_not_allowed(dtype):
     rejected(frames_of(Kind.FORWARD, header, buf), BAD_FRAME, "is not allowed")
 
 
-@pytest.mark.xfail(strict=True, raises=TypeError,
-                   reason="bug: fabric/protocol.py _tensor_specs tests `dtype not in DTYPE_SIZES` before "
-                          "checking that dtype is a str; an unhashable dtype (list/map) raises TypeError")
 @pytest.mark.parametrize("dtype", [["int64"], {"a": 1}])
 def test_unhashable_dtype_is_a_protocol_error(dtype):
     rejected(frames_of(Kind.PING, {"nonce": 1, "tensors": [{"dtype": dtype, "shape": [1]}]}, bytes(8)))
@@ -587,28 +584,12 @@ def test_too_many_buffers():
 # of the documented codes). An accepted message must re-encode to a frame that decodes to
 # the same header.
 
-KNOWN_BUG = "unhashable dtype in _tensor_specs (see test_unhashable_dtype_is_a_protocol_error)"
-
-
-def _known_bug(exc: BaseException) -> bool:
-    """The one known non-ProtocolError escape; remove once fabric/protocol.py is fixed."""
-    last = traceback.extract_tb(exc.__traceback__)[-1]
-    return (isinstance(exc, TypeError) and "unhashable" in str(exc) and last.name == "_tensor_specs"
-            and last.filename.endswith("protocol.py"))
-
-
 def check_decode(frames: list) -> None:
     try:
         message, buffers = p.decode(frames)
     except ProtocolError as exc:
         assert exc.code in CODES, exc.code
         event(f"rejected {exc.code}")
-        return
-    except TypeError as exc:
-        if not _known_bug(exc):
-            exc.add_note(f"frames: {frames!r}")
-            raise
-        event("known bug: " + KNOWN_BUG)
         return
     except Exception as exc:
         exc.add_note(f"frames: {frames!r}")
