@@ -176,7 +176,10 @@ def _node_parser(sub) -> None:
     p.add_argument("--threads", type=int, default=0, help="torch threads (default: all cores)")
     p.add_argument("--max-sessions", type=int, default=64, help="sessions this node keeps KV for")
     p.add_argument("--max-prompt-tokens", type=int, default=4096, help="longest prompt the head accepts")
-    p.add_argument("--node-id", default=None, help="stable id (default: random per start)")
+    p.add_argument("--node-id", default=None,
+                   help="id in the swarm (default: made once and kept in a key file, so restarts keep it)")
+    p.add_argument("--memory", type=float, default=0.0,
+                   help="GiB of weights this node may hold; without --layers the tracker assigns a span that fits")
     p.add_argument("--hop-timeout", type=float, default=30.0,
                    help="seconds the head waits for a step's reply before re-sending it (default %(default)s)")
     p.add_argument("--heartbeat", type=float, default=1.0, help="seconds between heartbeats to the tracker")
@@ -187,8 +190,8 @@ def _node_parser(sub) -> None:
 def cmd_node(args) -> int:
     import torch
 
-    from .models import ModelError, default_cache_root, load_config, resolve
-    from .node import Node, NodeConfig
+    from .models import ModelError, default_cache_root, default_data_root, load_config, resolve
+    from .node import Node, NodeConfig, stable_node_id
     from .shard import parse_layers
 
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -198,19 +201,22 @@ def cmd_node(args) -> int:
         torch.set_num_threads(args.threads)
     try:
         source = resolve(args.model, args.model_id)
-        num_layers = load_config(source, default_cache_root()).num_hidden_layers
+        model_config = load_config(source, default_cache_root())
+        num_layers = model_config.num_hidden_layers
+        dtype = torch.bfloat16 if args.dtype == "bfloat16" else torch.float32
         shard = (parse_layers(args.layers, num_layers) if args.layers
-                 else _assigned_shard(args.tracker, source.model_id, num_layers))
+                 else _assigned_shard(args.tracker, source.model_id, num_layers,
+                                      _layers_that_fit(model_config, dtype, args.memory)))
     except (ModelError, ValueError) as exc:
         log.error("%s", exc)
         return 2
+    node_id = args.node_id or stable_node_id(default_data_root(), source.model_id, shard, args.bind)
     config = NodeConfig(source=source, shard=shard, bind=args.bind, advertise=args.advertise,
                         tracker=args.tracker, device=args.device,
-                        dtype=torch.bfloat16 if args.dtype == "bfloat16" else torch.float32,
+                        dtype=dtype, node_id=node_id,
                         max_sessions=args.max_sessions, max_prompt_tokens=args.max_prompt_tokens,
                         hop_timeout=args.hop_timeout, heartbeat_interval=args.heartbeat,
-                        cache_root=default_cache_root(), progress=not args.no_progress,
-                        **({"node_id": args.node_id} if args.node_id else {}))
+                        cache_root=default_cache_root(), progress=not args.no_progress)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
@@ -219,13 +225,28 @@ def cmd_node(args) -> int:
     return 0
 
 
-def _assigned_shard(tracker: str, model_id: str, num_layers: int):
+def _layers_that_fit(model_config, dtype, memory_gib: float) -> int:
+    """How many layers fit ``memory_gib`` of weights (0: no budget given)."""
+    if memory_gib <= 0:
+        return 0
+    from .models import layer_bytes
+
+    fit = int(memory_gib * (1 << 30) // layer_bytes(model_config, dtype))
+    if fit < 1:
+        raise ValueError(f"--memory {memory_gib} GiB does not hold even one layer of this model")
+    return fit
+
+
+def _assigned_shard(tracker: str, model_id: str, num_layers: int, max_layers: int):
     from . import protocol as p
-    from .client import Client
+    from .client import Client, FabricError
     from .shard import Shard
 
     with Client(tracker, timeout=10.0) as client:
-        reply = client.ask(p.AssignRequest(model_id, num_layers))
+        try:
+            reply = client.ask(p.AssignRequest(model_id, num_layers, max_layers))
+        except FabricError as exc:
+            raise ValueError(f"no --layers given and the tracker could not assign any: {exc}") from None
     if not isinstance(reply, p.Assign):
         raise ValueError(f"the tracker gave no layer assignment: {reply}")
     log.info("tracker assigned layers %d-%d", reply.start_layer, reply.end_layer)

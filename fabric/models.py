@@ -99,6 +99,22 @@ def resolve(ref: str, model_id: str | None = None) -> ModelSource:
     raise ModelError(f"unknown model {ref!r}: give a Hugging Face directory, a .gguf file, or one of: {known}")
 
 
+def default_data_root() -> Path:
+    """Where a node keeps what must survive restarts (its id)."""
+    return Path(os.environ.get("XDG_DATA_HOME") or Path.home() / ".local" / "share") / "meshnet"
+
+
+def layer_bytes(config, dtype: torch.dtype) -> int:
+    """Bytes one decoder layer's weights take in ``dtype`` (from the architecture, no weights)."""
+    from transformers import AutoModelForCausalLM
+
+    one = config.__class__.from_dict({**config.to_dict(), "num_hidden_layers": 1})
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(one)
+    params = sum(t.numel() for t in model.model.layers[0].parameters())
+    return params * torch.empty((), dtype=dtype).element_size()
+
+
 def default_cache_root() -> Path:
     """Where parsed GGUF metadata is kept (XDG cache dir)."""
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "meshnet"

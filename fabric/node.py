@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import secrets
 import threading
 import time
@@ -51,6 +52,20 @@ class NodeConfig:
     max_frame_bytes: int = 64 << 20  # largest tensor buffer accepted from a peer
     cache_root: Path | None = None  # where parsed GGUF metadata is cached
     progress: bool = True  # show a progress bar while weights load
+
+
+def stable_node_id(data_root: Path, model_id: str, shard: Shard, bind: str) -> str:
+    """A node id made once per (model, layers, bind address) and kept in a key file."""
+    import hashlib
+
+    slot = hashlib.sha256(f"{model_id}|{shard}|{bind}".encode()).hexdigest()[:16]
+    path = data_root / "node-ids" / slot
+    if path.is_file():
+        return path.read_text().strip()
+    node_id = "node-" + secrets.token_hex(4)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(node_id + "\n")
+    return node_id
 
 
 @dataclass
@@ -360,7 +375,8 @@ class Node:
             node_id=c.node_id, endpoint=self.endpoint, model=c.source.model_id, fingerprint=self.fingerprint,
             num_layers=c.shard.num_layers, start_layer=c.shard.start, end_layer=c.shard.end,
             hardware={"device": c.device, "dtype": str(c.dtype).removeprefix("torch."),
-                      "threads": torch.get_num_threads()},
+                      "threads": torch.get_num_threads(), "shard_bytes": self.executor.w.parameter_bytes(),
+                      "memory_bytes": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")},
             benchmark=self.benchmark, max_sessions=c.max_sessions))
 
     def _to_tracker(self, message: p.Message) -> None:

@@ -102,7 +102,8 @@ class ProcessCluster:
 
     def _spawn(self, name: str, *args: str) -> subprocess.Popen:
         log = open(self.tmp / f"{name}.log", "ab")
-        env = {**os.environ, "PYTHONPATH": str(ROOT), "XDG_CACHE_HOME": str(self.cache)}
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "XDG_CACHE_HOME": str(self.cache),
+               "XDG_DATA_HOME": str(self.tmp / "data")}
         proc = subprocess.Popen([sys.executable, "-m", "fabric.cli", "--log-level", "info", *args],
                                 stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
         self.procs[name] = proc
@@ -112,10 +113,11 @@ class ProcessCluster:
         self._spawn("tracker", "tracker", "--bind", self.endpoint, "--pub", f"tcp://127.0.0.1:{free_port()}",
                     "--db", str(self.tmp / "ledger.sqlite3"), "--heartbeat", str(self.heartbeat))
 
-    def start_node(self, name: str, model: str, layers: str, port: int | None = None, *extra: str) -> str:
+    def start_node(self, name: str, model: str, layers: str | None, port: int | None = None, *extra: str) -> str:
+        """Start a node; ``layers`` None lets the tracker assign them (pass --memory in extra)."""
         endpoint = f"tcp://127.0.0.1:{port or free_port()}"
-        self._spawn(name, "node", "--model", model, "--layers", layers, "--tracker", self.endpoint,
-                    "--bind", endpoint, "--node-id", name, "--threads", "1", "--no-progress",
+        self._spawn(name, "node", "--model", model, *(["--layers", layers, "--node-id", name] if layers else []),
+                    "--tracker", self.endpoint, "--bind", endpoint, "--threads", "1", "--no-progress",
                     "--heartbeat", str(self.heartbeat), *extra)
         self.node_endpoints[name] = endpoint
         return endpoint

@@ -65,3 +65,24 @@ def test_tracker_restart_repopulates_and_keeps_the_ledger(process_cluster, tiny_
     assert status["usage"]["totals"] == before["totals"]
     with process_cluster.client() as client:
         assert token_ids(client.generate(model.name, messages=MESSAGES, max_tokens=12))
+
+
+def test_nodes_without_layers_get_the_least_covered_span_that_fits(process_cluster, tiny_models):
+    """Each tiny layer is ~150 KB in float32: a 0.00042 GiB budget holds 3 of the 6 layers."""
+    model = tiny_models("llama")
+    process_cluster.start_node("first", str(model), None, None, "--memory", "0.00042")
+    with process_cluster.client() as client:
+        assert wait_for(lambda: len(client.status()["nodes"]) == 1, 60)
+        process_cluster.start_node("second", str(model), None, None, "--memory", "0.00042")
+        assert wait_for(lambda: client.status()["plans"].get(model.name), 60), process_cluster.logs()
+        nodes = client.status()["nodes"]
+    assert sorted(tuple(n["layers"]) for n in nodes) == [(0, 2), (3, 5)]
+    first_id = [n["id"] for n in nodes if n["layers"] == [0, 2]][0]
+    # a restarted node keeps its id (from its key file)
+    endpoint = process_cluster.node_endpoints["first"]
+    process_cluster.kill("first")
+    process_cluster.start_node("first", str(model), None, int(endpoint.rsplit(":", 1)[1]), "--memory", "0.00042")
+    with process_cluster.client() as client:
+        assert wait_for(lambda: any(n["id"] == first_id and n["endpoint"] == endpoint
+                                    for n in client.status()["nodes"]), 60), process_cluster.logs()
+    assert first_id.startswith("node-")
