@@ -643,8 +643,9 @@ async def test_index_page(client):
     assert response.status_code == 200 and response.mimetype == "text/html"
     html = (await response.get_data()).decode()
     assert "<title>meshnet</title>" in html
-    assert 'href="/v1/models"' in html
-    assert ":root" in html and "var(--" in html
+    assert 'href="/v1/models"' in html and 'href="/static/dashboard.css"' in html
+    css = (await (await client.get("/static/dashboard.css")).get_data()).decode()
+    assert ":root" in css and "var(--" in css
 
 
 # --------------------------------------------------------------------------- async-generator sources

@@ -1,8 +1,9 @@
 """The meshnet web UI: a Quart app over the fabric client, and ``serve`` to run it.
 
-``create_app(config, client)`` wires the OpenAI-compatible API and the static dashboard
-to any object with ``fabric.client.AsyncClient``'s interface; ``serve(config)`` builds the
-real client and runs the app under hypercorn until Ctrl-C (or SIGTERM).
+``create_app(config, client)`` wires the OpenAI-compatible API, the dashboard's /api
+endpoints and its live feed (the tracker's PUB, read while the app serves) and the static
+dashboard to any object with ``fabric.client.AsyncClient``'s interface; ``serve(config)``
+builds the real client and runs the app under hypercorn until Ctrl-C (or SIGTERM).
 """
 from __future__ import annotations
 
@@ -19,7 +20,10 @@ from werkzeug.exceptions import HTTPException, InternalServerError
 
 from .accounting import Accounting
 from .config import WebUIConfig
+from .dashboard import LIVE_EXTENSION
+from .dashboard import blueprint as dashboard_blueprint
 from .errors import ApiError
+from .live import LiveFeed
 from .openai_api import EXTENSION, INTERNAL_ERROR, ApiContext, api_error_response, blueprint, render_api_error
 
 __all__ = ["WebUIConfig", "create_app", "serve", "serve_async"]
@@ -33,12 +37,18 @@ ClientFactory = Callable[[WebUIConfig], Any]
 def create_app(config: WebUIConfig, client: Any) -> Quart:
     """The web UI app. ``client`` is not closed by the app: its creator owns it.
 
-    Usage accounting is at ``app.extensions["meshnet"].accounting``.
+    Usage accounting is at ``app.extensions["meshnet"].accounting``; the live feed at
+    ``app.extensions["meshnet.live"]`` connects when the app starts serving (never failing
+    for want of a tracker PUB) and closes when it stops.
     """
     app = Quart(__name__, static_folder=str(STATIC), static_url_path="/static")
     app.config["MAX_CONTENT_LENGTH"] = config.max_body_bytes
     app.extensions[EXTENSION] = ApiContext(config, client, Accounting())
+    feed = app.extensions[LIVE_EXTENSION] = LiveFeed(config.pub, idle_timeout=config.call_idle_timeout)
+    app.before_serving(feed.start)
+    app.after_serving(feed.stop)
     app.register_blueprint(blueprint)
+    app.register_blueprint(dashboard_blueprint)
     app.register_error_handler(ApiError, render_api_error)
     app.register_error_handler(HTTPException, _http_error)
     app.register_error_handler(Exception, _unexpected_error)
@@ -67,7 +77,7 @@ async def _unexpected_error(error: Exception) -> Any:
 
 
 def _is_api_path(path: str) -> bool:
-    return path == "/v1" or path.startswith("/v1/")
+    return any(path == root or path.startswith(root + "/") for root in ("/v1", "/api"))
 
 
 # --------------------------------------------------------------------------- serving
@@ -90,12 +100,23 @@ async def serve_async(config: WebUIConfig, *, client_factory: ClientFactory | No
     try:
         app = create_app(config, client)
         logger.info("meshnet web UI on http://%s", _bind_address(config))
-        await hypercorn_serve(app, _hypercorn_config(config), shutdown_trigger=shutdown_trigger or stop.wait)
+        trigger = _ending_live_streams(app, shutdown_trigger or stop.wait)
+        await hypercorn_serve(app, _hypercorn_config(config), shutdown_trigger=trigger)
     finally:
         for sig in installed:
             asyncio.get_running_loop().remove_signal_handler(sig)
         await client.close()
         logger.info("meshnet web UI stopped")
+
+
+def _ending_live_streams(app: Quart, trigger: Callable[[], Awaitable[None]]) -> Callable[[], Awaitable[None]]:
+    """``trigger``, then stop the live feed: its /api/events streams end at once instead of
+    holding hypercorn's graceful shutdown for its whole timeout."""
+    async def wrapped() -> None:
+        await trigger()
+        await app.extensions[LIVE_EXTENSION].stop()
+
+    return wrapped
 
 
 def _fabric_client(config: WebUIConfig) -> Any:

@@ -10,6 +10,9 @@ class WebUIConfig:
 
     # The tracker's ROUTER endpoint; the fabric client asks it for models and routes.
     tracker: str = "tcp://127.0.0.1:5555"
+    # The tracker's PUB endpoint (plans, stats, events) behind the dashboard's live view;
+    # None or "" turns the feed off (the dashboard then polls /api/status).
+    pub: str | None = "tcp://127.0.0.1:5556"
     # Address and port the HTTP server binds.
     host: str = "127.0.0.1"
     port: int = 8000
@@ -27,9 +30,14 @@ class WebUIConfig:
     client_timeout: float = 30.0
     # Request bodies larger than this many bytes are refused with 413.
     max_body_bytes: int = 4 << 20
+    # Seconds between keep-alive comments on a quiet /api/events stream.
+    sse_keepalive: float = 15.0
+    # Seconds without news after which an in-flight request leaves the Call wall as "lost".
+    call_idle_timeout: float = 120.0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "api_keys", frozenset(self.api_keys))
+        object.__setattr__(self, "pub", self.pub or None)
         if any(not isinstance(k, str) or not k for k in self.api_keys):
             raise ValueError("api_keys must be non-empty strings")
         if not 0 <= self.port <= 65535:
@@ -38,6 +46,7 @@ class WebUIConfig:
             raise ValueError("default_max_tokens must be in [1, max_tokens_limit]")
         if not 0.0 <= self.default_temperature <= 2.0:
             raise ValueError("default_temperature must be in [0, 2]")
-        for name in ("max_prompt_chars", "client_timeout", "max_body_bytes"):
+        for name in ("max_prompt_chars", "client_timeout", "max_body_bytes", "sse_keepalive",
+                     "call_idle_timeout"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive")

@@ -103,6 +103,8 @@ class FakeClient:
         {"id": "smollm2-135m", "num_layers": 30, "nodes": 2, "routable": True}])
     script: Script = Script()
     models_error: str | None = None  # an ErrorCode models() raises
+    status_body: dict = field(default_factory=lambda: {"nodes": [], "plans": {}, "events": [], "stats": {}})
+    status_error: str | None = None  # an ErrorCode status() raises
     calls: list[GenerateCall] = field(default_factory=list)
     streams: list[FakeStream] = field(default_factory=list)
     closed: bool = False
@@ -113,7 +115,9 @@ class FakeClient:
         return [dict(m) for m in self.model_list]
 
     async def status(self) -> dict:
-        return {"nodes": [], "plans": {}, "events": [], "stats": {}}
+        if self.status_error:
+            raise FakeFabricError(self.status_error, f"fake {self.status_error}")
+        return dict(self.status_body)
 
     def generate(self, model: str, *, messages: list[dict] | None = None, prompt: str | None = None,
                  max_tokens: int = 256, stop: tuple[str, ...] = (), sampling: Sampling = Sampling(),

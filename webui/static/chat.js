@@ -1,0 +1,330 @@
+// The chat panel: conversations kept in localStorage, a model picker, sampling settings,
+// and replies streamed from /v1/chat/completions (SSE over fetch), stoppable mid-reply.
+import {$, el, fill, num} from "./ui.js";
+import {apiFetch, errorMessage, readEvents} from "./net.js";
+
+const STORE = "meshnet.conversations";
+const CURRENT = "meshnet.conversation";
+const SETTINGS = "meshnet.settings";
+const DEFAULTS = {model: "", temperature: 0.7, top_p: 1, max_tokens: 256, seed: "", system: ""};
+const FIELDS = {temperature: "set-temperature", top_p: "set-top-p", max_tokens: "set-max-tokens",
+                seed: "set-seed", system: "set-system"};
+
+const state = {
+  conversations: [],
+  currentId: null,
+  settings: {...DEFAULTS},
+  controller: null, // the AbortController of the reply being generated
+  onRequest: () => {}, // told each request id, so the Call wall can mark it
+};
+
+export function initChat({onRequest} = {}) {
+  state.onRequest = onRequest || state.onRequest;
+  loadSettings();
+  loadConversations();
+  bindControls();
+  renderConversationList();
+  renderMessages();
+  refreshModels();
+}
+
+// ------------------------------------------------------------------ persistence
+
+function loadConversations() {
+  try {
+    state.conversations = JSON.parse(localStorage.getItem(STORE) || "[]");
+  } catch {
+    state.conversations = [];
+  }
+  for (const conversation of state.conversations) {
+    for (const message of conversation.messages) {
+      if (message.streaming) message.stopped = true; // interrupted by a reload: no stuck cursor
+      delete message.streaming;
+    }
+  }
+  state.currentId = localStorage.getItem(CURRENT);
+  if (!current()) newConversation();
+}
+
+function save() {
+  localStorage.setItem(STORE, JSON.stringify(state.conversations));
+  localStorage.setItem(CURRENT, state.currentId || "");
+}
+
+function current() {
+  return state.conversations.find((c) => c.id === state.currentId) || null;
+}
+
+function newConversation() {
+  const conversation = {id: `c${Date.now().toString(36)}${Math.random().toString(36).slice(2, 6)}`,
+                        title: "New conversation", messages: [], updated: Date.now()};
+  state.conversations.unshift(conversation);
+  state.currentId = conversation.id;
+  save();
+  return conversation;
+}
+
+function loadSettings() {
+  try {
+    state.settings = {...DEFAULTS, ...JSON.parse(localStorage.getItem(SETTINGS) || "{}")};
+  } catch {
+    state.settings = {...DEFAULTS};
+  }
+  for (const [name, id] of Object.entries(FIELDS)) $(id).value = state.settings[name];
+}
+
+function readSettings() {
+  for (const [name, id] of Object.entries(FIELDS)) state.settings[name] = $(id).value;
+  state.settings.model = $("model").value || state.settings.model;
+  localStorage.setItem(SETTINGS, JSON.stringify(state.settings));
+}
+
+// ------------------------------------------------------------------ controls
+
+function bindControls() {
+  $("composer").addEventListener("submit", (event) => {
+    event.preventDefault();
+    if (state.controller) state.controller.abort();
+    else send();
+  });
+  $("prompt").addEventListener("keydown", (event) => {
+    if (event.key === "Enter" && !event.shiftKey && !event.isComposing) {
+      event.preventDefault();
+      if (!state.controller) $("composer").requestSubmit(); // only the ■ button stops a reply
+    }
+  });
+  for (const id of [...Object.values(FIELDS), "model"]) $(id).addEventListener("change", readSettings);
+  $("new-chat").addEventListener("click", () => switchTo(newConversation().id));
+  $("delete-chat").addEventListener("click", deleteConversation);
+  $("conversation").addEventListener("change", (event) => switchTo(event.target.value));
+}
+
+function switchTo(id) {
+  if (state.controller) state.controller.abort();
+  state.currentId = id;
+  save();
+  renderConversationList();
+  renderMessages();
+}
+
+function deleteConversation() {
+  if (state.controller) state.controller.abort();
+  state.conversations = state.conversations.filter((c) => c.id !== state.currentId);
+  state.currentId = state.conversations[0]?.id || null;
+  if (!current()) newConversation();
+  switchTo(state.currentId);
+}
+
+/** Fill the model picker from /v1/models, keeping the chosen model when it is still there. */
+export async function refreshModels() {
+  const select = $("model");
+  let ids = [];
+  try {
+    const response = await apiFetch("/v1/models");
+    if (!response.ok) throw new Error(await errorMessage(response));
+    ids = (await response.json()).data.map((m) => m.id);
+  } catch (error) {
+    fill(select, el("option", {value: ""}, `models unavailable (${error.message})`));
+    return;
+  }
+  const wanted = ids.includes(state.settings.model) ? state.settings.model : ids[0] || "";
+  fill(select, ids.length ? ids.map((id) => el("option", {value: id}, id))
+                          : el("option", {value: ""}, "no models yet: start a node"));
+  select.value = wanted;
+  state.settings.model = wanted || state.settings.model;
+}
+
+// ------------------------------------------------------------------ rendering
+
+function renderConversationList() {
+  fill($("conversation"), state.conversations.map((c) =>
+    el("option", {value: c.id, selected: c.id === state.currentId}, c.title)));
+  $("conversation").value = state.currentId;
+}
+
+function renderMessages() {
+  const conversation = current();
+  const box = $("messages");
+  if (!conversation.messages.length) {
+    fill(box, el("div", {class: "empty-chat"}, el("p", {}, "Ask the swarm something."),
+                 el("p", {}, "Replies stream token by token from the nodes that hold the model's layers; " +
+                             "watch them on the Call wall.")));
+    return;
+  }
+  fill(box, conversation.messages.map(messageView).map((view) => view.node));
+  box.scrollTop = box.scrollHeight;
+}
+
+/** {node, text, meta} for one message; text is the Text node tokens are appended to. */
+function messageView(message) {
+  const kind = message.role === "error" ? "error" : message.role;
+  const classes = ["msg", kind, message.streaming && "streaming", message.stopped && "stopped"];
+  const text = document.createTextNode(message.content || "");
+  const meta = el("div", {class: "meta"}, message.meta || "");
+  const node = el("div", {class: classes.filter(Boolean).join(" "), dataset: {role: message.role}},
+                  el("div", {class: "content"}, text), message.meta || message.streaming ? meta : null);
+  return {node, text, meta};
+}
+
+function setStatus(text, kind = "") {
+  const status = $("chat-status");
+  status.textContent = text;
+  status.className = `chat-status ${kind}`;
+}
+
+function setBusy(controller) {
+  state.controller = controller;
+  const button = $("send");
+  button.textContent = controller ? "■" : "Send";
+  button.title = controller ? "Stop generating" : "Send";
+  button.className = controller ? "stop" : "primary";
+  button.setAttribute("aria-label", button.title);
+}
+
+// ------------------------------------------------------------------ sending
+
+function send() {
+  const prompt = $("prompt").value.trim();
+  readSettings();
+  if (!prompt) return;
+  const conversation = current();
+  if (!conversation.messages.length) conversation.title = prompt.slice(0, 48);
+  conversation.messages.push({role: "user", content: prompt});
+  const reply = {role: "assistant", content: "", streaming: true};
+  conversation.messages.push(reply);
+  conversation.updated = Date.now();
+  $("prompt").value = "";
+  save();
+  renderConversationList();
+  renderMessages();
+  const view = messageView(reply);
+  $("messages").lastElementChild.replaceWith(view.node);
+  generate(conversation, reply, view);
+}
+
+function requestBody(conversation) {
+  const s = state.settings;
+  const history = conversation.messages
+    .filter((m) => (m.role === "user" || m.role === "assistant") && m.content && !m.streaming)
+    .map((m) => ({role: m.role, content: m.content}));
+  const messages = s.system.trim() ? [{role: "system", content: s.system.trim()}, ...history] : history;
+  const body = {model: s.model, messages, stream: true, stream_options: {include_usage: true}};
+  if (s.temperature !== "") body.temperature = Number(s.temperature);
+  if (s.top_p !== "") body.top_p = Number(s.top_p);
+  if (s.max_tokens !== "") body.max_tokens = Number(s.max_tokens);
+  if (s.seed !== "") body.seed = Number(s.seed);
+  return body;
+}
+
+async function generate(conversation, reply, view) {
+  const controller = new AbortController();
+  const meter = new Meter();
+  setBusy(controller);
+  setStatus("waiting for the swarm…", "busy");
+  try {
+    const response = await apiFetch("/v1/chat/completions", {
+      method: "POST", headers: {"Content-Type": "application/json"},
+      body: JSON.stringify(requestBody(conversation)), signal: controller.signal});
+    if (response.headers.get("X-Request-Id")) state.onRequest(response.headers.get("X-Request-Id"));
+    const isStream = (response.headers.get("Content-Type") || "").includes("text/event-stream");
+    if (isStream) await streamReply(response, reply, view, meter, conversation);
+    else await jsonReply(response, reply, view, meter);
+    finish(conversation, reply, meter, controller.signal.aborted ? "stopped" : "done");
+  } catch (error) {
+    const stopped = controller.signal.aborted || error.name === "AbortError";
+    if (!stopped) conversation.messages.push({role: "error", content: error.message});
+    finish(conversation, reply, meter, stopped ? "stopped" : "error", error.message);
+  }
+}
+
+/** Read the SSE body: append each delta to the bubble; an error event ends with an error. */
+async function streamReply(response, reply, view, meter, conversation) {
+  let lastSave = Date.now();
+  for await (const {data} of readEvents(response)) {
+    if (data === "[DONE]") break;
+    const chunk = JSON.parse(data);
+    if (chunk.error) throw new Error(chunk.error.message || "the swarm reported an error");
+    if (chunk.usage) meter.usage = chunk.usage;
+    const choice = chunk.choices?.[0];
+    if (choice?.finish_reason) meter.finish = choice.finish_reason;
+    const text = choice?.delta?.content;
+    if (!text) continue;
+    appendText(reply, view, text);
+    meter.token();
+    setStatus(`generating… ${meter.describe()}`, "busy");
+    if (Date.now() - lastSave > 1000) {
+      lastSave = Date.now();
+      save(); // a reload mid-reply keeps what has arrived
+    }
+  }
+}
+
+/** A non-streamed answer (or an error object) instead of SSE. */
+async function jsonReply(response, reply, view, meter) {
+  if (!response.ok) throw new Error(await errorMessage(response));
+  const body = await response.json();
+  if (body.error) throw new Error(body.error.message || "the swarm reported an error");
+  const choice = body.choices?.[0] || {};
+  appendText(reply, view, choice.message?.content ?? choice.text ?? "");
+  meter.usage = body.usage;
+  meter.finish = choice.finish_reason;
+}
+
+function appendText(reply, view, text) {
+  const box = $("messages");
+  const atBottom = box.scrollHeight - box.scrollTop - box.clientHeight < 40;
+  reply.content += text;
+  view.text.appendData(text);
+  if (atBottom) box.scrollTop = box.scrollHeight;
+}
+
+function finish(conversation, reply, meter, outcome, message = "") {
+  delete reply.streaming;
+  reply.stopped = outcome === "stopped";
+  const prefix = {stopped: "stopped · ", error: "failed · "}[outcome] || "";
+  reply.meta = prefix ? prefix + meter.describe() : meter.summary();
+  if (outcome === "error" && !reply.content) conversation.messages.splice(conversation.messages.indexOf(reply), 1);
+  setBusy(null);
+  save();
+  renderMessages();
+  if (outcome === "error") setStatus(`error: ${message}`, "error");
+  else setStatus(reply.meta);
+}
+
+/** Tokens and tokens per second of one reply. */
+class Meter {
+  constructor() {
+    this.tokens = 0;
+    this.started = performance.now();
+    this.first = null;
+    this.last = null;
+    this.usage = null;
+    this.finish = null;
+  }
+
+  token() {
+    this.tokens += 1;
+    this.last = performance.now();
+    this.first ??= this.last;
+  }
+
+  count() {
+    return this.usage?.completion_tokens ?? this.tokens;
+  }
+
+  /** Tokens per second between the first and the last token; from the start if fewer. */
+  rate() {
+    if (this.tokens > 1 && this.last > this.first) return (this.tokens - 1) / ((this.last - this.first) / 1000);
+    const span = ((this.last ?? performance.now()) - this.started) / 1000;
+    return span > 0 ? this.count() / span : 0;
+  }
+
+  describe() {
+    const n = this.count();
+    return `${n} token${n === 1 ? "" : "s"} · ${num(this.rate())} tok/s`;
+  }
+
+  summary() {
+    return [this.describe(), this.finish].filter(Boolean).join(" · ");
+  }
+}
