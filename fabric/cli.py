@@ -273,7 +273,7 @@ def cmd_webui(args) -> int:
     if args.api_keys:
         with open(args.api_keys) as fh:
             keys = frozenset(line.strip() for line in fh if line.strip() and not line.startswith("#"))
-    serve(WebUIConfig(tracker=args.tracker, host=args.host, port=args.port, api_keys=keys))
+    serve(WebUIConfig(tracker=args.tracker, pub=args.pub, host=args.host, port=args.port, api_keys=keys))
     return 0
 
 

@@ -196,11 +196,14 @@ class AsyncClient:
         async with self._lock:  # one question in flight on the shared tracker socket
             if self._tracker is None:
                 self._tracker = _dealer(self.ctx, self.tracker_endpoint)
-            await self._tracker.send_multipart(p.encode(message))
-            if not await self._tracker.poll(self.timeout * 1000):
-                await self.close()
-                raise FabricError(p.ErrorCode.INTERNAL, f"tracker at {self.tracker_endpoint} did not answer")
-            return _decode(await self._tracker.recv_multipart())
+            try:
+                await self._tracker.send_multipart(p.encode(message))
+                if not await self._tracker.poll(self.timeout * 1000):
+                    raise FabricError(p.ErrorCode.INTERNAL, f"tracker at {self.tracker_endpoint} did not answer")
+                return _decode(await self._tracker.recv_multipart())
+            except BaseException:
+                await self.close()  # a late reply must never answer the next question
+                raise
 
     async def status(self) -> dict:
         reply = await self.ask(p.StatusRequest())

@@ -24,6 +24,7 @@ import zmq
 from . import protocol as p
 from .executor import CacheMissError, ShardExecutor
 from .kv import KVStore
+from .liveness import PeerLiveness, splice
 from .models import ModelSource, fingerprint, load_shard, load_tokenizer
 from .route_session import RequestError, RouteSession, encode_prompt, eos_ids
 from .sampling import sample
@@ -44,6 +45,8 @@ class NodeConfig:
     dtype: torch.dtype = torch.float32
     node_id: str = field(default_factory=lambda: "node-" + secrets.token_hex(4))
     heartbeat_interval: float = 1.0  # seconds between heartbeats to the tracker
+    ping_interval: float = 0.25  # the head pings the hops of its active routes this often
+    peer_timeout: float = 1.0  # a hop silent this long is dead: the head re-plans around it
     hop_timeout: float = 30.0  # the head re-prefills a step that got no reply for this long
     progress_interval: float = 0.5  # seconds between progress reports of a request this node heads
     kv_idle_timeout: float = 300.0  # free a session's KV after this long unused
@@ -93,6 +96,10 @@ class Node:
         self.router.bind(config.bind)
         self.endpoint = config.advertise or self.router.getsockopt(zmq.LAST_ENDPOINT).decode()
         self.peers: dict[str, zmq.Socket] = {}
+        self.peer_of: dict[zmq.Socket, str] = {}  # DEALER -> the endpoint it dials
+        self.poller = zmq.Poller()
+        self.liveness = PeerLiveness(config.ping_interval, config.peer_timeout)
+        self.pending_routes: deque[str] = deque()  # sessions awaiting a failover route, in request order
         self.tracker: zmq.Socket | None = None
         self.work: deque[Work] = deque()
         self.sessions: dict[str, RouteSession] = {}  # requests this node heads
@@ -105,18 +112,17 @@ class Node:
     # -- main loop ----------------------------------------------------------------------
 
     def run(self, stop: threading.Event) -> None:
-        poller = zmq.Poller()
-        poller.register(self.router, zmq.POLLIN)
+        self.poller.register(self.router, zmq.POLLIN)
         if self.config.tracker:
             self.tracker = self._dealer(self.config.tracker)
-            poller.register(self.tracker, zmq.POLLIN)
+            self.poller.register(self.tracker, zmq.POLLIN)
             self._register()
         log.info("node %s serving layers %s of %s at %s", self.config.node_id, self.config.shard,
                  self.config.source.model_id, self.endpoint)
         self.ready.set()
         try:
             while not stop.is_set():
-                for sock, _ in poller.poll(0 if self.work else 50):
+                for sock, _ in self.poller.poll(0 if self.work else 50):
                     self._drain(sock)
                 if self.work:
                     self._execute(self.work.popleft())
@@ -128,6 +134,7 @@ class Node:
         for sock in [self.router, *self.peers.values(), *([self.tracker] if self.tracker else [])]:
             sock.close(linger=0)
         self.peers.clear()
+        self.peer_of.clear()
 
     def _drain(self, sock: zmq.Socket) -> None:
         """Read every frame waiting on ``sock`` (bounded, so work still runs)."""
@@ -138,8 +145,10 @@ class Node:
                 return
             if sock is self.router:
                 self._inbound(frames[0].bytes, frames[1:])
-            else:
+            elif sock is self.tracker:
                 self._tracker_reply(frames)
+            else:
+                self._peer_reply(self.peer_of[sock], frames)
 
     def _periodic(self) -> None:
         now = time.monotonic()
@@ -150,6 +159,7 @@ class Node:
             log.info("freed idle session %s", session)
         for rs in list(self.sessions.values()):
             self._emit(rs, rs.check_timeout(now, self.config.hop_timeout))
+        self._watch_routes(now)
 
     # -- inbound ------------------------------------------------------------------------
 
@@ -354,6 +364,8 @@ class Node:
         sock = self.peers.get(endpoint)
         if sock is None:
             sock = self.peers[endpoint] = self._dealer(endpoint)
+            self.peer_of[sock] = endpoint
+            self.poller.register(sock, zmq.POLLIN)  # pongs and errors come back on it
         return sock
 
     def _dealer(self, endpoint: str) -> zmq.Socket:
@@ -366,6 +378,52 @@ class Node:
             sock.close(linger=0)
             raise
         return sock
+
+    # -- failover -----------------------------------------------------------------------
+
+    def _watch_routes(self, now: float) -> None:
+        """Ping the hops active requests depend on; re-plan around the ones that died."""
+        live = [rs for rs in self.sessions.values() if not rs.awaiting_route]
+        watched = {h.endpoint for rs in live for h in rs.route if h.endpoint != self.endpoint}
+        for endpoint in self.liveness.watch(watched, now):
+            self._to_peer(endpoint, p.encode(p.Ping(0)))
+        dead = self.liveness.dead(watched, now)
+        for rs in live if dead else ():
+            lost = {h.node for h in rs.route if h.endpoint in dead}
+            if lost:
+                self._failover(rs, lost)
+        self.liveness.forget(watched)
+
+    def _failover(self, rs: RouteSession, lost: set[str]) -> None:
+        if self.tracker is None:
+            self._emit(rs, rs.fail(p.ErrorCode.HOP_FAILED, f"hop(s) {', '.join(sorted(lost))} died"))
+            return
+        rs.begin_failover(lost)
+        self.counters["failovers"] += 1
+        self.pending_routes.append(rs.session)
+        self._to_tracker(p.RouteRequest(self.config.source.model_id, tuple(sorted(rs.excluded))))
+
+    def _route_for_failover(self, msg: p.Route | p.Error) -> None:
+        if not self.pending_routes:
+            return
+        rs = self.sessions.get(self.pending_routes.popleft())
+        if rs is None:
+            return
+        if isinstance(msg, p.Route):
+            self._emit(rs, rs.reroute(splice(rs.route[0], msg.hops)))
+        else:
+            self._emit(rs, rs.fail(p.ErrorCode.HOP_FAILED, f"no route around the failed hops: {msg.message}"))
+
+    def _peer_reply(self, endpoint: str, frames: list) -> None:
+        """A frame on a DEALER: a PONG (the peer lives) or an ERROR about a session."""
+        try:
+            msg, _ = p.decode(frames)
+        except p.ProtocolError as exc:
+            log.warning("bad frame from peer %s: %s", endpoint, exc)
+            return
+        self.liveness.seen(endpoint)
+        if isinstance(msg, p.Error) and msg.session:
+            self._to_session(msg.session, msg)
 
     # -- tracker ------------------------------------------------------------------------
 
@@ -395,6 +453,9 @@ class Node:
         if isinstance(msg, p.Error) and msg.code == p.ErrorCode.UNKNOWN_NODE:
             log.info("tracker does not know this node (restarted?): registering again")
             self._register()
+        elif isinstance(msg, p.Route) or (isinstance(msg, p.Error) and msg.code in (
+                p.ErrorCode.NO_ROUTE, p.ErrorCode.UNKNOWN_MODEL)):
+            self._route_for_failover(msg)
 
     def _benchmark(self, reps: int = 3) -> float:
         """Layer-steps per second for one decode token on a fixed workload."""

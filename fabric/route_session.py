@@ -131,6 +131,9 @@ class RouteSession:
         self.cache_misses = 0
         self.sent_at = time.monotonic()  # when the pending step was sent
         self.retries = 0  # re-sends after a hop went silent
+        self.excluded: set[str] = set()  # node ids that died under this request
+        self.awaiting_route = False  # a failover asked the tracker for a new route
+        self.failovers = 0
         self.reported_at = float("-inf")  # when the head last reported progress to the tracker
 
     # -- inputs -------------------------------------------------------------------------
@@ -179,13 +182,34 @@ class RouteSession:
         Re-prefill the whole history along the route; a restarted hop picks it up. Each
         retry waits twice as long as the one before (backoff), then the request fails.
         """
-        if self.finished or now - self.sent_at < timeout * 2 ** self.retries:
+        if self.finished or self.awaiting_route or now - self.sent_at < timeout * 2 ** self.retries:
             return []
         self.retries += 1
         if self.retries > max_retries:
             return self.fail(ErrorCode.HOP_FAILED, f"no reply from the route after {max_retries} re-sends")
         log.warning("session %s: no reply for %.1f s; re-prefilling (try %d)", self.session, now - self.sent_at,
                     self.retries)
+        self._send(self.history, pos=0)
+        return []
+
+    def begin_failover(self, dead_nodes: set[str]) -> None:
+        """Hops died: stop waiting on them until ``reroute`` gives a route around them."""
+        self.excluded |= dead_nodes
+        self.awaiting_route = True
+        self.sent_at = time.monotonic()
+        log.warning("session %s: hop(s) %s stopped answering; re-planning around them",
+                    self.session, ", ".join(sorted(dead_nodes)))
+
+    def reroute(self, route: tuple[Hop, ...]) -> list[Event]:
+        """Continue on ``route`` (same head): free the old hops, re-prefill the history."""
+        if self.finished:
+            return []
+        if route[0] != self.route[0] or any(h.node in self.excluded for h in route):
+            return self.fail(ErrorCode.HOP_FAILED, "no route avoids the failed hops")
+        self._tell_route(Cancel)  # live hops of the old route free their KV; dead ones never hear
+        self.route, self.awaiting_route = route, False
+        self.failovers += 1
+        self.retries = 0
         self._send(self.history, pos=0)
         return []
 

@@ -9,6 +9,7 @@ import threading
 
 import pytest
 
+from fabric.client import wait_for
 from fabric.models import load_tokenizer, resolve
 from fabric.protocol import Hop
 from fabric.shard import even_split
@@ -81,4 +82,4 @@ def test_cache_miss_reprefills_and_output_is_unchanged(thread_cluster, tiny_mode
     assert evicted.is_set()
     assert tail.counters["cache_miss"] >= 1
     assert ids == expected
-    assert not head.sessions  # the request ended and left no session on the head
+    assert wait_for(lambda: not head.sessions, 5)  # the request ended and left no session on the head

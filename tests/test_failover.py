@@ -1,0 +1,47 @@
+"""A hop that dies mid-generation is replaced, and the answer is the same answer."""
+from __future__ import annotations
+
+import signal
+
+from tests.test_fabric_equivalence import MESSAGES, prompt_ids
+from tests.tiny_models import reference_greedy
+
+TOKENS = 150
+
+
+def stream_and_kill(process_cluster, model, victim_of, after: int = 5) -> tuple[list[int], str]:
+    """Stream a greedy request; after ``after`` tokens kill -9 the node ``victim_of(route)`` names."""
+    got, victim = [], None
+    with process_cluster.client() as client:
+        for event in client.generate(model.name, messages=MESSAGES, max_tokens=TOKENS):
+            if event.event == "start":
+                victim = victim_of(event.route)
+            got.extend(event.token_ids)
+            if len(got) == after:
+                process_cluster.kill(victim, signal.SIGKILL)
+    return got, victim
+
+
+def test_dead_tail_is_replaced_and_output_is_unchanged(process_cluster, tiny_models):
+    model = tiny_models("llama")
+    expected = reference_greedy(model, prompt_ids(model), TOKENS)
+    process_cluster.start_node("head", str(model), "0-2")
+    process_cluster.start_node("tail1", str(model), "3-5")
+    process_cluster.start_node("tail2", str(model), "3-5")
+    process_cluster.wait_nodes(["head", "tail1", "tail2"], model.name)
+    got, victim = stream_and_kill(process_cluster, model, lambda route: route[-1].node)
+    assert victim in ("tail1", "tail2")
+    assert got == expected
+
+
+def test_dead_middle_hop_of_three_is_replaced(process_cluster, tiny_models):
+    model = tiny_models("qwen3")
+    expected = reference_greedy(model, prompt_ids(model), TOKENS)
+    process_cluster.start_node("head", str(model), "0-1")
+    process_cluster.start_node("mid1", str(model), "2-3")
+    process_cluster.start_node("mid2", str(model), "2-3")
+    process_cluster.start_node("tail", str(model), "4-5")
+    process_cluster.wait_nodes(["head", "mid1", "mid2", "tail"], model.name)
+    got, victim = stream_and_kill(process_cluster, model, lambda route: route[1].node)
+    assert victim in ("mid1", "mid2")
+    assert got == expected
