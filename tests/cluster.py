@@ -96,6 +96,7 @@ class ProcessCluster:
         self.cache = cache  # XDG cache shared by the test session: GGUF metadata parsed once
         self.heartbeat = heartbeat
         self.endpoint = f"tcp://127.0.0.1:{free_port()}"
+        self.pub = f"tcp://127.0.0.1:{free_port()}"
         self.procs: dict[str, subprocess.Popen] = {}
         self.node_endpoints: dict[str, str] = {}
         self.start_tracker()
@@ -110,7 +111,7 @@ class ProcessCluster:
         return proc
 
     def start_tracker(self) -> None:
-        self._spawn("tracker", "tracker", "--bind", self.endpoint, "--pub", f"tcp://127.0.0.1:{free_port()}",
+        self._spawn("tracker", "tracker", "--bind", self.endpoint, "--pub", self.pub,
                     "--db", str(self.tmp / "ledger.sqlite3"), "--heartbeat", str(self.heartbeat))
 
     def start_node(self, name: str, model: str, layers: str | None, port: int | None = None, *extra: str) -> str:
@@ -121,6 +122,22 @@ class ProcessCluster:
                     "--heartbeat", str(self.heartbeat), *extra)
         self.node_endpoints[name] = endpoint
         return endpoint
+
+    def start_webui(self, *extra: str) -> str:
+        """``meshnet webui`` on a free port; returns its base URL once it answers."""
+        import urllib.request
+
+        port = free_port()
+        self._spawn("webui", "webui", "--tracker", self.endpoint, "--pub", self.pub, "--port", str(port), *extra)
+        url = f"http://127.0.0.1:{port}"
+
+        def up():
+            try:
+                return urllib.request.urlopen(url + "/", timeout=1).status == 200
+            except OSError:
+                return False
+        assert wait_for(up, 30, 0.1), self.logs()
+        return url
 
     def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
         proc = self.procs.pop(name)
