@@ -21,8 +21,13 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=getattr(logging, args.log_level.upper()),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    from .security import SecurityError
+
     try:
         return args.func(args) or 0
+    except SecurityError as exc:
+        log.error("%s", exc)
+        return 2
     except KeyboardInterrupt:
         return 130
 
@@ -38,11 +43,26 @@ def build_parser() -> argparse.ArgumentParser:
     _webui_parser(sub)
     _chat_parser(sub)
     _status_parser(sub)
+    _keys_parser(sub)
     return parser
 
 
 def _tracker_flag(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tracker", default=DEFAULT_TRACKER, help="tracker endpoint (default %(default)s)")
+    _keys_flag(p)
+
+
+def _keys_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--keys", default=None, metavar="DIR",
+                   help="secure the swarm with CurveZMQ: this process's key pair and the allow-list "
+                        "(made by `meshnet keys DIR`); default: plaintext, for a trusted LAN")
+
+
+def _security(args):
+    """The Security for ``--keys`` (None without it); SecurityError says what is missing."""
+    from .security import load
+
+    return load(args.keys) if getattr(args, "keys", None) else None
 
 
 # --------------------------------------------------------------------------- up
@@ -59,6 +79,7 @@ def _up_parser(sub) -> None:
     p.add_argument("--tracker", default=DEFAULT_TRACKER, help="tracker bind endpoint (default %(default)s)")
     p.add_argument("--pub", default=DEFAULT_PUB, help="tracker PUB endpoint (default %(default)s)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    _keys_flag(p)
     p.set_defaults(func=cmd_up)
 
 
@@ -76,16 +97,19 @@ def cmd_up(args) -> int:
     threads = max(1, (os.cpu_count() or 1) // len(shards))
     log.info("starting a tracker, %d nodes (layers %s, %d torch threads each) and the web UI; loading weights…",
              len(shards), ", ".join(map(str, shards)), threads)
+    security = _security(args)  # checked here, so a bad key directory fails before anything starts
     me = [sys.executable, "-m", "fabric.cli", "--log-level", args.log_level]
-    commands = [[*me, "tracker", "--bind", args.tracker, "--pub", args.pub]]
+    keys = ["--keys", args.keys] if args.keys else []
+    commands = [[*me, "tracker", "--bind", args.tracker, "--pub", args.pub, *keys]]
     commands += [[*me, "node", "--model", args.model, "--layers", str(s), "--tracker", args.tracker,
-                  "--threads", str(threads), "--dtype", args.dtype, "--no-progress"] for s in shards]
+                  "--threads", str(threads), "--dtype", args.dtype, "--no-progress", *keys] for s in shards]
     commands.append([*me, "webui", "--tracker", args.tracker, "--pub", args.pub, "--host", args.host,
-                     "--port", str(args.port)])
-    return supervise(commands, url=f"http://{args.host}:{args.port}", tracker=args.tracker, nodes=len(shards))
+                     "--port", str(args.port), *keys])
+    return supervise(commands, url=f"http://{args.host}:{args.port}", tracker=args.tracker, nodes=len(shards),
+                     security=security)
 
 
-def supervise(commands: list[list[str]], url: str, tracker: str, nodes: int) -> int:
+def supervise(commands: list[list[str]], url: str, tracker: str, nodes: int, security=None) -> int:
     """Run every command; stop them all on Ctrl-C or when any one dies."""
     procs: list[subprocess.Popen] = []
     stop = threading.Event()
@@ -93,7 +117,7 @@ def supervise(commands: list[list[str]], url: str, tracker: str, nodes: int) -> 
     try:
         for cmd in commands:
             procs.append(subprocess.Popen(cmd))
-        _announce_when_ready(tracker, nodes, url, stop, procs)
+        _announce_when_ready(tracker, nodes, url, stop, procs, security)
         while not stop.is_set():
             dead = [p for p in procs if p.poll() is not None]
             if dead:
@@ -107,10 +131,10 @@ def supervise(commands: list[list[str]], url: str, tracker: str, nodes: int) -> 
         _stop_all(procs)
 
 
-def _announce_when_ready(tracker: str, nodes: int, url: str, stop: threading.Event, procs) -> None:
+def _announce_when_ready(tracker: str, nodes: int, url: str, stop: threading.Event, procs, security) -> None:
     from .client import Client, FabricError
 
-    with Client(tracker, timeout=2.0) as client:
+    with Client(tracker, timeout=2.0, security=security) as client:
         while not stop.is_set() and all(p.poll() is None for p in procs):
             try:
                 status = client.status()
@@ -145,13 +169,14 @@ def _tracker_parser(sub) -> None:
     p.add_argument("--pub", default=DEFAULT_PUB, help="PUB endpoint for plans/stats/events (default %(default)s)")
     p.add_argument("--db", default=None, help="SQLite usage ledger (default: under the user data directory)")
     p.add_argument("--heartbeat", type=float, default=1.0, help="node heartbeat interval in seconds")
+    _keys_flag(p)
     p.set_defaults(func=cmd_tracker)
 
 
 def cmd_tracker(args) -> int:
     from tracker.service import TrackerConfig, serve
 
-    kwargs = dict(bind=args.bind, pub=args.pub, heartbeat_interval=args.heartbeat)
+    kwargs = dict(bind=args.bind, pub=args.pub, heartbeat_interval=args.heartbeat, security=_security(args))
     if args.db:
         kwargs["db"] = args.db
     serve(TrackerConfig(**kwargs))
@@ -216,7 +241,8 @@ def cmd_node(args) -> int:
                         dtype=dtype, node_id=node_id,
                         max_sessions=args.max_sessions, max_prompt_tokens=args.max_prompt_tokens,
                         hop_timeout=args.hop_timeout, heartbeat_interval=args.heartbeat,
-                        cache_root=default_cache_root(), progress=not args.no_progress)
+                        cache_root=default_cache_root(), progress=not args.no_progress,
+                        security=_security(args))
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
@@ -273,7 +299,8 @@ def cmd_webui(args) -> int:
     if args.api_keys:
         with open(args.api_keys) as fh:
             keys = frozenset(line.strip() for line in fh if line.strip() and not line.startswith("#"))
-    serve(WebUIConfig(tracker=args.tracker, pub=args.pub, host=args.host, port=args.port, api_keys=keys))
+    serve(WebUIConfig(tracker=args.tracker, pub=args.pub, host=args.host, port=args.port, api_keys=keys,
+                      security=_security(args)))
     return 0
 
 
@@ -297,7 +324,7 @@ def cmd_chat(args) -> int:
     from .protocol import Sampling
 
     sampling = Sampling(temperature=args.temperature, top_p=args.top_p, seed=args.seed)
-    with Client(args.tracker) as client:
+    with Client(args.tracker, security=_security(args)) as client:
         try:
             for event in client.generate(args.model, messages=[{"role": "user", "content": args.prompt}],
                                          max_tokens=args.max_tokens, sampling=sampling):
@@ -320,7 +347,7 @@ def _status_parser(sub) -> None:
 def cmd_status(args) -> int:
     from .client import Client, FabricError
 
-    with Client(args.tracker, timeout=5.0) as client:
+    with Client(args.tracker, timeout=5.0, security=_security(args)) as client:
         try:
             status = client.status()
         except FabricError as exc:
@@ -367,6 +394,30 @@ def coverage_map(model: str, nodes: list[dict], width: int = 60) -> list[str]:
         bar = "." * lo + "#" * (hi - lo) + "." * (int(total * scale) - hi)
         rows.append(f"  {n['id']:<20} |{bar}| {a}-{b} of {total}")
     return rows
+
+
+def _keys_parser(sub) -> None:
+    p = sub.add_parser("keys", help="make a CurveZMQ key pair for a secured swarm",
+                       description="Make this machine's key pair in DIR and allow-list it. Copy DIR/id.key "
+                                   "into every other member's DIR/allowed/ (the tracker's as tracker.key), "
+                                   "then start every process with --keys DIR.")
+    p.add_argument("dir", help="key directory (created if missing)")
+    p.add_argument("--name", default=None, help="name of this member in allow-lists (default: host name)")
+    p.add_argument("--tracker", action="store_true", help="this key pair is the tracker's")
+    p.set_defaults(func=cmd_keys)
+
+
+def cmd_keys(args) -> int:
+    import socket
+    from pathlib import Path
+
+    from .security import create_keys
+
+    public = create_keys(Path(args.dir), args.name or socket.gethostname(), tracker=args.tracker)
+    print(f"key pair written to {args.dir}; public key: {public}\n"
+          f"copy {public} into the allowed/ folder of every other member"
+          f"{' as tracker.key' if args.tracker else ''}")
+    return 0
 
 
 if __name__ == "__main__":

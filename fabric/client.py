@@ -20,6 +20,7 @@ import zmq
 import zmq.asyncio
 
 from . import protocol as p
+from .security import Security, SecurityError, dial_securely
 
 
 class FabricError(Exception):
@@ -94,19 +95,26 @@ def _models(status: dict) -> list[dict]:
     return sorted(by_model.values(), key=lambda m: m["id"])
 
 
-def _dealer(ctx, endpoint: str):
+def _dealer(ctx, endpoint: str, security: Security | None = None, server_key: str | bytes | None = None):
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(endpoint)
+    try:
+        dial_securely(sock, security, server_key)
+        sock.connect(endpoint)
+    except (zmq.ZMQError, SecurityError) as exc:
+        sock.close(linger=0)
+        raise FabricError(p.ErrorCode.BAD_REQUEST, f"cannot dial {endpoint!r}: {exc}") from None
     return sock
 
 
 class Client:
     """Blocking client. ``head`` skips the tracker and uses a one-hop route to that node."""
 
-    def __init__(self, tracker: str = "tcp://127.0.0.1:5555", *, timeout: float = 30.0):
+    def __init__(self, tracker: str = "tcp://127.0.0.1:5555", *, timeout: float = 30.0,
+                 security: Security | None = None):
         self.tracker_endpoint = tracker
         self.timeout = timeout
+        self.security = security  # CurveZMQ keys for a secured swarm
         self.ctx = zmq.Context.instance()
         self._tracker = None
 
@@ -124,11 +132,12 @@ class Client:
     def ask(self, message: p.Message) -> p.Message:
         """One request/reply with the tracker."""
         if self._tracker is None:
-            self._tracker = _dealer(self.ctx, self.tracker_endpoint)
+            self._tracker = _dealer(self.ctx, self.tracker_endpoint, self.security,
+                                        self.security and self.security.tracker_key)
         self._tracker.send_multipart(p.encode(message))
         if not self._tracker.poll(self.timeout * 1000):
             self.close()  # drop the socket: a late reply must not answer the next question
-            raise FabricError(p.ErrorCode.INTERNAL, f"tracker at {self.tracker_endpoint} did not answer")
+            raise FabricError(p.ErrorCode.INTERNAL, f"tracker at {self.tracker_endpoint} did not answer (is it running? a secured swarm needs --keys)")
         return _decode(self._tracker.recv_multipart())
 
     def status(self) -> dict:
@@ -154,7 +163,7 @@ class Client:
         return self._stream(msg)
 
     def _stream(self, msg: p.Generate) -> Iterator[p.Event]:
-        sock = _dealer(self.ctx, msg.route[0].endpoint)
+        sock = _dealer(self.ctx, msg.route[0].endpoint, self.security, msg.route[0].key)
         done = False
         try:
             sock.send_multipart(p.encode(msg))
@@ -180,9 +189,11 @@ class Client:
 class AsyncClient:
     """asyncio client with the same calls as ``Client``."""
 
-    def __init__(self, tracker: str = "tcp://127.0.0.1:5555", *, timeout: float = 30.0):
+    def __init__(self, tracker: str = "tcp://127.0.0.1:5555", *, timeout: float = 30.0,
+                 security: Security | None = None):
         self.tracker_endpoint = tracker
         self.timeout = timeout
+        self.security = security  # CurveZMQ keys for a secured swarm
         self.ctx = zmq.asyncio.Context.instance()
         self._lock = asyncio.Lock()
         self._tracker = None
@@ -195,11 +206,12 @@ class AsyncClient:
     async def ask(self, message: p.Message) -> p.Message:
         async with self._lock:  # one question in flight on the shared tracker socket
             if self._tracker is None:
-                self._tracker = _dealer(self.ctx, self.tracker_endpoint)
+                self._tracker = _dealer(self.ctx, self.tracker_endpoint, self.security,
+                                        self.security and self.security.tracker_key)
             try:
                 await self._tracker.send_multipart(p.encode(message))
                 if not await self._tracker.poll(self.timeout * 1000):
-                    raise FabricError(p.ErrorCode.INTERNAL, f"tracker at {self.tracker_endpoint} did not answer")
+                    raise FabricError(p.ErrorCode.INTERNAL, f"tracker at {self.tracker_endpoint} did not answer (is it running? a secured swarm needs --keys)")
                 return _decode(await self._tracker.recv_multipart())
             except BaseException:
                 await self.close()  # a late reply must never answer the next question
@@ -228,7 +240,7 @@ class AsyncClient:
             msg = args.message(route or await self.route(args.model))
         except p.ProtocolError as exc:
             raise FabricError(exc.code, str(exc)) from None
-        sock = _dealer(self.ctx, msg.route[0].endpoint)
+        sock = _dealer(self.ctx, msg.route[0].endpoint, self.security, msg.route[0].key)
         done = False
         try:
             await sock.send_multipart(p.encode(msg))

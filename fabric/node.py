@@ -28,6 +28,7 @@ from .liveness import PeerLiveness, splice
 from .models import ModelSource, fingerprint, load_shard, load_tokenizer
 from .route_session import RequestError, RouteSession, encode_prompt, eos_ids
 from .sampling import sample
+from .security import Security, dial_securely, serve_securely, start_authenticator
 from .shard import Shard
 from .tensors import from_wire, to_wire
 
@@ -55,6 +56,7 @@ class NodeConfig:
     max_frame_bytes: int = 64 << 20  # largest tensor buffer accepted from a peer
     cache_root: Path | None = None  # where parsed GGUF metadata is cached
     progress: bool = True  # show a progress bar while weights load
+    security: Security | None = None  # CurveZMQ keys and allow-list; None: plaintext (a trusted LAN)
 
 
 def stable_node_id(data_root: Path, model_id: str, shard: Shard, bind: str) -> str:
@@ -82,7 +84,9 @@ class Work:
 class Node:
     def __init__(self, config: NodeConfig, ctx: zmq.Context | None = None):
         self.config = config
-        self.ctx = ctx or zmq.Context.instance()
+        # a secured node owns its context: one ZAP handler per context
+        self._own_ctx = ctx is None and config.security is not None
+        self.ctx = ctx or (zmq.Context() if self._own_ctx else zmq.Context.instance())
         weights = load_shard(config.source, config.shard, dtype=config.dtype, device=config.device,
                              progress=config.progress, cache_root=config.cache_root)
         self.kv = KVStore(config.kv_idle_timeout)
@@ -90,7 +94,10 @@ class Node:
         self.tokenizer = load_tokenizer(config.source, config.cache_root) if config.shard.is_first else None
         self.eos = eos_ids(self.tokenizer, weights.config) if self.tokenizer else frozenset()
         self.fingerprint = fingerprint(config.source, weights.config)
+        self.auth = start_authenticator(self.ctx, config.security) if config.security else None
+        self.key = config.security.public_text if config.security else ""  # peers dial us with it
         self.router = self.ctx.socket(zmq.ROUTER)
+        serve_securely(self.router, config.security)
         self.router.setsockopt(zmq.LINGER, 0)
         self.router.setsockopt(zmq.ROUTER_MANDATORY, 0)
         self.router.bind(config.bind)
@@ -114,7 +121,7 @@ class Node:
     def run(self, stop: threading.Event) -> None:
         self.poller.register(self.router, zmq.POLLIN)
         if self.config.tracker:
-            self.tracker = self._dealer(self.config.tracker)
+            self.tracker = self._dealer(self.config.tracker, self.config.security and self.config.security.tracker_key)
             self.poller.register(self.tracker, zmq.POLLIN)
             self._register()
         log.info("node %s serving layers %s of %s at %s", self.config.node_id, self.config.shard,
@@ -135,6 +142,10 @@ class Node:
             sock.close(linger=0)
         self.peers.clear()
         self.peer_of.clear()
+        if self.auth is not None:
+            self.auth.stop()
+        if self._own_ctx:
+            self.ctx.term()
 
     def _drain(self, sock: zmq.Socket) -> None:
         """Read every frame waiting on ``sock`` (bounded, so work still runs)."""
@@ -206,7 +217,7 @@ class Node:
         if msg.start_layer > 0 and tensor.shape[-1] != self.executor.hidden_size:
             raise p.ProtocolError(f"hidden size {tensor.shape[-1]} != {self.executor.hidden_size}")
         if msg.pos == 0 and msg.session not in self.kv and len(self.kv) >= self.config.max_sessions:
-            self._send(msg.reply_to, p.Error(p.ErrorCode.BUSY, "node is at its session limit",
+            self._send(msg.reply_to, msg.reply_key, p.Error(p.ErrorCode.BUSY, "node is at its session limit",
                                              session=msg.session, step=msg.step, node=self.config.node_id))
             return
         self.work.append(Work(msg, tensor))
@@ -233,13 +244,15 @@ class Node:
             self._run_hop(work)
         except CacheMissError as miss:
             self.counters["cache_miss"] += 1
-            self._send(msg.reply_to, p.CacheMiss(msg.session, msg.step, self.config.node_id, miss.have))
+            miss_msg = p.CacheMiss(msg.session, msg.step, self.config.node_id, miss.have)
+            self._send(msg.reply_to, msg.reply_key, miss_msg)
         except Exception as exc:
             log.exception("hop failed for session %s", msg.session)
             self.counters["hop_errors"] += 1
             self.kv.drop(msg.session)
-            self._send(msg.reply_to, p.Error(p.ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}",
-                                             session=msg.session, step=msg.step, node=self.config.node_id))
+            error = p.Error(p.ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}", session=msg.session,
+                            step=msg.step, node=self.config.node_id)
+            self._send(msg.reply_to, msg.reply_key, error)
 
     def _run_hop(self, work: Work) -> None:
         msg = work.msg
@@ -248,12 +261,12 @@ class Node:
         q = work.tensor.shape[1]
         if result.logits is not None:
             token = sample(result.logits, msg.sampling, msg.pos + q)
-            self._send(msg.reply_to, p.Token(msg.session, msg.step, token, msg.pos + q))
+            self._send(msg.reply_to, msg.reply_key, p.Token(msg.session, msg.step, token, msg.pos + q))
             return
         nxt = msg.route[0]
         out = p.Forward(session=msg.session, step=msg.step, pos=msg.pos, start_layer=nxt.start_layer,
                         end_layer=nxt.end_layer, route=msg.route[1:], reply_to=msg.reply_to,
-                        sampling=msg.sampling)
+                        sampling=msg.sampling, reply_key=msg.reply_key)
         self._forward(nxt, out, result.hidden)
 
     # -- requests this node heads -------------------------------------------------------
@@ -273,7 +286,7 @@ class Node:
                                           finish_reason="error"))
             return
         rs = RouteSession(req, prompt, tokenizer=self.tokenizer, eos=self.eos, reply_to=self.endpoint,
-                          transport=self, seed=secrets.randbits(62))
+                          reply_key=self.key, transport=self, seed=secrets.randbits(62))
         self.sessions[req.request_id] = rs
         self.clients[req.request_id] = identity
         self._emit(rs, rs.start())
@@ -291,7 +304,7 @@ class Node:
         self.work = deque(w for w in self.work if w.msg.session != msg.session)
         if msg.route:
             nxt = msg.route[0]
-            self._send(nxt.endpoint, type(msg)(session=msg.session, route=msg.route[1:]))
+            self._send(nxt.endpoint, nxt.key, type(msg)(session=msg.session, route=msg.route[1:]))
 
     def _emit(self, rs: RouteSession, events: list[p.Event]) -> None:
         identity = self.clients.get(rs.session)
@@ -324,7 +337,7 @@ class Node:
         if hop.endpoint == self.endpoint:
             self._free(message)
         else:
-            self._send(hop.endpoint, message)
+            self._send(hop.endpoint, hop.key, message)
 
     # -- outbound -----------------------------------------------------------------------
 
@@ -333,19 +346,20 @@ class Node:
             self.work.append(Work(message, tensor))
             return
         spec, buf = to_wire(tensor)
-        self._to_peer(hop.endpoint, p.encode(dataclasses.replace(message, tensors=(spec,)), [buf]), copy=False)
+        self._to_peer(hop.endpoint, hop.key, p.encode(dataclasses.replace(message, tensors=(spec,)), [buf]),
+                      copy=False)
 
-    def _send(self, endpoint: str, message: p.Message) -> None:
+    def _send(self, endpoint: str, key: str, message: p.Message) -> None:
         if endpoint == self.endpoint:
             self._dispatch(b"", message, [])
         else:
-            self._to_peer(endpoint, p.encode(message))
+            self._to_peer(endpoint, key, p.encode(message))
 
-    def _to_peer(self, endpoint: str, frames: list, copy: bool = True) -> None:
+    def _to_peer(self, endpoint: str, key: str, frames: list, copy: bool = True) -> None:
         """Send to a peer without ever blocking the loop: a full or bad peer loses the frame
         (the head's timeout re-sends the step), not the node."""
         try:
-            self._peer(endpoint).send_multipart(frames, flags=zmq.NOBLOCK, copy=copy)
+            self._peer(endpoint, key).send_multipart(frames, flags=zmq.NOBLOCK, copy=copy)
         except zmq.Again:
             self.counters["dropped_frames"] += 1
             log.warning("peer %s is not draining its queue; dropped a frame", endpoint)
@@ -360,19 +374,20 @@ class Node:
             except zmq.Again:
                 log.warning("client %r is not reading; dropped an event", identity)
 
-    def _peer(self, endpoint: str) -> zmq.Socket:
+    def _peer(self, endpoint: str, key: str) -> zmq.Socket:
         sock = self.peers.get(endpoint)
         if sock is None:
-            sock = self.peers[endpoint] = self._dealer(endpoint)
+            sock = self.peers[endpoint] = self._dealer(endpoint, key)
             self.peer_of[sock] = endpoint
             self.poller.register(sock, zmq.POLLIN)  # pongs and errors come back on it
         return sock
 
-    def _dealer(self, endpoint: str) -> zmq.Socket:
+    def _dealer(self, endpoint: str, key: str | bytes | None) -> zmq.Socket:
         sock = self.ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SNDHWM, 10000)
         try:
+            dial_securely(sock, self.config.security, key)
             sock.connect(endpoint)
         except zmq.ZMQError:
             sock.close(linger=0)
@@ -384,9 +399,10 @@ class Node:
     def _watch_routes(self, now: float) -> None:
         """Ping the hops active requests depend on; re-plan around the ones that died."""
         live = [rs for rs in self.sessions.values() if not rs.awaiting_route]
-        watched = {h.endpoint for rs in live for h in rs.route if h.endpoint != self.endpoint}
+        keys = {h.endpoint: h.key for rs in live for h in rs.route if h.endpoint != self.endpoint}
+        watched = set(keys)
         for endpoint in self.liveness.watch(watched, now):
-            self._to_peer(endpoint, p.encode(p.Ping(0)))
+            self._to_peer(endpoint, keys[endpoint], p.encode(p.Ping(0)))
         dead = self.liveness.dead(watched, now)
         for rs in live if dead else ():
             lost = {h.node for h in rs.route if h.endpoint in dead}

@@ -110,6 +110,7 @@ class Hop:
     endpoint: str
     start_layer: int
     end_layer: int
+    key: str = ""  # the node's CURVE public key (z85) when the swarm is secured
 
     def validate(self) -> None:
         if not 0 <= self.start_layer <= self.end_layer < MAX_LAYERS:
@@ -167,6 +168,7 @@ class Forward(Message):
     route: tuple[Hop, ...]  # the hops after this one, in order
     reply_to: str  # endpoint of the head: TOKEN / CACHE_MISS / ERROR go there
     sampling: Sampling = Sampling()
+    reply_key: str = ""  # the head's CURVE public key when the swarm is secured
 
     def validate(self) -> None:
         if not 0 <= self.start_layer <= self.end_layer < MAX_LAYERS:

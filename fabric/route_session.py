@@ -110,7 +110,7 @@ class RouteSession:
     """The head's state machine for one request. Feed it messages; it returns events."""
 
     def __init__(self, request: Generate, prompt_ids: list[int], *, tokenizer, eos: frozenset[int],
-                 reply_to: str, transport: Transport, seed: int):
+                 reply_to: str, transport: Transport, seed: int, reply_key: str = ""):
         self.request = request
         self.session = request.request_id
         self.route = request.route
@@ -119,6 +119,7 @@ class RouteSession:
         self.generated: list[int] = []
         self.eos = eos
         self.reply_to = reply_to
+        self.reply_key = reply_key  # this head's CURVE public key, for hops that answer it
         self.transport = transport
         self.sampling = Sampling(request.sampling.temperature, request.sampling.top_k,
                                  request.sampling.top_p, request.sampling.seed if request.sampling.seed
@@ -237,7 +238,7 @@ class RouteSession:
         head = self.route[0]
         msg = Forward(session=self.session, step=self.step, pos=pos, start_layer=head.start_layer,
                       end_layer=head.end_layer, route=self.route[1:], reply_to=self.reply_to,
-                      sampling=self.sampling)
+                      sampling=self.sampling, reply_key=self.reply_key)
         self.transport.forward(head, msg, torch.tensor([ids], dtype=torch.int64))  # (1, q)
 
     def _finish(self, reason: str, tail: str = "") -> list[Event]:

@@ -46,13 +46,14 @@ def ping(endpoint: str, timeout: float = 5.0) -> p.Pong | None:
 class ThreadCluster:
     """A tracker and nodes in threads of this process, on real loopback sockets."""
 
-    def __init__(self, heartbeat: float = 0.2):
+    def __init__(self, heartbeat: float = 0.2, security=None):
         from tracker.service import Tracker, TrackerConfig
 
         self.stop = threading.Event()
         self.threads: list[threading.Thread] = []
+        self.security = security  # fabric.security.Security shared by the tracker and the test's client
         self.tracker = Tracker(TrackerConfig(bind="tcp://127.0.0.1:*", pub="tcp://127.0.0.1:*", db=":memory:",
-                                             heartbeat_interval=heartbeat))
+                                             heartbeat_interval=heartbeat, security=security))
         self._start(self.tracker.run)
         self.tracker.ready.wait(10)
         self.endpoint = self.tracker.endpoint
@@ -73,8 +74,8 @@ class ThreadCluster:
         self.nodes[node_id] = node
         return node
 
-    def client(self) -> Client:
-        return Client(self.endpoint, timeout=30)
+    def client(self, security=None) -> Client:
+        return Client(self.endpoint, timeout=30, security=security or self.security)
 
     def wait_routable(self, model: str, nodes: int, timeout: float = 15.0) -> dict:
         with self.client() as c:

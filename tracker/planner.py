@@ -98,7 +98,7 @@ def _span(a: int, b: int) -> str:
 
 def hop_dict(hop: Hop) -> dict:
     return {"node": hop.node, "endpoint": hop.endpoint,
-            "start_layer": hop.start_layer, "end_layer": hop.end_layer}
+            "start_layer": hop.start_layer, "end_layer": hop.end_layer, "key": hop.key}
 
 
 # --------------------------------------------------------------------------- costs
@@ -266,7 +266,7 @@ def _extend(target: list[_Label], frontier: list[_Label], node: NodeInfo, b: int
             throughput: Throughput, cost: CostModel) -> None:
     """Append every frontier label extended by a hop of ``node`` over layers b..e-1."""
     step = hop_compute_seconds(node, e - b, throughput, cost) + cost.link_cost_s
-    hop = Hop(node=node.node_id, endpoint=node.endpoint, start_layer=b, end_layer=e - 1)
+    hop = Hop(node=node.node_id, endpoint=node.endpoint, start_layer=b, end_layer=e - 1, key=node.public_key)
     for seconds, hops, used in frontier:
         if node.node_id not in used:
             target.append((seconds + step, hops + (hop,), used | {node.node_id}))

@@ -36,6 +36,7 @@ class NodeInfo:
     sessions: int = 0  # active sessions at the last heartbeat
     queued: int = 0  # requests waiting at the last heartbeat
     last_seen: float = 0.0  # registry clock at the last register/heartbeat
+    public_key: str = ""  # CURVE key it authenticated with (secured swarms); hops carry it
 
     @property
     def layers(self) -> tuple[int, int]:
@@ -95,7 +96,7 @@ class Registry:
         self._nodes: dict[str, NodeInfo] = {}
         self.version = 0
 
-    def register(self, msg: Register) -> NodeInfo:
+    def register(self, msg: Register, public_key: str = "") -> NodeInfo:
         """Add or replace a node (load starts at zero). Validates first."""
         validate_register(msg)
         old = self._nodes.get(msg.node_id)
@@ -104,7 +105,7 @@ class Registry:
             fingerprint=msg.fingerprint, num_layers=msg.num_layers,
             start_layer=msg.start_layer, end_layer=msg.end_layer,
             hardware=dict(msg.hardware), benchmark=msg.benchmark,
-            max_sessions=msg.max_sessions, last_seen=self._clock())
+            max_sessions=msg.max_sessions, last_seen=self._clock(), public_key=public_key)
         self._nodes[msg.node_id] = node
         if old is None or old.topology_key() != node.topology_key():
             self.version += 1

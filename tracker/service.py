@@ -36,6 +36,8 @@ from fabric.protocol import (
     decode, encode, split_envelope,
 )
 
+from fabric.security import Security, peer_key, serve_securely, start_authenticator
+
 from .events import EventRing
 from .ledger import Ledger, check_report, default_ledger_path
 from .planner import (
@@ -66,6 +68,7 @@ class TrackerConfig:
     stats_window: int = 64  # samples kept per rolling statistic
     max_message_bytes: int = 4 << 20  # ZeroMQ drops larger inbound messages
     cost: CostModel = CostModel()  # the planner's cost knobs
+    security: Security | None = None  # CurveZMQ keys + allow-list; None: plaintext (a trusted LAN)
 
 
 class Tracker:
@@ -90,6 +93,7 @@ class Tracker:
         self._started = time.monotonic()
         self._plans_version = -1
         self._next_stats = 0.0
+        self._node_keys: dict[str, str] = {}  # node id -> the CURVE key that first registered it
 
     # ----------------------------------------------------------------- loop
 
@@ -97,6 +101,7 @@ class Tracker:
         """Serve until ``stop`` is set; sockets and the ledger are closed on every path."""
         context = self._context or zmq.Context()
         sockets: list[zmq.Socket] = []
+        auth = start_authenticator(context, self.config.security) if self.config.security else None
         try:
             with Ledger(self.config.db) as ledger:
                 self._ledger = ledger
@@ -112,6 +117,8 @@ class Tracker:
             for sock in sockets:
                 sock.close(linger=0)
             self._pub = self._ledger = None
+            if auth is not None:
+                auth.stop()
             if self._context is None:
                 context.term()
             log.info("tracker stopped")
@@ -123,6 +130,7 @@ class Tracker:
         sock.setsockopt(zmq.LINGER, 0)
         if kind == zmq.ROUTER:
             sock.setsockopt(zmq.MAXMSGSIZE, self.config.max_message_bytes)
+        serve_securely(sock, self.config.security)
         sock.bind(address)
         return sock
 
@@ -138,10 +146,11 @@ class Tracker:
     def _drain(self, router: zmq.Socket) -> None:
         for _ in range(MAX_DRAIN):
             try:
-                frames = router.recv_multipart(zmq.NOBLOCK)
+                received = router.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
-            envelope, reply = self.respond(frames)
+            key = peer_key(received[-1]) if self.config.security else None
+            envelope, reply = self.respond([f.bytes for f in received], key)
             if not envelope:
                 continue
             try:
@@ -168,7 +177,7 @@ class Tracker:
 
     # ----------------------------------------------------------------- dispatch
 
-    def respond(self, frames: list[bytes]) -> tuple[list[bytes], Message]:
+    def respond(self, frames: list[bytes], peer: str | None = None) -> tuple[list[bytes], Message]:
         """(reply envelope, reply) for one inbound ROUTER message; never raises."""
         try:
             envelope, body = split_envelope(frames)
@@ -176,18 +185,30 @@ class Tracker:
             return frames[:1], Error(code=exc.code, message=str(exc))
         try:
             message, _ = decode(body, max_buffer_bytes=0)
-            return envelope, self.handle(message)
+            self._authorize(message, peer)
+            return envelope, self.handle(message, peer or "")
         except ProtocolError as exc:
             return envelope, Error(code=exc.code, message=str(exc))
         except Exception:  # a bug here must not take the tracker down
             log.exception("error handling a %d-frame message", len(frames))
             return envelope, Error(code=ErrorCode.INTERNAL, message="internal tracker error")
 
-    def handle(self, message: Message) -> Message:
+    def _authorize(self, message: Message, peer: str | None) -> None:
+        """In a secured swarm a node id belongs to the key that first registered it:
+        no member can register, heartbeat or report as another."""
+        if self.config.security is None or not isinstance(message, (Register, Heartbeat, Report)):
+            return
+        owner = self._node_keys.get(message.node_id)
+        if owner is not None and owner != peer:
+            raise ProtocolError(f"node id {message.node_id!r} belongs to another key", ErrorCode.BAD_REQUEST)
+        if isinstance(message, Register):
+            self._node_keys[message.node_id] = peer
+
+    def handle(self, message: Message, peer: str = "") -> Message:
         """The reply to one decoded message; raises ProtocolError for a refusal."""
         match message:
             case Register():
-                return self._on_register(message)
+                return self._on_register(message, peer)
             case Heartbeat():
                 return self._on_heartbeat(message)
             case RouteRequest():
@@ -207,9 +228,9 @@ class Tracker:
 
     # ----------------------------------------------------------------- handlers
 
-    def _on_register(self, msg: Register) -> Message:
+    def _on_register(self, msg: Register, peer: str = "") -> Message:
         old = self.registry.get(msg.node_id)
-        node = self.registry.register(msg)
+        node = self.registry.register(msg, peer)
         if old is not None and old.fingerprint != node.fingerprint:
             self.stats.forget_node(node.node_id)
         self._expire()  # publishes plans if the topology changed

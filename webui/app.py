@@ -44,7 +44,8 @@ def create_app(config: WebUIConfig, client: Any) -> Quart:
     app = Quart(__name__, static_folder=str(STATIC), static_url_path="/static")
     app.config["MAX_CONTENT_LENGTH"] = config.max_body_bytes
     app.extensions[EXTENSION] = ApiContext(config, client, Accounting())
-    feed = app.extensions[LIVE_EXTENSION] = LiveFeed(config.pub, idle_timeout=config.call_idle_timeout)
+    feed = app.extensions[LIVE_EXTENSION] = LiveFeed(config.pub, idle_timeout=config.call_idle_timeout,
+                                                        security=config.security)
     app.before_serving(feed.start)
     app.after_serving(feed.stop)
     app.register_blueprint(blueprint)
@@ -122,7 +123,7 @@ def _ending_live_streams(app: Quart, trigger: Callable[[], Awaitable[None]]) -> 
 def _fabric_client(config: WebUIConfig) -> Any:
     from fabric.client import AsyncClient  # the web UI's only import of the fabric client
 
-    return AsyncClient(config.tracker, timeout=config.client_timeout)
+    return AsyncClient(config.tracker, timeout=config.client_timeout, security=config.security)
 
 
 def _install_signal_handlers(stop: asyncio.Event) -> list[signal.Signals]:

@@ -30,6 +30,8 @@ import msgpack
 import zmq
 import zmq.asyncio
 
+from fabric.security import SecurityError, dial_securely
+
 from .board import CallBoard, ThroughputMeter
 
 logger = logging.getLogger(__name__)
@@ -99,7 +101,7 @@ class LiveFeed:
     """The tracker's PUB as dashboard updates. ``start``/``stop`` bracket the app's life."""
 
     def __init__(self, endpoint: str | None, *, queue_size: int = 512, idle_timeout: float = 120.0,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, security=None):
         self.endpoint = endpoint  # None: no feed; the dashboard polls /api/status
         self.board = CallBoard(idle_timeout=idle_timeout)
         self.meter = ThroughputMeter()
@@ -115,6 +117,7 @@ class LiveFeed:
         self._socket: zmq.asyncio.Socket | None = None
         self._task: asyncio.Task | None = None
         self._stopped = False
+        self._security = security  # fabric.security.Security, or None for plaintext
 
     # ----------------------------------------------------------------- life cycle
 
@@ -126,8 +129,9 @@ class LiveFeed:
         sock = zmq.asyncio.Context.instance().socket(zmq.SUB)
         sock.setsockopt(zmq.LINGER, 0)
         try:
+            dial_securely(sock, self._security, self._security and self._security.tracker_key)
             sock.connect(self.endpoint)
-        except zmq.ZMQError as exc:
+        except (zmq.ZMQError, SecurityError) as exc:
             sock.close(linger=0)
             self.error = f"cannot connect to {self.endpoint}: {exc}"
             logger.warning("live feed off: %s", self.error)

@@ -1,0 +1,108 @@
+"""CurveZMQ for the whole swarm: every process has a key pair, and a ZAP handler admits
+only the public keys on an allow-list.
+
+A key directory (``--keys DIR``) holds:
+
+    DIR/id.key, DIR/id.key_secret   this process's key pair (``meshnet keys DIR``)
+    DIR/allowed/*.key               public keys of every member of the swarm
+    DIR/allowed/tracker.key         the tracker's public key (clients and nodes dial it)
+
+Every ROUTER is a CURVE server with its process's key; every DEALER is a CURVE client
+with the same key pair and the server key of the peer it dials (the tracker's from the
+allow-list, a node's from the route plan, which carries each hop's key).
+"""
+from __future__ import annotations
+
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import zmq
+import zmq.auth
+from zmq.auth.thread import ThreadAuthenticator
+
+KEY_NAME = "id"
+TRACKER_KEY = "tracker.key"
+
+
+class SecurityError(Exception):
+    """The key directory is incomplete; the message says how to fix it."""
+
+
+@dataclass(frozen=True)
+class Security:
+    directory: Path
+    public: bytes  # z85, this process's public key
+    secret: bytes  # z85, this process's secret key
+    tracker_key: bytes | None  # z85, the tracker's public key (None when unknown)
+
+    @property
+    def allowed(self) -> Path:
+        return self.directory / "allowed"
+
+    @property
+    def public_text(self) -> str:
+        return self.public.decode()
+
+
+def create_keys(directory: Path, name: str, tracker: bool = False) -> Path:
+    """Make this process's key pair in ``directory`` and allow-list it under ``name``.
+
+    With ``tracker`` the public key is also saved as the tracker's key. Returns the
+    public key file to copy into the other members' ``allowed/`` folders.
+    """
+    directory = Path(directory)
+    allowed = directory / "allowed"
+    allowed.mkdir(parents=True, exist_ok=True)
+    if (directory / f"{KEY_NAME}.key_secret").exists():
+        raise SecurityError(f"{directory} already holds a key pair; refusing to overwrite it")
+    public, _ = zmq.auth.create_certificates(str(directory), KEY_NAME)
+    (directory / f"{KEY_NAME}.key_secret").chmod(0o600)
+    shutil.copy(public, allowed / (TRACKER_KEY if tracker else f"{name}.key"))
+    return Path(public)
+
+
+def load(directory: Path) -> Security:
+    directory = Path(directory)
+    secret_file = directory / f"{KEY_NAME}.key_secret"
+    if not secret_file.is_file():
+        raise SecurityError(f"no key pair in {directory}: create one with `meshnet keys {directory}`")
+    public, secret = zmq.auth.load_certificate(str(secret_file))
+    tracker_file = directory / "allowed" / TRACKER_KEY
+    tracker_key = zmq.auth.load_certificate(str(tracker_file))[0] if tracker_file.is_file() else None
+    return Security(directory, public, secret, tracker_key)
+
+
+def start_authenticator(ctx: zmq.Context, security: Security) -> ThreadAuthenticator:
+    """A ZAP handler on ``ctx`` admitting only the allow-listed public keys."""
+    auth = ThreadAuthenticator(ctx)
+    auth.start()
+    auth.configure_curve(domain="*", location=str(security.allowed))
+    return auth
+
+
+def serve_securely(sock: zmq.Socket, security: Security | None) -> None:
+    """Make ``sock`` (before bind) a CURVE server; no-op without security."""
+    if security is not None:
+        sock.curve_secretkey = security.secret
+        sock.curve_publickey = security.public
+        sock.curve_server = True
+
+
+def dial_securely(sock: zmq.Socket, security: Security | None, server_key: str | bytes | None) -> None:
+    """Make ``sock`` (before connect) a CURVE client of the server with ``server_key``."""
+    if security is None:
+        return
+    if not server_key:
+        raise SecurityError("security is on but the peer's public key is unknown")
+    sock.curve_secretkey = security.secret
+    sock.curve_publickey = security.public
+    sock.curve_serverkey = server_key.encode() if isinstance(server_key, str) else server_key
+
+
+def peer_key(frame: zmq.Frame) -> str | None:
+    """The CURVE public key (z85) the peer that sent ``frame`` authenticated with."""
+    try:
+        return frame.get("User-Id") or None
+    except zmq.ZMQError:
+        return None
