@@ -58,6 +58,17 @@ def _keys_flag(p: argparse.ArgumentParser) -> None:
                         "(made by `meshnet keys DIR`); default: plaintext, for a trusted LAN")
 
 
+def _metrics_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--metrics-port", type=int, default=0, help="serve Prometheus /metrics on this port (0: off)")
+
+
+def _serve_metrics(args, sample) -> None:
+    if args.metrics_port:
+        from .metrics import serve
+
+        serve(args.metrics_port, sample)
+
+
 def _security(args):
     """The Security for ``--keys`` (None without it); SecurityError says what is missing."""
     from .security import load
@@ -169,17 +180,20 @@ def _tracker_parser(sub) -> None:
     p.add_argument("--pub", default=DEFAULT_PUB, help="PUB endpoint for plans/stats/events (default %(default)s)")
     p.add_argument("--db", default=None, help="SQLite usage ledger (default: under the user data directory)")
     p.add_argument("--heartbeat", type=float, default=1.0, help="node heartbeat interval in seconds")
+    _metrics_flag(p)
     _keys_flag(p)
     p.set_defaults(func=cmd_tracker)
 
 
 def cmd_tracker(args) -> int:
-    from tracker.service import TrackerConfig, serve
+    from tracker.service import Tracker, TrackerConfig, serve
 
     kwargs = dict(bind=args.bind, pub=args.pub, heartbeat_interval=args.heartbeat, security=_security(args))
     if args.db:
         kwargs["db"] = args.db
-    serve(TrackerConfig(**kwargs))
+    tracker = Tracker(TrackerConfig(**kwargs))
+    _serve_metrics(args, tracker.metrics)
+    serve(tracker.config, tracker)
     return 0
 
 
@@ -209,6 +223,7 @@ def _node_parser(sub) -> None:
                    help="seconds the head waits for a step's reply before re-sending it (default %(default)s)")
     p.add_argument("--heartbeat", type=float, default=1.0, help="seconds between heartbeats to the tracker")
     p.add_argument("--no-progress", action="store_true", help="no progress bar while loading")
+    _metrics_flag(p)
     p.set_defaults(func=cmd_node)
 
 
@@ -246,7 +261,9 @@ def cmd_node(args) -> int:
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    Node(config).run(stop)
+    node = Node(config)
+    _serve_metrics(args, node.metrics)
+    node.run(stop)
     log.info("node stopped")
     return 0
 

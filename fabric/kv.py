@@ -60,7 +60,7 @@ class KVStore:
         return stale
 
     def nbytes(self) -> int:
-        return sum(kv.nbytes() for kv in self._sessions.values())
+        return sum(kv.nbytes() for kv in list(self._sessions.values()))
 
     def sessions(self) -> list[str]:
         return list(self._sessions)

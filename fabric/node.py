@@ -28,6 +28,7 @@ from .liveness import PeerLiveness, splice
 from .models import ModelSource, fingerprint, load_shard, load_tokenizer
 from .route_session import RequestError, RouteSession, encode_prompt, eos_ids
 from .sampling import sample
+from .metrics import Sample
 from .security import Security, dial_securely, serve_securely, start_authenticator
 from .shard import Shard
 from .tensors import from_wire, to_wire
@@ -73,6 +74,9 @@ def stable_node_id(data_root: Path, model_id: str, shard: Shard, bind: str) -> s
     return node_id
 
 
+COUNTERS = ("hop_seconds", "hops", "cache_miss", "failovers", "rejected_frames", "dropped_frames", "hop_errors")
+
+
 @dataclass
 class Work:
     """A hop to execute: a FORWARD and its input tensor (already validated)."""
@@ -111,7 +115,9 @@ class Node:
         self.work: deque[Work] = deque()
         self.sessions: dict[str, RouteSession] = {}  # requests this node heads
         self.clients: dict[str, bytes] = {}  # request id -> client identity on the ROUTER
-        self.counters: Counter[str] = Counter()  # frames, hops, cache misses, errors: for status and tests
+        # hops, cache misses, failovers, errors: for /metrics and tests. Every key exists from
+        # the start, so another thread can copy the counter while this one updates it.
+        self.counters: Counter[str] = Counter({k: 0 for k in COUNTERS})
         self.benchmark = self._benchmark()
         self.ready = threading.Event()
         self._next_heartbeat = 0.0
@@ -256,8 +262,10 @@ class Node:
 
     def _run_hop(self, work: Work) -> None:
         msg = work.msg
+        started = time.perf_counter()
         result = self.executor.run(msg.session, msg.start_layer, msg.end_layer, work.tensor, msg.pos)
         self.counters["hops"] += 1
+        self.counters["hop_seconds"] += time.perf_counter() - started
         q = work.tensor.shape[1]
         if result.logits is not None:
             token = sample(result.logits, msg.sampling, msg.pos + q)
@@ -393,6 +401,21 @@ class Node:
             sock.close(linger=0)
             raise
         return sock
+
+    # -- metrics ------------------------------------------------------------------------
+
+    def metrics(self) -> list[Sample]:
+        """Live numbers for /metrics; safe to call from another thread."""
+        c, labels = self.counters.copy(), {"node": self.config.node_id}
+        rows = [Sample("node_sessions", "sessions holding KV on this node", len(self.kv), labels=labels),
+                Sample("node_kv_bytes", "bytes of KV cache held", self.kv.nbytes(), labels=labels),
+                Sample("node_requests_in_flight", "requests this node heads", len(self.sessions), labels=labels),
+                Sample("node_queued_hops", "hops waiting to run", len(self.work), labels=labels),
+                Sample("node_hop_seconds_total", "seconds spent running hops", c["hop_seconds"], "counter", labels)]
+        for name in COUNTERS[1:]:
+            rows.append(Sample(f"node_{name}_total", f"{name.replace('_', ' ')} on this node", c[name],
+                               "counter", labels))
+        return rows
 
     # -- failover -----------------------------------------------------------------------
 

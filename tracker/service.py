@@ -22,7 +22,7 @@ import logging
 import signal
 import threading
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NoReturn
@@ -31,11 +31,12 @@ import msgpack
 import zmq
 
 from fabric.protocol import (
-    MAX_LAYERS, VERSION, Ack, Assign, AssignRequest, Error, ErrorCode, Heartbeat, Message,
+    MAX_LAYERS, VERSION, Ack, Assign, AssignRequest, Error, ErrorCode, Heartbeat, Kind, Message,
     Ping, Pong, ProtocolError, Register, Report, Route, RouteRequest, Status, StatusRequest,
     decode, encode, split_envelope,
 )
 
+from fabric.metrics import Sample
 from fabric.security import Security, peer_key, serve_securely, start_authenticator
 
 from .events import EventRing
@@ -71,6 +72,10 @@ class TrackerConfig:
     security: Security | None = None  # CurveZMQ keys + allow-list; None: plaintext (a trusted LAN)
 
 
+HANDLED = (Kind.REGISTER, Kind.HEARTBEAT, Kind.ROUTE_REQUEST, Kind.REPORT, Kind.STATUS_REQUEST,
+           Kind.ASSIGN_REQUEST)
+
+
 class Tracker:
     """Registry, planner, stats, ledger and publisher behind one ZeroMQ loop.
 
@@ -94,6 +99,7 @@ class Tracker:
         self._plans_version = -1
         self._next_stats = 0.0
         self._node_keys: dict[str, str] = {}  # node id -> the CURVE key that first registered it
+        self.handled: Counter[str] = Counter({k.name.lower(): 0 for k in HANDLED})  # for /metrics
 
     # ----------------------------------------------------------------- loop
 
@@ -193,6 +199,17 @@ class Tracker:
             log.exception("error handling a %d-frame message", len(frames))
             return envelope, Error(code=ErrorCode.INTERNAL, message="internal tracker error")
 
+    def metrics(self) -> list[Sample]:
+        """Live numbers for /metrics; safe to call from another thread."""
+        nodes = self.registry.snapshot()
+        rows = [Sample("tracker_nodes", "registered nodes", len(nodes)),
+                Sample("tracker_requests_in_flight", "requests reported in progress", len(self._inflight))]
+        rows += [Sample("tracker_node_sessions", "sessions at the node's last heartbeat", n.sessions,
+                        labels={"node": n.node_id, "model": n.model}) for n in nodes]
+        rows += [Sample("tracker_messages_total", "messages handled, by kind", count, "counter", {"kind": kind})
+                 for kind, count in self.handled.copy().items()]
+        return rows
+
     def _authorize(self, message: Message, peer: str | None) -> None:
         """In a secured swarm a node id belongs to the key that first registered it:
         no member can register, heartbeat or report as another."""
@@ -206,6 +223,8 @@ class Tracker:
 
     def handle(self, message: Message, peer: str = "") -> Message:
         """The reply to one decoded message; raises ProtocolError for a refusal."""
+        if message.KIND in HANDLED:
+            self.handled[message.KIND.name.lower()] += 1
         match message:
             case Register():
                 return self._on_register(message, peer)
@@ -386,8 +405,9 @@ class Tracker:
             log.debug("dropped a %s publication: %s", topic.decode(), exc)
 
 
-def serve(config: TrackerConfig) -> None:
-    """Run a tracker in this (main) thread until SIGINT or SIGTERM, then exit cleanly."""
+def serve(config: TrackerConfig, tracker: Tracker | None = None) -> None:
+    """Run a tracker (``tracker``, or a new one) in this (main) thread until SIGINT or
+    SIGTERM, then exit cleanly."""
     stop = threading.Event()
 
     def _request_stop(signum: int, _frame: Any) -> None:
@@ -396,7 +416,7 @@ def serve(config: TrackerConfig) -> None:
 
     previous = {sig: signal.signal(sig, _request_stop) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        Tracker(config).run(stop)
+        (tracker or Tracker(config)).run(stop)
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)

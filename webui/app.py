@@ -18,6 +18,8 @@ from hypercorn.config import Config as HypercornConfig
 from quart import Quart, Response, request
 from werkzeug.exceptions import HTTPException, InternalServerError
 
+from fabric import metrics
+
 from .accounting import Accounting
 from .config import WebUIConfig
 from .dashboard import LIVE_EXTENSION
@@ -32,6 +34,20 @@ logger = logging.getLogger(__name__)
 
 STATIC = Path(__file__).parent / "static"
 ClientFactory = Callable[[WebUIConfig], Any]
+
+
+def _metrics(app: Quart) -> list:
+    """This web UI's request and token totals, per model, for /metrics."""
+    rows = []
+    usage = app.extensions[EXTENSION].accounting.snapshot()["models"]
+    for model, totals in usage.items():
+        for outcome in ("completed", "failed", "cancelled"):
+            rows.append(metrics.Sample("webui_requests_total", "chat/completion requests by outcome",
+                                       totals[outcome], "counter", {"model": model, "outcome": outcome}))
+        for kind in ("prompt_tokens", "completion_tokens"):
+            rows.append(metrics.Sample("webui_tokens_total", "tokens in and out", totals[kind], "counter",
+                                       {"model": model, "kind": kind.split("_")[0]}))
+    return rows
 
 
 def create_app(config: WebUIConfig, client: Any) -> Quart:
@@ -53,6 +69,12 @@ def create_app(config: WebUIConfig, client: Any) -> Quart:
     app.register_error_handler(ApiError, render_api_error)
     app.register_error_handler(HTTPException, _http_error)
     app.register_error_handler(Exception, _unexpected_error)
+
+    registry = metrics.registry_for(lambda: _metrics(app))
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(metrics.render(registry), content_type=metrics.CONTENT_TYPE)
 
     @app.get("/")
     async def index() -> Response:
