@@ -97,8 +97,8 @@ def _span(a: int, b: int) -> str:
 
 
 def hop_dict(hop: Hop) -> dict:
-    return {"node": hop.node, "endpoint": hop.endpoint,
-            "start_layer": hop.start_layer, "end_layer": hop.end_layer, "key": hop.key}
+    row = {"node": hop.node, "endpoint": hop.endpoint, "start_layer": hop.start_layer, "end_layer": hop.end_layer}
+    return {**row, "key": hop.key} if hop.key else row  # keys only in a secured swarm
 
 
 # --------------------------------------------------------------------------- costs
