@@ -759,6 +759,46 @@ def test_doc_lists_every_kind_and_error_code():
         assert re.search(rf"`{name}`\s*\|\s*{size}", doc), name
 
 
+def _doc_section(start: str, end: str) -> str:
+    doc = _doc()
+    a = doc.index(start)
+    return doc[a:doc.index(end, a + len(start))]
+
+
+def _field_names(cls) -> list[str]:
+    import dataclasses
+
+    return [f.name for f in dataclasses.fields(cls) if f.init and f.name != "tensors"]
+
+
+def _table_fields(text: str) -> set[str]:
+    """Field names in the first backquoted cell of table rows (after an optional kind cell)."""
+    return set(re.findall(r"^\|(?:\s*[A-Z_]+\s*\|)?\s*`([a-z_]+)`\s*\|", text, re.M))
+
+
+@pytest.mark.parametrize("cls", [Hop, Sampling, *p.MESSAGE_TYPES.values()], ids=lambda c: c.__name__)
+def test_doc_field_tables_match_the_code(cls):
+    """Each record's and message's table lists exactly its fields: a field added in the code
+    (like Hop.key) fails here until the document describes it."""
+    if cls is Hop:
+        text = _doc_section("**Hop**", "**Sampling**")
+    elif cls is Sampling:
+        text = _doc_section("**Sampling**", "## 5.")
+    else:
+        kind = cls.KIND
+        heading = re.search(rf"^### .*\b{kind.name} \({kind.value}\).*$", _doc(), re.M)
+        assert heading, f"no section for {kind.name}"
+        text = _doc_section(heading.group(0), "\n#")
+        if not _field_names(cls):
+            assert f"{kind.name} has no fields" in text
+            return
+        rows = [r for r in text.splitlines() if re.match(rf"^\|\s*{kind.name}\s*\|", r)]
+        if rows:  # a table shared by two kinds: keep this kind's rows
+            text = "\n".join(rows)
+    documented = _table_fields(text) - {"tensors"}
+    assert documented == set(_field_names(cls)), cls.__name__
+
+
 def _doc_block(title: str) -> str:
     m = re.search(r"```[a-z]*\n" + re.escape(title) + r"\n(.*?)```", _doc(), re.S)
     assert m, f"no code block starting with {title!r} in {DOC}"
