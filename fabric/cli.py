@@ -246,7 +246,7 @@ def cmd_node(args) -> int:
         dtype = torch.bfloat16 if args.dtype == "bfloat16" else torch.float32
         shard = (parse_layers(args.layers, num_layers) if args.layers
                  else _assigned_shard(args.tracker, source.model_id, num_layers,
-                                      _layers_that_fit(model_config, dtype, args.memory)))
+                                      _layers_that_fit(model_config, dtype, args.memory), _security(args)))
     except (ModelError, ValueError) as exc:
         log.error("%s", exc)
         return 2
@@ -280,12 +280,12 @@ def _layers_that_fit(model_config, dtype, memory_gib: float) -> int:
     return fit
 
 
-def _assigned_shard(tracker: str, model_id: str, num_layers: int, max_layers: int):
+def _assigned_shard(tracker: str, model_id: str, num_layers: int, max_layers: int, security=None):
     from . import protocol as p
     from .client import Client, FabricError
     from .shard import Shard
 
-    with Client(tracker, timeout=10.0) as client:
+    with Client(tracker, timeout=10.0, security=security) as client:
         try:
             reply = client.ask(p.AssignRequest(model_id, num_layers, max_layers))
         except FabricError as exc:

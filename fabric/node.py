@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 import zmq
+import zmq.utils.monitor
 
 from . import protocol as p
 from .executor import CacheMissError, ShardExecutor
@@ -29,7 +30,7 @@ from .models import ModelSource, fingerprint, load_shard, load_tokenizer
 from .route_session import RequestError, RouteSession, encode_prompt, eos_ids
 from .sampling import sample
 from .metrics import Sample
-from .security import Security, dial_securely, serve_securely, start_authenticator
+from .security import Security, SecurityError, dial_securely, serve_securely, start_authenticator
 from .shard import Shard
 from .tensors import from_wire, to_wire
 
@@ -48,7 +49,8 @@ class NodeConfig:
     node_id: str = field(default_factory=lambda: "node-" + secrets.token_hex(4))
     heartbeat_interval: float = 1.0  # seconds between heartbeats to the tracker
     ping_interval: float = 0.25  # the head pings the hops of its active routes this often
-    peer_timeout: float = 1.0  # a hop silent this long is dead: the head re-plans around it
+    peer_silence: float = 10.0  # a hop that answers nothing this long is dead (hung, unreachable)
+    link_grace: float = 0.25  # a hop whose TCP link stays down this long is dead (its process died)
     hop_timeout: float = 30.0  # the head re-prefills a step that got no reply for this long
     progress_interval: float = 0.5  # seconds between progress reports of a request this node heads
     kv_idle_timeout: float = 300.0  # free a session's KV after this long unused
@@ -74,6 +76,7 @@ def stable_node_id(data_root: Path, model_id: str, shard: Shard, bind: str) -> s
     return node_id
 
 
+LINK_EVENTS = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
 COUNTERS = ("hop_seconds", "hops", "cache_miss", "failovers", "rejected_frames", "dropped_frames", "hop_errors")
 
 
@@ -109,7 +112,8 @@ class Node:
         self.peers: dict[str, zmq.Socket] = {}
         self.peer_of: dict[zmq.Socket, str] = {}  # DEALER -> the endpoint it dials
         self.poller = zmq.Poller()
-        self.liveness = PeerLiveness(config.ping_interval, config.peer_timeout)
+        self.liveness = PeerLiveness(config.ping_interval, config.peer_silence, config.link_grace)
+        self.monitor_of: dict[zmq.Socket, str] = {}  # socket monitor -> the peer endpoint it watches
         self.pending_routes: deque[str] = deque()  # sessions awaiting a failover route, in request order
         self.tracker: zmq.Socket | None = None
         self.work: deque[Work] = deque()
@@ -144,8 +148,9 @@ class Node:
             self.close()
 
     def close(self) -> None:
-        for sock in [self.router, *self.peers.values(), *([self.tracker] if self.tracker else [])]:
+        for sock in [*self.monitor_of, self.router, *self.peers.values(), *([self.tracker] if self.tracker else [])]:
             sock.close(linger=0)
+        self.monitor_of.clear()
         self.peers.clear()
         self.peer_of.clear()
         if self.auth is not None:
@@ -164,6 +169,8 @@ class Node:
                 self._inbound(frames[0].bytes, frames[1:])
             elif sock is self.tracker:
                 self._tracker_reply(frames)
+            elif sock in self.monitor_of:
+                self._link_event(self.monitor_of[sock], frames)
             else:
                 self._peer_reply(self.peer_of[sock], frames)
 
@@ -371,7 +378,7 @@ class Node:
         except zmq.Again:
             self.counters["dropped_frames"] += 1
             log.warning("peer %s is not draining its queue; dropped a frame", endpoint)
-        except zmq.ZMQError as exc:
+        except (zmq.ZMQError, SecurityError) as exc:
             self.counters["dropped_frames"] += 1
             log.warning("cannot send to %r: %s", endpoint, exc)
 
@@ -388,6 +395,9 @@ class Node:
             sock = self.peers[endpoint] = self._dealer(endpoint, key)
             self.peer_of[sock] = endpoint
             self.poller.register(sock, zmq.POLLIN)  # pongs and errors come back on it
+            monitor = sock.get_monitor_socket(LINK_EVENTS)  # its link going down = the peer died
+            self.monitor_of[monitor] = endpoint
+            self.poller.register(monitor, zmq.POLLIN)
         return sock
 
     def _dealer(self, endpoint: str, key: str | bytes | None) -> zmq.Socket:
@@ -421,6 +431,8 @@ class Node:
 
     def _watch_routes(self, now: float) -> None:
         """Ping the hops active requests depend on; re-plan around the ones that died."""
+        for sock in [*self.peer_of, *self.monitor_of]:
+            self._drain(sock)  # pongs and link events that arrived while this node computed
         live = [rs for rs in self.sessions.values() if not rs.awaiting_route]
         keys = {h.endpoint: h.key for rs in live for h in rs.route if h.endpoint != self.endpoint}
         watched = set(keys)
@@ -452,6 +464,10 @@ class Node:
             self._emit(rs, rs.reroute(splice(rs.route[0], msg.hops)))
         else:
             self._emit(rs, rs.fail(p.ErrorCode.HOP_FAILED, f"no route around the failed hops: {msg.message}"))
+
+    def _link_event(self, endpoint: str, frames: list) -> None:
+        event = zmq.utils.monitor.parse_monitor_message([f.bytes for f in frames])["event"]
+        self.liveness.link(endpoint, up=event != zmq.EVENT_DISCONNECTED)
 
     def _peer_reply(self, endpoint: str, frames: list) -> None:
         """A frame on a DEALER: a PONG (the peer lives) or an ERROR about a session."""

@@ -94,6 +94,7 @@ class ProcessCluster:
 
     def __init__(self, tmp: Path, cache: Path, heartbeat: float = 0.3):
         self.tmp = tmp
+        self.keys: Path | None = None  # a key directory (meshnet keys --tracker) secures every process
         self.cache = cache  # XDG cache shared by the test session: GGUF metadata parsed once
         self.heartbeat = heartbeat
         self.endpoint = f"tcp://127.0.0.1:{free_port()}"
@@ -106,10 +107,20 @@ class ProcessCluster:
         log = open(self.tmp / f"{name}.log", "ab")
         env = {**os.environ, "PYTHONPATH": str(ROOT), "XDG_CACHE_HOME": str(self.cache),
                "XDG_DATA_HOME": str(self.tmp / "data")}
-        proc = subprocess.Popen([sys.executable, "-m", "fabric.cli", "--log-level", "info", *args],
+        keys = ["--keys", str(self.keys)] if self.keys else []
+        proc = subprocess.Popen([sys.executable, "-m", "fabric.cli", "--log-level", "info", *args, *keys],
                                 stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
         self.procs[name] = proc
         return proc
+
+    def secure(self) -> None:
+        """Restart the tracker with a fresh swarm key set; start nodes after this."""
+        from fabric.security import create_keys
+
+        self.keys = self.tmp / "keys"
+        create_keys(self.keys, "swarm", tracker=True)
+        self.kill("tracker")
+        self.start_tracker()
 
     def start_tracker(self) -> None:
         self._spawn("tracker", "tracker", "--bind", self.endpoint, "--pub", self.pub,
@@ -146,12 +157,15 @@ class ProcessCluster:
         proc.wait(10)
 
     def client(self) -> Client:
-        return Client(self.endpoint, timeout=60)
+        from fabric.security import load
+
+        return Client(self.endpoint, timeout=60, security=load(self.keys) if self.keys else None)
 
     def wait_nodes(self, names: list[str], model: str, timeout: float = 120.0) -> dict:
         def ready():
             try:
-                with Client(self.endpoint, timeout=2) as c:
+                with self.client() as c:
+                    c.timeout = 2
                     status = c.status()
             except Exception:
                 return False

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import signal
 
+import pytest
+
 from tests.test_fabric_equivalence import MESSAGES, prompt_ids
 from tests.tiny_models import reference_greedy
 
@@ -22,7 +24,10 @@ def stream_and_kill(process_cluster, model, victim_of, after: int = 5) -> tuple[
     return got, victim
 
 
-def test_dead_tail_is_replaced_and_output_is_unchanged(process_cluster, tiny_models):
+@pytest.mark.parametrize("secured", [False, True])
+def test_dead_tail_is_replaced_and_output_is_unchanged(process_cluster, tiny_models, secured):
+    if secured:
+        process_cluster.secure()
     model = tiny_models("llama")
     expected = reference_greedy(model, prompt_ids(model), TOKENS)
     process_cluster.start_node("head", str(model), "0-2")
