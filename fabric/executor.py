@@ -11,6 +11,7 @@ import logging
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from .kv import KVStore, SessionKV
 from .models import ShardWeights
@@ -24,6 +25,17 @@ class CacheMissError(Exception):
     def __init__(self, have: int):
         super().__init__(f"session KV holds {have} tokens")
         self.have = have
+
+
+@dataclass(frozen=True)
+class Step:
+    """One session's input for a hop: input_ids (1, q) from layer 0, else hidden (1, q, hidden)."""
+
+    session: str
+    start: int
+    end: int
+    inputs: torch.Tensor
+    pos: int
 
 
 @dataclass(frozen=True)
@@ -63,10 +75,7 @@ class ShardExecutor:
         self.check_span(start, end)
         kv = self._session_kv(session, start, end, pos)
         q = inputs.shape[1]
-        if start == 0:
-            hidden = self.w.embed(inputs.to(self.w.device))  # (1, q, hidden)
-        else:
-            hidden = inputs.to(device=self.w.device, dtype=self.w.dtype)  # (1, q, hidden)
+        hidden = self._embed(start, inputs)  # (1, q, hidden)
         position_ids = torch.arange(pos, pos + q, device=self.w.device).unsqueeze(0)  # (1, q)
         masks = self._masks(kv, hidden, position_ids, start, end)
         position_embeddings = self.w.rotary(hidden, position_ids)
@@ -76,10 +85,72 @@ class ShardExecutor:
                                       position_embeddings=position_embeddings)
         kv.length = pos + q
         kv.touch()
+        return self._result(hidden, end)[0]
+
+    def _embed(self, start: int, inputs: torch.Tensor) -> torch.Tensor:
+        if start == 0:
+            return self.w.embed(inputs.to(self.w.device))  # (b, q, hidden)
+        return inputs.to(device=self.w.device, dtype=self.w.dtype)  # (b, q, hidden)
+
+    def _result(self, hidden: torch.Tensor, end: int) -> list[StepResult]:
+        """One StepResult per row of ``hidden`` (b, q, hidden): hidden states, or on the tail
+        the logits of each row's last position."""
         if end != self.w.shard.num_layers - 1:
-            return StepResult(hidden=hidden, logits=None)
-        last = self.w.norm(hidden[:, -1:, :])  # (1, 1, hidden)
-        return StepResult(hidden=None, logits=self.w.lm_head(last)[0, -1].float())  # (vocab,)
+            return [StepResult(hidden=h.unsqueeze(0), logits=None) for h in hidden]
+        logits = self.w.lm_head(self.w.norm(hidden[:, -1:, :]))[:, -1].float()  # (b, vocab)
+        return [StepResult(hidden=None, logits=row) for row in logits]
+
+    def batchable(self, start: int, end: int) -> bool:
+        """Decode steps over start..end can run as one batch (full attention everywhere)."""
+        return all(self.layer_types[i] == "full_attention" for i in range(start, end + 1))
+
+    @torch.inference_mode()
+    def run_batch(self, steps: list[Step]) -> list[StepResult | CacheMissError]:
+        """One forward pass for decode steps (q = 1) of different sessions over the same
+        layers. Each session's KV stays its own: past keys and values are left-padded into
+        one batch, the padding masked out, and each row's new entry appended back to its
+        session. Steps whose session cannot continue get a CacheMissError instead."""
+        start, end = steps[0].start, steps[0].end
+        results: list[StepResult | CacheMissError] = []
+        ready: list[tuple[int, Step, SessionKV]] = []
+        for n, step in enumerate(steps):
+            assert (step.start, step.end) == (start, end) and step.inputs.shape[1] == 1 and step.pos > 0
+            try:
+                ready.append((n, step, self._session_kv(step.session, start, end, step.pos)))
+                results.append(None)
+            except CacheMissError as miss:
+                results.append(miss)
+        if ready:
+            rows = self._batched_step([s for _, s, _ in ready], [kv for _, _, kv in ready], start, end)
+            for (n, _, _), row in zip(ready, rows):
+                results[n] = row
+        return results
+
+    def _batched_step(self, steps: list[Step], kvs: list[SessionKV], start: int, end: int) -> list[StepResult]:
+        from transformers import DynamicCache
+
+        hidden = self._embed(start, torch.cat([s.inputs for s in steps]))  # (b, 1, hidden)
+        position_ids = torch.tensor([[s.pos] for s in steps], device=self.w.device)  # (b, 1)
+        longest = max(kv.length for kv in kvs)
+        batch = DynamicCache(config=self.w.config)
+        for i in range(start, end + 1):
+            keys = [F.pad(kv.cache.layers[i].keys, (0, 0, longest - kv.length, 0)) for kv in kvs]
+            values = [F.pad(kv.cache.layers[i].values, (0, 0, longest - kv.length, 0)) for kv in kvs]
+            batch.update(torch.cat(keys), torch.cat(values), i)  # (b, kv_heads, longest, head_dim)
+        mask = torch.zeros((len(kvs), 1, 1, longest + 1), dtype=hidden.dtype, device=self.w.device)
+        for row, kv in enumerate(kvs):
+            mask[row, :, :, : longest - kv.length] = torch.finfo(hidden.dtype).min  # the left padding
+        position_embeddings = self.w.rotary(hidden, position_ids)
+        for i in range(start, end + 1):
+            hidden = self.w.layers[i](hidden, attention_mask=mask, position_ids=position_ids, cache=batch,
+                                      use_cache=True, position_embeddings=position_embeddings)
+            new_k, new_v = batch.layers[i].keys[:, :, -1:], batch.layers[i].values[:, :, -1:]  # (b, h, 1, d)
+            for row, kv in enumerate(kvs):
+                kv.cache.update(new_k[row:row + 1], new_v[row:row + 1], i)
+        for kv in kvs:
+            kv.length += 1
+            kv.touch()
+        return self._result(hidden, end)
 
     def _session_kv(self, session: str, start: int, end: int, pos: int) -> SessionKV:
         from transformers import DynamicCache

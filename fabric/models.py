@@ -213,9 +213,20 @@ _LAYER_RE = re.compile(r"(?:^|\.)(?:layers|blk)\.(\d+)\.")
 
 
 def load_shard(source: ModelSource, shard: Shard, *, dtype: torch.dtype = torch.float32,
-               device: str = "cpu", progress: bool = True, cache_root: Path | None = None) -> ShardWeights:
-    """Load only ``shard``'s weights of ``source`` onto ``device`` in ``dtype``."""
+               device: str = "cpu", progress: bool = True, cache_root: Path | None = None,
+               quant: str | None = None) -> ShardWeights:
+    """Load only ``shard``'s weights of ``source`` onto ``device`` in ``dtype``.
+
+    ``quant="int8"`` (see ``fabric.quant``) loads in bfloat16 whatever ``dtype`` says and
+    then quantizes the decoder layers' linears and the lm_head, layer by layer.
+    """
     from transformers import AutoModelForCausalLM
+
+    if quant in (None, "none"):
+        quant = None
+    elif dtype != torch.bfloat16:
+        log.info("--quant %s computes in bfloat16: loading in bfloat16, not %s", quant, dtype)
+        dtype = torch.bfloat16
 
     config = load_config(source, cache_root)
     if config.num_hidden_layers != shard.num_layers:
@@ -246,6 +257,11 @@ def load_shard(source: ModelSource, shard: Shard, *, dtype: torch.dtype = torch.
             module.to(device=device, dtype=dtype).eval().requires_grad_(False)
     weights.rotary.to(device=device)
     _check_materialized(weights)
+    if quant is not None:  # --quant: see fabric/quant.py
+        from .quant import quantize
+
+        del state, model, inner  # the float checkpoint tensors, before quantizing
+        quantize(weights, quant)
     return weights
 
 

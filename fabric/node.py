@@ -23,7 +23,7 @@ import zmq
 import zmq.utils.monitor
 
 from . import protocol as p
-from .executor import CacheMissError, ShardExecutor
+from .executor import CacheMissError, ShardExecutor, Step, StepResult
 from .kv import KVStore
 from .liveness import PeerLiveness, splice
 from .models import ModelSource, fingerprint, load_shard, load_tokenizer
@@ -55,6 +55,7 @@ class NodeConfig:
     progress_interval: float = 0.5  # seconds between progress reports of a request this node heads
     kv_idle_timeout: float = 300.0  # free a session's KV after this long unused
     max_sessions: int = 64  # concurrent sessions this node keeps KV for
+    max_batch: int = 16  # decode steps of different sessions run as one forward pass
     max_prompt_tokens: int = 4096  # the head refuses longer prompts
     max_frame_bytes: int = 64 << 20  # largest tensor buffer accepted from a peer
     cache_root: Path | None = None  # where parsed GGUF metadata is cached
@@ -142,7 +143,7 @@ class Node:
                 for sock, _ in self.poller.poll(0 if self.work else 50):
                     self._drain(sock)
                 if self.work:
-                    self._execute(self.work.popleft())
+                    self._run_next()
                 self._periodic()
         finally:
             self.close()
@@ -250,39 +251,79 @@ class Node:
 
     # -- executing hops -----------------------------------------------------------------
 
-    def _execute(self, work: Work) -> None:
-        """Run one hop; any failure costs this session only, never the node."""
+    def _run_next(self) -> None:
+        """Run the next queued hop, batched with the other queued decode steps over the
+        same layers (one forward pass for many sessions)."""
+        first = self.work.popleft()
+        if not self._decode_step(first) or not self.executor.batchable(first.msg.start_layer, first.msg.end_layer):
+            self._execute([first])
+            return
+        span, batch, rest = (first.msg.start_layer, first.msg.end_layer), [first], deque()
+        sessions = {first.msg.session}
+        while self.work:
+            w = self.work.popleft()
+            same = (w.msg.start_layer, w.msg.end_layer) == span and w.msg.session not in sessions
+            if same and self._decode_step(w) and len(batch) < self.config.max_batch:
+                batch.append(w)
+                sessions.add(w.msg.session)
+            else:
+                rest.append(w)
+        self.work = rest
+        self._execute(batch)
+
+    @staticmethod
+    def _decode_step(work: Work) -> bool:
+        return work.tensor.shape[1] == 1 and work.msg.pos > 0
+
+    def _execute(self, batch: list[Work]) -> None:
+        """Run hops (one, or a batch of decode steps); a failure costs those sessions only,
+        never the node."""
+        started = time.perf_counter()
+        try:
+            results = ([self._run_one(batch[0])] if len(batch) == 1 else self.executor.run_batch(
+                [Step(w.msg.session, w.msg.start_layer, w.msg.end_layer, w.tensor, w.msg.pos) for w in batch]))
+        except Exception as exc:
+            log.exception("hop failed for sessions %s", [w.msg.session for w in batch])
+            results = [exc] * len(batch)
+        self.counters["hops"] += len(batch)
+        self.counters["hop_seconds"] += time.perf_counter() - started
+        for work, result in zip(batch, results):
+            try:
+                self._after_hop(work, result)
+            except Exception as exc:
+                log.exception("could not pass on session %s", work.msg.session)
+                self._after_hop(work, exc)
+
+    def _run_one(self, work: Work) -> StepResult | Exception:
         msg = work.msg
         try:
-            self._run_hop(work)
-        except CacheMissError as miss:
+            return self.executor.run(msg.session, msg.start_layer, msg.end_layer, work.tensor, msg.pos)
+        except Exception as exc:  # CacheMissError included: handled per session below
+            return exc
+
+    def _after_hop(self, work: Work, result: StepResult | Exception) -> None:
+        """Send what a hop produced: the next FORWARD, the tail's TOKEN, or a failure."""
+        msg = work.msg
+        if isinstance(result, CacheMissError):
             self.counters["cache_miss"] += 1
-            miss_msg = p.CacheMiss(msg.session, msg.step, self.config.node_id, miss.have)
-            self._send(msg.reply_to, msg.reply_key, miss_msg)
-        except Exception as exc:
-            log.exception("hop failed for session %s", msg.session)
+            self._send(msg.reply_to, msg.reply_key, p.CacheMiss(msg.session, msg.step, self.config.node_id,
+                                                                 result.have))
+        elif isinstance(result, Exception):
             self.counters["hop_errors"] += 1
             self.kv.drop(msg.session)
-            error = p.Error(p.ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}", session=msg.session,
-                            step=msg.step, node=self.config.node_id)
-            self._send(msg.reply_to, msg.reply_key, error)
-
-    def _run_hop(self, work: Work) -> None:
-        msg = work.msg
-        started = time.perf_counter()
-        result = self.executor.run(msg.session, msg.start_layer, msg.end_layer, work.tensor, msg.pos)
-        self.counters["hops"] += 1
-        self.counters["hop_seconds"] += time.perf_counter() - started
-        q = work.tensor.shape[1]
-        if result.logits is not None:
-            token = sample(result.logits, msg.sampling, msg.pos + q)
-            self._send(msg.reply_to, msg.reply_key, p.Token(msg.session, msg.step, token, msg.pos + q))
-            return
-        nxt = msg.route[0]
-        out = p.Forward(session=msg.session, step=msg.step, pos=msg.pos, start_layer=nxt.start_layer,
-                        end_layer=nxt.end_layer, route=msg.route[1:], reply_to=msg.reply_to,
-                        sampling=msg.sampling, reply_key=msg.reply_key)
-        self._forward(nxt, out, result.hidden)
+            self._send(msg.reply_to, msg.reply_key, p.Error(
+                p.ErrorCode.INTERNAL, f"{type(result).__name__}: {result}", session=msg.session,
+                step=msg.step, node=self.config.node_id))
+        elif result.logits is not None:
+            pos = msg.pos + work.tensor.shape[1]
+            token = sample(result.logits, msg.sampling, pos)
+            self._send(msg.reply_to, msg.reply_key, p.Token(msg.session, msg.step, token, pos))
+        else:
+            nxt = msg.route[0]
+            out = p.Forward(session=msg.session, step=msg.step, pos=msg.pos, start_layer=nxt.start_layer,
+                            end_layer=nxt.end_layer, route=msg.route[1:], reply_to=msg.reply_to,
+                            sampling=msg.sampling, reply_key=msg.reply_key)
+            self._forward(nxt, out, result.hidden)
 
     # -- requests this node heads -------------------------------------------------------
 

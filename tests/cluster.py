@@ -12,7 +12,7 @@ from pathlib import Path
 
 import zmq
 
-from fabric import Client
+from fabric import Client, FabricError
 from fabric import protocol as p
 from fabric.client import wait_for
 from fabric.models import resolve
@@ -77,10 +77,17 @@ class ThreadCluster:
     def client(self, security=None) -> Client:
         return Client(self.endpoint, timeout=30, security=security or self.security)
 
-    def wait_routable(self, model: str, nodes: int, timeout: float = 15.0) -> dict:
+    def wait_routable(self, model: str, nodes: int, timeout: float = 30.0) -> dict:
+        def ready() -> bool:
+            try:
+                with self.client() as c:
+                    c.timeout = 5
+                    status = c.status()
+            except FabricError:  # a busy machine: ask again
+                return False
+            return len(status["nodes"]) >= nodes and bool(status["plans"].get(model))
+        assert wait_for(ready, timeout, 0.1)
         with self.client() as c:
-            assert wait_for(lambda: len(c.status()["nodes"]) >= nodes and c.status()["plans"].get(model),
-                            timeout), c.status()
             return c.status()
 
     def close(self) -> None:
