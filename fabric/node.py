@@ -78,7 +78,7 @@ def stable_node_id(data_root: Path, model_id: str, shard: Shard, bind: str) -> s
 
 
 LINK_EVENTS = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
-COUNTERS = ("hop_seconds", "hops", "cache_miss", "failovers", "rejected_frames", "dropped_frames", "hop_errors")
+COUNTERS = ("hop_seconds", "hops", "batched_hops", "cache_miss", "failovers", "rejected_frames", "dropped_frames", "hop_errors")
 
 
 @dataclass
@@ -286,6 +286,7 @@ class Node:
             log.exception("hop failed for sessions %s", [w.msg.session for w in batch])
             results = [exc] * len(batch)
         self.counters["hops"] += len(batch)
+        self.counters["batched_hops"] += len(batch) if len(batch) > 1 else 0
         self.counters["hop_seconds"] += time.perf_counter() - started
         for work, result in zip(batch, results):
             try:

@@ -1,0 +1,80 @@
+"""Decode steps of concurrent sessions batched into one forward pass give the same tokens."""
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from fabric.executor import ShardExecutor, Step
+from fabric.kv import KVStore
+from fabric.models import load_shard, resolve
+from fabric.shard import Shard
+from tests.tiny_models import FAMILIES, reference_greedy
+
+PROMPTS = [[5, 6, 7], [9, 10, 11, 12, 13, 14, 15], [20, 21], [30, 31, 32, 33, 34]]
+
+
+def greedy_alone(ex: ShardExecutor, session: str, prompt: list[int], steps: int) -> list[int]:
+    result = ex.run(session, 0, 5, torch.tensor([prompt]), 0)
+    tokens, pos = [int(result.logits.argmax())], len(prompt)
+    for _ in range(steps):
+        result = ex.run(session, 0, 5, torch.tensor([[tokens[-1]]]), pos)
+        tokens.append(int(result.logits.argmax()))
+        pos += 1
+    return tokens
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_batched_decode_equals_unbatched(tiny_models, family):
+    ex = ShardExecutor(load_shard(resolve(str(tiny_models(family))), Shard(0, 5, 6), progress=False), KVStore())
+    expected = [greedy_alone(ex, f"alone{i}", p, 12) for i, p in enumerate(PROMPTS)]
+    tokens, pos = [], []
+    for i, prompt in enumerate(PROMPTS):  # different lengths: the batch pads and masks
+        tokens.append([int(ex.run(f"b{i}", 0, 5, torch.tensor([prompt]), 0).logits.argmax())])
+        pos.append(len(prompt))
+    for _ in range(12):
+        steps = [Step(f"b{i}", 0, 5, torch.tensor([[tokens[i][-1]]]), pos[i]) for i in range(len(PROMPTS))]
+        for i, result in enumerate(ex.run_batch(steps)):
+            tokens[i].append(int(result.logits.argmax()))
+            pos[i] += 1
+    assert tokens == expected
+
+
+def test_batch_reports_cache_misses_per_session(tiny_models):
+    ex = ShardExecutor(load_shard(resolve(str(tiny_models("llama"))), Shard(0, 5, 6), progress=False), KVStore())
+    ex.run("a", 0, 5, torch.tensor([PROMPTS[0]]), 0)
+    results = ex.run_batch([Step("a", 0, 5, torch.tensor([[1]]), 3), Step("ghost", 0, 5, torch.tensor([[1]]), 9)])
+    assert results[0].logits is not None and results[1].have == 0
+
+
+def test_concurrent_streams_are_batched_and_unchanged(thread_cluster, tiny_models):
+    model = tiny_models("qwen2")
+    head = thread_cluster.add_node(model, 0, 2, 6, "head")
+    tail = thread_cluster.add_node(model, 3, 5, 6, "tail")
+    thread_cluster.wait_routable(model.name, 2)
+    prompts = ["hello world", "the quick brown fox", "how are you today?", "meshnet splits a model"]
+    outputs: dict[int, list[int]] = {}
+
+    def stream(i: int) -> None:
+        with thread_cluster.client() as client:
+            events = client.generate(model.name, messages=[{"role": "user", "content": prompts[i]}], max_tokens=40)
+            outputs[i] = [t for e in events for t in e.token_ids]
+
+    threads = [threading.Thread(target=stream, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    for i, prompt in enumerate(prompts):
+        ids = prompt_ids_for(model, prompt)
+        assert outputs[i] == reference_greedy(model, ids, 40), prompt
+    assert head.counters["batched_hops"] + tail.counters["batched_hops"] > 0
+
+
+def prompt_ids_for(model, text: str) -> list[int]:
+    from fabric.models import load_tokenizer
+
+    tok = load_tokenizer(resolve(str(model)))
+    return list(tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                        tokenize=True, return_dict=False))
