@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 import uuid
 from dataclasses import dataclass
@@ -30,6 +31,18 @@ class FabricError(Exception):
         super().__init__(f"{code}: {message}")
         self.code = code
         self.message = message
+
+
+class HeadDied(FabricError):
+    """The connection to the head dropped: its process is gone."""
+
+    def __init__(self, head: p.Hop):
+        super().__init__(p.ErrorCode.HOP_FAILED, f"the head {head.node} at {head.endpoint} died")
+        self.head = head
+
+
+# the link to the head dropped, or it refuses connections: its process is gone
+HEAD_DOWN = zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED
 
 
 @dataclass(frozen=True)
@@ -160,17 +173,35 @@ class Client:
             msg = args.message(route or self.route(model))
         except p.ProtocolError as exc:
             raise FabricError(exc.code, str(exc)) from None
-        return self._stream(msg)
+        return self._resubmitting(model, msg, fixed_route=route is not None)
+
+    def _resubmitting(self, model: str, msg: p.Generate, fixed_route: bool) -> Iterator[p.Event]:
+        """Stream ``msg``; if its head dies before the first token, re-submit once on a
+        route that avoids it (a head that already streamed tokens fails the request)."""
+        try:
+            yield from self._stream(msg)
+        except HeadDied as died:
+            if fixed_route or died.tokens:
+                raise
+            yield from self._stream(dataclasses.replace(msg, route=self.route(model, (died.head.node,))))
 
     def _stream(self, msg: p.Generate) -> Iterator[p.Event]:
         sock = _dealer(self.ctx, msg.route[0].endpoint, self.security, msg.route[0].key)
-        done = False
+        monitor = sock.get_monitor_socket(HEAD_DOWN)
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        poller.register(monitor, zmq.POLLIN)
+        done, tokens = False, 0
         try:
             sock.send_multipart(p.encode(msg))
             while True:
-                if not sock.poll(self.timeout * 1000):
+                ready = dict(poller.poll(self.timeout * 1000))
+                if monitor in ready and sock not in ready:
+                    raise _died(msg.route[0], tokens)
+                if not ready:
                     raise FabricError(p.ErrorCode.HOP_FAILED, f"head {msg.route[0].endpoint} went silent")
                 event = _check(sock.recv_multipart())
+                tokens += event.event == "token"
                 done = event.event == "done"
                 yield event
                 if done:
@@ -178,6 +209,7 @@ class Client:
         finally:
             if not done:
                 sock.send_multipart(p.encode(p.Cancel(msg.request_id)))
+            monitor.close(linger=0)
             sock.close(linger=100 if not done else 0)
 
     def chat(self, model: str, prompt: str, **kwargs) -> str:
@@ -236,18 +268,39 @@ class AsyncClient:
         return self._stream(args, route)
 
     async def _stream(self, args: GenerateArgs, route) -> AsyncIterator[p.Event]:
+        """Stream a request; if its head dies before the first token, re-submit once on a
+        route that avoids it (a head that already streamed tokens fails the request)."""
         try:
             msg = args.message(route or await self.route(args.model))
         except p.ProtocolError as exc:
             raise FabricError(exc.code, str(exc)) from None
+        try:
+            async for event in self._attempt(msg):
+                yield event
+        except HeadDied as died:
+            if route is not None or died.tokens:
+                raise
+            hops = await self.route(args.model, (died.head.node,))
+            async for event in self._attempt(dataclasses.replace(msg, route=hops)):
+                yield event
+
+    async def _attempt(self, msg: p.Generate) -> AsyncIterator[p.Event]:
         sock = _dealer(self.ctx, msg.route[0].endpoint, self.security, msg.route[0].key)
-        done = False
+        monitor = sock.get_monitor_socket(HEAD_DOWN)
+        poller = zmq.asyncio.Poller()
+        poller.register(sock, zmq.POLLIN)
+        poller.register(monitor, zmq.POLLIN)
+        done, tokens = False, 0
         try:
             await sock.send_multipart(p.encode(msg))
             while True:
-                if not await sock.poll(self.timeout * 1000):
+                ready = dict(await poller.poll(self.timeout * 1000))
+                if monitor in ready and sock not in ready:
+                    raise _died(msg.route[0], tokens)
+                if not ready:
                     raise FabricError(p.ErrorCode.HOP_FAILED, f"head {msg.route[0].endpoint} went silent")
                 event = _check(await sock.recv_multipart())
+                tokens += event.event == "token"
                 done = event.event == "done"
                 yield event
                 if done:
@@ -255,7 +308,14 @@ class AsyncClient:
         finally:
             if not done:
                 await sock.send_multipart(p.encode(p.Cancel(msg.request_id)))
+            monitor.close(linger=0)
             sock.close(linger=100 if not done else 0)
+
+
+def _died(head: p.Hop, tokens: int) -> HeadDied:
+    died = HeadDied(head)
+    died.tokens = tokens  # tokens the client already received from this head
+    return died
 
 
 def wait_for(predicate, timeout: float = 10.0, interval: float = 0.05) -> bool:

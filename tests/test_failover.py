@@ -5,6 +5,7 @@ import signal
 
 import pytest
 
+from fabric.client import HeadDied
 from tests.test_fabric_equivalence import MESSAGES, prompt_ids
 from tests.tiny_models import reference_greedy
 
@@ -50,3 +51,32 @@ def test_dead_middle_hop_of_three_is_replaced(process_cluster, tiny_models):
     got, victim = stream_and_kill(process_cluster, model, lambda route: route[1].node)
     assert victim in ("mid1", "mid2")
     assert got == expected
+
+
+def test_dead_head_fails_its_stream_with_a_clear_error(process_cluster, tiny_models):
+    model = tiny_models("llama")
+    process_cluster.start_node("head", str(model), "0-2")
+    process_cluster.start_node("tail", str(model), "3-5")
+    process_cluster.wait_nodes(["head", "tail"], model.name)
+    got = []
+    with process_cluster.client() as client:
+        with pytest.raises(HeadDied, match="the head head"):
+            for event in client.generate(model.name, messages=MESSAGES, max_tokens=TOKENS):
+                got.extend(event.token_ids)
+                if len(got) == 3:
+                    process_cluster.kill("head", signal.SIGKILL)
+    assert len(got) >= 3
+
+
+def test_request_resubmitted_when_the_head_dies_before_any_token(process_cluster, tiny_models):
+    model = tiny_models("llama")
+    expected = reference_greedy(model, prompt_ids(model), 12)
+    process_cluster.start_node("head1", str(model), "0-5")
+    process_cluster.start_node("head2", str(model), "0-5")
+    process_cluster.wait_nodes(["head1", "head2"], model.name)
+    with process_cluster.client() as client:
+        events = client.generate(model.name, messages=MESSAGES, max_tokens=12)  # route chosen now
+        first = client.route(model.name)[0].node
+        process_cluster.kill(first, signal.SIGKILL)  # dies before it saw the request
+        ids = [t for e in events for t in e.token_ids]
+    assert ids == expected

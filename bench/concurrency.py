@@ -1,0 +1,166 @@
+#!/usr/bin/env python
+"""Aggregate decode throughput against concurrent streams, as ratios measured in one run.
+
+    python bench/concurrency.py [--model smollm2-135m] [--streams 1,2,4,8] [--tokens 48] [--plot OUT.png]
+
+Starts a tracker and a 2-node split (``python -m fabric.cli ...``, each node with
+max(1, cores // 2) torch threads) and drives it with N concurrent ``fabric.Client``
+streams (greedy, distinct prompts), timing aggregate generated tokens per second over the
+whole wave. Baselines measured in the same run: one stream on the same cluster, and
+single-process transformers generating the same 8 prompts as one padded batch
+(``generate`` with batch 8, all cores). Targets: 8 streams >= 4x one stream, and >= 0.9x
+the single-process batch of 8. Writes a PNG plot when matplotlib is installed.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from fabric import Client  # noqa: E402
+from fabric.client import wait_for  # noqa: E402
+from fabric.shard import even_split  # noqa: E402
+from tests.cluster import free_port  # noqa: E402
+
+PROMPTS = ["Why is the sky blue?", "Name three prime numbers.", "Write a haiku about rivers.",
+           "What is a transformer model?", "Describe a cat in one sentence.", "What is 12 times 12?",
+           "Give me a synonym for happy.", "Where is the Eiffel Tower?"]
+
+
+def start_cluster(model: str, nodes: int, tmp: Path) -> tuple[list[subprocess.Popen], str]:
+    tracker = f"tcp://127.0.0.1:{free_port()}"
+    me = [sys.executable, "-m", "fabric.cli", "--log-level", "warning"]
+    threads = str(max(1, (os.cpu_count() or 1) // nodes))
+    procs = [subprocess.Popen([*me, "tracker", "--bind", tracker, "--pub", f"tcp://127.0.0.1:{free_port()}",
+                               "--db", str(tmp / "ledger.sqlite3")], cwd=REPO)]
+    from fabric.models import load_config, resolve
+
+    layers = load_config(resolve(model)).num_hidden_layers
+    for shard in even_split(layers, nodes):
+        procs.append(subprocess.Popen([*me, "node", "--model", model, "--layers", str(shard), "--tracker",
+                                       tracker, "--threads", threads, "--no-progress"], cwd=REPO))
+    with Client(tracker, timeout=2) as client:
+        def ready():
+            try:
+                status = client.status()
+            except Exception:
+                return False
+            return len(status["nodes"]) == nodes and any(status["plans"].values())
+        if not wait_for(ready, 300, 0.5):
+            raise SystemExit("the cluster did not come up")
+    return procs, tracker
+
+
+def wave(tracker: str, model: str, streams: int, tokens: int) -> tuple[float, list[list[int]]]:
+    """Aggregate tok/s of ``streams`` concurrent greedy generations, and their token ids."""
+    outputs: list[list[int]] = [[] for _ in range(streams)]
+
+    def one(i: int) -> None:
+        with Client(tracker, timeout=120) as client:
+            for event in client.generate(model, messages=[{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}],
+                                         max_tokens=tokens):
+                outputs[i].extend(event.token_ids)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(streams)]
+    start = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    elapsed = time.perf_counter() - start
+    return sum(len(o) for o in outputs) / elapsed, outputs
+
+
+def transformers_batch(model: str, batch: int, tokens: int) -> float:
+    """Single-process transformers: the same prompts as one left-padded batch."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from fabric.models import load_tokenizer, resolve
+
+    source = resolve(model)
+    tok = load_tokenizer(source)
+    tok.padding_side = "left"
+    tok.pad_token = tok.pad_token or tok.eos_token
+    lm = AutoModelForCausalLM.from_pretrained(source.directory, gguf_file=source.gguf_file).eval()
+    texts = [tok.apply_chat_template([{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}],
+                                     add_generation_prompt=True, tokenize=False) for i in range(batch)]
+    enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+    with torch.inference_mode():
+        lm.generate(**enc, max_new_tokens=4, do_sample=False)  # warm up
+        start = time.perf_counter()
+        out = lm.generate(**enc, max_new_tokens=tokens, do_sample=False, min_new_tokens=tokens)
+        elapsed = time.perf_counter() - start
+    return (out.shape[1] - enc["input_ids"].shape[1]) * batch / elapsed
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--streams", default="1,2,4,8")
+    parser.add_argument("--tokens", type=int, default=48)
+    parser.add_argument("--plot", default=None, help="write a PNG of aggregate tok/s against streams")
+    args = parser.parse_args()
+    counts = [int(n) for n in args.streams.split(",")]
+
+    baseline = transformers_batch(args.model, 8, args.tokens)
+    with tempfile.TemporaryDirectory() as tmp:
+        procs, tracker = start_cluster(args.model, 2, Path(tmp))
+        try:
+            wave(tracker, args.model, 1, 8)  # warm up
+            results = {n: wave(tracker, args.model, n, args.tokens)[0] for n in counts}
+        finally:
+            for proc in procs:
+                proc.send_signal(signal.SIGINT)
+            for proc in procs:
+                proc.wait(30)
+    report(args, counts, results, baseline)
+    return 0
+
+
+def report(args, counts: list[int], results: dict[int, float], baseline: float) -> None:
+    one = results[counts[0]]
+    print(f"concurrency on a 2-node split of {args.model}, {args.tokens} tokens per stream")
+    print(f"  single-process transformers, batch of 8: {baseline:.1f} tok/s aggregate")
+    for n in counts:
+        print(f"  {n} stream(s): {results[n]:6.1f} tok/s aggregate  = {results[n] / one:.2f}x one stream, "
+              f"{results[n] / baseline:.2f}x transformers batch-8")
+    if 8 in results:
+        ok = results[8] / one >= 4 and results[8] / baseline >= 0.9
+        print(f"  target 8 streams >= 4x one and >= 0.9x batch-8: {'PASS' if ok else 'MISS'}")
+    if args.plot:
+        plot(args.plot, counts, results, baseline)
+
+
+def plot(path: str, counts: list[int], results: dict[int, float], baseline: float) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("  (no plot: pip install matplotlib)")
+        return
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot(counts, [results[n] for n in counts], marker="o", label="meshnet, 2-node split")
+    ax.axhline(baseline, linestyle="--", color="gray", label="transformers, batch of 8, one process")
+    ax.set_xlabel("concurrent streams")
+    ax.set_ylabel("aggregate tokens/s")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"  plot: {path}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

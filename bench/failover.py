@@ -1,0 +1,136 @@
+#!/usr/bin/env python
+"""Failover stall and cancel latency on real processes, as users run them.
+
+    python bench/failover.py [--model smollm2-135m] [--runs 3] [--tokens 48]
+
+Starts a tracker, a head holding the first half of the layers and two tails holding the
+second half (``python -m fabric.cli ...``). For each run it streams a greedy request,
+``kill -9``s the tail serving it after a few tokens, restarts it, and reports the longest
+pause between tokens (target < 2 s) against the median gap of the same stream, and
+whether the text equals an uninterrupted run. Then it cancels a stream mid-generation
+and reports how long until every node holds zero sessions (target < 1 s).
+"""
+from __future__ import annotations
+
+import argparse
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from fabric import Client  # noqa: E402
+from fabric.client import wait_for  # noqa: E402
+from fabric.models import load_config, resolve  # noqa: E402
+from tests.cluster import free_port, wait_sessions_zero  # noqa: E402
+
+MESSAGES = [{"role": "user", "content": "Tell me a short story about a lighthouse keeper."}]
+
+
+class Cluster:
+    def __init__(self, model: str, tmp: Path):
+        self.model, self.tmp = model, tmp
+        self.tracker = f"tcp://127.0.0.1:{free_port()}"
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.layers = load_config(resolve(model)).num_hidden_layers
+        self._run("tracker", "tracker", "--bind", self.tracker, "--pub", f"tcp://127.0.0.1:{free_port()}",
+                  "--db", str(tmp / "ledger.sqlite3"), "--heartbeat", "0.5")
+
+    def _run(self, name: str, *args: str) -> None:
+        self.procs[name] = subprocess.Popen([sys.executable, "-m", "fabric.cli", "--log-level", "warning", *args],
+                                            cwd=REPO)
+
+    def node(self, name: str, layers: str) -> None:
+        self._run(name, "node", "--model", self.model, "--layers", layers, "--tracker", self.tracker,
+                  "--node-id", name, "--threads", "1", "--no-progress", "--heartbeat", "0.5")
+
+    def wait(self, names: set[str]) -> list[str]:
+        with Client(self.tracker, timeout=2) as client:
+            def ready():
+                try:
+                    return names <= {n["id"] for n in client.status()["nodes"]}
+                except Exception:
+                    return False
+            assert wait_for(ready, 300, 0.2), "nodes did not come up"
+            return [n["endpoint"] for n in client.status()["nodes"] if n["id"] in names]
+
+    def kill(self, name: str) -> None:
+        proc = self.procs.pop(name)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+
+    def close(self) -> None:
+        for proc in self.procs.values():
+            proc.send_signal(signal.SIGINT)
+        for proc in self.procs.values():
+            proc.wait(30)
+
+
+def stream(cluster: Cluster, tokens: int, kill_after: int | None) -> tuple[list[int], list[float]]:
+    """Token ids and arrival times; kills the route's tail after ``kill_after`` tokens."""
+    ids, stamps, tail = [], [], None
+    with Client(cluster.tracker, timeout=120) as client:
+        for event in client.generate(cluster.model, messages=MESSAGES, max_tokens=tokens):
+            if event.event == "start":
+                tail = event.route[-1].node
+            if event.token_ids:
+                ids.extend(event.token_ids)
+                stamps.append(time.perf_counter())
+            if kill_after is not None and len(ids) == kill_after and tail in cluster.procs:
+                cluster.kill(tail)
+                cluster.node(tail, f"{cluster.layers // 2}-{cluster.layers - 1}")  # it comes back later
+    return ids, stamps
+
+
+def cancel_latency(cluster: Cluster, endpoints: list[str]) -> float:
+    with Client(cluster.tracker, timeout=120) as client:
+        events = client.generate(cluster.model, messages=MESSAGES, max_tokens=400)
+        for _ in range(4):
+            next(events)
+        events.close()
+    return wait_sessions_zero(endpoints, timeout=10.0)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--tokens", type=int, default=48)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        cluster = Cluster(args.model, Path(tmp))
+        try:
+            half = cluster.layers // 2
+            cluster.node("head", f"0-{half - 1}")
+            for tail in ("tail1", "tail2"):
+                cluster.node(tail, f"{half}-{cluster.layers - 1}")
+            endpoints = cluster.wait({"head", "tail1", "tail2"})
+            expected, _ = stream(cluster, args.tokens, None)
+            rows = []
+            for _ in range(args.runs):
+                cluster.wait({"head", "tail1", "tail2"})
+                ids, stamps = stream(cluster, args.tokens, kill_after=5)
+                gaps = [b - a for a, b in zip(stamps, stamps[1:])]
+                rows.append((max(gaps), statistics.median(gaps), ids == expected))
+            endpoints = cluster.wait({"head", "tail1", "tail2"})
+            cancel = [cancel_latency(cluster, endpoints) for _ in range(args.runs)]
+        finally:
+            cluster.close()
+    print(f"failover on {args.model}: head 0-{half - 1}, two tails {half}-{cluster.layers - 1}, kill -9 after 5 tokens")
+    for i, (longest, median, same) in enumerate(rows, 1):
+        print(f"  run {i}: longest pause {longest:.2f} s (median gap {median * 1000:.0f} ms, "
+              f"{longest / median:.0f}x), text unchanged: {same}")
+    worst = max(r[0] for r in rows)
+    print(f"  target longest pause < 2 s: {'PASS' if worst < 2 else 'MISS'} (worst {worst:.2f} s)")
+    print(f"  cancel -> every node at zero sessions: {', '.join(f'{c * 1000:.0f} ms' for c in cancel)}; "
+          f"target < 1 s: {'PASS' if max(cancel) < 1 else 'MISS'}")
+    return 0 if worst < 2 and all(r[2] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
