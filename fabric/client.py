@@ -120,16 +120,23 @@ def _dealer(ctx, endpoint: str, security: Security | None = None, server_key: st
     return sock
 
 
-class Client:
-    """Blocking client. ``head`` skips the tracker and uses a one-hop route to that node."""
+class _ClientBase:
+    """What both clients hold: where the tracker is, how long to wait, which keys to use."""
+
+    def __init__(self, tracker: str, timeout: float, security: Security | None, ctx):
+        self.tracker_endpoint = tracker
+        self.timeout = timeout  # seconds to wait for the tracker, or for the head's next event
+        self.security = security  # CurveZMQ keys for a secured swarm; None: plaintext
+        self.ctx = ctx
+        self._tracker = None  # DEALER to the tracker, made on first use
+
+
+class Client(_ClientBase):
+    """Blocking client. ``generate(route=...)`` skips the tracker and uses that route."""
 
     def __init__(self, tracker: str = "tcp://127.0.0.1:5555", *, timeout: float = 30.0,
                  security: Security | None = None):
-        self.tracker_endpoint = tracker
-        self.timeout = timeout
-        self.security = security  # CurveZMQ keys for a secured swarm
-        self.ctx = zmq.Context.instance()
-        self._tracker = None
+        super().__init__(tracker, timeout, security, zmq.Context.instance())
 
     def __enter__(self) -> "Client":
         return self
@@ -218,17 +225,13 @@ class Client:
         return "".join(e.text for e in events if e.event == "token")
 
 
-class AsyncClient:
+class AsyncClient(_ClientBase):
     """asyncio client with the same calls as ``Client``."""
 
     def __init__(self, tracker: str = "tcp://127.0.0.1:5555", *, timeout: float = 30.0,
                  security: Security | None = None):
-        self.tracker_endpoint = tracker
-        self.timeout = timeout
-        self.security = security  # CurveZMQ keys for a secured swarm
-        self.ctx = zmq.asyncio.Context.instance()
-        self._lock = asyncio.Lock()
-        self._tracker = None
+        super().__init__(tracker, timeout, security, zmq.asyncio.Context.instance())
+        self._lock = asyncio.Lock()  # one question at a time on the shared tracker socket
 
     async def close(self) -> None:
         if self._tracker is not None:

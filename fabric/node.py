@@ -483,13 +483,14 @@ class Node:
         dead = self.liveness.dead(watched, now)
         for rs in live if dead else ():
             lost = {h.node for h in rs.route if h.endpoint in dead}
-            if lost:
+            if lost and now >= rs.replan_after:
                 self._failover(rs, lost)
         self.liveness.forget(watched)
 
     def _failover(self, rs: RouteSession, lost: set[str]) -> None:
-        if self.tracker is None:
-            self._emit(rs, rs.fail(p.ErrorCode.HOP_FAILED, f"hop(s) {', '.join(sorted(lost))} died"))
+        if self.tracker is None:  # nobody to ask for another route: wait for them to come back
+            rs.begin_failover(lost)
+            rs.keep_route(lost, time.monotonic())
             return
         rs.begin_failover(lost)
         self.counters["failovers"] += 1
@@ -504,8 +505,8 @@ class Node:
             return
         if isinstance(msg, p.Route):
             self._emit(rs, rs.reroute(splice(rs.route[0], msg.hops)))
-        else:
-            self._emit(rs, rs.fail(p.ErrorCode.HOP_FAILED, f"no route around the failed hops: {msg.message}"))
+        else:  # nothing else serves those layers: wait for the lost hops to come back
+            rs.keep_route(rs.lost, time.monotonic())
 
     def _link_event(self, endpoint: str, frames: list) -> None:
         event = zmq.utils.monitor.parse_monitor_message([f.bytes for f in frames])["event"]

@@ -33,7 +33,8 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-SCHEMES = ("int8",)
+SCHEMES = ("int8", "int4")
+INT4_GROUP = 32  # llama.cpp's Q4_0 / Q4_1 block: a Q4_1 GGUF's weights fit it again
 
 
 class Int8Linear(nn.Module):
@@ -60,13 +61,15 @@ class Int8Linear(nn.Module):
         return cls(w_int8, scales, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
+        shape, dtype = x.shape, x.dtype
         x2 = x.reshape(-1, self.in_features)
-        if x2.dtype != torch.bfloat16:
+        if dtype != torch.bfloat16:
             x2 = x2.to(torch.bfloat16)
         y = torch._weight_int8pack_mm(x2, self.weight, self.scales)
         if self.bias is not None:
             y = y + self.bias
+        if dtype != torch.bfloat16:
+            y = y.to(dtype)
         return y.view(*shape[:-1], self.out_features)
 
     def dequantized(self) -> torch.Tensor:
@@ -75,6 +78,55 @@ class Int8Linear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, int8"
+
+
+class Int4Linear(nn.Module):
+    """Group-wise asymmetric 4-bit weights (groups of ``group_size`` along the input):
+    ``w = (q - 8) * scale + zero``, q in 0..15, scale and zero bfloat16 per (group, output),
+    run by ``torch._weight_int4pack_mm_for_cpu`` with bfloat16 activations."""
+
+    def __init__(self, packed: torch.Tensor, scales_zeros: torch.Tensor, in_features: int, out_features: int,
+                 group_size: int, bias: torch.Tensor | None = None):
+        super().__init__()
+        self.in_features, self.out_features, self.group_size = in_features, out_features, group_size
+        self.weight = nn.Parameter(packed, requires_grad=False)  # uint8 (out, in / 2)
+        self.scales_zeros = nn.Parameter(scales_zeros, requires_grad=False)  # bf16 (in / group, out, 2)
+        self.bias = None if bias is None else nn.Parameter(bias.to(torch.bfloat16), requires_grad=False)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, group_size: int = INT4_GROUP) -> "Int4Linear":
+        out_f, in_f = linear.weight.shape
+        w = linear.weight.detach().float().view(out_f, in_f // group_size, group_size)
+        lo, hi = w.amin(-1), w.amax(-1)
+        scale = ((hi - lo) / 15).clamp(min=1e-8).to(torch.bfloat16).float()
+        zero = (lo + 8 * scale).to(torch.bfloat16).float()
+        q = torch.round((w - zero[..., None]) / scale[..., None] + 8).clamp_(0, 15).to(torch.int32)
+        packed = torch._convert_weight_to_int4pack_for_cpu(q.view(out_f, in_f), 1)
+        sz = torch.stack([scale.t(), zero.t()], -1).to(torch.bfloat16).contiguous()
+        return cls(packed, sz, in_f, out_f, group_size, linear.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape, dtype = x.shape, x.dtype
+        x2 = x.reshape(-1, self.in_features)
+        if dtype != torch.bfloat16:
+            x2 = x2.to(torch.bfloat16)
+        y = torch._weight_int4pack_mm_for_cpu(x2, self.weight, self.group_size, self.scales_zeros)
+        if self.bias is not None:
+            y = y + self.bias
+        if dtype != torch.bfloat16:
+            y = y.to(dtype)
+        return y.view(*shape[:-1], self.out_features)
+
+    def dequantized(self) -> torch.Tensor:
+        """The float32 weight this module computes with (for checks)."""
+        q = torch._weight_int4pack_mm_for_cpu(  # unpack by multiplying the identity
+            torch.eye(self.in_features, dtype=torch.bfloat16), self.weight, self.group_size,
+            self.scales_zeros).float()  # (in, out)
+        return q.T.contiguous()
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"bias={self.bias is not None}, int4 groups of {self.group_size}")
 
 
 @torch.no_grad()
@@ -91,16 +143,28 @@ def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q.contiguous(), scales
 
 
-def _swap_linears(module: nn.Module) -> int:
+def int4_fits(linear: nn.Linear, group_size: int = INT4_GROUP) -> bool:
+    """The int4 kernel needs in_features in whole groups and out_features a multiple of 16."""
+    out_f, in_f = linear.weight.shape
+    return in_f % group_size == 0 and out_f % 16 == 0
+
+
+def _quantize_linear(linear: nn.Linear, scheme: str) -> nn.Module:
+    if scheme == "int4" and int4_fits(linear):
+        return Int4Linear.from_linear(linear)
+    return Int8Linear.from_linear(linear)  # int8, or an int4 shape the kernel cannot take
+
+
+def _swap_linears(module: nn.Module, scheme: str) -> int:
     """Replace every nn.Linear below ``module`` (one at a time); how many were replaced."""
     count = 0
     for name, child in list(module.named_children()):
         if isinstance(child, nn.Linear):
-            setattr(module, name, Int8Linear.from_linear(child))
+            setattr(module, name, _quantize_linear(child, scheme))
             del child
             count += 1
         else:
-            count += _swap_linears(child)
+            count += _swap_linears(child, scheme)
     return count
 
 
@@ -118,10 +182,11 @@ def quantize_modules(layers: Iterable[nn.Module], lm_head: nn.Module | None = No
     for layer in layers:
         if isinstance(layer, nn.Linear):
             raise TypeError("pass decoder layers, not bare nn.Linear modules")
-        _swap_linears(layer)
+        _swap_linears(layer, scheme)
         out.append(layer)
     head = None
     if lm_head is not None:
+        # the lm_head stays int8 under int4 too: it is measured, see the module docstring
         head = Int8Linear.from_linear(lm_head) if isinstance(lm_head, nn.Linear) else lm_head
     return out, head
 
@@ -134,6 +199,8 @@ def quantize(module, scheme: str = "int8"):
     single-process reference with the very same quantized weights). Embeddings and norms
     are left as they are. The caller loads the model in bfloat16.
     """
+    if scheme not in SCHEMES:
+        raise ValueError(f"unknown quantization {scheme!r}; choose one of {', '.join(SCHEMES)}")
     if hasattr(module, "layers") and hasattr(module, "shard"):  # ShardWeights
         ordered = [module.layers[i] for i in sorted(module.layers)]
         _, module.lm_head = quantize_modules(ordered, module.lm_head, scheme)

@@ -135,6 +135,9 @@ class RouteSession:
         self.excluded: set[str] = set()  # node ids that died under this request
         self.awaiting_route = False  # a failover asked the tracker for a new route
         self.failovers = 0
+        self.lost: set[str] = set()  # the hops the pending failover routes around
+        self.replan_after = 0.0  # no new failover before this (monotonic clock)
+        self.replan_backoff = 1.0  # seconds, doubled after each failover that found no route
         self.reported_at = float("-inf")  # when the head last reported progress to the tracker
 
     # -- inputs -------------------------------------------------------------------------
@@ -196,10 +199,22 @@ class RouteSession:
     def begin_failover(self, dead_nodes: set[str]) -> None:
         """Hops died: stop waiting on them until ``reroute`` gives a route around them."""
         self.excluded |= dead_nodes
+        self.lost = set(dead_nodes)
         self.awaiting_route = True
         self.sent_at = time.monotonic()
         log.warning("session %s: hop(s) %s stopped answering; re-planning around them",
                     self.session, ", ".join(sorted(dead_nodes)))
+
+    def keep_route(self, lost: set[str], now: float) -> None:
+        """No route avoids the lost hops: stay on this one (they may be restarting) and let
+        the step timeout re-send; ask again only after a back-off."""
+        self.excluded -= lost
+        self.awaiting_route = False
+        self.sent_at = now
+        self.replan_backoff = min(self.replan_backoff * 2, 30.0)
+        self.replan_after = now + self.replan_backoff
+        log.warning("session %s: no route avoids %s; waiting for it to come back", self.session,
+                    ", ".join(sorted(lost)))
 
     def reroute(self, route: tuple[Hop, ...]) -> list[Event]:
         """Continue on ``route`` (same head): free the old hops, re-prefill the history."""

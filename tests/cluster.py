@@ -158,6 +158,12 @@ class ProcessCluster:
         assert wait_for(up, 30, 0.1), self.logs()
         return url
 
+    def split(self, model: Path, names: tuple[str, str] = ("a", "b")) -> dict:
+        """Two nodes of a 6-layer tiny model, layers 0-2 and 3-5; returns the status."""
+        self.start_node(names[0], str(model), "0-2")
+        self.start_node(names[1], str(model), "3-5")
+        return self.wait_nodes(list(names), model.name)
+
     def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
         proc = self.procs.pop(name)
         proc.send_signal(sig)

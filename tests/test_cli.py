@@ -42,9 +42,7 @@ def test_status_without_a_tracker_fails_fast():
 
 def test_status_json_and_chat_against_a_cluster(process_cluster, tiny_models):
     model = tiny_models("llama")
-    process_cluster.start_node("a", str(model), "0-2")
-    process_cluster.start_node("b", str(model), "3-5")
-    process_cluster.wait_nodes(["a", "b"], model.name)
+    process_cluster.split(model)
     status = json.loads(meshnet("status", "--tracker", process_cluster.endpoint, "--json").stdout)
     nodes = {n["id"]: n for n in status["nodes"]}
     assert nodes["a"]["layers"] == [0, 2] and nodes["b"]["layers"] == [3, 5]

@@ -14,9 +14,7 @@ openai = pytest.importorskip("openai")
 @pytest.fixture
 def served(process_cluster, tiny_models):
     model = tiny_models("llama")
-    process_cluster.start_node("a", str(model), "0-2")
-    process_cluster.start_node("b", str(model), "3-5")
-    process_cluster.wait_nodes(["a", "b"], model.name)
+    process_cluster.split(model)
     url = process_cluster.start_webui()
     return process_cluster, model.name, url
 

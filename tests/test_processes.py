@@ -18,9 +18,7 @@ def token_ids(events) -> list[int]:
 
 def test_cancel_frees_every_hop_within_a_second(process_cluster, tiny_models):
     model = tiny_models("llama")
-    process_cluster.start_node("a", str(model), "0-2")
-    process_cluster.start_node("b", str(model), "3-5")
-    process_cluster.wait_nodes(["a", "b"], model.name)
+    process_cluster.split(model)
     with process_cluster.client() as client:
         stream = client.generate(model.name, messages=MESSAGES, max_tokens=400)
         for _ in range(4):

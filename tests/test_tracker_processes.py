@@ -52,9 +52,7 @@ def test_killed_node_leaves_the_plans(process_cluster, tiny_models):
 
 def test_tracker_restart_repopulates_and_keeps_the_ledger(process_cluster, tiny_models):
     model = tiny_models("llama")
-    process_cluster.start_node("a", str(model), "0-2")
-    process_cluster.start_node("b", str(model), "3-5")
-    process_cluster.wait_nodes(["a", "b"], model.name)
+    process_cluster.split(model)
     with process_cluster.client() as client:
         token_ids(client.generate(model.name, messages=MESSAGES, max_tokens=12, api_key="k1"))
         assert wait_for(lambda: client.status()["usage"]["totals"].get("billed", {}).get("requests") == 1)
