@@ -217,13 +217,15 @@ def load_shard(source: ModelSource, shard: Shard, *, dtype: torch.dtype = torch.
                quant: str | None = None) -> ShardWeights:
     """Load only ``shard``'s weights of ``source`` onto ``device`` in ``dtype``.
 
-    ``quant="int8"`` (see ``fabric.quant``) loads in bfloat16 whatever ``dtype`` says and
-    then quantizes the decoder layers' linears and the lm_head, layer by layer.
+    ``quant="int8"`` or ``"int4"`` (see ``fabric.quant``; CPU only) loads in bfloat16 whatever
+    ``dtype`` says, then quantizes the decoder layers' linears and the lm_head, one by one.
     """
     from transformers import AutoModelForCausalLM
 
     if quant in (None, "none"):
         quant = None
+    elif torch.device(device).type != "cpu":
+        raise ModelError(f"--quant {quant} runs on the CPU kernels of torch; use --device cpu, or no --quant")
     elif dtype != torch.bfloat16:
         log.info("--quant %s computes in bfloat16: loading in bfloat16, not %s", quant, dtype)
         dtype = torch.bfloat16

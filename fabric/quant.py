@@ -1,30 +1,50 @@
-"""Weight-only int8 quantization of a shard's linear layers (``--quant int8``).
+"""Weight-only quantization of a shard's linear layers (``--quant int8`` / ``--quant int4``).
 
-Every ``nn.Linear`` inside the decoder layers, and the lm_head, becomes an
-:class:`Int8Linear`: weights int8, per output channel, symmetric (``scale = absmax / 127``,
-zero point 0), scales bfloat16; the forward pass is torch's weight-only kernel
-``torch._weight_int8pack_mm(x_bf16, w_int8, scales_bf16)``. Activations, norms,
-embeddings, attention and the KV cache stay in bfloat16, so a quantized shard is loaded
-with ``dtype=torch.bfloat16``.
+Every ``nn.Linear`` inside the decoder layers, and the lm_head, is replaced, one module at
+a time, by a module that keeps its weight quantized in memory and runs torch's weight-only
+CPU kernels with bfloat16 activations:
 
-Measured on the 2-core dev machine (torch 2.13 CPU, 2 threads, one token at a time):
-the kernel only has a fast path for bfloat16 activations (float32 or float16 activations
-fall back to a path 10-25x slower), and for those shapes it is 1.1-2x faster than a
-float32 ``F.linear`` and 2-3x faster than a bfloat16 one. The torch int4 kernel
-(``_weight_int4pack_mm_for_cpu``) was within 10-20 % of int8 on SmolLM2's shapes and no
-faster on the lm_head, so no int4 scheme is offered: it would cost quality for little.
+- ``int8`` -> :class:`Int8Linear`: int8 per output channel, symmetric (``scale = absmax /
+  127``, no zero point), bfloat16 scales; ``torch._weight_int8pack_mm(x, w, scales)``.
+- ``int4`` -> :class:`Int4Linear`: 4-bit, asymmetric, groups of 32 along the input
+  (``w = (q - 8) * scale + zero``, bfloat16 scale and zero per group and output);
+  ``torch._weight_int4pack_mm_for_cpu``. llama.cpp's Q4_1 blocks are exactly that shape
+  (32 weights, a scale and a minimum), so a Q4_1 GGUF's weights come back on their own grid
+  (up to the bfloat16 rounding of scale and zero). The lm_head stays int8 under int4 (in
+  SmolLM2's GGUF it is the Q8_0 token embedding), and a linear the int4 kernel cannot take
+  (out_features not a multiple of 16, in_features not whole groups) falls back to int8.
 
-Memory: modules are quantized one at a time, each weight converted in place of the one
-it replaces, so the only transient extra is one linear's float copy. What remains: the
-loader (``fabric.models.load_shard``) still materializes the whole shard in the load
-dtype (bfloat16) before quantization; for a GGUF it dequantizes tensor by tensor into
-float32 numpy arrays, all of which are held until the shard is built, so a GGUF shard's
-peak is its float32 size, a safetensors shard's peak is its bfloat16 size. Streaming
-quantization into the loader would remove that peak.
+Embeddings, norms, rotary embeddings, attention and the KV cache stay in bfloat16: a
+quantized shard is loaded with ``dtype=torch.bfloat16`` (``load_shard(quant=...)`` does it).
 
-Tied embeddings: when the lm_head shares its weight with the token embedding (the tail
-of SmolLM2 holds both), the lm_head gets its own int8 copy and the embedding stays as it
-is; the shared float weight is then kept only if the embedding needs it.
+Measured on the 2-core dev machine (torch 2.13 CPU, other tenants busy, see
+``bench/quant_bench.py`` for the figures of one run):
+
+- the kernels have a fast path for bfloat16 activations only: float32 or float16
+  activations run 10-25x slower, so activations are bfloat16 (keeping the rest of the layer
+  in float32 and converting around each matmul was no faster);
+- ``_weight_int8pack_mm`` refuses non-contiguous weights (nothing to gain there); fusing
+  q/k/v or gate/up into one call was no faster (the kernel is throughput-bound per row);
+- in the whole model (SmolLM2-135M, one thread, CPU time per decoded token) the matmuls
+  are about 3/4 of the time; the lm_head (49152 x 576) alone is about 1/7 (int8 ~6 ms);
+  weights stream from memory, so bytes per weight matter: int4 decoded ~1.4x faster than
+  int8 there, although on cache-resident single matrices it was only 10-20 % faster;
+- greedy agreement with float32 on the bench prompts: int4 (g32, from the Q4_1 GGUF) held
+  as long as plain bfloat16 did; int8 per channel diverged sooner (it re-rounds Q4_1's
+  group-scaled grid onto one scale per row).
+
+Memory: each linear is quantized as it is replaced, so the transient extra is one
+linear's float copy. What remains: ``fabric.models.load_shard`` first builds the whole shard
+in bfloat16, and for a GGUF its loader dequantizes tensor by tensor into float32 arrays
+that are all held until the shard is built; so a GGUF shard's load peak is still its
+float32 size (a safetensors shard's, its bfloat16 size). Quantizing inside the loader,
+tensor by tensor, would remove that peak.
+
+Tied embeddings: when the lm_head shares its weight with the token embedding (SmolLM2's
+tail), the lm_head gets its own quantized copy and the embedding stays as it is.
+
+Mixture-of-experts blocks whose experts are fused 3-D parameters (transformers 5's
+Qwen3-MoE) are not ``nn.Linear`` and stay bfloat16; their attention linears are quantized.
 """
 from __future__ import annotations
 
@@ -38,7 +58,7 @@ INT4_GROUP = 32  # llama.cpp's Q4_0 / Q4_1 block: a Q4_1 GGUF's weights fit it a
 
 
 class Int8Linear(nn.Module):
-    """``y = x @ (w_int8 * scale[:, None]).T + bias``, with x in bfloat16.
+    """``y = x @ (w_int8 * scale[:, None]).T + bias``, computed with x in bfloat16 (returned in x's dtype).
 
     ``weight`` is int8 of shape (out, in), contiguous (the kernel refuses anything else);
     ``scales`` is bfloat16 of shape (out,). Both are frozen parameters (requires_grad
@@ -83,7 +103,8 @@ class Int8Linear(nn.Module):
 class Int4Linear(nn.Module):
     """Group-wise asymmetric 4-bit weights (groups of ``group_size`` along the input):
     ``w = (q - 8) * scale + zero``, q in 0..15, scale and zero bfloat16 per (group, output),
-    run by ``torch._weight_int4pack_mm_for_cpu`` with bfloat16 activations."""
+    run by ``torch._weight_int4pack_mm_for_cpu`` with bfloat16 activations (returned in x's dtype).
+    ``weight`` is the kernel's packed uint8 layout (out, in / 2)."""
 
     def __init__(self, packed: torch.Tensor, scales_zeros: torch.Tensor, in_features: int, out_features: int,
                  group_size: int, bias: torch.Tensor | None = None):
@@ -118,7 +139,7 @@ class Int4Linear(nn.Module):
         return y.view(*shape[:-1], self.out_features)
 
     def dequantized(self) -> torch.Tensor:
-        """The float32 weight this module computes with (for checks)."""
+        """The weight this module computes with, as float32 (rounded through bfloat16; for checks)."""
         q = torch._weight_int4pack_mm_for_cpu(  # unpack by multiplying the identity
             torch.eye(self.in_features, dtype=torch.bfloat16), self.weight, self.group_size,
             self.scales_zeros).float()  # (in, out)
@@ -225,11 +246,3 @@ def load_quantized_reference(directory, *, gguf_file: str | None = None, scheme:
     model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=gguf_file, dtype=torch.bfloat16)
     return quantize(model.eval(), scheme)
 
-
-def quantized_bytes(modules: Iterable[nn.Module]) -> int:
-    """Bytes of every parameter and buffer of ``modules`` (int8 weights, scales, floats left)."""
-    seen = {}
-    for m in modules:
-        for t in [*m.parameters(), *m.buffers()]:
-            seen[t.data_ptr()] = t.numel() * t.element_size()
-    return sum(seen.values())
