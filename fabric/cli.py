@@ -58,6 +58,11 @@ def _keys_flag(p: argparse.ArgumentParser) -> None:
                         "(made by `meshnet keys DIR`); default: plaintext, for a trusted LAN")
 
 
+def _quant_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--quant", default="none", choices=["none", "int8", "int4"],
+                   help="weight-only quantized layers, computed in bfloat16 on the CPU (default: none, exact)")
+
+
 def _metrics_flag(p: argparse.ArgumentParser) -> None:
     p.add_argument("--metrics-port", type=int, default=0, help="serve Prometheus /metrics on this port (0: off)")
 
@@ -90,6 +95,7 @@ def _up_parser(sub) -> None:
     p.add_argument("--tracker", default=DEFAULT_TRACKER, help="tracker bind endpoint (default %(default)s)")
     p.add_argument("--pub", default=DEFAULT_PUB, help="tracker PUB endpoint (default %(default)s)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    _quant_flag(p)
     _keys_flag(p)
     p.set_defaults(func=cmd_up)
 
@@ -113,7 +119,8 @@ def cmd_up(args) -> int:
     keys = ["--keys", args.keys] if args.keys else []
     commands = [[*me, "tracker", "--bind", args.tracker, "--pub", args.pub, *keys]]
     commands += [[*me, "node", "--model", args.model, "--layers", str(s), "--tracker", args.tracker,
-                  "--threads", str(threads), "--dtype", args.dtype, "--no-progress", *keys] for s in shards]
+                  "--threads", str(threads), "--dtype", args.dtype, "--quant", args.quant, "--no-progress", *keys]
+                 for s in shards]
     commands.append([*me, "webui", "--tracker", args.tracker, "--pub", args.pub, "--host", args.host,
                      "--port", str(args.port), *keys])
     return supervise(commands, url=f"http://{args.host}:{args.port}", tracker=args.tracker, nodes=len(shards),
@@ -212,6 +219,7 @@ def _node_parser(sub) -> None:
     p.add_argument("--advertise", default=None, help="endpoint peers dial (default: the bound one)")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    _quant_flag(p)
     p.add_argument("--threads", type=int, default=0, help="torch threads (default: all cores)")
     p.add_argument("--max-sessions", type=int, default=64, help="sessions this node keeps KV for")
     p.add_argument("--max-prompt-tokens", type=int, default=4096, help="longest prompt the head accepts")
@@ -253,7 +261,7 @@ def cmd_node(args) -> int:
     node_id = args.node_id or stable_node_id(default_data_root(), source.model_id, shard, args.bind)
     config = NodeConfig(source=source, shard=shard, bind=args.bind, advertise=args.advertise,
                         tracker=args.tracker, device=args.device,
-                        dtype=dtype, node_id=node_id,
+                        dtype=dtype, node_id=node_id, quant=None if args.quant == "none" else args.quant,
                         max_sessions=args.max_sessions, max_prompt_tokens=args.max_prompt_tokens,
                         hop_timeout=args.hop_timeout, heartbeat_interval=args.heartbeat,
                         cache_root=default_cache_root(), progress=not args.no_progress,

@@ -46,6 +46,7 @@ class NodeConfig:
     tracker: str | None = "tcp://127.0.0.1:5555"  # None: run without a tracker (tests, scripts)
     device: str = "cpu"
     dtype: torch.dtype = torch.float32
+    quant: str | None = None  # "int8" / "int4": weight-only quantized shard (bfloat16 compute, CPU)
     node_id: str = field(default_factory=lambda: "node-" + secrets.token_hex(4))
     heartbeat_interval: float = 1.0  # seconds between heartbeats to the tracker
     ping_interval: float = 0.25  # the head pings the hops of its active routes this often
@@ -96,7 +97,7 @@ class Node:
         self._own_ctx = ctx is None and config.security is not None
         self.ctx = ctx or (zmq.Context() if self._own_ctx else zmq.Context.instance())
         weights = load_shard(config.source, config.shard, dtype=config.dtype, device=config.device,
-                             progress=config.progress, cache_root=config.cache_root)
+                             progress=config.progress, cache_root=config.cache_root, quant=config.quant)
         self.kv = KVStore(config.kv_idle_timeout)
         self.executor = ShardExecutor(weights, self.kv)
         self.tokenizer = load_tokenizer(config.source, config.cache_root) if config.shard.is_first else None
@@ -530,7 +531,8 @@ class Node:
         self._to_tracker(p.Register(
             node_id=c.node_id, endpoint=self.endpoint, model=c.source.model_id, fingerprint=self.fingerprint,
             num_layers=c.shard.num_layers, start_layer=c.shard.start, end_layer=c.shard.end,
-            hardware={"device": c.device, "dtype": str(c.dtype).removeprefix("torch."),
+            hardware={"device": c.device, "dtype": str(self.executor.w.dtype).removeprefix("torch."),
+                      "quant": c.quant or "none",
                       "threads": torch.get_num_threads(), "shard_bytes": self.executor.w.parameter_bytes(),
                       "memory_bytes": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")},
             benchmark=self.benchmark, max_sessions=c.max_sessions))
