@@ -62,16 +62,17 @@ class StepGate:
         self._execute = node._execute
         node._execute = self._gated
 
-    def _gated(self, work) -> None:
+    def _gated(self, batch) -> None:
+        """Stands in for ``Node._execute(batch)``: a batch of queued hops runs as one step."""
         with self._lock:
             go = self._open or self._allowed > 0
             if go and not self._open:
                 self._allowed -= 1
         if not go:
-            self.node.work.appendleft(work)
+            self.node.work.extendleft(reversed(batch))
             time.sleep(0.005)  # the node loop polls without a timeout while work is queued
             return
-        self._execute(work)
+        self._execute(batch)
         with self._lock:
             self.executed += 1
 
