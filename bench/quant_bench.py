@@ -21,8 +21,8 @@ another), loaded once, then timed in rotating order ``--reps`` times:
   skipped with a note otherwise.
 
 Decode tokens/s is timed from the first generated token to the last ((n - 1) / seconds) on
-each bench prompt, summed over prompts; the median over reps is reported (over the quiet
-reps when at least two were quiet). Beside it: the share of the machine's CPU that other
+each bench prompt, summed over prompts; the median over the quiet reps (other tenants used
+at most 15 % of the CPU) is reported, or over all reps, flagged "noisy", when none was quiet. Beside it: the share of the machine's CPU that other
 tenants used during the run, and the CPU time the measured process spent per generated
 token (prefill included), which other tenants disturb less than wall time with one thread.
 On a shared 2-core machine a busy neighbour halves any figure; with 2 torch threads it can
@@ -424,7 +424,11 @@ def median(xs):
 def run(args) -> dict:
     tmp = Path(tempfile.mkdtemp(prefix="quant-bench-"))
     procs = Procs(tmp)
-    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    def on_term(signum, frame):
+        log("SIGTERM: stopping every process this run started")
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_term)
     notes: list[str] = []
     targets: list = []
     try:
@@ -475,10 +479,11 @@ def analyse(args, results: dict, info: dict, notes: list[str]) -> dict:
     rows = {}
     for kind, reps in results.items():
         quiet = [r for r in reps if r["foreign"] <= QUIET]
-        use = quiet if len(quiet) >= 2 else reps
+        use = quiet or reps
         rows[kind] = {"tps": median([r["tps"] for r in use]), "all_tps": [round(r["tps"], 2) for r in reps],
                       "cpu_ms_per_token": median([r["cpu_ms_per_token"] for r in use]),
-                      "foreign": [round(r["foreign"], 3) for r in reps], "noisy": len(quiet) < 2,
+                      "foreign": [round(r["foreign"], 3) for r in reps], "quiet_reps": len(quiet),
+                      "noisy": not quiet,
                       "load_s": info.get(kind, {}).get("load_s"), "rss": info.get(kind, {}).get("rss")}
     ratios, checks, verdicts = {}, {}, {}
     for scheme in SCHEMES:
@@ -548,7 +553,7 @@ def print_report(r: dict) -> None:
           f"{'RSS MiB':>9}")
     for kind, row in r["rows"].items():
         tps = f"{row['tps']:.1f}" if row["tps"] else "-"
-        noisy = " (noisy)" if row["noisy"] else ""
+        noisy = " (noisy)" if row["noisy"] else f" ({row['quiet_reps']} quiet)"
         rss = f"{row['rss'] / 2**20:.0f}" if row.get("rss") else "-"
         load = f"{row['load_s']:.1f}" if row.get("load_s") else "-"
         cpu = f"{row['cpu_ms_per_token']:.1f}" if row.get("cpu_ms_per_token") else "-"

@@ -17,28 +17,37 @@ CPU kernels with bfloat16 activations:
 Embeddings, norms, rotary embeddings, attention and the KV cache stay in bfloat16: a
 quantized shard is loaded with ``dtype=torch.bfloat16`` (``load_shard(quant=...)`` does it).
 
-Measured on the 2-core dev machine (torch 2.13 CPU, other tenants busy, see
-``bench/quant_bench.py`` for the figures of one run):
+Measured on the 2-core dev machine (torch 2.13 CPU; other tenants were busy most of the
+time, so the figures are CPU time or quiet runs; ``bench/quant_bench.py`` gives one run's):
 
 - the kernels have a fast path for bfloat16 activations only: float32 or float16
   activations run 10-25x slower, so activations are bfloat16 (keeping the rest of the layer
   in float32 and converting around each matmul was no faster);
 - ``_weight_int8pack_mm`` refuses non-contiguous weights (nothing to gain there); fusing
   q/k/v or gate/up into one call was no faster (the kernel is throughput-bound per row);
-- in the whole model (SmolLM2-135M, one thread, CPU time per decoded token) the matmuls
-  are about 3/4 of the time; the lm_head (49152 x 576) alone is about 1/7 (int8 ~6 ms);
-  weights stream from memory, so bytes per weight matter: int4 decoded ~1.4x faster than
-  int8 there, although on cache-resident single matrices it was only 10-20 % faster;
-- greedy agreement with float32 on the bench prompts: int4 (g32, from the Q4_1 GGUF) held
-  as long as plain bfloat16 did; int8 per channel diverged sooner (it re-rounds Q4_1's
-  group-scaled grid onto one scale per row).
+- SmolLM2-135M decode, one thread, CPU ms per token (ranges: how busy the neighbours were):
+  float32 70-80, bfloat16 80-95, int8 36-55, int4 26-35; of one int4 run's 32, the layers'
+  matmuls took ~15, the int8 lm_head (49152 x 576) ~6, and everything else (norms, rotary,
+  attention, cache, Python) ~10.5 -- a floor no weight format can lower;
+- weights stream from memory, so bytes per weight matter: int4 decoded ~1.4x faster than
+  int8 in the model, although on cache-resident single matrices it was only 10-20 % faster;
+- a second torch thread bought nothing at this model size (int4: ~26 ms/token with one
+  thread, ~28 with two, quiet), and with a busy neighbour two OpenMP threads collapse
+  (spinning on a descheduled peer: 200-900 ms/token where one thread stayed at 40-55);
+  ``OMP_WAIT_POLICY=PASSIVE`` kept two threads at ~30-50 ms/token under the same load;
+- greedy agreement with float32 on the three bench prompts (tokens before the first
+  difference, of 64): bfloat16 29/28/64, int8 13/28/6, int4 29/49/6 -- int4 at 32-wide
+  groups (the Q4_1 GGUF's own grid) holds as well as plain bfloat16; int8 per channel
+  re-rounds that grid onto one scale per row. An int4 lm_head (from the Q8_0 embedding)
+  dropped to 15/0/0, so the lm_head stays int8 under int4 (``LM_HEAD_SCHEME``).
 
 Memory: each linear is quantized as it is replaced, so the transient extra is one
 linear's float copy. What remains: ``fabric.models.load_shard`` first builds the whole shard
 in bfloat16, and for a GGUF its loader dequantizes tensor by tensor into float32 arrays
 that are all held until the shard is built; so a GGUF shard's load peak is still its
 float32 size (a safetensors shard's, its bfloat16 size). Quantizing inside the loader,
-tensor by tensor, would remove that peak.
+tensor by tensor, would remove that peak. After quantizing, the freed heap is handed back
+to the OS (``release_freed_memory``), else a node's RSS keeps the peak.
 
 Tied embeddings: when the lm_head shares its weight with the token embedding (SmolLM2's
 tail), the lm_head gets its own quantized copy and the embedding stays as it is.
@@ -54,6 +63,7 @@ import torch
 from torch import nn
 
 SCHEMES = ("int8", "int4")
+LM_HEAD_SCHEME = {"int4": "int8"}  # the lm_head's scheme under each scheme (default: the same)
 INT4_GROUP = 32  # llama.cpp's Q4_0 / Q4_1 block: a Q4_1 GGUF's weights fit it again
 
 
@@ -207,8 +217,9 @@ def quantize_modules(layers: Iterable[nn.Module], lm_head: nn.Module | None = No
         out.append(layer)
     head = None
     if lm_head is not None:
-        # the lm_head stays int8 under int4 too: it is measured, see the module docstring
-        head = Int8Linear.from_linear(lm_head) if isinstance(lm_head, nn.Linear) else lm_head
+        # under int4 the lm_head stays int8 (LM_HEAD_SCHEME): measured, see the module docstring
+        head = (_quantize_linear(lm_head, LM_HEAD_SCHEME.get(scheme, scheme)) if isinstance(lm_head, nn.Linear)
+                else lm_head)
     return out, head
 
 
@@ -225,6 +236,7 @@ def quantize(module, scheme: str = "int8"):
     if hasattr(module, "layers") and hasattr(module, "shard"):  # ShardWeights
         ordered = [module.layers[i] for i in sorted(module.layers)]
         _, module.lm_head = quantize_modules(ordered, module.lm_head, scheme)
+        release_freed_memory()
         return module
     inner = getattr(module, "model", None)
     if inner is not None and hasattr(inner, "layers") and hasattr(module, "lm_head"):
@@ -235,8 +247,53 @@ def quantize(module, scheme: str = "int8"):
             if hasattr(module, "_tied_weights_keys"):
                 module._tied_weights_keys = None
         module.lm_head = head
+        release_freed_memory()
         return module
     raise TypeError(f"cannot quantize a {type(module).__name__}: give ShardWeights or a *ForCausalLM model")
+
+
+def quantized_layer_bytes(config, scheme: str) -> int:
+    """Bytes one decoder layer holds under ``scheme`` (from the architecture, no weights):
+    what ``fabric.models.layer_bytes`` gives for float dtypes, for ``--memory`` planning."""
+    from transformers import AutoModelForCausalLM
+
+    if scheme not in SCHEMES:
+        raise ValueError(f"unknown quantization {scheme!r}; choose one of {', '.join(SCHEMES)}")
+    d = {**config.to_dict(), "num_hidden_layers": 1}
+    if d.get("layer_types"):
+        d["layer_types"] = d["layer_types"][:1]
+    with torch.device("meta"):
+        layer = AutoModelForCausalLM.from_config(config.__class__.from_dict(d)).model.layers[0]
+    total, linear_params = 0, set()
+    for m in layer.modules():
+        if isinstance(m, nn.Linear):
+            out_f, in_f = m.weight.shape
+            linear_params.add(id(m.weight))
+            if scheme == "int4" and int4_fits(m):
+                total += out_f * in_f // 2 + (in_f // INT4_GROUP) * out_f * 4  # packed + bf16 scale, zero
+            else:
+                total += out_f * in_f + out_f * 2  # int8 + bf16 scale
+            if m.bias is not None:
+                linear_params.add(id(m.bias))
+                total += out_f * 2
+    return total + sum(p.numel() * 2 for p in layer.parameters() if id(p) not in linear_params)
+
+
+def release_freed_memory() -> None:
+    """Hand the heap that loading and quantizing freed back to the OS (glibc keeps it).
+
+    Measured: a full SmolLM2 node's RSS after ``load_shard(quant="int8")`` fell from about
+    1070 MiB to 590 MiB with this (the float copies were freed but still resident)."""
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name) if name else None
+        if libc is not None and hasattr(libc, "malloc_trim"):
+            libc.malloc_trim(0)
+    except OSError:  # not glibc: nothing to do
+        pass
 
 
 def load_quantized_reference(directory, *, gguf_file: str | None = None, scheme: str = "int8"):

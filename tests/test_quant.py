@@ -8,8 +8,9 @@ from torch import nn
 
 from fabric.executor import ShardExecutor
 from fabric.kv import KVStore
-from fabric.models import load_shard, resolve
-from fabric.quant import Int4Linear, Int8Linear, load_quantized_reference, quantize, quantize_modules, quantize_weight
+from fabric.models import load_config, load_shard, resolve
+from fabric.quant import (Int4Linear, Int8Linear, load_quantized_reference, quantize, quantize_modules,
+                          quantize_weight, quantized_layer_bytes)
 from fabric.shard import Shard, even_split
 from tests.tiny_models import reference_greedy
 
@@ -139,6 +140,14 @@ def test_quantized_layers_hold_a_quarter_of_float32(tiny_models):
         # half a byte per weight plus a bf16 scale and zero per 32 weights: 5/32 of float32
         assert sum(p.numel() * p.element_size() for m in q4 for p in m.parameters()) == f32 * 5 // 32
     assert isinstance(int4.lm_head, Int8Linear)
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_quantized_layer_bytes_predicts_a_loaded_layer(tiny_models, scheme):
+    model_dir = tiny_models("qwen3")
+    loaded = load_shard(resolve(str(model_dir)), Shard(2, 2, 6), quant=scheme, progress=False)
+    held = sum(p.numel() * p.element_size() for p in loaded.layers[2].parameters())
+    assert quantized_layer_bytes(load_config(resolve(str(model_dir))), scheme) == held
 
 
 def test_tied_lm_head_gets_its_own_copy_and_embedding_stays(tmp_path):
