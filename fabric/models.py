@@ -108,7 +108,10 @@ def layer_bytes(config, dtype: torch.dtype) -> int:
     """Bytes one decoder layer's weights take in ``dtype`` (from the architecture, no weights)."""
     from transformers import AutoModelForCausalLM
 
-    one = config.__class__.from_dict({**config.to_dict(), "num_hidden_layers": 1})
+    fields = {**config.to_dict(), "num_hidden_layers": 1}
+    if fields.get("layer_types"):
+        fields["layer_types"] = fields["layer_types"][:1]
+    one = config.__class__.from_dict(fields)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(one)
     params = sum(t.numel() for t in model.model.layers[0].parameters())
