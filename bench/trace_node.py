@@ -1,0 +1,151 @@
+"""``meshnet node`` with timing hooks: the diagnostic nodes of ``bench/fabric_bench.py``.
+
+    MESHNET_BENCH_TRACE=/tmp/n.jsonl python bench/trace_node.py node --model ... --layers 0-14 ...
+
+Everything after the script name is handed to ``fabric.cli.main`` unchanged, so the node
+parses the same flags and runs the same code as ``python -m fabric.cli node``. Before
+that, a few methods of the node are wrapped to record CLOCK_MONOTONIC timestamps (the
+clock is system-wide, so timestamps from different node processes can be compared):
+
+- ``run``      ShardExecutor.run: layer compute for one hop (session, pos, q, t0, t1)
+- ``inbound``  Node._inbound: a frame from the ROUTER, decode + dispatch (t0, t1)
+- ``dispatch`` Node._dispatch: entered after decode (message kind, t0)
+- ``forward``  Node._forward: hand a hop to the next node or the local queue (local?, t0, t1)
+- ``sample``   tail sampling (t0, t1)
+- ``reply``    Node._reply: an event or error to a client (t0, t1)
+- ``on_token`` RouteSession.on_token at the head, incl. detokenization (t0, t1)
+
+The records are kept in memory (a tuple append per event) and written as JSON lines
+when the node exits (SIGTERM/SIGINT stop it cleanly). With ``MESHNET_BENCH_PROFILE=FILE``
+the whole node runs under cProfile instead and the stats are dumped to FILE at exit.
+Hooks that no longer match the fabric's code are skipped with a note on stderr.
+"""
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+_now = time.monotonic_ns  # CLOCK_MONOTONIC on Linux, shared by all processes
+EVENTS: list[tuple] = []
+
+
+def _wrap(owner, name: str, make) -> None:
+    original = getattr(owner, name, None)
+    if original is None:
+        print(f"trace_node: {owner.__name__}.{name} not found; not traced", file=sys.stderr)
+        return
+    setattr(owner, name, make(original))
+
+
+def install() -> None:
+    import fabric.node as node_mod
+    from fabric.executor import ShardExecutor
+    from fabric.route_session import RouteSession
+
+    add = EVENTS.append
+
+    def run(orig):
+        def wrapper(self, session, start, end, inputs, pos):
+            t0 = _now()
+            try:
+                return orig(self, session, start, end, inputs, pos)
+            finally:
+                add(("run", session, pos, int(inputs.shape[1]), start, end, t0, _now()))
+        return wrapper
+
+    def inbound(orig):
+        def wrapper(self, identity, frames):
+            t0 = _now()
+            try:
+                return orig(self, identity, frames)
+            finally:
+                add(("inbound", t0, _now()))
+        return wrapper
+
+    def dispatch(orig):
+        def wrapper(self, identity, msg, buffers):
+            add(("dispatch", type(msg).__name__, getattr(msg, "session", None), getattr(msg, "pos", None),
+                 bool(identity), _now()))
+            return orig(self, identity, msg, buffers)
+        return wrapper
+
+    def forward(orig):
+        def wrapper(self, hop, message, tensor):
+            t0 = _now()
+            try:
+                return orig(self, hop, message, tensor)
+            finally:
+                add(("forward", message.session, message.pos, hop.endpoint == self.endpoint, t0, _now()))
+        return wrapper
+
+    def reply(orig):
+        def wrapper(self, identity, message):
+            t0 = _now()
+            try:
+                return orig(self, identity, message)
+            finally:
+                add(("reply", type(message).__name__, t0, _now()))
+        return wrapper
+
+    def sample(orig):
+        def wrapper(*args, **kwargs):
+            t0 = _now()
+            try:
+                return orig(*args, **kwargs)
+            finally:
+                add(("sample", t0, _now()))
+        return wrapper
+
+    def on_token(orig):
+        def wrapper(self, msg):
+            t0 = _now()
+            try:
+                return orig(self, msg)
+            finally:
+                add(("on_token", self.session, getattr(msg, "pos", None), t0, _now()))
+        return wrapper
+
+    _wrap(ShardExecutor, "run", run)
+    _wrap(node_mod.Node, "_inbound", inbound)
+    _wrap(node_mod.Node, "_dispatch", dispatch)
+    _wrap(node_mod.Node, "_forward", forward)
+    _wrap(node_mod.Node, "_reply", reply)
+    _wrap(node_mod, "sample", sample)
+    _wrap(RouteSession, "on_token", on_token)
+
+
+def _dump(path: str) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w") as fh:
+        for event in EVENTS:
+            fh.write(json.dumps(event) + "\n")
+    os.replace(tmp, path)
+
+
+def main(argv: list[str]) -> int:
+    from fabric.cli import main as cli_main
+
+    profile_path = os.environ.get("MESHNET_BENCH_PROFILE")
+    if profile_path:
+        import cProfile
+
+        profiler = cProfile.Profile()
+        atexit.register(lambda: profiler.dump_stats(profile_path))
+        return profiler.runcall(cli_main, argv)
+    trace_path = os.environ.get("MESHNET_BENCH_TRACE")
+    if trace_path:
+        install()
+        atexit.register(_dump, trace_path)
+    return cli_main(argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
