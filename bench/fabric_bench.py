@@ -585,7 +585,7 @@ def measure_round(jobs: list[tuple], base: Baseline, model: str, n_tokens: int, 
     raw.measure(1000)
 
 
-def run(args) -> dict:
+def run(args, state: dict) -> dict:
     import torch
     import transformers
 
@@ -602,7 +602,8 @@ def run(args) -> dict:
     tmp = Path(tempfile.mkdtemp(prefix="meshnet-bench-"))
     procs = Procs(tmp)
     half = Shard(0, num_layers // 2 - 1, num_layers)
-    report: dict = {
+    report: dict = state.setdefault("report", {})
+    report.update({
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "started": time.strftime("%Y-%m-%d %H:%M:%S %z"),
         "machine": {"cores": cores, "cpu": _cpu_name(), "torch": torch.__version__,
@@ -610,9 +611,9 @@ def run(args) -> dict:
                     "mem_total_gib": round(psutil.virtual_memory().total / 2**30, 1)},
         "model": args.model, "layers": num_layers, "hidden": hidden, "tokens": args.tokens, "reps": args.reps,
         "quiet_threshold": QUIET, "tries": args.tries, "logs": str(tmp),
-    }
+    })
     log(f"logs and traces in {tmp}")
-    results: dict[str, list] = {}
+    results: dict[str, list] = state.setdefault("results", {})
     gate = Gate(args.tries, args.max_wait, args.budget * 60)
     try:
         raw = RawRTT(procs, hidden * 4)
@@ -914,10 +915,17 @@ def main(argv: list[str] | None = None) -> int:
     from fabric.models import default_cache_root, load_config, resolve
 
     args.layers_total = load_config(resolve(args.model), default_cache_root()).num_hidden_layers
+    state: dict = {}
     try:
-        report = run(args)
+        report = run(args, state)
     except KeyboardInterrupt:
         log("interrupted; every subprocess was stopped")
+        if args.json and state.get("results"):
+            partial = {**state.get("report", {}), "interrupted": True,
+                       "results": {k: [{kk: vv for kk, vv in r.items() if kk != "ids"} for r in v]
+                                   for k, v in state["results"].items()}}
+            Path(args.json).write_text(json.dumps(partial, indent=2, default=str))
+            log(f"wrote the partial results to {args.json}")
         return 130
     print_report(report)
     if args.json:
