@@ -2,26 +2,39 @@
 """meshnet fabric benchmark: every figure is a ratio against a baseline measured in the same run.
 
     python bench/fabric_bench.py [--quick] [--tokens N] [--reps R] [--json OUT]
+                                 [--tries K] [--max-wait S] [--budget MIN] [--keep-logs]
 
 1. Decode tokens/s: single-process transformers (``AutoModelForCausalLM.from_pretrained(dir,
    gguf_file=...)``, greedy ``generate``, float32, same thread count) against the fabric with
    1, 2 and 3 nodes on loopback, started and driven exactly as users do: ``python -m
    fabric.cli tracker ...`` and ``python -m fabric.cli node ... --threads T --no-progress``
-   subprocesses (even split), then ``fabric.Client(tracker).generate(model, messages=...,
-   max_tokens=N)``, decode tok/s timed from the first token event to the done event. The
+   subprocesses (even split, T = max(1, cores // nodes)), then ``fabric.Client(tracker)
+   .generate(model, messages=..., max_tokens=N)``; decode tok/s is timed from the first
+   token event to the done event (transformers: first streamed token to the end). The
    fabric's greedy token ids are checked against the single process's.
 2. Added latency per hop against a raw pyzmq DEALER->ROUTER echo round trip of one hidden
-   state (hidden_size float32 values), measured directly from timestamps that traced
-   diagnostic nodes (``bench/trace_node.py``: the same CLI, with timing hooks) record
-   around layer compute, and cross-checked by the per-token time difference of a traced
-   2-node and a traced 1-node cluster running with the same thread count.
-3. Resident memory (psutil RSS after load and after one generation) of a node holding half
-   of the layers (0-14) against a full node (0-29).
+   state (hidden_size float32 values, 2304 B for SmolLM2-135M). Diagnostic clusters run the
+   same CLI through ``bench/trace_node.py``, which timestamps layer compute, frame
+   receipt/decode, forwarding, sampling and the head's token handling (CLOCK_MONOTONIC is
+   shared by all processes). Per decode step, "non-compute" = per-token time minus layer
+   compute, on the critical path; added per hop = non-compute of a 2-node route minus that
+   of a 1-node route (both 1 thread per node). A 2-node route adds exactly one round trip
+   per token (hidden state out, token back), hence the comparison with a raw round trip.
+   Cross-check: per-token time of the traced 2-node minus 1-node cluster.
+3. Resident memory (psutil RSS, and USS, after load and after one generation) of a node
+   holding half of the layers (0-14) against a full node (0-29), plus the RSS of a bare
+   interpreter that imported what a node imports (the runtime floor).
 
-Configurations are measured in rotating order, ``--reps`` times each, and medians are
-reported; the share of CPU that other tenants of the machine used during each timed run
-is recorded next to it. All subprocesses are stopped on exit and on Ctrl-C (SIGTERM, then
-SIGKILL); on Linux they also get SIGTERM should this process die.
+Noise. The machine is shared. Configurations run in rotating order, ``--reps`` times each.
+Before each timed run the benchmark waits (at most ``--max-wait`` s) until other tenants
+use <= 15% of the CPU; a thread watches them during the run and cuts it short if they
+take > 30% for 2 s (a contended 2-thread process slows down tenfold); a disturbed run is
+retried up to ``--tries`` times. Medians use the quiet runs (>= 2 of them), else all runs
+(marked). After ``--budget`` minutes runs are no longer gated or retried.
+
+All subprocesses are stopped on exit, on Ctrl-C and on SIGTERM (SIGTERM, then SIGKILL);
+on Linux they also get SIGTERM should this process die. With ``--json`` an interrupted run
+still writes what it measured.
 """
 from __future__ import annotations
 
@@ -210,7 +223,8 @@ class Cluster:
     rss_load: list = field(default_factory=list)  # per node (rss, uss) bytes
     rss_gen: list = field(default_factory=list)
     ready: bool = False
-    failed: bool = False  # every warm-up generation failed
+    failed: bool = False  # every warm-up generation failed, or a process of it died
+    lost: list = field(default_factory=list)  # processes that exited during the run: (args, code)
 
     @property
     def procs(self) -> list[subprocess.Popen]:
@@ -310,7 +324,7 @@ def fabric_generate(c: Cluster, model: str, n_tokens: int, strict: bool = False,
     t_first = t_done = None
     route, error, aborted = (), None, False
     try:
-        with Client(c.tracker, timeout=300.0) as client:
+        with Client(c.tracker, timeout=120.0) as client:
             events = client.generate(model, messages=list(PROMPT), max_tokens=n_tokens, request_id=request_id)
             for event in events:
                 if abort is not None and abort.is_set():
@@ -559,10 +573,23 @@ class Gate:
                 return meter.foreign
 
 
+def _dead(c: Cluster) -> bool:
+    """A process of the cluster exited (other tenants' clean-ups have killed processes named
+    like ours): the cluster is reported as failed and left out of the remaining runs."""
+    gone = [(p.args[3:5] if len(p.args) > 4 else p.args, p.returncode) for p in c.procs if p.poll() is not None]
+    if gone:
+        c.failed = True
+        c.lost = gone
+        log(f"{c.label}: process(es) exited from outside the benchmark: {gone}; left out of the remaining runs")
+    return bool(gone)
+
+
 def measure_round(jobs: list[tuple], base: Baseline, model: str, n_tokens: int, rep: int, results: dict,
                   raw: RawRTT, gate: Gate) -> None:
     shift = rep % len(jobs)
     for kind, key, arg in jobs[shift:] + jobs[:shift]:
+        if kind == "fabric" and (arg.failed or _dead(arg)):
+            continue
         for attempt in range(gate.tries):
             if not gate.spent:
                 gate.wait_quiet()
@@ -732,6 +759,8 @@ def analyse(args, cores, main, diag, results, reference, raw, half) -> dict:
     diag_rows += [row(c.key, c.label, c.layout(), c.threads, "baseline-1t" if c.threads == 1 else f"{base_key}-diag")
                   for c in diag]
     everything = {r["key"]: r for r in rows + diag_rows}
+    for c in main + diag:
+        everything[c.key]["lost"] = [f"{' '.join(map(str, a))} exited with {code}" for a, code in c.lost]
     for r in rows + diag_rows:
         vs = everything[r["vs"]]
         r["ratio"] = r["tps"] / vs["tps"] if r["tps"] and vs["tps"] else None
@@ -822,6 +851,8 @@ def print_report(r: dict) -> None:
         for row in rows:
             for err in row["failed"]:
                 print(f"      {row['key']} failed: {err}")
+            for lost in row.get("lost", []):
+                print(f"      {row['key']}: a process died during the run (killed from outside?): {lost}")
 
     print(f"\n1. decode tok/s, first token event -> done (transformers: first streamed token -> end); ratio vs the\n"
           f"   single process with the same threads. Medians over the quiet runs (other tenants used <= "
