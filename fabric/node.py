@@ -65,8 +65,12 @@ class NodeConfig:
 
 
 def stable_node_id(data_root: Path, model_id: str, shard: Shard, bind: str) -> str:
-    """A node id made once per (model, layers, bind address) and kept in a key file."""
+    """A node id made once per (model, layers, bind address) and kept in a key file. A node
+    bound to port 0 (any free port) has no stable address, so it gets a fresh id."""
     import hashlib
+
+    if bind.rstrip("/").endswith((":0", ":*")):
+        return "node-" + secrets.token_hex(4)
 
     slot = hashlib.sha256(f"{model_id}|{shard}|{bind}".encode()).hexdigest()[:16]
     path = data_root / "node-ids" / slot

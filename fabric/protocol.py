@@ -15,6 +15,7 @@ Everything a peer sends is validated here and rejected with a typed ``ProtocolEr
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import types
 import typing
@@ -499,10 +500,16 @@ def _tensor_specs(raw: Any, buffers: list[memoryview], max_buffer_bytes: int) ->
     return tuple(specs)
 
 
+@functools.cache
+def _schema(cls: type) -> tuple[dict, frozenset]:
+    """Type hints and header field names of a message class (resolved once per class)."""
+    names = frozenset(f.name for f in dataclasses.fields(cls) if f.init and f.name != "tensors")
+    return typing.get_type_hints(cls), names
+
+
 def _build(cls: type, header: dict, specs: tuple[TensorSpec, ...] = ()) -> Any:
     """Build dataclass ``cls`` from a header map, checking every field's type."""
-    hints = typing.get_type_hints(cls)
-    names = {f.name for f in dataclasses.fields(cls) if f.init and f.name != "tensors"}
+    hints, names = _schema(cls)
     unknown = set(header) - names
     if unknown:
         raise ProtocolError(f"{cls.__name__}: unknown fields {sorted(unknown)[:5]}")
