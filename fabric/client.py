@@ -193,20 +193,14 @@ class Client(_ClientBase):
             yield from self._stream(dataclasses.replace(msg, route=self.route(model, (died.head.node,))))
 
     def _stream(self, msg: p.Generate) -> Iterator[p.Event]:
-        sock = _dealer(self.ctx, msg.route[0].endpoint, self.security, msg.route[0].key)
-        monitor = sock.get_monitor_socket(HEAD_DOWN)
         poller = zmq.Poller()
-        poller.register(sock, zmq.POLLIN)
-        poller.register(monitor, zmq.POLLIN)
+        sock, monitor = _open_head(self.ctx, msg, self.security, poller)
         done, tokens = False, 0
         try:
             sock.send_multipart(p.encode(msg))
             while True:
                 ready = dict(poller.poll(self.timeout * 1000))
-                if monitor in ready and sock not in ready:
-                    raise _died(msg.route[0], tokens)
-                if not ready:
-                    raise FabricError(p.ErrorCode.HOP_FAILED, f"head {msg.route[0].endpoint} went silent")
+                _head_ready(ready, sock, monitor, msg, tokens)
                 event = _check(sock.recv_multipart())
                 tokens += event.event == "token"
                 done = event.event == "done"
@@ -288,20 +282,14 @@ class AsyncClient(_ClientBase):
                 yield event
 
     async def _attempt(self, msg: p.Generate) -> AsyncIterator[p.Event]:
-        sock = _dealer(self.ctx, msg.route[0].endpoint, self.security, msg.route[0].key)
-        monitor = sock.get_monitor_socket(HEAD_DOWN)
         poller = zmq.asyncio.Poller()
-        poller.register(sock, zmq.POLLIN)
-        poller.register(monitor, zmq.POLLIN)
+        sock, monitor = _open_head(self.ctx, msg, self.security, poller)
         done, tokens = False, 0
         try:
             await sock.send_multipart(p.encode(msg))
             while True:
                 ready = dict(await poller.poll(self.timeout * 1000))
-                if monitor in ready and sock not in ready:
-                    raise _died(msg.route[0], tokens)
-                if not ready:
-                    raise FabricError(p.ErrorCode.HOP_FAILED, f"head {msg.route[0].endpoint} went silent")
+                _head_ready(ready, sock, monitor, msg, tokens)
                 event = _check(await sock.recv_multipart())
                 tokens += event.event == "token"
                 done = event.event == "done"
@@ -313,6 +301,23 @@ class AsyncClient(_ClientBase):
                 await sock.send_multipart(p.encode(p.Cancel(msg.request_id)))
             monitor.close(linger=0)
             sock.close(linger=100 if not done else 0)
+
+
+def _open_head(ctx, msg: p.Generate, security, poller):
+    """DEALER to the request's head, plus a monitor of its link, both on ``poller``."""
+    sock = _dealer(ctx, msg.route[0].endpoint, security, msg.route[0].key)
+    monitor = sock.get_monitor_socket(HEAD_DOWN)
+    poller.register(sock, zmq.POLLIN)
+    poller.register(monitor, zmq.POLLIN)
+    return sock, monitor
+
+
+def _head_ready(ready: dict, sock, monitor, msg: p.Generate, tokens: int) -> None:
+    """Raise when the poll says the head died (link down, nothing to read) or went silent."""
+    if monitor in ready and sock not in ready:
+        raise _died(msg.route[0], tokens)
+    if not ready:
+        raise FabricError(p.ErrorCode.HOP_FAILED, f"head {msg.route[0].endpoint} went silent")
 
 
 def _died(head: p.Hop, tokens: int) -> HeadDied:

@@ -91,16 +91,7 @@ class Int8Linear(nn.Module):
         return cls(w_int8, scales, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape, dtype = x.shape, x.dtype
-        x2 = x.reshape(-1, self.in_features)
-        if dtype != torch.bfloat16:
-            x2 = x2.to(torch.bfloat16)
-        y = torch._weight_int8pack_mm(x2, self.weight, self.scales)
-        if self.bias is not None:
-            y = y + self.bias
-        if dtype != torch.bfloat16:
-            y = y.to(dtype)
-        return y.view(*shape[:-1], self.out_features)
+        return _bf16_linear(x, self, lambda x2: torch._weight_int8pack_mm(x2, self.weight, self.scales))
 
     def dequantized(self) -> torch.Tensor:
         """The float32 weight this module computes with (for checks)."""
@@ -108,6 +99,16 @@ class Int8Linear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, int8"
+
+
+def _bf16_linear(x: torch.Tensor, layer: nn.Module, kernel) -> torch.Tensor:
+    """Run a weight-only kernel on bfloat16 rows of ``x`` (..., in) and return (..., out)
+    in x's dtype, adding ``layer.bias`` if it has one."""
+    x2 = x.reshape(-1, layer.in_features)  # (rows, in)
+    y = kernel(x2 if x.dtype == torch.bfloat16 else x2.to(torch.bfloat16))  # (rows, out)
+    if layer.bias is not None:
+        y = y + layer.bias
+    return (y if x.dtype == torch.bfloat16 else y.to(x.dtype)).view(*x.shape[:-1], layer.out_features)
 
 
 class Int4Linear(nn.Module):
@@ -137,16 +138,8 @@ class Int4Linear(nn.Module):
         return cls(packed, sz, in_f, out_f, group_size, linear.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape, dtype = x.shape, x.dtype
-        x2 = x.reshape(-1, self.in_features)
-        if dtype != torch.bfloat16:
-            x2 = x2.to(torch.bfloat16)
-        y = torch._weight_int4pack_mm_for_cpu(x2, self.weight, self.group_size, self.scales_zeros)
-        if self.bias is not None:
-            y = y + self.bias
-        if dtype != torch.bfloat16:
-            y = y.to(dtype)
-        return y.view(*shape[:-1], self.out_features)
+        return _bf16_linear(x, self, lambda x2: torch._weight_int4pack_mm_for_cpu(
+            x2, self.weight, self.group_size, self.scales_zeros))
 
     def dequantized(self) -> torch.Tensor:
         """The weight this module computes with, as float32 (rounded through bfloat16; for checks)."""
