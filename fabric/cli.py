@@ -11,6 +11,8 @@ import sys
 import threading
 import time
 
+from . import model_store
+
 DEFAULT_TRACKER = "tcp://127.0.0.1:5555"
 DEFAULT_PUB = "tcp://127.0.0.1:5556"
 
@@ -18,7 +20,16 @@ log = logging.getLogger("meshnet")
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    from .config import ConfigError, apply
+
+    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        apply(parser, argv)  # the config file's values become the flags' defaults
+    except ConfigError as exc:
+        print(f"meshnet: error: {exc}", file=sys.stderr)
+        return 2
+    args = parser.parse_args(argv)
     logging.basicConfig(level=getattr(logging, args.log_level.upper()),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
     from .security import SecurityError
@@ -36,6 +47,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="meshnet", description="Run one language model across several machines over a ZeroMQ fabric.")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    parser.add_argument("--config", default=None, metavar="FILE",
+                        help="TOML file whose keys set any flag: top-level keys for every command, a [node], "
+                             "[up], [tracker]… table per command; flags typed here win (default: $MESHNET_CONFIG, "
+                             "else ~/.config/meshnet/config.toml if it exists)")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _up_parser(sub)
     _tracker_parser(sub)
@@ -44,6 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
     _chat_parser(sub)
     _status_parser(sub)
     _keys_parser(sub)
+    model_store.add_parsers(sub)  # models, pull
     return parser
 
 
@@ -115,7 +131,8 @@ def cmd_up(args) -> int:
     log.info("starting a tracker, %d nodes (layers %s, %d torch threads each) and the web UI; loading weights…",
              len(shards), ", ".join(map(str, shards)), threads)
     security = _security(args)  # checked here, so a bad key directory fails before anything starts
-    me = [sys.executable, "-m", "fabric.cli", "--log-level", args.log_level]
+    me = [sys.executable, "-m", "fabric.cli", "--log-level", args.log_level,
+          *(["--config", args.config] if args.config else [])]  # nodes read its [node] table too
     keys = ["--keys", args.keys] if args.keys else []
     commands = [[*me, "tracker", "--bind", args.tracker, "--pub", args.pub, *keys]]
     commands += [[*me, "node", "--model", args.model, "--layers", str(s), "--tracker", args.tracker,

