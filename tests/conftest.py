@@ -37,3 +37,15 @@ def process_cluster(tmp_path, xdg_cache):
     cluster = ProcessCluster(tmp_path, xdg_cache)
     yield cluster
     cluster.close()
+
+
+@pytest.fixture
+def netbed(tmp_path, xdg_cache):
+    """A multi-host bed of network namespaces (tests/netbed.py), torn down after the test;
+    skips where namespaces cannot be made (not root, no ``ip netns``)."""
+    from tests.netbed import Netbed, unavailable
+
+    if reason := unavailable():
+        pytest.skip(reason)
+    with Netbed(tmp_path / "netbed", xdg_cache) as bed:
+        yield bed
