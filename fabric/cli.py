@@ -228,7 +228,8 @@ def _node_parser(sub) -> None:
     p = sub.add_parser("node", help="serve a range of a model's layers",
                        description="Load a contiguous range of a model's layers and serve them on the fabric.")
     p.add_argument("--model", required=True,
-                   help="a Hugging Face directory, a .gguf file, or an alias such as smollm2-135m")
+                   help="a Hugging Face directory, a .gguf file, an alias such as smollm2-135m, or ORG/NAME "
+                        "fetched by `meshnet pull` (`meshnet models` lists them)")
     p.add_argument("--model-id", default=None, help="id clients use for this model (default: alias or file name)")
     p.add_argument("--layers", default=None, help="inclusive range such as 0-14 (default: ask the tracker)")
     _tracker_flag(p)

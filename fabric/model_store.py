@@ -186,10 +186,12 @@ def pull_repo(repo: str, layers: str | None, models_root: Path, hub_factory: Cal
     Nothing is fetched when the files are already there (checked against the last pull's
     manifest, so this works offline).
     """
-    from .models import PULL_MANIFEST, pulled_path
+    from .models import pulled_path
 
     target = pulled_path(repo, models_root)
     manifest = _read_manifest(target)
+    if layers and (target / "config.json").is_file():
+        _check_range(target, layers, repo)  # a range this model lacks fails here, before any network
     if manifest and _complete(target, manifest, layers):
         say(f"{repo} is already pulled{f' (layers {layers})' if layers else ''}: {target}")
         return target
@@ -203,22 +205,39 @@ def pull_repo(repo: str, layers: str | None, models_root: Path, hub_factory: Cal
     metadata = [n for n in names if is_metadata(n)]
     say(f"pulling {repo} at {remote.revision[:12]} into {target}")
     hub.fetch(remote, metadata, target)  # config and index first: they say which shards hold the layers
-    try:
-        weights = weights_needed(target, names, layers)
-    except ValueError as exc:
-        raise PullError(f"{exc} of {repo}") from None
+    if layers:
+        _check_range(target, layers, repo)
+    weights = weights_needed(target, names, layers)
     if not weights:
         raise PullError(f"{repo} has no .safetensors weights (meshnet loads safetensors or a .gguf file)")
-    size = sum(f.size or 0 for f in remote.files if f.name in weights)
-    say(f"fetching {len(weights)} weight file{'s' if len(weights) > 1 else ''} ({human_size(size)})"
-        f"{f' for layers {layers}' if layers else ''}")
-    hub.fetch(remote, weights, target)
-    record = {"repo": repo, "revision": remote.revision,
-              "files": {f.name: {"size": f.size, "sha256": f.sha256} for f in remote.files
-                        if f.name in metadata or f.name.endswith(".safetensors")}}
-    (target / PULL_MANIFEST).write_text(json.dumps(record, indent=1, sort_keys=True) + "\n")
+    sizes = {f.name: f.size for f in remote.files}
+    missing = [n for n in weights if not _has(target, n, sizes.get(n))]
+    say(f"fetching {len(missing)} of {len(weights)} weight files "
+        f"({human_size(sum(sizes.get(n) or 0 for n in missing))}){f' for layers {layers}' if layers else ''}")
+    if missing:
+        hub.fetch(remote, missing, target)
+    _write_manifest(target, remote)
     say(f"pulled {repo}: {target} ({human_size(tree_size(target))}); use it with --model {repo}")
     return target
+
+
+def _check_range(target: Path, layers: str, repo: str) -> None:
+    from .shard import parse_layers
+
+    try:
+        parse_layers(layers, num_layers_of(json.loads((target / "config.json").read_text())))
+    except ValueError as exc:
+        raise PullError(f"{exc} ({repo})") from None
+
+
+def _write_manifest(target: Path, remote: RemoteRepo) -> None:
+    """What was pulled from where: the revision, and every config and weight file's size and digest."""
+    from .models import PULL_MANIFEST
+
+    files = {f.name: {"size": f.size, "sha256": f.sha256} for f in remote.files
+             if is_metadata(f.name) or (f.name.endswith(".safetensors") and "/" not in f.name)}
+    record = {"repo": remote.repo, "revision": remote.revision, "files": files}
+    (target / PULL_MANIFEST).write_text(json.dumps(record, indent=1, sort_keys=True) + "\n")
 
 
 def _read_manifest(target: Path) -> dict | None:
@@ -367,9 +386,9 @@ def add_parsers(sub) -> None:
     """``meshnet models`` and ``meshnet pull`` (nothing heavy is imported to build them)."""
     aliases = "such as smollm2-135m; `meshnet models` lists them"
     p = sub.add_parser("models", help="list the models on this machine: aliases and pulled repositories",
-                       description=f"List the model aliases ({aliases.split(';')[0]}): whether each is installed and where, "
-                                   "and the Hugging Face repositories `meshnet pull` fetched, with their sizes "
-                                   "and the layers they hold. Any of them can be passed to --model.")
+                       description="List the model aliases (such as smollm2-135m): whether each is installed "
+                                   "and where, and the Hugging Face repositories `meshnet pull` fetched, with "
+                                   "their sizes and the layers they hold. Any of them can be passed to --model.")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=cmd_models)
 
@@ -400,19 +419,38 @@ def cmd_pull(args, hub_factory: Callable[[], Hub] = Hub,
              run: Callable[..., subprocess.CompletedProcess] = subprocess.run) -> int:
     from .models import ALIASES, default_models_root, is_repo_id
 
+    usage = None
+    if args.model in ALIASES and args.layers:
+        usage = f"--layers is for Hugging Face repositories; {args.model} is one file, installed whole"
+    elif args.model not in ALIASES and not is_repo_id(args.model):
+        usage = (f"unknown model {args.model!r}: pull an alias ({', '.join(sorted(ALIASES))}) or a Hugging Face "
+                 f"repository id such as HuggingFaceTB/SmolLM2-135M-Instruct")
+    elif args.layers:
+        usage = _range_syntax_error(args.layers)
+    if usage:
+        print(f"meshnet: error: {usage}", file=sys.stderr)
+        return 2
     try:
         if args.model in ALIASES:
-            if args.layers:
-                raise PullError(f"--layers is for Hugging Face repositories; {args.model} is one file, "
-                                f"installed whole")
             pull_alias(args.model, run=run)
-        elif is_repo_id(args.model):
-            pull_repo(args.model, args.layers, default_models_root(), hub_factory)
         else:
-            print(f"meshnet: error: unknown model {args.model!r}: pull an alias ({', '.join(sorted(ALIASES))}) "
-                  f"or a Hugging Face repository id such as HuggingFaceTB/SmolLM2-135M-Instruct", file=sys.stderr)
-            return 2
+            pull_repo(args.model, args.layers, default_models_root(), hub_factory)
     except PullError as exc:
         print(f"meshnet: error: {exc}", file=sys.stderr)
         return 1
     return 0
+
+
+def _range_syntax_error(layers: str) -> str | None:
+    """Why ``layers`` is no range like 0-14 (the model's own size is checked once its config is here)."""
+    from .shard import _RANGE, parse_layers
+
+    m = _RANGE.match(layers)
+    if m is None:
+        try:
+            parse_layers(layers, 1)
+        except ValueError as exc:  # its own words for a malformed range
+            return str(exc)
+    if m is not None and int(m.group(1)) > int(m.group(2)):
+        return f"--layers {layers} runs backwards: give the first layer, then the last"
+    return None

@@ -185,3 +185,11 @@ def test_cli_uses_the_files_tracker(tmp_path, env):
     path = write(tmp_path, f'[status]\ntracker = "tcp://127.0.0.1:{port}"\n')
     out = meshnet("--config", str(path), "status", env=env, timeout=30)
     assert out.returncode == 1 and f"tracker at tcp://127.0.0.1:{port} did not answer" in out.stderr
+
+
+def test_the_readme_example_is_a_valid_file(tmp_path, env):
+    readme = (ROOT / "README.md").read_text()
+    example = readme.split("```toml\n", 1)[1].split("```", 1)[0]
+    args = parse(["--config", str(write(tmp_path, example)), "node", "--layers", "0-1"], env)
+    assert args.max_sessions == 8 and args.hop_timeout == 20.0 and args.no_progress is True
+    assert args.tracker == "tcp://192.0.2.10:5555" and args.keys and args.bind == "tcp://0.0.0.0:6000"
