@@ -36,10 +36,10 @@ PROMPTS = ["Why is the sky blue?", "Name three prime numbers.", "Write a haiku a
            "Give me a synonym for happy.", "Where is the Eiffel Tower?"]
 
 
-def start_cluster(model: str, nodes: int, tmp: Path) -> tuple[list[subprocess.Popen], str]:
+def start_cluster(model: str, nodes: int, tmp: Path, threads: int = 0) -> tuple[list[subprocess.Popen], str]:
     tracker = f"tcp://127.0.0.1:{free_port()}"
     me = [sys.executable, "-m", "fabric.cli", "--log-level", "warning"]
-    threads = str(max(1, (os.cpu_count() or 1) // nodes))
+    threads = str(threads or max(1, (os.cpu_count() or 1) // nodes))
     procs = [subprocess.Popen([*me, "tracker", "--bind", tracker, "--pub", f"tcp://127.0.0.1:{free_port()}",
                                "--db", str(tmp / "ledger.sqlite3")], cwd=REPO)]
     from fabric.models import load_config, resolve
@@ -109,12 +109,14 @@ def main() -> int:
     parser.add_argument("--streams", default="1,2,4,8")
     parser.add_argument("--tokens", type=int, default=48)
     parser.add_argument("--plot", default=None, help="write a PNG of aggregate tok/s against streams")
+    parser.add_argument("--threads", type=int, default=0,
+                        help="torch threads per node (default: as `meshnet up` assigns them)")
     args = parser.parse_args()
     counts = [int(n) for n in args.streams.split(",")]
 
     baseline = transformers_batch(args.model, 8, args.tokens)
     with tempfile.TemporaryDirectory() as tmp:
-        procs, tracker = start_cluster(args.model, 2, Path(tmp))
+        procs, tracker = start_cluster(args.model, 2, Path(tmp), args.threads)
         try:
             wave(tracker, args.model, 1, 8)  # warm up
             results = {n: wave(tracker, args.model, n, args.tokens)[0] for n in counts}
