@@ -70,9 +70,9 @@ def http(method: str, url: str, body, timeout: float) -> tuple[int, str]:
     req = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
     try:
         with urllib.request.urlopen(req, timeout=timeout) as resp:
-            return resp.status, resp.read().decode()
+            return resp.status, resp.read().decode(errors="replace")
     except urllib.error.HTTPError as exc:
-        return exc.code, exc.read().decode()
+        return exc.code, exc.read().decode(errors="replace")
 
 
 def handle(client: Client, req: dict, timeout: float) -> None:

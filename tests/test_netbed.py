@@ -75,7 +75,7 @@ def test_dead_tail_host_is_replaced_and_output_is_unchanged(bed):
         got.extend(event["ids"])
         if len(got) >= 5 and victim in bed.procs:
             bed.kill(victim)  # kill -9 the tail's process; its host stays up
-    assert victim in ("tail1", "tail2")
+    assert victim in ("tail1", "tail2") and victim not in bed.procs  # killed mid-stream
     assert got == expected
 
 
@@ -112,6 +112,21 @@ def test_host_without_inbound_dials_out_but_nobody_reaches_it(bed):
     finally:
         bed.kill("nat-web", 15)
     assert web.returncode is not None
+
+
+def test_rate_limit_holds_a_bulk_transfer_to_the_link_rate(bed, tmp_path):
+    (tmp_path / "blob").write_text(os.urandom(150_000).hex())  # 300 kB
+    host = bed.add_host("bulk", rate="2mbit")
+    bed.spawn("bulk", "bulk-web", ["-m", "http.server", "7100", "--bind", host.ip, "--directory", str(tmp_path)])
+    try:
+        assert netbed.wait_until(lambda: _get(bed.agent, f"http://{host.ip}:7100/") == 200, 15)
+        start = time.monotonic()
+        status, body = bed.agent.http("GET", f"http://{host.ip}:7100/blob", timeout=30)
+        elapsed = time.monotonic() - start
+    finally:
+        bed.kill("bulk-web", 15)
+    assert status == 200 and len(body) == 300_000
+    assert elapsed >= (300_000 - (64 << 10)) * 8 / 2e6 * 0.9  # all but one burst at 2 Mbit/s
 
 
 def _get(agent, url):
