@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -59,6 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
     _chat_parser(sub)
     _status_parser(sub)
     _keys_parser(sub)
+    _relay_parser(sub)
     model_store.add_parsers(sub)  # models, pull
     return parser
 
@@ -204,6 +206,8 @@ def _tracker_parser(sub) -> None:
     p.add_argument("--pub", default=DEFAULT_PUB, help="PUB endpoint for plans/stats/events (default %(default)s)")
     p.add_argument("--db", default=None, help="SQLite usage ledger (default: under the user data directory)")
     p.add_argument("--heartbeat", type=float, default=1.0, help="node heartbeat interval in seconds")
+    p.add_argument("--relay", default=None, metavar="ENDPOINT",
+                   help="also run a relay in this process, its control socket at ENDPOINT (see `meshnet relay`)")
     _metrics_flag(p)
     _keys_flag(p)
     p.set_defaults(func=cmd_tracker)
@@ -217,7 +221,8 @@ def cmd_tracker(args) -> int:
         kwargs["db"] = args.db
     tracker = Tracker(TrackerConfig(**kwargs))
     _serve_metrics(args, tracker.metrics)
-    serve(tracker.config, tracker)
+    with _relay_thread(args):
+        serve(tracker.config, tracker)
     return 0
 
 
@@ -235,12 +240,24 @@ def _node_parser(sub) -> None:
     _tracker_flag(p)
     p.add_argument("--bind", default="tcp://127.0.0.1:0", help="ROUTER endpoint; port 0 picks one")
     p.add_argument("--advertise", default=None, help="endpoint peers dial (default: the bound one)")
+    p.add_argument("--relay", default=None, metavar="ENDPOINT",
+                   help="reach peers through this relay's control endpoint, for a node that cannot accept "
+                        "inbound connections; peers then dial the front the relay opens for it")
+    p.add_argument("--relay-key", default=None, metavar="KEY",
+                   help="the relay's public key, z85 text or a key file (default: DIR/allowed/relay.key, "
+                        "else the tracker's key); only with --keys")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     _quant_flag(p)
     p.add_argument("--threads", type=int, default=0, help="torch threads (default: all cores)")
     p.add_argument("--max-sessions", type=int, default=64, help="sessions this node keeps KV for")
     p.add_argument("--max-prompt-tokens", type=int, default=4096, help="longest prompt the head accepts")
+    p.add_argument("--prefill-chunk", type=int, default=32, metavar="TOKENS",
+                   help="while other requests are in flight, prefill prompts this many tokens at a time so "
+                        "running streams keep their pace (default %(default)s; 0: never chunk)")
+    p.add_argument("--wire-dtype", default="", choices=["", "float32", "float16", "bfloat16"],
+                   help="dtype of hidden states between the hops of routes this node heads (default: each "
+                        "node's compute dtype; bfloat16 halves the bytes of a float32 route, not bit-exact)")
     p.add_argument("--node-id", default=None,
                    help="id in the swarm (default: made once and kept in a key file, so restarts keep it)")
     p.add_argument("--memory", type=float, default=0.0,
@@ -262,6 +279,7 @@ def cmd_node(args) -> int:
 
     from .models import ModelError, default_cache_root, default_data_root, load_config, resolve
     from .node import Node, NodeConfig, stable_node_id
+    from .security import relay_key
     from .shard import parse_layers
 
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -285,9 +303,11 @@ def cmd_node(args) -> int:
                         tracker=args.tracker, device=args.device,
                         dtype=dtype, node_id=node_id, quant=None if args.quant == "none" else args.quant,
                         max_sessions=args.max_sessions, max_prompt_tokens=args.max_prompt_tokens,
+                        prefill_chunk=max(0, args.prefill_chunk), wire_dtype=args.wire_dtype,
                         hop_timeout=args.hop_timeout, heartbeat_interval=args.heartbeat,
                         cache_root=default_cache_root(), progress=not args.no_progress,
-                        security=_security(args))
+                        security=_security(args), relay=args.relay,
+                        relay_key=relay_key(args.keys, args.relay_key) if args.keys else "")
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
@@ -411,14 +431,18 @@ def format_status(status: dict) -> str:
     for n in nodes:
         a, b = n["layers"]
         rate = n.get("layer_steps_per_s") or n.get("benchmark") or 0
+        via = f" (relayed via {n['relay']})" if n.get("relay") else ""
         lines.append(f"{n['id']:<20} {n['model']:<18} {f'{a}-{b}':<9} {n.get('sessions', 0):>8} {rate:>14.0f}"
-                     f"  {n['endpoint']}")
+                     f"  {n['endpoint']}{via}")
     for model in sorted({n["model"] for n in nodes}):
         lines += ["", f"{model}:", *coverage_map(model, nodes)]
         plans = status.get("plans", {}).get(model) or []
         for rank, plan in enumerate(plans, 1):
-            hops = " -> ".join(f"{h['node']}[{h['start_layer']}-{h['end_layer']}]" for h in plan["hops"])
-            lines.append(f"  plan {rank}: {hops}  (~{plan.get('estimated_tps', 0):.1f} tok/s)")
+            hops = " -> ".join(f"{h['node']}[{h['start_layer']}-{h['end_layer']}]"
+                               + (" (relayed)" if h.get("relay") else "") for h in plan["hops"])
+            actual = plan.get("actual_tps")
+            seen = f", observed {actual:.1f} over {plan.get('samples', 0)} requests" if actual else ""
+            lines.append(f"  plan {rank}: {hops}  (~{plan.get('estimated_tps', 0):.1f} tok/s{seen})")
         if not plans:
             gaps = status.get("gaps", {}).get(model)
             lines.append(f"  no complete route{f' (missing layers {gaps})' if gaps else ''}")
@@ -465,6 +489,78 @@ def cmd_keys(args) -> int:
           f"copy {public} into the allowed/ folder of every other member"
           f"{' as tracker.key' if args.tracker else ''}")
     return 0
+
+
+# --------------------------------------------------------------------------- relay
+
+DEFAULT_RELAY = "tcp://127.0.0.1:5557"
+
+
+def _relay_parser(sub) -> None:
+    p = sub.add_parser("relay", help="relay frames for nodes that cannot accept inbound connections",
+                       description="Nodes started with --relay ENDPOINT dial this process; it opens a public "
+                                   "socket (a front) for each and passes frames both ways. With --keys every "
+                                   "socket is a CURVE server with this process's key: the relay sees "
+                                   "plaintext, so it must be a trusted member of the swarm.")
+    p.add_argument("--bind", default=DEFAULT_RELAY, help="control endpoint relayed nodes dial (default %(default)s)")
+    p.add_argument("--front-host", default=None, help="interface the fronts bind on (default: the --bind host)")
+    p.add_argument("--advertise-host", default=None,
+                   help="host peers dial the fronts at (default: the front host; needed when it is 0.0.0.0)")
+    p.add_argument("--node-timeout", type=float, default=5.0,
+                   help="close a node's front after it sent nothing for this many seconds (default %(default)s)")
+    p.add_argument("--max-fronts", type=int, default=256, help="nodes served at most (default %(default)s)")
+    _metrics_flag(p)
+    _keys_flag(p)
+    p.set_defaults(func=cmd_relay)
+
+
+def _relay_config(args, bind: str):
+    from .relay import RelayConfig, endpoint_host
+
+    front = getattr(args, "front_host", None) or endpoint_host(bind)
+    advertise = getattr(args, "advertise_host", None) or front
+    if advertise in ("0.0.0.0", "*", "::", "[::]"):
+        raise ValueError(f"fronts bind on all interfaces ({front}): say which host peers dial with --advertise-host")
+    return RelayConfig(bind=bind, front_host=front, advertise_host=advertise,
+                       node_timeout=getattr(args, "node_timeout", 5.0), max_fronts=getattr(args, "max_fronts", 256),
+                       security=_security(args))
+
+
+def cmd_relay(args) -> int:
+    from .relay import Relay, serve_relay
+
+    try:
+        config = _relay_config(args, args.bind)
+    except ValueError as exc:
+        log.error("%s", exc)
+        return 2
+    relay = Relay(config)
+    _serve_metrics(args, relay.metrics)
+    serve_relay(config, relay)
+    return 0
+
+
+@contextlib.contextmanager
+def _relay_thread(args):
+    """``meshnet tracker --relay ENDPOINT``: a relay in a thread of the tracker process."""
+    if not args.relay:
+        yield
+        return
+    from .relay import Relay
+
+    try:
+        relay = Relay(_relay_config(args, args.relay))
+    except ValueError as exc:
+        log.error("%s", exc)
+        raise SystemExit(2) from None
+    stop = threading.Event()
+    thread = threading.Thread(target=relay.run, args=(stop,), name="relay", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join(10)
 
 
 if __name__ == "__main__":

@@ -65,12 +65,14 @@ class ShardExecutor:
             raise ValueError(f"layers {start}-{end} are outside this node's shard {self.w.shard}")
 
     @torch.inference_mode()
-    def run(self, session: str, start: int, end: int, inputs: torch.Tensor, pos: int) -> StepResult:
+    def run(self, session: str, start: int, end: int, inputs: torch.Tensor, pos: int,
+            logits: bool = True) -> StepResult:
         """Run layers start..end on ``inputs`` at positions pos.. for ``session``.
 
         ``inputs`` is input_ids (1, q) when start is 0, else hidden states (1, q, hidden).
         pos 0 starts the session afresh (prefill, or re-prefill after a cache miss);
-        otherwise pos must continue the session's cache, else CacheMissError.
+        otherwise pos must continue the session's cache, else CacheMissError. ``logits``
+        False (a prefill chunk that more follow) skips the tail's norm and lm_head.
         """
         self.check_span(start, end)
         kv = self._session_kv(session, start, end, pos)
@@ -85,6 +87,8 @@ class ShardExecutor:
                                       position_embeddings=position_embeddings)
         kv.length = pos + q
         kv.touch()
+        if not logits and end == self.w.shard.num_layers - 1:
+            return StepResult(hidden=None, logits=None)
         return self._result(hidden, end)[0]
 
     def _embed(self, start: int, inputs: torch.Tensor) -> torch.Tensor:

@@ -10,9 +10,10 @@ Two signals, so that a hop busy with a long computation is never taken for dead:
 from __future__ import annotations
 
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
-from .protocol import Hop
+from .protocol import MAX_RTT_MS, MAX_RTT_PEERS, Hop
 
 
 @dataclass
@@ -57,6 +58,58 @@ class PeerLiveness:
         for d in (self._last_seen, self._last_ping):
             for e in [e for e in d if e not in keep]:
                 del d[e]
+
+
+@dataclass
+class RttTable:
+    """Round-trip times to peers, measured PING -> PONG, smoothed per peer node id.
+
+    One PING per endpoint is outstanding at a time: a newer PING replaces it, so a PONG
+    that comes back after the next PING was sent (the peer was computing) is no sample.
+    A peer answers PINGs between hops, so a sample can still include part of a hop's
+    compute; each sample is first capped at twice the least of the peer's recent
+    samples, then folded into an exponentially weighted moving average.
+    """
+
+    alpha: float = 0.2  # weight of a new sample in the moving average
+    max_age: float = 60.0  # a peer with no sample for this long is forgotten
+    window: int = 16  # recent samples whose least bounds a new one
+    _sent: dict[str, tuple[int, float]] = field(default_factory=dict)  # endpoint -> (nonce, when)
+    _ms: dict[str, float] = field(default_factory=dict)  # peer node id -> smoothed ms
+    _recent: dict[str, deque] = field(default_factory=dict)  # peer node id -> raw samples
+    _updated: dict[str, float] = field(default_factory=dict)  # peer node id -> last sample time
+    _nonce: int = 0
+
+    def ping(self, endpoint: str, now: float | None = None) -> int:
+        """The nonce for a PING to ``endpoint`` sent now."""
+        self._nonce = self._nonce % (1 << 62) + 1
+        self._sent[endpoint] = (self._nonce, time.monotonic() if now is None else now)
+        return self._nonce
+
+    def pong(self, endpoint: str, nonce: int, node: str, now: float | None = None) -> float | None:
+        """Account a PONG from ``endpoint``; returns the raw sample in ms, or None."""
+        sent = self._sent.get(endpoint)
+        if not node or sent is None or sent[0] != nonce:
+            return None
+        del self._sent[endpoint]
+        now = time.monotonic() if now is None else now
+        sample = min((now - sent[1]) * 1000.0, MAX_RTT_MS)
+        recent = self._recent.setdefault(node, deque(maxlen=self.window))
+        recent.append(sample)
+        bounded = min(sample, 2.0 * min(recent))
+        old = self._ms.get(node)
+        self._ms[node] = bounded if old is None else (1 - self.alpha) * old + self.alpha * bounded
+        self._updated[node] = now
+        return sample
+
+    def snapshot(self, now: float | None = None) -> dict[str, float]:
+        """Smoothed ms per peer node id (at most MAX_RTT_PEERS, freshest first)."""
+        now = time.monotonic() if now is None else now
+        for node in [n for n, t in self._updated.items() if now - t > self.max_age]:
+            for d in (self._ms, self._recent, self._updated):
+                d.pop(node, None)
+        fresh = sorted(self._ms, key=lambda n: -self._updated[n])[:MAX_RTT_PEERS]
+        return {n: round(self._ms[n], 3) for n in fresh}
 
 
 def splice(head: Hop, plan: tuple[Hop, ...]) -> tuple[Hop, ...]:

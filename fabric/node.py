@@ -25,11 +25,12 @@ import zmq.utils.monitor
 from . import protocol as p
 from .executor import CacheMissError, ShardExecutor, Step, StepResult
 from .kv import KVStore
-from .liveness import PeerLiveness, splice
+from .liveness import PeerLiveness, RttTable, splice
 from .models import ModelSource, fingerprint, load_shard, load_tokenizer
 from .route_session import RequestError, RouteSession, encode_prompt, eos_ids
 from .sampling import sample
 from .metrics import Sample
+from .relay import RelayedPeer, RelayLink
 from .security import Security, SecurityError, dial_securely, serve_securely, start_authenticator
 from .shard import Shard
 from .tensors import from_wire, to_wire
@@ -58,10 +59,17 @@ class NodeConfig:
     max_sessions: int = 64  # concurrent sessions this node keeps KV for
     max_batch: int = 16  # decode steps of different sessions run as one forward pass
     max_prompt_tokens: int = 4096  # the head refuses longer prompts
+    prefill_chunk: int = 32  # with other requests in flight, a prompt is prefilled this many tokens at a time
+    wire_dtype: str = ""  # hidden states on the wire of routes this node heads ("": compute dtype)
     max_frame_bytes: int = 64 << 20  # largest tensor buffer accepted from a peer
     cache_root: Path | None = None  # where parsed GGUF metadata is cached
     progress: bool = True  # show a progress bar while weights load
     security: Security | None = None  # CurveZMQ keys and allow-list; None: plaintext (a trusted LAN)
+    relay: str | None = None  # a relay's control endpoint: peers reach this node through the relay's front
+    relay_key: str = ""  # the relay's CURVE public key (secured swarms); "": the tracker's key
+    relay_interval: float = 1.0  # seconds between keepalives (RELAY_OPEN) to the relay
+    relay_timeout: float = 3.0  # a relay silent this long is dialled again (and heartbeats pause)
+    probe_interval: float = 2.0  # seconds between round-trip probes of peers outside active routes
 
 
 def stable_node_id(data_root: Path, model_id: str, shard: Shard, bind: str) -> str:
@@ -82,8 +90,10 @@ def stable_node_id(data_root: Path, model_id: str, shard: Shard, bind: str) -> s
     return node_id
 
 
+WIRE_TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 LINK_EVENTS = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
-COUNTERS = ("hop_seconds", "hops", "batched_hops", "cache_miss", "failovers", "rejected_frames", "dropped_frames", "hop_errors")
+COUNTERS = ("hop_seconds", "hops", "batched_hops", "prefill_chunks", "cache_miss", "failovers", "rejected_frames",
+            "dropped_frames", "hop_errors")
 
 
 @dataclass
@@ -120,6 +130,10 @@ class Node:
         self.peer_of: dict[zmq.Socket, str] = {}  # DEALER -> the endpoint it dials
         self.poller = zmq.Poller()
         self.liveness = PeerLiveness(config.ping_interval, config.peer_silence, config.link_grace)
+        self.rtt = RttTable()  # round trips to peers, reported in heartbeats for the planner
+        self.probes: dict[str, str] = {}  # endpoint -> key of peers the tracker asked us to measure
+        self._next_probe = 0.0
+        self.relay: RelayLink | None = None  # the link to our relay, when peers cannot dial us
         self.monitor_of: dict[zmq.Socket, str] = {}  # socket monitor -> the peer endpoint it watches
         self.pending_routes: deque[str] = deque()  # sessions awaiting a failover route, in request order
         self.tracker: zmq.Socket | None = None
@@ -132,11 +146,14 @@ class Node:
         self.benchmark = self._benchmark()
         self.ready = threading.Event()
         self._next_heartbeat = 0.0
+        self._ran_prefill = False  # the last hop run was a prefill (chunk): a decode batch goes next
 
     # -- main loop ----------------------------------------------------------------------
 
     def run(self, stop: threading.Event) -> None:
         self.poller.register(self.router, zmq.POLLIN)
+        if self.config.relay:
+            self._open_relay(stop)
         if self.config.tracker:
             self.tracker = self._dealer(self.config.tracker, self.config.security and self.config.security.tracker_key)
             self.poller.register(self.tracker, zmq.POLLIN)
@@ -157,6 +174,8 @@ class Node:
     def close(self) -> None:
         for sock in [*self.monitor_of, self.router, *self.peers.values(), *([self.tracker] if self.tracker else [])]:
             sock.close(linger=0)
+        if self.relay is not None:
+            self.relay.close()
         self.monitor_of.clear()
         self.peers.clear()
         self.peer_of.clear()
@@ -178,14 +197,19 @@ class Node:
                 self._tracker_reply(frames)
             elif sock in self.monitor_of:
                 self._link_event(self.monitor_of[sock], frames)
+            elif self.relay is not None and sock is self.relay.sock:
+                self._relay_frames(frames)
             else:
                 self._peer_reply(self.peer_of[sock], frames)
 
     def _periodic(self) -> None:
         now = time.monotonic()
-        if self.tracker is not None and now >= self._next_heartbeat:
+        if self.tracker is not None and now >= self._next_heartbeat and self._reachable():
             self._next_heartbeat = now + self.config.heartbeat_interval
-            self._to_tracker(p.Heartbeat(self.config.node_id, sessions=len(self.kv), queued=len(self.work)))
+            self._to_tracker(p.Heartbeat(self.config.node_id, sessions=len(self.kv), queued=len(self.work),
+                                         rtts=self.rtt.snapshot(now)))
+        self._relay_tick(now)
+        self._probe_peers(now)
         for session in self.kv.evict_idle():
             log.info("freed idle session %s", session)
         for rs in list(self.sessions.values()):
@@ -259,27 +283,43 @@ class Node:
 
     def _run_next(self) -> None:
         """Run the next queued hop, batched with the other queued decode steps over the
-        same layers (one forward pass for many sessions)."""
-        first = self.work.popleft()
+        same layers (one forward pass for many sessions). Prefill chunks and decode batches
+        take turns, so a long prompt never stalls the streams already decoding by more than
+        one chunk, and the prompt still moves on while they decode."""
+        first = self._take(decode=self._ran_prefill)
+        self._ran_prefill = not self._decode_step(first)
         if not self._decode_step(first) or not self.executor.batchable(first.msg.start_layer, first.msg.end_layer):
             self._execute([first])
             return
         span, batch, rest = (first.msg.start_layer, first.msg.end_layer), [first], deque()
         sessions = {first.msg.session}
+        waiting: set[str] = set()  # sessions with a hop left behind: their later hops wait too
         while self.work:
             w = self.work.popleft()
-            same = (w.msg.start_layer, w.msg.end_layer) == span and w.msg.session not in sessions
+            same = (w.msg.start_layer, w.msg.end_layer) == span and w.msg.session not in sessions | waiting
             if same and self._decode_step(w) and len(batch) < self.config.max_batch:
                 batch.append(w)
                 sessions.add(w.msg.session)
             else:
                 rest.append(w)
+                waiting.add(w.msg.session)
         self.work = rest
         self._execute(batch)
 
+    def _take(self, decode: bool) -> Work:
+        """Remove and return the first queued hop of the wanted kind whose session has
+        nothing queued before it (a session's hops run in order), else the first hop."""
+        earlier: set[str] = set()
+        for i, w in enumerate(self.work):
+            if self._decode_step(w) == decode and w.msg.session not in earlier:
+                del self.work[i]
+                return w
+            earlier.add(w.msg.session)
+        return self.work.popleft()
+
     @staticmethod
     def _decode_step(work: Work) -> bool:
-        return work.tensor.shape[1] == 1 and work.msg.pos > 0
+        return work.tensor.shape[1] == 1 and work.msg.pos > 0 and not work.msg.more
 
     def _execute(self, batch: list[Work]) -> None:
         """Run hops (one, or a batch of decode steps); a failure costs those sessions only,
@@ -293,6 +333,7 @@ class Node:
             results = [exc] * len(batch)
         self.counters["hops"] += len(batch)
         self.counters["batched_hops"] += len(batch) if len(batch) > 1 else 0
+        self.counters["prefill_chunks"] += batch[0].msg.more
         self.counters["hop_seconds"] += time.perf_counter() - started
         for work, result in zip(batch, results):
             try:
@@ -304,7 +345,8 @@ class Node:
     def _run_one(self, work: Work) -> StepResult | Exception:
         msg = work.msg
         try:
-            return self.executor.run(msg.session, msg.start_layer, msg.end_layer, work.tensor, msg.pos)
+            return self.executor.run(msg.session, msg.start_layer, msg.end_layer, work.tensor, msg.pos,
+                                     logits=not msg.more)
         except Exception as exc:  # CacheMissError included: handled per session below
             return exc
 
@@ -321,15 +363,16 @@ class Node:
             self._send(msg.reply_to, msg.reply_key, p.Error(
                 p.ErrorCode.INTERNAL, f"{type(result).__name__}: {result}", session=msg.session,
                 step=msg.step, node=self.config.node_id))
+        elif result.logits is None and not msg.route:
+            return  # the tail filled its KV with a prefill chunk that more chunks follow
         elif result.logits is not None:
             pos = msg.pos + work.tensor.shape[1]
             token = sample(result.logits, msg.sampling, pos)
             self._send(msg.reply_to, msg.reply_key, p.Token(msg.session, msg.step, token, pos))
         else:
             nxt = msg.route[0]
-            out = p.Forward(session=msg.session, step=msg.step, pos=msg.pos, start_layer=nxt.start_layer,
-                            end_layer=nxt.end_layer, route=msg.route[1:], reply_to=msg.reply_to,
-                            sampling=msg.sampling, reply_key=msg.reply_key)
+            out = dataclasses.replace(msg, start_layer=nxt.start_layer, end_layer=nxt.end_layer, route=msg.route[1:],
+                                      tensors=())
             self._forward(nxt, out, result.hidden)
 
     # -- requests this node heads -------------------------------------------------------
@@ -349,7 +392,8 @@ class Node:
                                           finish_reason="error"))
             return
         rs = RouteSession(req, prompt, tokenizer=self.tokenizer, eos=self.eos, reply_to=self.endpoint,
-                          reply_key=self.key, transport=self, seed=secrets.randbits(62))
+                          reply_key=self.key, transport=self, seed=secrets.randbits(62),
+                          prefill_chunk=self._prefill_chunk, wire_dtype=self.config.wire_dtype)
         self.sessions[req.request_id] = rs
         self.clients[req.request_id] = identity
         self._emit(rs, rs.start())
@@ -393,6 +437,10 @@ class Node:
 
     # -- Transport (used by RouteSession) -----------------------------------------------
 
+    def _prefill_chunk(self) -> int:
+        """Chunk a prompt only while other requests are in flight: alone, it goes at once."""
+        return self.config.prefill_chunk if len(self.sessions) > 1 or self.work else 0
+
     def forward(self, hop: p.Hop, message: p.Forward, tensor: torch.Tensor) -> None:
         self._forward(hop, message, tensor)
 
@@ -408,6 +456,8 @@ class Node:
         if hop.endpoint == self.endpoint:
             self.work.append(Work(message, tensor))
             return
+        if message.wire_dtype and tensor.is_floating_point():
+            tensor = tensor.to(WIRE_TORCH_DTYPES[message.wire_dtype])
         spec, buf = to_wire(tensor)
         self._to_peer(hop.endpoint, hop.key, p.encode(dataclasses.replace(message, tensors=(spec,)), [buf]),
                       copy=False)
@@ -431,7 +481,9 @@ class Node:
             log.warning("cannot send to %r: %s", endpoint, exc)
 
     def _reply(self, identity: bytes, message: p.Message) -> None:
-        if identity:
+        if isinstance(identity, RelayedPeer):  # the peer reached us through our relay's front
+            self.relay.send(identity, p.encode(message))
+        elif identity:
             try:
                 self.router.send_multipart([identity, *p.encode(message)], flags=zmq.NOBLOCK)
             except zmq.Again:
@@ -485,7 +537,7 @@ class Node:
         keys = {h.endpoint: h.key for rs in live for h in rs.route if h.endpoint != self.endpoint}
         watched = set(keys)
         for endpoint in self.liveness.watch(watched, now):
-            self._to_peer(endpoint, keys[endpoint], p.encode(p.Ping(0)))
+            self._to_peer(endpoint, keys[endpoint], p.encode(p.Ping(self.rtt.ping(endpoint, now))))
         dead = self.liveness.dead(watched, now)
         for rs in live if dead else ():
             lost = {h.node for h in rs.route if h.endpoint in dead}
@@ -526,7 +578,9 @@ class Node:
             log.warning("bad frame from peer %s: %s", endpoint, exc)
             return
         self.liveness.seen(endpoint)
-        if isinstance(msg, p.Error) and msg.session:
+        if isinstance(msg, p.Pong):
+            self.rtt.pong(endpoint, msg.nonce, msg.node)
+        elif isinstance(msg, p.Error) and msg.session:
             self._to_session(msg.session, msg)
 
     # -- tracker ------------------------------------------------------------------------
@@ -540,7 +594,8 @@ class Node:
                       "quant": c.quant or "none",
                       "threads": torch.get_num_threads(), "shard_bytes": self.executor.w.parameter_bytes(),
                       "memory_bytes": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")},
-            benchmark=self.benchmark, max_sessions=c.max_sessions))
+            benchmark=self.benchmark, max_sessions=c.max_sessions, relay=c.relay or "",
+            relay_key=self.relay.front_key if self.relay else ""))
 
     def _to_tracker(self, message: p.Message) -> None:
         if self.tracker is not None:
@@ -561,6 +616,9 @@ class Node:
         elif isinstance(msg, p.Route) or (isinstance(msg, p.Error) and msg.code in (
                 p.ErrorCode.NO_ROUTE, p.ErrorCode.UNKNOWN_MODEL)):
             self._route_for_failover(msg)
+        elif isinstance(msg, p.Ack) and msg.probe:
+            self.probes = {h.endpoint: h.key for h in msg.probe
+                           if h.node != self.config.node_id and h.endpoint != self.endpoint}
 
     def _benchmark(self, reps: int = 3) -> float:
         """Layer-steps per second for one decode token on a fixed workload."""
@@ -575,3 +633,51 @@ class Node:
         self.kv.drop("__bench__")
         return shard.size / max(best, 1e-9)
 
+    # -- relay and round trips ----------------------------------------------------------
+
+    def _open_relay(self, stop: threading.Event) -> None:
+        """Dial the relay and wait until it opened our front: the endpoint peers dial."""
+        c = self.config
+        key = c.relay_key or (c.security.tracker_key if c.security else None)
+        self.relay = RelayLink(self.ctx, c.relay, c.node_id, security=c.security, key=key,
+                               interval=c.relay_interval, timeout=c.relay_timeout)
+        self.poller.register(self.relay.sock, zmq.POLLIN)
+        log.info("node %s: opening a front on relay %s", c.node_id, c.relay)
+        while not stop.is_set() and not self.relay.up:
+            self._relay_tick(time.monotonic())
+            if self.relay.sock.poll(100):
+                self._drain(self.relay.sock)
+
+    def _relay_tick(self, now: float) -> None:
+        if self.relay is None:
+            return
+        old = self.relay.tick(now)
+        if old is not None:  # the relay went silent: the link was dialled afresh
+            self.poller.unregister(old)
+            old.close(linger=0)
+            self.poller.register(self.relay.sock, zmq.POLLIN)
+
+    def _relay_frames(self, frames: list) -> None:
+        got = self.relay.receive(frames)
+        if isinstance(got, tuple):  # a peer's frame through our front, like one on our ROUTER
+            self._inbound(*got)
+        elif isinstance(got, p.RelayOpened) and self.relay.reopened:
+            self.relay.reopened = False
+            self.endpoint = self.relay.front
+            if self.config.security is not None:
+                self.key = self.relay.front_key  # hops answer a relayed head through the relay
+            if self.tracker is not None:
+                self._register()
+
+    def _reachable(self) -> bool:
+        """Whether peers can reach this node: always, unless its relay is down (then it
+        stops heartbeating, so the tracker drops it from plans until the relay is back)."""
+        return self.relay is None or self.relay.up
+
+    def _probe_peers(self, now: float) -> None:
+        """PING the peers we send to and those the tracker named, to time the round trip."""
+        if now < self._next_probe:
+            return
+        self._next_probe = now + self.config.probe_interval
+        for endpoint, key in {**dict.fromkeys(self.peers, ""), **self.probes}.items():
+            self._to_peer(endpoint, key, p.encode(p.Ping(self.rtt.ping(endpoint, now))))

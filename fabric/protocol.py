@@ -36,9 +36,13 @@ MAX_TENSOR_DIMS = 4
 MAX_STRING = 1 << 20
 MAX_LIST = 1 << 16
 MAX_LAYERS = 4096
+MAX_RTT_PEERS = 256  # peers a heartbeat may report round-trip times for
+MAX_RTT_MS = 600_000.0  # ten minutes: anything slower is not a network
+MAX_PROBES = 64  # peers the tracker may ask a node to measure in one answer
 
 # dtype name -> item size in bytes. The receiver refuses anything else.
 DTYPE_SIZES = {"float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4}
+WIRE_DTYPES = {"", "float32", "float16", "bfloat16"}  # hidden states on the wire; "": the compute dtype
 
 
 class ErrorCode:
@@ -86,6 +90,8 @@ class Kind(IntEnum):
     ASSIGN_REQUEST = 27
     ASSIGN = 28
     ACK = 29
+    RELAY_OPEN = 30
+    RELAY_OPENED = 31
 
 
 @dataclass(frozen=True)
@@ -170,12 +176,16 @@ class Forward(Message):
     reply_to: str  # endpoint of the head: TOKEN / CACHE_MISS / ERROR go there
     sampling: Sampling = Sampling()
     reply_key: str = ""  # the head's CURVE public key when the swarm is secured
+    more: bool = False  # a prefill chunk that more chunks follow: the tail fills its KV, answers nothing
+    wire_dtype: str = ""  # dtype of hidden states sent on from here; "": each node's compute dtype
 
     def validate(self) -> None:
         if not 0 <= self.start_layer <= self.end_layer < MAX_LAYERS:
             raise ProtocolError(f"layers {self.start_layer}-{self.end_layer} out of range")
         if self.pos < 0 or self.step < 0:
             raise ProtocolError("pos and step must be >= 0")
+        if self.wire_dtype not in WIRE_DTYPES:
+            raise ProtocolError(f"wire_dtype must be one of {sorted(WIRE_DTYPES)}")
         if len(self.tensors) != 1:
             raise ProtocolError("FORWARD carries exactly one tensor")
         spec = self.tensors[0]
@@ -321,6 +331,12 @@ class Register(Message):
     hardware: dict = field(default_factory=dict)
     benchmark: float = 0.0  # layer-steps per second on a fixed workload at start-up
     max_sessions: int = 0
+    relay: str = ""  # control endpoint of the relay that ``endpoint`` (its front) belongs to; "": direct
+    relay_key: str = ""  # the relay's CURVE public key: peers dial the front with it (secured swarms)
+
+    def validate(self) -> None:
+        if self.relay_key and not self.relay:
+            raise ProtocolError("relay_key without relay", ErrorCode.BAD_REQUEST)
 
 
 @dataclass(frozen=True)
@@ -329,6 +345,16 @@ class Heartbeat(Message):
     node_id: str
     sessions: int = 0
     queued: int = 0
+    rtts: dict[str, float] = field(default_factory=dict)  # peer node id -> smoothed round trip, ms
+
+    def validate(self) -> None:
+        if len(self.rtts) > MAX_RTT_PEERS:
+            raise ProtocolError(f"rtts lists at most {MAX_RTT_PEERS} peers")
+        for peer, ms in self.rtts.items():
+            if not 1 <= len(peer) <= 256:
+                raise ProtocolError("an rtts peer id has 1-256 characters")
+            if not 0.0 <= ms <= MAX_RTT_MS:
+                raise ProtocolError(f"rtts[{peer!r}] must be in [0, {MAX_RTT_MS:.0f}] ms")
 
 
 @dataclass(frozen=True)
@@ -397,6 +423,38 @@ class Ack(Message):
     KIND: ClassVar[Kind] = Kind.ACK
     ok: bool = True
     detail: str = ""
+    probe: tuple[Hop, ...] = ()  # answer to a heartbeat: peers whose round trip the node should measure
+
+    def validate(self) -> None:
+        if len(self.probe) > MAX_PROBES:
+            raise ProtocolError(f"probe lists at most {MAX_PROBES} peers")
+
+
+@dataclass(frozen=True)
+class RelayOpen(Message):
+    """Node -> relay control socket: open (or keep open) a public front for ``node_id``.
+
+    Sent every keepalive interval; ``endpoint`` is the front the node had before (a
+    restarted relay binds the same port again when it can), "" at first.
+    """
+
+    KIND: ClassVar[Kind] = Kind.RELAY_OPEN
+    node_id: str
+    endpoint: str = ""
+
+    def validate(self) -> None:
+        if not 1 <= len(self.node_id) <= 256 or len(self.endpoint) > 1024:
+            raise ProtocolError("node_id must have 1-256 characters and endpoint at most 1024")
+
+
+@dataclass(frozen=True)
+class RelayOpened(Message):
+    """Relay -> node: the front peers reach ``node_id`` at, and the key they dial it with."""
+
+    KIND: ClassVar[Kind] = Kind.RELAY_OPENED
+    node_id: str
+    endpoint: str
+    key: str = ""  # the relay's CURVE public key (z85) in a secured swarm
 
 
 MESSAGE_TYPES: dict[Kind, type[Message]] = {
@@ -404,7 +462,7 @@ MESSAGE_TYPES: dict[Kind, type[Message]] = {
     for cls in (
         Forward, Token, CacheMiss, Cancel, Close, Error, Ping, Pong, Generate, Event,
         Register, Heartbeat, RouteRequest, Route, Report, StatusRequest, Status,
-        AssignRequest, Assign, Ack,
+        AssignRequest, Assign, Ack, RelayOpen, RelayOpened,
     )
 }
 
@@ -540,6 +598,12 @@ def _coerce(value: Any, hint: Any, where: str) -> Any:
             raise ProtocolError(f"{where} must be a list")
         (inner, _) = typing.get_args(hint)
         return tuple(_coerce(v, inner, where) for v in value)
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ProtocolError(f"{where} must be a map")
+        key_hint, value_hint = typing.get_args(hint)
+        return {_coerce(k, key_hint, f"{where} key"): _coerce(v, value_hint, f"{where}[{k!r}]")
+                for k, v in value.items()}
     if dataclasses.is_dataclass(hint):
         if not isinstance(value, dict):
             raise ProtocolError(f"{where} must be a map")

@@ -106,3 +106,20 @@ def peer_key(frame: zmq.Frame) -> str | None:
         return frame.get("User-Id") or None
     except zmq.ZMQError:
         return None
+
+
+RELAY_KEY = "relay.key"
+
+
+def relay_key(directory: Path | None, value: str | None = None) -> str:
+    """The public key (z85) to dial a relay with: ``value`` (z85 text or a key file), else
+    ``DIR/allowed/relay.key``, else "" (a relay run inside the tracker: the tracker's key)."""
+    if value:
+        if Path(value).is_file():
+            return zmq.auth.load_certificate(value)[0].decode()
+        if len(value) != 40:
+            raise SecurityError(f"--relay-key {value!r} is neither a key file nor a 40-character z85 key")
+        return value
+    if directory is not None and (Path(directory) / "allowed" / RELAY_KEY).is_file():
+        return zmq.auth.load_certificate(str(Path(directory) / "allowed" / RELAY_KEY))[0].decode()
+    return ""

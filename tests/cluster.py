@@ -142,6 +142,12 @@ class ProcessCluster:
         self.node_endpoints[name] = endpoint
         return endpoint
 
+    def start_relay(self, name: str = "relay", port: int | None = None, *extra: str) -> str:
+        """``meshnet relay`` on loopback; returns its control endpoint (nodes take --relay it)."""
+        endpoint = f"tcp://127.0.0.1:{port or free_port()}"
+        self._spawn(name, "relay", "--bind", endpoint, "--node-timeout", "2", *extra)
+        return endpoint
+
     def start_webui(self, *extra: str) -> str:
         """``meshnet webui`` on a free port; returns its base URL once it answers."""
         import urllib.request

@@ -8,7 +8,8 @@ import pytest
 
 from fabric.protocol import Hop
 from tracker.planner import (
-    CostModel, assign_span, coverage_gaps, estimate_route, plan_all, plan_routes,
+    CostModel, assign_span, coverage_gaps, estimate_route, link_between, plan_all, plan_routes,
+    route_link_seconds,
 )
 from tracker.registry import NodeInfo
 
@@ -246,3 +247,102 @@ def test_assign_span_picks_the_least_covered_layers():
     nodes.append(node("b", 15, 29, layers=30))
     nodes.append(node("c", 0, 9, layers=30))
     assert assign_span(nodes, "m", 30, 10) == (10, 19)
+
+
+# --------------------------------------------------------------------------- measured links and relays
+
+
+def linked(nodes, ms: float, relayed=()) -> list:
+    """The same nodes with every pair ``ms`` apart (as each measured it), some behind a relay."""
+    from dataclasses import replace
+
+    return [replace(n, rtts={o.node_id: ms for o in nodes if o is not n},
+                    relay="tcp://relay:5557" if n.node_id in relayed else "") for n in nodes]
+
+
+def test_with_30ms_links_the_planner_prefers_the_node_that_holds_more_layers():
+    # two fast halves, or one slower node holding everything
+    nodes = [node("a", 0, 19, 2000.0), node("b", 20, 39, 2000.0), node("c", 0, 39, 1500.0)]
+    assert spans(plan_routes(nodes, "m").best) == [("a", 0, 19), ("b", 20, 39)]  # links unknown: 2 ms
+    lan = plan_routes(linked(nodes, 0.5), "m")  # a LAN: the pipeline still wins
+    assert spans(lan.best) == [("a", 0, 19), ("b", 20, 39)]
+    wan = plan_routes(linked(nodes, 60.0), "m")  # 30 ms each way
+    assert spans(wan.best) == [("c", 0, 39)]
+    pipeline = [r for r in wan.routes if len(r.hops) == 2][0]
+    assert pipeline.seconds_per_token == pytest.approx(20 / 2000 * 2 + 2 * 0.030)
+
+
+def test_with_30ms_links_two_hops_beat_three_when_one_node_holds_two_thirds():
+    nodes = [node("x", 0, 13, 2000.0), node("y", 14, 26, 2000.0), node("z", 27, 39, 2000.0),
+             node("w", 0, 26, 1200.0)]
+    assert [h.node for h in plan_routes(nodes, "m").best.hops] == ["x", "y", "z"]
+    wan = plan_routes(linked(nodes, 60.0), "m")
+    assert spans(wan.best) == [("w", 0, 26), ("z", 27, 39)]
+    assert_valid(wan, nodes, 40)
+
+
+def test_a_round_trip_measured_by_either_end_counts_and_unknown_links_cost_the_default():
+    from dataclasses import replace
+
+    cost = CostModel()
+    a, b = node("a", 0, 19), node("b", 20, 39)
+    assert link_between(a, b, cost) == cost.link_cost_s
+    assert link_between(replace(a, rtts={"b": 10.0}), b, cost) == pytest.approx(0.005)
+    assert link_between(a, replace(b, rtts={"a": 10.0}), cost) == pytest.approx(0.005)
+    hops = (Hop("a", a.endpoint, 0, 19), Hop("b", b.endpoint, 20, 39))
+    by_id = {"a": replace(a, rtts={"b": 10.0}), "b": b}
+    assert route_link_seconds(hops, by_id, cost) == pytest.approx(0.010)  # a -> b, and the token back
+    assert route_link_seconds(hops[:1], by_id, cost) == 0.0
+
+
+def test_a_relayed_hop_costs_an_extra_traversal():
+    cost = CostModel(relay_penalty_s=0.003)
+    direct, relayed = node("t1", 20, 39), node("t2", 20, 39)
+    nodes = linked([node("h", 0, 19), direct, relayed], 4.0, relayed={"t2"})
+    plan = plan_routes(nodes, "m", cost=cost)
+    assert [spans(r) for r in plan.routes[:2]] == [[("h", 0, 19), ("t1", 20, 39)], [("h", 0, 19), ("t2", 20, 39)]]
+    gap = plan.routes[1].seconds_per_token - plan.routes[0].seconds_per_token
+    assert gap == pytest.approx(cost.relay_penalty_s)  # h -> t2 pays it; the token back to h does not
+    by_id = {n.node_id: n for n in nodes}
+    assert estimate_route(plan.routes[1].hops, by_id, cost=cost) == pytest.approx(plan.routes[1].seconds_per_token)
+    # a relayed head pays it on the token's way back
+    head_relayed = linked([node("h", 0, 19), direct], 4.0, relayed={"h"})
+    route = plan_routes(head_relayed, "m", cost=cost).best
+    assert route.seconds_per_token == pytest.approx(2 * 20 / 100 + 2 * 0.002 + cost.relay_penalty_s)
+
+
+def test_the_relay_penalty_can_tip_the_plan_away_from_a_relayed_node():
+    cost = CostModel(relay_penalty_s=0.02)
+    nodes = [node("h", 0, 19, 2000.0), node("t", 20, 39, 2000.0), node("full", 0, 39, 1500.0)]
+    assert [h.node for h in plan_routes(linked(nodes, 0.5), "m", cost=cost).best.hops] == ["h", "t"]
+    best = plan_routes(linked(nodes, 0.5, relayed={"t"}), "m", cost=cost).best
+    assert spans(best) == [("h", 0, 19), ("full", 20, 39)]  # the tail that needs no relay
+    assert spans(plan_routes(linked(nodes, 0.5, relayed={"t", "full"}), "m", cost=cost).best) == [("full", 0, 39)]
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_random_topologies_with_measured_links_and_relays_are_optimal(seed):
+    from dataclasses import replace
+
+    rng = random.Random(1000 + seed)
+    num_layers = rng.randint(4, 7)
+    nodes = []
+    for i in range(rng.randint(2, 4)):
+        a = rng.randrange(num_layers)
+        nodes.append(node(f"n{i}", a, rng.randrange(a, num_layers), rng.choice([50.0, 100.0, 400.0]),
+                          layers=num_layers))
+    ids = [n.node_id for n in nodes]
+    nodes = [replace(n, relay="tcp://r:1" if rng.random() < 0.3 else "",
+                     rtts={o: rng.choice([1.0, 10.0, 80.0]) for o in ids if o != n.node_id and rng.random() < 0.6})
+             for n in nodes]
+    cost = CostModel(link_cost_s=0.004, relay_penalty_s=rng.choice([0.0, 0.01]), pipeline_margin=0.0)
+    plan = plan_routes(nodes, "m", cost=cost, max_routes=40)  # room for every label: no pruning
+    assert_valid(plan, nodes, num_layers)
+    by_id = {n.node_id: n for n in nodes}
+    for route in plan.routes:
+        assert estimate_route(route.hops, by_id, cost=cost) == pytest.approx(route.seconds_per_token)
+    optimum = _brute_force_best(nodes, num_layers, cost)
+    if optimum == float("inf"):
+        assert plan.routes == ()
+    else:
+        assert plan.best.seconds_per_token == pytest.approx(optimum)

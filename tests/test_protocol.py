@@ -84,7 +84,10 @@ def samples() -> list[tuple[p.Message, list]]:
         (p.Register(node_id="a", endpoint=HEAD.endpoint, model="tiny", fingerprint="f00d", num_layers=8,
                     start_layer=0, end_layer=2, hardware={"device": "cpu", "threads": 4}, benchmark=12.5,
                     max_sessions=64), []),
+        (p.Register(node_id="r", endpoint="tcp://relay:40001", model="tiny", fingerprint="f00d", num_layers=8,
+                    start_layer=3, end_layer=7, relay="tcp://relay:5557", relay_key="k" * 40), []),
         (p.Heartbeat("a", sessions=2, queued=1), []),
+        (p.Heartbeat("a", rtts={"b": 0.75, "c": 31.5}), []),
         (p.RouteRequest("tiny", exclude=("b",)), []),
         (p.Route("tiny", FULL, estimated_tps=15.5), []),
         (p.Report(request_id="r1", node_id="a", model="tiny", route=FULL, prompt_tokens=3, completion_tokens=9,
@@ -94,6 +97,10 @@ def samples() -> list[tuple[p.Message, list]]:
         (p.AssignRequest("tiny", 30, max_layers=15), []),
         (p.Assign(0, 14), []),
         (p.Ack(ok=False, detail="already recorded: billed"), []),
+        (p.Ack(probe=ROUTE), []),
+        (p.RelayOpen("a"), []),
+        (p.RelayOpen("a", endpoint="tcp://relay:40001"), []),
+        (p.RelayOpened("a", "tcp://relay:40001", key="k" * 40), []),
     ]
 
 
@@ -131,7 +138,7 @@ def test_kind_codes_are_stable():
         "FORWARD": 1, "TOKEN": 2, "CACHE_MISS": 3, "CANCEL": 4, "CLOSE": 5, "ERROR": 6, "PING": 7,
         "PONG": 8, "GENERATE": 10, "EVENT": 11, "REGISTER": 20, "HEARTBEAT": 21, "ROUTE_REQUEST": 22,
         "ROUTE": 23, "REPORT": 24, "STATUS_REQUEST": 25, "STATUS": 26, "ASSIGN_REQUEST": 27, "ASSIGN": 28,
-        "ACK": 29}
+        "ACK": 29, "RELAY_OPEN": 30, "RELAY_OPENED": 31}
     assert p.MAGIC == b"MESH1" and p.VERSION == 1
 
 
@@ -294,7 +301,7 @@ def test_other_version(magic):
     rejected(frames_of(Kind.PING, {"nonce": 1}, magic=magic), VERSION, "version")
 
 
-@pytest.mark.parametrize("kind", [0, 9, 12, 19, 30, 255])
+@pytest.mark.parametrize("kind", [0, 9, 12, 19, 32, 255])
 def test_unknown_kind(kind):
     rejected(frames_of(kind, {"nonce": 1}), BAD_FRAME, "unknown message kind")
 
@@ -366,6 +373,12 @@ REGISTER = SAMPLES[[type(m) for m, _ in SAMPLES].index(p.Register)]
 GENERATE = SAMPLES[[type(m) for m, _ in SAMPLES].index(p.Generate)]
 EVENT = SAMPLES[[type(m) for m, _ in SAMPLES].index(p.Event)]
 ERROR = SAMPLES[[type(m) for m, _ in SAMPLES].index(p.Error)]
+HEARTBEAT = (p.Heartbeat("a", rtts={"b": 1.0}), [])
+RELAYED = (p.Register(node_id="r", endpoint="tcp://relay:40001", model="tiny", fingerprint="f00d", num_layers=8,
+                      start_layer=3, end_layer=7, relay="tcp://relay:5557", relay_key="k" * 40), [])
+ACK = (p.Ack(probe=ROUTE), [])
+RELAY_OPEN = (p.RelayOpen("a"), [])
+RELAY_OPENED = (p.RelayOpened("a", "tcp://relay:40001"), [])
 FWD = _forward_ids()
 FWD_H = _forward_hidden()
 
@@ -403,6 +416,17 @@ FIELD_CASES = {
     "str in list of dicts": (GENERATE, _set("messages", ["hi"]), "must be a dict"),
     "str in list of ints": (EVENT, _set("token_ids", [1, "2"]), "must be an int"),
     "str for list": (GENERATE, _set("stop", "\n"), "must be a list"),
+    # typed maps and the fields added for relays and round trips
+    "list for rtts": (HEARTBEAT, _set("rtts", [1.0]), "must be a map"),
+    "str rtt": (HEARTBEAT, _set("rtts.b", "1"), "must be a finite number"),
+    "bool rtt": (HEARTBEAT, _set("rtts.b", True), "must be a finite number"),
+    "NaN rtt": (HEARTBEAT, _set("rtts.b", math.nan), "must be a finite number"),
+    "bytes rtt key": (HEARTBEAT, lambda h: h["rtts"].__setitem__(b"x", 1.0), "key must be a str"),
+    "int for relay": (REGISTER, _set("relay", 5), "must be a str"),
+    "map for probe": (ACK, _set("probe", {}), "must be a list"),
+    "unknown in probe hop": (ACK, _set("probe.0.via", 1), "unknown fields"),
+    "missing relay node_id": (RELAY_OPEN, _delete("node_id"), "missing field 'node_id'"),
+    "int for relay endpoint": (RELAY_OPENED, _set("endpoint", 1), "must be a str"),
 }
 
 
@@ -410,6 +434,27 @@ FIELD_CASES = {
 def test_field_rejections(case):
     (message, buffers), mutate, match = FIELD_CASES[case]
     rejected(_mutated(message, buffers, mutate), BAD_FRAME, re.escape(match))
+
+
+VALUE_CASES = {
+    "negative rtt": (HEARTBEAT, _set("rtts.b", -1.0), r"must be in \[0, 600000\] ms"),
+    "rtt over ten minutes": (HEARTBEAT, _set("rtts.b", 600_001), r"must be in \[0, 600000\] ms"),
+    "empty rtt peer id": (HEARTBEAT, _set("rtts", {"": 1.0}), "1-256 characters"),
+    "too many rtt peers": (HEARTBEAT, _set("rtts", {f"n{i}": 1.0 for i in range(p.MAX_RTT_PEERS + 1)}),
+                           "at most 256 peers"),
+    "too many probes": (ACK, _set("probe", [dict(node="x", endpoint="e", start_layer=0, end_layer=0)]
+                                  * (p.MAX_PROBES + 1)), "at most 64 peers"),
+    "relay_key without relay": (RELAYED, _set("relay", ""), "relay_key without relay"),
+    "empty relay node_id": (RELAY_OPEN, _set("node_id", ""), "1-256 characters"),
+    "long relay endpoint": (RELAY_OPEN, _set("endpoint", "x" * 1025), "at most 1024"),
+}
+
+
+@pytest.mark.parametrize("case", list(VALUE_CASES))
+def test_relay_and_rtt_value_rejections(case):
+    (message, buffers), mutate, match = VALUE_CASES[case]
+    rejected(_mutated(message, buffers, mutate), BAD_REQUEST if case == "relay_key without relay" else BAD_FRAME,
+             match)
 
 
 def _hop(start, end, node="x"):

@@ -16,7 +16,7 @@ import pytest
 import zmq
 
 from fabric.protocol import (
-    MAGIC, Ack, Assign, AssignRequest, Error, Forward, Heartbeat, Hop, Kind, Ping, Pong,
+    MAGIC, Ack, Assign, AssignRequest, Error, Forward, Heartbeat, Hop, Kind, Ping, Pong, ProtocolError,
     Register, Report, Route, RouteRequest, Status, StatusRequest, TensorSpec, decode, encode,
     split_envelope,
 )
@@ -346,3 +346,86 @@ def test_serve_exits_cleanly_on_a_signal_without_torch(tmp_path, sig):
             proc.kill()
             proc.wait()
         proc.stderr.close()
+
+
+# --------------------------------------------------------------------------- round trips, relays, predictions
+
+
+def test_heartbeats_list_peers_to_probe_and_measured_links_steer_the_plan(start):
+    peer = start().peer
+    peer.call(register("a", 0, 14, 2000.0))
+    peer.call(register("b", 15, 29, 2000.0))
+    peer.call(register("c", 0, 29, 1400.0))
+    peer.call(register("other", 0, 29, model="x"))
+    assert [h["node"] for h in peer.status()["plans"]["m"][0]["hops"]] == ["a", "b"]  # links unknown: 2 ms
+    ack = peer.call(Heartbeat(node_id="a", rtts={"b": 60.0, "c": 60.0}))
+    assert isinstance(ack, Ack)
+    assert {(h.node, h.endpoint) for h in ack.probe} == {("b", "tcp://127.0.0.1:7015"), ("c", "tcp://127.0.0.1:7000")}
+    body = peer.status()
+    nodes = {n["id"]: n for n in body["nodes"]}
+    assert nodes["a"]["rtts"] == {"b": 60.0, "c": 60.0} and nodes["b"]["rtts"] == {}
+    assert [h["node"] for h in body["plans"]["m"][0]["hops"]] == ["c"]  # 30 ms each way: one node wins
+    route = peer.call(RouteRequest(model="m"))
+    assert [h.node for h in route.hops] == ["c"]
+
+
+def test_a_relayed_node_is_marked_in_status_and_plans(start):
+    peer = start().peer
+    peer.call(register("a", 0, 14))
+    peer.call(register("b", 15, 29, endpoint="tcp://relay:40001", relay="tcp://relay:5557"))
+    body = peer.status()
+    nodes = {n["id"]: n for n in body["nodes"]}
+    assert (nodes["b"]["relayed"], nodes["b"]["relay"]) == (True, "tcp://relay:5557")
+    assert (nodes["a"]["relayed"], nodes["a"]["relay"]) == (False, "")
+    hops = body["plans"]["m"][0]["hops"]
+    assert hops[1] == {"node": "b", "endpoint": "tcp://relay:40001", "start_layer": 15, "end_layer": 29,
+                       "relay": "tcp://relay:5557"} and "relay" not in hops[0]
+
+
+def test_plans_show_predicted_and_actual_tokens_per_second(start, context):
+    running = start()
+    peer = running.peer
+    sub = context.socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"stats")
+    sub.connect(running.tracker.pub_endpoint)
+    peer.call(register("a", 0, 14))
+    peer.call(register("b", 15, 29))
+    (plan,) = peer.status()["plans"]["m"]
+    assert plan["actual_tps"] is None and plan["samples"] == 0
+    hops = tuple(Hop(h["node"], h["endpoint"], h["start_layer"], h["end_layer"]) for h in plan["hops"])
+    peer.call(report("r1", 20, 2.0, final=True, reason="length", route=hops))
+    (plan,) = peer.status()["plans"]["m"]
+    assert plan["samples"] == 1 and plan["actual_tps"] == pytest.approx(10.0)
+    assert plan["estimated_tps"] > 0
+    (row,) = peer.status()["stats"]["routes"]
+    assert row["actual_tps"] == pytest.approx(10.0) and row["predicted_tps"] > 0
+    deadline = time.monotonic() + TIMEOUT
+    while time.monotonic() < deadline:  # the same rows go out on the stats topic
+        assert sub.poll(TIMEOUT * 1000)
+        _, payload = sub.recv_multipart()
+        routes = msgpack.unpackb(payload)["stats"]["routes"]
+        if routes:
+            assert routes[0]["actual_tps"] == pytest.approx(10.0)
+            break
+    else:
+        pytest.fail("no stats publication with the route")
+    sub.close(linger=0)
+
+
+def test_secured_tracker_gives_a_relayed_node_its_relays_key_if_allow_listed(tmp_path):
+    from fabric.security import create_keys, load
+
+    create_keys(tmp_path / "swarm", "swarm", tracker=True)
+    create_keys(tmp_path / "stranger", "stranger")
+    security = load(tmp_path / "swarm")
+    tracker = Tracker(TrackerConfig(db=":memory:", security=security))
+    relay_key, node_key = security.public_text, "n" * 40
+    stranger_key = load(tmp_path / "stranger").public_text
+    relayed = register("b", 15, 29, endpoint="tcp://relay:40001", relay="tcp://relay:5557")
+    for key, why in (("", "must name its relay's key"), (stranger_key, "not on the tracker's allow-list")):
+        with pytest.raises(ProtocolError, match=why):
+            tracker.handle(Register(**{**relayed.__dict__, "relay_key": key}), node_key)
+    assert isinstance(tracker.handle(Register(**{**relayed.__dict__, "relay_key": relay_key}), node_key), Ack)
+    assert isinstance(tracker.handle(register("a", 0, 14), "a" * 40), Ack)
+    (route,) = tracker.status_body()["plans"]["m"]
+    assert [h["key"] for h in route["hops"]] == ["a" * 40, relay_key]  # peers dial b's front with the relay's key

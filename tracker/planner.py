@@ -9,19 +9,26 @@ Cost model, per generated token::
 
     seconds = sum over hops of  layers * per_layer_s(node) * (1 + slowdown * sessions)
                               + queue_penalty_s * queued(node)
-            + link_cost_s * messages
+            + sum over hand-offs (a -> b) of  link(a, b)
 
 where ``per_layer_s`` comes from measured layer-steps/s for (node, model) when the
-stats store has it, else from the node's start-up benchmark, and ``messages`` is the
-number of network hand-offs per token: one per hop for a pipeline (the last one returns
-the token to the head), none for a single node.
+stats store has it, else from the node's start-up benchmark. A pipeline hands off once
+per hop and token: each hop to the next, and the tail back to the head with the token; a
+single node hands off nothing. ``link(a, b)`` is half the round trip measured between a
+and b (either node's report in its heartbeats), else ``link_cost_s``, plus
+``relay_penalty_s`` when b is reached through a relay (one more network traversal, and
+one more process that copies every frame).
 
 The search is a shortest path over layer boundaries (a DAG). A hop of node n ends either
 at n's own end + 1 or where another node's shard starts: with a cost linear in the number
 of layers, moving the switch point between two consecutive nodes towards the nearer of
 those limits never makes the route slower (checked against brute force in the tests).
-Each boundary keeps the few cheapest partial routes ("labels") with the set of nodes
-they used, so a node appears at most once per route and several ranked routes come out.
+That holds while every hand-off costs the same; once round trips are measured the node
+sequence matters (a one-layer hop through a well-linked node can beat a slow direct
+link), so then every layer is a possible switch point.
+Each boundary keeps the few cheapest partial routes ("labels"), one per node sequence,
+with the set of nodes they used, so a node appears at most once per route and several
+ranked routes, through different nodes, come out.
 """
 from __future__ import annotations
 
@@ -40,7 +47,8 @@ Throughput = Mapping[tuple[str, str], float]  # (node_id, model) -> measured lay
 class CostModel:
     """Knobs of the per-token cost estimate; defaults suit a LAN of similar machines."""
 
-    link_cost_s: float = 0.002  # one hidden-state hand-off between two nodes, per token
+    link_cost_s: float = 0.002  # one hidden-state hand-off between two nodes whose round trip is unknown
+    relay_penalty_s: float = 0.002  # added to a hand-off to a node reached through a relay
     queue_penalty_s: float = 0.05  # added per token for each request queued at a node
     session_slowdown: float = 0.25  # each active session adds this share to a hop's compute
     default_benchmark: float = 100.0  # layer-steps/s assumed when a node reported none
@@ -96,8 +104,10 @@ def _span(a: int, b: int) -> str:
     return f"{a}" if a == b else f"{a}-{b}"
 
 
-def hop_dict(hop: Hop) -> dict:
+def hop_dict(hop: Hop, relay: str = "") -> dict:
     row = {"node": hop.node, "endpoint": hop.endpoint, "start_layer": hop.start_layer, "end_layer": hop.end_layer}
+    if relay:  # the endpoint is a relay's front
+        row["relay"] = relay
     return {**row, "key": hop.key} if hop.key else row  # keys only in a secured swarm
 
 
@@ -120,8 +130,36 @@ def hop_compute_seconds(node: NodeInfo, layers: int, throughput: Throughput,
 
 
 def link_seconds(num_hops: int, cost: CostModel) -> float:
-    """Network hand-offs per token: one per hop in a pipeline, none on a single node."""
+    """Network hand-offs per token at the default cost: one per hop in a pipeline, none
+    on a single node."""
     return cost.link_cost_s * num_hops if num_hops > 1 else 0.0
+
+
+def rtt_ms(a: NodeInfo, b: NodeInfo) -> float | None:
+    """The round trip between two nodes as either one measured it (ms); None if unknown."""
+    ms = a.rtts.get(b.node_id) or b.rtts.get(a.node_id)
+    return ms if ms and ms > 0 else None
+
+
+def link_between(src: NodeInfo, dst: NodeInfo, cost: CostModel) -> float:
+    """Seconds of one hand-off from ``src`` to ``dst``: half the measured round trip, else
+    the default; plus the relay penalty when ``dst`` is reached through a relay."""
+    ms = rtt_ms(src, dst)
+    one_way = ms / 2000.0 if ms is not None else cost.link_cost_s
+    return one_way + (cost.relay_penalty_s if dst.relay else 0.0)
+
+
+def route_link_seconds(hops: Sequence[Hop], nodes: Mapping[str, NodeInfo],
+                       cost: CostModel = CostModel()) -> float:
+    """Per-token network time of a route: each hop to the next, and the tail back to the
+    head; none for a single node. Hops of unknown nodes cost the default."""
+    if len(hops) < 2:
+        return 0.0
+    total = 0.0
+    for a, b in zip(hops, [*hops[1:], hops[0]]):
+        src, dst = nodes.get(a.node), nodes.get(b.node)
+        total += link_between(src, dst, cost) if src and dst else cost.link_cost_s
+    return total
 
 
 def estimate_route(hops: Sequence[Hop], nodes: Mapping[str, NodeInfo],
@@ -129,7 +167,7 @@ def estimate_route(hops: Sequence[Hop], nodes: Mapping[str, NodeInfo],
                    cost: CostModel = CostModel()) -> float | None:
     """Per-token seconds of an explicit route; None if a hop's node is not known."""
     throughput = throughput or {}
-    total = link_seconds(len(hops), cost)
+    total = route_link_seconds(hops, nodes, cost)
     for hop in hops:
         node = nodes.get(hop.node)
         if node is None:
@@ -226,33 +264,50 @@ def _label_key(label: _Label) -> tuple[float, int]:
     return (label[0], len(label[1]))  # sorts are stable: ties keep snapshot order
 
 
+def _cheapest(labels: list[_Label], keep: int) -> list[_Label]:
+    """The ``keep`` cheapest labels, one per node sequence: labels through the same nodes
+    that only switch at other layers have the same costs from here on, so the cheaper one
+    dominates (and ranked routes differ in their nodes, not just their switch points)."""
+    best: dict[tuple[str, ...], _Label] = {}
+    for label in sorted(labels, key=_label_key):
+        best.setdefault(tuple(h.node for h in label[1]), label)
+        if len(best) == keep:
+            break
+    return list(best.values())
+
+
 def _trim(labels: list[_Label], keep: int) -> None:
     """Keep the ``keep`` cheapest labels once the list has grown well past that."""
     if len(labels) > 4 * keep:
-        labels.sort(key=_label_key)
-        del labels[keep:]
+        labels[:] = _cheapest(labels, keep)
 
 
 def _best_paths(nodes: Sequence[NodeInfo], num_layers: int, fingerprint: str,
                 throughput: Throughput, cost: CostModel, keep: int) -> list[PlannedRoute]:
     """k-best shortest paths from boundary 0 to ``num_layers`` with distinct nodes."""
-    bounds = _boundaries(nodes, num_layers)
-    starts = sorted({n.start_layer for n in nodes})
+    # Measured links make the node sequence matter: a one-layer hop through a well-linked
+    # node can beat a slow direct link, so every layer is a possible switch point then.
+    measured = any(n.rtts for n in nodes)
+    bounds = list(range(num_layers + 1)) if measured else _boundaries(nodes, num_layers)
+    starts = bounds if measured else sorted({n.start_layer for n in nodes})
+    by_id = {n.node_id: n for n in nodes}
     labels: dict[int, list[_Label]] = {b: [] for b in bounds}
     labels[0].append((0.0, (), frozenset()))
     for b in bounds[:-1]:
-        frontier = sorted(labels[b], key=_label_key)[:keep]
+        frontier = _cheapest(labels[b], keep)
         for node in nodes:
             if frontier and node.start_layer <= b <= node.end_layer:
-                for e in _hop_ends(node, b, starts):
-                    _extend(labels[e], frontier, node, b, e, throughput, cost)
+                _extend(labels, frontier, node, b, _hop_ends(node, b, starts), by_id, throughput, cost)
         for e in bounds:
             if e > b:
                 _trim(labels[e], keep)
-    finals = sorted(labels[num_layers], key=_label_key)[:keep]
-    # Every edge paid one hand-off; a single node has none (it samples its own token).
-    return [PlannedRoute(hops, s - (cost.link_cost_s if len(hops) == 1 else 0.0),
-                         fingerprint, num_layers) for s, hops, _ in finals]
+    # The first hop paid a default hand-off for the token's way back to the head; settle it
+    # now that the tail is known (a single node samples its own token: no hand-off).
+    finals = [(s - cost.link_cost_s + (link_between(by_id[hops[-1].node], by_id[hops[0].node], cost)
+                                       if len(hops) > 1 else 0.0), hops, used)
+              for s, hops, used in labels[num_layers]]
+    finals = _cheapest(finals, keep)
+    return [PlannedRoute(hops, s, fingerprint, num_layers) for s, hops, _ in finals]
 
 
 def _hop_ends(node: NodeInfo, b: int, starts: Sequence[int]) -> list[int]:
@@ -262,14 +317,18 @@ def _hop_ends(node: NodeInfo, b: int, starts: Sequence[int]) -> list[int]:
     return [s for s in starts if b < s < last] + [last]
 
 
-def _extend(target: list[_Label], frontier: list[_Label], node: NodeInfo, b: int, e: int,
-            throughput: Throughput, cost: CostModel) -> None:
-    """Append every frontier label extended by a hop of ``node`` over layers b..e-1."""
-    step = hop_compute_seconds(node, e - b, throughput, cost) + cost.link_cost_s
-    hop = Hop(node=node.node_id, endpoint=node.endpoint, start_layer=b, end_layer=e - 1, key=node.public_key)
-    for seconds, hops, used in frontier:
-        if node.node_id not in used:
-            target.append((seconds + step, hops + (hop,), used | {node.node_id}))
+def _extend(labels: dict[int, list[_Label]], frontier: list[_Label], node: NodeInfo, b: int,
+            ends: Sequence[int], by_id: Mapping[str, NodeInfo], throughput: Throughput,
+            cost: CostModel) -> None:
+    """Extend every frontier label by a hop of ``node`` from layer b to each end e
+    (layers b..e-1), paying the hand-off from the label's last hop (the first hop pays a
+    default one for the token's return, settled in ``_best_paths``)."""
+    bases = [(seconds + (link_between(by_id[hops[-1].node], node, cost) if hops else cost.link_cost_s),
+              hops, used | {node.node_id}) for seconds, hops, used in frontier if node.node_id not in used]
+    for e in ends if bases else ():
+        step = hop_compute_seconds(node, e - b, throughput, cost)
+        hop = Hop(node=node.node_id, endpoint=node.endpoint, start_layer=b, end_layer=e - 1, key=node.public_key)
+        labels[e].extend((base + step, hops + (hop,), used) for base, hops, used in bases)
 
 
 # --------------------------------------------------------------------------- coverage

@@ -36,7 +36,9 @@ class NodeInfo:
     sessions: int = 0  # active sessions at the last heartbeat
     queued: int = 0  # requests waiting at the last heartbeat
     last_seen: float = 0.0  # registry clock at the last register/heartbeat
-    public_key: str = ""  # CURVE key it authenticated with (secured swarms); hops carry it
+    public_key: str = ""  # CURVE key peers dial it with (secured swarms; its relay's when relayed); hops carry it
+    relay: str = ""  # control endpoint of the relay whose front ``endpoint`` is; "": reached directly
+    rtts: dict = field(default_factory=dict, hash=False, compare=False)  # peer id -> round trip ms it measured
 
     @property
     def layers(self) -> tuple[int, int]:
@@ -50,7 +52,7 @@ class NodeInfo:
         """What the planner's routes depend on, apart from load."""
         return (self.endpoint, self.model, self.fingerprint, self.num_layers,
                 self.start_layer, self.end_layer, self.benchmark, self.max_sessions,
-                self.at_capacity)
+                self.at_capacity, self.relay, self.public_key)
 
 
 def _check_text(value: str, name: str, limit: int = MAX_ID) -> None:
@@ -64,6 +66,9 @@ def validate_register(msg: Register) -> None:
     _check_text(msg.model, "model")
     _check_text(msg.fingerprint, "fingerprint")
     _check_text(msg.endpoint, "endpoint", MAX_ENDPOINT)
+    if len(msg.relay) > MAX_ENDPOINT or len(msg.relay_key) > MAX_ID:
+        raise ProtocolError(f"relay has at most {MAX_ENDPOINT} characters, relay_key at most {MAX_ID}",
+                            ErrorCode.BAD_REQUEST)
     if not 1 <= msg.num_layers <= MAX_LAYERS:
         raise ProtocolError(f"num_layers must be in [1, {MAX_LAYERS}]", ErrorCode.BAD_REQUEST)
     if not 0 <= msg.start_layer <= msg.end_layer < msg.num_layers:
@@ -105,7 +110,7 @@ class Registry:
             fingerprint=msg.fingerprint, num_layers=msg.num_layers,
             start_layer=msg.start_layer, end_layer=msg.end_layer,
             hardware=dict(msg.hardware), benchmark=msg.benchmark,
-            max_sessions=msg.max_sessions, last_seen=self._clock(), public_key=public_key)
+            max_sessions=msg.max_sessions, last_seen=self._clock(), public_key=public_key, relay=msg.relay)
         self._nodes[msg.node_id] = node
         if old is None or old.topology_key() != node.topology_key():
             self.version += 1
@@ -119,10 +124,11 @@ class Registry:
         old = self._nodes.get(msg.node_id)
         if old is None:
             return None
-        node = replace(old, sessions=msg.sessions, queued=msg.queued, last_seen=self._clock())
+        node = replace(old, sessions=msg.sessions, queued=msg.queued, last_seen=self._clock(),
+                       rtts=dict(msg.rtts))
         self._nodes[msg.node_id] = node
-        if node.at_capacity != old.at_capacity:
-            self.version += 1
+        if node.at_capacity != old.at_capacity or node.rtts.keys() != old.rtts.keys():
+            self.version += 1  # plans change with load limits and with what is known of links
         return node
 
     def expire(self) -> list[NodeInfo]:

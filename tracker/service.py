@@ -4,7 +4,7 @@ Requests (``fabric.protocol``) and their replies:
 
 ===================  ===========================================================
 Register             Ack, or Error(BAD_REQUEST)
-Heartbeat            Ack, or Error(UNKNOWN_NODE) -- the node must register again
+Heartbeat            Ack(probe=peers to measure), or Error(UNKNOWN_NODE) -- register again
 RouteRequest         Route (best route), or Error(UNKNOWN_MODEL / NO_ROUTE)
 Report               Ack (``detail`` is the billing status of a final report)
 StatusRequest        Status(body=...) -- see ``Tracker.status_body``
@@ -31,7 +31,7 @@ import msgpack
 import zmq
 
 from fabric.protocol import (
-    MAX_LAYERS, VERSION, Ack, Assign, AssignRequest, Error, ErrorCode, Heartbeat, Kind, Message,
+    MAX_LAYERS, VERSION, Ack, Assign, AssignRequest, Error, ErrorCode, Heartbeat, Hop, Kind, Message,
     Ping, Pong, ProtocolError, Register, Report, Route, RouteRequest, Status, StatusRequest,
     decode, encode, split_envelope,
 )
@@ -43,7 +43,7 @@ from .events import EventRing
 from .ledger import Ledger, check_report, default_ledger_path
 from .planner import (
     CostModel, Plan, assign_span, estimate_route, hop_dict, hop_weights, layer_rate,
-    link_seconds, plan_all, plan_routes,
+    plan_all, plan_routes, route_link_seconds,
 )
 from .registry import NodeInfo, Registry
 from .stats import Completion, StatsStore, decode_timing, route_label
@@ -54,6 +54,7 @@ TOPIC_PLANS, TOPIC_STATS, TOPIC_EVENTS = b"plans", b"stats", b"events"
 STATUS_EVENTS = 50  # recent events included in a Status body
 MAX_INFLIGHT = 4096  # requests whose first progress report is remembered
 MAX_DRAIN = 100  # messages handled per poll wake-up before housekeeping runs
+MAX_PROBE_PEERS = 16  # peers a heartbeat's answer asks the node to measure round trips to
 
 
 @dataclass(frozen=True)
@@ -99,6 +100,7 @@ class Tracker:
         self._plans_version = -1
         self._next_stats = 0.0
         self._node_keys: dict[str, str] = {}  # node id -> the CURVE key that first registered it
+        self._allowed: set[str] | None = None  # allow-listed public keys (secured), read on first use
         self.handled: Counter[str] = Counter({k.name.lower(): 0 for k in HANDLED})  # for /metrics
 
     # ----------------------------------------------------------------- loop
@@ -249,17 +251,44 @@ class Tracker:
 
     def _on_register(self, msg: Register, peer: str = "") -> Message:
         old = self.registry.get(msg.node_id)
-        node = self.registry.register(msg, peer)
+        node = self.registry.register(msg, self._hop_key(msg, peer))
         if old is not None and old.fingerprint != node.fingerprint:
             self.stats.forget_node(node.node_id)
         self._expire()  # publishes plans if the topology changed
         return Ack(detail=f"registered {node.node_id} layers {node.start_layer}-{node.end_layer}")
 
+    def _hop_key(self, msg: Register, peer: str) -> str:
+        """The key peers dial a node with: its own, or its relay's when it is relayed (that key
+        must be on the tracker's allow-list: the relay is a member of the swarm)."""
+        if self.config.security is None or not msg.relay:
+            return peer
+        if not msg.relay_key:
+            raise ProtocolError("a relayed node in a secured swarm must name its relay's key", ErrorCode.BAD_REQUEST)
+        if msg.relay_key not in self._allowed_keys():
+            raise ProtocolError("the relay's key is not on the tracker's allow-list", ErrorCode.BAD_REQUEST)
+        return msg.relay_key
+
+    def _allowed_keys(self) -> set[str]:
+        import zmq.auth
+
+        if self._allowed is None:  # read once, like the ZAP handler's allow-list
+            keys = zmq.auth.load_certificates(str(self.config.security.allowed))
+            self._allowed = {k.decode() for k in keys}
+        return self._allowed
+
     def _on_heartbeat(self, msg: Heartbeat) -> Message:
-        if self.registry.heartbeat(msg) is None:
+        node = self.registry.heartbeat(msg)
+        if node is None:
             return Error(code=ErrorCode.UNKNOWN_NODE, node=msg.node_id,
                          message=f"node {msg.node_id!r} is not registered; register again")
-        return Ack()
+        return Ack(probe=self._probes_for(node))
+
+    def _probes_for(self, node: NodeInfo) -> tuple[Hop, ...]:
+        """The peers a node could share a route with: it keeps measuring its round trips to them."""
+        peers = [n for n in self.registry.snapshot() if n.node_id != node.node_id and n.model == node.model
+                 and n.fingerprint == node.fingerprint and n.num_layers == node.num_layers]
+        return tuple(Hop(n.node_id, n.endpoint, n.start_layer, n.end_layer, key=n.public_key)
+                     for n in peers[:MAX_PROBE_PEERS])
 
     def _on_route_request(self, msg: RouteRequest) -> Message:
         self._expire()
@@ -343,7 +372,7 @@ class Tracker:
             Completion(model=msg.model, route=msg.route, completion_tokens=msg.completion_tokens,
                        elapsed=msg.elapsed, finish_reason=msg.finish_reason, first_progress=first),
             hop_weights=hop_weights(msg.route, nodes, rates, cost),
-            link_s=link_seconds(len(msg.route), cost),
+            link_s=route_link_seconds(msg.route, nodes, cost),
             predicted_s=estimate_route(msg.route, nodes, rates, cost))
 
     # ----------------------------------------------------------------- views
@@ -354,8 +383,19 @@ class Tracker:
 
     def _plans_view(self) -> dict:
         plans = self._plans()
-        return {"plans": {m: [r.to_dict() for r in p.routes] for m, p in plans.items()},
+        relays = {n.node_id: n.relay for n in self.registry.snapshot() if n.relay}
+        return {"plans": {m: [self._plan_row(m, r, relays) for r in p.routes] for m, p in plans.items()},
                 "gaps": {m: [list(g) for g in p.gaps] for m, p in plans.items() if p.gaps}}
+
+    def _plan_row(self, model: str, route, relays: dict[str, str]) -> dict:
+        """A planned route with its relayed hops marked, and the tokens/s requests on it
+        actually got (``actual_tps`` None until one fed the statistics)."""
+        row = route.to_dict()
+        row["hops"] = [hop_dict(h, relays.get(h.node, "")) for h in route.hops]
+        observed = self.stats.route_row(model, route.hops)
+        row["actual_tps"] = observed["actual_tps"] if observed else None
+        row["samples"] = observed["samples"] if observed else 0
+        return row
 
     def _node_row(self, node: NodeInfo, rates: dict) -> dict:
         measured = rates.get((node.node_id, node.model))
@@ -365,7 +405,8 @@ class Tracker:
                 "max_sessions": node.max_sessions, "benchmark": node.benchmark,
                 "layer_steps_per_s": layer_rate(node, rates, self.config.cost),
                 "measured": measured is not None, "hardware": node.hardware,
-                "last_seen_s": round(self.registry.age(node), 3)}
+                "last_seen_s": round(self.registry.age(node), 3),
+                "relay": node.relay, "relayed": bool(node.relay), "rtts": node.rtts}
 
     def _node_rows(self) -> list[dict]:
         rates = self.stats.layer_rates()

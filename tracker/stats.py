@@ -174,6 +174,11 @@ class StatsStore:
         if predicted_s:
             record.predicted.add(1.0 / predicted_s)
 
+    def route_row(self, model: str, route: Sequence[Hop]) -> dict | None:
+        """Predicted vs actual tokens/s of one route (None if no request on it fed the stats)."""
+        record = self._routes.get((model, tuple(route)))
+        return record.row() if record is not None else None
+
     def layer_rates(self) -> dict[tuple[str, str], float]:
         """Measured layer-steps/s per (node, model), for the planner."""
         return {k: w.median() for k, w in self._layer_rate.items() if len(w)}
