@@ -482,10 +482,14 @@ class Agent:
     def status(self, timeout: float = 5.0) -> dict:
         return self.request("status", timeout)["status"]
 
-    def wait_nodes(self, names, model: str, timeout: float = 120.0) -> dict:
-        """Poll the tracker until nodes ``names`` are registered and ``model`` has a plan."""
+    def wait_nodes(self, names, model: str, timeout: float = 120.0, procs=None) -> dict:
+        """Poll the tracker until nodes ``names`` are registered and ``model`` has a plan;
+        fail at once if one of ``procs`` (name -> Popen; a Netbed's ``procs``) has exited."""
         deadline = time.monotonic() + timeout
         while True:
+            dead = [name for name, proc in (procs or {}).items() if proc.poll() is not None]
+            if dead:
+                raise AgentError(f"{', '.join(dead)} exited before the nodes were routable\n{self._logs()}")
             try:
                 status = self.status(timeout=2.0)
                 if set(names) <= {n["id"] for n in status["nodes"]} and status["plans"].get(model):

@@ -42,7 +42,7 @@ def bed(tmp_path_factory, xdg_cache, tiny_models):
             bed.start_node(host, model, layers)
         bed.url = bed.start_webui("tracker")
         with bed.client("client") as client:
-            client.wait_nodes(list(NODES), model.name)
+            client.wait_nodes(list(NODES), model.name, procs=bed.procs)
             bed.agent, bed.model = client, model
             yield bed
 
