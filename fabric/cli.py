@@ -506,6 +506,8 @@ def _relay_parser(sub) -> None:
     p.add_argument("--front-host", default=None, help="interface the fronts bind on (default: the --bind host)")
     p.add_argument("--advertise-host", default=None,
                    help="host peers dial the fronts at (default: the front host; needed when it is 0.0.0.0)")
+    p.add_argument("--front-ports", default=None, metavar="A-B",
+                   help="inclusive port range the fronts bind in, one port per node (default: any free port)")
     p.add_argument("--node-timeout", type=float, default=5.0,
                    help="close a node's front after it sent nothing for this many seconds (default %(default)s)")
     p.add_argument("--max-fronts", type=int, default=256, help="nodes served at most (default %(default)s)")
@@ -521,7 +523,13 @@ def _relay_config(args, bind: str):
     advertise = getattr(args, "advertise_host", None) or front
     if advertise in ("0.0.0.0", "*", "::", "[::]"):
         raise ValueError(f"fronts bind on all interfaces ({front}): say which host peers dial with --advertise-host")
-    return RelayConfig(bind=bind, front_host=front, advertise_host=advertise,
+    ports = getattr(args, "front_ports", None)
+    if ports:
+        a, _, b = ports.partition("-")
+        if not (a.isdigit() and b.isdigit() and 0 < int(a) <= int(b) < 65536):
+            raise ValueError(f"--front-ports {ports!r}: give an inclusive range such as 41000-41099")
+        ports = (int(a), int(b))
+    return RelayConfig(bind=bind, front_host=front, advertise_host=advertise, front_ports=ports,
                        node_timeout=getattr(args, "node_timeout", 5.0), max_fronts=getattr(args, "max_fronts", 256),
                        security=_security(args))
 

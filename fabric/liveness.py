@@ -66,9 +66,10 @@ class RttTable:
 
     One PING per endpoint is outstanding at a time: a newer PING replaces it, so a PONG
     that comes back after the next PING was sent (the peer was computing) is no sample.
-    A peer answers PINGs between hops, so a sample can still include part of a hop's
-    compute; each sample is first capped at twice the least of the peer's recent
-    samples, then folded into an exponentially weighted moving average.
+    The first PONG on a fresh link is no sample either: its PING waited for the TCP and
+    ZeroMQ handshakes. A peer answers PINGs between hops, so a sample can still include
+    part of a hop's compute; each sample is first capped at twice the least of the peer's
+    recent samples, then folded into an exponentially weighted moving average.
     """
 
     alpha: float = 0.2  # weight of a new sample in the moving average
@@ -78,6 +79,7 @@ class RttTable:
     _ms: dict[str, float] = field(default_factory=dict)  # peer node id -> smoothed ms
     _recent: dict[str, deque] = field(default_factory=dict)  # peer node id -> raw samples
     _updated: dict[str, float] = field(default_factory=dict)  # peer node id -> last sample time
+    _linked: set[str] = field(default_factory=set)  # endpoints whose link has answered once
     _nonce: int = 0
 
     def ping(self, endpoint: str, now: float | None = None) -> int:
@@ -92,6 +94,9 @@ class RttTable:
         if not node or sent is None or sent[0] != nonce:
             return None
         del self._sent[endpoint]
+        if endpoint not in self._linked:  # the handshake's round trips are in this one
+            self._linked.add(endpoint)
+            return None
         now = time.monotonic() if now is None else now
         sample = min((now - sent[1]) * 1000.0, MAX_RTT_MS)
         recent = self._recent.setdefault(node, deque(maxlen=self.window))
@@ -101,6 +106,10 @@ class RttTable:
         self._ms[node] = bounded if old is None else (1 - self.alpha) * old + self.alpha * bounded
         self._updated[node] = now
         return sample
+
+    def relinked(self, endpoint: str) -> None:
+        """The link to ``endpoint`` was (re)established: its next PONG is no sample."""
+        self._linked.discard(endpoint)
 
     def snapshot(self, now: float | None = None) -> dict[str, float]:
         """Smoothed ms per peer node id (at most MAX_RTT_PEERS, freshest first)."""

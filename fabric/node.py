@@ -569,6 +569,8 @@ class Node:
     def _link_event(self, endpoint: str, frames: list) -> None:
         event = zmq.utils.monitor.parse_monitor_message([f.bytes for f in frames])["event"]
         self.liveness.link(endpoint, up=event != zmq.EVENT_DISCONNECTED)
+        if event == zmq.EVENT_DISCONNECTED:
+            self.rtt.relinked(endpoint)  # the PING after a reconnect waits for a handshake
 
     def _peer_reply(self, endpoint: str, frames: list) -> None:
         """A frame on a DEALER: a PONG (the peer lives) or an ERROR about a session."""

@@ -55,6 +55,7 @@ class RelayConfig:
     bind: str = "tcp://127.0.0.1:5557"  # control ROUTER that relayed nodes dial
     front_host: str | None = None  # interface fronts bind on; default: the host of ``bind``
     advertise_host: str | None = None  # host peers dial fronts at; default: the front host
+    front_ports: tuple[int, int] | None = None  # inclusive port range for fronts (a firewall's); None: any
     node_timeout: float = 5.0  # close a front whose node sent nothing for this long
     max_fronts: int = 256  # nodes one relay serves at most
     max_message_bytes: int = 80 << 20  # ZeroMQ drops larger inbound messages
@@ -238,24 +239,29 @@ class Relay:
 
     def _bind_front(self, wanted: str) -> tuple[zmq.Socket, str]:
         """A public ROUTER on the front host: on the port the node had before if that
-        endpoint is this relay's and the port is free, else on any free port."""
+        endpoint is this relay's and the port is free, else on a free port (of the range)."""
         sock = self._sock_ctx.socket(zmq.ROUTER)
         self._setup(sock)
         host = self.config.front_host or endpoint_host(self.endpoint or self.config.bind)
         advertise = self.config.advertise_host or host
-        ports = ["*"]
-        if wanted and endpoint_host(wanted) == advertise and endpoint_port(wanted).isdigit():
-            ports.insert(0, endpoint_port(wanted))
-        for port in ports:
+        for port in self._front_ports(wanted, advertise):
             try:
                 sock.bind(f"tcp://{host}:{port}")
-                break
-            except zmq.ZMQError as exc:
-                if port == "*":
-                    sock.close(linger=0)
-                    raise p.ProtocolError(f"cannot bind a front on {host}: {exc}", p.ErrorCode.INTERNAL) from None
-        bound = sock.getsockopt_string(zmq.LAST_ENDPOINT)
-        return sock, f"tcp://{advertise}:{endpoint_port(bound)}"
+            except zmq.ZMQError:
+                continue
+            bound = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+            return sock, f"tcp://{advertise}:{endpoint_port(bound)}"
+        sock.close(linger=0)
+        raise p.ProtocolError(f"no free port for a front on {host}", p.ErrorCode.BUSY)
+
+    def _front_ports(self, wanted: str, advertise: str) -> list[str]:
+        """Ports to try: the node's old one first (if it is this relay's), then the range or any."""
+        span = self.config.front_ports
+        ports = [str(n) for n in range(span[0], span[1] + 1)] if span else ["*"]
+        old = endpoint_port(wanted) if wanted and endpoint_host(wanted) == advertise else ""
+        if old.isdigit() and (span is None or span[0] <= int(old) <= span[1]):
+            ports.insert(0, old)
+        return ports
 
     def _drain_front(self, front: Front, control: zmq.Socket) -> None:
         for _ in range(256):

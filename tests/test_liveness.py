@@ -1,6 +1,8 @@
 """Peer liveness and route splicing (pure)."""
 from __future__ import annotations
 
+import pytest
+
 from fabric.liveness import PeerLiveness, splice
 from fabric.protocol import Hop
 
@@ -39,3 +41,27 @@ def test_splice_keeps_the_head_and_continues_after_it():
     assert splice(head, plan) == (head, Hop("x", "tcp://x", 15, 20, key="xk"), Hop("y", "tcp://y", 21, 29, key="yk"))
     assert splice(head, (Hop("z", "tcp://z", 0, 29, key="zk"),)) == (head, Hop("z", "tcp://z", 15, 29, key="zk"))
     assert splice(head, (head, Hop("y", "tcp://y", 15, 29))) == (head, Hop("y", "tcp://y", 15, 29))
+
+
+def test_round_trips_skip_the_handshake_damp_stalls_and_smooth():
+    from fabric.liveness import RttTable
+
+    rtt = RttTable(alpha=0.5)
+    nonce = rtt.ping("tcp://b:1", now=0.0)
+    assert rtt.pong("tcp://b:1", nonce, "b", now=0.3) is None  # the first PONG waited for the handshake
+    assert rtt.snapshot(now=0.3) == {}
+    for t in (1.0, 2.0):
+        nonce = rtt.ping("tcp://b:1", now=t)
+        assert rtt.pong("tcp://b:1", nonce, "b", now=t + 0.010) == pytest.approx(10.0)
+    assert rtt.snapshot(now=2.1) == {"b": pytest.approx(10.0)}
+    nonce = rtt.ping("tcp://b:1", now=3.0)
+    rtt.ping("tcp://b:1", now=3.1)  # a newer PING replaces it: the late PONG is no sample
+    assert rtt.pong("tcp://b:1", nonce, "b", now=3.2) is None
+    nonce = rtt.ping("tcp://b:1", now=4.0)
+    assert rtt.pong("tcp://b:1", nonce, "b", now=4.5) == pytest.approx(500.0)  # the peer was computing
+    assert rtt.snapshot(now=4.5)["b"] == pytest.approx(15.0)  # capped at 2 x 10 ms, then averaged
+    assert rtt.pong("tcp://b:1", nonce, "b", now=4.6) is None  # answered already
+    assert rtt.snapshot(now=100.0) == {}  # no sample for a minute: forgotten
+    rtt.relinked("tcp://b:1")
+    nonce = rtt.ping("tcp://b:1", now=101.0)
+    assert rtt.pong("tcp://b:1", nonce, "b", now=101.2) is None  # a reconnect's handshake again

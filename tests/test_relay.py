@@ -253,3 +253,15 @@ def test_a_killed_relay_drops_the_node_and_a_new_relay_brings_it_back(process_cl
     after = {n["id"]: n for n in process_cluster.wait_nodes(["head", "tail"], model.name, timeout=60)["nodes"]}
     assert after["tail"]["endpoint"] == before["tail"]["endpoint"]  # the new relay bound the same front
     _check_tokens(process_cluster, model, expected)
+
+
+def test_fronts_bind_inside_the_port_range_and_a_full_range_is_busy(ctx):
+    base = free_port()
+    r = RelayThread(ctx, front_ports=(base, base))
+    try:
+        opened = control(dealer(ctx, r.endpoint), p.RelayOpen("n1"))
+        assert opened.endpoint == f"tcp://127.0.0.1:{base}"
+        refused = control(dealer(ctx, r.endpoint), p.RelayOpen("n2"))
+        assert isinstance(refused, p.Error) and refused.code == p.ErrorCode.BUSY and "no free port" in refused.message
+    finally:
+        r.close()

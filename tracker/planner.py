@@ -162,6 +162,13 @@ def route_link_seconds(hops: Sequence[Hop], nodes: Mapping[str, NodeInfo],
     return total
 
 
+def links_measured(hops: Sequence[Hop], nodes: Mapping[str, NodeInfo]) -> bool:
+    """Whether every hand-off of a route has a measured round trip (a single node: none to measure)."""
+    pairs = list(zip(hops, [*hops[1:], hops[0]])) if len(hops) > 1 else []
+    return all(a.node in nodes and b.node in nodes and rtt_ms(nodes[a.node], nodes[b.node]) is not None
+               for a, b in pairs)
+
+
 def estimate_route(hops: Sequence[Hop], nodes: Mapping[str, NodeInfo],
                    throughput: Throughput | None = None,
                    cost: CostModel = CostModel()) -> float | None:

@@ -43,7 +43,7 @@ from .events import EventRing
 from .ledger import Ledger, check_report, default_ledger_path
 from .planner import (
     CostModel, Plan, assign_span, estimate_route, hop_dict, hop_weights, layer_rate,
-    plan_all, plan_routes, route_link_seconds,
+    links_measured, plan_all, plan_routes, route_link_seconds,
 )
 from .registry import NodeInfo, Registry
 from .stats import Completion, StatsStore, decode_timing, route_label
@@ -373,7 +373,8 @@ class Tracker:
                        elapsed=msg.elapsed, finish_reason=msg.finish_reason, first_progress=first),
             hop_weights=hop_weights(msg.route, nodes, rates, cost),
             link_s=route_link_seconds(msg.route, nodes, cost),
-            predicted_s=estimate_route(msg.route, nodes, rates, cost))
+            predicted_s=estimate_route(msg.route, nodes, rates, cost),
+            min_compute_share=0.1 if links_measured(msg.route, nodes) else 0.5)
 
     # ----------------------------------------------------------------- views
 

@@ -129,12 +129,14 @@ class StatsStore:
         table.setdefault(key, Window(self.window)).add(value)
 
     def record(self, c: Completion, hop_weights: Sequence[float] | None = None,
-               link_s: float = 0.0, predicted_s: float | None = None) -> bool:
+               link_s: float = 0.0, predicted_s: float | None = None, min_compute_share: float = 0.5) -> bool:
         """Account one completion; returns True if it fed throughput statistics.
 
         ``hop_weights`` are predicted compute seconds per hop (for attribution),
         ``link_s`` the predicted network time per token, ``predicted_s`` the planner's
-        per-token estimate for the whole route.
+        per-token estimate for the whole route. At least ``min_compute_share`` of the
+        measured time is attributed to compute: a guessed link cost must not eat it all (a
+        measured one may take more).
         """
         self.counts["completions"] += 1
         if c.finish_reason == "error":
@@ -147,14 +149,13 @@ class StatsStore:
             self.counts["too_short"] += 1
             return False
         self.counts["fed"] += 1
-        self._record_hops(c, timing.seconds_per_token, hop_weights, link_s)
+        self._record_hops(c, timing.seconds_per_token, hop_weights, link_s, min_compute_share)
         self._record_route(c, timing.seconds_per_token, predicted_s)
         return True
 
     def _record_hops(self, c: Completion, seconds: float, weights: Sequence[float] | None,
-                     link_s: float) -> None:
-        # Never let a (mis)estimated link cost eat more than half the measured time.
-        compute = max(seconds - link_s, seconds / 2)
+                     link_s: float, min_compute_share: float = 0.5) -> None:
+        compute = max(seconds - link_s, seconds * min_compute_share)
         layers = [h.end_layer - h.start_layer + 1 for h in c.route]
         shares = attribute_hops(weights if weights and len(weights) == len(c.route) else layers, compute)
         for hop, n_layers, share in zip(c.route, layers, shares):
