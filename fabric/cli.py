@@ -208,6 +208,10 @@ def _tracker_parser(sub) -> None:
     p.add_argument("--heartbeat", type=float, default=1.0, help="node heartbeat interval in seconds")
     p.add_argument("--relay", default=None, metavar="ENDPOINT",
                    help="also run a relay in this process, its control socket at ENDPOINT (see `meshnet relay`)")
+    p.add_argument("--relay-advertise-host", default=None, metavar="HOST",
+                   help="with --relay: host peers dial the relay's fronts at (as relay --advertise-host)")
+    p.add_argument("--relay-front-ports", default=None, metavar="A-B",
+                   help="with --relay: port range for the relay's fronts (as relay --front-ports)")
     _metrics_flag(p)
     _keys_flag(p)
     p.set_defaults(func=cmd_tracker)
@@ -516,14 +520,14 @@ def _relay_parser(sub) -> None:
     p.set_defaults(func=cmd_relay)
 
 
-def _relay_config(args, bind: str):
+def _relay_config(args, bind: str, advertise: str | None, ports: str | None, front: str | None = None):
     from .relay import RelayConfig, endpoint_host
 
-    front = getattr(args, "front_host", None) or endpoint_host(bind)
-    advertise = getattr(args, "advertise_host", None) or front
+    front = front or endpoint_host(bind)
+    advertise = advertise or front
     if advertise in ("0.0.0.0", "*", "::", "[::]"):
-        raise ValueError(f"fronts bind on all interfaces ({front}): say which host peers dial with --advertise-host")
-    ports = getattr(args, "front_ports", None)
+        raise ValueError(f"fronts bind on all interfaces ({front}): say which host peers dial them at "
+                         "(--advertise-host)")
     if ports:
         a, _, b = ports.partition("-")
         if not (a.isdigit() and b.isdigit() and 0 < int(a) <= int(b) < 65536):
@@ -538,7 +542,7 @@ def cmd_relay(args) -> int:
     from .relay import Relay, serve_relay
 
     try:
-        config = _relay_config(args, args.bind)
+        config = _relay_config(args, args.bind, args.advertise_host, args.front_ports, args.front_host)
     except ValueError as exc:
         log.error("%s", exc)
         return 2
@@ -557,7 +561,7 @@ def _relay_thread(args):
     from .relay import Relay
 
     try:
-        relay = Relay(_relay_config(args, args.relay))
+        relay = Relay(_relay_config(args, args.relay, args.relay_advertise_host, args.relay_front_ports))
     except ValueError as exc:
         log.error("%s", exc)
         raise SystemExit(2) from None

@@ -265,3 +265,17 @@ def test_fronts_bind_inside_the_port_range_and_a_full_range_is_busy(ctx):
         assert isinstance(refused, p.Error) and refused.code == p.ErrorCode.BUSY and "no free port" in refused.message
     finally:
         r.close()
+
+
+def test_a_relay_inside_the_tracker_process(process_cluster, tiny_models):
+    model = tiny_models("llama")
+    expected = reference_greedy(model, prompt_ids(model), 24)
+    relay = f"tcp://127.0.0.1:{free_port()}"
+    process_cluster.kill("tracker")
+    process_cluster._spawn("tracker", "tracker", "--bind", process_cluster.endpoint, "--pub", process_cluster.pub,
+                           "--db", str(process_cluster.tmp / "ledger.sqlite3"), "--heartbeat", "0.3",
+                           "--relay", relay)
+    process_cluster.start_node("solo", str(model), "0-5", None, "--relay", relay)
+    nodes = {n["id"]: n for n in process_cluster.wait_nodes(["solo"], model.name)["nodes"]}
+    assert nodes["solo"]["relay"] == relay
+    _check_tokens(process_cluster, model, expected)
