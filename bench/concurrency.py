@@ -36,7 +36,8 @@ PROMPTS = ["Why is the sky blue?", "Name three prime numbers.", "Write a haiku a
            "Give me a synonym for happy.", "Where is the Eiffel Tower?"]
 
 
-def start_cluster(model: str, nodes: int, tmp: Path, threads: int = 0) -> tuple[list[subprocess.Popen], str]:
+def start_cluster(model: str, nodes: int, tmp: Path, threads: int = 0,
+                  node_args: tuple[str, ...] = ()) -> tuple[list[subprocess.Popen], str]:
     tracker = f"tcp://127.0.0.1:{free_port()}"
     me = [sys.executable, "-m", "fabric.cli", "--log-level", "warning"]
     threads = str(threads or max(1, (os.cpu_count() or 1) // nodes))
@@ -47,7 +48,7 @@ def start_cluster(model: str, nodes: int, tmp: Path, threads: int = 0) -> tuple[
     layers = load_config(resolve(model)).num_hidden_layers
     for shard in even_split(layers, nodes):
         procs.append(subprocess.Popen([*me, "node", "--model", model, "--layers", str(shard), "--tracker",
-                                       tracker, "--threads", threads, "--no-progress"], cwd=REPO))
+                                       tracker, "--threads", threads, "--no-progress", *node_args], cwd=REPO))
     with Client(tracker, timeout=2) as client:
         def ready():
             try:

@@ -256,9 +256,9 @@ def _node_parser(sub) -> None:
     p.add_argument("--threads", type=int, default=0, help="torch threads (default: all cores)")
     p.add_argument("--max-sessions", type=int, default=64, help="sessions this node keeps KV for")
     p.add_argument("--max-prompt-tokens", type=int, default=4096, help="longest prompt the head accepts")
-    p.add_argument("--prefill-chunk", type=int, default=32, metavar="TOKENS",
-                   help="while other requests are in flight, prefill prompts this many tokens at a time so "
-                        "running streams keep their pace (default %(default)s; 0: never chunk)")
+    p.add_argument("--prefill-slice-ms", type=float, default=0.0, metavar="MS",
+                   help="while other streams decode here, run a long prompt's prefill in slices of about this "
+                        "many milliseconds between their decode steps (default: as long as one decode step)")
     p.add_argument("--wire-dtype", default="", choices=["", "float32", "float16", "bfloat16"],
                    help="dtype of hidden states between the hops of routes this node heads (default: each "
                         "node's compute dtype; bfloat16 halves the bytes of a float32 route, not bit-exact)")
@@ -307,7 +307,7 @@ def cmd_node(args) -> int:
                         tracker=args.tracker, device=args.device,
                         dtype=dtype, node_id=node_id, quant=None if args.quant == "none" else args.quant,
                         max_sessions=args.max_sessions, max_prompt_tokens=args.max_prompt_tokens,
-                        prefill_chunk=max(0, args.prefill_chunk), wire_dtype=args.wire_dtype,
+                        prefill_slice=max(0.0, args.prefill_slice_ms) / 1000, wire_dtype=args.wire_dtype,
                         hop_timeout=args.hop_timeout, heartbeat_interval=args.heartbeat,
                         cache_root=default_cache_root(), progress=not args.no_progress,
                         security=_security(args), relay=args.relay,

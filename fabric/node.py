@@ -59,7 +59,7 @@ class NodeConfig:
     max_sessions: int = 64  # concurrent sessions this node keeps KV for
     max_batch: int = 16  # decode steps of different sessions run as one forward pass
     max_prompt_tokens: int = 4096  # the head refuses longer prompts
-    prefill_chunk: int = 32  # with other requests in flight, a prompt is prefilled this many tokens at a time
+    prefill_slice: float = 0.0  # seconds of prefill run between decode batches while streams decode; 0: auto
     wire_dtype: str = ""  # hidden states on the wire of routes this node heads ("": compute dtype)
     max_frame_bytes: int = 64 << 20  # largest tensor buffer accepted from a peer
     cache_root: Path | None = None  # where parsed GGUF metadata is cached
@@ -90,6 +90,12 @@ def stable_node_id(data_root: Path, model_id: str, shard: Shard, bind: str) -> s
     return node_id
 
 
+FIRST_SLICE_TOKENS = 32  # prefill tokens per slice before this node has timed any
+MIN_SLICE_TOKENS = 8  # a slice's fixed cost (reading the weights) dwarfs this many tokens' own
+MAX_SLICE_TOKENS = 4096
+SLICE_PER_DECODE = 1.0  # a prefill slice beside decoding streams may take this many of their decode batches
+MIN_SLICE_S = 0.02  # ...and at least this long
+IDLE_SLICE_S = 0.25  # ...and with no stream decoding here, this long
 WIRE_TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 LINK_EVENTS = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
 COUNTERS = ("hop_seconds", "hops", "batched_hops", "prefill_chunks", "cache_miss", "failovers", "rejected_frames",
@@ -102,6 +108,10 @@ class Work:
 
     msg: p.Forward
     tensor: torch.Tensor
+
+
+def _average(old: float | None, new: float, weight: float = 0.2) -> float:
+    return new if old is None else old + weight * (new - old)
 
 
 class Node:
@@ -147,6 +157,9 @@ class Node:
         self.ready = threading.Event()
         self._next_heartbeat = 0.0
         self._ran_prefill = False  # the last hop run was a prefill (chunk): a decode batch goes next
+        self._decode_batch_s: float | None = None  # seconds per decode batch here (moving average)
+        # prefill tokens per slice, steered so a slice takes its target time (beside streams / alone)
+        self._slice_tokens = {"busy": float(FIRST_SLICE_TOKENS), "idle": float(FIRST_SLICE_TOKENS)}
 
     # -- main loop ----------------------------------------------------------------------
 
@@ -288,6 +301,8 @@ class Node:
         one chunk, and the prompt still moves on while they decode."""
         first = self._take(decode=self._ran_prefill)
         self._ran_prefill = not self._decode_step(first)
+        if self._ran_prefill:
+            first = self._slice(first)
         if not self._decode_step(first) or not self.executor.batchable(first.msg.start_layer, first.msg.end_layer):
             self._execute([first])
             return
@@ -305,6 +320,34 @@ class Node:
                 waiting.add(w.msg.session)
         self.work = rest
         self._execute(batch)
+
+    def _slice(self, work: Work) -> Work:
+        """Cut a long prefill into the slice to run now and the rest, queued first. While
+        other sessions decode here a slice costs about SLICE_PER_DECODE of their decode
+        batches, so they wait one slice, not the whole prompt; alone, slices of IDLE_SLICE_S keep this loop
+        answering pings and heartbeats. The rest goes on as further chunks (``more``)."""
+        q, msg = work.tensor.shape[1], work.msg
+        n = int(self._slice_tokens[self._slice_mode(msg.session)])
+        if q <= n:
+            return work
+        self.work.appendleft(Work(dataclasses.replace(msg, pos=msg.pos + n), work.tensor[:, n:]))
+        return Work(dataclasses.replace(msg, more=True), work.tensor[:, :n])
+
+    def _slice_mode(self, session: str) -> str:
+        others = len(self.kv) - (session in self.kv) > 0 or any(self._decode_step(w) for w in self.work)
+        return "busy" if others else "idle"
+
+    def _steer_slices(self, work: Work, elapsed: float) -> None:
+        """After a full prefill slice, size the next toward its target time. A slice costs
+        a fixed part (the weights are read once) plus a part per token, so the size is
+        corrected by the ratio of target to measured time, at most 2x per step."""
+        mode = self._slice_mode(work.msg.session)
+        q, n = work.tensor.shape[1], self._slice_tokens[mode]
+        if q < int(n):
+            return  # a whole short prompt or a remainder says little about a slice's cost
+        target = IDLE_SLICE_S if mode == "idle" else (
+            self.config.prefill_slice or max(MIN_SLICE_S, SLICE_PER_DECODE * (self._decode_batch_s or 0.0)))
+        self._slice_tokens[mode] = min(MAX_SLICE_TOKENS, max(MIN_SLICE_TOKENS, q * min(2.0, max(0.5, target / elapsed))))
 
     def _take(self, decode: bool) -> Work:
         """Remove and return the first queued hop of the wanted kind whose session has
@@ -334,7 +377,12 @@ class Node:
         self.counters["hops"] += len(batch)
         self.counters["batched_hops"] += len(batch) if len(batch) > 1 else 0
         self.counters["prefill_chunks"] += batch[0].msg.more
-        self.counters["hop_seconds"] += time.perf_counter() - started
+        elapsed = time.perf_counter() - started
+        self.counters["hop_seconds"] += elapsed
+        if self._decode_step(batch[0]):
+            self._decode_batch_s = _average(self._decode_batch_s, elapsed)
+        else:
+            self._steer_slices(batch[0], elapsed)
         for work, result in zip(batch, results):
             try:
                 self._after_hop(work, result)
@@ -393,7 +441,7 @@ class Node:
             return
         rs = RouteSession(req, prompt, tokenizer=self.tokenizer, eos=self.eos, reply_to=self.endpoint,
                           reply_key=self.key, transport=self, seed=secrets.randbits(62),
-                          prefill_chunk=self._prefill_chunk, wire_dtype=self.config.wire_dtype)
+                          wire_dtype=self.config.wire_dtype)
         self.sessions[req.request_id] = rs
         self.clients[req.request_id] = identity
         self._emit(rs, rs.start())
@@ -436,10 +484,6 @@ class Node:
             max_tokens=rs.request.max_tokens))
 
     # -- Transport (used by RouteSession) -----------------------------------------------
-
-    def _prefill_chunk(self) -> int:
-        """Chunk a prompt only while other requests are in flight: alone, it goes at once."""
-        return self.config.prefill_chunk if len(self.sessions) > 1 or self.work else 0
 
     def forward(self, hop: p.Hop, message: p.Forward, tensor: torch.Tensor) -> None:
         self._forward(hop, message, tensor)

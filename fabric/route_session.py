@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Protocol
+from typing import Protocol
 
 import torch
 
@@ -110,8 +110,7 @@ class RouteSession:
     """The head's state machine for one request. Feed it messages; it returns events."""
 
     def __init__(self, request: Generate, prompt_ids: list[int], *, tokenizer, eos: frozenset[int],
-                 reply_to: str, transport: Transport, seed: int, reply_key: str = "",
-                 prefill_chunk: Callable[[], int] = lambda: 0, wire_dtype: str = ""):
+                 reply_to: str, transport: Transport, seed: int, reply_key: str = "", wire_dtype: str = ""):
         self.request = request
         self.session = request.request_id
         self.route = request.route
@@ -122,7 +121,6 @@ class RouteSession:
         self.reply_to = reply_to
         self.reply_key = reply_key  # this head's CURVE public key, for hops that answer it
         self.transport = transport
-        self.prefill_chunk = prefill_chunk  # tokens per prefill chunk right now; 0: the whole prompt at once
         self.wire_dtype = wire_dtype  # hidden states on this route's wire ("": each node's compute dtype)
         self.sampling = Sampling(request.sampling.temperature, request.sampling.top_k,
                                  request.sampling.top_p, request.sampling.seed if request.sampling.seed
@@ -251,19 +249,15 @@ class RouteSession:
     # -- internals ----------------------------------------------------------------------
 
     def _send(self, ids: list[int], pos: int) -> None:
-        """Send ``ids`` from ``pos`` along the route as one step. A long prefill goes as
-        chunks, all sent now and all of this step: every hop runs them in order, between
-        other sessions' decode steps, and the tail answers the last one only."""
+        """Send ``ids`` from ``pos`` along the route as one step (each hop may run a long
+        prefill in slices, passed on as chunks of the same step)."""
         self.step += 1
         self.sent_at = time.monotonic()
         head = self.route[0]
-        size = self.prefill_chunk() or len(ids)
-        for at in range(0, len(ids), size):
-            msg = Forward(session=self.session, step=self.step, pos=pos + at, start_layer=head.start_layer,
-                          end_layer=head.end_layer, route=self.route[1:], reply_to=self.reply_to,
-                          sampling=self.sampling, reply_key=self.reply_key, more=at + size < len(ids),
-                          wire_dtype=self.wire_dtype)
-            self.transport.forward(head, msg, torch.tensor([ids[at:at + size]], dtype=torch.int64))  # (1, q)
+        msg = Forward(session=self.session, step=self.step, pos=pos, start_layer=head.start_layer,
+                      end_layer=head.end_layer, route=self.route[1:], reply_to=self.reply_to,
+                      sampling=self.sampling, reply_key=self.reply_key, wire_dtype=self.wire_dtype)
+        self.transport.forward(head, msg, torch.tensor([ids], dtype=torch.int64))  # (1, q)
 
     def _finish(self, reason: str, tail: str = "") -> list[Event]:
         self.finished = reason

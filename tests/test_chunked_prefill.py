@@ -1,5 +1,5 @@
-"""Chunked prefill: a long prompt goes in chunks that take turns with decode batches, and
-every stream still gets exactly the single-process tokens."""
+"""Chunked prefill: a node runs a long prompt in slices that take turns with decode batches,
+passes each on as a chunk, and every stream still gets exactly the single-process tokens."""
 from __future__ import annotations
 
 import threading
@@ -47,11 +47,56 @@ def test_a_sessions_hops_never_overtake_each_other():
     assert [o for o in order if o[0] == "s"] == [("s", 30), ("s", 0), ("s", 4)]
 
 
-@pytest.mark.parametrize("chunk", [1, 3])  # 1: every chunk looks like a decode step (q = 1) yet is not one
-def test_long_prompt_chunked_beside_running_streams(thread_cluster, tiny_models, chunk):
+def slicer(queue: list[Work], kv_sessions: list[str], busy: float = 32, idle: float = 32,
+           decode_s: float | None = None, prefill_slice: float = 0.0):
+    node = SimpleNamespace(work=deque(queue), kv={s: None for s in kv_sessions}, _decode_batch_s=decode_s,
+                           _slice_tokens={"busy": float(busy), "idle": float(idle)},
+                           config=SimpleNamespace(prefill_slice=prefill_slice), _decode_step=Node._decode_step)
+    node._slice_mode = lambda session: Node._slice_mode(node, session)
+    return node
+
+
+def test_a_long_prefill_is_cut_and_the_rest_queued_first():
+    node = slicer([work("a", 40, 1)], ["a"], busy=25, idle=500)  # "a" decodes here: busy
+    first = Node._slice(node, work("long", 0, 100))
+    assert first.tensor.shape[1] == 25 and first.msg.pos == 0 and first.msg.more
+    rest = node.work[0]
+    assert rest.msg.session == "long" and rest.msg.pos == 25 and rest.tensor.shape[1] == 75 and not rest.msg.more
+    assert torch.equal(torch.cat([first.tensor, rest.tensor], 1), torch.zeros((1, 100), dtype=torch.int64))
+
+
+def test_alone_a_prefill_uses_the_idle_size_and_short_ones_go_whole():
+    node = slicer([], [], busy=8, idle=125)
+    assert Node._slice(node, work("long", 0, 1000)).tensor.shape[1] == 125
+    short = slicer([], [], busy=8, idle=125)
+    assert Node._slice(short, work("short", 0, 100)).msg.more is False and not short.work
+
+
+def test_the_last_slice_keeps_the_chunk_flag_it_came_with():
+    node = slicer([], ["x"], busy=5)
+    first = Node._slice(node, work("long", 10, 8, more=True))
+    assert (first.tensor.shape[1], first.msg.more) == (5, True)
+    assert (node.work[0].msg.pos, node.work[0].msg.more) == (15, True)
+
+
+def test_slices_are_steered_toward_one_decode_step_beside_streams():
+    node = slicer([], ["a"], busy=40, decode_s=0.05)
+    Node._steer_slices(node, work("long", 0, 40), elapsed=0.2)  # 4x too long: halve (at most 2x a step)
+    assert node._slice_tokens["busy"] == 20
+    Node._steer_slices(node, work("long", 20, 20), elapsed=0.04)  # a bit short: grow in proportion
+    assert node._slice_tokens["busy"] == 25
+    Node._steer_slices(node, work("long", 40, 7), elapsed=0.5)  # a remainder: no information
+    assert node._slice_tokens["busy"] == 25
+    alone = slicer([], [], idle=40)
+    Node._steer_slices(alone, work("long", 0, 40), elapsed=0.01)  # alone the target is IDLE_SLICE_S
+    assert alone._slice_tokens["idle"] == 80
+
+
+def test_long_prompt_chunked_beside_running_streams(thread_cluster, tiny_models):
     model = tiny_models("llama")
-    head = thread_cluster.add_node(model, 0, 2, 6, "head", prefill_chunk=chunk)
-    tail = thread_cluster.add_node(model, 3, 5, 6, "tail", prefill_chunk=chunk)
+    # slices of the minimum (8 tokens) once timed: many chunks per prompt
+    head = thread_cluster.add_node(model, 0, 2, 6, "head", prefill_slice=1e-9)
+    tail = thread_cluster.add_node(model, 3, 5, 6, "tail", prefill_slice=1e-9)
     thread_cluster.wait_routable(model.name, 2)
     prompts = ["hi", "one two", "a much longer prompt that arrives while the others decode, " * 3]
     outputs: dict[int, list[int]] = {}

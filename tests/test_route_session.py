@@ -61,13 +61,13 @@ def split(tiny_models):
     return model_dir, executors, tok, route
 
 
-def new_session(split, max_tokens=16, stop=(), prompt="the quick brown fox", chunk=0):
+def new_session(split, max_tokens=16, stop=()):
     model_dir, executors, tok, route = split
-    request = Generate(request_id="r1", route=route, prompt=prompt, max_tokens=max_tokens, stop=stop)
+    request = Generate(request_id="r1", route=route, prompt="the quick brown fox", max_tokens=max_tokens, stop=stop)
     ids = tok(request.prompt)["input_ids"]
     transport = LocalTransport(executors)
     rs = RouteSession(request, ids, tokenizer=tok, eos=frozenset(), reply_to="inproc://h",
-                      transport=transport, seed=7, prefill_chunk=lambda: chunk)
+                      transport=transport, seed=7)
     return rs, transport, ids
 
 
@@ -91,19 +91,6 @@ def test_prefill_then_decode_matches_transformers(split):
     assert events[-1].event == "done" and events[-1].finish_reason == "length"
     assert isinstance(transport.controls[-1], Close)  # cleanup reached every hop
     assert all(len(ex.kv) == 0 for ex in split[1].values())
-
-
-def test_chunked_prefill_is_one_step_and_matches_transformers(split):
-    rs, transport, ids = new_session(split, prompt="a long prompt that the head sends in chunks of four tokens",
-                                     chunk=4)
-    assert len(ids) > 9
-    events = drive(rs, transport)
-    tokens = [t for e in events if e.event == "token" for t in e.token_ids]
-    assert tokens == reference_greedy(split[0], ids, 16)
-    chunks = [m for m in transport.sent if m.step == 0]
-    assert [m.pos for m in chunks] == list(range(0, len(ids), 4))
-    assert [m.more for m in chunks] == [True] * (len(chunks) - 1) + [False]
-    assert not any(m.more for m in transport.sent[len(chunks):])  # decode steps are never chunks
 
 
 def test_cache_miss_reprefills_full_history(split):

@@ -1,0 +1,124 @@
+#!/usr/bin/env python
+"""Inter-token latency of running streams while a long prompt is prefilled, in one run.
+
+    python bench/prefill_itl.py [--model smollm2-135m] [--streams 3] [--prompt-tokens 2000]
+
+Starts a tracker and a 2-node split (as ``meshnet up`` would), starts N greedy streams,
+and once they are decoding submits one request whose prompt is ``--prompt-tokens`` tokens
+long. For the running streams it records the gap between consecutive tokens (client side)
+and reports the p99 of the gaps that fell while the long prompt was being prefilled
+against the median gap of the whole run. It does this twice on fresh clusters: with the
+nodes' default (prefill run in slices about as long as one decode step) and with
+``--prefill-slice-ms 60000`` (the prompt in one piece) as the baseline of the same run.
+Target: p99 <= 3x median.
+"""
+from __future__ import annotations
+
+import argparse
+import signal
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "bench"))
+
+from concurrency import PROMPTS, start_cluster  # noqa: E402
+
+from fabric import Client  # noqa: E402
+
+
+def long_prompt(model: str, tokens: int) -> str:
+    """Plain text of about ``tokens`` tokens for the model's tokenizer."""
+    from fabric.models import load_tokenizer, resolve
+
+    tok = load_tokenizer(resolve(model))
+    words = ("the fabric passes hidden states from node to node while every stream keeps its pace "
+             "and no prompt may stall the others ").split()
+    text, n = [], 0
+    while n < tokens:
+        text.append(words[len(text) % len(words)])
+        n = len(tok(" ".join(text))["input_ids"]) if len(text) % 50 == 0 else n
+    return " ".join(text)
+
+
+def run(tracker: str, model: str, streams: int, prompt: str, decode_tokens: int) -> dict:
+    times: list[list[float]] = [[] for _ in range(streams)]
+    window: dict[str, float] = {}
+    warm = threading.Barrier(streams + 1)
+
+    def stream(i: int) -> None:
+        with Client(tracker, timeout=300) as client:
+            content = f"Write a long, detailed story about this: {PROMPTS[i]}"
+            for event in client.generate(model, messages=[{"role": "user", "content": content}],
+                                         max_tokens=decode_tokens):
+                if event.token_ids:
+                    times[i].append(time.perf_counter())
+                    if len(times[i]) == 8:
+                        warm.wait(120)
+
+    threads = [threading.Thread(target=stream, args=(i,)) for i in range(streams)]
+    for t in threads:
+        t.start()
+    warm.wait(300)
+    with Client(tracker, timeout=300) as client:
+        window["start"] = time.perf_counter()
+        for event in client.generate(model, prompt=prompt, max_tokens=4):
+            if event.token_ids:
+                window.setdefault("first_token", time.perf_counter())
+                break
+    for t in threads:
+        t.join()
+    gaps_all, gaps_during = [], []
+    for ts in times:
+        for a, b in zip(ts, ts[1:]):
+            gaps_all.append(b - a)
+            if b > window["start"] and a < window["first_token"]:
+                gaps_during.append(b - a)
+    gaps_during.sort()
+    p99 = gaps_during[min(len(gaps_during) - 1, int(0.99 * len(gaps_during)))] if gaps_during else float("nan")
+    median = statistics.median(gaps_all)
+    finished = all(ts[-1] > window["first_token"] for ts in times)
+    return {"median_ms": median * 1e3, "p99_during_ms": p99 * 1e3, "max_during_ms": max(gaps_during) * 1e3,
+            "ratio": p99 / median, "prefill_s": window["first_token"] - window["start"],
+            "gaps_during": len(gaps_during), "streams_outlived_prefill": finished}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--streams", type=int, default=3, help="running streams (default %(default)s)")
+    parser.add_argument("--prompt-tokens", type=int, default=2000, help="length of the long prompt")
+    parser.add_argument("--decode-tokens", type=int, default=400,
+                        help="tokens each running stream asks for; enough to outlive the prefill")
+    args = parser.parse_args()
+    prompt = long_prompt(args.model, args.prompt_tokens)
+    results = {}
+    for label, node_args in (("sliced (default)", ()), ("one piece (--prefill-slice-ms 60000)",
+                                                         ("--prefill-slice-ms", "60000"))):
+        with tempfile.TemporaryDirectory() as tmp:
+            procs, tracker = start_cluster(args.model, 2, Path(tmp), node_args=node_args)
+            try:
+                results[label] = run(tracker, args.model, args.streams, prompt, args.decode_tokens)
+            finally:
+                for proc in procs:
+                    proc.send_signal(signal.SIGINT)
+                for proc in procs:
+                    proc.wait(30)
+    print(f"inter-token latency of {args.streams} running streams while a {args.prompt_tokens}-token prompt "
+          f"is prefilled ({args.model}, 2-node split)")
+    for label, r in results.items():
+        verdict = "PASS" if r["ratio"] <= 3 else "MISS"
+        print(f"  {label:34s} median {r['median_ms']:6.1f} ms  p99 during prefill {r['p99_during_ms']:7.1f} ms "
+              f"(max {r['max_during_ms']:7.1f}, {r['gaps_during']} gaps)  = {r['ratio']:.2f}x median  "
+              f"[{verdict} <= 3x]  prefill took {r['prefill_s']:.1f} s"
+              + ("" if r["streams_outlived_prefill"] else "  (a stream ended before the prefill did)"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
