@@ -26,6 +26,9 @@ Link knobs (``add_host`` and, at any time, ``set_link``):
   delay(A) + delay(B), a round trip twice that. Traffic inside one host is not delayed.
 - ``rate``: a ``tbf`` rate limit (``"100mbit"``, ``"512kbit"`` or bits/s) on both ends
   of the host's link, so uploads and downloads are each limited.
+- ``up`` (``set_link`` only): ``False`` unplugs the host from the switch, so its packets
+  are lost and no connection is closed (a dead machine or network, unlike a killed
+  process); ``True`` plugs it back.
 - ``inbound=False`` (``add_host`` only): no TCP connection can be opened *to* the host
   from another host, as behind a NAT; it can still dial out, and its own processes reach
   each other. Policy routing in the host's namespace blackholes TCP arriving on ``eth0``
@@ -260,13 +263,19 @@ class Netbed:
         self._shape(host)
         return host
 
-    def set_link(self, name: str, delay: float | None = None, jitter: float | None = None, rate=...) -> None:
-        """Change a host's link now (``rate=None`` lifts the limit; omitted: unchanged)."""
-        link = self.hosts[name].link
+    def set_link(self, name: str, delay: float | None = None, jitter: float | None = None, rate=...,
+                 up: bool | None = None) -> None:
+        """Change a host's link now (``rate=None`` lifts the limit; omitted: unchanged).
+        ``up=False`` unplugs the host from the switch: its packets are lost, nothing is
+        closed, as when a machine or its network dies; ``up=True`` plugs it back."""
+        host = self.hosts[name]
+        link = host.link
         link.delay = link.delay if delay is None else delay
         link.jitter = link.jitter if jitter is None else jitter
         link.rate = link.rate if rate is ... else rate
-        self._shape(self.hosts[name])
+        self._shape(host)
+        if up is not None:
+            _ip("-n", self.hub, "link", "set", host.port, "nomaster" if not up else "master", *(["br0"] if up else []))
 
     def _refuse_inbound(self, host: Host) -> None:
         subprocess.run(["ip", "netns", "exec", host.ns, "sysctl", "-qw",

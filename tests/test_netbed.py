@@ -129,6 +129,21 @@ def test_rate_limit_holds_a_bulk_transfer_to_the_link_rate(bed, tmp_path):
     assert elapsed >= (300_000 - (64 << 10)) * 8 / 2e6 * 0.9  # all but one burst at 2 Mbit/s
 
 
+def test_unplugged_host_goes_silent_and_comes_back(bed, tmp_path):
+    host = bed.add_host("cut")
+    bed.spawn("cut", "cut-web", ["-m", "http.server", "7100", "--bind", host.ip, "--directory", str(tmp_path)])
+    url = f"http://{host.ip}:7100/"
+    try:
+        assert netbed.wait_until(lambda: _get(bed.agent, url) == 200, 15)
+        bed.set_link("cut", up=False)
+        with pytest.raises(netbed.AgentError, match="timed out"):
+            bed.agent.http("GET", url, timeout=1)
+        bed.set_link("cut", up=True)
+        assert netbed.wait_until(lambda: _get(bed.agent, url) == 200, 15)
+    finally:
+        bed.kill("cut-web", 15)
+
+
 def _get(agent, url):
     try:
         return agent.http("GET", url, timeout=1)[0]
