@@ -174,7 +174,8 @@ def report(results: dict, args) -> dict:
                       "measured_floor_ms": 1.5 * r["rtt_ms"], "rtt_ms": r["rtt_ms"],
                       "overhead_ms": ms - base_ms - floor_ms, "delay_by": r["delay_by"], "quiet_runs": r["quiet_runs"],
                       "same_ids": r["ids"] == base["ids"] and all(x["same_ids"] for x in r["runs"])}
-    print(f"\nmodel {args.model_label}, {args.tokens} new tokens, median of the quiet runs of {args.reps}, 3 nodes x 1 thread\n")
+    print(f"\nmodel {args.model_label}, {args.tokens} new tokens, median of the quiet runs of {args.reps}, "
+          f"3 nodes x 1 thread\n")
     print(f"{'configuration':<16}{'tok/s':>8}{'ms/tok':>8}{'x loopback':>11}{'RTT ms':>8}{'floor ms':>9}"
           f"{'floor tok/s':>12}{'x floor':>8}{'overhead ms':>12}  ids")
     for name, row in rows.items():

@@ -254,7 +254,8 @@ class Netbed:
         self.hosts[name] = host
         _ip("netns", "add", host.ns)
         _ip("-n", host.ns, "link", "set", "lo", "up")
-        _ip("link", "add", "name", "eth0", "netns", host.ns, "type", "veth", "peer", "name", host.port, "netns", self.hub)
+        _ip("link", "add", "name", "eth0", "netns", host.ns, "type", "veth",
+            "peer", "name", host.port, "netns", self.hub)
         _ip("-n", self.hub, "link", "set", host.port, "master", "br0", "up")
         _ip("-n", host.ns, "addr", "add", f"{host.ip}/24", "dev", "eth0")
         _ip("-n", host.ns, "link", "set", "eth0", "up")

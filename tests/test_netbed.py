@@ -188,7 +188,8 @@ def proxy(tmp_path):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     ready = tmp_path / "ready"
-    proc = subprocess.Popen([sys.executable, "-m", "tests.delay_proxy", "--map", f"127.0.0.1:{port}=127.0.0.1:{echo.port}",
+    proc = subprocess.Popen([sys.executable, "-m", "tests.delay_proxy",
+                             "--map", f"127.0.0.1:{port}=127.0.0.1:{echo.port}",
                              "--delay", "0.02", "--jitter", "0.005", "--ready-file", str(ready)],
                             cwd=netbed.ROOT, env={**os.environ, "PYTHONPATH": str(netbed.ROOT)})
     try:
