@@ -4,7 +4,7 @@
     python bench/concurrency.py [--model smollm2-135m] [--streams 1,2,4,8] [--tokens 48] [--plot OUT.png]
 
 Starts a tracker and a 2-node split (``python -m fabric.cli ...``, each node with
-max(1, cores // 2) torch threads) and drives it with N concurrent ``fabric.Client``
+``fabric.shard.threads_per_node`` torch threads, as ``meshnet up``) and drives it with N concurrent ``fabric.Client``
 streams (greedy, distinct prompts), timing aggregate generated tokens per second over the
 whole wave. Baselines measured in the same run: one stream on the same cluster, and
 single-process transformers generating the same 8 prompts as one padded batch
@@ -28,7 +28,7 @@ sys.path.insert(0, str(REPO))
 
 from fabric import Client  # noqa: E402
 from fabric.client import wait_for  # noqa: E402
-from fabric.shard import even_split  # noqa: E402
+from fabric.shard import even_split, threads_per_node  # noqa: E402
 from tests.cluster import free_port  # noqa: E402
 
 PROMPTS = ["Why is the sky blue?", "Name three prime numbers.", "Write a haiku about rivers.",
@@ -40,7 +40,7 @@ def start_cluster(model: str, nodes: int, tmp: Path, threads: int = 0,
                   node_args: tuple[str, ...] = ()) -> tuple[list[subprocess.Popen], str]:
     tracker = f"tcp://127.0.0.1:{free_port()}"
     me = [sys.executable, "-m", "fabric.cli", "--log-level", "warning"]
-    threads = str(threads or max(1, (os.cpu_count() or 1) // nodes))
+    threads = str(threads or threads_per_node(nodes))
     procs = [subprocess.Popen([*me, "tracker", "--bind", tracker, "--pub", f"tcp://127.0.0.1:{free_port()}",
                                "--db", str(tmp / "ledger.sqlite3")], cwd=REPO)]
     from fabric.models import load_config, resolve

@@ -8,7 +8,7 @@
    gguf_file=...)``, greedy ``generate``, float32, same thread count) against the fabric with
    1, 2 and 3 nodes on loopback, started and driven exactly as users do: ``python -m
    fabric.cli tracker ...`` and ``python -m fabric.cli node ... --threads T --no-progress``
-   subprocesses (even split, T = max(1, cores // nodes)), then ``fabric.Client(tracker)
+   subprocesses (even split, T = ``fabric.shard.threads_per_node``, as ``meshnet up``), then ``fabric.Client(tracker)
    .generate(model, messages=..., max_tokens=N)``; decode tok/s is timed from the first
    token event to the done event (transformers: first streamed token to the end). The
    fabric's greedy token ids are checked against the single process's.
@@ -618,7 +618,7 @@ def run(args, state: dict) -> dict:
 
     from fabric.models import default_cache_root, load_config, load_tokenizer, resolve
     from fabric.route_session import eos_ids
-    from fabric.shard import Shard, even_split
+    from fabric.shard import Shard, even_split, threads_per_node
 
     cores = os.cpu_count() or 1
     source = resolve(args.model)
@@ -644,9 +644,9 @@ def run(args, state: dict) -> dict:
     gate = Gate(args.tries, args.max_wait, args.budget * 60)
     try:
         raw = RawRTT(procs, hidden * 4)
-        # phase A: what users run, threads max(1, cores // nodes) per node
+        # phase A: what users run, threads per node as `meshnet up` assigns them
         main = [Cluster(f"fabric-{n}", f"fabric {n} node{'s' * (n > 1)}", even_split(num_layers, n),
-                        max(1, cores // n)) for n in (1, 2, 3)]
+                        threads_per_node(n, cores)) for n in (1, 2, 3)]
         for c in main:
             start_cluster(procs, c, args.model, tmp)
         log("loading the single-process baseline while the nodes load")
@@ -833,7 +833,7 @@ def print_report(r: dict) -> None:
           f"{r['tokens']} new tokens, {r['reps']} reps per configuration, medians")
     print(f"machine: {cores} cores ({m['cpu']}), {m['mem_total_gib']} GiB, torch {m['torch']}, "
           f"transformers {m['transformers']}, python {m['python']}")
-    print(f"threads: baseline {cores}; each fabric node gets max(1, {cores} // nodes): "
+    print(f"threads: baseline {cores}; each fabric node gets (as `meshnet up`): "
           + ", ".join(f"{row['layout'].count('|') + 1} node(s) -> {row['threads']}" for row in r["throughput"][1:]))
 
     def table(rows):

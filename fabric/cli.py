@@ -113,6 +113,8 @@ def _up_parser(sub) -> None:
     p.add_argument("--tracker", default=DEFAULT_TRACKER, help="tracker bind endpoint (default %(default)s)")
     p.add_argument("--pub", default=DEFAULT_PUB, help="tracker PUB endpoint (default %(default)s)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--threads", type=int, default=0,
+                   help="torch threads per node (default: all cores for each; idle nodes' workers sleep)")
     _quant_flag(p)
     _keys_flag(p)
     p.set_defaults(func=cmd_up)
@@ -120,7 +122,7 @@ def _up_parser(sub) -> None:
 
 def cmd_up(args) -> int:
     from .models import ModelError, load_config, resolve, default_cache_root
-    from .shard import even_split
+    from .shard import even_split, threads_per_node
 
     try:
         source = resolve(args.model)
@@ -129,7 +131,7 @@ def cmd_up(args) -> int:
     except (ModelError, ValueError) as exc:
         log.error("%s", exc)
         return 2
-    threads = max(1, (os.cpu_count() or 1) // len(shards))
+    threads = args.threads or threads_per_node(len(shards))
     log.info("starting a tracker, %d nodes (layers %s, %d torch threads each) and the web UI; loading weights…",
              len(shards), ", ".join(map(str, shards)), threads)
     security = _security(args)  # checked here, so a bad key directory fails before anything starts

@@ -60,3 +60,18 @@ def even_split(num_layers: int, parts: int) -> list[Shard]:
         shards.append(Shard(start, start + size - 1, num_layers))
         start += size
     return shards
+
+
+def threads_per_node(nodes_on_host: int, cores: int | None = None) -> int:
+    """Torch threads for each of ``nodes_on_host`` nodes sharing one machine: all its cores.
+
+    In one stream only one node of a route computes at a time, so each should have every
+    core; nodes start with idle OpenMP workers sleeping (OMP_WAIT_POLICY=PASSIVE, see
+    ``meshnet node``), so when several compute at once (many streams) they share the cores
+    instead of spinning on them. Measured on 2 cores (docs/BENCHMARKS.md): 2 threads each
+    beat 1 thread each for one stream and for 8 streams. ``nodes_on_host`` is kept for a
+    policy that differs on bigger machines.
+    """
+    import os
+
+    return max(1, cores or os.cpu_count() or 1)
