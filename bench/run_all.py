@@ -1,0 +1,68 @@
+#!/usr/bin/env python
+"""Every benchmark figure of docs/BENCHMARKS.md in one run.
+
+    python bench/run_all.py [--out bench/results/all] [--quick] [--only NAME ...]
+
+Runs each script of ``bench/`` in turn (one at a time: they would disturb each other's
+timings), as a subprocess with its own baselines measured in the same run, keeps each
+one's full output in ``OUT/NAME.txt`` (and JSON where the script writes it), and ends with
+every verdict line (PASS / MISS / met / missed) gathered in one summary. A script that
+fails is reported and the rest still run. A full run takes about an hour on 2 cores;
+``--quick`` runs shorter versions (fewer tokens and repetitions) in about 20 minutes.
+"""
+from __future__ import annotations
+
+import argparse
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+# name -> (arguments for a full run, arguments for --quick); OUT is replaced by the output folder
+SCRIPTS = {
+    "fabric_bench": (["--json", "OUT/fabric_bench.json"], ["--quick", "--json", "OUT/fabric_bench.json"]),
+    "concurrency": (["--plot", "OUT/concurrency.png"], ["--streams", "1,8", "--tokens", "32",
+                                                         "--plot", "OUT/concurrency.png"]),
+    "prefill_itl": ([], ["--prompt-tokens", "1000", "--decode-tokens", "250"]),
+    "quant_bench": (["--json", "OUT/quant_bench.json"], ["--reps", "2", "--json", "OUT/quant_bench.json"]),
+    "failover": ([], ["--runs", "1"]),
+    "load": (["--clients", "8", "--seconds", "30"], ["--clients", "4", "--seconds", "10"]),
+    "netbed": (["--json", "OUT/netbed.json"], ["--reps", "2", "--only", "2ms", "--json", "OUT/netbed.json"]),
+}
+VERDICT = re.compile(r"\b(PASS|MISS|met|missed|MISSED|skipped)\b|\d+(\.\d+)?x\b")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", default=str(REPO / "bench" / "results" / "all"), help="output folder")
+    parser.add_argument("--quick", action="store_true", help="shorter runs of every script")
+    parser.add_argument("--only", nargs="+", choices=list(SCRIPTS), help="run just these scripts")
+    args = parser.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    summary: list[str] = []
+    for name, (full, quick) in SCRIPTS.items():
+        if args.only and name not in args.only:
+            continue
+        argv = [a.replace("OUT", str(out)) for a in (quick if args.quick else full)]
+        log = out / f"{name}.txt"
+        print(f"== {name}: python bench/{name}.py {' '.join(argv)}  (output in {log})", flush=True)
+        started = time.monotonic()
+        with open(log, "w") as f:
+            code = subprocess.run([sys.executable, str(REPO / "bench" / f"{name}.py"), *argv], cwd=REPO,
+                                  stdout=f, stderr=subprocess.STDOUT).returncode
+        lines = log.read_text(errors="replace").splitlines()
+        verdicts = [line.strip() for line in lines if VERDICT.search(line) and not line.startswith("[")]
+        status = "ok" if code == 0 else f"FAILED (exit {code}; see {log})"
+        summary.append(f"{name} ({time.monotonic() - started:.0f} s, {status})")
+        summary += [f"    {line}" for line in verdicts[-12:]]
+        print("\n".join(summary[-1 - len(verdicts[-12:]):]), flush=True)
+    print("\n== summary\n" + "\n".join(summary))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
