@@ -249,6 +249,9 @@ def _node_parser(sub) -> None:
     p.add_argument("--relay", default=None, metavar="ENDPOINT",
                    help="reach peers through this relay's control endpoint, for a node that cannot accept "
                         "inbound connections; peers then dial the front the relay opens for it")
+    p.add_argument("--relay-fallback", default=None, metavar="ENDPOINT",
+                   help="serve directly, but switch to this relay if the tracker cannot reach the advertised "
+                        "endpoint (NAT)")
     p.add_argument("--relay-key", default=None, metavar="KEY",
                    help="the relay's public key, z85 text or a key file (default: DIR/allowed/relay.key, "
                         "else the tracker's key); only with --keys")
@@ -312,7 +315,7 @@ def cmd_node(args) -> int:
                         prefill_slice=max(0.0, args.prefill_slice_ms) / 1000, wire_dtype=args.wire_dtype,
                         hop_timeout=args.hop_timeout, heartbeat_interval=args.heartbeat,
                         cache_root=default_cache_root(), progress=not args.no_progress,
-                        security=_security(args), relay=args.relay,
+                        security=_security(args), relay=args.relay, relay_fallback=args.relay_fallback,
                         relay_key=relay_key(args.keys, args.relay_key) if args.keys else "")
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -66,6 +66,7 @@ class NodeConfig:
     progress: bool = True  # show a progress bar while weights load
     security: Security | None = None  # CurveZMQ keys and allow-list; None: plaintext (a trusted LAN)
     relay: str | None = None  # a relay's control endpoint: peers reach this node through the relay's front
+    relay_fallback: str | None = None  # a relay to switch to if the tracker cannot reach the advertised endpoint
     relay_key: str = ""  # the relay's CURVE public key (secured swarms); "": the tracker's key
     relay_interval: float = 1.0  # seconds between keepalives (RELAY_OPEN) to the relay
     relay_timeout: float = 3.0  # a relay silent this long is dialled again (and heartbeats pause)
@@ -144,6 +145,7 @@ class Node:
         self.probes: dict[str, str] = {}  # endpoint -> key of peers the tracker asked us to measure
         self._next_probe = 0.0
         self.relay: RelayLink | None = None  # the link to our relay, when peers cannot dial us
+        self._warned_unreachable = False
         self.monitor_of: dict[zmq.Socket, str] = {}  # socket monitor -> the peer endpoint it watches
         self.pending_routes: deque[str] = deque()  # sessions awaiting a failover route, in request order
         self.tracker: zmq.Socket | None = None
@@ -640,7 +642,7 @@ class Node:
                       "quant": c.quant or "none",
                       "threads": torch.get_num_threads(), "shard_bytes": self.executor.w.parameter_bytes(),
                       "memory_bytes": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")},
-            benchmark=self.benchmark, max_sessions=c.max_sessions, relay=c.relay or "",
+            benchmark=self.benchmark, max_sessions=c.max_sessions, relay=self.relay.relay if self.relay else "",
             relay_key=self.relay.front_key if self.relay else ""))
 
     def _to_tracker(self, message: p.Message) -> None:
@@ -662,9 +664,12 @@ class Node:
         elif isinstance(msg, p.Route) or (isinstance(msg, p.Error) and msg.code in (
                 p.ErrorCode.NO_ROUTE, p.ErrorCode.UNKNOWN_MODEL)):
             self._route_for_failover(msg)
-        elif isinstance(msg, p.Ack) and msg.probe:
-            self.probes = {h.endpoint: h.key for h in msg.probe
-                           if h.node != self.config.node_id and h.endpoint != self.endpoint}
+        elif isinstance(msg, p.Ack):
+            if msg.probe:
+                self.probes = {h.endpoint: h.key for h in msg.probe
+                               if h.node != self.config.node_id and h.endpoint != self.endpoint}
+            if not msg.reachable:
+                self._unreachable()
 
     def _benchmark(self, reps: int = 3) -> float:
         """Layer-steps per second for one decode token on a fixed workload."""
@@ -681,14 +686,32 @@ class Node:
 
     # -- relay and round trips ----------------------------------------------------------
 
-    def _open_relay(self, stop: threading.Event) -> None:
-        """Dial the relay and wait until it opened our front: the endpoint peers dial."""
+    def _start_relay(self, endpoint: str) -> None:
+        """Dial the relay at ``endpoint``; its RELAY_OPENED gives us our public endpoint."""
         c = self.config
         key = c.relay_key or (c.security.tracker_key if c.security else None)
-        self.relay = RelayLink(self.ctx, c.relay, c.node_id, security=c.security, key=key,
+        self.relay = RelayLink(self.ctx, endpoint, c.node_id, security=c.security, key=key,
                                interval=c.relay_interval, timeout=c.relay_timeout)
         self.poller.register(self.relay.sock, zmq.POLLIN)
-        log.info("node %s: opening a front on relay %s", c.node_id, c.relay)
+        log.info("node %s: opening a front on relay %s", c.node_id, endpoint)
+
+    def _unreachable(self) -> None:
+        """The tracker could not reach our endpoint: peers cannot either. Fall back to the
+        configured relay (once), or say what is wrong."""
+        if self.relay is not None:
+            return
+        if self.config.relay_fallback:
+            log.warning("the tracker cannot reach this node at %s: switching to relay %s", self.endpoint,
+                        self.config.relay_fallback)
+            self._start_relay(self.config.relay_fallback)
+        elif not self._warned_unreachable:
+            self._warned_unreachable = True
+            log.warning("the tracker cannot reach this node at %s, so peers cannot either: give an endpoint "
+                        "they can dial (--advertise) or a relay (--relay, --relay-fallback)", self.endpoint)
+
+    def _open_relay(self, stop: threading.Event) -> None:
+        """Dial the relay and wait until it opened our front: the endpoint peers dial."""
+        self._start_relay(self.config.relay)
         while not stop.is_set() and not self.relay.up:
             self._relay_tick(time.monotonic())
             if self.relay.sock.poll(100):

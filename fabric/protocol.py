@@ -424,6 +424,7 @@ class Ack(Message):
     ok: bool = True
     detail: str = ""
     probe: tuple[Hop, ...] = ()  # answer to a heartbeat: peers whose round trip the node should measure
+    reachable: bool = True  # answer to a heartbeat: False when the tracker could not reach the node's endpoint
 
     def validate(self) -> None:
         if len(self.probe) > MAX_PROBES:

@@ -61,6 +61,32 @@ def test_nodes_without_inbound_serve_through_a_relay(netbed, tiny_models):
             client.ping(bound["nat1"], 1, timeout=2)
 
 
+def test_a_node_the_tracker_cannot_reach_falls_back_to_its_relay(netbed, tiny_models):
+    """Started without --relay, a node behind NAT registers the address it was told to
+    advertise; the tracker cannot reach it there, says so, and the node switches to the
+    relay it was given with --relay-fallback."""
+    model = tiny_models("llama")
+    expected = reference_greedy(model, prompt_ids(model), TOKENS)
+    for host in ("tracker", "relay", "head", "client"):
+        netbed.add_host(host, delay=DELAY)
+    netbed.add_host("nat", delay=DELAY, inbound=False)
+    netbed.start_tracker("tracker")
+    control = _start_relay(netbed, "relay")
+    netbed.start_node("head", model, "0-2")
+    advertised = netbed.start_node("nat", model, "3-5", "--relay-fallback", control.endpoint)
+    with netbed.client("client") as client:
+        def relayed():
+            node = _nodes(client.status()).get("nat")
+            return node if node and node["relayed"] and node["reachable"] else None
+        assert nb.wait_until(relayed, 60), netbed.logs()
+        node = relayed()
+        assert node["relay"] == control.endpoint and node["endpoint"] != advertised
+        events = client.status()["events"]
+        assert any(e.get("code") == "unreachable" and e.get("node") == "nat" for e in events)
+        client.wait_nodes(["head", "nat"], model.name)
+        assert token_ids(client.generate(model.name, MESSAGES, TOKENS)) == expected
+
+
 def test_with_30ms_links_the_plan_takes_fewer_hops_and_predicts_the_decode_rate(netbed, tiny_models):
     """Nodes 30 ms apart (15 ms on each host's link): the nodes measure it, the planner
     ranks the 2-hop route over the 3-hop one by that measure, and the rate it predicts

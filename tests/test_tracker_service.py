@@ -429,3 +429,38 @@ def test_secured_tracker_gives_a_relayed_node_its_relays_key_if_allow_listed(tmp
     assert isinstance(tracker.handle(register("a", 0, 14), "a" * 40), Ack)
     (route,) = tracker.status_body()["plans"]["m"]
     assert [h["key"] for h in route["hops"]] == ["a" * 40, relay_key]  # peers dial b's front with the relay's key
+
+
+def test_the_tracker_checks_that_it_can_reach_each_registered_endpoint(start, context):
+    running = start(reach_timeout=0.5)
+    peer = running.peer
+    answering = context.socket(zmq.ROUTER)  # stands in for a node: answers any frame
+    answering.setsockopt(zmq.LINGER, 0)
+    port = answering.bind_to_random_port("tcp://127.0.0.1")
+    closed = f"tcp://127.0.0.1:{_free_port()}"  # nobody listens there
+    peer.call(register("up", 0, 29, endpoint=f"tcp://127.0.0.1:{port}"))
+    peer.call(register("natted", 0, 29, endpoint=closed))
+    assert answering.poll(TIMEOUT * 1000)
+    identity, *body = answering.recv_multipart()
+    assert isinstance(decode(body)[0], Ping)
+    answering.send_multipart([identity, *encode(Pong(1, node="up"))])
+    deadline = time.monotonic() + TIMEOUT
+    while time.monotonic() < deadline:  # heartbeats keep both registered meanwhile
+        acks = {name: peer.call(Heartbeat(node_id=name)) for name in ("up", "natted")}
+        nodes = {n["id"]: n for n in peer.status()["nodes"]}
+        if nodes["up"]["reachable"] is not None and nodes["natted"]["reachable"] is not None:
+            break
+        time.sleep(0.05)
+    assert (nodes["up"]["reachable"], nodes["natted"]["reachable"]) == (True, False)
+    acks = {name: peer.call(Heartbeat(node_id=name)) for name in ("up", "natted")}
+    assert (acks["up"].reachable, acks["natted"].reachable) == (True, False)
+    assert any(e.get("code") == "unreachable" and e.get("node") == "natted" for e in peer.status()["events"])
+    answering.close(linger=0)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -39,6 +39,7 @@ class NodeInfo:
     public_key: str = ""  # CURVE key peers dial it with (secured swarms; its relay's when relayed); hops carry it
     relay: str = ""  # control endpoint of the relay whose front ``endpoint`` is; "": reached directly
     rtts: dict = field(default_factory=dict, hash=False, compare=False)  # peer id -> round trip ms it measured
+    reachable: bool | None = None  # whether the tracker reached ``endpoint`` (None: not checked yet)
 
     @property
     def layers(self) -> tuple[int, int]:
@@ -129,6 +130,14 @@ class Registry:
         self._nodes[msg.node_id] = node
         if node.at_capacity != old.at_capacity or node.rtts.keys() != old.rtts.keys():
             self.version += 1  # plans change with load limits and with what is known of links
+        return node
+
+    def set_reachable(self, node_id: str, endpoint: str, reachable: bool) -> NodeInfo | None:
+        """Record a reachability check of ``endpoint`` (ignored if the node moved since)."""
+        node = self._nodes.get(node_id)
+        if node is None or node.endpoint != endpoint:
+            return None
+        self._nodes[node_id] = node = replace(node, reachable=reachable)
         return node
 
     def expire(self) -> list[NodeInfo]:

@@ -40,6 +40,7 @@ from fabric.metrics import Sample
 from fabric.security import Security, peer_key, serve_securely, start_authenticator
 
 from .events import EventRing
+from .reach import ReachChecker
 from .ledger import Ledger, check_report, default_ledger_path
 from .planner import (
     CostModel, Plan, assign_span, estimate_route, hop_dict, hop_weights, layer_rate,
@@ -71,6 +72,7 @@ class TrackerConfig:
     max_message_bytes: int = 4 << 20  # ZeroMQ drops larger inbound messages
     cost: CostModel = CostModel()  # the planner's cost knobs
     security: Security | None = None  # CurveZMQ keys + allow-list; None: plaintext (a trusted LAN)
+    reach_timeout: float = 3.0  # seconds a node's endpoint has to answer the tracker's PING (0: never check)
 
 
 HANDLED = (Kind.REGISTER, Kind.HEARTBEAT, Kind.ROUTE_REQUEST, Kind.REPORT, Kind.STATUS_REQUEST,
@@ -101,6 +103,7 @@ class Tracker:
         self._next_stats = 0.0
         self._node_keys: dict[str, str] = {}  # node id -> the CURVE key that first registered it
         self._allowed: set[str] | None = None  # allow-listed public keys (secured), read on first use
+        self._reach: ReachChecker | None = None  # checks registered endpoints (while running)
         self.handled: Counter[str] = Counter({k.name.lower(): 0 for k in HANDLED})  # for /metrics
 
     # ----------------------------------------------------------------- loop
@@ -119,9 +122,14 @@ class Tracker:
                 self.pub_endpoint = self._pub.getsockopt_string(zmq.LAST_ENDPOINT)
                 log.info("tracker listening on %s, publishing on %s, ledger %s",
                          self.endpoint, self.pub_endpoint, self.config.db)
+                if self.config.reach_timeout > 0:
+                    self._reach = ReachChecker(context, self.config.security, self.config.reach_timeout)
                 self.ready.set()
                 self._loop(router, stop)
         finally:
+            if self._reach is not None:
+                self._reach.close()
+                self._reach = None
             for sock in sockets:
                 sock.close(linger=0)
             self._pub = self._ledger = None
@@ -168,6 +176,7 @@ class Tracker:
 
     def _housekeeping(self) -> None:
         self._expire()
+        self._reach_results()
         now = time.monotonic()
         if now >= self._next_stats:
             self._next_stats = now + self.config.stats_interval
@@ -252,6 +261,8 @@ class Tracker:
     def _on_register(self, msg: Register, peer: str = "") -> Message:
         old = self.registry.get(msg.node_id)
         node = self.registry.register(msg, self._hop_key(msg, peer))
+        if self._reach is not None:
+            self._reach.check(node.node_id, node.endpoint, node.public_key)
         if old is not None and old.fingerprint != node.fingerprint:
             self.stats.forget_node(node.node_id)
         self._expire()  # publishes plans if the topology changed
@@ -281,7 +292,15 @@ class Tracker:
         if node is None:
             return Error(code=ErrorCode.UNKNOWN_NODE, node=msg.node_id,
                          message=f"node {msg.node_id!r} is not registered; register again")
-        return Ack(probe=self._probes_for(node))
+        return Ack(probe=self._probes_for(node), reachable=node.reachable is not False)
+
+    def _reach_results(self) -> None:
+        for result in self._reach.results() if self._reach is not None else ():
+            node = self.registry.set_reachable(result.node_id, result.endpoint, result.reachable)
+            if node is not None and not result.reachable:
+                self._emit(self.events.add(
+                    "error", f"node {node.node_id} is not reachable at {node.endpoint} (behind NAT? it needs "
+                    f"--advertise or a relay)", node=node.node_id, model=node.model, code="unreachable"))
 
     def _probes_for(self, node: NodeInfo) -> tuple[Hop, ...]:
         """The peers a node could share a route with: it keeps measuring its round trips to them."""
@@ -407,7 +426,7 @@ class Tracker:
                 "layer_steps_per_s": layer_rate(node, rates, self.config.cost),
                 "measured": measured is not None, "hardware": node.hardware,
                 "last_seen_s": round(self.registry.age(node), 3),
-                "relay": node.relay, "relayed": bool(node.relay), "rtts": node.rtts}
+                "relay": node.relay, "relayed": bool(node.relay), "rtts": node.rtts, "reachable": node.reachable}
 
     def _node_rows(self) -> list[dict]:
         rates = self.stats.layer_rates()
