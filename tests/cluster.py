@@ -77,6 +77,25 @@ class ThreadCluster:
     def client(self, security=None) -> Client:
         return Client(self.endpoint, timeout=30, security=security or self.security)
 
+    def stream_all(self, model: str, prompts: list[str], max_tokens: int) -> dict[int, list[int]]:
+        """Greedy chat streams of every prompt at once (started together); token ids by index."""
+        outputs: dict[int, list[int]] = {}
+        together = threading.Barrier(len(prompts))
+
+        def stream(i: int) -> None:
+            with self.client() as client:
+                together.wait(30)
+                events = client.generate(model, messages=[{"role": "user", "content": prompts[i]}],
+                                         max_tokens=max_tokens)
+                outputs[i] = [t for e in events for t in e.token_ids]
+
+        threads = [threading.Thread(target=stream, args=(i,)) for i in range(len(prompts))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        return outputs
+
     def wait_routable(self, model: str, nodes: int, timeout: float = 30.0) -> dict:
         def ready() -> bool:
             try:

@@ -1,7 +1,6 @@
 """Decode steps of concurrent sessions batched into one forward pass give the same tokens."""
 from __future__ import annotations
 
-import threading
 
 import pytest
 import torch
@@ -54,18 +53,7 @@ def test_concurrent_streams_are_batched_and_unchanged(thread_cluster, tiny_model
     tail = thread_cluster.add_node(model, 3, 5, 6, "tail")
     thread_cluster.wait_routable(model.name, 2)
     prompts = ["hello world", "the quick brown fox", "how are you today?", "meshnet splits a model"]
-    outputs: dict[int, list[int]] = {}
-
-    def stream(i: int) -> None:
-        with thread_cluster.client() as client:
-            events = client.generate(model.name, messages=[{"role": "user", "content": prompts[i]}], max_tokens=40)
-            outputs[i] = [t for e in events for t in e.token_ids]
-
-    threads = [threading.Thread(target=stream, args=(i,)) for i in range(len(prompts))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
+    outputs = thread_cluster.stream_all(model.name, prompts, 40)
     for i, prompt in enumerate(prompts):
         ids = prompt_ids_for(model, prompt)
         assert outputs[i] == reference_greedy(model, ids, 40), prompt

@@ -2,7 +2,6 @@
 passes each on as a chunk, and every stream still gets exactly the single-process tokens."""
 from __future__ import annotations
 
-import threading
 from collections import deque
 from types import SimpleNamespace
 
@@ -99,20 +98,7 @@ def test_long_prompt_chunked_beside_running_streams(thread_cluster, tiny_models)
     tail = thread_cluster.add_node(model, 3, 5, 6, "tail", prefill_slice=1e-9)
     thread_cluster.wait_routable(model.name, 2)
     prompts = ["hi", "one two", "a much longer prompt that arrives while the others decode, " * 3]
-    outputs: dict[int, list[int]] = {}
-    started = threading.Barrier(len(prompts))
-
-    def stream(i: int) -> None:
-        with thread_cluster.client() as client:
-            started.wait(30)
-            events = client.generate(model.name, messages=[{"role": "user", "content": prompts[i]}], max_tokens=24)
-            outputs[i] = [t for e in events for t in e.token_ids]
-
-    threads = [threading.Thread(target=stream, args=(i,)) for i in range(len(prompts))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
+    outputs = thread_cluster.stream_all(model.name, prompts, 24)
     for i, prompt in enumerate(prompts):
         assert outputs[i] == reference_greedy(model, prompt_ids_for(model, prompt), 24), prompt
     # with other requests in flight, prompts went in chunks through both hops
