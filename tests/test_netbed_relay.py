@@ -25,6 +25,15 @@ def _nodes(status: dict) -> dict:
     return {n["id"]: n for n in status["nodes"]}
 
 
+def _start_one_by_one(bed: nb.Netbed, nodes: dict[str, str], model) -> None:
+    """Start each node once the one before has registered: a node measures its speed as
+    it starts, and the planner should not see the noise of four starting at once."""
+    with bed.client("tracker") as agent:
+        for host, span in nodes.items():
+            bed.start_node(host, model, span)
+            assert nb.wait_until(lambda: host in _nodes(agent.status()), 120), bed.logs()
+
+
 def _start_relay(bed: nb.Netbed, host: str):
     control, *_ = bed.expose(host, RELAY_PORT, *range(FRONT_PORTS[0], FRONT_PORTS[1] + 1))
     bed.spawn_cli(host, "relay", "relay", "--bind", control.bind, "--advertise-host", bed.hosts[host].ip,
@@ -98,8 +107,7 @@ def test_with_30ms_links_the_plan_takes_fewer_hops_and_predicts_the_decode_rate(
     for host in layers:
         netbed.add_host(host, delay=0.015)
     netbed.start_tracker("tracker")
-    for host, span in layers.items():
-        netbed.start_node(host, model, span)
+    _start_one_by_one(netbed, layers, model)
     with netbed.client("client") as client:
         client.wait_nodes(list(layers), model.name)
 
@@ -138,8 +146,7 @@ def test_the_planner_picks_the_near_replica(netbed, tiny_models):
         netbed.add_host(host, delay=DELAY)
     netbed.add_host("far", delay=0.030)
     netbed.start_tracker("tracker")
-    for host, span in (("head", "0-2"), ("far", "3-5"), ("near", "3-5")):
-        netbed.start_node(host, model, span)
+    _start_one_by_one(netbed, {"head": "0-2", "far": "3-5", "near": "3-5"}, model)
     with netbed.client("client") as client:
         client.wait_nodes(["head", "far", "near"], model.name)
 
