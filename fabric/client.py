@@ -33,6 +33,11 @@ class FabricError(Exception):
         self.message = message
 
 
+def _tracker_silent(endpoint: str) -> FabricError:
+    return FabricError(p.ErrorCode.INTERNAL,
+                       f"tracker at {endpoint} did not answer (is it running? a secured swarm needs --keys)")
+
+
 class HeadDied(FabricError):
     """The connection to the head dropped: its process is gone."""
 
@@ -157,7 +162,7 @@ class Client(_ClientBase):
         self._tracker.send_multipart(p.encode(message))
         if not self._tracker.poll(self.timeout * 1000):
             self.close()  # drop the socket: a late reply must not answer the next question
-            raise FabricError(p.ErrorCode.INTERNAL, f"tracker at {self.tracker_endpoint} did not answer (is it running? a secured swarm needs --keys)")
+            raise _tracker_silent(self.tracker_endpoint)
         return _decode(self._tracker.recv_multipart())
 
     def status(self) -> dict:
@@ -240,7 +245,7 @@ class AsyncClient(_ClientBase):
             try:
                 await self._tracker.send_multipart(p.encode(message))
                 if not await self._tracker.poll(self.timeout * 1000):
-                    raise FabricError(p.ErrorCode.INTERNAL, f"tracker at {self.tracker_endpoint} did not answer (is it running? a secured swarm needs --keys)")
+                    raise _tracker_silent(self.tracker_endpoint)
                 return _decode(await self._tracker.recv_multipart())
             except BaseException:
                 await self.close()  # a late reply must never answer the next question

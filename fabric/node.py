@@ -349,7 +349,8 @@ class Node:
             return  # a whole short prompt or a remainder says little about a slice's cost
         target = IDLE_SLICE_S if mode == "idle" else (
             self.config.prefill_slice or max(MIN_SLICE_S, SLICE_PER_DECODE * (self._decode_batch_s or 0.0)))
-        self._slice_tokens[mode] = min(MAX_SLICE_TOKENS, max(MIN_SLICE_TOKENS, q * min(2.0, max(0.5, target / elapsed))))
+        size = q * min(2.0, max(0.5, target / elapsed))
+        self._slice_tokens[mode] = min(MAX_SLICE_TOKENS, max(MIN_SLICE_TOKENS, size))
 
     def _take(self, decode: bool) -> Work:
         """Remove and return the first queued hop of the wanted kind whose session has
