@@ -279,3 +279,28 @@ def test_a_relay_inside_the_tracker_process(process_cluster, tiny_models):
     nodes = {n["id"]: n for n in process_cluster.wait_nodes(["solo"], model.name)["nodes"]}
     assert nodes["solo"]["relay"] == relay
     _check_tokens(process_cluster, model, expected)
+
+
+def test_a_route_through_a_relay_that_dies_fails_over_like_any_hop(process_cluster, tiny_models):
+    """The relayed hop is a hop like any other to the head's route session: when its relay
+    dies mid-generation the head routes around it and the output is unchanged."""
+    from tests.test_tracker_processes import hops_of
+
+    model = tiny_models("llama")
+    expected = reference_greedy(model, prompt_ids(model), 150)
+    relay = process_cluster.start_relay()
+    process_cluster.start_node("head", str(model), "0-2")
+    process_cluster.start_node("tail1", str(model), "3-5", None, "--relay", relay)
+    process_cluster.start_node("tail2", str(model), "3-5")
+    status = process_cluster.wait_nodes(["head", "tail1", "tail2"], model.name)
+    (via_relay,) = [pl for pl in status["plans"][model.name] if pl["hops"][-1]["node"] == "tail1"]
+    got = []
+    with process_cluster.client() as client:
+        for event in client.generate(model.name, messages=MESSAGES, max_tokens=150, route=hops_of(via_relay)):
+            got.extend(event.token_ids)
+            if len(got) == 5:
+                process_cluster.kill("relay", signal.SIGKILL)
+            if event.event == "done":
+                assert event.route[-1].node == "tail2"
+    assert got == expected
+    assert process_cluster.procs["tail1"].poll() is None

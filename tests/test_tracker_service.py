@@ -357,10 +357,13 @@ def test_heartbeats_list_peers_to_probe_and_measured_links_steer_the_plan(start)
     peer.call(register("b", 15, 29, 2000.0))
     peer.call(register("c", 0, 29, 1400.0))
     peer.call(register("other", 0, 29, model="x"))
+    peer.call(register("mid", 10, 12, 2000.0))  # a hop of a could hand off to it; b never could
     assert [h["node"] for h in peer.status()["plans"]["m"][0]["hops"]] == ["a", "b"]  # links unknown: 2 ms
     ack = peer.call(Heartbeat(node_id="a", rtts={"b": 60.0, "c": 60.0}))
     assert isinstance(ack, Ack)
-    assert {(h.node, h.endpoint) for h in ack.probe} == {("b", "tcp://127.0.0.1:7015"), ("c", "tcp://127.0.0.1:7000")}
+    assert {(h.node, h.endpoint) for h in ack.probe} == {("b", "tcp://127.0.0.1:7015"), ("c", "tcp://127.0.0.1:7000"),
+                                                         ("mid", "tcp://127.0.0.1:7010")}
+    assert {h.node for h in peer.call(Heartbeat(node_id="b")).probe} == {"a", "c"}  # not mid: 10-12 ends before 15
     body = peer.status()
     nodes = {n["id"]: n for n in body["nodes"]}
     assert nodes["a"]["rtts"] == {"b": 60.0, "c": 60.0} and nodes["b"]["rtts"] == {}

@@ -303,9 +303,12 @@ class Tracker:
                     f"--advertise or a relay)", node=node.node_id, model=node.model, code="unreachable"))
 
     def _probes_for(self, node: NodeInfo) -> tuple[Hop, ...]:
-        """The peers a node could share a route with: it keeps measuring its round trips to them."""
+        """The peers a node could hand off to or from in a route (shards that touch or
+        overlap its own, and head <-> tail for the token's return): it keeps measuring its
+        round trips to them."""
         peers = [n for n in self.registry.snapshot() if n.node_id != node.node_id and n.model == node.model
-                 and n.fingerprint == node.fingerprint and n.num_layers == node.num_layers]
+                 and n.fingerprint == node.fingerprint and n.num_layers == node.num_layers
+                 and _neighbours(node, n)]
         return tuple(Hop(n.node_id, n.endpoint, n.start_layer, n.end_layer, key=n.public_key)
                      for n in peers[:MAX_PROBE_PEERS])
 
@@ -464,6 +467,14 @@ class Tracker:
             self._pub.send_multipart([topic, msgpack.packb(payload, use_bin_type=True)], zmq.NOBLOCK)
         except zmq.ZMQError as exc:
             log.debug("dropped a %s publication: %s", topic.decode(), exc)
+
+
+def _neighbours(a: NodeInfo, b: NodeInfo) -> bool:
+    """Whether some route could hand off between ``a`` and ``b`` (either way)."""
+    touching = a.start_layer <= b.end_layer + 1 and b.start_layer <= a.end_layer + 1
+    last = a.num_layers - 1
+    head_tail = (a.start_layer == 0 and b.end_layer == last) or (b.start_layer == 0 and a.end_layer == last)
+    return touching or head_tail
 
 
 def serve(config: TrackerConfig, tracker: Tracker | None = None) -> None:
