@@ -53,10 +53,10 @@ def install() -> None:
     add = EVENTS.append
 
     def run(orig):
-        def wrapper(self, session, start, end, inputs, pos):
+        def wrapper(self, session, start, end, inputs, pos, **kw):
             t0 = _now()
             try:
-                return orig(self, session, start, end, inputs, pos)
+                return orig(self, session, start, end, inputs, pos, **kw)
             finally:
                 add(("run", session, pos, int(inputs.shape[1]), start, end, t0, _now()))
         return wrapper

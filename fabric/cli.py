@@ -279,11 +279,21 @@ def _node_parser(sub) -> None:
     p.set_defaults(func=cmd_node)
 
 
+def _omp_workers_nap() -> None:
+    """Before torch loads: idle OpenMP workers spin only briefly (GOMP_SPINCOUNT=10000), then sleep.
+
+    libgomp's default spins ~300 000 times after every parallel region: nodes share hosts (with
+    each other, the web UI, anything) and that spinning takes the cores a busy node needs
+    (3-7x slower decode steps measured on a loaded 2-core machine). Sleeping at once
+    (OMP_WAIT_POLICY=PASSIVE) costs ~25% inside a forward pass, whose regions follow each
+    other within microseconds; a short spin keeps most of that. Either variable set wins.
+    """
+    if "OMP_WAIT_POLICY" not in os.environ and "GOMP_SPINCOUNT" not in os.environ:
+        os.environ["GOMP_SPINCOUNT"] = "10000"
+
+
 def cmd_node(args) -> int:
-    # Idle OpenMP workers otherwise spin for milliseconds after every parallel region. Nodes share
-    # hosts (with each other, the web UI, anything), and that spinning takes the cores the busy
-    # node needs: measured 3-7x slower decode steps on a loaded 2-core machine. Set it to override.
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    _omp_workers_nap()
     import torch
 
     from .models import ModelError, default_cache_root, default_data_root, load_config, resolve
