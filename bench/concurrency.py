@@ -40,7 +40,7 @@ def start_cluster(model: str, nodes: int, tmp: Path, threads: int = 0,
                   node_args: tuple[str, ...] = ()) -> tuple[list[subprocess.Popen], str]:
     tracker = f"tcp://127.0.0.1:{free_port()}"
     me = [sys.executable, "-m", "fabric.cli", "--log-level", "warning"]
-    threads = str(threads or threads_per_node(nodes))
+    alone, busy = (threads, threads) if threads else threads_per_node(nodes)
     procs = [subprocess.Popen([*me, "tracker", "--bind", tracker, "--pub", f"tcp://127.0.0.1:{free_port()}",
                                "--db", str(tmp / "ledger.sqlite3")], cwd=REPO)]
     from fabric.models import load_config, resolve
@@ -48,7 +48,8 @@ def start_cluster(model: str, nodes: int, tmp: Path, threads: int = 0,
     layers = load_config(resolve(model)).num_hidden_layers
     for shard in even_split(layers, nodes):
         procs.append(subprocess.Popen([*me, "node", "--model", model, "--layers", str(shard), "--tracker",
-                                       tracker, "--threads", threads, "--no-progress", *node_args], cwd=REPO))
+                                       tracker, "--threads", str(alone), "--busy-threads", str(busy),
+                                       "--no-progress", *node_args], cwd=REPO))
     with Client(tracker, timeout=2) as client:
         def ready():
             try:

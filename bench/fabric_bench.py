@@ -646,7 +646,7 @@ def run(args, state: dict) -> dict:
         raw = RawRTT(procs, hidden * 4)
         # phase A: what users run, threads per node as `meshnet up` assigns them
         main = [Cluster(f"fabric-{n}", f"fabric {n} node{'s' * (n > 1)}", even_split(num_layers, n),
-                        threads_per_node(n, cores)) for n in (1, 2, 3)]
+                        threads_per_node(n, cores)[0]) for n in (1, 2, 3)]  # one stream: all cores
         for c in main:
             start_cluster(procs, c, args.model, tmp)
         log("loading the single-process baseline while the nodes load")

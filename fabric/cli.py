@@ -114,7 +114,8 @@ def _up_parser(sub) -> None:
     p.add_argument("--pub", default=DEFAULT_PUB, help="tracker PUB endpoint (default %(default)s)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--threads", type=int, default=0,
-                   help="torch threads per node (default: all cores for each; idle nodes' workers sleep)")
+                   help="torch threads per node (default: all cores for each while one request runs, the "
+                        "cores divided among the nodes while several do)")
     _quant_flag(p)
     _keys_flag(p)
     p.set_defaults(func=cmd_up)
@@ -131,16 +132,17 @@ def cmd_up(args) -> int:
     except (ModelError, ValueError) as exc:
         log.error("%s", exc)
         return 2
-    threads = args.threads or threads_per_node(len(shards))
-    log.info("starting a tracker, %d nodes (layers %s, %d torch threads each) and the web UI; loading weights…",
-             len(shards), ", ".join(map(str, shards)), threads)
+    threads, busy = threads_per_node(len(shards))
+    threads, busy = (args.threads, args.threads) if args.threads else (threads, busy)
+    log.info("starting a tracker, %d nodes (layers %s, %d torch threads each, %d while several requests run) "
+             "and the web UI; loading weights…", len(shards), ", ".join(map(str, shards)), threads, busy)
     security = _security(args)  # checked here, so a bad key directory fails before anything starts
     me = [sys.executable, "-m", "fabric.cli", "--log-level", args.log_level,
           *(["--config", args.config] if args.config else [])]  # nodes read its [node] table too
     keys = ["--keys", args.keys] if args.keys else []
     commands = [[*me, "tracker", "--bind", args.tracker, "--pub", args.pub, *keys]]
     commands += [[*me, "node", "--model", args.model, "--layers", str(s), "--tracker", args.tracker,
-                  "--threads", str(threads), "--dtype", args.dtype, "--quant", args.quant, "--no-progress", *keys]
+                  "--threads", str(threads), "--busy-threads", str(busy), "--dtype", args.dtype, "--quant", args.quant, "--no-progress", *keys]
                  for s in shards]
     commands.append([*me, "webui", "--tracker", args.tracker, "--pub", args.pub, "--host", args.host,
                      "--port", str(args.port), *keys])
@@ -259,6 +261,9 @@ def _node_parser(sub) -> None:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     _quant_flag(p)
     p.add_argument("--threads", type=int, default=0, help="torch threads (default: all cores)")
+    p.add_argument("--busy-threads", type=int, default=0,
+                   help="torch threads while this node holds several sessions, for nodes that share a machine "
+                        "and then compute at once (default: as --threads)")
     p.add_argument("--max-sessions", type=int, default=64, help="sessions this node keeps KV for")
     p.add_argument("--max-prompt-tokens", type=int, default=4096, help="longest prompt the head accepts")
     p.add_argument("--prefill-slice-ms", type=float, default=0.0, metavar="MS",
@@ -323,6 +328,7 @@ def cmd_node(args) -> int:
                         dtype=dtype, node_id=node_id, quant=None if args.quant == "none" else args.quant,
                         max_sessions=args.max_sessions, max_prompt_tokens=args.max_prompt_tokens,
                         prefill_slice=max(0.0, args.prefill_slice_ms) / 1000, wire_dtype=args.wire_dtype,
+                        busy_threads=max(0, args.busy_threads),
                         hop_timeout=args.hop_timeout, heartbeat_interval=args.heartbeat,
                         cache_root=default_cache_root(), progress=not args.no_progress,
                         security=_security(args), relay=args.relay, relay_fallback=args.relay_fallback,

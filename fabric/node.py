@@ -61,6 +61,7 @@ class NodeConfig:
     max_prompt_tokens: int = 4096  # the head refuses longer prompts
     prefill_slice: float = 0.0  # seconds of prefill run between decode batches while streams decode; 0: auto
     wire_dtype: str = ""  # hidden states on the wire of routes this node heads ("": compute dtype)
+    busy_threads: int = 0  # torch threads while several sessions are in flight here (0: no change)
     max_frame_bytes: int = 64 << 20  # largest tensor buffer accepted from a peer
     cache_root: Path | None = None  # where parsed GGUF metadata is cached
     progress: bool = True  # show a progress bar while weights load
@@ -160,6 +161,7 @@ class Node:
         self._next_heartbeat = 0.0
         self._ran_prefill = False  # the last hop run was a prefill (chunk): a decode batch goes next
         self._decode_batch_s: float | None = None  # seconds per decode batch here (moving average)
+        self._threads = torch.get_num_threads()  # while one session computes here (set before start)
         # prefill tokens per slice, steered so a slice takes its target time (beside streams / alone)
         self._slice_tokens = {"busy": float(FIRST_SLICE_TOKENS), "idle": float(FIRST_SLICE_TOKENS)}
 
@@ -370,6 +372,7 @@ class Node:
     def _execute(self, batch: list[Work]) -> None:
         """Run hops (one, or a batch of decode steps); a failure costs those sessions only,
         never the node."""
+        self._pick_threads()
         started = time.perf_counter()
         try:
             results = ([self._run_one(batch[0])] if len(batch) == 1 else self.executor.run_batch(
@@ -393,6 +396,13 @@ class Node:
                 log.exception("could not pass on session %s", work.msg.session)
                 self._after_hop(work, exc)
 
+    def _pick_threads(self) -> None:
+        """Nodes sharing a machine compute at once while several sessions are in flight:
+        then take ``busy_threads`` (their share of the cores), else every thread."""
+        want = self.config.busy_threads if self.config.busy_threads and len(self.kv) > 1 else self._threads
+        if want != torch.get_num_threads():
+            torch.set_num_threads(want)
+
     def _run_one(self, work: Work) -> StepResult | Exception:
         msg = work.msg
         try:
@@ -404,6 +414,8 @@ class Node:
     def _after_hop(self, work: Work, result: StepResult | Exception) -> None:
         """Send what a hop produced: the next FORWARD, the tail's TOKEN, or a failure."""
         msg = work.msg
+        if msg.more and msg.session in self.sessions:
+            self.sessions[msg.session].progressed(time.monotonic())
         if isinstance(result, CacheMissError):
             self.counters["cache_miss"] += 1
             self._send(msg.reply_to, msg.reply_key, p.CacheMiss(msg.session, msg.step, self.config.node_id,

@@ -197,6 +197,12 @@ class RouteSession:
         self._send(self.history, pos=0)
         return []
 
+    def progressed(self, now: float) -> None:
+        """The head ran a slice of this step's prefill and passed it on: the step is moving,
+        so its reply timeout counts from now (a long prompt may take longer than one)."""
+        if not self.finished:
+            self.sent_at = now
+
     def begin_failover(self, dead_nodes: set[str]) -> None:
         """Hops died: stop waiting on them until ``reroute`` gives a route around them."""
         self.excluded |= dead_nodes

@@ -139,3 +139,19 @@ def test_bfloat16_wire_for_a_float32_route(thread_cluster, tiny_models):
         x = torch.tensor([[token]])
     assert seen and set(seen) == {torch.bfloat16}
     assert got == expected[:len(got)] and len(got) >= 8
+
+
+def test_threads_drop_to_the_busy_share_while_sessions_overlap():
+    before = torch.get_num_threads()
+    node = SimpleNamespace(config=SimpleNamespace(busy_threads=1), _threads=2, kv={"a": None})
+    try:
+        Node._pick_threads(node)
+        assert torch.get_num_threads() == 2  # one session: every thread
+        node.kv["b"] = None
+        Node._pick_threads(node)
+        assert torch.get_num_threads() == 1  # two in flight: nodes on this machine compute at once
+        node.config.busy_threads = 0
+        Node._pick_threads(node)
+        assert torch.get_num_threads() == 2  # no busy share configured: unchanged policy
+    finally:
+        torch.set_num_threads(before)

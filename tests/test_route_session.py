@@ -152,3 +152,14 @@ def test_eos_ids_collects_tokenizer_and_config(split):
     class C:
         eos_token_id = [2, 9]
     assert eos_ids(tok, C()) == frozenset({tok.eos_token_id, 2, 9})
+
+
+def test_a_prefill_that_keeps_moving_is_not_timed_out(split):
+    rs, transport, _ = new_session(split)
+    rs.start()
+    transport.replies.clear()  # the reply is slow: the prompt is long
+    sent = len(transport.sent)
+    t0 = rs.sent_at
+    rs.progressed(t0 + 25)  # the head passed on another slice of the prompt
+    assert rs.check_timeout(t0 + 40, timeout=30) == [] and len(transport.sent) == sent
+    assert rs.check_timeout(t0 + 56, timeout=30) == [] and len(transport.sent) == sent + 1  # then silence: re-sent
