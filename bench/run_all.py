@@ -30,6 +30,7 @@ SCRIPTS = {
     "quant_bench": (["--json", "OUT/quant_bench.json"], ["--reps", "2", "--json", "OUT/quant_bench.json"]),
     "failover": ([], ["--runs", "1"]),
     "load": (["--clients", "8", "--seconds", "30"], ["--clients", "4", "--seconds", "10"]),
+    "omp_wait": ([], ["--rounds", "1"]),
     "netbed": (["--json", "OUT/netbed.json"], ["--reps", "2", "--only", "2ms", "--json", "OUT/netbed.json"]),
 }
 VERDICT = re.compile(r"\b(PASS|MISS|met|missed|MISSED|skipped)\b|\d+(\.\d+)?x\b")
