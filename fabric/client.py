@@ -215,8 +215,7 @@ class Client(_ClientBase):
         finally:
             if not done:
                 sock.send_multipart(p.encode(p.Cancel(msg.request_id)))
-            monitor.close(linger=0)
-            sock.close(linger=100 if not done else 0)
+            _close_head(sock, monitor, done)
 
     def chat(self, model: str, prompt: str, **kwargs) -> str:
         """The whole reply to one user message, as text."""
@@ -304,8 +303,7 @@ class AsyncClient(_ClientBase):
         finally:
             if not done:
                 await sock.send_multipart(p.encode(p.Cancel(msg.request_id)))
-            monitor.close(linger=0)
-            sock.close(linger=100 if not done else 0)
+            _close_head(sock, monitor, done)
 
 
 def _open_head(ctx, msg: p.Generate, security, poller):
@@ -315,6 +313,14 @@ def _open_head(ctx, msg: p.Generate, security, poller):
     poller.register(sock, zmq.POLLIN)
     poller.register(monitor, zmq.POLLIN)
     return sock, monitor
+
+
+def _close_head(sock, monitor, done: bool) -> None:
+    # the monitor stops before its reader closes: an event with no reader would block the
+    # context's I/O thread, and with it every socket of this process
+    sock.disable_monitor()
+    monitor.close(linger=0)
+    sock.close(linger=100 if not done else 0)
 
 
 def _head_ready(ready: dict, sock, monitor, msg: p.Generate, tokens: int) -> None:

@@ -189,6 +189,10 @@ class Node:
             self.close()
 
     def close(self) -> None:
+        for sock in self.peer_of:
+            # first stop each link monitor: an event for a monitor whose reader is gone blocks
+            # the context's I/O thread, and with it every socket of this process
+            sock.disable_monitor()
         for sock in [*self.monitor_of, self.router, *self.peers.values(), *([self.tracker] if self.tracker else [])]:
             sock.close(linger=0)
         if self.relay is not None:
