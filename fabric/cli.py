@@ -154,7 +154,8 @@ def supervise(commands: list[list[str]], url: str, tracker: str, nodes: int, sec
     """Run every command; stop them all on Ctrl-C or when any one dies."""
     procs: list[subprocess.Popen] = []
     stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    for sig in (signal.SIGINT, signal.SIGTERM):  # SIGINT too: a shell may start us with it ignored
+        signal.signal(sig, lambda *_: stop.set())
     try:
         for cmd in commands:
             procs.append(subprocess.Popen(cmd))
