@@ -170,7 +170,7 @@ def supervise(commands: list[list[str]], url: str, tracker: str, nodes: int, sec
     except KeyboardInterrupt:
         return 0
     finally:
-        _stop_all(procs)
+        stop_processes(procs)
 
 
 def _announce_when_ready(tracker: str, nodes: int, url: str, stop: threading.Event, procs, security) -> None:
@@ -189,7 +189,8 @@ def _announce_when_ready(tracker: str, nodes: int, url: str, stop: threading.Eve
             stop.wait(0.5)
 
 
-def _stop_all(procs: list[subprocess.Popen], grace: float = 10.0) -> None:
+def stop_processes(procs: list[subprocess.Popen], grace: float = 10.0) -> None:
+    """SIGINT every live process (last started first), wait up to ``grace`` s, then kill."""
     for proc in reversed(procs):
         if proc.poll() is None:
             proc.send_signal(signal.SIGINT)

@@ -80,6 +80,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
 
+from fabric.cli import stop_processes
+
 ROOT = Path(__file__).resolve().parent.parent
 LOCKS = Path("/run/meshnet-netbed")  # one lock file per live bed, held by its owner
 NAME = re.compile(r"^mn(\d+)x(\d+)-")
@@ -428,7 +430,7 @@ class Netbed:
         self._closed = True
         for agent in self._agents:
             agent.close()
-        _stop(list(self.procs.values()) + self.proxies)
+        stop_processes(list(self.procs.values()) + self.proxies, grace=5.0)
         self.procs.clear()
         self.proxies.clear()
         _delete(self.prefix, [h.ns for h in self.hosts.values()] + [self.hub])
@@ -550,19 +552,6 @@ def wait_until(cond, timeout: float, every: float = 0.05) -> bool:
             return False
         time.sleep(every)
     return True
-
-
-def _stop(procs: list[subprocess.Popen], grace: float = 5.0) -> None:
-    for proc in procs:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGINT)
-    deadline = time.monotonic() + grace
-    for proc in procs:
-        try:
-            proc.wait(max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 def _delete(prefix: str, namespaces: list[str]) -> None:
