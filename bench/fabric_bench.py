@@ -68,6 +68,14 @@ QUIET = 0.15  # a timed run is "quiet" when other tenants used at most this shar
 MIN_QUIET = 2  # medians use the quiet runs when there are at least this many, else every run (flagged)
 
 
+def _relative(path: str) -> str:
+    """``path`` relative to the repository when it lies inside it (results name no local folders)."""
+    try:
+        return str(Path(path).resolve().relative_to(REPO))
+    except ValueError:
+        return path
+
+
 def log(msg: str) -> None:
     print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
@@ -631,7 +639,7 @@ def run(args, state: dict) -> dict:
     half = Shard(0, num_layers // 2 - 1, num_layers)
     report: dict = state.setdefault("report", {})
     report.update({
-        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "command": " ".join([Path(sys.executable).name, _relative(sys.argv[0]), *sys.argv[1:]]),
         "started": time.strftime("%Y-%m-%d %H:%M:%S %z"),
         "machine": {"cores": cores, "cpu": _cpu_name(), "torch": torch.__version__,
                     "transformers": transformers.__version__, "python": platform.python_version(),
