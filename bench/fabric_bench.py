@@ -147,17 +147,19 @@ def free_port() -> int:
 
 
 class LoadMeter:
-    """CPU used by other tenants of the machine while a measurement runs (0..1 of all cores)."""
+    """CPU used by other tenants of the machine while a measurement runs (0..1 of all cores):
+    everything but ``pids`` (default: this process) and their children."""
 
-    def __init__(self):
-        self.me = psutil.Process()
+    def __init__(self, pids: list[int] | None = None):
+        self.procs = [psutil.Process(pid) for pid in pids] if pids else [psutil.Process()]
 
     def _mine(self) -> float:
         total = 0.0
-        for p in [self.me, *self.me.children(recursive=True)]:
+        for proc in self.procs:
             try:
-                t = p.cpu_times()
-                total += t.user + t.system
+                for p in [proc, *proc.children(recursive=True)]:
+                    t = p.cpu_times()
+                    total += t.user + t.system
             except psutil.Error:
                 pass
         return total
@@ -362,6 +364,26 @@ def fabric_generate(c: Cluster, model: str, n_tokens: int, strict: bool = False,
 # --------------------------------------------------------------------------- baseline
 
 
+def clock_streamer():
+    """A transformers streamer that timestamps every generated token (``times``) and the end."""
+    from transformers.generation.streamers import BaseStreamer
+
+    class Clock(BaseStreamer):
+        def __init__(self):
+            self.prompt_seen, self.times, self.end_t = False, [], None
+
+        def put(self, value):
+            if not self.prompt_seen:
+                self.prompt_seen = True  # the first put is the prompt
+                return
+            self.times.append(time.perf_counter())
+
+        def end(self):
+            self.end_t = time.perf_counter()
+
+    return Clock()
+
+
 class Baseline:
     """The model in this process, loaded the way the brief says, run with ``generate``."""
 
@@ -380,22 +402,7 @@ class Baseline:
 
     def generate(self, n_tokens: int, threads: int, abort=None) -> dict:
         from transformers import StoppingCriteria, StoppingCriteriaList
-        from transformers.generation.streamers import BaseStreamer
-
         torch = self.torch
-
-        class Clock(BaseStreamer):
-            def __init__(self):
-                self.prompt_seen, self.times, self.end_t = False, [], None
-
-            def put(self, value):
-                if not self.prompt_seen:
-                    self.prompt_seen = True  # the first put is the prompt
-                    return
-                self.times.append(time.perf_counter())
-
-            def end(self):
-                self.end_t = time.perf_counter()
 
         class Abort(StoppingCriteria):
             def __call__(self, input_ids, scores, **kwargs):
@@ -403,7 +410,7 @@ class Baseline:
                                   dtype=torch.bool, device=input_ids.device)
 
         torch.set_num_threads(threads)
-        clock = Clock()
+        clock = clock_streamer()
         t_start = time.perf_counter()
         with torch.inference_mode():
             out = self.model.generate(self.input_ids, attention_mask=torch.ones_like(self.input_ids),

@@ -55,6 +55,8 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+from bench.fabric_bench import LoadMeter, clock_streamer  # noqa: E402
+
 PROMPTS = (
     "Explain in a few sentences why the sky is blue.",
     "Write a short poem about the sea.",
@@ -74,25 +76,6 @@ def log(msg: str) -> None:
 # --------------------------------------------------------------------------- workers
 # A worker loads one configuration, answers "ready", then runs every bench prompt for
 # each "run" line on stdin and answers one JSON line per run.
-
-
-def _clock_streamer():
-    from transformers.generation.streamers import BaseStreamer
-
-    class Clock(BaseStreamer):
-        def __init__(self):
-            self.prompt_seen, self.times = False, []
-
-        def put(self, value):
-            if not self.prompt_seen:
-                self.prompt_seen = True  # the first put is the prompt
-                return
-            self.times.append(time.perf_counter())
-
-        def end(self):
-            pass
-
-    return Clock()
 
 
 class HFWorker:
@@ -115,7 +98,7 @@ class HFWorker:
     def generate(self, ids: list[int], n: int) -> tuple[list[int], list[float]]:
         torch = self.torch
         x = torch.tensor([ids])
-        clock = _clock_streamer()
+        clock = clock_streamer()
         with torch.inference_mode():
             out = self.model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n, do_sample=False,
                                       eos_token_id=self.eos, pad_token_id=self.pad, streamer=clock)
@@ -224,51 +207,11 @@ def worker_main(args) -> int:
 # --------------------------------------------------------------------------- parent side
 
 
-class LoadMeter:
-    """Share of all cores that other tenants used while a measurement ran (0..1)."""
-
-    def __init__(self, pids):
-        import psutil
-
-        self.procs = [psutil.Process(p) for p in pids]
-
-    def _mine(self) -> float:
-        import psutil
-
-        total = 0.0
-        for p in self.procs:
-            try:
-                for q in [p, *p.children(recursive=True)]:
-                    t = q.cpu_times()
-                    total += t.user + t.system
-            except psutil.Error:
-                pass
-        return total
-
-    def __enter__(self):
-        import psutil
-
-        self.t0, self.sys0, self.mine0 = time.monotonic(), psutil.cpu_times(), self._mine()
-        return self
-
-    def __exit__(self, *exc):
-        import psutil
-
-        wall = max(time.monotonic() - self.t0, 1e-9)
-        sys1, mine1 = psutil.cpu_times(), self._mine()
-        busy = lambda t: sum(t) - t.idle - getattr(t, "iowait", 0.0) - getattr(t, "steal", 0.0)  # noqa: E731
-        cap = wall * (psutil.cpu_count() or 1)
-        self.foreign = max(0.0, (busy(sys1) - busy(self.sys0) - (mine1 - self.mine0)) / cap)
-        return False
-
-
 def wait_quiet(max_wait: float) -> float:
     """Wait up to ``max_wait`` s for other tenants to use at most QUIET of the machine."""
-    import os as _os
-
     deadline = time.monotonic() + max_wait
     while True:
-        with LoadMeter([_os.getpid()]) as m:
+        with LoadMeter() as m:
             time.sleep(1.0)
         if m.foreign <= QUIET or time.monotonic() > deadline:
             return m.foreign
