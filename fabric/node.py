@@ -33,7 +33,7 @@ from .metrics import Sample
 from .relay import RelayedPeer, RelayLink
 from .security import Security, SecurityError, dial_securely, serve_securely, start_authenticator
 from .shard import Shard
-from .tensors import from_wire, to_wire
+from .tensors import TORCH_DTYPES, from_wire, to_wire
 
 log = logging.getLogger(__name__)
 
@@ -98,7 +98,6 @@ MAX_SLICE_TOKENS = 4096
 SLICE_PER_DECODE = 1.0  # a prefill slice beside decoding streams may take this many of their decode batches
 MIN_SLICE_S = 0.02  # ...and at least this long
 IDLE_SLICE_S = 0.25  # ...and with no stream decoding here, this long
-WIRE_TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 LINK_EVENTS = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
 COUNTERS = ("hop_seconds", "hops", "batched_hops", "prefill_chunks", "cache_miss", "failovers", "rejected_frames",
             "dropped_frames", "hop_errors")
@@ -520,7 +519,7 @@ class Node:
             self.work.append(Work(message, tensor))
             return
         if message.wire_dtype and tensor.is_floating_point():
-            tensor = tensor.to(WIRE_TORCH_DTYPES[message.wire_dtype])
+            tensor = tensor.to(TORCH_DTYPES[message.wire_dtype])  # validated against WIRE_DTYPES
         spec, buf = to_wire(tensor)
         self._to_peer(hop.endpoint, hop.key, p.encode(dataclasses.replace(message, tensors=(spec,)), [buf]),
                       copy=False)
