@@ -132,8 +132,7 @@ def cmd_up(args) -> int:
     except (ModelError, ValueError) as exc:
         log.error("%s", exc)
         return 2
-    threads, busy = threads_per_node(len(shards))
-    threads, busy = (args.threads, args.threads) if args.threads else (threads, busy)
+    threads, busy = (args.threads, args.threads) if args.threads else threads_per_node(len(shards))
     log.info("starting a tracker, %d nodes (layers %s, %d torch threads each, %d while several requests run) "
              "and the web UI; loading weights…", len(shards), ", ".join(map(str, shards)), threads, busy)
     security = _security(args)  # checked here, so a bad key directory fails before anything starts

@@ -33,14 +33,11 @@ class LocalTransport:
         x, hops = tensor, (hop, *message.route)
         try:
             for h in hops:
-                result = self.executors[h.node].run(message.session, h.start_layer, h.end_layer, x, message.pos,
-                                                    logits=not message.more)
+                result = self.executors[h.node].run(message.session, h.start_layer, h.end_layer, x, message.pos)
                 x = result.hidden
         except CacheMissError as miss:
             self.replies.append(CacheMiss(message.session, message.step, h.node, miss.have))
             return
-        if message.more:
-            return  # a prefill chunk that more follow: the tail answers the last one only
         pos = message.pos + tensor.shape[1]
         self.replies.append(Token(message.session, message.step, sample(result.logits, message.sampling, pos), pos))
 
