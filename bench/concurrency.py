@@ -3,10 +3,10 @@
 
     python bench/concurrency.py [--model smollm2-135m] [--streams 1,2,4,8] [--tokens 48] [--plot OUT.png]
 
-Starts a tracker and a 2-node split (``python -m fabric.cli ...``, each node with
-``fabric.shard.threads_per_node`` torch threads, as ``meshnet up``) and drives it with N concurrent ``fabric.Client``
-streams (greedy, distinct prompts), timing aggregate generated tokens per second over the
-whole wave. Baselines measured in the same run: one stream on the same cluster, and
+Starts a tracker and a 2-node split (``python -m fabric.cli ...``, as ``meshnet up`` does:
+all cores each and one compute lock) and drives it with N concurrent ``fabric.Client``
+streams (greedy, distinct prompts, each exactly ``--tokens`` long), timing aggregate
+generated tokens per second over the whole wave. Baselines measured in the same run: one stream on the same cluster, and
 single-process transformers generating the same 8 prompts as one padded batch
 (``generate`` with batch 8, all cores). Targets: 8 streams >= 4x one stream, and >= 0.9x
 the single-process batch of 8. Writes a PNG plot when matplotlib is installed.
@@ -28,7 +28,7 @@ sys.path.insert(0, str(REPO))
 
 from fabric import Client  # noqa: E402
 from fabric.client import wait_for  # noqa: E402
-from fabric.shard import even_split, threads_per_node  # noqa: E402
+from fabric.shard import even_split  # noqa: E402
 from tests.cluster import free_port  # noqa: E402
 
 PROMPTS = ["Why is the sky blue?", "Name three prime numbers.", "Write a haiku about rivers.",
@@ -40,7 +40,7 @@ def start_cluster(model: str, nodes: int, tmp: Path, threads: int = 0,
                   node_args: tuple[str, ...] = ()) -> tuple[list[subprocess.Popen], str]:
     tracker = f"tcp://127.0.0.1:{free_port()}"
     me = [sys.executable, "-m", "fabric.cli", "--log-level", "warning"]
-    alone, busy = (threads, threads) if threads else threads_per_node(nodes)
+    threads_args = ["--threads", str(threads)] if threads else []  # default: all cores, as `meshnet up`
     procs = [subprocess.Popen([*me, "tracker", "--bind", tracker, "--pub", f"tcp://127.0.0.1:{free_port()}",
                                "--db", str(tmp / "ledger.sqlite3")], cwd=REPO)]
     from fabric.models import load_config, resolve
@@ -48,7 +48,7 @@ def start_cluster(model: str, nodes: int, tmp: Path, threads: int = 0,
     layers = load_config(resolve(model)).num_hidden_layers
     for shard in even_split(layers, nodes):
         procs.append(subprocess.Popen([*me, "node", "--model", model, "--layers", str(shard), "--tracker",
-                                       tracker, "--threads", str(alone), "--busy-threads", str(busy),
+                                       tracker, *threads_args, "--compute-lock", str(tmp / "compute.lock"),
                                        "--no-progress", *node_args], cwd=REPO))
     with Client(tracker, timeout=2) as client:
         def ready():
@@ -68,8 +68,9 @@ def wave(tracker: str, model: str, streams: int, tokens: int) -> tuple[float, li
 
     def one(i: int) -> None:
         with Client(tracker, timeout=120) as client:
+            # every stream generates exactly ``tokens``, as the baseline's min_new_tokens makes it
             for event in client.generate(model, messages=[{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}],
-                                         max_tokens=tokens):
+                                         max_tokens=tokens, ignore_eos=True):
                 outputs[i].extend(event.token_ids)
 
     threads = [threading.Thread(target=one, args=(i,)) for i in range(streams)]
@@ -112,7 +113,7 @@ def main() -> int:
     parser.add_argument("--tokens", type=int, default=48)
     parser.add_argument("--plot", default=None, help="write a PNG of aggregate tok/s against streams")
     parser.add_argument("--threads", type=int, default=0,
-                        help="torch threads per node (default: as `meshnet up` assigns them)")
+                        help="torch threads per node (default: all cores, as `meshnet up`)")
     args = parser.parse_args()
     counts = [int(n) for n in args.streams.split(",")]
 

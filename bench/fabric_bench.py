@@ -7,8 +7,8 @@
 1. Decode tokens/s: single-process transformers (``AutoModelForCausalLM.from_pretrained(dir,
    gguf_file=...)``, greedy ``generate``, float32, same thread count) against the fabric with
    1, 2 and 3 nodes on loopback, started and driven exactly as users do: ``python -m
-   fabric.cli tracker ...`` and ``python -m fabric.cli node ... --threads T --no-progress``
-   subprocesses (even split, T = ``fabric.shard.threads_per_node``, as ``meshnet up``), then ``fabric.Client(tracker)
+   fabric.cli tracker ...`` and ``python -m fabric.cli node ... --threads T --compute-lock F``
+   subprocesses (even split, T = all cores and one lock file F per cluster, as ``meshnet up``), then ``fabric.Client(tracker)
    .generate(model, messages=..., max_tokens=N)``; decode tok/s is timed from the first
    token event to the done event (transformers: first streamed token to the end). The
    fabric's greedy token ids are checked against the single process's.
@@ -253,7 +253,7 @@ def start_cluster(procs: Procs, c: Cluster, model: str, tmp: Path) -> None:
         "--pub", f"tcp://127.0.0.1:{pub}", "--db", str(tmp / f"{c.key}-ledger.db")])
     for i, shard in enumerate(c.shards):
         node_args = ["node", "--model", model, "--layers", str(shard), "--tracker", c.tracker,
-                     "--threads", str(c.threads), "--no-progress"]
+                     "--threads", str(c.threads), "--compute-lock", str(tmp / f"{c.key}.lock"), "--no-progress"]
         env, trace = {}, None
         if c.traced or c.profile_dir:
             argv = [py, str(REPO / "bench" / "trace_node.py"), "--log-level", "warning", *node_args]
@@ -633,7 +633,7 @@ def run(args, state: dict) -> dict:
 
     from fabric.models import default_cache_root, load_config, load_tokenizer, resolve
     from fabric.route_session import eos_ids
-    from fabric.shard import Shard, even_split, threads_per_node
+    from fabric.shard import Shard, even_split
 
     cores = os.cpu_count() or 1
     source = resolve(args.model)
@@ -661,7 +661,7 @@ def run(args, state: dict) -> dict:
         raw = RawRTT(procs, hidden * 4)
         # phase A: what users run, threads per node as `meshnet up` assigns them
         main = [Cluster(f"fabric-{n}", f"fabric {n} node{'s' * (n > 1)}", even_split(num_layers, n),
-                        threads_per_node(n, cores)[0]) for n in (1, 2, 3)]  # one stream: all cores
+                        cores) for n in (1, 2, 3)]  # all cores each, as `meshnet up`
         for c in main:
             start_cluster(procs, c, args.model, tmp)
         log("loading the single-process baseline while the nodes load")

@@ -9,8 +9,10 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
+from pathlib import Path
 
 from . import model_store
 
@@ -114,8 +116,7 @@ def _up_parser(sub) -> None:
     p.add_argument("--pub", default=DEFAULT_PUB, help="tracker PUB endpoint (default %(default)s)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--threads", type=int, default=0,
-                   help="torch threads per node (default: all cores for each while one request runs, the "
-                        "cores divided among the nodes while several do)")
+                   help="torch threads per node (default: all cores; the nodes compute one at a time)")
     _quant_flag(p)
     _keys_flag(p)
     p.set_defaults(func=cmd_up)
@@ -123,7 +124,7 @@ def _up_parser(sub) -> None:
 
 def cmd_up(args) -> int:
     from .models import ModelError, load_config, resolve, default_cache_root
-    from .shard import even_split, threads_per_node
+    from .shard import even_split
 
     try:
         source = resolve(args.model)
@@ -132,21 +133,24 @@ def cmd_up(args) -> int:
     except (ModelError, ValueError) as exc:
         log.error("%s", exc)
         return 2
-    threads, busy = (args.threads, args.threads) if args.threads else threads_per_node(len(shards))
-    log.info("starting a tracker, %d nodes (layers %s, %d torch threads each, %d while several requests run) "
-             "and the web UI; loading weights…", len(shards), ", ".join(map(str, shards)), threads, busy)
+    threads = ["--threads", str(args.threads)] if args.threads else []
+    log.info("starting a tracker, %d nodes (layers %s, %s torch threads each, computing one at a time) "
+             "and the web UI; loading weights…", len(shards), ", ".join(map(str, shards)), args.threads or "all")
     security = _security(args)  # checked here, so a bad key directory fails before anything starts
     me = [sys.executable, "-m", "fabric.cli", "--log-level", args.log_level,
           *(["--config", args.config] if args.config else [])]  # nodes read its [node] table too
     keys = ["--keys", args.keys] if args.keys else []
-    commands = [[*me, "tracker", "--bind", args.tracker, "--pub", args.pub, *keys]]
-    commands += [[*me, "node", "--model", args.model, "--layers", str(s), "--tracker", args.tracker,
-                  "--threads", str(threads), "--busy-threads", str(busy), "--dtype", args.dtype, "--quant", args.quant, "--no-progress", *keys]
-                 for s in shards]
-    commands.append([*me, "webui", "--tracker", args.tracker, "--pub", args.pub, "--host", args.host,
-                     "--port", str(args.port), *keys])
-    return supervise(commands, url=f"http://{args.host}:{args.port}", tracker=args.tracker, nodes=len(shards),
-                     security=security)
+    with tempfile.TemporaryDirectory(prefix="meshnet-up-") as run_dir:
+        # the nodes share this machine's cores: each computes with all of them, in turn
+        lock = ["--compute-lock", str(Path(run_dir) / "compute.lock")]
+        commands = [[*me, "tracker", "--bind", args.tracker, "--pub", args.pub, *keys]]
+        commands += [[*me, "node", "--model", args.model, "--layers", str(s), "--tracker", args.tracker,
+                      *threads, *lock, "--dtype", args.dtype, "--quant", args.quant, "--no-progress",
+                      *keys] for s in shards]
+        commands.append([*me, "webui", "--tracker", args.tracker, "--pub", args.pub, "--host", args.host,
+                         "--port", str(args.port), *keys])
+        return supervise(commands, url=f"http://{args.host}:{args.port}", tracker=args.tracker, nodes=len(shards),
+                         security=security)
 
 
 def supervise(commands: list[list[str]], url: str, tracker: str, nodes: int, security=None) -> int:
@@ -262,9 +266,9 @@ def _node_parser(sub) -> None:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     _quant_flag(p)
     p.add_argument("--threads", type=int, default=0, help="torch threads (default: all cores)")
-    p.add_argument("--busy-threads", type=int, default=0,
-                   help="torch threads while this node holds several sessions, for nodes that share a machine "
-                        "and then compute at once (default: as --threads)")
+    p.add_argument("--compute-lock", default=None, metavar="FILE",
+                   help="nodes on one machine given the same file compute one at a time, each with every "
+                        "thread (`meshnet up` does this)")
     p.add_argument("--max-sessions", type=int, default=64, help="sessions this node keeps KV for")
     p.add_argument("--max-prompt-tokens", type=int, default=4096, help="longest prompt the head accepts")
     p.add_argument("--prefill-slice-ms", type=float, default=0.0, metavar="MS",
@@ -329,7 +333,7 @@ def cmd_node(args) -> int:
                         dtype=dtype, node_id=node_id, quant=None if args.quant == "none" else args.quant,
                         max_sessions=args.max_sessions, max_prompt_tokens=args.max_prompt_tokens,
                         prefill_slice=max(0.0, args.prefill_slice_ms) / 1000, wire_dtype=args.wire_dtype,
-                        busy_threads=max(0, args.busy_threads),
+                        compute_lock=args.compute_lock,
                         hop_timeout=args.hop_timeout, heartbeat_interval=args.heartbeat,
                         cache_root=default_cache_root(), progress=not args.no_progress,
                         security=_security(args), relay=args.relay, relay_fallback=args.relay_fallback,
@@ -506,7 +510,6 @@ def _keys_parser(sub) -> None:
 
 def cmd_keys(args) -> int:
     import socket
-    from pathlib import Path
 
     from .security import create_keys
 

@@ -60,17 +60,19 @@ class GenerateArgs:
     sampling: p.Sampling
     request_id: str
     api_key: str | None
+    ignore_eos: bool = False
 
     def message(self, route: tuple[p.Hop, ...]) -> p.Generate:
         msg = p.Generate(request_id=self.request_id, route=route, messages=self.messages, prompt=self.prompt,
-                         max_tokens=self.max_tokens, stop=self.stop, sampling=self.sampling, api_key=self.api_key)
+                         max_tokens=self.max_tokens, stop=self.stop, sampling=self.sampling, api_key=self.api_key,
+                         ignore_eos=self.ignore_eos)
         msg.validate()  # refuse bad arguments here, with the same words a node would use
         return msg
 
 
-def _args(model, messages, prompt, max_tokens, stop, sampling, request_id, api_key) -> GenerateArgs:
+def _args(model, messages, prompt, max_tokens, stop, sampling, request_id, api_key, ignore_eos) -> GenerateArgs:
     return GenerateArgs(model, tuple(dict(m) for m in messages) if messages is not None else None, prompt,
-                        max_tokens, tuple(stop), sampling, request_id or uuid.uuid4().hex, api_key)
+                        max_tokens, tuple(stop), sampling, request_id or uuid.uuid4().hex, api_key, ignore_eos)
 
 
 def _route_from(reply: p.Message) -> tuple[p.Hop, ...]:
@@ -179,8 +181,9 @@ class Client(_ClientBase):
 
     def generate(self, model: str, *, messages=None, prompt=None, max_tokens: int = 256, stop=(),
                  sampling: p.Sampling = p.Sampling(), request_id: str | None = None,
-                 api_key: str | None = None, route: tuple[p.Hop, ...] | None = None) -> Iterator[p.Event]:
-        args = _args(model, messages, prompt, max_tokens, stop, sampling, request_id, api_key)
+                 api_key: str | None = None, route: tuple[p.Hop, ...] | None = None,
+                 ignore_eos: bool = False) -> Iterator[p.Event]:
+        args = _args(model, messages, prompt, max_tokens, stop, sampling, request_id, api_key, ignore_eos)
         try:
             msg = args.message(route or self.route(model))
         except p.ProtocolError as exc:
@@ -264,8 +267,9 @@ class AsyncClient(_ClientBase):
 
     def generate(self, model: str, *, messages=None, prompt=None, max_tokens: int = 256, stop=(),
                  sampling: p.Sampling = p.Sampling(), request_id: str | None = None,
-                 api_key: str | None = None, route: tuple[p.Hop, ...] | None = None) -> AsyncIterator[p.Event]:
-        args = _args(model, messages, prompt, max_tokens, stop, sampling, request_id, api_key)
+                 api_key: str | None = None, route: tuple[p.Hop, ...] | None = None,
+                 ignore_eos: bool = False) -> AsyncIterator[p.Event]:
+        args = _args(model, messages, prompt, max_tokens, stop, sampling, request_id, api_key, ignore_eos)
         return self._stream(args, route)
 
     async def _stream(self, args: GenerateArgs, route) -> AsyncIterator[p.Event]:

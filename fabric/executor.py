@@ -38,6 +38,26 @@ class Step:
     pos: int
 
 
+@dataclass
+class BatchGroup:
+    """Sessions that decode together, their KV kept as the rows of one left-padded cache
+    between steps, so a step appends one column instead of gathering every session's
+    cache into a batch and scattering it back. While a session is a row here, its own
+    cache is stale; ``ShardExecutor._dissolve`` writes the rows back."""
+
+    sessions: tuple[str, ...]
+    kvs: tuple[SessionKV, ...]
+    cache: object  # a DynamicCache over the group's span, (b, kv_heads, longest, head_dim) per layer
+    pads: tuple[int, ...]  # left padding of each row
+    start: int
+    end: int
+
+    def continues(self, steps: list["Step"], kvs: list[SessionKV]) -> bool:
+        """The same sessions, in the same order, each exactly where the group left it."""
+        return (tuple(s.session for s in steps) == self.sessions and (steps[0].start, steps[0].end) ==
+                (self.start, self.end) and all(a is b and a.group is self for a, b in zip(kvs, self.kvs)))
+
+
 @dataclass(frozen=True)
 class StepResult:
     """What one hop produced: hidden states for the next hop, or the tail's logits."""
@@ -50,6 +70,7 @@ class ShardExecutor:
     def __init__(self, weights: ShardWeights, kv: KVStore):
         self.w = weights
         self.kv = kv
+        self.group: BatchGroup | None = None  # the sessions that decoded together last
         config = weights.config
         types = getattr(config, "layer_types", None)
         sliding = getattr(config, "sliding_window", None) is not None
@@ -76,6 +97,8 @@ class ShardExecutor:
         """
         self.check_span(start, end)
         kv = self._session_kv(session, start, end, pos)
+        if kv.group is not None:
+            self._dissolve()  # this session leaves its batch group: it needs its own cache back
         q = inputs.shape[1]
         hidden = self._embed(start, inputs)  # (1, q, hidden)
         position_ids = torch.arange(pos, pos + q, device=self.w.device).unsqueeze(0)  # (1, q)
@@ -131,30 +154,57 @@ class ShardExecutor:
         return results
 
     def _batched_step(self, steps: list[Step], kvs: list[SessionKV], start: int, end: int) -> list[StepResult]:
-        from transformers import DynamicCache
-
+        if self.group is None or not self.group.continues(steps, kvs):
+            self._dissolve()
+            self.group = self._gather(steps, kvs, start, end)
+        group = self.group
         hidden = self._embed(start, torch.cat([s.inputs for s in steps]))  # (b, 1, hidden)
         position_ids = torch.tensor([[s.pos] for s in steps], device=self.w.device)  # (b, 1)
+        longest = group.cache.layers[start].keys.shape[-2]
+        mask = torch.zeros((len(kvs), 1, 1, longest + 1), dtype=hidden.dtype, device=self.w.device)
+        for row, pad in enumerate(group.pads):
+            mask[row, :, :, :pad] = torch.finfo(hidden.dtype).min  # the left padding
+        position_embeddings = self.w.rotary(hidden, position_ids)
+        for i in range(start, end + 1):
+            hidden = self.w.layers[i](hidden, attention_mask=mask, position_ids=position_ids, cache=group.cache,
+                                      use_cache=True, position_embeddings=position_embeddings)
+        for kv in kvs:
+            kv.length += 1
+            kv.touch()
+        return self._result(hidden, end)
+
+    def _gather(self, steps: list[Step], kvs: list[SessionKV], start: int, end: int) -> BatchGroup:
+        """Left-pad every session's KV into the rows of one new group cache."""
+        from transformers import DynamicCache
+
         longest = max(kv.length for kv in kvs)
         batch = DynamicCache(config=self.w.config)
         for i in range(start, end + 1):
             keys = [F.pad(kv.cache.layers[i].keys, (0, 0, longest - kv.length, 0)) for kv in kvs]
             values = [F.pad(kv.cache.layers[i].values, (0, 0, longest - kv.length, 0)) for kv in kvs]
             batch.update(torch.cat(keys), torch.cat(values), i)  # (b, kv_heads, longest, head_dim)
-        mask = torch.zeros((len(kvs), 1, 1, longest + 1), dtype=hidden.dtype, device=self.w.device)
-        for row, kv in enumerate(kvs):
-            mask[row, :, :, : longest - kv.length] = torch.finfo(hidden.dtype).min  # the left padding
-        position_embeddings = self.w.rotary(hidden, position_ids)
-        for i in range(start, end + 1):
-            hidden = self.w.layers[i](hidden, attention_mask=mask, position_ids=position_ids, cache=batch,
-                                      use_cache=True, position_embeddings=position_embeddings)
-            new_k, new_v = batch.layers[i].keys[:, :, -1:], batch.layers[i].values[:, :, -1:]  # (b, h, 1, d)
-            for row, kv in enumerate(kvs):
-                kv.cache.update(new_k[row:row + 1], new_v[row:row + 1], i)
+        group = BatchGroup(tuple(s.session for s in steps), tuple(kvs), batch,
+                           tuple(longest - kv.length for kv in kvs), start, end)
         for kv in kvs:
-            kv.length += 1
-            kv.touch()
-        return self._result(hidden, end)
+            kv.cache = None  # stale from now on: the group holds it
+            kv.group = group
+        return group
+
+    def _dissolve(self) -> None:
+        """Write each row of the current group back into its session's own cache."""
+        from transformers import DynamicCache
+
+        group, self.group = self.group, None
+        if group is None:
+            return
+        for row, (kv, pad) in enumerate(zip(group.kvs, group.pads)):
+            if kv.group is not group:
+                continue  # replaced meanwhile (a fresh prefill)
+            kv.group = None
+            kv.cache = DynamicCache(config=self.w.config)
+            for i in range(group.start, group.end + 1):
+                layer = group.cache.layers[i]
+                kv.cache.update(layer.keys[row:row + 1, :, pad:].clone(), layer.values[row:row + 1, :, pad:].clone(), i)
 
     def _session_kv(self, session: str, start: int, end: int, pos: int) -> SessionKV:
         from transformers import DynamicCache
@@ -167,6 +217,7 @@ class ShardExecutor:
         if kv is None or kv.length != pos or (kv.start, kv.end) != (start, end):
             raise CacheMissError(0 if kv is None else kv.length)
         return kv
+
 
     def _masks(self, kv: SessionKV, hidden: torch.Tensor, position_ids: torch.Tensor,
                start: int, end: int) -> dict[str, torch.Tensor | None]:

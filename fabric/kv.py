@@ -16,17 +16,20 @@ class SessionKV:
     end: int
     length: int = 0  # tokens the cache holds
     last_used: float = field(default_factory=time.monotonic)
+    group: object | None = None  # a batch group holding this session's KV as one of its rows, meanwhile
 
     def touch(self) -> None:
         self.last_used = time.monotonic()
 
     def nbytes(self) -> int:
+        """Bytes of this session's KV (its share of a batch group's cache while it is a row there)."""
+        cache, rows = (self.group.cache, len(self.group.kvs)) if self.group is not None else (self.cache, 1)
         total = 0
-        for layer in getattr(self.cache, "layers", ()):
+        for layer in getattr(cache, "layers", ()):
             for t in (getattr(layer, "keys", None), getattr(layer, "values", None)):
                 if isinstance(t, torch.Tensor):
                     total += t.numel() * t.element_size()
-        return total
+        return total // rows
 
 
 class KVStore:

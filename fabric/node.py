@@ -23,6 +23,7 @@ import zmq
 import zmq.utils.monitor
 
 from . import protocol as p
+from .compute_lock import ComputeLock
 from .executor import CacheMissError, ShardExecutor, Step, StepResult
 from .kv import KVStore
 from .liveness import PeerLiveness, RttTable, splice
@@ -61,7 +62,7 @@ class NodeConfig:
     max_prompt_tokens: int = 4096  # the head refuses longer prompts
     prefill_slice: float = 0.0  # seconds of prefill run between decode batches while streams decode; 0: auto
     wire_dtype: str = ""  # hidden states on the wire of routes this node heads ("": compute dtype)
-    busy_threads: int = 0  # torch threads while several sessions are in flight here (0: no change)
+    compute_lock: str | None = None  # a file nodes sharing this machine lock while they compute (one at a time)
     max_frame_bytes: int = 64 << 20  # largest tensor buffer accepted from a peer
     cache_root: Path | None = None  # where parsed GGUF metadata is cached
     progress: bool = True  # show a progress bar while weights load
@@ -93,11 +94,13 @@ def stable_node_id(data_root: Path, model_id: str, shard: Shard, bind: str) -> s
 
 
 FIRST_SLICE_TOKENS = 32  # prefill tokens per slice before this node has timed any
-MIN_SLICE_TOKENS = 8  # a slice's fixed cost (reading the weights) dwarfs this many tokens' own
+MIN_SLICE_TOKENS = 32  # a slice's fixed cost (reading the weights) is about this many tokens' own
 MAX_SLICE_TOKENS = 4096
 SLICE_PER_DECODE = 1.0  # a prefill slice beside decoding streams may take this many of their decode batches
 MIN_SLICE_S = 0.02  # ...and at least this long
 IDLE_SLICE_S = 0.25  # ...and with no stream decoding here, this long
+GATHER_PER_DECODE = 1.0  # a decode batch waits at most this many decode batches' time for sessions still due
+RECENT_CYCLES = 3.0  # a session is due here while its last decode step is this many of its cycles old
 LINK_EVENTS = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
 COUNTERS = ("hop_seconds", "hops", "batched_hops", "prefill_chunks", "cache_miss", "failovers", "rejected_frames",
             "dropped_frames", "hop_errors")
@@ -155,12 +158,15 @@ class Node:
         # hops, cache misses, failovers, errors: for /metrics and tests. Every key exists from
         # the start, so another thread can copy the counter while this one updates it.
         self.counters: Counter[str] = Counter({k: 0 for k in COUNTERS})
+        self._compute_lock = ComputeLock(config.compute_lock)
         self.benchmark = self._benchmark()
         self.ready = threading.Event()
         self._next_heartbeat = 0.0
         self._ran_prefill = False  # the last hop run was a prefill (chunk): a decode batch goes next
         self._decode_batch_s: float | None = None  # seconds per decode batch here (moving average)
-        self._threads = torch.get_num_threads()  # while one session computes here (set before start)
+        self._last_decode: dict[str, float] = {}  # session -> when its last decode step ran here
+        self._cycle_s: float | None = None  # seconds between a session's decode steps here (moving average)
+        self._gather_since: float | None = None  # when a decode batch began waiting for sessions still due
         # prefill tokens per slice, steered so a slice takes its target time (beside streams / alone)
         self._slice_tokens = {"busy": float(FIRST_SLICE_TOKENS), "idle": float(FIRST_SLICE_TOKENS)}
 
@@ -179,9 +185,10 @@ class Node:
         self.ready.set()
         try:
             while not stop.is_set():
-                for sock, _ in self.poller.poll(0 if self.work else 50):
+                wait = self._gather_wait(time.monotonic()) if self.work else 0.05
+                for sock, _ in self.poller.poll(int(wait * 1000)):
                     self._drain(sock)
-                if self.work:
+                if self.work and self._gather_wait(time.monotonic()) == 0:
                     self._run_next()
                 self._periodic()
         finally:
@@ -196,6 +203,7 @@ class Node:
             sock.close(linger=0)
         if self.relay is not None:
             self.relay.close()
+        self._compute_lock.close()
         self.monitor_of.clear()
         self.peers.clear()
         self.peer_of.clear()
@@ -232,6 +240,8 @@ class Node:
         self._probe_peers(now)
         for session in self.kv.evict_idle():
             log.info("freed idle session %s", session)
+        if len(self._last_decode) > len(self.kv):
+            self._last_decode = {s: t for s, t in self._last_decode.items() if s in self.kv}
         for rs in list(self.sessions.values()):
             self._emit(rs, rs.check_timeout(now, self.config.hop_timeout))
         self._watch_routes(now)
@@ -301,6 +311,32 @@ class Node:
 
     # -- executing hops -----------------------------------------------------------------
 
+    def _gather_wait(self, now: float) -> float:
+        """Seconds the queued decode steps should still wait for sessions due here (0: run now).
+
+        Sessions reach a node out of step (prompts start at different times), and a node
+        that runs each as it comes keeps them out of step: it runs batches of one, each
+        costing nearly a whole batch's time. So a decode batch waits, at most
+        GATHER_PER_DECODE of a batch's time, for the sessions that decoded here within their
+        last few cycles; the waiting pulls them into step, after which they arrive together
+        and nothing waits. A queued prefill never waits (it runs in the meantime)."""
+        if not all(self._decode_step(w) for w in self.work):
+            self._gather_since = None
+            return 0.0
+        queued = {w.msg.session for w in self.work}
+        horizon = RECENT_CYCLES * (self._cycle_s or 0.0)
+        due = [s for s, t in self._last_decode.items() if s not in queued and now - t < horizon and s in self.kv]
+        if not due or len(queued) >= self.config.max_batch:
+            self._gather_since = None
+            return 0.0
+        if self._gather_since is None:
+            self._gather_since = now
+        left = self._gather_since + GATHER_PER_DECODE * (self._decode_batch_s or 0.0) - now
+        if left <= 0:
+            self._gather_since = None
+            return 0.0
+        return left
+
     def _run_next(self) -> None:
         """Run the next queued hop, batched with the other queued decode steps over the
         same layers (one forward pass for many sessions). Prefill chunks and decode batches
@@ -335,8 +371,8 @@ class Node:
         answering pings and heartbeats. The rest goes on as further chunks (``more``)."""
         q, msg = work.tensor.shape[1], work.msg
         n = int(self._slice_tokens[self._slice_mode(msg.session)])
-        if q <= n:
-            return work
+        if q < 2 * n:
+            return work  # the rest would be a slice too small to pay its fixed cost
         self.work.appendleft(Work(dataclasses.replace(msg, pos=msg.pos + n), work.tensor[:, n:]))
         return Work(dataclasses.replace(msg, more=True), work.tensor[:, :n])
 
@@ -375,14 +411,14 @@ class Node:
     def _execute(self, batch: list[Work]) -> None:
         """Run hops (one, or a batch of decode steps); a failure costs those sessions only,
         never the node."""
-        self._pick_threads()
-        started = time.perf_counter()
-        try:
-            results = ([self._run_one(batch[0])] if len(batch) == 1 else self.executor.run_batch(
-                [Step(w.msg.session, w.msg.start_layer, w.msg.end_layer, w.tensor, w.msg.pos) for w in batch]))
-        except Exception as exc:
-            log.exception("hop failed for sessions %s", [w.msg.session for w in batch])
-            results = [exc] * len(batch)
+        with self._compute_lock:
+            started = time.perf_counter()
+            try:
+                results = ([self._run_one(batch[0])] if len(batch) == 1 else self.executor.run_batch(
+                    [Step(w.msg.session, w.msg.start_layer, w.msg.end_layer, w.tensor, w.msg.pos) for w in batch]))
+            except Exception as exc:
+                log.exception("hop failed for sessions %s", [w.msg.session for w in batch])
+                results = [exc] * len(batch)
         self.counters["hops"] += len(batch)
         self.counters["batched_hops"] += len(batch) if len(batch) > 1 else 0
         self.counters["prefill_chunks"] += batch[0].msg.more
@@ -390,6 +426,11 @@ class Node:
         self.counters["hop_seconds"] += elapsed
         if self._decode_step(batch[0]):
             self._decode_batch_s = _average(self._decode_batch_s, elapsed)
+            for work in batch:
+                last = self._last_decode.get(work.msg.session)
+                if last is not None:
+                    self._cycle_s = _average(self._cycle_s, started - last)
+                self._last_decode[work.msg.session] = started
         else:
             self._steer_slices(batch[0], elapsed)
         for work, result in zip(batch, results):
@@ -398,13 +439,6 @@ class Node:
             except Exception as exc:
                 log.exception("could not pass on session %s", work.msg.session)
                 self._after_hop(work, exc)
-
-    def _pick_threads(self) -> None:
-        """Nodes sharing a machine compute at once while several sessions are in flight:
-        then take ``busy_threads`` (their share of the cores), else every thread."""
-        want = self.config.busy_threads if self.config.busy_threads and len(self.kv) > 1 else self._threads
-        if want != torch.get_num_threads():
-            torch.set_num_threads(want)
 
     def _run_one(self, work: Work) -> StepResult | Exception:
         msg = work.msg
@@ -474,6 +508,7 @@ class Node:
     def _free(self, msg: p.Cancel | p.Close) -> None:
         """Drop the session's KV and queued work here, then pass the message down the route."""
         self.kv.drop(msg.session)
+        self._last_decode.pop(msg.session, None)
         self.work = deque(w for w in self.work if w.msg.session != msg.session)
         if msg.route:
             nxt = msg.route[0]

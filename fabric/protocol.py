@@ -280,6 +280,7 @@ class Generate(Message):
     stop: tuple[str, ...] = ()
     sampling: Sampling = Sampling()
     api_key: str | None = None  # who to bill; reported to the tracker, never checked here
+    ignore_eos: bool = False  # generate max_tokens even past an end-of-sequence token (benchmarks)
 
     def validate(self) -> None:
         if (self.messages is None) == (self.prompt is None):

@@ -153,7 +153,7 @@ class RouteSession:
         token = msg.token
         self.first_token_at = self.first_token_at or time.monotonic()
         self.generated.append(token)
-        if token in self.eos:
+        if token in self.eos and not self.request.ignore_eos:
             return [self._token_event(token, self.detok.flush()), *self._finish("stop")]
         text, stopped = self.detok.add(token)
         events = [self._token_event(token, text)]

@@ -61,18 +61,3 @@ def even_split(num_layers: int, parts: int) -> list[Shard]:
         start += size
     return shards
 
-
-
-def threads_per_node(nodes_on_host: int, cores: int | None = None) -> tuple[int, int]:
-    """Torch threads for each of ``nodes_on_host`` nodes sharing one machine: (alone, busy).
-
-    With one stream only one node of a route computes at a time, so each gets every core
-    ("alone"). With several sessions in flight the nodes compute at the same time
-    (pipelining), so each takes its share of the cores ("busy"), instead of all of them
-    fighting over every core. Measured on 2 cores with 2 nodes (docs/BENCHMARKS.md):
-    all cores each is the fastest for one stream, 1 core each for 8 streams.
-    """
-    import os
-
-    cores = max(1, cores or os.cpu_count() or 1)
-    return cores, max(1, cores // max(1, nodes_on_host))

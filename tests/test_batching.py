@@ -40,6 +40,41 @@ def test_batched_decode_equals_unbatched(tiny_models, family):
     assert tokens == expected
 
 
+def test_batch_groups_keep_every_session_exact_as_members_come_and_go(tiny_models):
+    """Sessions that decode together keep their KV as rows of one group cache between
+    steps; a changed line-up, a lone step or a fresh prefill hands each row back. Whatever
+    the order, every session's tokens are those it gets alone."""
+    ex = ShardExecutor(load_shard(resolve(str(tiny_models("llama"))), Shard(0, 5, 6), progress=False), KVStore())
+    expected = [greedy_alone(ex, f"alone{i}", p, 14) for i, p in enumerate(PROMPTS)]
+    tokens, pos = [[] for _ in PROMPTS], [0] * len(PROMPTS)
+
+    def prefill(i):
+        tokens[i] = [int(ex.run(f"s{i}", 0, 5, torch.tensor([PROMPTS[i]]), 0).logits.argmax())]
+        pos[i] = len(PROMPTS[i])
+
+    def step(members):
+        results = ([ex.run(f"s{members[0]}", 0, 5, torch.tensor([[tokens[members[0]][-1]]]), pos[members[0]])]
+                   if len(members) == 1 else ex.run_batch(
+                       [Step(f"s{i}", 0, 5, torch.tensor([[tokens[i][-1]]]), pos[i]) for i in members]))
+        for i, result in zip(members, results):
+            tokens[i].append(int(result.logits.argmax()))
+            pos[i] += 1
+
+    for i in range(3):
+        prefill(i)
+    line_ups = [[0, 1, 2], [0, 1, 2], [0, 1, 2], [1, 2], [0], [0, 1, 2], [2, 0, 1], [2, 0, 1]]
+    for members in line_ups:
+        step(members)
+    assert ex.group is not None and len(ex.group.sessions) == 3
+    ex.kv.drop("s1")  # closed while a row of the group; then it starts over with a fresh prefill
+    prefill(1)
+    prefill(3)  # a newcomer joins
+    while any(len(t) < 15 for t in tokens):
+        step([i for i in range(len(PROMPTS)) if len(tokens[i]) < 15])
+    assert tokens == expected
+    assert sum(ex.kv.get(f"s{i}").nbytes() for i in range(4)) > 0
+
+
 def test_batch_reports_cache_misses_per_session(tiny_models):
     ex = ShardExecutor(load_shard(resolve(str(tiny_models("llama"))), Shard(0, 5, 6), progress=False), KVStore())
     ex.run("a", 0, 5, torch.tensor([PROMPTS[0]]), 0)

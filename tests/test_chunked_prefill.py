@@ -2,7 +2,9 @@
 passes each on as a chunk, and every stream still gets exactly the single-process tokens."""
 from __future__ import annotations
 
+import threading
 from collections import deque
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -10,7 +12,7 @@ import torch
 
 from fabric import protocol as p
 from fabric.client import wait_for
-from fabric.node import Node, Work
+from fabric.node import GATHER_PER_DECODE, MIN_SLICE_TOKENS, Node, Work
 from tests.test_batching import prompt_ids_for
 from tests.tiny_models import reference_greedy
 
@@ -73,19 +75,28 @@ def test_alone_a_prefill_uses_the_idle_size_and_short_ones_go_whole():
 
 def test_the_last_slice_keeps_the_chunk_flag_it_came_with():
     node = slicer([], ["x"], busy=5)
-    first = Node._slice(node, work("long", 10, 8, more=True))
+    first = Node._slice(node, work("long", 10, 12, more=True))
     assert (first.tensor.shape[1], first.msg.more) == (5, True)
     assert (node.work[0].msg.pos, node.work[0].msg.more) == (15, True)
 
 
+def test_a_prompt_under_two_slices_goes_whole():
+    # cut, its rest would be a slice too small to pay for reading the weights once more
+    node = slicer([work("a", 40, 1)], ["a"], busy=25)
+    whole = Node._slice(node, work("short", 0, 49))
+    assert whole.tensor.shape[1] == 49 and not whole.msg.more and len(node.work) == 1
+
+
 def test_slices_are_steered_toward_one_decode_step_beside_streams():
-    node = slicer([], ["a"], busy=40, decode_s=0.05)
-    Node._steer_slices(node, work("long", 0, 40), elapsed=0.2)  # 4x too long: halve (at most 2x a step)
-    assert node._slice_tokens["busy"] == 20
-    Node._steer_slices(node, work("long", 20, 20), elapsed=0.04)  # a bit short: grow in proportion
-    assert node._slice_tokens["busy"] == 25
-    Node._steer_slices(node, work("long", 40, 7), elapsed=0.5)  # a remainder: no information
-    assert node._slice_tokens["busy"] == 25
+    node = slicer([], ["a"], busy=80, decode_s=0.05)
+    Node._steer_slices(node, work("long", 0, 80), elapsed=0.2)  # 4x too long: halve (at most 2x a step)
+    assert node._slice_tokens["busy"] == 40
+    Node._steer_slices(node, work("long", 40, 40), elapsed=0.04)  # a bit short: grow in proportion
+    assert node._slice_tokens["busy"] == 50
+    Node._steer_slices(node, work("long", 80, 7), elapsed=0.5)  # a remainder: no information
+    assert node._slice_tokens["busy"] == 50
+    Node._steer_slices(node, work("long", 80, 50), elapsed=5.0)  # never below MIN_SLICE_TOKENS
+    assert node._slice_tokens["busy"] == MIN_SLICE_TOKENS
     alone = slicer([], [], idle=40)
     Node._steer_slices(alone, work("long", 0, 40), elapsed=0.01)  # alone the target is IDLE_SLICE_S
     assert alone._slice_tokens["idle"] == 80
@@ -93,11 +104,11 @@ def test_slices_are_steered_toward_one_decode_step_beside_streams():
 
 def test_long_prompt_chunked_beside_running_streams(thread_cluster, tiny_models):
     model = tiny_models("llama")
-    # slices of the minimum (8 tokens) once timed: many chunks per prompt
+    # slices of the minimum (32 tokens) once timed: several chunks for the long prompt
     head = thread_cluster.add_node(model, 0, 2, 6, "head", prefill_slice=1e-9)
     tail = thread_cluster.add_node(model, 3, 5, 6, "tail", prefill_slice=1e-9)
     thread_cluster.wait_routable(model.name, 2)
-    prompts = ["hi", "one two", "a much longer prompt that arrives while the others decode, " * 3]
+    prompts = ["hi", "one two", "a much longer prompt that arrives while the others decode, " * 12]
     outputs = thread_cluster.stream_all(model.name, prompts, 24)
     for i, prompt in enumerate(prompts):
         assert outputs[i] == reference_greedy(model, prompt_ids_for(model, prompt), 24), prompt
@@ -141,17 +152,63 @@ def test_bfloat16_wire_for_a_float32_route(thread_cluster, tiny_models):
     assert got == expected[:len(got)] and len(got) >= 8
 
 
-def test_threads_drop_to_the_busy_share_while_sessions_overlap():
-    before = torch.get_num_threads()
-    node = SimpleNamespace(config=SimpleNamespace(busy_threads=1), _threads=2, kv={"a": None})
+def gatherer(queue: list[Work], last_decode: dict[str, float], batch_s: float = 0.04, cycle_s: float = 0.1):
+    return SimpleNamespace(work=deque(queue), kv={s: None for s in last_decode}, _last_decode=dict(last_decode),
+                           _cycle_s=cycle_s, _decode_batch_s=batch_s, _gather_since=None,
+                           config=SimpleNamespace(max_batch=16), _decode_step=Node._decode_step)
+
+
+def test_a_decode_batch_waits_a_little_for_sessions_due_here():
+    node = gatherer([work("a", 40, 1)], {"a": 9.9, "b": 9.95})
+    assert Node._gather_wait(node, 10.0) == pytest.approx(GATHER_PER_DECODE * 0.04)  # "b" decoded here just now
+    assert 0 < Node._gather_wait(node, 10.01) < GATHER_PER_DECODE * 0.04  # the same wait, not a new one
+    node.work.append(work("b", 50, 1))
+    assert Node._gather_wait(node, 10.011) == 0  # everyone due is here: run
+    late = gatherer([work("a", 40, 1)], {"a": 9.9, "b": 9.95})
+    Node._gather_wait(late, 10.0)
+    assert Node._gather_wait(late, 10.0 + GATHER_PER_DECODE * 0.04) == 0  # waited long enough: run without "b"
+
+
+def test_nothing_waits_for_sessions_gone_quiet_or_beside_a_prefill():
+    stale = gatherer([work("a", 40, 1)], {"a": 9.9, "b": 9.0})  # "b" last decoded 10 cycles ago
+    assert Node._gather_wait(stale, 10.0) == 0
+    freed = gatherer([work("a", 40, 1)], {"a": 9.9, "b": 9.95})
+    del freed.kv["b"]  # closed: its KV is gone
+    assert Node._gather_wait(freed, 10.0) == 0
+    prefill = gatherer([work("a", 40, 1), work("new", 0, 30)], {"a": 9.9, "b": 9.95})
+    assert Node._gather_wait(prefill, 10.0) == 0  # a prefill runs in the meantime instead
+
+
+def test_the_compute_lock_lets_one_process_compute_at_a_time_and_dies_with_its_holder(tmp_path):
+    import subprocess
+    import sys
+    import time
+
+    from fabric.compute_lock import ComputeLock
+
+    path = str(tmp_path / "compute.lock")
+    holder = subprocess.Popen([sys.executable, "-c", f"""
+import sys, time
+sys.path.insert(0, {str(Path(__file__).resolve().parent.parent)!r})
+from fabric.compute_lock import ComputeLock
+with ComputeLock({path!r}):
+    print("held", flush=True)
+    time.sleep(60)
+"""], stdout=subprocess.PIPE, text=True)
     try:
-        Node._pick_threads(node)
-        assert torch.get_num_threads() == 2  # one session: every thread
-        node.kv["b"] = None
-        Node._pick_threads(node)
-        assert torch.get_num_threads() == 1  # two in flight: nodes on this machine compute at once
-        node.config.busy_threads = 0
-        Node._pick_threads(node)
-        assert torch.get_num_threads() == 2  # no busy share configured: unchanged policy
+        assert holder.stdout.readline().strip() == "held"
+        lock = ComputeLock(path)
+        waiter = threading.Thread(target=lambda: lock.__enter__())
+        waiter.start()
+        waiter.join(0.5)
+        assert waiter.is_alive()  # the other process holds it
+        holder.kill()  # kill -9 of the holder frees it
+        waiter.join(10)
+        assert not waiter.is_alive()
+        lock.__exit__(None, None, None)
+        lock.close()
     finally:
-        torch.set_num_threads(before)
+        holder.kill()
+        holder.wait()
+    with ComputeLock(None):  # no file: nothing to share, nothing happens
+        pass

@@ -58,12 +58,13 @@ def split(tiny_models):
     return model_dir, executors, tok, route
 
 
-def new_session(split, max_tokens=16, stop=()):
+def new_session(split, max_tokens=16, stop=(), eos=frozenset(), ignore_eos=False):
     model_dir, executors, tok, route = split
-    request = Generate(request_id="r1", route=route, prompt="the quick brown fox", max_tokens=max_tokens, stop=stop)
+    request = Generate(request_id="r1", route=route, prompt="the quick brown fox", max_tokens=max_tokens, stop=stop,
+                       ignore_eos=ignore_eos)
     ids = tok(request.prompt)["input_ids"]
     transport = LocalTransport(executors)
-    rs = RouteSession(request, ids, tokenizer=tok, eos=frozenset(), reply_to="inproc://h",
+    rs = RouteSession(request, ids, tokenizer=tok, eos=eos, reply_to="inproc://h",
                       transport=transport, seed=7)
     return rs, transport, ids
 
@@ -88,6 +89,22 @@ def test_prefill_then_decode_matches_transformers(split):
     assert events[-1].event == "done" and events[-1].finish_reason == "length"
     assert isinstance(transport.controls[-1], Close)  # cleanup reached every hop
     assert all(len(ex.kv) == 0 for ex in split[1].values())
+
+
+def test_eos_ends_a_request_unless_it_asks_to_ignore_it(split):
+    model_dir, _, tok, _ = split
+    ids = tok("the quick brown fox")["input_ids"]
+    reference = reference_greedy(model_dir, ids, 16)
+    eos = frozenset({reference[2]})  # as if the third greedy token ended the sequence
+    first = reference.index(reference[2])  # the first time that token comes
+    rs, transport, _ = new_session(split, eos=eos)
+    events = drive(rs, transport)
+    assert [t for e in events for t in e.token_ids] == reference[:first + 1]
+    assert events[-1].finish_reason == "stop"
+    rs, transport, _ = new_session(split, eos=eos, ignore_eos=True)
+    events = drive(rs, transport)
+    assert [t for e in events for t in e.token_ids] == reference  # every one of max_tokens
+    assert events[-1].finish_reason == "length"
 
 
 def test_cache_miss_reprefills_full_history(split):
