@@ -19,6 +19,11 @@ class ComputeLock:
         self.path = path
         self._fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600) if path else None
 
+    @property
+    def shared(self) -> bool:
+        """Other nodes may wait for this lock: there is a file."""
+        return self._fd is not None
+
     def __enter__(self) -> "ComputeLock":
         if self._fd is not None:
             fcntl.flock(self._fd, fcntl.LOCK_EX)

@@ -94,7 +94,7 @@ def stable_node_id(data_root: Path, model_id: str, shard: Shard, bind: str) -> s
 
 
 FIRST_SLICE_TOKENS = 32  # prefill tokens per slice before this node has timed any
-MIN_SLICE_TOKENS = 32  # a slice's fixed cost (reading the weights) is about this many tokens' own
+MIN_SLICE_TOKENS = 8  # a slice's fixed cost (reading the weights) dwarfs this many tokens' own
 MAX_SLICE_TOKENS = 4096
 SLICE_PER_DECODE = 1.0  # a prefill slice beside decoding streams may take this many of their decode batches
 MIN_SLICE_S = 0.02  # ...and at least this long
@@ -312,15 +312,20 @@ class Node:
     # -- executing hops -----------------------------------------------------------------
 
     def _gather_wait(self, now: float) -> float:
-        """Seconds the queued decode steps should still wait for sessions due here (0: run now).
+        """Seconds the queued work should still wait for sessions due here (0: run now).
 
         Sessions reach a node out of step (prompts start at different times), and a node
         that runs each as it comes keeps them out of step: it runs batches of one, each
         costing nearly a whole batch's time. So a decode batch waits, at most
         GATHER_PER_DECODE of a batch's time, for the sessions that decoded here within their
         last few cycles; the waiting pulls them into step, after which they arrive together
-        and nothing waits. A queued prefill never waits (it runs in the meantime)."""
-        if not all(self._decode_step(w) for w in self.work):
+        and nothing waits. A queued prefill does not wait: it runs in the meantime. Except
+        under a compute lock, after a prefill slice: another slice now would hold the lock
+        while the other nodes of the machine have those sessions' decode steps to run, so
+        the node waits (at most one of their cycles) for them to come back first."""
+        decode_only = all(self._decode_step(w) for w in self.work)
+        yield_to_decode = self._ran_prefill and self._compute_lock.shared
+        if not (decode_only or yield_to_decode):
             self._gather_since = None
             return 0.0
         queued = {w.msg.session for w in self.work}
@@ -331,7 +336,8 @@ class Node:
             return 0.0
         if self._gather_since is None:
             self._gather_since = now
-        left = self._gather_since + GATHER_PER_DECODE * (self._decode_batch_s or 0.0) - now
+        limit = GATHER_PER_DECODE * (self._decode_batch_s or 0.0) if decode_only else (self._cycle_s or 0.0)
+        left = self._gather_since + limit - now
         if left <= 0:
             self._gather_since = None
             return 0.0

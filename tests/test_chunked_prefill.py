@@ -95,7 +95,8 @@ def test_slices_are_steered_toward_one_decode_step_beside_streams():
     assert node._slice_tokens["busy"] == 50
     Node._steer_slices(node, work("long", 80, 7), elapsed=0.5)  # a remainder: no information
     assert node._slice_tokens["busy"] == 50
-    Node._steer_slices(node, work("long", 80, 50), elapsed=5.0)  # never below MIN_SLICE_TOKENS
+    node._slice_tokens["busy"] = MIN_SLICE_TOKENS + 1
+    Node._steer_slices(node, work("long", 80, MIN_SLICE_TOKENS + 1), elapsed=5.0)  # never below the minimum
     assert node._slice_tokens["busy"] == MIN_SLICE_TOKENS
     alone = slicer([], [], idle=40)
     Node._steer_slices(alone, work("long", 0, 40), elapsed=0.01)  # alone the target is IDLE_SLICE_S
@@ -152,10 +153,12 @@ def test_bfloat16_wire_for_a_float32_route(thread_cluster, tiny_models):
     assert got == expected[:len(got)] and len(got) >= 8
 
 
-def gatherer(queue: list[Work], last_decode: dict[str, float], batch_s: float = 0.04, cycle_s: float = 0.1):
+def gatherer(queue: list[Work], last_decode: dict[str, float], batch_s: float = 0.04, cycle_s: float = 0.1,
+             locked: bool = False, ran_prefill: bool = False):
     return SimpleNamespace(work=deque(queue), kv={s: None for s in last_decode}, _last_decode=dict(last_decode),
-                           _cycle_s=cycle_s, _decode_batch_s=batch_s, _gather_since=None,
-                           config=SimpleNamespace(max_batch=16), _decode_step=Node._decode_step)
+                           _cycle_s=cycle_s, _decode_batch_s=batch_s, _gather_since=None, _ran_prefill=ran_prefill,
+                           _compute_lock=SimpleNamespace(shared=locked), config=SimpleNamespace(max_batch=16),
+                           _decode_step=Node._decode_step)
 
 
 def test_a_decode_batch_waits_a_little_for_sessions_due_here():
@@ -177,6 +180,17 @@ def test_nothing_waits_for_sessions_gone_quiet_or_beside_a_prefill():
     assert Node._gather_wait(freed, 10.0) == 0
     prefill = gatherer([work("a", 40, 1), work("new", 0, 30)], {"a": 9.9, "b": 9.95})
     assert Node._gather_wait(prefill, 10.0) == 0  # a prefill runs in the meantime instead
+
+
+def test_under_a_compute_lock_a_slice_waits_for_the_streams_to_come_back():
+    # another slice now would hold the machine while the other node has their decode steps
+    node = gatherer([work("long", 64, 500), work("a", 40, 1)], {"a": 9.9, "b": 9.95}, locked=True, ran_prefill=True)
+    assert Node._gather_wait(node, 10.0) == pytest.approx(0.1)  # up to one cycle of theirs
+    assert Node._gather_wait(node, 10.1) == 0
+    node.work.append(work("b", 50, 1))
+    assert Node._gather_wait(node, 10.0) == 0  # the whole group is back: its decode batch goes first
+    unlocked = gatherer([work("long", 64, 500)], {"a": 9.9}, ran_prefill=True)
+    assert Node._gather_wait(unlocked, 10.0) == 0  # its own machine: the slice fills the gap
 
 
 def test_the_compute_lock_lets_one_process_compute_at_a_time_and_dies_with_its_holder(tmp_path):
