@@ -96,6 +96,7 @@ def stable_node_id(data_root: Path, model_id: str, shard: Shard, bind: str) -> s
 FIRST_SLICE_TOKENS = 32  # prefill tokens per slice before this node has timed any
 MIN_SLICE_TOKENS = 8  # a slice's fixed cost (reading the weights) dwarfs this many tokens' own
 MAX_SLICE_TOKENS = 4096
+WHOLE_PREFILL_TOKENS = 64  # a prefill this short runs whole: sliced, each piece would cost nearly as much
 SLICE_PER_DECODE = 1.0  # a prefill slice beside decoding streams may take this many of their decode batches
 MIN_SLICE_S = 0.02  # ...and at least this long
 IDLE_SLICE_S = 0.25  # ...and with no stream decoding here, this long
@@ -377,7 +378,7 @@ class Node:
         answering pings and heartbeats. The rest goes on as further chunks (``more``)."""
         q, msg = work.tensor.shape[1], work.msg
         n = int(self._slice_tokens[self._slice_mode(msg.session)])
-        if q < 2 * n:
+        if q < max(2 * n, WHOLE_PREFILL_TOKENS):
             return work  # the rest would be a slice too small to pay its fixed cost
         self.work.appendleft(Work(dataclasses.replace(msg, pos=msg.pos + n), work.tensor[:, n:]))
         return Work(dataclasses.replace(msg, more=True), work.tensor[:, :n])

@@ -12,7 +12,7 @@ import torch
 
 from fabric import protocol as p
 from fabric.client import wait_for
-from fabric.node import GATHER_PER_DECODE, MIN_SLICE_TOKENS, Node, Work
+from fabric.node import GATHER_PER_DECODE, MIN_SLICE_TOKENS, WHOLE_PREFILL_TOKENS, Node, Work
 from tests.test_batching import prompt_ids_for
 from tests.tiny_models import reference_greedy
 
@@ -75,16 +75,19 @@ def test_alone_a_prefill_uses_the_idle_size_and_short_ones_go_whole():
 
 def test_the_last_slice_keeps_the_chunk_flag_it_came_with():
     node = slicer([], ["x"], busy=5)
-    first = Node._slice(node, work("long", 10, 12, more=True))
+    first = Node._slice(node, work("long", 10, 70, more=True))
     assert (first.tensor.shape[1], first.msg.more) == (5, True)
     assert (node.work[0].msg.pos, node.work[0].msg.more) == (15, True)
 
 
-def test_a_prompt_under_two_slices_goes_whole():
-    # cut, its rest would be a slice too small to pay for reading the weights once more
-    node = slicer([work("a", 40, 1)], ["a"], busy=25)
-    whole = Node._slice(node, work("short", 0, 49))
-    assert whole.tensor.shape[1] == 49 and not whole.msg.more and len(node.work) == 1
+def test_a_prompt_under_two_slices_or_a_short_one_goes_whole():
+    # cut, its rest (or every piece) would be too small to pay for reading the weights once more
+    node = slicer([work("a", 40, 1)], ["a"], busy=40)
+    whole = Node._slice(node, work("short", 0, 79))
+    assert whole.tensor.shape[1] == 79 and not whole.msg.more and len(node.work) == 1
+    small = slicer([work("a", 40, 1)], ["a"], busy=8)
+    assert Node._slice(small, work("short", 0, WHOLE_PREFILL_TOKENS - 1)).tensor.shape[1] == WHOLE_PREFILL_TOKENS - 1
+    assert Node._slice(small, work("long", 0, WHOLE_PREFILL_TOKENS)).tensor.shape[1] == 8
 
 
 def test_slices_are_steered_toward_one_decode_step_beside_streams():
