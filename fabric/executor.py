@@ -153,6 +153,46 @@ class ShardExecutor:
                 results[n] = row
         return results
 
+    @torch.inference_mode()
+    def run_prefills(self, steps: list[Step]) -> list[StepResult]:
+        """One forward pass for whole prompts (pos 0) of different sessions over the same
+        layers: left-padded into one batch, the padding masked out. The sessions leave as a
+        batch group, ready to decode together."""
+        start, end = steps[0].start, steps[0].end
+        assert all((s.start, s.end) == (start, end) and s.pos == 0 for s in steps) and self.batchable(start, end)
+        self._dissolve()  # the group's rows may be other sessions: hand them back first
+        lengths = [s.inputs.shape[1] for s in steps]
+        longest = max(lengths)
+        pads = [longest - n for n in lengths]
+        if start == 0:
+            inputs = torch.cat([F.pad(s.inputs, (pad, 0)) for s, pad in zip(steps, pads)])  # (b, longest)
+        else:
+            inputs = torch.cat([F.pad(s.inputs, (0, 0, pad, 0)) for s, pad in zip(steps, pads)])  # (b, longest, h)
+        hidden = self._embed(start, inputs)
+        position_ids = torch.stack([torch.arange(-pad, n, device=self.w.device).clamp(min=0)
+                                    for pad, n in zip(pads, lengths)])  # (b, longest)
+        # causal, and no query sees a row's padding (a padding query sees nothing real: its
+        # output is never used). Finite, not -inf, so no row of the softmax is all -inf.
+        causal = torch.ones((longest, longest), dtype=torch.bool, device=self.w.device).tril()
+        keep = causal & (torch.arange(longest, device=self.w.device)[None, :] >= torch.tensor(pads)[:, None, None])
+        mask = torch.zeros(keep.shape, dtype=hidden.dtype, device=self.w.device).masked_fill(
+            ~keep, torch.finfo(hidden.dtype).min)[:, None]  # (b, 1, longest, longest)
+        from transformers import DynamicCache
+
+        cache = DynamicCache(config=self.w.config)
+        position_embeddings = self.w.rotary(hidden, position_ids)
+        for i in range(start, end + 1):
+            hidden = self.w.layers[i](hidden, attention_mask=mask, position_ids=position_ids, cache=cache,
+                                      use_cache=True, position_embeddings=position_embeddings)
+        kvs = [self._session_kv(s.session, start, end, 0) for s in steps]
+        self.group = BatchGroup(tuple(s.session for s in steps), tuple(kvs), cache, tuple(pads), start, end)
+        for kv, n in zip(kvs, lengths):
+            kv.cache, kv.group, kv.length = None, self.group, n
+            kv.touch()
+        if end == self.w.shard.num_layers - 1:
+            return self._result(hidden, end)  # every row's last position is real
+        return [StepResult(hidden=hidden[row:row + 1, pad:], logits=None) for row, pad in enumerate(pads)]
+
     def _batched_step(self, steps: list[Step], kvs: list[SessionKV], start: int, end: int) -> list[StepResult]:
         if self.group is None or not self.group.continues(steps, kvs):
             self._dissolve()

@@ -97,6 +97,7 @@ FIRST_SLICE_TOKENS = 32  # prefill tokens per slice before this node has timed a
 MIN_SLICE_TOKENS = 8  # a slice's fixed cost (reading the weights) dwarfs this many tokens' own
 MAX_SLICE_TOKENS = 4096
 WHOLE_PREFILL_TOKENS = 64  # a prefill this short runs whole: sliced, each piece would cost nearly as much
+PREFILL_BATCH_TOKENS = 256  # short prompts queued together run as one forward pass of at most this many tokens
 SLICE_PER_DECODE = 1.0  # a prefill slice beside decoding streams may take this many of their decode batches
 MIN_SLICE_S = 0.02  # ...and at least this long
 IDLE_SLICE_S = 0.25  # ...and with no stream decoding here, this long
@@ -345,31 +346,47 @@ class Node:
         return left
 
     def _run_next(self) -> None:
-        """Run the next queued hop, batched with the other queued decode steps over the
-        same layers (one forward pass for many sessions). Prefill chunks and decode batches
-        take turns, so a long prompt never stalls the streams already decoding by more than
-        one chunk, and the prompt still moves on while they decode."""
+        """Run the next queued hop, batched with the other queued hops of its kind over the
+        same layers (one forward pass for many sessions): decode steps, or short whole
+        prompts. Prefill chunks and decode batches take turns, so a long prompt never
+        stalls the streams already decoding by more than one chunk, and the prompt still
+        moves on while they decode."""
         first = self._take(decode=self._ran_prefill)
         self._ran_prefill = not self._decode_step(first)
         if self._ran_prefill:
             first = self._slice(first)
-        if not self._decode_step(first) or not self.executor.batchable(first.msg.start_layer, first.msg.end_layer):
+        span = (first.msg.start_layer, first.msg.end_layer)
+        if self._decode_step(first):
+            kind = self._decode_step
+        elif self._short_prompt(first):
+            kind = self._short_prompt
+        else:
+            kind = None
+        if kind is None or not self.executor.batchable(*span):
             self._execute([first])
             return
-        span, batch, rest = (first.msg.start_layer, first.msg.end_layer), [first], deque()
+        batch, rest, tokens = [first], deque(), first.tensor.shape[1]
         sessions = {first.msg.session}
         waiting: set[str] = set()  # sessions with a hop left behind: their later hops wait too
         while self.work:
             w = self.work.popleft()
             same = (w.msg.start_layer, w.msg.end_layer) == span and w.msg.session not in sessions | waiting
-            if same and self._decode_step(w) and len(batch) < self.config.max_batch:
+            fits = len(batch) < self.config.max_batch and (
+                kind is self._decode_step or tokens + w.tensor.shape[1] <= PREFILL_BATCH_TOKENS)
+            if same and kind(w) and fits:
                 batch.append(w)
                 sessions.add(w.msg.session)
+                tokens += w.tensor.shape[1]
             else:
                 rest.append(w)
                 waiting.add(w.msg.session)
         self.work = rest
         self._execute(batch)
+
+    @staticmethod
+    def _short_prompt(work: Work) -> bool:
+        """A whole prompt short enough to run unsliced (and so with other such prompts)."""
+        return work.msg.pos == 0 and not work.msg.more and work.tensor.shape[1] < WHOLE_PREFILL_TOKENS
 
     def _slice(self, work: Work) -> Work:
         """Cut a long prefill into the slice to run now and the rest, queued first. While
@@ -421,8 +438,9 @@ class Node:
         with self._compute_lock:
             started = time.perf_counter()
             try:
-                results = ([self._run_one(batch[0])] if len(batch) == 1 else self.executor.run_batch(
-                    [Step(w.msg.session, w.msg.start_layer, w.msg.end_layer, w.tensor, w.msg.pos) for w in batch]))
+                steps = [Step(w.msg.session, w.msg.start_layer, w.msg.end_layer, w.tensor, w.msg.pos) for w in batch]
+                results = ([self._run_one(batch[0])] if len(batch) == 1 else self.executor.run_batch(steps)
+                           if self._decode_step(batch[0]) else self.executor.run_prefills(steps))
             except Exception as exc:
                 log.exception("hop failed for sessions %s", [w.msg.session for w in batch])
                 results = [exc] * len(batch)
@@ -438,7 +456,7 @@ class Node:
                 if last is not None:
                     self._cycle_s = _average(self._cycle_s, started - last)
                 self._last_decode[work.msg.session] = started
-        else:
+        elif len(batch) == 1:  # a batch of prompts says nothing about one slice's cost
             self._steer_slices(batch[0], elapsed)
         for work, result in zip(batch, results):
             try:

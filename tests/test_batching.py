@@ -75,6 +75,31 @@ def test_batch_groups_keep_every_session_exact_as_members_come_and_go(tiny_model
     assert sum(ex.kv.get(f"s{i}").nbytes() for i in range(4)) > 0
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_prompts_prefilled_together_then_decoded_together_equal_each_alone(tiny_models, family):
+    """Whole prompts of different lengths in one padded forward pass, on both hops of a
+    split (token ids into the head, hidden states into the tail), then decode steps as a
+    batch group: every session's tokens are those of a single-process run."""
+    source = resolve(str(tiny_models(family)))
+    head = ShardExecutor(load_shard(source, Shard(0, 2, 6), progress=False), KVStore())
+    tail = ShardExecutor(load_shard(source, Shard(3, 5, 6), progress=False), KVStore())
+    names = [f"p{i}" for i in range(len(PROMPTS))]
+    hidden = head.run_prefills([Step(n, 0, 2, torch.tensor([p]), 0) for n, p in zip(names, PROMPTS)])
+    assert [h.hidden.shape[1] for h in hidden] == [len(p) for p in PROMPTS]  # the padding stays behind
+    results = tail.run_prefills([Step(n, 3, 5, h.hidden, 0) for n, h in zip(names, hidden)])
+    tokens = [[int(r.logits.argmax())] for r in results]
+    pos = [len(p) for p in PROMPTS]
+    for _ in range(8):
+        mid = head.run_batch([Step(n, 0, 2, torch.tensor([[t[-1]]]), p) for n, t, p in zip(names, tokens, pos)])
+        out = tail.run_batch([Step(n, 3, 5, m.hidden, p) for n, m, p in zip(names, mid, pos)])
+        for i, r in enumerate(out):
+            tokens[i].append(int(r.logits.argmax()))
+            pos[i] += 1
+    for got, prompt in zip(tokens, PROMPTS):
+        expected = reference_greedy(tiny_models(family), prompt, 9)  # stops at an end-of-sequence token
+        assert got[:len(expected)] == expected and len(expected) >= 3
+
+
 def test_batch_reports_cache_misses_per_session(tiny_models):
     ex = ShardExecutor(load_shard(resolve(str(tiny_models("llama"))), Shard(0, 5, 6), progress=False), KVStore())
     ex.run("a", 0, 5, torch.tensor([PROMPTS[0]]), 0)

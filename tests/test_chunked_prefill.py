@@ -156,6 +156,23 @@ def test_bfloat16_wire_for_a_float32_route(thread_cluster, tiny_models):
     assert got == expected[:len(got)] and len(got) >= 8
 
 
+def test_short_prompts_queued_together_run_as_one_batch():
+    queue = [work("a", 0, 30), work("x", 40, 1), work("b", 0, 20), work("long", 0, 500), work("c", 0, 40),
+             work("d", 0, 200)]
+    node = slicer(queue, ["x"], busy=8)
+    ran = []
+    node.executor = SimpleNamespace(batchable=lambda start, end: True)
+    node.config.max_batch = 16
+    node._ran_prefill = False
+    node._execute = ran.append
+    node._take, node._slice = Node._take.__get__(node), Node._slice.__get__(node)
+    node._short_prompt = Node._short_prompt
+    Node._run_next(node)
+    # "d" would take the batch past PREFILL_BATCH_TOKENS; the long prompt is sliced on its own
+    assert [w.msg.session for w in ran[0]] == ["a", "b", "c"]
+    assert [w.msg.session for w in node.work] == ["x", "long", "d"]
+
+
 def gatherer(queue: list[Work], last_decode: dict[str, float], batch_s: float = 0.04, cycle_s: float = 0.1,
              locked: bool = False, ran_prefill: bool = False):
     return SimpleNamespace(work=deque(queue), kv={s: None for s in last_decode}, _last_decode=dict(last_decode),
