@@ -230,6 +230,12 @@ class ShardExecutor:
             kv.group = group
         return group
 
+    def forget(self, session: str) -> None:
+        """``session`` ended here: if it was a row of the batch group, hand the other rows
+        back, so the group's cache does not outlive its sessions."""
+        if self.group is not None and session in self.group.sessions:
+            self._dissolve()
+
     def _dissolve(self) -> None:
         """Write each row of the current group back into its session's own cache."""
         from transformers import DynamicCache
@@ -237,9 +243,10 @@ class ShardExecutor:
         group, self.group = self.group, None
         if group is None:
             return
-        for row, (kv, pad) in enumerate(zip(group.kvs, group.pads)):
-            if kv.group is not group:
-                continue  # replaced meanwhile (a fresh prefill)
+        for row, (session, kv, pad) in enumerate(zip(group.sessions, group.kvs, group.pads)):
+            if kv.group is not group or self.kv.get(session) is not kv:
+                kv.group = None
+                continue  # ended, or replaced meanwhile (a fresh prefill)
             kv.group = None
             kv.cache = DynamicCache(config=self.w.config)
             for i in range(group.start, group.end + 1):

@@ -241,6 +241,7 @@ class Node:
         self._relay_tick(now)
         self._probe_peers(now)
         for session in self.kv.evict_idle():
+            self.executor.forget(session)
             log.info("freed idle session %s", session)
         if len(self._last_decode) > len(self.kv):
             self._last_decode = {s: t for s, t in self._last_decode.items() if s in self.kv}
@@ -433,8 +434,8 @@ class Node:
         return work.tensor.shape[1] == 1 and work.msg.pos > 0 and not work.msg.more
 
     def _execute(self, batch: list[Work]) -> None:
-        """Run hops (one, or a batch of decode steps); a failure costs those sessions only,
-        never the node."""
+        """Run hops (one, or a batch of decode steps or of short prompts); a failure costs
+        those sessions only, never the node."""
         with self._compute_lock:
             started = time.perf_counter()
             try:
@@ -485,6 +486,7 @@ class Node:
         elif isinstance(result, Exception):
             self.counters["hop_errors"] += 1
             self.kv.drop(msg.session)
+            self.executor.forget(msg.session)
             self._send(msg.reply_to, msg.reply_key, p.Error(
                 p.ErrorCode.INTERNAL, f"{type(result).__name__}: {result}", session=msg.session,
                 step=msg.step, node=self.config.node_id))
@@ -533,6 +535,7 @@ class Node:
     def _free(self, msg: p.Cancel | p.Close) -> None:
         """Drop the session's KV and queued work here, then pass the message down the route."""
         self.kv.drop(msg.session)
+        self.executor.forget(msg.session)
         self._last_decode.pop(msg.session, None)
         self.work = deque(w for w in self.work if w.msg.session != msg.session)
         if msg.route:

@@ -66,8 +66,10 @@ def test_batch_groups_keep_every_session_exact_as_members_come_and_go(tiny_model
     for members in line_ups:
         step(members)
     assert ex.group is not None and len(ex.group.sessions) == 3
-    ex.kv.drop("s1")  # closed while a row of the group; then it starts over with a fresh prefill
-    prefill(1)
+    ex.kv.drop("s1")  # closed while a row of the group: the others get their own caches back
+    ex.forget("s1")
+    assert ex.group is None and ex.kv.get("s0").cache is not None and ex.kv.get("s0").group is None
+    prefill(1)  # then it starts over with a fresh prefill
     prefill(3)  # a newcomer joins
     while any(len(t) < 15 for t in tokens):
         step([i for i in range(len(PROMPTS)) if len(tokens[i]) < 15])
