@@ -180,6 +180,15 @@ async def test_stop_string_or_list(fake, client, stop, expected):
     assert fake.calls[0].stop == expected
 
 
+async def test_ignore_eos_reaches_the_fabric_and_must_be_a_boolean(fake, client):
+    status, _ = await post(client, CHAT, chat_body(ignore_eos=True))
+    assert status == 200 and fake.calls[0].ignore_eos is True
+    status, _ = await post(client, TEXT, {"model": MODEL, "prompt": "hi"})
+    assert status == 200 and fake.calls[1].ignore_eos is False
+    status, response = await post(client, CHAT, chat_body(ignore_eos="yes"))
+    await assert_error(response, 400, param="ignore_eos")
+
+
 async def test_max_completion_tokens_wins_over_max_tokens(fake, client):
     status, _ = await post(client, CHAT, chat_body(max_tokens=2, max_completion_tokens=3))
     assert status == 200 and fake.calls[0].max_tokens == 3

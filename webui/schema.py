@@ -43,6 +43,7 @@ class GenerationRequest:
     sampling: Sampling
     stream: bool
     include_usage: bool  # stream_options.include_usage: a last chunk carries usage
+    ignore_eos: bool = False  # keep generating past end-of-sequence tokens (as vLLM's extension; benchmarks)
 
     @property
     def is_chat(self) -> bool:
@@ -54,7 +55,7 @@ class GenerationRequest:
         if self.messages is not None:
             messages = [{"role": m.role, "content": m.content} for m in self.messages]
         return {"messages": messages, "prompt": self.prompt, "max_tokens": self.max_tokens,
-                "stop": self.stop, "sampling": self.sampling}
+                "stop": self.stop, "sampling": self.sampling, "ignore_eos": self.ignore_eos}
 
 
 # --------------------------------------------------------------------------- entry points
@@ -110,7 +111,8 @@ def _common(body: dict[str, Any], config: WebUIConfig) -> dict[str, Any]:
         raise ApiError.invalid("only n=1 is supported", "n")
     stream = _boolean(body, "stream", False)
     return {"model": model, "stop": _stop(body.get("stop")), "sampling": _sampling(body, config),
-            "stream": stream, "include_usage": _include_usage(body.get("stream_options"), stream)}
+            "stream": stream, "include_usage": _include_usage(body.get("stream_options"), stream),
+            "ignore_eos": _boolean(body, "ignore_eos", False)}
 
 
 def _sampling(body: dict[str, Any], config: WebUIConfig) -> Sampling:

@@ -46,6 +46,7 @@ class GenerateCall:
     sampling: Sampling
     request_id: str | None
     api_key: str | None
+    ignore_eos: bool = False
 
 
 class FakeStream:
@@ -121,8 +122,8 @@ class FakeClient:
 
     def generate(self, model: str, *, messages: list[dict] | None = None, prompt: str | None = None,
                  max_tokens: int = 256, stop: tuple[str, ...] = (), sampling: Sampling = Sampling(),
-                 request_id: str | None = None, api_key: str | None = None) -> FakeStream:
-        call = GenerateCall(model, messages, prompt, max_tokens, stop, sampling, request_id, api_key)
+                 request_id: str | None = None, api_key: str | None = None, ignore_eos: bool = False) -> FakeStream:
+        call = GenerateCall(model, messages, prompt, max_tokens, stop, sampling, request_id, api_key, ignore_eos)
         self.calls.append(call)
         script = self.script
         if all(m["id"] != model for m in self.model_list):
