@@ -174,7 +174,8 @@ class ShardExecutor:
         # causal, and no query sees a row's padding (a padding query sees nothing real: its
         # output is never used). Finite, not -inf, so no row of the softmax is all -inf.
         causal = torch.ones((longest, longest), dtype=torch.bool, device=self.w.device).tril()
-        keep = causal & (torch.arange(longest, device=self.w.device)[None, :] >= torch.tensor(pads)[:, None, None])
+        first_real = torch.tensor(pads, device=self.w.device)[:, None, None]  # (b, 1, 1)
+        keep = causal & (torch.arange(longest, device=self.w.device)[None, :] >= first_real)
         mask = torch.zeros(keep.shape, dtype=hidden.dtype, device=self.w.device).masked_fill(
             ~keep, torch.finfo(hidden.dtype).min)[:, None]  # (b, 1, longest, longest)
         from transformers import DynamicCache
