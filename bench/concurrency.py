@@ -6,15 +6,15 @@
 Starts a tracker and a 2-node split (``python -m fabric.cli ...``, as ``meshnet up`` does:
 all cores each and one compute lock) and drives it with N concurrent ``fabric.Client``
 streams (greedy, distinct prompts, each exactly ``--tokens`` long), timing aggregate
-generated tokens per second over the whole wave. Baselines measured in the same run: one stream on the same cluster, and
-single-process transformers generating the same 8 prompts as one padded batch
-(``generate`` with batch 8, all cores). Targets: 8 streams >= 4x one stream, and >= 0.9x
-the single-process batch of 8. Writes a PNG plot when matplotlib is installed.
+generated tokens per second over the whole wave. Baselines measured in the same run: one
+stream on the same cluster, and single-process transformers generating the same 8 prompts
+as one padded batch (``generate`` with batch 8, all cores). Targets: 8 streams >= 4x one
+stream, and >= 0.9x the single-process batch of 8. Writes a PNG plot when matplotlib is
+installed.
 """
 from __future__ import annotations
 
 import argparse
-import os
 import signal
 import subprocess
 import sys

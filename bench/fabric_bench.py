@@ -8,8 +8,8 @@
    gguf_file=...)``, greedy ``generate``, float32, same thread count) against the fabric with
    1, 2 and 3 nodes on loopback, started and driven exactly as users do: ``python -m
    fabric.cli tracker ...`` and ``python -m fabric.cli node ... --threads T --compute-lock F``
-   subprocesses (even split, T = all cores and one lock file F per cluster, as ``meshnet up``), then ``fabric.Client(tracker)
-   .generate(model, messages=..., max_tokens=N)``; decode tok/s is timed from the first
+   subprocesses (even split, T = all cores and one lock file F per cluster, as ``meshnet
+   up``), then ``fabric.Client(tracker).generate(model, messages=..., max_tokens=N)``; decode tok/s is timed from the first
    token event to the done event (transformers: first streamed token to the end). The
    fabric's greedy token ids are checked against the single process's.
 2. Added latency per hop against a raw pyzmq DEALER->ROUTER echo round trip of one hidden
@@ -804,7 +804,7 @@ def analyse(args, cores, main, diag, results, reference, raw, half) -> dict:
                      "full_uss": median([m[f"uss_{when}"] for m in full]),
                      "half_uss": median([m[f"uss_{when}"] for m in halfm])}
 
-    two, b = everything["fabric-2"], everything[base_key]
+    two = everything["fabric-2"]
     summary = {
         "two_node_ratio": two["ratio"], "two_node_ratio_all_runs": two["ratio_all"],
         "two_node_noisy": two["ratio_noisy"],

@@ -8,8 +8,8 @@ and once they are decoding submits one request whose prompt is ``--prompt-tokens
 long. For the running streams it records the gap between consecutive tokens (client side)
 and reports the p99 of the gaps that fell while the long prompt was being prefilled
 against the median of the gaps outside that window (the streams' own pace; the running
-streams ignore end-of-sequence tokens, so they all outlive the prefill). It does this twice on fresh clusters: with the
-nodes' default (prefill run in slices about as long as one decode step) and with
+streams ignore end-of-sequence tokens, so they all outlive the prefill). It does this twice
+on fresh clusters: with the nodes' default (prefill run in slices about as long as one decode step) and with
 ``--prefill-slice-ms 60000`` (the prompt in one piece) as the baseline of the same run.
 Target: p99 <= 3x median.
 """

@@ -108,7 +108,7 @@ def test_slices_are_steered_toward_one_decode_step_beside_streams():
 
 def test_long_prompt_chunked_beside_running_streams(thread_cluster, tiny_models):
     model = tiny_models("llama")
-    # slices of the minimum (32 tokens) once timed: several chunks for the long prompt
+    # slices of the minimum (8 tokens) once timed: the long prompt (over 64 tokens) goes in chunks
     head = thread_cluster.add_node(model, 0, 2, 6, "head", prefill_slice=1e-9)
     tail = thread_cluster.add_node(model, 3, 5, 6, "tail", prefill_slice=1e-9)
     thread_cluster.wait_routable(model.name, 2)
@@ -168,7 +168,7 @@ def test_short_prompts_queued_together_run_as_one_batch():
     node._take, node._slice = Node._take.__get__(node), Node._slice.__get__(node)
     node._short_prompt = Node._short_prompt
     Node._run_next(node)
-    # "d" would take the batch past PREFILL_BATCH_TOKENS; the long prompt is sliced on its own
+    # "d" would take the batch past PREFILL_BATCH_TOKENS; the long prompt runs alone, in slices
     assert [w.msg.session for w in ran[0]] == ["a", "b", "c"]
     assert [w.msg.session for w in node.work] == ["x", "long", "d"]
 
@@ -216,7 +216,6 @@ def test_under_a_compute_lock_a_slice_waits_for_the_streams_to_come_back():
 def test_the_compute_lock_lets_one_process_compute_at_a_time_and_dies_with_its_holder(tmp_path):
     import subprocess
     import sys
-    import time
 
     from fabric.compute_lock import ComputeLock
 
