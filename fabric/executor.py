@@ -171,13 +171,7 @@ class ShardExecutor:
         hidden = self._embed(start, inputs)
         position_ids = torch.stack([torch.arange(-pad, n, device=self.w.device).clamp(min=0)
                                     for pad, n in zip(pads, lengths)])  # (b, longest)
-        # causal, and no query sees a row's padding (a padding query sees nothing real: its
-        # output is never used). Finite, not -inf, so no row of the softmax is all -inf.
-        causal = torch.ones((longest, longest), dtype=torch.bool, device=self.w.device).tril()
-        first_real = torch.tensor(pads, device=self.w.device)[:, None, None]  # (b, 1, 1)
-        keep = causal & (torch.arange(longest, device=self.w.device)[None, :] >= first_real)
-        mask = torch.zeros(keep.shape, dtype=hidden.dtype, device=self.w.device).masked_fill(
-            ~keep, torch.finfo(hidden.dtype).min)[:, None]  # (b, 1, longest, longest)
+        mask = self._left_padded_mask(pads, longest, longest, hidden.dtype)
         from transformers import DynamicCache
 
         cache = DynamicCache(config=self.w.config)
@@ -186,10 +180,10 @@ class ShardExecutor:
             hidden = self.w.layers[i](hidden, attention_mask=mask, position_ids=position_ids, cache=cache,
                                       use_cache=True, position_embeddings=position_embeddings)
         kvs = [self._session_kv(s.session, start, end, 0) for s in steps]
-        self.group = BatchGroup(tuple(s.session for s in steps), tuple(kvs), cache, tuple(pads), start, end)
         for kv, n in zip(kvs, lengths):
-            kv.cache, kv.group, kv.length = None, self.group, n
+            kv.length = n
             kv.touch()
+        self._adopt(steps, kvs, cache, pads)
         if end == self.w.shard.num_layers - 1:
             return self._result(hidden, end)  # every row's last position is real
         return [StepResult(hidden=hidden[row:row + 1, pad:], logits=None) for row, pad in enumerate(pads)]
@@ -197,14 +191,12 @@ class ShardExecutor:
     def _batched_step(self, steps: list[Step], kvs: list[SessionKV], start: int, end: int) -> list[StepResult]:
         if self.group is None or not self.group.continues(steps, kvs):
             self._dissolve()
-            self.group = self._gather(steps, kvs, start, end)
+            self._gather(steps, kvs)
         group = self.group
         hidden = self._embed(start, torch.cat([s.inputs for s in steps]))  # (b, 1, hidden)
         position_ids = torch.tensor([[s.pos] for s in steps], device=self.w.device)  # (b, 1)
         longest = group.cache.layers[start].keys.shape[-2]
-        mask = torch.zeros((len(kvs), 1, 1, longest + 1), dtype=hidden.dtype, device=self.w.device)
-        for row, pad in enumerate(group.pads):
-            mask[row, :, :, :pad] = torch.finfo(hidden.dtype).min  # the left padding
+        mask = self._left_padded_mask(group.pads, 1, longest + 1, hidden.dtype)
         position_embeddings = self.w.rotary(hidden, position_ids)
         for i in range(start, end + 1):
             hidden = self.w.layers[i](hidden, attention_mask=mask, position_ids=position_ids, cache=group.cache,
@@ -214,22 +206,36 @@ class ShardExecutor:
             kv.touch()
         return self._result(hidden, end)
 
-    def _gather(self, steps: list[Step], kvs: list[SessionKV], start: int, end: int) -> BatchGroup:
+    def _left_padded_mask(self, pads: list[int] | tuple[int, ...], q: int, k: int,
+                          dtype: torch.dtype) -> torch.Tensor:
+        """Additive mask (b, 1, q, k) for ``q`` queries ending at the last of ``k`` keys: causal,
+        and no query sees its row's left padding. Finite, not -inf, so no softmax row (a
+        padding query's, whose output is never used) is all -inf."""
+        keys = torch.arange(k, device=self.w.device)
+        causal = keys[None, :] <= torch.arange(k - q, k, device=self.w.device)[:, None]  # (q, k)
+        keep = causal & (keys >= torch.tensor(pads, device=self.w.device)[:, None, None])  # (b, q, k)
+        return torch.zeros(keep.shape, dtype=dtype, device=self.w.device).masked_fill(
+            ~keep, torch.finfo(dtype).min)[:, None]
+
+    def _gather(self, steps: list[Step], kvs: list[SessionKV]) -> None:
         """Left-pad every session's KV into the rows of one new group cache."""
         from transformers import DynamicCache
 
         longest = max(kv.length for kv in kvs)
         batch = DynamicCache(config=self.w.config)
-        for i in range(start, end + 1):
+        for i in range(steps[0].start, steps[0].end + 1):
             keys = [F.pad(kv.cache.layers[i].keys, (0, 0, longest - kv.length, 0)) for kv in kvs]
             values = [F.pad(kv.cache.layers[i].values, (0, 0, longest - kv.length, 0)) for kv in kvs]
             batch.update(torch.cat(keys), torch.cat(values), i)  # (b, kv_heads, longest, head_dim)
-        group = BatchGroup(tuple(s.session for s in steps), tuple(kvs), batch,
-                           tuple(longest - kv.length for kv in kvs), start, end)
+        self._adopt(steps, kvs, batch, [longest - kv.length for kv in kvs])
+
+    def _adopt(self, steps: list[Step], kvs: list[SessionKV], cache, pads: list[int]) -> None:
+        """Make ``cache`` (one left-padded row per session) the batch group; the sessions'
+        own caches are stale from now on."""
+        self.group = BatchGroup(tuple(s.session for s in steps), tuple(kvs), cache, tuple(pads),
+                                steps[0].start, steps[0].end)
         for kv in kvs:
-            kv.cache = None  # stale from now on: the group holds it
-            kv.group = group
-        return group
+            kv.cache, kv.group = None, self.group
 
     def forget(self, session: str) -> None:
         """``session`` ended here: if it was a row of the batch group, hand the other rows
@@ -245,10 +251,9 @@ class ShardExecutor:
         if group is None:
             return
         for row, (session, kv, pad) in enumerate(zip(group.sessions, group.kvs, group.pads)):
-            if kv.group is not group or self.kv.get(session) is not kv:
-                kv.group = None
-                continue  # ended, or replaced meanwhile (a fresh prefill)
             kv.group = None
+            if self.kv.get(session) is not kv:
+                continue  # ended, or replaced meanwhile (a fresh prefill)
             kv.cache = DynamicCache(config=self.w.config)
             for i in range(group.start, group.end + 1):
                 layer = group.cache.layers[i]
@@ -265,7 +270,6 @@ class ShardExecutor:
         if kv is None or kv.length != pos or (kv.start, kv.end) != (start, end):
             raise CacheMissError(0 if kv is None else kv.length)
         return kv
-
 
     def _masks(self, kv: SessionKV, hidden: torch.Tensor, position_ids: torch.Tensor,
                start: int, end: int) -> dict[str, torch.Tensor | None]:

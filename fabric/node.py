@@ -440,8 +440,12 @@ class Node:
             started = time.perf_counter()
             try:
                 steps = [Step(w.msg.session, w.msg.start_layer, w.msg.end_layer, w.tensor, w.msg.pos) for w in batch]
-                results = ([self._run_one(batch[0])] if len(batch) == 1 else self.executor.run_batch(steps)
-                           if self._decode_step(batch[0]) else self.executor.run_prefills(steps))
+                if len(batch) == 1:
+                    results = [self._run_one(batch[0])]
+                elif self._decode_step(batch[0]):
+                    results = self.executor.run_batch(steps)
+                else:
+                    results = self.executor.run_prefills(steps)
             except Exception as exc:
                 log.exception("hop failed for sessions %s", [w.msg.session for w in batch])
                 results = [exc] * len(batch)
@@ -485,8 +489,7 @@ class Node:
                                                                  result.have))
         elif isinstance(result, Exception):
             self.counters["hop_errors"] += 1
-            self.kv.drop(msg.session)
-            self.executor.forget(msg.session)
+            self._drop_session(msg.session)
             self._send(msg.reply_to, msg.reply_key, p.Error(
                 p.ErrorCode.INTERNAL, f"{type(result).__name__}: {result}", session=msg.session,
                 step=msg.step, node=self.config.node_id))
@@ -534,13 +537,17 @@ class Node:
 
     def _free(self, msg: p.Cancel | p.Close) -> None:
         """Drop the session's KV and queued work here, then pass the message down the route."""
-        self.kv.drop(msg.session)
-        self.executor.forget(msg.session)
-        self._last_decode.pop(msg.session, None)
+        self._drop_session(msg.session)
         self.work = deque(w for w in self.work if w.msg.session != msg.session)
         if msg.route:
             nxt = msg.route[0]
             self._send(nxt.endpoint, nxt.key, type(msg)(session=msg.session, route=msg.route[1:]))
+
+    def _drop_session(self, session: str) -> None:
+        """Forget ``session``'s KV here, also as a row of the executor's batch group."""
+        self.kv.drop(session)
+        self.executor.forget(session)
+        self._last_decode.pop(session, None)
 
     def _emit(self, rs: RouteSession, events: list[p.Event]) -> None:
         identity = self.clients.get(rs.session)

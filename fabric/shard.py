@@ -60,4 +60,3 @@ def even_split(num_layers: int, parts: int) -> list[Shard]:
         shards.append(Shard(start, start + size - 1, num_layers))
         start += size
     return shards
-
