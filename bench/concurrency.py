@@ -2,6 +2,7 @@
 """Aggregate decode throughput against concurrent streams, as ratios measured in one run.
 
     python bench/concurrency.py [--model smollm2-135m] [--streams 1,2,4,8] [--tokens 48] [--plot OUT.png]
+                                [--device cpu|cuda] [--dtype float32|bfloat16]
 
 Starts a tracker and a 2-node split (``python -m fabric.cli ...``, as ``meshnet up`` does:
 all cores each and one compute lock) and drives it with N concurrent ``fabric.Client``
@@ -28,12 +29,26 @@ sys.path.insert(0, str(REPO))
 
 from fabric import Client  # noqa: E402
 from fabric.client import wait_for  # noqa: E402
+from fabric.models import resolve  # noqa: E402
 from fabric.shard import even_split  # noqa: E402
 from tests.cluster import free_port  # noqa: E402
 
 PROMPTS = ["Why is the sky blue?", "Name three prime numbers.", "Write a haiku about rivers.",
            "What is a transformer model?", "Describe a cat in one sentence.", "What is 12 times 12?",
            "Give me a synonym for happy.", "Where is the Eiffel Tower?"]
+
+
+def add_device_args(parser: argparse.ArgumentParser) -> None:
+    """``--device`` and ``--dtype``, for the nodes and the baseline alike."""
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                        help="where nodes and the baseline compute (default %(default)s)")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                        help="compute dtype of nodes and baseline (default %(default)s)")
+
+
+def device_args(args: argparse.Namespace) -> tuple[str, ...]:
+    """The node flags for ``add_device_args``' choices."""
+    return ("--device", args.device, "--dtype", args.dtype)
 
 
 def start_cluster(model: str, nodes: int, tmp: Path, threads: int = 0,
@@ -43,7 +58,7 @@ def start_cluster(model: str, nodes: int, tmp: Path, threads: int = 0,
     threads_args = ["--threads", str(threads)] if threads else []  # default: all cores, as `meshnet up`
     procs = [subprocess.Popen([*me, "tracker", "--bind", tracker, "--pub", f"tcp://127.0.0.1:{free_port()}",
                                "--db", str(tmp / "ledger.sqlite3")], cwd=REPO)]
-    from fabric.models import load_config, resolve
+    from fabric.models import load_config
 
     layers = load_config(resolve(model)).num_hidden_layers
     for shard in even_split(layers, nodes):
@@ -83,21 +98,22 @@ def wave(tracker: str, model: str, streams: int, tokens: int) -> tuple[float, li
     return sum(len(o) for o in outputs) / elapsed, outputs
 
 
-def transformers_batch(model: str, batch: int, tokens: int) -> float:
+def transformers_batch(model: str, batch: int, tokens: int, dtype: str = "float32", device: str = "cpu") -> float:
     """Single-process transformers: the same prompts as one left-padded batch."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    from fabric.models import load_tokenizer, resolve
+    from fabric.models import load_tokenizer
 
     source = resolve(model)
     tok = load_tokenizer(source)
     tok.padding_side = "left"
     tok.pad_token = tok.pad_token or tok.eos_token
-    lm = AutoModelForCausalLM.from_pretrained(source.directory, gguf_file=source.gguf_file).eval()
+    lm = AutoModelForCausalLM.from_pretrained(source.directory, gguf_file=source.gguf_file,
+                                              dtype=getattr(torch, dtype)).to(device).eval()
     texts = [tok.apply_chat_template([{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}],
                                      add_generation_prompt=True, tokenize=False) for i in range(batch)]
-    enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+    enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(device)
     with torch.inference_mode():
         lm.generate(**enc, max_new_tokens=4, do_sample=False)  # warm up
         start = time.perf_counter()
@@ -114,15 +130,17 @@ def main() -> int:
     parser.add_argument("--plot", default=None, help="write a PNG of aggregate tok/s against streams")
     parser.add_argument("--threads", type=int, default=0,
                         help="torch threads per node (default: all cores, as `meshnet up`)")
+    add_device_args(parser)
     args = parser.parse_args()
     counts = [int(n) for n in args.streams.split(",")]
 
-    baseline = transformers_batch(args.model, 8, args.tokens)
+    baseline = transformers_batch(args.model, 8, args.tokens, args.dtype, args.device)
     with tempfile.TemporaryDirectory() as tmp:
-        procs, tracker = start_cluster(args.model, 2, Path(tmp), args.threads)
+        procs, tracker = start_cluster(args.model, 2, Path(tmp), args.threads, device_args(args))
         try:
-            wave(tracker, args.model, 1, 8)  # warm up
-            results = {n: wave(tracker, args.model, n, args.tokens)[0] for n in counts}
+            model_id = resolve(args.model).model_id  # what clients ask for (a directory's name)
+            wave(tracker, model_id, 1, 8)  # warm up
+            results = {n: wave(tracker, model_id, n, args.tokens)[0] for n in counts}
         finally:
             for proc in procs:
                 proc.send_signal(signal.SIGINT)
@@ -134,7 +152,8 @@ def main() -> int:
 
 def report(args, counts: list[int], results: dict[int, float], baseline: float) -> None:
     one = results[counts[0]]
-    print(f"concurrency on a 2-node split of {args.model}, {args.tokens} tokens per stream")
+    print(f"concurrency on a 2-node split of {args.model} ({args.dtype} on {args.device}), "
+          f"{args.tokens} tokens per stream")
     print(f"  single-process transformers, batch of 8: {baseline:.1f} tok/s aggregate")
     for n in counts:
         print(f"  {n} stream(s): {results[n]:6.1f} tok/s aggregate  = {results[n] / one:.2f}x one stream, "

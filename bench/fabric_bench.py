@@ -3,9 +3,10 @@
 
     python bench/fabric_bench.py [--quick] [--tokens N] [--reps R] [--json OUT]
                                  [--tries K] [--max-wait S] [--budget MIN] [--keep-logs]
+                                 [--device cpu|cuda] [--dtype float32|bfloat16]
 
 1. Decode tokens/s: single-process transformers (``AutoModelForCausalLM.from_pretrained(dir,
-   gguf_file=...)``, greedy ``generate``, float32, same thread count) against the fabric with
+   gguf_file=...)``, greedy ``generate``, same dtype, device and thread count) against the fabric with
    1, 2 and 3 nodes on loopback, started and driven exactly as users do: ``python -m
    fabric.cli tracker ...`` and ``python -m fabric.cli node ... --threads T --compute-lock F``
    subprocesses (even split, T = all cores and one lock file F per cluster, as ``meshnet
@@ -13,7 +14,7 @@
    token event to the done event (transformers: first streamed token to the end). The
    fabric's greedy token ids are checked against the single process's.
 2. Added latency per hop against a raw pyzmq DEALER->ROUTER echo round trip of one hidden
-   state (hidden_size float32 values, 2304 B for SmolLM2-135M). Diagnostic clusters run the
+   state (hidden_size values of the dtype, 2304 B for SmolLM2-135M in float32). Diagnostic clusters run the
    same CLI through ``bench/trace_node.py``, which timestamps layer compute, frame
    receipt/decode, forwarding, sampling and the head's token handling (CLOCK_MONOTONIC is
    shared by all processes). Per decode step, "non-compute" = per-token time minus layer
@@ -61,6 +62,9 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 import psutil  # noqa: E402
+
+sys.path.insert(0, str(REPO / "bench"))
+from concurrency import add_device_args, device_args  # noqa: E402
 
 PROMPT = ({"role": "user", "content": "Explain in a few sentences why the sky is blue."},)
 TARGETS = {"two_node_ratio": 0.95, "hop_ratio": 1.5, "memory_ratio": 0.6}
@@ -244,7 +248,8 @@ class Cluster:
         return " | ".join(str(s) for s in self.shards)
 
 
-def start_cluster(procs: Procs, c: Cluster, model: str, tmp: Path) -> None:
+def start_cluster(procs: Procs, c: Cluster, model: str, tmp: Path, extra: tuple[str, ...] = ()) -> None:
+    """Start ``c``'s tracker and nodes; ``extra`` goes to every node (``--device``, ``--dtype``)."""
     py = sys.executable
     port, pub = free_port(), free_port()
     c.tracker = f"tcp://127.0.0.1:{port}"
@@ -253,7 +258,8 @@ def start_cluster(procs: Procs, c: Cluster, model: str, tmp: Path) -> None:
         "--pub", f"tcp://127.0.0.1:{pub}", "--db", str(tmp / f"{c.key}-ledger.db")])
     for i, shard in enumerate(c.shards):
         node_args = ["node", "--model", model, "--layers", str(shard), "--tracker", c.tracker,
-                     "--threads", str(c.threads), "--compute-lock", str(tmp / f"{c.key}.lock"), "--no-progress"]
+                     "--threads", str(c.threads), "--compute-lock", str(tmp / f"{c.key}.lock"), "--no-progress",
+                     *extra]
         env, trace = {}, None
         if c.traced or c.profile_dir:
             argv = [py, str(REPO / "bench" / "trace_node.py"), "--log-level", "warning", *node_args]
@@ -387,16 +393,16 @@ def clock_streamer():
 class Baseline:
     """The model in this process, loaded the way the brief says, run with ``generate``."""
 
-    def __init__(self, source, tokenizer, eos: list[int]):
+    def __init__(self, source, tokenizer, eos: list[int], dtype: str = "float32", device: str = "cpu"):
         import torch
         from transformers import AutoModelForCausalLM
 
         self.torch = torch
         self.model = AutoModelForCausalLM.from_pretrained(str(source.directory), gguf_file=source.gguf_file,
-                                                          dtype=torch.float32).eval()
+                                                          dtype=getattr(torch, dtype)).to(device).eval()
         ids = tokenizer.apply_chat_template(list(PROMPT), add_generation_prompt=True, tokenize=True,
                                             return_dict=False)
-        self.input_ids = torch.tensor([list(ids)], dtype=torch.int64)
+        self.input_ids = torch.tensor([list(ids)], dtype=torch.int64, device=device)
         self.eos = eos
         self.pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
 
@@ -637,6 +643,7 @@ def run(args, state: dict) -> dict:
 
     cores = os.cpu_count() or 1
     source = resolve(args.model)
+    args.model_id = source.model_id  # what clients ask for (a directory's name)
     config = load_config(source, default_cache_root())
     num_layers, hidden = config.num_hidden_layers, config.hidden_size
     tokenizer = load_tokenizer(source, default_cache_root())
@@ -651,29 +658,30 @@ def run(args, state: dict) -> dict:
         "machine": {"cores": cores, "cpu": _cpu_name(), "torch": torch.__version__,
                     "transformers": transformers.__version__, "python": platform.python_version(),
                     "mem_total_gib": round(psutil.virtual_memory().total / 2**30, 1)},
-        "model": args.model, "layers": num_layers, "hidden": hidden, "tokens": args.tokens, "reps": args.reps,
+        "model": args.model, "device": _device_name(args.device), "dtype": args.dtype, "layers": num_layers, "hidden": hidden, "tokens": args.tokens, "reps": args.reps,
         "quiet_threshold": QUIET, "tries": args.tries, "logs": str(tmp),
     })
     log(f"logs and traces in {tmp}")
     results: dict[str, list] = state.setdefault("results", {})
     gate = Gate(args.tries, args.max_wait, args.budget * 60)
     try:
-        raw = RawRTT(procs, hidden * 4)
+        raw = RawRTT(procs, hidden * getattr(torch, args.dtype).itemsize)
+        extra = device_args(args)
         # phase A: what users run, threads per node as `meshnet up` assigns them
         main = [Cluster(f"fabric-{n}", f"fabric {n} node{'s' * (n > 1)}", even_split(num_layers, n),
                         cores) for n in (1, 2, 3)]  # all cores each, as `meshnet up`
         for c in main:
-            start_cluster(procs, c, args.model, tmp)
+            start_cluster(procs, c, args.model, tmp, extra)
         log("loading the single-process baseline while the nodes load")
-        base = Baseline(source, tokenizer, eos)
-        wait_ready(procs, main, args.model)
+        base = Baseline(source, tokenizer, eos, args.dtype, args.device)
+        wait_ready(procs, main, args.model_id)
         reference = base.generate(args.tokens, cores)  # warm-up and the reference token ids
         results[f"baseline-{cores}t-warmup"] = [reference]
         for c in main:
             warm_up(c, args, results)
         jobs = [("baseline", f"baseline-{cores}t", cores)] + [("fabric", c.key, c) for c in main if not c.failed]
         for rep in range(args.reps):
-            measure_round(jobs, base, args.model, args.tokens, rep, results, raw, gate)
+            measure_round(jobs, base, args.model_id, args.tokens, rep, results, raw, gate)
         procs.stop([p for c in main for p in c.procs])
         # phase B: traced diagnostic clusters, equal thread counts, for the per-hop breakdown
         diag = [Cluster("diag-1n-1t", "traced 1 node, 1 thread", even_split(num_layers, 1), 1, traced=True),
@@ -682,8 +690,8 @@ def run(args, state: dict) -> dict:
             diag.append(Cluster(f"diag-2n-{cores}t", f"traced 2 nodes, {cores} threads each",
                                 even_split(num_layers, 2), cores, traced=True))
         for c in diag:
-            start_cluster(procs, c, args.model, tmp)
-        wait_ready(procs, diag, args.model)
+            start_cluster(procs, c, args.model, tmp, extra)
+        wait_ready(procs, diag, args.model_id)
         results["baseline-1t-warmup"] = [base.generate(args.tokens, 1)]
         for c in diag:
             warm_up(c, args, results)
@@ -691,7 +699,7 @@ def run(args, state: dict) -> dict:
         if len(diag) > 2:
             jobs.insert(1, ("baseline", f"baseline-{cores}t-diag", cores))
         for rep in range(args.reps):
-            measure_round(jobs, base, args.model, args.tokens, args.reps + rep, results, raw, gate)
+            measure_round(jobs, base, args.model_id, args.tokens, args.reps + rep, results, raw, gate)
         procs.stop([p for c in diag for p in c.procs])  # the traced nodes write their traces on exit
         report.update(analyse(args, cores, main, diag, results, reference, raw, half))
         report["memory"]["runtime_floor_rss"] = floor = runtime_floor()
@@ -714,7 +722,7 @@ def warm_up(c: Cluster, args, results: dict, tries: int = 3) -> None:
     """One untimed generation (also the 'after one generation' memory point); a cluster the
     fabric keeps failing is reported and left out of the timed runs."""
     for _ in range(tries):
-        r = fabric_generate(c, args.model, args.tokens)
+        r = fabric_generate(c, args.model_id, args.tokens)
         results.setdefault(f"{c.key}-warmup", []).append(r)
         if r["error"] is None:
             c.rss_gen = [memory(p) for _, p, _ in c.nodes]
@@ -845,7 +853,8 @@ def print_report(r: dict) -> None:
     m, s = r["machine"], r["summary"]
     cores = m["cores"]
     print(f"\nmeshnet fabric bench: {r['model']} ({r['layers']} layers, hidden {r['hidden']}), "
-          f"{r['tokens']} new tokens, {r['reps']} reps per configuration, medians")
+          f"{r['tokens']} new tokens, {r['reps']} reps per configuration, medians; "
+          f"{r.get('dtype', 'float32')} on {r.get('device', 'cpu')}")
     print(f"machine: {cores} cores ({m['cpu']}), {m['mem_total_gib']} GiB, torch {m['torch']}, "
           f"transformers {m['transformers']}, python {m['python']}")
     print(f"threads: baseline {cores}; each fabric node gets (as `meshnet up`): "
@@ -930,6 +939,12 @@ def print_report(r: dict) -> None:
           f"{_f(mem['load']['ratio'])}x after load, {_f(mem['gen']['ratio'])}x after a generation")
 
 
+def _device_name(device: str) -> str:
+    import torch
+
+    return torch.cuda.get_device_name() if device == "cuda" else "cpu"
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -939,6 +954,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", metavar="OUT", default=None, help="also write every figure and sample as JSON")
     ap.add_argument("--model", default="smollm2-135m", help="model reference (default %(default)s)")
     ap.add_argument("--keep-logs", action="store_true", help="keep node logs and traces")
+    add_device_args(ap)
     ap.add_argument("--tries", type=int, default=None,
                     help="attempts per timed run when other tenants disturb it (default 3, quick 2)")
     ap.add_argument("--max-wait", type=float, default=30.0,

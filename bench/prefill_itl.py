@@ -2,6 +2,7 @@
 """Inter-token latency of running streams while a long prompt is prefilled, in one run.
 
     python bench/prefill_itl.py [--model smollm2-135m] [--streams 3] [--prompt-tokens 2000]
+                                [--device cpu|cuda] [--dtype float32|bfloat16]
 
 Starts a tracker and a 2-node split (as ``meshnet up`` would), starts N greedy streams,
 and once they are decoding submits one request whose prompt is ``--prompt-tokens`` tokens
@@ -28,14 +29,15 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
-from concurrency import PROMPTS, start_cluster  # noqa: E402
+from concurrency import PROMPTS, add_device_args, device_args, start_cluster  # noqa: E402
 
 from fabric import Client  # noqa: E402
+from fabric.models import resolve  # noqa: E402
 
 
 def long_prompt(model: str, tokens: int) -> str:
     """Plain text of about ``tokens`` tokens for the model's tokenizer."""
-    from fabric.models import load_tokenizer, resolve
+    from fabric.models import load_tokenizer
 
     tok = load_tokenizer(resolve(model))
     words = ("the fabric passes hidden states from node to node while every stream keeps its pace "
@@ -95,22 +97,23 @@ def main() -> int:
     parser.add_argument("--prompt-tokens", type=int, default=2000, help="length of the long prompt")
     parser.add_argument("--decode-tokens", type=int, default=400,
                         help="tokens each running stream asks for; enough to outlive the prefill")
+    add_device_args(parser)
     args = parser.parse_args()
     prompt = long_prompt(args.model, args.prompt_tokens)
     results = {}
     for label, node_args in (("sliced (default)", ()), ("one piece (--prefill-slice-ms 60000)",
                                                          ("--prefill-slice-ms", "60000"))):
         with tempfile.TemporaryDirectory() as tmp:
-            procs, tracker = start_cluster(args.model, 2, Path(tmp), node_args=node_args)
+            procs, tracker = start_cluster(args.model, 2, Path(tmp), node_args=(*node_args, *device_args(args)))
             try:
-                results[label] = run(tracker, args.model, args.streams, prompt, args.decode_tokens)
+                results[label] = run(tracker, resolve(args.model).model_id, args.streams, prompt, args.decode_tokens)
             finally:
                 for proc in procs:
                     proc.send_signal(signal.SIGINT)
                 for proc in procs:
                     proc.wait(30)
     print(f"inter-token latency of {args.streams} running streams while a {args.prompt_tokens}-token prompt "
-          f"is prefilled ({args.model}, 2-node split)")
+          f"is prefilled ({args.model}, {args.dtype} on {args.device}, 2-node split)")
     for label, r in results.items():
         verdict = "PASS" if r["ratio"] <= 3 else "MISS"
         print(f"  {label:34s} median outside {r['median_ms']:6.1f} ms  p99 during prefill {r['p99_during_ms']:7.1f} ms "

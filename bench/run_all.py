@@ -2,6 +2,7 @@
 """Every benchmark figure of docs/BENCHMARKS.md in one run.
 
     python bench/run_all.py [--out bench/results/all] [--quick] [--only NAME ...]
+                            [--model REF] [--device cpu|cuda] [--dtype float32|bfloat16]
 
 Runs each script of ``bench/`` in turn (one at a time: they would disturb each other's
 timings), as a subprocess with its own baselines measured in the same run, keeps each
@@ -9,6 +10,8 @@ one's full output in ``OUT/NAME.txt`` (and JSON where the script writes it), and
 every verdict line (PASS / MISS / met / missed) gathered in one summary. A script that
 fails is reported and the rest still run. A full run takes about an hour on 2 cores;
 ``--quick`` runs shorter versions (fewer tokens and repetitions) in about 20 minutes.
+``--model``, ``--device`` and ``--dtype`` go to the scripts that take them; with ``--device
+cuda`` only those run (the others measure CPU kernels, threads and networks).
 """
 from __future__ import annotations
 
@@ -20,6 +23,8 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "bench"))
+from concurrency import add_device_args, device_args  # noqa: E402
 
 # name -> (arguments for a full run, arguments for --quick); OUT is replaced by the output folder
 SCRIPTS = {
@@ -33,6 +38,7 @@ SCRIPTS = {
     "omp_wait": ([], ["--rounds", "1"]),
     "netbed": (["--json", "OUT/netbed.json"], ["--reps", "2", "--only", "2ms", "--json", "OUT/netbed.json"]),
 }
+DEVICE_AWARE = ("fabric_bench", "concurrency", "prefill_itl")  # take --model, --device and --dtype
 VERDICT = re.compile(r"\b(PASS|MISS|met|missed|MISSED|skipped)\b|\d+(\.\d+)?x\b")
 
 
@@ -41,14 +47,19 @@ def main() -> int:
     parser.add_argument("--out", default=str(REPO / "bench" / "results" / "all"), help="output folder")
     parser.add_argument("--quick", action="store_true", help="shorter runs of every script")
     parser.add_argument("--only", nargs="+", choices=list(SCRIPTS), help="run just these scripts")
+    parser.add_argument("--model", default=None, help="model reference for the scripts that take one")
+    add_device_args(parser)
     args = parser.parse_args()
+    only = args.only or (DEVICE_AWARE if args.device != "cpu" else list(SCRIPTS))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     summary: list[str] = []
     for name, (full, quick) in SCRIPTS.items():
-        if args.only and name not in args.only:
+        if name not in only:
             continue
         argv = [a.replace("OUT", str(out)) for a in (quick if args.quick else full)]
+        if name in DEVICE_AWARE:
+            argv += [*device_args(args), *(["--model", args.model] if args.model else [])]
         log = out / f"{name}.txt"
         print(f"== {name}: python bench/{name}.py {' '.join(argv)}  (output in {log})", flush=True)
         started = time.monotonic()

@@ -16,9 +16,10 @@ def draw(seed: int, position: int) -> float:
 
 
 def sample(logits: torch.Tensor, params: Sampling, position: int) -> int:
-    """Pick the token for ``position`` from ``logits`` (vocab,) float32."""
+    """Pick the token for ``position`` from ``logits`` (vocab,) float32, on any device."""
     if params.temperature == 0.0:
         return int(torch.argmax(logits))
+    logits = logits.cpu()  # the draw below is a CPU float64 number
     probs = torch.softmax(logits.float() / params.temperature, dim=-1)
     sorted_probs, order = torch.sort(probs, descending=True)
     if params.top_k:
