@@ -139,7 +139,8 @@ def main() -> int:
         procs, tracker = start_cluster(args.model, 2, Path(tmp), args.threads, device_args(args))
         try:
             model_id = resolve(args.model).model_id  # what clients ask for (a directory's name)
-            wave(tracker, model_id, 1, 8)  # warm up
+            for n in counts:  # warm up every batch size: first shapes cost extra (on a GPU, seconds)
+                wave(tracker, model_id, n, 4)
             results = {n: wave(tracker, model_id, n, args.tokens)[0] for n in counts}
         finally:
             for proc in procs:

@@ -72,6 +72,11 @@ QUIET = 0.15  # a timed run is "quiet" when other tenants used at most this shar
 MIN_QUIET = 2  # medians use the quiet runs when there are at least this many, else every run (flagged)
 
 
+def python_path() -> str:
+    """PYTHONPATH for subprocesses: the repository first, then whatever the caller had set."""
+    return os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+
+
 def _relative(path: str) -> str:
     """``path`` relative to the repository when it lies inside it (results name no local folders)."""
     try:
@@ -113,7 +118,7 @@ class Procs:
         logfile = self.logdir / f"{name}.log"
         with open(logfile, "wb") as out:
             proc = subprocess.Popen(argv, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                    env={**os.environ, "PYTHONPATH": str(REPO), **(env or {})},
+                                    env={**os.environ, "PYTHONPATH": python_path(), **(env or {})},
                                     start_new_session=True, preexec_fn=self._preexec)
         self.items.append((name, proc, logfile))
         return proc
@@ -293,7 +298,7 @@ def runtime_floor() -> int | None:
     """RSS of a python that imported what a node imports, before any weights."""
     try:
         out = subprocess.run([sys.executable, "-c", FLOOR], cwd=REPO, capture_output=True, text=True, timeout=300,
-                             env={**os.environ, "PYTHONPATH": str(REPO)})
+                             env={**os.environ, "PYTHONPATH": python_path()})
         return int(out.stdout.strip().splitlines()[-1])
     except (subprocess.SubprocessError, ValueError, IndexError):
         return None

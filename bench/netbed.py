@@ -49,6 +49,7 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+from bench.fabric_bench import python_path  # noqa: E402
 from tests import netbed  # noqa: E402
 from tests.cluster import ProcessCluster  # noqa: E402
 
@@ -114,7 +115,7 @@ def loopback(model: str, layers: list[str], work: Path, cache: Path, args) -> di
         client_log = open(work / "client.log", "ab")
         proc = subprocess.Popen([sys.executable, "-m", "tests.netbed_client", "--tracker", cluster.endpoint],
                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=client_log, cwd=REPO,
-                                env={**os.environ, "PYTHONPATH": str(REPO)})
+                                env={**os.environ, "PYTHONPATH": python_path()})
         client_log.close()
         agent = netbed.Agent(proc, cluster.logs)
         agent.wait_nodes(["head", "mid", "tail"], model_id(model), timeout=600, procs=cluster.procs)

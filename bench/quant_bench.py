@@ -55,7 +55,7 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from bench.fabric_bench import LoadMeter, clock_streamer  # noqa: E402
+from bench.fabric_bench import LoadMeter, clock_streamer, python_path  # noqa: E402
 
 PROMPTS = (
     "Explain in a few sentences why the sky is blue.",
@@ -224,7 +224,7 @@ class Procs:
     def start(self, name: str, argv: list[str], **kw) -> subprocess.Popen:
         err = open(self.logdir / f"{name}.log", "wb")
         proc = subprocess.Popen(argv, cwd=REPO, stderr=err, start_new_session=True,
-                                env={**os.environ, "PYTHONPATH": str(REPO)}, **kw)
+                                env={**os.environ, "PYTHONPATH": python_path()}, **kw)
         self.items.append((name, proc))
         return proc
 
@@ -281,7 +281,7 @@ def free_port() -> int:
 def cli_quant_choices() -> str:
     """``meshnet node --help`` text after ``--quant`` ('' when the flag is missing)."""
     out = subprocess.run([sys.executable, "-m", "fabric.cli", "node", "--help"], cwd=REPO, capture_output=True,
-                         text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
+                         text=True, env={**os.environ, "PYTHONPATH": python_path()})
     return out.stdout.partition("--quant")[2]
 
 

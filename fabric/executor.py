@@ -81,6 +81,12 @@ class ShardExecutor:
     def hidden_size(self) -> int:
         return self.w.config.hidden_size
 
+    def finish(self) -> None:
+        """Return once the device has run every queued kernel. CUDA runs a hop after the
+        call returns; a node times hops and holds its compute lock until this."""
+        if self.w.device.type == "cuda":
+            torch.cuda.synchronize(self.w.device)
+
     def check_span(self, start: int, end: int) -> None:
         if not self.w.shard.covers(start, end):
             raise ValueError(f"layers {start}-{end} are outside this node's shard {self.w.shard}")

@@ -446,6 +446,7 @@ class Node:
                     results = self.executor.run_batch(steps)
                 else:
                     results = self.executor.run_prefills(steps)
+                self.executor.finish()
             except Exception as exc:
                 log.exception("hop failed for sessions %s", [w.msg.session for w in batch])
                 results = [exc] * len(batch)
@@ -766,6 +767,7 @@ class Node:
         for _ in range(reps):
             t = time.perf_counter()
             ex.run("__bench__", shard.start, shard.end, x, 0)
+            ex.finish()
             best = min(best, time.perf_counter() - t)
         self.kv.drop("__bench__")
         return shard.size / max(best, 1e-9)
