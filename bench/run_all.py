@@ -36,6 +36,7 @@ SCRIPTS = {
     "failover": ([], ["--runs", "1"]),
     "load": (["--clients", "8", "--seconds", "30"], ["--clients", "4", "--seconds", "10"]),
     "omp_wait": ([], ["--rounds", "1"]),
+    "memory": (["--large"], ["--large"]),
     "netbed": (["--json", "OUT/netbed.json"], ["--reps", "2", "--only", "2ms", "--json", "OUT/netbed.json"]),
 }
 DEVICE_AWARE = ("fabric_bench", "concurrency", "prefill_itl")  # take --model, --device and --dtype
