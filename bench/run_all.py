@@ -54,11 +54,13 @@ def main() -> int:
     only = args.only or (DEVICE_AWARE if args.device != "cpu" else list(SCRIPTS))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    # scripts run in the repository: a folder inside it is named relatively, so outputs name no local paths
+    where = str(out.resolve().relative_to(REPO)) if out.resolve().is_relative_to(REPO) else str(out)
     summary: list[str] = []
     for name, (full, quick) in SCRIPTS.items():
         if name not in only:
             continue
-        argv = [a.replace("OUT", str(out)) for a in (quick if args.quick else full)]
+        argv = [a.replace("OUT", where) for a in (quick if args.quick else full)]
         if name in DEVICE_AWARE:
             argv += [*device_args(args), *(["--model", args.model] if args.model else [])]
         log = out / f"{name}.txt"
