@@ -103,6 +103,7 @@ MIN_SLICE_S = 0.02  # ...and at least this long
 IDLE_SLICE_S = 0.25  # ...and with no stream decoding here, this long
 GATHER_PER_DECODE = 1.0  # a decode batch waits at most this many decode batches' time for sessions still due
 RECENT_CYCLES = 3.0  # a session is due here while its last decode step is this many of its cycles old
+SLOW_HOP_S = 5.0  # a hop this long is logged: it stalls every session queued behind it
 LINK_EVENTS = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
 COUNTERS = ("hop_seconds", "hops", "batched_hops", "prefill_chunks", "cache_miss", "failovers", "rejected_frames",
             "dropped_frames", "hop_errors")
@@ -455,6 +456,10 @@ class Node:
         self.counters["prefill_chunks"] += batch[0].msg.more
         elapsed = time.perf_counter() - started
         self.counters["hop_seconds"] += elapsed
+        if elapsed > SLOW_HOP_S:
+            log.warning("a hop of %d session(s) took %.1f s (layers %d-%d, %d tokens at position %d)", len(batch),
+                        elapsed, batch[0].msg.start_layer, batch[0].msg.end_layer, batch[0].tensor.shape[1],
+                        batch[0].msg.pos)
         if self._decode_step(batch[0]):
             self._decode_batch_s = _average(self._decode_batch_s, elapsed)
             for work in batch:

@@ -192,8 +192,8 @@ class RouteSession:
         self.retries += 1
         if self.retries > max_retries:
             return self.fail(ErrorCode.HOP_FAILED, f"no reply from the route after {max_retries} re-sends")
-        log.warning("session %s: no reply for %.1f s; re-prefilling (try %d)", self.session, now - self.sent_at,
-                    self.retries)
+        log.warning("session %s: no reply to step %d (%d tokens so far) for %.1f s; re-prefilling (try %d)",
+                    self.session, self.step, len(self.history), now - self.sent_at, self.retries)
         self._send(self.history, pos=0)
         return []
 
