@@ -27,10 +27,10 @@ model = LlamaForCausalLM(cfg).eval()
 torch.set_num_threads(int(sys.argv[1]))
 with torch.inference_mode():
     cache = DynamicCache()
-    model(torch.randint(0, 1000, (1, 40)), past_key_values=cache, use_cache=True)
+    model(torch.randint(0, 1000, (1, 40)), cache=cache, use_cache=True)
     t = time.perf_counter()
     for _ in range(60):
-        model(torch.tensor([[5]]), past_key_values=cache, use_cache=True)
+        model(torch.tensor([[5]]), cache=cache, use_cache=True)
     print((time.perf_counter() - t) / 60 * 1000)
 """
 SETTINGS = {"default": {}, "PASSIVE": {"OMP_WAIT_POLICY": "PASSIVE"}, "spin 2000": {"GOMP_SPINCOUNT": "2000"},
