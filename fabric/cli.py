@@ -104,6 +104,14 @@ def _security(args):
 # --------------------------------------------------------------------------- up
 
 
+def _device_flags(p: argparse.ArgumentParser, whose: str) -> None:
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                   help=f"where {whose} layers compute (default %(default)s; cuda needs a CUDA build of torch)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                   help=f"{whose} compute dtype (default %(default)s, exact; bfloat16 halves the memory, "
+                        "and suits --device cuda)")
+
+
 def _up_parser(sub) -> None:
     p = sub.add_parser("up", help="start a whole local cluster: tracker, nodes and web UI",
                        description="Start a tracker, N nodes splitting the model's layers evenly, and the web "
@@ -114,7 +122,7 @@ def _up_parser(sub) -> None:
     p.add_argument("--host", default="127.0.0.1", help="web UI host (default %(default)s)")
     p.add_argument("--tracker", default=DEFAULT_TRACKER, help="tracker bind endpoint (default %(default)s)")
     p.add_argument("--pub", default=DEFAULT_PUB, help="tracker PUB endpoint (default %(default)s)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    _device_flags(p, "each node's")
     p.add_argument("--threads", type=int, default=0,
                    help="torch threads per node (default: all cores; the nodes compute one at a time)")
     _quant_flag(p)
@@ -126,6 +134,8 @@ def cmd_up(args) -> int:
     from .models import ModelError, load_config, resolve, default_cache_root
     from .shard import even_split
 
+    if not _device_ready(args.device, args.quant):
+        return 2
     try:
         source = resolve(args.model)
         num_layers = load_config(source, default_cache_root()).num_hidden_layers
@@ -145,7 +155,7 @@ def cmd_up(args) -> int:
         lock = ["--compute-lock", str(Path(run_dir) / "compute.lock")]
         commands = [[*me, "tracker", "--bind", args.tracker, "--pub", args.pub, *keys]]
         commands += [[*me, "node", "--model", args.model, "--layers", str(s), "--tracker", args.tracker,
-                      *threads, *lock, "--dtype", args.dtype, "--quant", args.quant, "--no-progress",
+                      *threads, *lock, "--device", args.device, "--dtype", args.dtype, "--quant", args.quant, "--no-progress",
                       *keys] for s in shards]
         commands.append([*me, "webui", "--tracker", args.tracker, "--pub", args.pub, "--host", args.host,
                          "--port", str(args.port), *keys])
@@ -262,8 +272,7 @@ def _node_parser(sub) -> None:
     p.add_argument("--relay-key", default=None, metavar="KEY",
                    help="the relay's public key, z85 text or a key file (default: DIR/allowed/relay.key, "
                         "else the tracker's key); only with --keys")
-    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    _device_flags(p, "the")
     _quant_flag(p)
     p.add_argument("--threads", type=int, default=0, help="torch threads (default: all cores)")
     p.add_argument("--compute-lock", default=None, metavar="FILE",
@@ -313,6 +322,20 @@ def _grouped_kv_attention() -> None:
     os.environ.setdefault("TRANSFORMERS_SDPA_FORCE_GQA", "1")
 
 
+def _device_ready(device: str, quant: str) -> bool:
+    """False, with the reason logged, when ``device`` cannot compute here (with ``quant``)."""
+    import torch
+
+    if quant != "none" and device != "cpu":
+        log.error("--quant %s runs on the CPU kernels of torch; use --device cpu, or no --quant", quant)
+        return False
+    if device == "cuda" and not torch.cuda.is_available():
+        log.error("--device cuda: no CUDA device is available here (torch %s%s)", torch.__version__,
+                  "" if torch.version.cuda else ", a build without CUDA")
+        return False
+    return True
+
+
 def cmd_node(args) -> int:
     _omp_workers_nap()
     _grouped_kv_attention()
@@ -323,8 +346,7 @@ def cmd_node(args) -> int:
     from .security import relay_key
     from .shard import parse_layers
 
-    if args.device == "cuda" and not torch.cuda.is_available():
-        log.error("--device cuda: no CUDA device is available here")
+    if not _device_ready(args.device, args.quant):
         return 2
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -35,6 +35,19 @@ def test_bad_layer_range_is_a_clear_error(tiny_models):
     assert out.returncode == 2 and "inclusive range like 0-14" in out.stderr
 
 
+def test_a_device_or_quantization_that_cannot_run_here_stops_up_and_node_before_they_start():
+    import torch
+
+    if not torch.cuda.is_available():
+        for command in ("up", "node"):
+            out = meshnet(command, "--model", "no-such-model", "--device", "cuda", "--tracker",
+                          f"tcp://127.0.0.1:{free_port()}")
+            assert out.returncode == 2 and "--device cuda: no CUDA device is available here" in out.stderr
+    out = meshnet("up", "--device", "cuda", "--quant", "int8", "--tracker", f"tcp://127.0.0.1:{free_port()}")
+    assert out.returncode == 2 and "--quant int8 runs on the CPU kernels" in out.stderr
+    assert "meshnet is up" not in out.stdout + out.stderr
+
+
 def test_status_without_a_tracker_fails_fast():
     out = meshnet("status", "--tracker", f"tcp://127.0.0.1:{free_port()}", timeout=30)
     assert out.returncode == 1 and "did not answer" in out.stderr
