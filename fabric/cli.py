@@ -104,9 +104,18 @@ def _security(args):
 # --------------------------------------------------------------------------- up
 
 
+def _device(text: str) -> str:
+    """cpu, cuda, or cuda:N (one GPU of several)."""
+    kind, _, index = text.partition(":")
+    if text == "cpu" or (kind == "cuda" and (not index or index.isdigit())):
+        return text
+    raise argparse.ArgumentTypeError(f"{text!r} is not cpu, cuda or cuda:N")
+
+
 def _device_flags(p: argparse.ArgumentParser, whose: str) -> None:
-    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
-                   help=f"where {whose} layers compute (default %(default)s; cuda needs a CUDA build of torch)")
+    p.add_argument("--device", default="cpu", type=_device, metavar="{cpu,cuda,cuda:N}",
+                   help=f"where {whose} layers compute (default %(default)s; cuda needs a CUDA build of torch, "
+                        "cuda:N picks one GPU of several)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                    help=f"{whose} compute dtype (default %(default)s, exact; bfloat16 halves the memory, "
                         "and suits --device cuda)")
@@ -329,9 +338,16 @@ def _device_ready(device: str, quant: str) -> bool:
     if quant != "none" and device != "cpu":
         log.error("--quant %s runs on the CPU kernels of torch; use --device cpu, or no --quant", quant)
         return False
-    if device == "cuda" and not torch.cuda.is_available():
-        log.error("--device cuda: no CUDA device is available here (torch %s%s)", torch.__version__,
+    if device == "cpu":
+        return True
+    if not torch.cuda.is_available():
+        log.error("--device %s: no CUDA device is available here (torch %s%s)", device, torch.__version__,
                   "" if torch.version.cuda else ", a build without CUDA")
+        return False
+    index = torch.device(device).index
+    if index is not None and index >= torch.cuda.device_count():
+        log.error("--device %s: this machine has %d CUDA device(s), cuda:0 to cuda:%d", device,
+                  torch.cuda.device_count(), torch.cuda.device_count() - 1)
         return False
     return True
 

@@ -43,6 +43,8 @@ def test_a_device_or_quantization_that_cannot_run_here_stops_up_and_node_before_
             out = meshnet(command, "--model", "no-such-model", "--device", "cuda", "--tracker",
                           f"tcp://127.0.0.1:{free_port()}")
             assert out.returncode == 2 and "--device cuda: no CUDA device is available here" in out.stderr
+    out = meshnet("node", "--model", "no-such-model", "--device", "gpu")
+    assert out.returncode == 2 and "'gpu' is not cpu, cuda or cuda:N" in out.stderr
     out = meshnet("up", "--device", "cuda", "--quant", "int8", "--tracker", f"tcp://127.0.0.1:{free_port()}")
     assert out.returncode == 2 and "--quant int8 runs on the CPU kernels" in out.stderr
     assert "meshnet is up" not in out.stdout + out.stderr
