@@ -112,10 +112,10 @@ def _device(text: str) -> str:
     raise argparse.ArgumentTypeError(f"{text!r} is not cpu, cuda or cuda:N")
 
 
-def _device_flags(p: argparse.ArgumentParser, whose: str) -> None:
+def _device_flags(p: argparse.ArgumentParser, whose: str, more: str = "") -> None:
     p.add_argument("--device", default="cpu", type=_device, metavar="{cpu,cuda,cuda:N}",
                    help=f"where {whose} layers compute (default %(default)s; cuda needs a CUDA build of torch, "
-                        "cuda:N picks one GPU of several)")
+                        f"cuda:N picks one GPU of several{more})")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                    help=f"{whose} compute dtype (default %(default)s, exact; bfloat16 halves the memory, "
                         "and suits --device cuda)")
@@ -131,7 +131,7 @@ def _up_parser(sub) -> None:
     p.add_argument("--host", default="127.0.0.1", help="web UI host (default %(default)s)")
     p.add_argument("--tracker", default=DEFAULT_TRACKER, help="tracker bind endpoint (default %(default)s)")
     p.add_argument("--pub", default=DEFAULT_PUB, help="tracker PUB endpoint (default %(default)s)")
-    _device_flags(p, "each node's")
+    _device_flags(p, "each node's", "; plain cuda deals the nodes out over every GPU")
     p.add_argument("--threads", type=int, default=0,
                    help="torch threads per node (default: all cores; the nodes compute one at a time)")
     _quant_flag(p)
@@ -153,23 +153,39 @@ def cmd_up(args) -> int:
         log.error("%s", exc)
         return 2
     threads = ["--threads", str(args.threads)] if args.threads else []
-    log.info("starting a tracker, %d nodes (layers %s, %s torch threads each, computing one at a time) "
-             "and the web UI; loading weights…", len(shards), ", ".join(map(str, shards)), args.threads or "all")
+    devices = node_devices(args.device, len(shards), _cuda_count(args.device))
+    log.info("starting a tracker, %d nodes (layers %s on %s; nodes of one device compute one at a time, "
+             "%s torch threads each) and the web UI; loading weights…", len(shards), ", ".join(map(str, shards)),
+             ", ".join(devices), args.threads or "all")
     security = _security(args)  # checked here, so a bad key directory fails before anything starts
     me = [sys.executable, "-m", "fabric.cli", "--log-level", args.log_level,
           *(["--config", args.config] if args.config else [])]  # nodes read its [node] table too
     keys = ["--keys", args.keys] if args.keys else []
     with tempfile.TemporaryDirectory(prefix="meshnet-up-") as run_dir:
-        # the nodes share this machine's cores: each computes with all of them, in turn
-        lock = ["--compute-lock", str(Path(run_dir) / "compute.lock")]
+        # nodes on one device (this machine's cores, or one GPU) compute one at a time, each with all of it
         commands = [[*me, "tracker", "--bind", args.tracker, "--pub", args.pub, *keys]]
-        commands += [[*me, "node", "--model", args.model, "--layers", str(s), "--tracker", args.tracker,
-                      *threads, *lock, "--device", args.device, "--dtype", args.dtype, "--quant", args.quant, "--no-progress",
-                      *keys] for s in shards]
+        commands += [[*me, "node", "--model", args.model, "--layers", str(s), "--tracker", args.tracker, *threads,
+                      "--compute-lock", str(Path(run_dir) / f"compute-{device.replace(':', '')}.lock"),
+                      "--device", device, "--dtype", args.dtype, "--quant", args.quant, "--no-progress", *keys]
+                     for s, device in zip(shards, devices)]
         commands.append([*me, "webui", "--tracker", args.tracker, "--pub", args.pub, "--host", args.host,
                          "--port", str(args.port), *keys])
         return supervise(commands, url=f"http://{args.host}:{args.port}", tracker=args.tracker, nodes=len(shards),
                          security=security)
+
+
+def node_devices(device: str, nodes: int, gpus: int) -> list[str]:
+    """The device of each of ``up``'s nodes: plain ``cuda`` on a machine with several GPUs
+    deals the nodes out over them in turn; anything else is every node's."""
+    if device != "cuda" or gpus < 2:
+        return [device] * nodes
+    return [f"cuda:{i % gpus}" for i in range(nodes)]
+
+
+def _cuda_count(device: str) -> int:
+    import torch
+
+    return torch.cuda.device_count() if device == "cuda" else 0
 
 
 def supervise(commands: list[list[str]], url: str, tracker: str, nodes: int, security=None) -> int:

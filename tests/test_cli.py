@@ -50,6 +50,63 @@ def test_a_device_or_quantization_that_cannot_run_here_stops_up_and_node_before_
     assert "meshnet is up" not in out.stdout + out.stderr
 
 
+def test_up_deals_its_nodes_out_over_the_gpus_only_for_plain_cuda():
+    from fabric.cli import node_devices
+
+    assert node_devices("cpu", 2, 0) == ["cpu", "cpu"]
+    assert node_devices("cuda", 3, 2) == ["cuda:0", "cuda:1", "cuda:0"]
+    assert node_devices("cuda", 2, 1) == ["cuda", "cuda"]
+    assert node_devices("cuda:1", 2, 4) == ["cuda:1", "cuda:1"]  # the user named one GPU
+
+
+def test_up_serves_the_model_split_in_two_and_ctrl_c_stops_every_process(tiny_models, tmp_path):
+    """`meshnet up` as a user runs it: tracker, two nodes and the web UI come up, a request
+    through the fabric equals one transformers process, and one Ctrl-C ends everything."""
+    import os
+    import signal
+    import urllib.request
+
+    import psutil
+
+    from fabric import Client
+    from tests.test_fabric_equivalence import MESSAGES, NEW_TOKENS, generated_ids, prompt_ids
+    from tests.tiny_models import reference_greedy
+
+    model = tiny_models("llama")
+    tracker, port = f"tcp://127.0.0.1:{free_port()}", free_port()
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "XDG_CACHE_HOME": str(tmp_path / "cache"),
+           "XDG_DATA_HOME": str(tmp_path / "data"), "XDG_CONFIG_HOME": str(tmp_path / "config")}
+    up = subprocess.Popen([sys.executable, "-m", "fabric.cli", "up", "--model", str(model), "--nodes", "2",
+                           "--port", str(port), "--tracker", tracker, "--pub", f"tcp://127.0.0.1:{free_port()}"],
+                          cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    children: list = []
+    try:
+        lines = []
+        for line in up.stdout:  # until it says it is up (or exits)
+            lines.append(line)
+            if "meshnet is up" in line:
+                break
+        assert any(f"http://127.0.0.1:{port}" in line for line in lines), "".join(lines)
+        children = psutil.Process(up.pid).children(recursive=True)
+        assert len(children) == 4  # tracker, two nodes, web UI
+        with Client(tracker, timeout=60) as client:
+            assert generated_ids(client, model.name) == reference_greedy(model, prompt_ids(model), NEW_TOKENS)
+        body = json.dumps({"model": model.name, "messages": MESSAGES, "max_tokens": 4}).encode()
+        request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions", body,
+                                         {"content-type": "application/json"})
+        with urllib.request.urlopen(request, timeout=60) as response:
+            assert json.load(response)["usage"]["completion_tokens"] > 0
+        up.send_signal(signal.SIGINT)
+        assert up.wait(60) == 0
+        assert not [c for c in children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
+    finally:  # a failed assertion must not leave a cluster running
+        for child in children:
+            if child.is_running():
+                child.kill()
+        if up.poll() is None:
+            up.kill()
+
+
 def test_status_without_a_tracker_fails_fast():
     out = meshnet("status", "--tracker", f"tcp://127.0.0.1:{free_port()}", timeout=30)
     assert out.returncode == 1 and "did not answer" in out.stderr
