@@ -8,7 +8,9 @@ the decoder layers outside the shard (and the embeddings / final norm / lm_head 
 shard does not need them), then reads only the shard's tensors and loads them with
 transformers' own weight conversion (e.g. MoE expert fusion) or, for GGUF, its own name
 mapping and tensor processors (which undo llama.cpp's Q/K permutation). Only the needed
-GGUF tensors are dequantized.
+GGUF tensors are dequantized; a head that does not also hold the lm_head keeps the token
+embedding as the GGUF stores it and dequantizes just the rows it looks up
+(:class:`GGUFEmbedding`).
 """
 from __future__ import annotations
 
@@ -284,11 +286,16 @@ def load_shard(source: ModelSource, shard: Shard, *, dtype: torch.dtype = torch.
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     tied = bool(getattr(config, "tie_word_embeddings", False))
-    state = (_gguf_state(source, model, config, shard, tied, progress, cache_root) if source.kind == "gguf"
-             else _safetensors_state(source, shard, tied))
-    _prune(model, shard, keep_embed=shard.is_first or (shard.is_last and tied))
+    lazy_embed = None
+    if source.kind == "gguf" and shard.is_first and not shard.is_last:
+        lazy_embed = GGUFEmbedding.from_source(source, model, config, dtype, cache_root)
+    state = (_gguf_state(source, model, config, shard, tied, progress, cache_root, skip_embed=lazy_embed is not None)
+             if source.kind == "gguf" else _safetensors_state(source, shard, tied))
+    _prune(model, shard, keep_embed=(shard.is_first and lazy_embed is None) or (shard.is_last and tied))
     _load_into(model, state, dtype)
     inner = model.model
+    if lazy_embed is not None:
+        inner.embed_tokens = lazy_embed
     lm_head = None
     if shard.is_last:
         lm_head = model.lm_head
@@ -379,7 +386,7 @@ def _gguf_tensors(source: ModelSource, cache_root: Path | None) -> tuple[list[GG
 
 
 def _gguf_state(source: ModelSource, model, config, shard: Shard, tied: bool, progress: bool,
-                cache_root: Path | None) -> dict:
+                cache_root: Path | None, skip_embed: bool = False) -> dict:
     from gguf import GGMLQuantizationType, dequantize
     from tqdm import tqdm
     from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor, get_gguf_hf_weights_map
@@ -394,7 +401,7 @@ def _gguf_state(source: ModelSource, model, config, shard: Shard, tied: bool, pr
     name_map = get_gguf_hf_weights_map(flat, processor)
     state: dict = {}
     parsed = {"config": config.to_dict(), "tensors": state}  # MoE processors write fused experts here
-    wanted = [t for t in infos if _wanted(t.name, shard, tied)]
+    wanted = [t for t in infos if _wanted(t.name, shard, tied) and not (skip_embed and t.name == EMBED_TENSOR)]
     for t in tqdm(wanted, desc=f"loading layers {shard}", unit="tensor", disable=not progress):
         data = np.frombuffer(mm, dtype=t.dtype, count=math.prod(t.shape), offset=t.offset).reshape(t.shape)
         result = processor.process(weights=dequantize(data, GGMLQuantizationType(t.tensor_type)), name=t.name,
@@ -402,6 +409,54 @@ def _gguf_state(source: ModelSource, model, config, shard: Shard, tied: bool, pr
         if result.name in name_map:
             state[name_map[result.name]] = torch.from_numpy(np.array(result.weights))
     return state
+
+
+EMBED_TENSOR = "token_embd.weight"  # the token embedding's name in a GGUF file
+
+
+class GGUFEmbedding(nn.Module):
+    """A token embedding kept as the GGUF file stores it (memory-mapped, quantized blocks),
+    dequantizing only the rows looked up. The rows equal those of the whole dequantized
+    matrix bit for bit (llama.cpp's blocks never span two rows), so a head holds a few
+    looked-up rows instead of vocab x hidden floats (SmolLM2-135M: 108 MiB)."""
+
+    def __init__(self, raw: np.ndarray, tensor_type: int, hidden: int, dtype: torch.dtype):
+        super().__init__()
+        self.raw, self.tensor_type, self.hidden, self.dtype = raw, tensor_type, hidden, dtype
+        self.device = torch.device("cpu")
+
+    @classmethod
+    def from_source(cls, source: ModelSource, model, config, dtype: torch.dtype,
+                    cache_root: Path | None) -> "GGUFEmbedding | None":
+        """The lazy embedding of ``source``, or None where the plain one must load: a model
+        whose embedding module is not a plain lookup, or whose embedding the GGUF loader
+        would transform."""
+        if type(model.model.embed_tokens) is not nn.Embedding:
+            return None
+        infos, mm = _gguf_tensors(source, cache_root)
+        info = next((t for t in infos if t.name == EMBED_TENSOR), None)
+        if info is None:
+            return None
+        raw = np.frombuffer(mm, dtype=info.dtype, count=math.prod(info.shape), offset=info.offset).reshape(info.shape)
+        embed = cls(raw, info.tensor_type, config.hidden_size, dtype)
+        if embed.rows(np.arange(min(4, raw.shape[0]))).shape != (min(4, raw.shape[0]), config.hidden_size):
+            return None  # not one row of blocks per token: load it whole
+        return embed
+
+    def rows(self, ids: np.ndarray) -> np.ndarray:
+        from gguf import GGMLQuantizationType, dequantize
+
+        return dequantize(np.ascontiguousarray(self.raw[ids]), GGMLQuantizationType(self.tensor_type))
+
+    def to(self, device=None, dtype=None, **_):
+        self.device = torch.device(device) if device is not None else self.device
+        self.dtype = dtype or self.dtype
+        return self
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        flat = ids.reshape(-1).cpu().numpy()
+        weights = torch.from_numpy(np.array(self.rows(flat), dtype=np.float32))
+        return weights.reshape(*ids.shape, self.hidden).to(device=self.device, dtype=self.dtype)
 
 
 # transformers model_type -> llama.cpp architecture name, where they differ

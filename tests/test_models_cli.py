@@ -218,6 +218,25 @@ def test_pull_errors_say_what_is_wrong(sharded, tmp_path, tiny_models):
 # --------------------------------------------------------------------------- aliases through pip
 
 
+def test_a_gguf_head_keeps_the_embedding_quantized_and_looks_up_the_same_rows():
+    from fabric.models import GGUFEmbedding
+
+    if alias_path(ALIASES["smollm2-135m"]) is None:
+        pytest.skip("smollm2-135m is not installed here")
+    source = resolve("smollm2-135m")
+    full = load_shard(source, Shard(0, 29, 30), progress=False)  # its lm_head needs the embedding whole
+    ids = torch.arange(full.config.vocab_size).reshape(4, -1)
+    want = full.embed(ids)
+    for dtype in (torch.float32, torch.bfloat16):
+        head = load_shard(source, Shard(0, 14, 30), dtype=dtype, progress=False)
+        assert isinstance(head.embed, GGUFEmbedding) and type(full.embed) is torch.nn.Embedding
+        rows = head.embed(ids)
+        assert rows.dtype == dtype and torch.equal(rows, want.to(dtype))  # every row, bit for bit
+    embedding = full.embed.weight.numel() * full.embed.weight.element_size()
+    layers = sum(p.numel() * p.element_size() for i in range(15) for p in full.layers[i].parameters())
+    assert head.parameter_bytes() < (layers + embedding / 100) / 2  # bfloat16 layers, no copy of the embedding
+
+
 def test_pull_alias_installed_runs_nothing():
     if alias_path(ALIASES["smollm2-135m"]) is None:
         pytest.skip("smollm2-135m is not installed here")
