@@ -448,9 +448,10 @@ class GGUFEmbedding(nn.Module):
 
         return dequantize(np.ascontiguousarray(self.raw[ids]), GGMLQuantizationType(self.tensor_type))
 
-    def to(self, device=None, dtype=None, **_):
-        self.device = torch.device(device) if device is not None else self.device
-        self.dtype = dtype or self.dtype
+    def to(self, *args, **kwargs):
+        """As ``nn.Module.to``: the rows looked up come out on this device and in this dtype."""
+        device, dtype, _, _ = torch._C._nn._parse_to(*args, **kwargs)  # the parser nn.Module.to uses
+        self.device, self.dtype = device or self.device, dtype or self.dtype
         return self
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
