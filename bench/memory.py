@@ -28,9 +28,8 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
-import psutil  # noqa: E402
 from concurrency import start_cluster  # noqa: E402
-from fabric_bench import runtime_floor  # noqa: E402
+from fabric_bench import memory, runtime_floor  # noqa: E402
 
 from fabric import Client  # noqa: E402
 from fabric.models import load_config, resolve  # noqa: E402
@@ -46,9 +45,8 @@ def measure(model: str, nodes: int, dtype: str, tokens: int) -> list[dict]:
     with tempfile.TemporaryDirectory() as tmp:
         procs, tracker = start_cluster(model, nodes, Path(tmp), node_args=("--dtype", dtype))
         try:
-            node_procs = [psutil.Process(p.pid) for p in procs[1:]]
-            rows = [{"layers": str(shard), "load": (p.memory_info().rss, p.memory_full_info().uss)}
-                    for shard, p in zip(even_split(layers, nodes), node_procs)]
+            node_procs = procs[1:]
+            rows = [{"layers": str(shard), "load": memory(p)} for shard, p in zip(even_split(layers, nodes), node_procs)]
             with Client(tracker, timeout=600) as client:
                 got = sum(len(e.token_ids) for e in client.generate(
                     resolve(model).model_id, messages=[{"role": "user", "content": "Why is the sky blue?"}],
@@ -56,7 +54,7 @@ def measure(model: str, nodes: int, dtype: str, tokens: int) -> list[dict]:
             if got != tokens:
                 raise SystemExit(f"the {nodes}-node cluster generated {got} tokens, not {tokens}")
             for row, p in zip(rows, node_procs):
-                row["gen"] = (p.memory_info().rss, p.memory_full_info().uss)
+                row["gen"] = memory(p)
             return rows
         finally:
             for proc in procs:

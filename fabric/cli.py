@@ -348,22 +348,14 @@ def _grouped_kv_attention() -> None:
 
 
 def _device_ready(device: str, quant: str) -> bool:
-    """False, with the reason logged, when ``device`` cannot compute here (with ``quant``)."""
-    import torch
+    """False, with the reason logged, when ``device`` cannot compute here (with ``quant``):
+    the check ``load_shard`` makes, before anything starts."""
+    from .models import ModelError, check_device
 
-    if quant != "none" and device != "cpu":
-        log.error("--quant %s runs on the CPU kernels of torch; use --device cpu, or no --quant", quant)
-        return False
-    if device == "cpu":
-        return True
-    if not torch.cuda.is_available():
-        log.error("--device %s: no CUDA device is available here (torch %s%s)", device, torch.__version__,
-                  "" if torch.version.cuda else ", a build without CUDA")
-        return False
-    index = torch.device(device).index
-    if index is not None and index >= torch.cuda.device_count():
-        log.error("--device %s: this machine has %d CUDA device(s), cuda:0 to cuda:%d", device,
-                  torch.cuda.device_count(), torch.cuda.device_count() - 1)
+    try:
+        check_device(device, quant)
+    except ModelError as exc:
+        log.error("%s", exc)
         return False
     return True
 

@@ -262,6 +262,20 @@ class _Absent(nn.Module):
 _LAYER_RE = re.compile(r"(?:^|\.)(?:layers|blk)\.(\d+)\.")
 
 
+def check_device(device: str, quant: str | None = None) -> None:
+    """Raise ModelError unless layers can compute on ``device`` here (quantized by ``quant``)."""
+    if quant not in (None, "none") and torch.device(device).type != "cpu":
+        raise ModelError(f"--quant {quant} runs on the CPU kernels of torch; use --device cpu, or no --quant")
+    if torch.device(device).type != "cuda":
+        return
+    if not torch.cuda.is_available():
+        raise ModelError(f"--device {device}: no CUDA device is available here (torch {torch.__version__}"
+                         f"{'' if torch.version.cuda else ', a build without CUDA'})")
+    index, count = torch.device(device).index, torch.cuda.device_count()
+    if index is not None and index >= count:
+        raise ModelError(f"--device {device}: this machine has {count} CUDA device(s), cuda:0 to cuda:{count - 1}")
+
+
 def load_shard(source: ModelSource, shard: Shard, *, dtype: torch.dtype = torch.float32,
                device: str = "cpu", progress: bool = True, cache_root: Path | None = None,
                quant: str | None = None) -> ShardWeights:
@@ -272,10 +286,9 @@ def load_shard(source: ModelSource, shard: Shard, *, dtype: torch.dtype = torch.
     """
     from transformers import AutoModelForCausalLM
 
+    check_device(device, quant)
     if quant in (None, "none"):
         quant = None
-    elif torch.device(device).type != "cpu":
-        raise ModelError(f"--quant {quant} runs on the CPU kernels of torch; use --device cpu, or no --quant")
     elif dtype != torch.bfloat16:
         log.info("--quant %s computes in bfloat16: loading in bfloat16, not %s", quant, dtype)
         dtype = torch.bfloat16
@@ -287,10 +300,13 @@ def load_shard(source: ModelSource, shard: Shard, *, dtype: torch.dtype = torch.
         model = AutoModelForCausalLM.from_config(config)
     tied = bool(getattr(config, "tie_word_embeddings", False))
     lazy_embed = None
-    if source.kind == "gguf" and shard.is_first and not shard.is_last:
-        lazy_embed = GGUFEmbedding.from_source(source, model, config, dtype, cache_root)
-    state = (_gguf_state(source, model, config, shard, tied, progress, cache_root, skip_embed=lazy_embed is not None)
-             if source.kind == "gguf" else _safetensors_state(source, shard, tied))
+    if source.kind == "gguf":
+        tensors = _gguf_tensors(source, cache_root)
+        if shard.is_first and not shard.is_last:
+            lazy_embed = GGUFEmbedding.from_tensors(*tensors, model, config)
+        state = _gguf_state(tensors, model, config, shard, tied, progress, skip_embed=lazy_embed is not None)
+    else:
+        state = _safetensors_state(source, shard, tied)
     _prune(model, shard, keep_embed=(shard.is_first and lazy_embed is None) or (shard.is_last and tied))
     _load_into(model, state, dtype)
     inner = model.model
@@ -385,13 +401,13 @@ def _gguf_tensors(source: ModelSource, cache_root: Path | None) -> tuple[list[GG
     return infos, np.memmap(source.path, dtype=np.uint8, mode="r")
 
 
-def _gguf_state(source: ModelSource, model, config, shard: Shard, tied: bool, progress: bool,
-                cache_root: Path | None, skip_embed: bool = False) -> dict:
+def _gguf_state(tensors: tuple[list[GGUFTensorInfo], np.ndarray], model, config, shard: Shard, tied: bool,
+                progress: bool, skip_embed: bool = False) -> dict:
     from gguf import GGMLQuantizationType, dequantize
     from tqdm import tqdm
     from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor, get_gguf_hf_weights_map
 
-    infos, mm = _gguf_tensors(source, cache_root)
+    infos, mm = tensors
     arch = GGUF_ARCH.get(config.model_type, config.model_type)
     processor = TENSOR_PROCESSORS.get(arch, TensorProcessor)(config=config.to_dict())
     # The library recurses into every submodule, rebuilding its name table each time
@@ -420,25 +436,24 @@ class GGUFEmbedding(nn.Module):
     matrix bit for bit (llama.cpp's blocks never span two rows), so a head holds a few
     looked-up rows instead of vocab x hidden floats (SmolLM2-135M: 108 MiB)."""
 
-    def __init__(self, raw: np.ndarray, tensor_type: int, hidden: int, dtype: torch.dtype):
+    def __init__(self, raw: np.ndarray, tensor_type: int, hidden: int):
         super().__init__()
-        self.raw, self.tensor_type, self.hidden, self.dtype = raw, tensor_type, hidden, dtype
-        self.device = torch.device("cpu")
+        self.raw, self.tensor_type, self.hidden = raw, tensor_type, hidden
+        self.device, self.dtype = torch.device("cpu"), torch.float32  # as ``to`` sets them
 
     @classmethod
-    def from_source(cls, source: ModelSource, model, config, dtype: torch.dtype,
-                    cache_root: Path | None) -> "GGUFEmbedding | None":
-        """The lazy embedding of ``source``, or None where the plain one must load: a model
-        whose embedding module is not a plain lookup, or whose embedding the GGUF loader
-        would transform."""
+    def from_tensors(cls, infos: list[GGUFTensorInfo], mm: np.ndarray, model, config) -> "GGUFEmbedding | None":
+        """The lazy embedding of a GGUF file's tensors (``_gguf_tensors``), or None where the
+        plain one must load: a model whose embedding module is not a plain lookup, or whose
+        embedding is not one row of blocks per token."""
         if type(model.model.embed_tokens) is not nn.Embedding:
             return None
-        infos, mm = _gguf_tensors(source, cache_root)
         info = next((t for t in infos if t.name == EMBED_TENSOR), None)
         if info is None:
             return None
-        raw = np.frombuffer(mm, dtype=info.dtype, count=math.prod(info.shape), offset=info.offset).reshape(info.shape)
-        embed = cls(raw, info.tensor_type, config.hidden_size, dtype)
+        # a map of its own bytes alone: the file's map (and the layer pages read through it) goes after loading
+        raw = np.memmap(mm.filename, dtype=info.dtype, mode="r", offset=info.offset, shape=info.shape)
+        embed = cls(raw, info.tensor_type, config.hidden_size)
         if embed.rows(np.arange(min(4, raw.shape[0]))).shape != (min(4, raw.shape[0]), config.hidden_size):
             return None  # not one row of blocks per token: load it whole
         return embed

@@ -242,7 +242,7 @@ class Node:
         self._relay_tick(now)
         self._probe_peers(now)
         for session in self.kv.evict_idle():
-            self.executor.forget(session)
+            self._drop_session(session)  # its KV is gone already: the batch group and gathering forget it too
             log.info("freed idle session %s", session)
         if len(self._last_decode) > len(self.kv):
             self._last_decode = {s: t for s, t in self._last_decode.items() if s in self.kv}
