@@ -1,8 +1,8 @@
 #!/usr/bin/env python
 """Aggregate decode throughput against concurrent streams, as ratios measured in one run.
 
-    python bench/concurrency.py [--model smollm2-135m] [--streams 1,2,4,8] [--tokens 48] [--plot OUT.png]
-                                [--device cpu|cuda] [--dtype float32|bfloat16]
+    python bench/concurrency.py [--model smollm2-135m] [--streams 1,2,4,8] [--tokens 48] [--reps 3]
+                                [--plot OUT.png] [--device cpu|cuda] [--dtype float32|bfloat16]
 
 Starts a tracker and a 2-node split (``python -m fabric.cli ...``, as ``meshnet up`` does:
 all cores each and one compute lock) and drives it with N concurrent ``fabric.Client``
@@ -12,11 +12,18 @@ stream on the same cluster, and single-process transformers generating the same 
 as one padded batch (``generate`` with batch 8, all cores). Targets: 8 streams >= 4x one
 stream, and >= 0.9x the single-process batch of 8. Writes a PNG plot when matplotlib is
 installed.
+
+The machine's speed drifts (by a third within minutes on a shared host), so one baseline
+against waves run minutes later compares two machines. Each of ``--reps`` rounds therefore
+times the baseline and then every stream count back to back, and each ratio is the median
+of the rounds' own ratios (tok/s figures: the median over rounds). Beside each round: the
+share of the CPU that other tenants used while it ran.
 """
 from __future__ import annotations
 
 import argparse
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -98,28 +105,40 @@ def wave(tracker: str, model: str, streams: int, tokens: int) -> tuple[float, li
     return sum(len(o) for o in outputs) / elapsed, outputs
 
 
-def transformers_batch(model: str, batch: int, tokens: int, dtype: str = "float32", device: str = "cpu") -> float:
-    """Single-process transformers: the same prompts as one left-padded batch."""
-    import torch
-    from transformers import AutoModelForCausalLM
+class Batch8:
+    """Single-process transformers: the same prompts as one left-padded batch, loaded once
+    and timed as often as asked."""
 
-    from fabric.models import load_tokenizer
+    def __init__(self, model: str, batch: int, tokens: int, dtype: str = "float32", device: str = "cpu"):
+        import torch
+        from transformers import AutoModelForCausalLM
 
-    source = resolve(model)
-    tok = load_tokenizer(source)
-    tok.padding_side = "left"
-    tok.pad_token = tok.pad_token or tok.eos_token
-    lm = AutoModelForCausalLM.from_pretrained(source.directory, gguf_file=source.gguf_file,
-                                              dtype=getattr(torch, dtype)).to(device).eval()
-    texts = [tok.apply_chat_template([{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}],
-                                     add_generation_prompt=True, tokenize=False) for i in range(batch)]
-    enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(device)
-    with torch.inference_mode():
-        lm.generate(**enc, max_new_tokens=4, do_sample=False)  # warm up
+        from fabric.models import load_tokenizer
+
+        source = resolve(model)
+        tok = load_tokenizer(source)
+        tok.padding_side = "left"
+        tok.pad_token = tok.pad_token or tok.eos_token
+        self.lm = AutoModelForCausalLM.from_pretrained(source.directory, gguf_file=source.gguf_file,
+                                                       dtype=getattr(torch, dtype)).to(device).eval()
+        texts = [tok.apply_chat_template([{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}],
+                                         add_generation_prompt=True, tokenize=False) for i in range(batch)]
+        self.enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(device)
+        self.batch, self.tokens = batch, tokens
+        self.generate(4)  # warm up
+
+    def generate(self, tokens: int):
+        import torch
+
+        with torch.inference_mode():
+            return self.lm.generate(**self.enc, max_new_tokens=tokens, do_sample=False, min_new_tokens=tokens)
+
+    def measure(self) -> float:
+        """Aggregate tok/s of one batched generation."""
         start = time.perf_counter()
-        out = lm.generate(**enc, max_new_tokens=tokens, do_sample=False, min_new_tokens=tokens)
+        out = self.generate(self.tokens)
         elapsed = time.perf_counter() - start
-    return (out.shape[1] - enc["input_ids"].shape[1]) * batch / elapsed
+        return (out.shape[1] - self.enc["input_ids"].shape[1]) * self.batch / elapsed
 
 
 def main() -> int:
@@ -127,40 +146,56 @@ def main() -> int:
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--streams", default="1,2,4,8")
     parser.add_argument("--tokens", type=int, default=48)
+    parser.add_argument("--reps", type=int, default=3, help="rounds of baseline + every stream count")
     parser.add_argument("--plot", default=None, help="write a PNG of aggregate tok/s against streams")
     parser.add_argument("--threads", type=int, default=0,
                         help="torch threads per node (default: all cores, as `meshnet up`)")
     add_device_args(parser)
     args = parser.parse_args()
     counts = [int(n) for n in args.streams.split(",")]
+    from bench.fabric_bench import LoadMeter  # here: fabric_bench imports this module's device flags
 
-    baseline = transformers_batch(args.model, 8, args.tokens, args.dtype, args.device)
+    baseline = Batch8(args.model, 8, args.tokens, args.dtype, args.device)
+    rounds: list[dict] = []
     with tempfile.TemporaryDirectory() as tmp:
         procs, tracker = start_cluster(args.model, 2, Path(tmp), args.threads, device_args(args))
         try:
             model_id = resolve(args.model).model_id  # what clients ask for (a directory's name)
             for n in counts:  # warm up every batch size: first shapes cost extra (on a GPU, seconds)
                 wave(tracker, model_id, n, 4)
-            results = {n: wave(tracker, model_id, n, args.tokens)[0] for n in counts}
+            for _ in range(args.reps):
+                with LoadMeter() as meter:
+                    row = {"baseline": baseline.measure()}
+                    row.update({n: wave(tracker, model_id, n, args.tokens)[0] for n in counts})
+                rounds.append({**row, "foreign": meter.foreign})
         finally:
             for proc in procs:
                 proc.send_signal(signal.SIGINT)
             for proc in procs:
                 proc.wait(30)
-    report(args, counts, results, baseline)
+    report(args, counts, rounds)
     return 0
 
 
-def report(args, counts: list[int], results: dict[int, float], baseline: float) -> None:
-    one = results[counts[0]]
+def report(args, counts: list[int], rounds: list[dict]) -> None:
+    one = counts[0]
+    med = lambda xs: statistics.median(xs)  # noqa: E731
+    results = {n: med([r[n] for r in rounds]) for n in counts}
+    baseline = med([r["baseline"] for r in rounds])
+    vs_one = {n: med([r[n] / r[one] for r in rounds]) for n in counts}
+    vs_base = {n: med([r[n] / r["baseline"] for r in rounds]) for n in counts}
     print(f"concurrency on a 2-node split of {args.model} ({args.dtype} on {args.device}), "
-          f"{args.tokens} tokens per stream")
+          f"{args.tokens} tokens per stream, median of {len(rounds)} round(s)")
+    for i, r in enumerate(rounds, 1):
+        waves = ", ".join(f"{n}: {r[n]:.1f}" for n in counts)
+        print(f"  round {i}: batch-8 {r['baseline']:.1f} tok/s; streams {waves}; "
+              f"other tenants {100 * r['foreign']:.0f}% of the CPU")
     print(f"  single-process transformers, batch of 8: {baseline:.1f} tok/s aggregate")
     for n in counts:
-        print(f"  {n} stream(s): {results[n]:6.1f} tok/s aggregate  = {results[n] / one:.2f}x one stream, "
-              f"{results[n] / baseline:.2f}x transformers batch-8")
+        print(f"  {n} stream(s): {results[n]:6.1f} tok/s aggregate  = {vs_one[n]:.2f}x {one} stream(s), "
+              f"{vs_base[n]:.2f}x transformers batch-8")
     if 8 in results:
-        ok = results[8] / one >= 4 and results[8] / baseline >= 0.9
+        ok = vs_one[8] >= 4 and vs_base[8] >= 0.9
         print(f"  target 8 streams >= 4x one and >= 0.9x batch-8: {'PASS' if ok else 'MISS'}")
     if args.plot:
         plot(args.plot, counts, results, baseline)

@@ -29,7 +29,7 @@ from concurrency import add_device_args, device_args  # noqa: E402
 # name -> (arguments for a full run, arguments for --quick); OUT is replaced by the output folder
 SCRIPTS = {
     "fabric_bench": (["--json", "OUT/fabric_bench.json"], ["--quick", "--json", "OUT/fabric_bench.json"]),
-    "concurrency": (["--plot", "OUT/concurrency.png"], ["--streams", "1,8", "--tokens", "32",
+    "concurrency": (["--plot", "OUT/concurrency.png"], ["--streams", "1,8", "--tokens", "32", "--reps", "2",
                                                          "--plot", "OUT/concurrency.png"]),
     "prefill_itl": ([], ["--prompt-tokens", "1000", "--decode-tokens", "250"]),
     "quant_bench": (["--json", "OUT/quant_bench.json"], ["--reps", "2", "--json", "OUT/quant_bench.json"]),
