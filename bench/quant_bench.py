@@ -19,6 +19,13 @@ another), loaded once, then timed in rotating order ``--reps`` times:
   its own shard (greedy, no sockets).
 - ``llama.cpp``: llama-cpp-python on the same GGUF with the same threads, when installed;
   skipped with a note otherwise.
+- ``floor-int8``: the int8 kernels alone: every ``Int8Linear`` of ``hf-int8`` (the decoder
+  layers' and the lm_head), called in model order on one bfloat16 row per token, and
+  nothing else (no norms, rotary, attention, cache or module calls). No kernel-bound node
+  decodes faster; against llama.cpp it says how much of the 0.8x target is left for the rest.
+- ``compiled-int8`` (not in the default set: minutes to compile): ``hf-int8`` with each
+  decoder layer through ``torch.compile`` (inductor, dynamic shapes); compiling happens
+  in the warm-up and counts as its load time. Its greedy ids are checked against ``hf-int8``.
 
 Decode tokens/s is timed from the first generated token to the last ((n - 1) / seconds) on
 each bench prompt, summed over prompts; the median over the quiet reps (other tenants used
@@ -65,7 +72,8 @@ PROMPTS = (
 TARGET = 0.8  # node int8 / llama.cpp
 DESIGN_LLAMA_CPP_TPS = 85.0  # DESIGN.md, dev machine, same GGUF, 2 threads: a reference, not a baseline
 QUIET = 0.15
-ALL_CONFIGS = ("hf-float32", "hf-bfloat16", "hf-int8", "hf-int4", "node-int8", "node-int4", "llama.cpp")
+ALL_CONFIGS = ("hf-float32", "hf-bfloat16", "hf-int8", "hf-int4", "node-int8", "node-int4", "llama.cpp", "floor-int8")
+EXTRA_CONFIGS = ("compiled-int8", "executor-int8", "executor-int4")  # on request only
 SCHEMES = ("int8", "int4")
 
 
@@ -103,6 +111,42 @@ class HFWorker:
             out = self.model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n, do_sample=False,
                                       eos_token_id=self.eos, pad_token_id=self.pad, streamer=clock)
         return out[0, x.shape[1]:].tolist(), clock.times
+
+
+class CompiledWorker(HFWorker):
+    """``hf-int8`` with each decoder layer compiled by ``torch.compile``."""
+
+    def __init__(self, source, tokenizer, eos, kind: str):
+        import torch._dynamo
+
+        super().__init__(source, tokenizer, eos, "hf-int8")
+        # every layer is its own compiled graph (its own cache objects and index): allow that many
+        torch._dynamo.config.recompile_limit = 16 * len(self.model.model.layers)
+        for layer in self.model.model.layers:
+            layer.forward = self.torch.compile(layer.forward, dynamic=True)
+
+
+class FloorWorker:
+    """The int8 matrix products of one decode token and nothing else, in model order."""
+
+    def __init__(self, source, tokenizer, eos, kind: str):
+        import torch
+
+        from fabric.quant import Int8Linear, load_quantized_reference
+
+        self.torch = torch
+        model = load_quantized_reference(str(source.directory), gguf_file=source.gguf_file, scheme="int8")
+        self.linears = [(m.weight, m.scales) for m in model.modules() if isinstance(m, Int8Linear)]
+        self.rows = {n: torch.randn(1, n).to(torch.bfloat16) for n in {w.shape[1] for w, _ in self.linears}}
+
+    def generate(self, ids: list[int], n: int) -> tuple[list[int], list[float]]:
+        mm, times = self.torch._weight_int8pack_mm, []
+        with self.torch.inference_mode():
+            for _ in range(n):
+                for w, scales in self.linears:
+                    mm(self.rows[w.shape[1]], w, scales)
+                times.append(time.perf_counter())
+        return [0] * n, times  # no tokens: only the time per token means anything
 
 
 class ExecutorWorker:
@@ -178,6 +222,10 @@ def worker_main(args) -> int:
     t0 = time.perf_counter()
     if args.worker.startswith("hf-"):
         w = HFWorker(source, tokenizer, eos, args.worker)
+    elif args.worker == "compiled-int8":
+        w = CompiledWorker(source, tokenizer, eos, args.worker)
+    elif args.worker == "floor-int8":
+        w = FloorWorker(source, tokenizer, eos, args.worker)
     elif args.worker.startswith("executor-"):
         w = ExecutorWorker(source, tokenizer, eos, args.worker)
     elif args.worker == "llama.cpp":
@@ -452,6 +500,18 @@ def analyse(args, results: dict, info: dict, notes: list[str]) -> dict:
         key = f"{fab} / llama.cpp"
         if key in ratios:
             verdicts[key] = "PASS" if ratios[key] >= TARGET else "MISS"
+    if "floor-int8" in rows:
+        for other in ("hf-int8", "node-int8", "executor-int8", "compiled-int8", "llama.cpp"):
+            if other in rows and rows[other]["tps"] and rows["floor-int8"]["tps"]:
+                ratios[f"{other} / floor-int8"] = rows[other]["tps"] / rows["floor-int8"]["tps"]
+        if "llama.cpp" in rows and rows["llama.cpp"]["tps"] and rows["floor-int8"]["tps"]:
+            # the time per token a node may spend outside the int8 products and still reach the target
+            budget = 1e3 / (TARGET * rows["llama.cpp"]["tps"]) - 1e3 / rows["floor-int8"]["tps"]
+            checks["ms per token left for everything but the int8 products at the 0.8x target"] = round(budget, 2)
+    if "compiled-int8" in results and "hf-int8" in results:
+        want = results["hf-int8"][0]["ids"]
+        checks["compiled-int8 greedy ids == hf-int8 (every prompt, every rep)"] = all(
+            r["ids"] == want for r in results["compiled-int8"])
     if "hf-bfloat16" in results and "hf-float32" in results:
         checks["hf-bfloat16 vs hf-float32: tokens before the first difference, per prompt"] = [
             _prefix(a, b) for a, b in zip(results["hf-bfloat16"][0]["ids"], results["hf-float32"][0]["ids"])]
@@ -527,7 +587,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=min(2, os.cpu_count() or 1))
     ap.add_argument("--tokens", type=int, default=64, help="new tokens per prompt (stops early at EOS)")
     ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--configs", nargs="+", default=list(ALL_CONFIGS), choices=[*ALL_CONFIGS, *(f"executor-{q}" for q in SCHEMES)])
+    ap.add_argument("--configs", nargs="+", default=list(ALL_CONFIGS), choices=[*ALL_CONFIGS, *EXTRA_CONFIGS])
     ap.add_argument("--max-wait", type=float, default=20.0, help="seconds to wait for a quiet machine per run")
     ap.add_argument("--json", type=Path, default=None, help="write the results here")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
