@@ -23,13 +23,13 @@ from __future__ import annotations
 
 import argparse
 import signal
-import statistics
 import subprocess
 import sys
 import tempfile
 import threading
 import time
 from pathlib import Path
+from statistics import median
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
@@ -179,11 +179,10 @@ def main() -> int:
 
 def report(args, counts: list[int], rounds: list[dict]) -> None:
     one = counts[0]
-    med = lambda xs: statistics.median(xs)  # noqa: E731
-    results = {n: med([r[n] for r in rounds]) for n in counts}
-    baseline = med([r["baseline"] for r in rounds])
-    vs_one = {n: med([r[n] / r[one] for r in rounds]) for n in counts}
-    vs_base = {n: med([r[n] / r["baseline"] for r in rounds]) for n in counts}
+    results = {n: median([r[n] for r in rounds]) for n in counts}
+    baseline = median([r["baseline"] for r in rounds])
+    vs_one = {n: median([r[n] / r[one] for r in rounds]) for n in counts}
+    vs_base = {n: median([r[n] / r["baseline"] for r in rounds]) for n in counts}
     print(f"concurrency on a 2-node split of {args.model} ({args.dtype} on {args.device}), "
           f"{args.tokens} tokens per stream, median of {len(rounds)} round(s)")
     for i, r in enumerate(rounds, 1):

@@ -338,7 +338,7 @@ class NodeCluster:
 
     def __init__(self, procs: Procs, args, tmp: Path, scheme: str):
         self.kind = f"node-{scheme}"
-        from fabric.models import default_cache_root, load_config, load_tokenizer, resolve
+        from fabric.models import default_cache_root, load_config, resolve
 
         source = resolve(args.model)
         layers = load_config(source, default_cache_root()).num_hidden_layers
