@@ -33,6 +33,9 @@ class FabricError(Exception):
         self.message = message
 
 
+TRACKER_TIMEOUT = 5.0  # a running tracker answers at once: waiting longer only delays the error
+
+
 def _tracker_silent(endpoint: str) -> FabricError:
     return FabricError(p.ErrorCode.INTERNAL,
                        f"tracker at {endpoint} did not answer (is it running? a secured swarm needs --keys)")
@@ -132,10 +135,14 @@ class _ClientBase:
 
     def __init__(self, tracker: str, timeout: float, security: Security | None, ctx):
         self.tracker_endpoint = tracker
-        self.timeout = timeout  # seconds to wait for the tracker, or for the head's next event
+        self.timeout = timeout  # seconds to wait for the head's next event, or the tracker (TRACKER_TIMEOUT at most)
         self.security = security  # CurveZMQ keys for a secured swarm; None: plaintext
         self.ctx = ctx
         self._tracker = None  # DEALER to the tracker, made on first use
+
+    @property
+    def _tracker_wait_ms(self) -> float:
+        return min(self.timeout, TRACKER_TIMEOUT) * 1000
 
 
 class Client(_ClientBase):
@@ -162,7 +169,7 @@ class Client(_ClientBase):
             self._tracker = _dealer(self.ctx, self.tracker_endpoint, self.security,
                                         self.security and self.security.tracker_key)
         self._tracker.send_multipart(p.encode(message))
-        if not self._tracker.poll(self.timeout * 1000):
+        if not self._tracker.poll(self._tracker_wait_ms):
             self.close()  # drop the socket: a late reply must not answer the next question
             raise _tracker_silent(self.tracker_endpoint)
         return _decode(self._tracker.recv_multipart())
@@ -246,7 +253,7 @@ class AsyncClient(_ClientBase):
                                         self.security and self.security.tracker_key)
             try:
                 await self._tracker.send_multipart(p.encode(message))
-                if not await self._tracker.poll(self.timeout * 1000):
+                if not await self._tracker.poll(self._tracker_wait_ms):
                     raise _tracker_silent(self.tracker_endpoint)
                 return _decode(await self._tracker.recv_multipart())
             except BaseException:

@@ -112,6 +112,12 @@ def test_status_without_a_tracker_fails_fast():
     assert out.returncode == 1 and "did not answer" in out.stderr
 
 
+def test_chat_without_a_tracker_fails_fast():
+    # the client waits up to 30 s for a head's next token, but not that long for a tracker that is not there
+    out = meshnet("chat", "--tracker", f"tcp://127.0.0.1:{free_port()}", "Hello", timeout=25)
+    assert out.returncode == 1 and "did not answer" in out.stderr
+
+
 def test_status_json_and_chat_against_a_cluster(process_cluster, tiny_models):
     model = tiny_models("llama")
     process_cluster.split(model)
