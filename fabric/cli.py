@@ -7,6 +7,7 @@ import json
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -152,6 +153,12 @@ def cmd_up(args) -> int:
     except (ModelError, ValueError) as exc:
         log.error("%s", exc)
         return 2
+    busy = _ports_in_use({"the tracker, --tracker": args.tracker, "its feed, --pub": args.pub,
+                          "the web UI, --port": f"tcp://{args.host}:{args.port}"})
+    if busy:
+        log.error("already in use on this machine: %s. Is another `meshnet up` (or a tracker or web UI) "
+                  "running? Stop it, or choose other ports with --tracker, --pub and --port", "; ".join(busy))
+        return 2
     threads = ["--threads", str(args.threads)] if args.threads else []
     devices = node_devices(args.device, len(shards), _cuda_count(args.device))
     log.info("starting a tracker, %d nodes (layers %s on %s; nodes of one device compute one at a time, "
@@ -172,6 +179,26 @@ def cmd_up(args) -> int:
                          "--port", str(args.port), *keys])
         return supervise(commands, url=f"http://{args.host}:{args.port}", tracker=args.tracker, nodes=len(shards),
                          security=security)
+
+
+def _ports_in_use(endpoints: dict[str, str]) -> list[str]:
+    """Which of these TCP endpoints ("tcp://host:port", by role) something already listens
+    on: ``up`` would start every other process and then lose the one that cannot bind (and
+    its nodes would join the other cluster's tracker meanwhile)."""
+    busy = []
+    for role, endpoint in endpoints.items():
+        host, _, port = endpoint.removeprefix("tcp://").rpartition(":")
+        if not endpoint.startswith("tcp://") or not port.isdigit() or int(port) == 0:
+            continue  # ipc://, or a port chosen at bind time: nothing to check
+        host = "" if host in ("*", "0.0.0.0") else host.strip("[]")
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as ZeroMQ and the web server bind
+            try:
+                probe.bind((host, int(port)))
+            except OSError:
+                busy.append(f"port {port} ({role})")
+    return busy
 
 
 def node_devices(device: str, nodes: int, gpus: int) -> list[str]:
@@ -201,7 +228,8 @@ def supervise(commands: list[list[str]], url: str, tracker: str, nodes: int, sec
         while not stop.is_set():
             dead = [p for p in procs if p.poll() is not None]
             if dead:
-                log.error("a process exited (%s); stopping the cluster", " ".join(dead[0].args[3:5]))
+                role = next((a for a in dead[0].args if a in ("tracker", "node", "webui")), dead[0].args[-1])
+                log.error("the %s process exited with status %s; stopping the cluster", role, dead[0].returncode)
                 return 1
             stop.wait(0.5)
         return 0
