@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import json
 import logging
 import os
@@ -196,8 +197,9 @@ def _ports_in_use(endpoints: dict[str, str]) -> list[str]:
             probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as ZeroMQ and the web server bind
             try:
                 probe.bind((host, int(port)))
-            except OSError:
-                busy.append(f"port {port} ({role})")
+            except OSError as exc:  # any other failure (an address not on this machine) is the process's to report
+                if exc.errno == errno.EADDRINUSE:
+                    busy.append(f"port {port} ({role})")
     return busy
 
 
