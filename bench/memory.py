@@ -46,7 +46,8 @@ def measure(model: str, nodes: int, dtype: str, tokens: int) -> list[dict]:
         procs, tracker = start_cluster(model, nodes, Path(tmp), node_args=("--dtype", dtype))
         try:
             node_procs = procs[1:]
-            rows = [{"layers": str(shard), "load": memory(p)} for shard, p in zip(even_split(layers, nodes), node_procs)]
+            rows = [{"layers": str(shard), "load": memory(p)}
+                    for shard, p in zip(even_split(layers, nodes), node_procs)]
             with Client(tracker, timeout=600) as client:
                 got = sum(len(e.token_ids) for e in client.generate(
                     resolve(model).model_id, messages=[{"role": "user", "content": "Why is the sky blue?"}],

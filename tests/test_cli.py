@@ -59,10 +59,12 @@ def test_up_refuses_ports_another_cluster_holds_before_starting_anything():
         port = taken.getsockname()[1]
         free = [f"tcp://127.0.0.1:{free_port()}", str(free_port())]
         out = meshnet("up", "--tracker", f"tcp://127.0.0.1:{port}", "--pub", free[0], "--port", free[1], timeout=60)
-        assert out.returncode == 2 and f"already in use on this machine: port {port} (the tracker, --tracker)." in out.stderr
+        assert out.returncode == 2
+        assert f"already in use on this machine: port {port} (the tracker, --tracker)." in out.stderr
         out = meshnet("up", "--tracker", free[0], "--pub", f"tcp://127.0.0.1:{free_port()}", "--port", str(port),
                       timeout=60)
-        assert out.returncode == 2 and f"already in use on this machine: port {port} (the web UI, --port)." in out.stderr
+        assert out.returncode == 2
+        assert f"already in use on this machine: port {port} (the web UI, --port)." in out.stderr
         assert "starting a tracker" not in out.stderr and "meshnet is up" not in out.stdout
 
 
