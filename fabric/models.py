@@ -200,25 +200,58 @@ def load_tokenizer(source: ModelSource, cache_root: Path | None = None):
     return AutoTokenizer.from_pretrained(directory, gguf_file=gguf_file)
 
 
-def fingerprint(source: ModelSource, config) -> str:
-    """Digest of the config plus the weight files' headers, sizes and sampled contents.
+def fingerprint(source: ModelSource, config, quant: str | None = None) -> str:
+    """Digest of what determines a model's outputs: its architecture config, its weights and
+    the quantization a node computes with (``:int8``/``:int4`` appended to the digest).
 
-    Two nodes chain only when this matches: same model id is not enough.
+    Two nodes chain only when this matches: same model id is not enough. The config is taken
+    without local paths and runtime-only fields (:func:`architecture`); the weights by the
+    pulled manifest's digests, else by each file's size and sampled contents. Nothing here
+    depends on a path, a home directory, an install location, a file's mtime or the machine,
+    so two machines holding the same files agree.
     """
-    h = hashlib.sha256(json.dumps(config.to_dict(), sort_keys=True, default=str).encode())
+    h = hashlib.sha256(json.dumps(architecture(config), sort_keys=True, default=str).encode())
     pinned = _pulled_digests(source)
     if pinned:  # a pulled copy, maybe of some shards only: the hub's digests of all its weight files
         h.update(json.dumps(pinned, sort_keys=True).encode())
-        return h.hexdigest()[:32]
+        return h.hexdigest()[:32] + _quant_suffix(quant)
     files = [source.path] if source.kind == "gguf" else sorted(source.path.glob("*.safetensors"))
     for f in files:
         size = f.stat().st_size
-        h.update(f"{f.name}:{size}".encode())
+        # a GGUF's own file name is local (renaming it changes no output); shard names are part of a repository
+        h.update(f"{f.name if source.kind == 'hf' else 'gguf'}:{size}".encode())
         with open(f, "rb") as fh:
             for i in range(17):  # head, 16 evenly spaced samples: cheap even for 100 GB
                 fh.seek(min(size, (size * i) // 16))
                 h.update(fh.read(1 << 16))
-    return h.hexdigest()[:32]
+    return h.hexdigest()[:32] + _quant_suffix(quant)
+
+
+def _quant_suffix(quant: str | None) -> str:
+    """Quantized and float weights of one model never share a route."""
+    return f":{quant}" if quant and quant != "none" else ""
+
+
+# Fields of a transformers config that say where or how it was loaded, not what it computes.
+RUNTIME_FIELDS = frozenset({"transformers_version", "dtype", "torch_dtype", "use_cache", "return_dict",
+                            "output_attentions", "output_hidden_states"})
+
+
+def architecture(config) -> dict:
+    """``config.to_dict()`` without local paths and runtime-only fields, sub-configs included.
+
+    Dropped: every key that starts with ``_`` (``_name_or_path`` is the directory the config
+    was read from: a cache under $HOME for a GGUF, site-packages for an alias;
+    ``_commit_hash``, ``_attn_implementation`` ...) and :data:`RUNTIME_FIELDS`.
+    """
+    def clean(value):
+        if isinstance(value, dict):
+            return {k: clean(v) for k, v in value.items()
+                    if not (isinstance(k, str) and (k.startswith("_") or k in RUNTIME_FIELDS))}
+        if isinstance(value, (list, tuple)):
+            return [clean(v) for v in value]
+        return value
+    return clean(config.to_dict())
 
 
 def _pulled_digests(source: ModelSource) -> dict[str, str] | None:

@@ -133,8 +133,7 @@ class Node:
         self.executor = ShardExecutor(weights, self.kv)
         self.tokenizer = load_tokenizer(config.source, config.cache_root) if config.shard.is_first else None
         self.eos = eos_ids(self.tokenizer, weights.config) if self.tokenizer else frozenset()
-        # quantized and float weights of one model never share a route
-        self.fingerprint = fingerprint(config.source, weights.config) + (f":{config.quant}" if config.quant else "")
+        self.fingerprint = fingerprint(config.source, weights.config, config.quant)
         self.auth = start_authenticator(self.ctx, config.security) if config.security else None
         self.key = config.security.public_text if config.security else ""  # peers dial us with it
         self.router = self.ctx.socket(zmq.ROUTER)

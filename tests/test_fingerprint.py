@@ -1,0 +1,97 @@
+"""A model's fingerprint: equal for the same weights on any machine, different for other weights.
+
+Nodes chain only when their fingerprints match, so a fingerprint that hashed a local path
+(the GGUF metadata cache under $HOME, an alias's site-packages) kept two real machines
+from ever forming a route.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file, save_file
+
+from fabric.models import ALIASES, alias_path, architecture, fingerprint, load_config, resolve
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# Computes the fingerprint the way a node does, in a fresh interpreter with its own HOME.
+_PROBE = """
+import sys
+from fabric.models import default_cache_root, fingerprint, load_config, resolve
+source = resolve(sys.argv[1])
+print(fingerprint(source, load_config(source, default_cache_root()), sys.argv[2] or None))
+"""
+
+
+def node_fingerprint(ref: str, home: Path, quant: str = "", python: str = sys.executable) -> str:
+    """The fingerprint a node started with HOME=home would register (no XDG overrides)."""
+    home.mkdir(parents=True, exist_ok=True)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("XDG_")}
+    proc = subprocess.run([python, "-c", _PROBE, ref, quant], capture_output=True, text=True, cwd=home,
+                          env={**env, "HOME": str(home), "PYTHONPATH": str(ROOT)}, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout.strip().splitlines()[-1]
+
+
+def test_a_config_loses_its_local_paths(tiny_models, tmp_path):
+    copy = shutil.copytree(tiny_models("llama"), tmp_path / "elsewhere" / "llama")
+    config = load_config(resolve(str(copy)))
+    assert str(tmp_path) in json.dumps(config.to_dict(), default=str)  # what used to be hashed
+    arch = architecture(config)
+    assert str(tmp_path) not in json.dumps(arch, default=str)
+    assert "_name_or_path" not in arch and "transformers_version" not in arch
+    assert arch["num_hidden_layers"] == 6 and arch["hidden_size"] == 64
+
+
+def test_same_weights_in_other_directories_and_homes_agree(tiny_models, tmp_path):
+    model = tiny_models("llama")
+    a = shutil.copytree(model, tmp_path / "alice" / "models" / "tiny")
+    b = shutil.copytree(model, tmp_path / "bob" / "venv" / "lib" / "tiny-llama")
+    fa = fingerprint(resolve(str(a)), load_config(resolve(str(a)), tmp_path / "alice" / ".cache"))
+    fb = fingerprint(resolve(str(b)), load_config(resolve(str(b)), tmp_path / "bob" / ".cache"))
+    assert fa == fb
+
+
+def test_other_weights_or_quantization_differ(tiny_models, tmp_path):
+    model = tiny_models("llama")
+    source = resolve(str(model))
+    base = fingerprint(source, load_config(source))
+    assert fingerprint(source, load_config(source), "int8") != base
+    assert fingerprint(source, load_config(source), "int8") != fingerprint(source, load_config(source), "int4")
+    assert fingerprint(source, load_config(source), "none") == base
+
+    changed = shutil.copytree(model, tmp_path / "changed")
+    weights = changed / "model.safetensors"
+    tensors = load_file(weights)
+    name = next(n for n in tensors if "layers.5" in n)
+    tensors[name] = tensors[name] + 1.0
+    save_file(tensors, weights, metadata={"format": "pt"})
+    other = resolve(str(changed))
+    assert fingerprint(other, load_config(other)) != base
+
+
+def test_another_architecture_differs(tiny_models):
+    llama, qwen2 = resolve(str(tiny_models("llama"))), resolve(str(tiny_models("qwen2")))
+    assert fingerprint(llama, load_config(llama)) != fingerprint(qwen2, load_config(qwen2))
+
+
+@pytest.mark.slow
+def test_the_alias_agrees_across_homes_and_install_paths(tmp_path):
+    """The default GGUF: parsed under two HOMEs (two metadata caches), installed in this
+    Python and copied into another install location, as on two machines."""
+    installed = alias_path(ALIASES["smollm2-135m"])
+    if installed is None:
+        pytest.skip("smollm2-135m is not installed (meshnet pull smollm2-135m)")
+    copy = tmp_path / "site-packages" / installed.parent.name / installed.name
+    copy.parent.mkdir(parents=True)
+    shutil.copyfile(installed, copy)
+    at_alice = node_fingerprint("smollm2-135m", tmp_path / "home-alice")
+    at_bob = node_fingerprint(str(copy), tmp_path / "home-bob")
+    assert at_alice == at_bob
+    assert node_fingerprint(str(copy), tmp_path / "home-bob", "int4") == at_bob + ":int4"
