@@ -564,11 +564,24 @@ def format_status(status: dict) -> str:
         if not plans:
             gaps = status.get("gaps", {}).get(model)
             lines.append(f"  no complete route{f' (missing layers {gaps})' if gaps else ''}")
+        lines += weights_differ_lines(status.get("weights_differ", {}).get(model) or [])
     events = status.get("events", [])[-8:]
     if events:
         lines += ["", "recent events:"]
         lines += [f"  {e.get('kind', ''):<15} {e.get('message', '')}" for e in events]
     return "\n".join(lines)
+
+
+def weights_differ_lines(groups: list[dict]) -> list[str]:
+    """Nodes that claim one model with different weights: they never share a route."""
+    if len(groups) < 2:
+        return []
+    lines = ["  weights differ: these nodes claim this model but hold different weights, so they never chain:"]
+    for g in groups:
+        held = ", ".join(f"{n['id']} [{n['layers'][0]}-{n['layers'][1]}]" for n in g["nodes"])
+        lines.append(f"    fingerprint {g['fingerprint'][:8]} ({g['num_layers']} layers): {held}")
+    lines.append("    load the same model file on every node, with the same --quant")
+    return lines
 
 
 def coverage_map(model: str, nodes: list[dict], width: int = 60) -> list[str]:

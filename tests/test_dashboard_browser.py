@@ -340,3 +340,25 @@ def json_fallback_and_error_event(page) -> None:
     assert reply_text(page) == "half"
     assert page.inner_text("#chat-status") == "error: hop b failed"
     shot(page, "dashboard-errors")
+
+
+def test_topology_names_nodes_whose_weights_differ(browser, thread_cluster, tiny_models, tmp_path):
+    """Two nodes claim one model id with different weights: the topology says so, not just a gap."""
+    from tests.tiny_models import make_model
+
+    ours = tiny_models("llama")
+    theirs = make_model("llama", tmp_path / "elsewhere" / ours.name, seed=1)  # same id, other weights
+    thread_cluster.add_node(ours, 0, 2, 6, "head")
+    thread_cluster.add_node(theirs, 3, 5, 6, "tail")
+    webui = WebUIThread(WebUIConfig(tracker=thread_cluster.endpoint, pub=thread_cluster.tracker.pub_endpoint,
+                                    port=free_port()))
+    try:
+        page = browser.new_page()
+        page.goto(webui.url)
+        line = page.locator(f"#topology .model-block[data-model='{ours.name}'] .plan-line.differ")
+        line.wait_for(timeout=WAIT_MS)
+        text = line.text_content()
+        assert "weights differ" in text and "head [0–2]" in text and "tail [3–5]" in text  # en dash, as the page writes ranges
+        shot(page, "topology-weights-differ")
+    finally:
+        webui.close()

@@ -130,6 +130,18 @@ def test_fingerprint_mismatch_never_chains():
     assert plan.best.fingerprint == "q4"
 
 
+def test_nodes_with_different_weights_are_named_not_just_a_gap():
+    nodes = [node("a", 0, 19, fp="4d87456e00"), node("b", 20, 39, fp="319a3d2a00"), node("x", 0, 39, model="other")]
+    plan = plan_routes(nodes, "m")
+    assert [g.nodes for g in plan.differ] == [(("a", 0, 19),), (("b", 20, 39),)]
+    reason = plan.describe_missing()
+    assert "weights differ" in reason and "a [0-19] (fingerprint 4d87456e" in reason
+    assert "b [20-39] (fingerprint 319a3d2a" in reason and "--quant" in reason
+    assert plan_routes(nodes, "other").differ == ()
+    agreeing = plan_routes([node("a", 0, 19), node("b", 20, 39)], "m")
+    assert agreeing.differ == () and "weights differ" not in agreeing.describe_differ()
+
+
 def test_single_full_node_vs_a_faster_pipeline():
     nodes = [node("full", 0, 39, 100.0), node("h", 0, 19, 1000.0), node("t", 20, 39, 1000.0)]
     plan = plan_routes(nodes, "m")

@@ -20,6 +20,7 @@ from fabric.protocol import (
     Register, Report, Route, RouteRequest, Status, StatusRequest, TensorSpec, decode, encode,
     split_envelope,
 )
+from fabric.cli import format_status
 from tracker.service import Tracker, TrackerConfig
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -111,6 +112,29 @@ def report(rid: str, tokens: int, elapsed: float, final: bool, reason: str | Non
     return Report(request_id=rid, node_id="a", model="m", route=route, prompt_tokens=7,
                   completion_tokens=tokens, elapsed=elapsed, final=final, finish_reason=reason,
                   api_key="sk-test", max_tokens=64)
+
+
+def test_nodes_with_different_weights_are_reported_once(start, caplog):
+    peer = start().peer
+    with caplog.at_level("WARNING", logger="tracker.service"):
+        peer.call(register("a", 0, 14, fingerprint="4d87456e"))
+        peer.call(register("b", 15, 29, fingerprint="319a3d2a"))
+        for _ in range(3):  # heartbeats and status calls do not repeat the warning
+            peer.call(Heartbeat(node_id="a"))
+            status = peer.status()
+    assert status["plans"]["m"] == [] and status["gaps"]["m"]
+    groups = status["weights_differ"]["m"]
+    assert sorted(n["id"] for g in groups for n in g["nodes"]) == ["a", "b"]
+    assert {g["fingerprint"] for g in groups} == {"4d87456e", "319a3d2a"}
+    warned = [r.getMessage() for r in caplog.records if "weights differ" in r.getMessage()]
+    assert len(warned) == 1 and "a [0-14]" in warned[0] and "b [15-29]" in warned[0]
+    assert [e for e in status["events"] if e.get("code") == "weights_differ"]
+    shown = format_status(status)  # what `meshnet status` prints
+    assert "weights differ" in shown and "a [0-14]" in shown and "b [15-29]" in shown
+    missing = peer.call(RouteRequest(model="m"))
+    assert isinstance(missing, Error) and "weights differ" in missing.message
+    peer.call(register("b", 15, 29, fingerprint="4d87456e"))  # b loads the same file again
+    assert peer.status()["weights_differ"] == {} and len(peer.status()["plans"]["m"]) == 1
 
 
 def test_register_two_nodes_and_route(start):

@@ -78,26 +78,52 @@ class PlannedRoute:
 
 
 @dataclass(frozen=True)
+class WeightGroup:
+    """Nodes of one model id that hold the same weights (fingerprint and layer count)."""
+
+    fingerprint: str
+    num_layers: int
+    nodes: tuple[tuple[str, int, int], ...]  # (node_id, start_layer, end_layer)
+
+    def describe(self) -> str:
+        held = ", ".join(f"{n} [{_span(a, b)}]" for n, a, b in self.nodes)
+        return f"{held} (fingerprint {self.fingerprint[:8]}, {self.num_layers} layers)"
+
+    def to_dict(self) -> dict:
+        return {"fingerprint": self.fingerprint, "num_layers": self.num_layers,
+                "nodes": [{"id": n, "layers": [a, b]} for n, a, b in self.nodes]}
+
+
+@dataclass(frozen=True)
 class Plan:
-    """Ranked routes for one model; ``gaps`` and ``skipped`` explain an empty plan."""
+    """Ranked routes for one model; ``gaps``, ``skipped`` and ``differ`` explain an empty plan."""
 
     model: str
     routes: tuple[PlannedRoute, ...]
     gaps: tuple[tuple[int, int], ...] = ()  # inclusive layer ranges no usable node serves
     skipped: tuple[tuple[str, str], ...] = ()  # (node_id, why it was not considered)
+    differ: tuple[WeightGroup, ...] = ()  # two or more: nodes claiming this model hold different weights
 
     @property
     def best(self) -> PlannedRoute | None:
         return self.routes[0] if self.routes else None
+
+    def describe_differ(self) -> str:
+        """"weights differ: ..." when nodes claiming this model never chain; else ""."""
+        if len(self.differ) < 2:
+            return ""
+        return (f"weights differ: {' vs '.join(g.describe() for g in self.differ)}; nodes of {self.model!r} "
+                f"chain only when they load the same file with the same --quant")
 
     def describe_missing(self) -> str:
         """A one-line reason for an empty plan, for NO_ROUTE errors."""
         parts = [f"no route for {self.model!r}"]
         if self.gaps:
             parts.append("layers " + ", ".join(_span(a, b) for a, b in self.gaps) + " are not served")
+        reasons = [self.describe_differ()] if self.differ else []
         if self.skipped:
-            parts.append("skipped " + ", ".join(f"{n} ({why})" for n, why in self.skipped))
-        return ": ".join(parts[:2]) + ("; " + parts[2] if len(parts) > 2 else "")
+            reasons.append("skipped " + ", ".join(f"{n} ({why})" for n, why in self.skipped))
+        return ": ".join(parts) + "".join("; " + r for r in reasons)
 
 
 def _span(a: int, b: int) -> str:
@@ -215,7 +241,18 @@ def plan_routes(nodes: Iterable[NodeInfo], model: str, num_layers: int | None = 
     routes.sort(key=lambda r: _rank_key(r, cost))
     ranked = tuple(routes[:max_routes])
     gaps = () if ranked else _gaps_of_best_group(nodes, usable, model, num_layers)
-    return Plan(model=model, routes=ranked, gaps=gaps, skipped=tuple(skipped))
+    return Plan(model=model, routes=ranked, gaps=gaps, skipped=tuple(skipped), differ=weight_groups(nodes, model))
+
+
+def weight_groups(nodes: Iterable[NodeInfo], model: str) -> tuple[WeightGroup, ...]:
+    """The groups of nodes claiming ``model`` that hold different weights, largest first;
+    () when they all agree (or serve nothing)."""
+    groups = _groups(n for n in nodes if n.model == model)
+    if len(groups) < 2:
+        return ()
+    found = [WeightGroup(fp, layers, tuple((n.node_id, n.start_layer, n.end_layer) for n in members))
+             for (fp, layers), members in groups.items()]
+    return tuple(sorted(found, key=lambda g: (-len(g.nodes), g.nodes)))
 
 
 def plan_all(nodes: Sequence[NodeInfo], throughput: Throughput | None = None,

@@ -100,6 +100,7 @@ class Tracker:
         self._pub: zmq.Socket | None = None
         self._started = time.monotonic()
         self._plans_version = -1
+        self._differ_warned: set[tuple[str, frozenset[str]]] = set()  # (model, fingerprints) logged once
         self._next_stats = 0.0
         self._node_keys: dict[str, str] = {}  # node id -> the CURVE key that first registered it
         self._allowed: set[str] | None = None  # allow-listed public keys (secured), read on first use
@@ -189,8 +190,21 @@ class Tracker:
                                        node=node.node_id, model=node.model, code="expired"))
         if self.registry.version != self._plans_version:
             self._plans_version = self.registry.version
+            plans = self._plans()
+            self._warn_weights_differ(plans)
             self._publish(TOPIC_PLANS, {"ts": time.time(), "version": self._plans_version,
-                                        **self._plans_view()})
+                                        **self._plans_view(plans)})
+
+    def _warn_weights_differ(self, plans: dict[str, Plan]) -> None:
+        """Log and publish, once per set of fingerprints, that nodes of one model never chain."""
+        for model, plan in plans.items():
+            seen = frozenset(g.fingerprint for g in plan.differ)
+            if len(seen) < 2 or (model, seen) in self._differ_warned:
+                continue
+            self._differ_warned.add((model, seen))
+            message = f"{model}: {plan.describe_differ()}"
+            log.warning("%s", message)
+            self._emit(self.events.add("error", message, model=model, code="weights_differ"))
 
     # ----------------------------------------------------------------- dispatch
 
@@ -404,11 +418,13 @@ class Tracker:
         return plan_all(self.registry.snapshot(), self.stats.layer_rates(),
                         self.config.max_routes, self.config.cost)
 
-    def _plans_view(self) -> dict:
-        plans = self._plans()
+    def _plans_view(self, plans: dict[str, Plan] | None = None) -> dict:
+        """Plans, gaps and, where nodes of one model hold different weights, those groups."""
+        plans = self._plans() if plans is None else plans
         relays = {n.node_id: n.relay for n in self.registry.snapshot() if n.relay}
         return {"plans": {m: [self._plan_row(m, r, relays) for r in p.routes] for m, p in plans.items()},
-                "gaps": {m: [list(g) for g in p.gaps] for m, p in plans.items() if p.gaps}}
+                "gaps": {m: [list(g) for g in p.gaps] for m, p in plans.items() if p.gaps},
+                "weights_differ": {m: [g.to_dict() for g in p.differ] for m, p in plans.items() if p.differ}}
 
     def _plan_row(self, model: str, route, relays: dict[str, str]) -> dict:
         """A planned route with its relayed hops marked, and the tokens/s requests on it

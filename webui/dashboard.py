@@ -1,6 +1,6 @@
 """The dashboard's own endpoints, under /api (the page itself is ``static/index.html``).
 
-``GET /api/status``  the tracker's status body (nodes, plans, gaps, events, stats, usage)
+``GET /api/status``  the tracker's status body (nodes, plans, gaps, weights_differ, events, stats, usage)
                      plus the Call wall, throughput history and this web UI's feed state:
                      the page's first load and its fallback while the live feed is quiet.
 ``GET /api/events``  server-sent events: ``hello`` (a full snapshot: feed state, latest

@@ -7,7 +7,7 @@ plans and stats, folds events into the Call wall (``CallBoard``) and per-node th
 ``/api/events`` stream) as ``(name, data)``:
 
 ==========  ===============================================================
-plans       the tracker's plans payload (``plans``, ``gaps``, ``version``)
+plans       the tracker's plans payload (``plans``, ``gaps``, ``weights_differ``, ``version``)
 stats       the tracker's stats payload (``stats``, ``nodes``, ``usage``)
 event       one raw tracker event (for the event log)
 call        a Call wall row that changed (see ``webui.board``)

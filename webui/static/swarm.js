@@ -68,6 +68,7 @@ function applyStatus(body) {
 function applyPlans(body) {
   state.plans = body.plans || {};
   state.gaps = body.gaps || {};
+  state.differ = body.weights_differ || {};
   const routable = Object.keys(state.plans).filter((m) => state.plans[m].length).sort().join("\n");
   if (routable !== state.routable) {
     state.routable = routable;
@@ -257,7 +258,8 @@ function models() {
   return [...names].sort().map((model) => {
     const nodes = state.nodes.filter((n) => n.model === model);
     const total = nodes[0]?.num_layers || Math.max(0, ...nodes.map((n) => n.layers[1] + 1));
-    return {model, nodes, total, route: state.plans[model]?.[0] || null, gaps: state.gaps[model] || []};
+    return {model, nodes, total, route: state.plans[model]?.[0] || null, gaps: state.gaps[model] || [],
+            differ: state.differ?.[model] || []};
   });
 }
 
@@ -297,14 +299,24 @@ function lane(node, total, route) {
           track, el("div", {class: "lane-meta"}, meta)];
 }
 
-function modelBlock({model, nodes, total, route, gaps}) {
+/** Nodes that claim one model with different weights never chain: name them, group by group. */
+function differLine(differ) {
+  if (differ.length < 2) return null;
+  const groups = differ.map((g) => `${g.nodes.map((n) => `${n.id} [${layers(...n.layers)}]`).join(", ")}` +
+                                   ` (fingerprint ${g.fingerprint.slice(0, 8)})`);
+  return el("div", {class: "plan-line differ"}, `weights differ: ${groups.join(" vs ")}. ` +
+            "These nodes never chain: load the same model file on every node, with the same --quant.");
+}
+
+function modelBlock({model, nodes, total, route, gaps, differ}) {
   const lanes = el("div", {class: "lanes"}, axis(total, gaps),
                    nodes.sort((a, b) => a.layers[0] - b.layers[0] || a.id.localeCompare(b.id)).map((n) => lane(n, total, route)));
   const plan = route ? el("div", {class: "plan-line"}, "plan: ", routeView(route.hops), ` · ~${num(route.estimated_tps)} tok/s estimated`)
-    : el("div", {class: "plan-line"}, gaps.length ? "no route: some layers are not covered" : "no route yet");
+    : el("div", {class: "plan-line"}, differ.length > 1 ? "no route: these nodes hold different weights"
+                                      : gaps.length ? "no route: some layers are not covered" : "no route yet");
   return el("div", {class: "model-block", dataset: {model}},
     el("div", {class: "model-head"}, el("b", {}, model), el("span", {class: "muted"}, `${total} layers · ${nodes.length} node${nodes.length === 1 ? "" : "s"}`)),
-    lanes, plan);
+    lanes, plan, differLine(differ));
 }
 
 function renderTopology() {
