@@ -35,6 +35,7 @@ from .relay import RelayedPeer, RelayLink
 from .security import Security, SecurityError, dial_securely, serve_securely, start_authenticator
 from .shard import Shard
 from .tensors import TORCH_DTYPES, from_wire, to_wire
+from .tracker_link import TrackerLink
 
 log = logging.getLogger(__name__)
 
@@ -154,6 +155,7 @@ class Node:
         self.monitor_of: dict[zmq.Socket, str] = {}  # socket monitor -> the peer endpoint it watches
         self.pending_routes: deque[str] = deque()  # sessions awaiting a failover route, in request order
         self.tracker: zmq.Socket | None = None
+        self.link: TrackerLink | None = None  # the DEALER to the tracker and what its silence means
         self.work: deque[Work] = deque()
         self.sessions: dict[str, RouteSession] = {}  # requests this node heads
         self.clients: dict[str, bytes] = {}  # request id -> client identity on the ROUTER
@@ -179,8 +181,10 @@ class Node:
         if self.config.relay:
             self._open_relay(stop)
         if self.config.tracker:
-            self.tracker = self._dealer(self.config.tracker, self.config.security and self.config.security.tracker_key)
+            self.link = TrackerLink(self.ctx, self.config.tracker, self.config.security)
+            self.tracker = self.link.sock
             self.poller.register(self.tracker, zmq.POLLIN)
+            self.poller.register(self.link.monitor, zmq.POLLIN)
             self._register()
         log.info("node %s serving layers %s of %s at %s", self.config.node_id, self.config.shard,
                  self.config.source.model_id, self.endpoint)
@@ -201,8 +205,10 @@ class Node:
             # first stop each link monitor: an event for a monitor whose reader is gone blocks
             # the context's I/O thread, and with it every socket of this process
             sock.disable_monitor()
-        for sock in [*self.monitor_of, self.router, *self.peers.values(), *([self.tracker] if self.tracker else [])]:
+        for sock in [*self.monitor_of, self.router, *self.peers.values()]:
             sock.close(linger=0)
+        if self.link is not None:
+            self.link.close()
         if self.relay is not None:
             self.relay.close()
         self._compute_lock.close()
@@ -225,6 +231,8 @@ class Node:
                 self._inbound(frames[0].bytes, frames[1:])
             elif sock is self.tracker:
                 self._tracker_reply(frames)
+            elif self.link is not None and sock is self.link.monitor:
+                self.link.on_monitor(frames)
             elif sock in self.monitor_of:
                 self._link_event(self.monitor_of[sock], frames)
             elif self.relay is not None and sock is self.relay.sock:
@@ -238,6 +246,8 @@ class Node:
             self._next_heartbeat = now + self.config.heartbeat_interval
             self._to_tracker(p.Heartbeat(self.config.node_id, sessions=len(self.kv), queued=len(self.work),
                                          rtts=self.rtt.snapshot(now)))
+        if self.link is not None:
+            self.link.check(now)
         self._relay_tick(now)
         self._probe_peers(now)
         for session in self.kv.evict_idle():
@@ -737,11 +747,8 @@ class Node:
             relay_key=self.relay.front_key if self.relay else ""))
 
     def _to_tracker(self, message: p.Message) -> None:
-        if self.tracker is not None:
-            try:
-                self.tracker.send_multipart(p.encode(message), flags=zmq.NOBLOCK)
-            except zmq.Again:
-                log.warning("tracker is not reading; dropped a %s", type(message).__name__)
+        if self.link is not None:
+            self.link.send(message)
 
     def _tracker_reply(self, frames: list) -> None:
         try:
@@ -749,6 +756,7 @@ class Node:
         except p.ProtocolError as exc:
             log.warning("bad frame from tracker: %s", exc)
             return
+        self.link.answered(msg)
         if isinstance(msg, p.Error) and msg.code == p.ErrorCode.UNKNOWN_NODE:
             log.info("tracker does not know this node (restarted?): registering again")
             self._register()
