@@ -5,7 +5,10 @@ other end sits on a bridge in a hub namespace: hosts on one switch, each behind 
 link. Processes run in their host with ``ip netns exec NS python3 -m ...``: real
 ``meshnet tracker`` / ``node`` / ``webui`` processes, and a client agent
 (``tests/netbed_client.py``) through which the test drives the fabric, so that test
-traffic never leaves the namespaces the bed made::
+traffic never leaves the namespaces the bed made. Each host has its own HOME (its keys,
+caches and node ids live there, as on separate machines); ``add_host(name, venv=True)``
+also gives it a virtual environment of its own with the default model installed again,
+and ``bed.shell(host, "meshnet ...")`` runs a command line there as a person would::
 
     with Netbed(tmp_path, xdg_cache) as bed:
         for name in ("t", "a", "b", "c"):
@@ -186,6 +189,8 @@ class Host:
     link: Link
     inbound: bool = True  # False: other hosts cannot open TCP connections to it
     next_port: int = NODE_PORT  # next free service port
+    home: Path | None = None  # its own HOME, as each machine has (keys, caches, node ids under it)
+    bin: Path | None = None  # put first on PATH: a venv's bin, with its own `meshnet`
 
 
 @dataclass(frozen=True)
@@ -246,13 +251,18 @@ class Netbed:
     # -- hosts and links -----------------------------------------------------------------
 
     def add_host(self, name: str, delay: float = 0.0, jitter: float = 0.0, rate=None,
-                 inbound: bool = True) -> Host:
-        """A namespace on the switch; see the module docstring for the knobs."""
+                 inbound: bool = True, venv: bool = False) -> Host:
+        """A namespace on the switch, with its own HOME; see the module docstring for the
+        knobs. ``venv``: the host runs a virtual environment of its own, where the default
+        model is installed again (another install path than this Python's)."""
         if name in self.hosts or not re.fullmatch(r"[a-z0-9][a-z0-9_-]{0,30}", name):
             raise ValueError(f"host name {name!r}: taken, or not [a-z0-9_-]")
         index = len(self.hosts) + 1
         host = Host(name, f"{self.prefix}-{name}", f"{self.subnet}.{index}", f"h{index}", Link(delay, jitter, rate),
-                    inbound)
+                    inbound, home=self.tmp / f"home-{name}")
+        host.home.mkdir(parents=True, exist_ok=True)
+        if venv:
+            host.bin = make_venv(self.tmp / f"venv-{name}")
         self.hosts[name] = host
         _ip("netns", "add", host.ns)
         _ip("-n", host.ns, "link", "set", "lo", "up")
@@ -354,15 +364,42 @@ class Netbed:
         return self.spawn(host, name, ["-m", "fabric.cli", "--log-level", "info", *args])
 
     def _popen(self, h: Host, name: str, argv: list[str], **popen) -> subprocess.Popen:
-        env = {**os.environ, "PYTHONPATH": str(ROOT), "XDG_DATA_HOME": str(self.tmp / "data"),
-               **({"XDG_CACHE_HOME": str(self.cache)} if self.cache else {})}
+        python = str(h.bin / "python") if h.bin else sys.executable
         log = open(self.tmp / f"{name}.log", "ab")
         popen.setdefault("stdout", log)
         try:
-            return subprocess.Popen(["ip", "netns", "exec", h.ns, sys.executable, *argv], stderr=log, env=env,
+            return subprocess.Popen(["ip", "netns", "exec", h.ns, python, *argv], stderr=log, env=self.env(h),
                                     cwd=ROOT, preexec_fn=_die_with_parent, **popen)
         finally:
             log.close()
+
+    def env(self, h: Host) -> dict[str, str]:
+        """A process's environment in host ``h``: its HOME and PATH; the bed's shared cache of
+        parsed model metadata where one was given."""
+        env = {k: v for k, v in os.environ.items() if not k.startswith("XDG_")}
+        env.update(PYTHONPATH=str(ROOT), HOME=str(h.home),
+                   PATH=os.pathsep.join([*([str(h.bin)] if h.bin else []), env.get("PATH", "")]))
+        return {**env, **({"XDG_CACHE_HOME": str(self.cache)} if self.cache else {})}
+
+    def shell(self, host: str, command: str, timeout: float = 120.0) -> subprocess.CompletedProcess:
+        """Run ``command`` with bash in ``host``, as a person at that machine would; waits."""
+        h = self.hosts[host]
+        return subprocess.run(["ip", "netns", "exec", h.ns, "bash", "-c", command], env=self.env(h),
+                              cwd=h.home, capture_output=True, text=True, timeout=timeout)
+
+    def spawn_shell(self, host: str, name: str, command: str) -> subprocess.Popen:
+        """``command`` with bash in ``host``, in the background, logged to TMP/NAME.log."""
+        if name in self.procs:
+            raise ValueError(f"a process named {name!r} is already running")
+        h = self.hosts[host]
+        log = open(self.tmp / f"{name}.log", "ab")
+        try:
+            self.procs[name] = subprocess.Popen(["ip", "netns", "exec", h.ns, "bash", "-c", f"exec {command}"],
+                                                stdout=log, stderr=log, env=self.env(h), cwd=h.home,
+                                                preexec_fn=_die_with_parent)
+        finally:
+            log.close()
+        return self.procs[name]
 
     def start_tracker(self, host: str) -> str:
         """``meshnet tracker`` in ``host``; returns its endpoint (also ``self.tracker``)."""
@@ -442,6 +479,27 @@ class Netbed:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+# --------------------------------------------------------------------------- a host's own Python
+
+
+def make_venv(target: Path) -> Path:
+    """A virtual environment seeing this Python's packages, with the default model installed
+    in it again (so its path differs) and a ``meshnet`` command; returns its bin folder."""
+    import venv
+    from fabric.models import ALIASES, alias_path
+
+    venv.create(target, system_site_packages=True, with_pip=False, symlinks=True)
+    bin_dir = target / "bin"
+    site = next(target.glob("lib/python*/site-packages"))
+    model = alias_path(ALIASES["smollm2-135m"])
+    if model is not None:
+        shutil.copytree(model.parent, site / model.parent.name)
+    meshnet = bin_dir / "meshnet"
+    meshnet.write_text(f'#!/bin/sh\nexec "{bin_dir / "python"}" -m fabric.cli "$@"\n')
+    meshnet.chmod(0o755)
+    return bin_dir
 
 
 # --------------------------------------------------------------------------- the client agent
