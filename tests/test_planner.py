@@ -138,6 +138,8 @@ def test_nodes_with_different_weights_are_named_not_just_a_gap():
     assert "weights differ" in reason and "a [0-19] (fingerprint 4d87456e" in reason
     assert "b [20-39] (fingerprint 319a3d2a" in reason and "--quant" in reason
     assert plan_routes(nodes, "other").differ == ()
+    quantized = plan_routes([node("a", 0, 19, fp="370161de99"), node("b", 20, 39, fp="370161de99:int8")], "m")
+    assert "370161de:int8" in quantized.describe_differ()  # the short form keeps the quantization
     agreeing = plan_routes([node("a", 0, 19), node("b", 20, 39)], "m")
     assert agreeing.differ == () and "weights differ" not in agreeing.describe_differ()
 

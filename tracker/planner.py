@@ -85,12 +85,18 @@ class WeightGroup:
     num_layers: int
     nodes: tuple[tuple[str, int, int], ...]  # (node_id, start_layer, end_layer)
 
+    @property
+    def label(self) -> str:
+        """The fingerprint's first 8 digits and its quantization, e.g. ``370161de:int8``."""
+        digest, _, quant = self.fingerprint.partition(":")
+        return digest[:8] + (f":{quant}" if quant else "")
+
     def describe(self) -> str:
         held = ", ".join(f"{n} [{_span(a, b)}]" for n, a, b in self.nodes)
-        return f"{held} (fingerprint {self.fingerprint[:8]}, {self.num_layers} layers)"
+        return f"{held} (fingerprint {self.label}, {self.num_layers} layers)"
 
     def to_dict(self) -> dict:
-        return {"fingerprint": self.fingerprint, "num_layers": self.num_layers,
+        return {"fingerprint": self.fingerprint, "label": self.label, "num_layers": self.num_layers,
                 "nodes": [{"id": n, "layers": [a, b]} for n, a, b in self.nodes]}
 
 

@@ -303,7 +303,7 @@ function lane(node, total, route) {
 function differLine(differ) {
   if (differ.length < 2) return null;
   const groups = differ.map((g) => `${g.nodes.map((n) => `${n.id} [${layers(...n.layers)}]`).join(", ")}` +
-                                   ` (fingerprint ${g.fingerprint.slice(0, 8)})`);
+                                   ` (fingerprint ${g.label})`);
   return el("div", {class: "plan-line differ"}, `weights differ: ${groups.join(" vs ")}. ` +
             "These nodes never chain: load the same model file on every node, with the same --quant.");
 }
