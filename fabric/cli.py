@@ -17,6 +17,8 @@ import time
 from pathlib import Path
 
 from . import model_store
+from .flags import (CommandError, HelpFormatter, Parser, count, endpoint, error_line, non_negative, port,
+                    positive_count, seconds, version)
 
 DEFAULT_TRACKER = "tcp://127.0.0.1:5555"
 DEFAULT_PUB = "tcp://127.0.0.1:5556"
@@ -32,30 +34,42 @@ def main(argv: list[str] | None = None) -> int:
     try:
         apply(parser, argv)  # the config file's values become the flags' defaults
     except ConfigError as exc:
-        print(f"meshnet: error: {exc}", file=sys.stderr)
+        error_line(str(exc))
         return 2
     args = parser.parse_args(argv)
     logging.basicConfig(level=getattr(logging, args.log_level.upper()),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    return run(args)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the parsed command; a refusal is one ``meshnet: error:`` line and its status."""
     from .security import SecurityError
 
     try:
         return args.func(args) or 0
+    except CommandError as exc:
+        error_line(str(exc))
+        return exc.status
     except SecurityError as exc:
-        log.error("%s", exc)
+        error_line(str(exc))
         return 2
     except KeyboardInterrupt:
         return 130
 
 
+LOG_LEVELS = ["debug", "info", "warning", "error"]
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="meshnet", description="Run one language model across several machines over a ZeroMQ fabric.")
-    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    parser = Parser(prog="meshnet", formatter_class=HelpFormatter,
+                    description="Run one language model across several machines over a ZeroMQ fabric.")
+    parser.add_argument("--version", action="version", version=f"meshnet {version()}")
+    parser.add_argument("--log-level", default="info", choices=LOG_LEVELS, help="how much to log")
     parser.add_argument("--config", default=None, metavar="FILE",
-                        help="TOML file whose keys set any flag: top-level keys for every command, a [node], "
-                             "[up], [tracker]… table per command; flags typed here win (default: $MESHNET_CONFIG, "
-                             "else ~/.config/meshnet/config.toml if it exists)")
+                        help="TOML file whose keys set any flag: top-level keys for every command, a [node], [up], "
+                             "[tracker]… table per command; flags typed here win (default: $MESHNET_CONFIG, else "
+                             "~/.config/meshnet/config.toml if it exists)")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _up_parser(sub)
     _tracker_parser(sub)
@@ -66,11 +80,27 @@ def build_parser() -> argparse.ArgumentParser:
     _keys_parser(sub)
     _relay_parser(sub)
     model_store.add_parsers(sub)  # models, pull
+    for command in sub.choices.values():
+        command.formatter_class = HelpFormatter
+        _shared_flags(command, parser)
     return parser
 
 
+def _shared_flags(p: argparse.ArgumentParser, meshnet: argparse.ArgumentParser) -> None:
+    """meshnet's own flags, also after the command (``meshnet up --config FILE``); typed
+    there they win, left out they keep the value given before the command."""
+    own = {a.dest: a for a in meshnet._actions}
+    level = p.add_argument("--log-level", default=argparse.SUPPRESS, choices=LOG_LEVELS,
+                           help="how much to log, as `meshnet --log-level`")
+    config = p.add_argument("--config", default=argparse.SUPPRESS, metavar="FILE",
+                            help="the config file, as `meshnet --config FILE` (default: $MESHNET_CONFIG, else "
+                                 "~/.config/meshnet/config.toml if it exists)")
+    level.same_as, config.same_as = own["log_level"], own["config"]  # whose default --help shows
+
+
 def _tracker_flag(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--tracker", default=DEFAULT_TRACKER, help="tracker endpoint (default %(default)s)")
+    p.add_argument("--tracker", default=DEFAULT_TRACKER, type=endpoint, metavar="ENDPOINT",
+                   help="tracker endpoint, tcp://HOST:PORT or HOST:PORT (default %(default)s)")
     _keys_flag(p)
 
 
@@ -86,7 +116,8 @@ def _quant_flag(p: argparse.ArgumentParser) -> None:
 
 
 def _metrics_flag(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--metrics-port", type=int, default=0, help="serve Prometheus /metrics on this port (0: off)")
+    p.add_argument("--metrics-port", type=port, default=0,
+                   help="serve Prometheus /metrics on this port, 0 for none (default %(default)s)")
 
 
 def _serve_metrics(args, sample) -> None:
@@ -96,11 +127,30 @@ def _serve_metrics(args, sample) -> None:
         serve(args.metrics_port, sample)
 
 
-def _security(args):
-    """The Security for ``--keys`` (None without it); SecurityError says what is missing."""
-    from .security import load
+TRACKER_ID_KEY = "the tracker's id.key"
 
-    return load(args.keys) if getattr(args, "keys", None) else None
+
+def _security(args, tracker_key_file: str | None = TRACKER_ID_KEY):
+    """The Security for ``--keys`` (None without it); SecurityError says what is missing. A
+    process that dials the tracker needs DIR/allowed/tracker.key (``tracker_key_file``: the
+    file to copy there; None for the tracker and the relay, which do not dial it)."""
+    from .security import load, require_tracker_key
+
+    security = load(args.keys) if getattr(args, "keys", None) else None
+    if tracker_key_file:
+        require_tracker_key(security, tracker_key_file)
+    return security
+
+
+def _refuse_ports_in_use(endpoints: dict[str, str], who: str) -> None:
+    """CommandError when a port these endpoints (by role, "the tracker, --bind") name is taken."""
+    busy = _ports_in_use(endpoints)
+    if busy:
+        flags = [role.rpartition(", ")[2] for role in endpoints]
+        named = f"other ports with {', '.join(flags[:-1])} and {flags[-1]}" if len(flags) > 1 \
+            else f"another port with {flags[0]}"
+        raise CommandError(f"already in use on this machine: {'; '.join(busy)}. Is another {who} running? "
+                           f"Stop it, or choose {named}")
 
 
 # --------------------------------------------------------------------------- up
@@ -128,44 +178,48 @@ def _up_parser(sub) -> None:
                        description="Start a tracker, N nodes splitting the model's layers evenly, and the web "
                                    "UI, on this machine. Ctrl-C stops them all.")
     p.add_argument("--model", default="smollm2-135m", help="model reference (default %(default)s)")
-    p.add_argument("--nodes", type=int, default=2, help="how many nodes split the layers (default %(default)s)")
-    p.add_argument("--port", type=int, default=8000, help="web UI port (default %(default)s)")
+    p.add_argument("--nodes", type=positive_count, default=2,
+                   help="how many nodes split the layers (default %(default)s)")
+    p.add_argument("--port", type=port, default=8000, help="web UI port (default %(default)s)")
     p.add_argument("--host", default="127.0.0.1", help="web UI host (default %(default)s)")
-    p.add_argument("--tracker", default=DEFAULT_TRACKER, help="tracker bind endpoint (default %(default)s)")
-    p.add_argument("--pub", default=DEFAULT_PUB, help="tracker PUB endpoint (default %(default)s)")
+    p.add_argument("--tracker", default=DEFAULT_TRACKER, type=endpoint, metavar="ENDPOINT",
+                   help="tracker bind endpoint (default %(default)s)")
+    p.add_argument("--pub", default=DEFAULT_PUB, type=endpoint, metavar="ENDPOINT",
+                   help="tracker PUB endpoint (default %(default)s)")
     _device_flags(p, "each node's", "; plain cuda deals the nodes out over every GPU")
-    p.add_argument("--threads", type=int, default=0,
-                   help="torch threads per node (default: all cores; the nodes compute one at a time)")
+    p.add_argument("--threads", type=count, default=0,
+                   help="torch threads per node, 0 for all cores; the nodes compute one at a time "
+                        "(default %(default)s)")
     _quant_flag(p)
     _keys_flag(p)
     p.set_defaults(func=cmd_up)
 
 
-def cmd_up(args) -> int:
-    from .models import ModelError, load_config, resolve, default_cache_root
+def _even_shards(model: str, nodes: int) -> list:
+    """``nodes`` shards splitting ``model``'s layers evenly; CommandError for an unknown model."""
+    from .models import ModelError, default_cache_root, load_config, resolve
     from .shard import even_split
 
-    if not _device_ready(args.device, args.quant):
-        return 2
     try:
-        source = resolve(args.model)
-        num_layers = load_config(source, default_cache_root()).num_hidden_layers
-        shards = even_split(num_layers, args.nodes)
+        num_layers = load_config(resolve(model), default_cache_root()).num_hidden_layers
+        return even_split(num_layers, nodes)
     except (ModelError, ValueError) as exc:
-        log.error("%s", exc)
-        return 2
-    busy = _ports_in_use({"the tracker, --tracker": args.tracker, "its feed, --pub": args.pub,
-                          "the web UI, --port": f"tcp://{args.host}:{args.port}"})
-    if busy:
-        log.error("already in use on this machine: %s. Is another `meshnet up` (or a tracker or web UI) "
-                  "running? Stop it, or choose other ports with --tracker, --pub and --port", "; ".join(busy))
-        return 2
+        raise CommandError(str(exc)) from None
+
+
+def cmd_up(args) -> int:
+    _check_device(args.device, args.quant)
+    # checked here, so a bad key directory fails before anything starts; up's tracker runs with DIR's key pair
+    security = _security(args, f"{args.keys}/id.key (the key pair `meshnet up` runs its tracker with)")
+    shards = _even_shards(args.model, args.nodes)
+    _refuse_ports_in_use({"the tracker, --tracker": args.tracker, "its feed, --pub": args.pub,
+                          "the web UI, --port": f"tcp://{args.host}:{args.port}"},
+                         "`meshnet up` (or a tracker or web UI)")
     threads = ["--threads", str(args.threads)] if args.threads else []
     devices = node_devices(args.device, len(shards), _cuda_count(args.device))
     log.info("starting a tracker, %d nodes (layers %s on %s; nodes of one device compute one at a time, "
              "%s torch threads each) and the web UI; loading weights…", len(shards), ", ".join(map(str, shards)),
              ", ".join(devices), args.threads or "all")
-    security = _security(args)  # checked here, so a bad key directory fails before anything starts
     me = [sys.executable, "-m", "fabric.cli", "--log-level", args.log_level,
           *(["--config", args.config] if args.config else [])]  # nodes read its [node] table too
     keys = ["--keys", args.keys] if args.keys else []
@@ -187,19 +241,19 @@ def _ports_in_use(endpoints: dict[str, str]) -> list[str]:
     on: ``up`` would start every other process and then lose the one that cannot bind (and
     its nodes would join the other cluster's tracker meanwhile)."""
     busy = []
-    for role, endpoint in endpoints.items():
-        host, _, port = endpoint.removeprefix("tcp://").rpartition(":")
-        if not endpoint.startswith("tcp://") or not port.isdigit() or int(port) == 0:
+    for role, address in endpoints.items():
+        host, _, number = address.removeprefix("tcp://").rpartition(":")
+        if not address.startswith("tcp://") or not number.isdigit() or int(number) == 0:
             continue  # ipc://, or a port chosen at bind time: nothing to check
         host = "" if host in ("*", "0.0.0.0") else host.strip("[]")
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         with socket.socket(family, socket.SOCK_STREAM) as probe:
             probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as ZeroMQ and the web server bind
             try:
-                probe.bind((host, int(port)))
+                probe.bind((host, int(number)))
             except OSError as exc:  # any other failure (an address not on this machine) is the process's to report
                 if exc.errno == errno.EADDRINUSE:
-                    busy.append(f"port {port} ({role})")
+                    busy.append(f"port {number} ({role})")
     return busy
 
 
@@ -231,7 +285,7 @@ def supervise(commands: list[list[str]], url: str, tracker: str, nodes: int, sec
             dead = [p for p in procs if p.poll() is not None]
             if dead:
                 role = next((a for a in dead[0].args if a in ("tracker", "node", "webui")), dead[0].args[-1])
-                log.error("the %s process exited with status %s; stopping the cluster", role, dead[0].returncode)
+                error_line(f"the {role} process exited with status {dead[0].returncode}; stopping the cluster")
                 return 1
             stop.wait(0.5)
         return 0
@@ -276,30 +330,63 @@ def stop_processes(procs: list[subprocess.Popen], grace: float = 10.0) -> None:
 
 def _tracker_parser(sub) -> None:
     p = sub.add_parser("tracker", help="run the tracker (registry, route plans, stats, usage ledger)")
-    p.add_argument("--bind", default=DEFAULT_TRACKER, help="ROUTER endpoint (default %(default)s)")
-    p.add_argument("--pub", default=DEFAULT_PUB, help="PUB endpoint for plans/stats/events (default %(default)s)")
-    p.add_argument("--db", default=None, help="SQLite usage ledger (default: under the user data directory)")
-    p.add_argument("--heartbeat", type=float, default=1.0, help="node heartbeat interval in seconds")
-    p.add_argument("--relay", default=None, metavar="ENDPOINT",
-                   help="also run a relay in this process, its control socket at ENDPOINT (see `meshnet relay`)")
+    p.add_argument("--bind", default=DEFAULT_TRACKER, type=endpoint, metavar="ENDPOINT",
+                   help="ROUTER endpoint (default %(default)s)")
+    p.add_argument("--pub", default=DEFAULT_PUB, type=endpoint, metavar="ENDPOINT",
+                   help="PUB endpoint for plans/stats/events (default %(default)s)")
+    p.add_argument("--db", default=None, metavar="FILE",
+                   help="SQLite usage ledger (default: under the user data directory)")
+    p.add_argument("--heartbeat", type=seconds, default=1.0, metavar="SECONDS",
+                   help="node heartbeat interval (default %(default)s)")
+    p.add_argument("--relay", default=None, type=endpoint, metavar="ENDPOINT",
+                   help="also run a relay in this process, its control socket at ENDPOINT (see `meshnet relay`; "
+                        "default: no relay)")
     p.add_argument("--relay-advertise-host", default=None, metavar="HOST",
-                   help="with --relay: host peers dial the relay's fronts at (as relay --advertise-host)")
+                   help="with --relay: host peers dial the relay's fronts at (as relay --advertise-host; "
+                        "default: the front host)")
     p.add_argument("--relay-front-ports", default=None, metavar="A-B",
-                   help="with --relay: port range for the relay's fronts (as relay --front-ports)")
+                   help="with --relay: port range for the relay's fronts (as relay --front-ports; "
+                        "default: any free port)")
     _metrics_flag(p)
     _keys_flag(p)
     p.set_defaults(func=cmd_tracker)
 
 
+BIND_ERRORS = (errno.EADDRINUSE, errno.EADDRNOTAVAIL)
+
+
+@contextlib.contextmanager
+def _listening(flags: str, where: str = ""):
+    """A socket that cannot bind (taken since the ports were checked, or an address not on
+    this machine) as one line naming the address (ZeroMQ's errors name it themselves) and the
+    ``flags`` to change; status 1: found while running."""
+    import zmq
+
+    try:
+        yield
+    except (OSError, zmq.ZMQError) as exc:
+        if exc.errno not in BIND_ERRORS:
+            raise
+        raise CommandError(f"cannot listen{where and f' on {where}'}: {exc.strerror}; choose another {flags}",
+                           1) from None
+
+
 def cmd_tracker(args) -> int:
     from tracker.service import Tracker, TrackerConfig, serve
 
-    kwargs = dict(bind=args.bind, pub=args.pub, heartbeat_interval=args.heartbeat, security=_security(args))
+    if not args.relay and (args.relay_advertise_host or args.relay_front_ports):
+        given = "--relay-advertise-host" if args.relay_advertise_host else "--relay-front-ports"
+        raise CommandError(f"{given} configures the relay that --relay ENDPOINT runs in the tracker; "
+                           f"add --relay, or leave out {given}")
+    _refuse_ports_in_use({"the tracker, --bind": args.bind, "its feed, --pub": args.pub,
+                          **({"its relay, --relay": args.relay} if args.relay else {})}, "tracker")
+    kwargs = dict(bind=args.bind, pub=args.pub, heartbeat_interval=args.heartbeat,
+                  security=_security(args, tracker_key_file=None))
     if args.db:
         kwargs["db"] = args.db
     tracker = Tracker(TrackerConfig(**kwargs))
     _serve_metrics(args, tracker.metrics)
-    with _relay_thread(args):
+    with _listening("--bind, --pub or --relay"), _relay_thread(args):
         serve(tracker.config, tracker)
     return 0
 
@@ -316,38 +403,43 @@ def _node_parser(sub) -> None:
     p.add_argument("--model-id", default=None, help="id clients use for this model (default: alias or file name)")
     p.add_argument("--layers", default=None, help="inclusive range such as 0-14 (default: ask the tracker)")
     _tracker_flag(p)
-    p.add_argument("--bind", default="tcp://127.0.0.1:0", help="ROUTER endpoint; port 0 picks one")
-    p.add_argument("--advertise", default=None, help="endpoint peers dial (default: the bound one)")
-    p.add_argument("--relay", default=None, metavar="ENDPOINT",
+    p.add_argument("--bind", default="tcp://127.0.0.1:0", type=endpoint, metavar="ENDPOINT",
+                   help="ROUTER endpoint; port 0 picks one (default %(default)s)")
+    p.add_argument("--advertise", default=None, type=endpoint, metavar="ENDPOINT",
+                   help="endpoint peers dial (default: the bound one)")
+    p.add_argument("--relay", default=None, type=endpoint, metavar="ENDPOINT",
                    help="reach peers through this relay's control endpoint, for a node that cannot accept "
-                        "inbound connections; peers then dial the front the relay opens for it")
-    p.add_argument("--relay-fallback", default=None, metavar="ENDPOINT",
+                        "inbound connections; peers then dial the front the relay opens for it (default: none)")
+    p.add_argument("--relay-fallback", default=None, type=endpoint, metavar="ENDPOINT",
                    help="serve directly, but switch to this relay if the tracker cannot reach the advertised "
-                        "endpoint (NAT)")
+                        "endpoint, NAT (default: none)")
     p.add_argument("--relay-key", default=None, metavar="KEY",
                    help="the relay's public key, z85 text or a key file (default: DIR/allowed/relay.key, "
                         "else the tracker's key); only with --keys")
     _device_flags(p, "the")
     _quant_flag(p)
-    p.add_argument("--threads", type=int, default=0, help="torch threads (default: all cores)")
+    p.add_argument("--threads", type=count, default=0, help="torch threads, 0 for all cores (default %(default)s)")
     p.add_argument("--compute-lock", default=None, metavar="FILE",
                    help="nodes on one machine given the same file compute one at a time, each with every "
-                        "thread (`meshnet up` does this)")
-    p.add_argument("--max-sessions", type=int, default=64, help="sessions this node keeps KV for")
-    p.add_argument("--max-prompt-tokens", type=int, default=4096, help="longest prompt the head accepts")
-    p.add_argument("--prefill-slice-ms", type=float, default=0.0, metavar="MS",
+                        "thread (`meshnet up` does this; default: none)")
+    p.add_argument("--max-sessions", type=positive_count, default=64, help="sessions this node keeps KV for")
+    p.add_argument("--max-prompt-tokens", type=positive_count, default=4096, help="longest prompt the head accepts")
+    p.add_argument("--prefill-slice-ms", type=non_negative, default=0.0, metavar="MS",
                    help="while other streams decode here, run a long prompt's prefill in slices of about this "
-                        "many milliseconds between their decode steps (default: as long as one decode step)")
+                        "many milliseconds between their decode steps; 0: as long as one decode step "
+                        "(default %(default)s)")
     p.add_argument("--wire-dtype", default="", choices=["", "float32", "float16", "bfloat16"],
                    help="dtype of hidden states between the hops of routes this node heads (default: each "
                         "node's compute dtype; bfloat16 halves the bytes of a float32 route, not bit-exact)")
     p.add_argument("--node-id", default=None,
                    help="id in the swarm (default: made once and kept in a key file, so restarts keep it)")
-    p.add_argument("--memory", type=float, default=0.0,
-                   help="GiB of weights this node may hold; without --layers the tracker assigns a span that fits")
-    p.add_argument("--hop-timeout", type=float, default=30.0,
+    p.add_argument("--memory", type=non_negative, default=0.0, metavar="GIB",
+                   help="GiB of weights this node may hold, 0 for no limit; instead of --layers: the tracker "
+                        "assigns a span that fits (default %(default)s)")
+    p.add_argument("--hop-timeout", type=seconds, default=30.0, metavar="SECONDS",
                    help="seconds the head waits for a step's reply before re-sending it (default %(default)s)")
-    p.add_argument("--heartbeat", type=float, default=1.0, help="seconds between heartbeats to the tracker")
+    p.add_argument("--heartbeat", type=seconds, default=1.0, metavar="SECONDS",
+                   help="seconds between heartbeats to the tracker (default %(default)s)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar while loading")
     _metrics_flag(p)
     p.set_defaults(func=cmd_node)
@@ -377,17 +469,29 @@ def _grouped_kv_attention() -> None:
     os.environ.setdefault("TRANSFORMERS_SDPA_FORCE_GQA", "1")
 
 
-def _device_ready(device: str, quant: str) -> bool:
-    """False, with the reason logged, when ``device`` cannot compute here (with ``quant``):
-    the check ``load_shard`` makes, before anything starts."""
+def _check_device(device: str, quant: str) -> None:
+    """CommandError when ``device`` cannot compute here (with ``quant``): the check
+    ``load_shard`` makes, before anything starts."""
     from .models import ModelError, check_device
 
     try:
         check_device(device, quant)
     except ModelError as exc:
-        log.error("%s", exc)
-        return False
-    return True
+        raise CommandError(str(exc)) from None
+
+
+def _check_node_flags(args) -> None:
+    """Refuse, before anything loads, flags that would be ignored or a port that is taken."""
+    if args.memory and args.layers:
+        raise CommandError(f"--memory {args.memory:g} with --layers {args.layers}: --memory asks the tracker for "
+                           "a span that fits, --layers names the span; give one of them")
+    if args.relay_key and not args.keys:
+        raise CommandError(f"--relay-key {args.relay_key} without --keys: a relay key is only used in a secured "
+                           "swarm; add --keys DIR, or leave out --relay-key")
+    if args.relay_key and not (args.relay or args.relay_fallback):
+        raise CommandError(f"--relay-key {args.relay_key} without --relay or --relay-fallback: this node dials "
+                           "no relay; add one, or leave out --relay-key")
+    _refuse_ports_in_use({"this node, --bind": args.bind}, "node")
 
 
 def cmd_node(args) -> int:
@@ -395,45 +499,55 @@ def cmd_node(args) -> int:
     _grouped_kv_attention()
     import torch
 
-    from .models import ModelError, default_cache_root, default_data_root, load_config, resolve
-    from .node import Node, NodeConfig, stable_node_id
-    from .security import relay_key
-    from .shard import parse_layers
+    from .node import Node
 
-    if not _device_ready(args.device, args.quant):
-        return 2
+    _check_device(args.device, args.quant)
+    _check_node_flags(args)
+    security = _security(args)  # before any weights load: a key directory that cannot work says so now
     if args.threads:
         torch.set_num_threads(args.threads)
-    try:
-        source = resolve(args.model, args.model_id)
-        model_config = load_config(source, default_cache_root())
-        num_layers = model_config.num_hidden_layers
-        dtype = torch.bfloat16 if args.dtype == "bfloat16" else torch.float32
-        shard = (parse_layers(args.layers, num_layers) if args.layers
-                 else _assigned_shard(args.tracker, source.model_id, num_layers,
-                                      _layers_that_fit(model_config, dtype, args.memory), _security(args)))
-    except (ModelError, ValueError) as exc:
-        log.error("%s", exc)
-        return 2
-    node_id = args.node_id or stable_node_id(default_data_root(), source.model_id, shard, args.bind)
-    config = NodeConfig(source=source, shard=shard, bind=args.bind, advertise=args.advertise,
-                        tracker=args.tracker, device=args.device,
-                        dtype=dtype, node_id=node_id, quant=None if args.quant == "none" else args.quant,
-                        max_sessions=args.max_sessions, max_prompt_tokens=args.max_prompt_tokens,
-                        prefill_slice=max(0.0, args.prefill_slice_ms) / 1000, wire_dtype=args.wire_dtype,
-                        compute_lock=args.compute_lock,
-                        hop_timeout=args.hop_timeout, heartbeat_interval=args.heartbeat,
-                        cache_root=default_cache_root(), progress=not args.no_progress,
-                        security=_security(args), relay=args.relay, relay_fallback=args.relay_fallback,
-                        relay_key=relay_key(args.keys, args.relay_key) if args.keys else "")
+    config = _node_config(args, security)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    node = Node(config)
+    with _listening("--bind"):
+        node = Node(config)
     _serve_metrics(args, node.metrics)
     node.run(stop)
     log.info("node stopped")
     return 0
+
+
+def _node_config(args, security):
+    """The NodeConfig for ``meshnet node``'s flags: the model's config is read, its weights are not."""
+    import torch
+
+    from .models import ModelError, default_cache_root, default_data_root, load_config, resolve
+    from .node import NodeConfig, stable_node_id
+    from .security import relay_key
+    from .shard import parse_layers
+
+    dtype = torch.bfloat16 if args.dtype == "bfloat16" else torch.float32
+    try:
+        source = resolve(args.model, args.model_id)
+        model_config = load_config(source, default_cache_root())
+        num_layers = model_config.num_hidden_layers
+        shard = (parse_layers(args.layers, num_layers) if args.layers
+                 else _assigned_shard(args.tracker, source.model_id, num_layers,
+                                      _layers_that_fit(model_config, dtype, args.memory), security))
+    except (ModelError, ValueError) as exc:
+        raise CommandError(str(exc)) from None
+    node_id = args.node_id or stable_node_id(default_data_root(), source.model_id, shard, args.bind)
+    return NodeConfig(source=source, shard=shard, bind=args.bind, advertise=args.advertise,
+                      tracker=args.tracker, device=args.device,
+                      dtype=dtype, node_id=node_id, quant=None if args.quant == "none" else args.quant,
+                      max_sessions=args.max_sessions, max_prompt_tokens=args.max_prompt_tokens,
+                      prefill_slice=args.prefill_slice_ms / 1000, wire_dtype=args.wire_dtype,
+                      compute_lock=args.compute_lock,
+                      hop_timeout=args.hop_timeout, heartbeat_interval=args.heartbeat,
+                      cache_root=default_cache_root(), progress=not args.no_progress,
+                      security=security, relay=args.relay, relay_fallback=args.relay_fallback,
+                      relay_key=relay_key(args.keys, args.relay_key) if args.keys else "")
 
 
 def _layers_that_fit(model_config, dtype, memory_gib: float) -> int:
@@ -457,9 +571,9 @@ def _assigned_shard(tracker: str, model_id: str, num_layers: int, max_layers: in
         try:
             reply = client.ask(p.AssignRequest(model_id, num_layers, max_layers))
         except FabricError as exc:
-            raise ValueError(f"no --layers given and the tracker could not assign any: {exc}") from None
+            raise CommandError(f"no --layers given and the tracker could not assign any: {exc}", 1) from None
     if not isinstance(reply, p.Assign):
-        raise ValueError(f"the tracker gave no layer assignment: {reply}")
+        raise CommandError(f"no --layers given and the tracker gave no layer assignment: {reply}", 1)
     log.info("tracker assigned layers %d-%d", reply.start_layer, reply.end_layer)
     return Shard(reply.start_layer, reply.end_layer, num_layers)
 
@@ -470,22 +584,42 @@ def _assigned_shard(tracker: str, model_id: str, num_layers: int, max_layers: in
 def _webui_parser(sub) -> None:
     p = sub.add_parser("webui", help="serve the dashboard and the OpenAI-compatible API")
     _tracker_flag(p)
-    p.add_argument("--pub", default=DEFAULT_PUB, help="tracker PUB endpoint for live events")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--api-keys", default=None, help="file with one API key per line (default: no auth)")
+    p.add_argument("--pub", default=DEFAULT_PUB, type=endpoint, metavar="ENDPOINT",
+                   help="tracker PUB endpoint for live events (default %(default)s)")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="interface the web server listens on; 0.0.0.0 for every one (default %(default)s)")
+    p.add_argument("--port", type=port, default=8000, help="port the web server listens on (default %(default)s)")
+    p.add_argument("--api-keys", default=None, metavar="FILE",
+                   help="file with one API key per line; requests must then carry one "
+                        "(default: no authentication)")
     p.set_defaults(func=cmd_webui)
+
+
+def read_api_keys(path: str) -> frozenset[str]:
+    """The keys in ``path``, one a line (blank lines and # comments skipped); CommandError when
+    the file cannot be read or holds none, which would refuse every request."""
+    try:
+        with open(path) as fh:
+            keys = frozenset(line.strip() for line in fh if line.strip() and not line.strip().startswith("#"))
+    except (OSError, UnicodeDecodeError) as exc:
+        reason = getattr(exc, "strerror", None) or str(exc)
+        raise CommandError(f"--api-keys {path}: {reason}; give a file with one API key per line, or leave out "
+                           "--api-keys to serve without authentication") from None
+    if not keys:
+        raise CommandError(f"--api-keys {path} holds no keys, so every request would be refused; put one key per "
+                           "line, or leave out --api-keys to serve without authentication")
+    return keys
 
 
 def cmd_webui(args) -> int:
     from webui.app import WebUIConfig, serve
 
-    keys: frozenset[str] = frozenset()
-    if args.api_keys:
-        with open(args.api_keys) as fh:
-            keys = frozenset(line.strip() for line in fh if line.strip() and not line.startswith("#"))
-    serve(WebUIConfig(tracker=args.tracker, pub=args.pub, host=args.host, port=args.port, api_keys=keys,
-                      security=_security(args)))
+    keys = read_api_keys(args.api_keys) if args.api_keys else frozenset()
+    security = _security(args)
+    _refuse_ports_in_use({"the web UI, --port": f"tcp://{args.host}:{args.port}"}, "web UI")
+    with _listening("--host or --port", f"{args.host}:{args.port}"):
+        serve(WebUIConfig(tracker=args.tracker, pub=args.pub, host=args.host, port=args.port, api_keys=keys,
+                          security=security))
     return 0
 
 
@@ -536,8 +670,7 @@ def cmd_status(args) -> int:
         try:
             status = client.status()
         except FabricError as exc:
-            print(f"error: {exc}", file=sys.stderr)
-            return 1
+            raise CommandError(str(exc), 1) from None
     print(json.dumps(status, indent=2) if args.json else format_status(status))
     return 0
 
@@ -579,7 +712,7 @@ def weights_differ_lines(groups: list[dict]) -> list[str]:
     lines = ["  weights differ: these nodes claim this model but hold different weights, so they never chain:"]
     for g in groups:
         held = ", ".join(f"{n['id']} [{n['layers'][0]}-{n['layers'][1]}]" for n in g["nodes"])
-        lines.append(f"    fingerprint {g['fingerprint'][:8]} ({g['num_layers']} layers): {held}")
+        lines.append(f"    fingerprint {g['label']} ({g['num_layers']} layers): {held}")
     lines.append("    load the same model file on every node, with the same --quant")
     return lines
 
@@ -605,7 +738,8 @@ def _keys_parser(sub) -> None:
                                    "then start every process with --keys DIR.")
     p.add_argument("dir", help="key directory (created if missing)")
     p.add_argument("--name", default=None, help="name of this member in allow-lists (default: host name)")
-    p.add_argument("--tracker", action="store_true", help="this key pair is the tracker's")
+    p.add_argument("--tracker", action="store_true",
+                   help="this key pair is the tracker's: also saved as DIR/allowed/tracker.key")
     p.set_defaults(func=cmd_keys)
 
 
@@ -614,7 +748,11 @@ def cmd_keys(args) -> int:
 
     from .security import create_keys
 
-    public = create_keys(Path(args.dir), args.name or socket.gethostname(), tracker=args.tracker)
+    try:
+        public = create_keys(Path(args.dir), args.name or socket.gethostname(), tracker=args.tracker)
+    except OSError as exc:
+        raise CommandError(f"cannot write a key pair to {args.dir}: {exc.strerror or exc}; choose a directory "
+                           "you can write to", 1) from None
     print(f"key pair written to {args.dir}; public key: {public}\n"
           f"copy {public} into the allowed/ folder of every other member"
           f"{' as tracker.key' if args.tracker else ''}")
@@ -632,49 +770,52 @@ def _relay_parser(sub) -> None:
                                    "socket (a front) for each and passes frames both ways. With --keys every "
                                    "socket is a CURVE server with this process's key: the relay sees "
                                    "plaintext, so it must be a trusted member of the swarm.")
-    p.add_argument("--bind", default=DEFAULT_RELAY, help="control endpoint relayed nodes dial (default %(default)s)")
-    p.add_argument("--front-host", default=None, help="interface the fronts bind on (default: the --bind host)")
-    p.add_argument("--advertise-host", default=None,
+    p.add_argument("--bind", default=DEFAULT_RELAY, type=endpoint, metavar="ENDPOINT",
+                   help="control endpoint relayed nodes dial (default %(default)s)")
+    p.add_argument("--front-host", default=None, metavar="HOST",
+                   help="interface the fronts bind on (default: the --bind host)")
+    p.add_argument("--advertise-host", default=None, metavar="HOST",
                    help="host peers dial the fronts at (default: the front host; needed when it is 0.0.0.0)")
     p.add_argument("--front-ports", default=None, metavar="A-B",
                    help="inclusive port range the fronts bind in, one port per node (default: any free port)")
-    p.add_argument("--node-timeout", type=float, default=5.0,
+    p.add_argument("--node-timeout", type=seconds, default=5.0, metavar="SECONDS",
                    help="close a node's front after it sent nothing for this many seconds (default %(default)s)")
-    p.add_argument("--max-fronts", type=int, default=256, help="nodes served at most (default %(default)s)")
+    p.add_argument("--max-fronts", type=positive_count, default=256,
+                   help="nodes served at most (default %(default)s)")
     _metrics_flag(p)
     _keys_flag(p)
     p.set_defaults(func=cmd_relay)
 
 
-def _relay_config(args, bind: str, advertise: str | None, ports: str | None, front: str | None = None):
+def _relay_config(args, bind: str, advertise: str | None, ports: str | None, front: str | None = None,
+                  flags: str = "--"):
+    """The RelayConfig; CommandError naming the flag (``flags``: their prefix, "--relay-" in the tracker)."""
     from .relay import RelayConfig, endpoint_host
 
     front = front or endpoint_host(bind)
     advertise = advertise or front
     if advertise in ("0.0.0.0", "*", "::", "[::]"):
-        raise ValueError(f"fronts bind on all interfaces ({front}): say which host peers dial them at "
-                         "(--advertise-host)")
+        raise CommandError(f"fronts bind on all interfaces ({front}): say which host peers dial them at "
+                           f"({flags}advertise-host)")
     if ports:
         a, _, b = ports.partition("-")
         if not (a.isdigit() and b.isdigit() and 0 < int(a) <= int(b) < 65536):
-            raise ValueError(f"--front-ports {ports!r}: give an inclusive range such as 41000-41099")
+            raise CommandError(f"{flags}front-ports {ports!r}: give an inclusive range such as 41000-41099")
         ports = (int(a), int(b))
     return RelayConfig(bind=bind, front_host=front, advertise_host=advertise, front_ports=ports,
                        node_timeout=getattr(args, "node_timeout", 5.0), max_fronts=getattr(args, "max_fronts", 256),
-                       security=_security(args))
+                       security=_security(args, tracker_key_file=None))
 
 
 def cmd_relay(args) -> int:
     from .relay import Relay, serve_relay
 
-    try:
-        config = _relay_config(args, args.bind, args.advertise_host, args.front_ports, args.front_host)
-    except ValueError as exc:
-        log.error("%s", exc)
-        return 2
+    config = _relay_config(args, args.bind, args.advertise_host, args.front_ports, args.front_host)
+    _refuse_ports_in_use({"the relay, --bind": args.bind}, "relay")
     relay = Relay(config)
     _serve_metrics(args, relay.metrics)
-    serve_relay(config, relay)
+    with _listening("--bind"):
+        serve_relay(config, relay)
     return 0
 
 
@@ -686,11 +827,8 @@ def _relay_thread(args):
         return
     from .relay import Relay
 
-    try:
-        relay = Relay(_relay_config(args, args.relay, args.relay_advertise_host, args.relay_front_ports))
-    except ValueError as exc:
-        log.error("%s", exc)
-        raise SystemExit(2) from None
+    relay = Relay(_relay_config(args, args.relay, args.relay_advertise_host, args.relay_front_ports,
+                                flags="--relay-"))
     stop = threading.Event()
     thread = threading.Thread(target=relay.run, args=(stop,), name="relay", daemon=True)
     thread.start()

@@ -37,7 +37,7 @@ TRACKER_TIMEOUT = 5.0  # a running tracker answers at once: waiting longer only 
 
 
 def _tracker_silent(endpoint: str) -> FabricError:
-    return FabricError(p.ErrorCode.INTERNAL,
+    return FabricError(p.ErrorCode.TRACKER_UNAVAILABLE,
                        f"tracker at {endpoint} did not answer (is it running? a secured swarm needs --keys)")
 
 

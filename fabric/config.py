@@ -65,7 +65,7 @@ def apply(parser: argparse.ArgumentParser, argv: Sequence[str], env: Mapping[str
                 values[action] = (value, key)
     for name, table in settings.items():
         for key, value in (table.items() if name is not None else ()):
-            action, where = _flags(commands[name])[_key(key)], f"[{name}] {key}"
+            action, where = _table_flags(parser, commands[name])[_key(key)], f"[{name}] {key}"
             if name == command:
                 values[action] = (value, where)
             else:  # checked now all the same: a typo shows before the day that command runs
@@ -73,6 +73,7 @@ def apply(parser: argparse.ArgumentParser, argv: Sequence[str], env: Mapping[str
     for action, (value, where) in values.items():
         action.default = convert(action, value, f"{path}: {where}")
         action.required = False
+        action.config_source = f"{path}, {where}"  # --help says where the default comes from
     for action in parser._actions:
         if action.dest == "config":
             action.default = str(path)  # so commands that start others can hand the file on
@@ -102,20 +103,26 @@ def load(path: Path) -> dict:
 
 
 def _scan(parser: argparse.ArgumentParser, argv: Sequence[str]) -> tuple[str | None, str | None]:
-    """(the command argv runs, the value of --config) without parsing argv for real."""
+    """(the command argv runs, the value of --config, before or after the command; the last
+    one wins, as when parsed) without parsing argv for real."""
     commands = _commands(parser)
-    config, i = None, 0
-    while i < len(argv):
+    command, config, current, i = None, None, parser, 0
+    while i < len(argv) and argv[i] != "--":
         token = argv[i]
-        if token == "--" or not token.startswith("-"):
-            return (token if token in commands else None), config
+        if not token.startswith("-"):
+            if command is None:
+                if token not in commands:
+                    break  # argparse will say so
+                command, current = token, commands[token]
+            i += 1
+            continue
         name, eq, value = token.partition("=")
-        action = parser._option_string_actions.get(name)
+        action = current._option_string_actions.get(name)
         takes_value = action is not None and action.nargs != 0 and not eq
         if action is not None and action.dest == "config":
             config = value if eq else (argv[i + 1] if i + 1 < len(argv) else None)
         i += 2 if takes_value else 1
-    return None, config
+    return command, config
 
 
 def _commands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
@@ -126,15 +133,23 @@ def _commands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentPar
 
 
 def _flags(parser: argparse.ArgumentParser) -> dict[str, argparse.Action]:
-    """Settable flags of one parser by key: dest and long option names, dashes as underscores."""
+    """Settable flags of one parser by key: dest and long option names, dashes as underscores.
+    A flag whose default is SUPPRESS (a command's copy of ``--log-level``) is meshnet's own:
+    the file sets that one."""
     flags = {}
     for action in parser._actions:
-        if not action.option_strings or action.dest in NOT_SETTABLE or isinstance(action, argparse._HelpAction):
+        if (not action.option_strings or action.dest in NOT_SETTABLE or isinstance(action, argparse._HelpAction)
+                or action.default is argparse.SUPPRESS):
             continue
         names = {action.dest} | {o.lstrip("-") for o in action.option_strings if o.startswith("--")}
         for name in names:
             flags[_key(name)] = action
     return flags
+
+
+def _table_flags(parser: argparse.ArgumentParser, command: argparse.ArgumentParser) -> dict[str, argparse.Action]:
+    """What a command's table may set: its flags, and meshnet's own (``log-level``)."""
+    return {**_flags(parser), **_flags(command)}
 
 
 def _key(name: str) -> str:
@@ -150,7 +165,7 @@ def _check_names(data: dict, parser, commands: dict, path: Path) -> dict[str | N
             if key not in commands:
                 raise ConfigError(f"{path}: [{key}] is not a meshnet command; tables: "
                                   f"{', '.join(f'[{c}]' for c in commands)}")
-            flags = _flags(commands[key])
+            flags = _table_flags(parser, commands[key])
             for sub_key, sub_value in value.items():
                 if _key(sub_key) not in flags:
                     raise ConfigError(f"{path}: unknown key {sub_key!r} in [{key}]: `meshnet {key}` has no "

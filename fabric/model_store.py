@@ -403,7 +403,7 @@ def add_parsers(sub) -> None:
                                                   "such as HuggingFaceTB/SmolLM2-135M-Instruct")
     p.add_argument("--layers", default=None, metavar="A-B",
                    help="fetch only the weight shards that hold layers A-B (inclusive), for a node that serves "
-                        "them; a repository kept in one file is fetched whole")
+                        "them; a repository kept in one file is fetched whole (default: every layer)")
     p.set_defaults(func=cmd_pull)
 
 

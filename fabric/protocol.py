@@ -57,6 +57,7 @@ class ErrorCode:
     BUSY = "busy"
     PROMPT_TOO_LONG = "prompt_too_long"
     INTERNAL = "internal"
+    TRACKER_UNAVAILABLE = "tracker_unavailable"  # client side: the tracker did not answer in time
     HOP_FAILED = "hop_failed"
     CANCELLED = "cancelled"
 

@@ -73,6 +73,15 @@ def load(directory: Path) -> Security:
     return Security(directory, public, secret, tracker_key)
 
 
+def require_tracker_key(security: Security | None, tracker_key_file: str = "the tracker's id.key") -> None:
+    """Refuse, before anything starts, a secured process that will dial the tracker without
+    knowing its public key: the handshake would fail without a word."""
+    if security is not None and security.tracker_key is None:
+        target = security.allowed / TRACKER_KEY
+        raise SecurityError(f"{target} is missing: copy {tracker_key_file} to {target} (the tracker's key "
+                            f"directory is made with `meshnet keys DIR --tracker`)")
+
+
 def start_authenticator(ctx: zmq.Context, security: Security) -> ThreadAuthenticator:
     """A ZAP handler on ``ctx`` admitting only the allow-listed public keys."""
     auth = ThreadAuthenticator(ctx)

@@ -1,0 +1,128 @@
+"""What every ``meshnet`` command shares: the flag value types, one error line, the help
+format and the version.
+
+Every refusal reads ``meshnet: error: MESSAGE`` on one line of stderr: a usage error (a
+flag's value cannot work) exits with status 2, a runtime failure with status 1. A value
+that is malformed is refused while the command line is parsed, by the flag's ``type``
+here, so a config file's value goes through the same check (``fabric.config``).
+"""
+from __future__ import annotations
+
+import argparse
+import configparser
+import math
+import re
+import sys
+from importlib import metadata
+from pathlib import Path
+
+ENDPOINT_FORM = "tcp://HOST:PORT"
+# * (every interface), [IPv6], or a host name, IPv4 address or interface name
+_HOST = re.compile(r"\*|\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+")
+
+
+class CommandError(Exception):
+    """A refusal the command line prints as one line; ``status`` 2: usage, 1: runtime."""
+
+    def __init__(self, message: str, status: int = 2):
+        super().__init__(message)
+        self.status = status
+
+
+def error_line(message: str) -> None:
+    print(f"meshnet: error: {message}", file=sys.stderr, flush=True)
+
+
+class Parser(argparse.ArgumentParser):
+    """An ArgumentParser whose usage errors are one line, pointing at the command's --help."""
+
+    def error(self, message: str):
+        error_line(f"{message} (see `{self.prog} --help`)")
+        self.exit(2)
+
+
+class HelpFormatter(argparse.HelpFormatter):
+    """Shows every flag's default, and says so when a config file set it
+    (``fabric.config.apply`` records that in ``action.config_source``). A command's copy of
+    meshnet's own flag (``action.same_as``) shows that flag's default."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        origin = getattr(action, "same_as", action)
+        value = "%(default)s" if origin is action else str(origin.default).replace("%", "%%")
+        source = getattr(origin, "config_source", None)
+        if source:
+            return f"{text} (set in {source}{'' if '%(default)' in text else ': ' + value})"
+        if origin.dest == "config":
+            return f"{text} (in use: {value})" if origin.default else text
+        if ("default" in text or not action.option_strings or action.nargs == 0
+                or origin.default in (None, argparse.SUPPRESS)):
+            return text  # said in words, or nothing to show (a switch is off unless given)
+        return f"{text} (default: {value})"
+
+
+def version() -> str:
+    """The installed distribution's version, else the one setup.cfg names."""
+    try:
+        return metadata.version("meshnet")
+    except metadata.PackageNotFoundError:
+        cfg = configparser.ConfigParser()
+        cfg.read(Path(__file__).resolve().parent.parent / "setup.cfg")
+        return cfg.get("metadata", "version", fallback="unknown")
+
+
+def endpoint(text: str) -> str:
+    """``tcp://HOST:PORT`` for ``tcp://HOST:PORT`` or plain ``HOST:PORT``; ``ipc://PATH`` as given.
+    PORT may be 0 or * (a port chosen at bind time)."""
+    if text.startswith("ipc://") and len(text) > len("ipc://"):
+        return text
+    host, colon, port = text.removeprefix("tcp://").rpartition(":")
+    if colon and _HOST.fullmatch(host) and (port == "*" or (port.isdigit() and int(port) < 65536)):
+        return f"tcp://{host}:{port}"
+    raise argparse.ArgumentTypeError(f"{text!r} is not an endpoint: expected {ENDPOINT_FORM} (or HOST:PORT), "
+                                     "such as tcp://127.0.0.1:5555")
+
+
+def port(text: str) -> int:
+    """A TCP port, 0-65535."""
+    if text.strip().isdigit() and int(text) < 65536:
+        return int(text)
+    raise argparse.ArgumentTypeError(f"{text!r} is not a TCP port: expected a number from 0 to 65535")
+
+
+def seconds(text: str) -> float:
+    """A time above zero, in seconds."""
+    value = _float(text)
+    if value is None or value <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds above 0, such as 1.5")
+    return value
+
+
+def non_negative(text: str) -> float:
+    """A number of 0 or more (0 usually meaning "off" or "automatic")."""
+    value = _float(text)
+    if value is None or value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of 0 or more")
+    return value
+
+
+def count(text: str) -> int:
+    """A whole number of 0 or more (0 usually meaning "automatic")."""
+    if text.strip().isdigit():
+        return int(text)
+    raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of 0 or more")
+
+
+def positive_count(text: str) -> int:
+    """A whole number of 1 or more."""
+    if text.strip().isdigit() and int(text) > 0:
+        return int(text)
+    raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of 1 or more")
+
+
+def _float(text: str) -> float | None:
+    try:
+        value = float(text)
+    except ValueError:
+        return None
+    return value if math.isfinite(value) else None
