@@ -407,15 +407,7 @@ def _node_parser(sub) -> None:
                    help="ROUTER endpoint; port 0 picks one (default %(default)s)")
     p.add_argument("--advertise", default=None, type=endpoint, metavar="ENDPOINT",
                    help="endpoint peers dial (default: the bound one)")
-    p.add_argument("--relay", default=None, type=endpoint, metavar="ENDPOINT",
-                   help="reach peers through this relay's control endpoint, for a node that cannot accept "
-                        "inbound connections; peers then dial the front the relay opens for it (default: none)")
-    p.add_argument("--relay-fallback", default=None, type=endpoint, metavar="ENDPOINT",
-                   help="serve directly, but switch to this relay if the tracker cannot reach the advertised "
-                        "endpoint, NAT (default: none)")
-    p.add_argument("--relay-key", default=None, metavar="KEY",
-                   help="the relay's public key, z85 text or a key file (default: DIR/allowed/relay.key, "
-                        "else the tracker's key); only with --keys")
+    _node_relay_flags(p)
     _device_flags(p, "the")
     _quant_flag(p)
     p.add_argument("--threads", type=count, default=0, help="torch threads, 0 for all cores (default %(default)s)")
@@ -443,6 +435,19 @@ def _node_parser(sub) -> None:
     p.add_argument("--no-progress", action="store_true", help="no progress bar while loading")
     _metrics_flag(p)
     p.set_defaults(func=cmd_node)
+
+
+def _node_relay_flags(p: argparse.ArgumentParser) -> None:
+    """How a node that cannot accept inbound connections is reached."""
+    p.add_argument("--relay", default=None, type=endpoint, metavar="ENDPOINT",
+                   help="reach peers through this relay's control endpoint, for a node that cannot accept "
+                        "inbound connections; peers then dial the front the relay opens for it (default: none)")
+    p.add_argument("--relay-fallback", default=None, type=endpoint, metavar="ENDPOINT",
+                   help="serve directly, but switch to this relay if the tracker cannot reach the advertised "
+                        "endpoint, NAT (default: none)")
+    p.add_argument("--relay-key", default=None, metavar="KEY",
+                   help="the relay's public key, z85 text or a key file (default: DIR/allowed/relay.key, "
+                        "else the tracker's key); only with --keys")
 
 
 def _omp_workers_nap() -> None:
