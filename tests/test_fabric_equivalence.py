@@ -46,7 +46,7 @@ def test_split_equals_single_process(thread_cluster, tiny_models, family, parts)
 
 
 def test_partial_head_then_full_node_starts_after_head(thread_cluster, tiny_models):
-    """ADR-0020: a partial head 0-2 and a full node 0-5; the full node must run 3-5."""
+    """A partial head 0-2 and a full node 0-5: the full node runs 3-5, from the head's end + 1."""
     model_dir = tiny_models("llama")
     expected = reference_greedy(model_dir, prompt_ids(model_dir), NEW_TOKENS)
     head = thread_cluster.add_node(model_dir, 0, 2, 6, "head")

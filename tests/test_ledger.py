@@ -61,7 +61,7 @@ def test_api_keys_are_not_stored_in_clear(ledger, tmp_path):
     (dict(reason="cancelled", out=0), VOID),  # cancelled before the first token
     (dict(reason="cancel", out=0, route=ONE), VOID),
     (dict(reason="cancelled", out=7), BILLED),  # cancelled after tokens: pay for them
-    (dict(reason="stop", out=1), HELD),  # ADR-0020: 1 token from a 2-hop route
+    (dict(reason="stop", out=1), HELD),  # 1 token from a 2-hop route: a broken route?
     (dict(reason="stop", out=3), HELD),
     (dict(reason="stop", out=0), HELD),
     (dict(reason="stop", out=4), BILLED),
@@ -101,7 +101,7 @@ def test_the_ledger_survives_a_restart(tmp_path):
 
 @pytest.mark.parametrize("bad", [
     dict(request_id=""), dict(completion_tokens=-1), dict(elapsed=-0.5),
-    dict(route=(Hop("a", "tcp://a:1", 0, 9), Hop("b", "tcp://b:1", 0, 39))),  # ADR-0020 shape
+    dict(route=(Hop("a", "tcp://a:1", 0, 9), Hop("b", "tcp://b:1", 0, 39))),  # b from its shard start
     dict(route=(Hop("a", "tcp://a:1", 5, 39),)),
 ])
 def test_malformed_reports_are_refused(ledger, bad):

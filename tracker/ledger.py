@@ -6,7 +6,8 @@ completion, one of:
 - ``billed``: counted as usage;
 - ``held``: recorded with a reason for review, not counted -- a multi-hop route that
   produced 3 or fewer tokens without being cut by the client's own ``max_tokens``
-  looks like the ADR-0020 broken-route signature;
+  looks like a broken route: a hop that runs layers the previous hop already ran
+  samples garbage and ends almost at once, often after a single token;
 - ``void``: never billed -- the request errored, or was cancelled before its first token.
 
 API keys are stored as ``key_id(api_key)`` (a truncated SHA-256), never in clear text.

@@ -2,8 +2,10 @@
 
 A route is a tuple of ``fabric.protocol.Hop`` covering layers ``0..L-1`` contiguously.
 Each hop starts at the previous hop's ``end_layer + 1`` -- never at the downstream node's
-own shard start (ADR-0020: a full node used as a tail after a partial head runs from
-the head's end + 1, not from layer 0).
+own shard start: a full node used as a tail after a partial head runs from the head's
+end + 1, not from layer 0. Run from 0, it would put hidden states that already passed the
+head's layers through those layers again and sample garbage, typically an end-of-sequence
+token at once.
 
 Cost model, per generated token::
 

@@ -10,8 +10,8 @@ What is measured, per completed request (a final ``Report``):
   predicted compute time;
 - per route: predicted vs actual tokens/s.
 
-Hygiene (ADR-0020): completions with fewer than ``MIN_THROUGHPUT_TOKENS`` output tokens,
-or that ended in an error, never feed throughput -- a broken route that emits one token
+Hygiene: completions with fewer than ``MIN_THROUGHPUT_TOKENS`` output tokens, or that
+ended in an error, never feed throughput -- a broken route that emits one token
 instantly must not look fast.
 """
 from __future__ import annotations
@@ -46,7 +46,7 @@ class DecodeTiming:
 
 
 def feeds_throughput(completion_tokens: int, finish_reason: str | None) -> bool:
-    """Whether a completion may feed throughput statistics (ADR-0020 hygiene)."""
+    """Whether a completion may feed throughput: ``MIN_THROUGHPUT_TOKENS`` tokens or more, no error."""
     return completion_tokens >= MIN_THROUGHPUT_TOKENS and finish_reason != "error"
 
 
