@@ -9,19 +9,22 @@ from fabric.executor import ShardExecutor, Step
 from fabric.kv import KVStore
 from fabric.models import load_shard, resolve
 from fabric.shard import Shard
-from tests.tiny_models import FAMILIES, reference_greedy
+from tests.tiny_models import FAMILIES, assert_clear_lead, reference_greedy
 
 PROMPTS = [[5, 6, 7], [9, 10, 11, 12, 13, 14, 15], [20, 21], [30, 31, 32, 33, 34]]
 
 
 def greedy_alone(ex: ShardExecutor, session: str, prompt: list[int], steps: int) -> list[int]:
+    """Float32 greedy tokens of one session alone; a batch computes them in another order,
+    so each must lead clearly (tests/tiny_models.py)."""
     result = ex.run(session, 0, 5, torch.tensor([prompt]), 0)
-    tokens, pos = [int(result.logits.argmax())], len(prompt)
+    rows, pos = [result.logits], len(prompt)  # (vocab,) each
     for _ in range(steps):
-        result = ex.run(session, 0, 5, torch.tensor([[tokens[-1]]]), pos)
-        tokens.append(int(result.logits.argmax()))
+        result = ex.run(session, 0, 5, torch.tensor([[int(rows[-1].argmax())]]), pos)
+        rows.append(result.logits)
         pos += 1
-    return tokens
+    assert_clear_lead(torch.stack(rows))  # (steps + 1, vocab)
+    return [int(row.argmax()) for row in rows]
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -2,6 +2,30 @@
 
 Nothing is downloaded: configs are built here, weights are random with a fixed seed, and
 the tokenizer is a small byte-level BPE trained on a few sentences.
+
+Which token comparisons are exact, and why
+------------------------------------------
+Tests compare greedy tokens with ``==``. That holds on any x86-64 CPU torch runs on only
+where one of these is true:
+
+- Both sides compute in the same order: the same ops on the same shapes (the same prefill
+  chunks, the same batch line-up) with the same number of threads, in one process. Then
+  every kernel does the same arithmetic and the results are bit-equal in any dtype. This is
+  the only rule for bfloat16, int8 and int4: a 4-token chunk and an 11-token prompt, a
+  padded batch and a lone row, 1 or 2 threads may each round bfloat16 sums differently
+  (torch's AVX2 kernels do for a 4-token chunk, its AVX-512 ones happen not to), and the
+  tokens part ways a few steps later. So a
+  quantized or bfloat16 reference prefills in the split's chunks, in the test's process
+  (tests/test_quant.py; ``ATEN_CPU_CAPABILITY=avx2`` shows the other kernels on any CPU).
+- Float32, in a different order (one piece against chunks, alone against batched, a
+  reference in this process against nodes with ``--threads 1``): logits then differ by
+  float32 rounding, under 1e-4 for these models (measured up to 7e-5, a 600-token prompt in
+  chunks, 1 or 2 threads). ``reference_greedy`` checks that every token it returns leads
+  the runner-up by ``MIN_LEAD``, several times that, so no such difference can flip it; a
+  prompt whose reference fails the check must be replaced, not the check loosened.
+
+Never compare a bfloat16 or quantized run with a float32 one token for token, and never
+hard-code expected tokens: they are those of this CPU's kernels.
 """
 from __future__ import annotations
 
@@ -10,6 +34,7 @@ from pathlib import Path
 import torch
 
 FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "mistral")
+MIN_LEAD = 5e-4  # float32 logits: a greedy token's least lead over the runner-up (see above)
 
 _COMMON = dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=6,
                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
@@ -76,12 +101,25 @@ def make_model(family: str, directory: Path, num_layers: int = 6, seed: int = 0)
 
 
 def reference_greedy(directory: Path, input_ids: list[int], max_new_tokens: int) -> list[int]:
-    """Greedy continuation from one transformers process: the ground truth. Like a head
-    node, it stops after the end-of-sequence token."""
+    """Greedy continuation from one float32 transformers process: the ground truth. Like a
+    head node, it stops after the end-of-sequence token. Every token must lead by
+    ``MIN_LEAD``, so that the split, computing in another order, cannot pick another."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(directory).eval()
     ids = torch.tensor([input_ids])
     out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=_COMMON["eos_token_id"],
-                         pad_token_id=0, attention_mask=torch.ones_like(ids))
-    return out[0, len(input_ids):].tolist()
+                         pad_token_id=0, attention_mask=torch.ones_like(ids), output_scores=True,
+                         return_dict_in_generate=True)
+    assert_clear_lead(torch.stack(out.scores)[:, 0])  # (steps, vocab)
+    return out.sequences[0, len(input_ids):].tolist()
+
+
+def assert_clear_lead(logits: torch.Tensor) -> None:
+    """Every row of float32 ``logits`` (steps, vocab) has its greedy token at least
+    ``MIN_LEAD`` above the runner-up, so a float32 run in another order picks the same."""
+    top = logits.float().topk(2, dim=-1).values  # (steps, 2)
+    leads = top[:, 0] - top[:, 1]  # (steps,)
+    step = int(leads.argmin())
+    assert leads[step] >= MIN_LEAD, (f"step {step}: the greedy token leads by only {float(leads[step]):.1e}; "
+                                     "a float32 run in another order may pick the runner-up: use another prompt")
