@@ -105,8 +105,10 @@ def _common(body: dict[str, Any], config: WebUIConfig) -> dict[str, Any]:
     if model is None:
         raise ApiError.invalid("model is required", "model")
     model = _text(model, "model")
-    if not model or len(model) > MAX_MODEL_CHARS:
-        raise ApiError.invalid(f"model must be 1-{MAX_MODEL_CHARS} characters", "model")
+    if not model:
+        raise ApiError.invalid("model is empty: name one of the models GET /v1/models lists", "model")
+    if len(model) > MAX_MODEL_CHARS:
+        raise ApiError.invalid(f"model must be at most {MAX_MODEL_CHARS} characters", "model")
     if _integer(body, "n", 1, 1, None) != 1:
         raise ApiError.invalid("only n=1 is supported", "n")
     stream = _boolean(body, "stream", False)

@@ -1,5 +1,7 @@
 // The chat panel: conversations kept in localStorage, a model picker, sampling settings,
 // and replies streamed from /v1/chat/completions (SSE over fetch), stoppable mid-reply.
+// Until a route serves a model the picker says the model is still loading, Send is off,
+// and /v1/models is asked again every few seconds (the swarm's feed also asks on each change).
 import {$, el, fill, num} from "./ui.js";
 import {apiFetch, errorMessage, readEvents} from "./net.js";
 
@@ -9,6 +11,7 @@ const SETTINGS = "meshnet.settings";
 const DEFAULTS = {model: "", temperature: 0.7, top_p: 1, max_tokens: 256, seed: "", system: ""};
 const FIELDS = {temperature: "set-temperature", top_p: "set-top-p", max_tokens: "set-max-tokens",
                 seed: "set-seed", system: "set-system"};
+const MODEL_POLL_MS = 2000; // how often /v1/models is asked again while no model is served
 
 const state = {
   conversations: [],
@@ -16,6 +19,11 @@ const state = {
   settings: {...DEFAULTS},
   controller: null, // the AbortController of the reply being generated
   onRequest: () => {}, // told each request id, so the Call wall can mark it
+  modelReady: false, // a model a route serves is picked: Send is on
+  notice: "", // why Send is off, while it is
+  lead: "Ask the swarm something.", // the first line of an empty conversation
+  modelAsk: 0, // number of the latest /v1/models request: older answers are dropped
+  modelPoll: null, // timer of the next /v1/models request while no model is served
 };
 
 export function initChat({onRequest} = {}) {
@@ -25,6 +33,7 @@ export function initChat({onRequest} = {}) {
   bindControls();
   renderConversationList();
   renderMessages();
+  syncSend();
   refreshModels();
 }
 
@@ -115,23 +124,67 @@ function deleteConversation() {
   switchTo(state.currentId);
 }
 
-/** Fill the model picker from /v1/models, keeping the chosen model when it is still there. */
+/** Fill the model picker from /v1/models with the models a route serves, keeping the
+ * chosen one when it is still there; until one is served, ask again every few seconds. */
 export async function refreshModels() {
-  const select = $("model");
-  let ids = [];
+  const ask = ++state.modelAsk;
+  clearTimeout(state.modelPoll);
+  let listing;
   try {
-    const response = await apiFetch("/v1/models");
-    if (!response.ok) throw new Error(await errorMessage(response));
-    ids = (await response.json()).data.map((m) => m.id);
+    listing = await listModels();
   } catch (error) {
-    fill(select, el("option", {value: ""}, `models unavailable (${error.message})`));
-    return;
+    listing = {served: [], loading: [], error: error.message};
   }
-  const wanted = ids.includes(state.settings.model) ? state.settings.model : ids[0] || "";
-  fill(select, ids.length ? ids.map((id) => el("option", {value: id}, id))
-                          : el("option", {value: ""}, "no models yet: start a node"));
+  if (ask !== state.modelAsk) return; // a later request's answer decides
+  showModels(listing);
+  if (!state.modelReady) state.modelPoll = setTimeout(refreshModels, MODEL_POLL_MS);
+}
+
+/** {served, loading}: ids a route serves, and ids some node holds but no route covers yet. */
+async function listModels() {
+  const response = await apiFetch("/v1/models");
+  if (!response.ok) throw new Error(await errorMessage(response));
+  const models = (await response.json()).data || [];
+  const routable = (m) => m.meshnet?.routable !== false;
+  return {served: models.filter(routable).map((m) => m.id),
+          loading: models.filter((m) => !routable(m)).map((m) => m.id)};
+}
+
+function showModels({served, loading, error}) {
+  const select = $("model");
+  const wanted = served.includes(state.settings.model) ? state.settings.model : served[0] || "";
+  fill(select, served.length ? served.map((id) => el("option", {value: id}, id))
+                             : el("option", {value: ""}, error ? "models unavailable" : "model still loading…"));
   select.value = wanted;
-  state.settings.model = wanted || state.settings.model;
+  state.settings.model = wanted || state.settings.model; // a remembered choice waits for its model
+  if (wanted) setReady(wanted);
+  else setWaiting(error ? `Models unavailable: ${error}. Asking again…` : loadingNotice(loading), error);
+}
+
+function loadingNotice(loading) {
+  const why = loading.length ? `${loading.join(", ")} has nodes, but not all of its layers are served yet. ` +
+                               "Send turns on once they are."
+                             : "no node serves one yet. Send turns on once one does.";
+  return `The model is still loading: ${why}`;
+}
+
+function setWaiting(notice, error) {
+  state.modelReady = false;
+  state.notice = notice;
+  state.lead = error ? "Models are unavailable." : "The model is still loading.";
+  syncSend();
+  if (!state.controller) setStatus(notice, error ? "error" : "loading");
+  if (!current().messages.length) renderMessages();
+}
+
+function setReady(model) {
+  const waited = Boolean(state.notice); // the page said it was loading: say it is over
+  state.modelReady = true;
+  state.notice = "";
+  state.lead = "Ask the swarm something.";
+  syncSend();
+  if (waited && !state.controller) setStatus(`${model} is served: send a message.`);
+  if (waited && !current().messages.length) renderMessages();
 }
 
 // ------------------------------------------------------------------ rendering
@@ -146,7 +199,7 @@ function renderMessages() {
   const conversation = current();
   const box = $("messages");
   if (!conversation.messages.length) {
-    fill(box, el("div", {class: "empty-chat"}, el("p", {}, "Ask the swarm something."),
+    fill(box, el("div", {class: "empty-chat"}, el("p", {class: "lead"}, state.lead),
                  el("p", {}, "Replies stream token by token from the nodes that hold the model's layers; " +
                              "watch them on the Call wall.")));
     return;
@@ -174,6 +227,7 @@ function setStatus(text, kind = "") {
 
 function setBusy(controller) {
   state.controller = controller;
+  syncSend();
   const button = $("send");
   button.textContent = controller ? "■" : "Send";
   button.title = controller ? "Stop generating" : "Send";
@@ -181,9 +235,19 @@ function setBusy(controller) {
   button.setAttribute("aria-label", button.title);
 }
 
+/** Send is off while no model is served; the stop button always works. */
+function syncSend() {
+  const button = $("send");
+  button.disabled = !state.controller && !state.modelReady;
+}
+
 // ------------------------------------------------------------------ sending
 
 function send() {
+  if (!state.modelReady) {
+    setStatus(state.notice || "The model is still loading.", "loading"); // the prompt stays in the box
+    return;
+  }
   const prompt = $("prompt").value.trim();
   readSettings();
   if (!prompt) return;
