@@ -2,7 +2,8 @@
 
     from fabric import Client
     with Client("tcp://127.0.0.1:5555") as c:
-        for event in c.generate("smollm2-135m", messages=[{"role": "user", "content": "Hi"}]):
+        for event in c.generate("smollm2-135m", messages=[{"role": "user", "content": "Hi"}],
+                                temperature=0.7, top_k=40, seed=1, stop=["\n\n"]):
             print(event.text, end="", flush=True)
 
 ``AsyncClient`` offers the same over asyncio. Closing a generation early (break, or
@@ -15,8 +16,9 @@ import dataclasses
 import time
 import uuid
 from dataclasses import dataclass
-from typing import AsyncIterator, Iterator
+from typing import AsyncIterator, Iterator, Sequence
 
+import msgpack
 import zmq
 import zmq.asyncio
 
@@ -53,8 +55,15 @@ class HeadDied(FabricError):
 HEAD_DOWN = zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED
 
 
+SAMPLING_FIELDS = tuple(f.name for f in dataclasses.fields(p.Sampling))  # temperature, top_k, top_p, seed
+# a stand-in route: a call's arguments are checked before the tracker names the real one
+_ANY_ROUTE = (p.Hop("any", "tcp://127.0.0.1:1", 0, 0),)
+
+
 @dataclass(frozen=True)
 class GenerateArgs:
+    """One ``generate`` call's arguments, checked by ``of`` as the head will check them."""
+
     model: str
     messages: tuple[dict, ...] | None
     prompt: str | None
@@ -65,17 +74,88 @@ class GenerateArgs:
     api_key: str | None
     ignore_eos: bool = False
 
+    @classmethod
+    def of(cls, model: str, *, messages=None, prompt=None, max_tokens=256, stop=(), ignore_eos=False,
+           sampling: p.Sampling | None = None, request_id=None, api_key=None, **fields) -> "GenerateArgs":
+        """The arguments of ``generate``; ``fields`` (temperature, top_k, top_p, seed) override
+        ``sampling``'s, None keeping it. A wrong type or value is a FabricError (bad_request)
+        naming the field, with the limits of ``protocol``, before any socket is used."""
+        if unknown := set(fields) - set(SAMPLING_FIELDS):
+            raise TypeError(f"generate() got unexpected keyword arguments {sorted(unknown)}")
+        chosen = {name: value for name, value in fields.items() if value is not None}
+        args = cls(model, _messages(messages), prompt, max_tokens, _stops(stop),
+                   dataclasses.replace(sampling or p.Sampling(), **chosen), request_id or uuid.uuid4().hex,
+                   api_key, ignore_eos)
+        args.message(_ANY_ROUTE)
+        return args
+
     def message(self, route: tuple[p.Hop, ...]) -> p.Generate:
-        msg = p.Generate(request_id=self.request_id, route=route, messages=self.messages, prompt=self.prompt,
-                         max_tokens=self.max_tokens, stop=self.stop, sampling=self.sampling, api_key=self.api_key,
-                         ignore_eos=self.ignore_eos)
-        msg.validate()  # refuse bad arguments here, with the same words a node would use
-        return msg
+        """The GENERATE for ``route``, as the head will read it."""
+        return _as_the_head_reads(p.Generate(
+            request_id=self.request_id, route=tuple(route), messages=self.messages, prompt=self.prompt,
+            max_tokens=self.max_tokens, stop=self.stop, sampling=self.sampling, api_key=self.api_key,
+            ignore_eos=self.ignore_eos))
 
 
-def _args(model, messages, prompt, max_tokens, stop, sampling, request_id, api_key, ignore_eos) -> GenerateArgs:
-    return GenerateArgs(model, tuple(dict(m) for m in messages) if messages is not None else None, prompt,
-                        max_tokens, tuple(stop), sampling, request_id or uuid.uuid4().hex, api_key, ignore_eos)
+def _bad(message: str) -> FabricError:
+    return FabricError(p.ErrorCode.BAD_REQUEST, message)
+
+
+def _messages(messages) -> tuple[dict, ...] | None:
+    if messages is None:
+        return None
+    try:
+        if isinstance(messages, (str, bytes)):
+            raise TypeError
+        return tuple(dict(m) for m in messages)
+    except (TypeError, ValueError):
+        raise _bad("messages must be a list of {'role': ..., 'content': ...} maps") from None
+
+
+def _stops(stop) -> tuple[str, ...]:
+    """``stop`` as a tuple: one string, or a list of them (as OpenAI's ``stop``); None is none."""
+    if stop is None:
+        return ()
+    if isinstance(stop, str):
+        return (stop,)
+    try:
+        return tuple(stop)
+    except TypeError:
+        raise _bad(f"stop must be a string or a list of strings, not {stop!r:.80}") from None
+
+
+def _as_the_head_reads(msg: p.Generate) -> p.Generate:
+    """``msg`` through the wire's own encode and decode: every field's type and range is checked
+    where the head checks it (``protocol``, one set of limits), a wrong one named."""
+    try:
+        frames = p.encode(msg)
+    except (TypeError, ValueError, OverflowError) as exc:  # msgpack cannot pack a value at all
+        raise _unsendable(msg, exc) from None
+    try:
+        return p.decode(frames)[0]
+    except p.ProtocolError as exc:  # "Sampling.top_k must be an int": the caller's word is top_k
+        raise _bad(str(exc).removeprefix("Sampling.").removeprefix("Generate.")) from None
+
+
+def _unsendable(msg: p.Generate, exc: Exception) -> FabricError:
+    """Name the field msgpack cannot pack (an object, an int beyond 64 bits)."""
+    try:
+        msg.sampling.validate()  # an int too large for the wire is out of its range first
+        msg.validate()
+    except p.ProtocolError as out_of_range:
+        return _bad(str(out_of_range))
+    except TypeError:  # an object where a number belongs: named below
+        pass
+    for obj in (msg, msg.sampling):
+        for f in dataclasses.fields(obj):
+            value = getattr(obj, f.name)
+            if f.name in ("route", "sampling", "tensors"):
+                continue
+            try:
+                msgpack.packb(value)
+            except (TypeError, ValueError, OverflowError):
+                return _bad(f"{f.name} cannot be sent: {value!r:.80}")
+    return _bad(f"the request cannot be sent: {exc}")
 
 
 def _route_from(reply: p.Message) -> tuple[p.Hop, ...]:
@@ -186,15 +266,22 @@ class Client(_ClientBase):
     def route(self, model: str, exclude: tuple[str, ...] = ()) -> tuple[p.Hop, ...]:
         return _route_from(self.ask(p.RouteRequest(model, exclude)))
 
-    def generate(self, model: str, *, messages=None, prompt=None, max_tokens: int = 256, stop=(),
-                 sampling: p.Sampling = p.Sampling(), request_id: str | None = None,
-                 api_key: str | None = None, route: tuple[p.Hop, ...] | None = None,
-                 ignore_eos: bool = False) -> Iterator[p.Event]:
-        args = _args(model, messages, prompt, max_tokens, stop, sampling, request_id, api_key, ignore_eos)
-        try:
-            msg = args.message(route or self.route(model))
-        except p.ProtocolError as exc:
-            raise FabricError(exc.code, str(exc)) from None
+    def generate(self, model: str, *, messages=None, prompt=None, max_tokens: int = 256,
+                 temperature: float | None = None, top_p: float | None = None, top_k: int | None = None,
+                 seed: int | None = None, stop: str | Sequence[str] | None = (), ignore_eos: bool = False,
+                 sampling: p.Sampling | None = None, request_id: str | None = None,
+                 api_key: str | None = None, route: tuple[p.Hop, ...] | None = None) -> Iterator[p.Event]:
+        """Stream the events of one request: a chat (``messages``, OpenAI's role/content maps)
+        or a raw ``prompt``. The sampling fields are OpenAI's (``top_k`` and ``ignore_eos`` as
+        vLLM's): temperature 0 (the default) is greedy, ``top_k`` 0 and ``top_p`` 1 cut nothing,
+        and a ``seed`` makes sampling repeatable. ``stop`` is a string or a list of them; the
+        reply ends before the first one. ``sampling`` (a ``Sampling``) sets all four fields at
+        once; a field given by name wins over it. A wrong value raises FabricError
+        (``bad_request``) naming the field, before any socket is used."""
+        args = GenerateArgs.of(model, messages=messages, prompt=prompt, max_tokens=max_tokens, stop=stop,
+                               ignore_eos=ignore_eos, sampling=sampling, request_id=request_id, api_key=api_key,
+                               temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
+        msg = args.message(route or self.route(model))
         return self._resubmitting(model, msg, fixed_route=route is not None)
 
     def _resubmitting(self, model: str, msg: p.Generate, fixed_route: bool) -> Iterator[p.Event]:
@@ -272,20 +359,21 @@ class AsyncClient(_ClientBase):
     async def route(self, model: str, exclude: tuple[str, ...] = ()) -> tuple[p.Hop, ...]:
         return _route_from(await self.ask(p.RouteRequest(model, exclude)))
 
-    def generate(self, model: str, *, messages=None, prompt=None, max_tokens: int = 256, stop=(),
-                 sampling: p.Sampling = p.Sampling(), request_id: str | None = None,
-                 api_key: str | None = None, route: tuple[p.Hop, ...] | None = None,
-                 ignore_eos: bool = False) -> AsyncIterator[p.Event]:
-        args = _args(model, messages, prompt, max_tokens, stop, sampling, request_id, api_key, ignore_eos)
+    def generate(self, model: str, *, messages=None, prompt=None, max_tokens: int = 256,
+                 temperature: float | None = None, top_p: float | None = None, top_k: int | None = None,
+                 seed: int | None = None, stop: str | Sequence[str] | None = (), ignore_eos: bool = False,
+                 sampling: p.Sampling | None = None, request_id: str | None = None,
+                 api_key: str | None = None, route: tuple[p.Hop, ...] | None = None) -> AsyncIterator[p.Event]:
+        """As ``Client.generate``, for ``async for``; wrong arguments raise here, at the call."""
+        args = GenerateArgs.of(model, messages=messages, prompt=prompt, max_tokens=max_tokens, stop=stop,
+                               ignore_eos=ignore_eos, sampling=sampling, request_id=request_id, api_key=api_key,
+                               temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
         return self._stream(args, route)
 
     async def _stream(self, args: GenerateArgs, route) -> AsyncIterator[p.Event]:
         """Stream a request; if its head dies before the first token, re-submit once on a
         route that avoids it (a head that already streamed tokens fails the request)."""
-        try:
-            msg = args.message(route or await self.route(args.model))
-        except p.ProtocolError as exc:
-            raise FabricError(exc.code, str(exc)) from None
+        msg = args.message(route or await self.route(args.model))
         try:
             async for event in self._attempt(msg):
                 yield event
