@@ -632,33 +632,29 @@ def cmd_webui(args) -> int:
 
 
 def _chat_parser(sub) -> None:
-    p = sub.add_parser("chat", help="send one prompt and stream the reply to the terminal")
+    p = sub.add_parser("chat", help="chat with a model in the terminal: one prompt, or a conversation",
+                       description="Without PROMPT and with stdin a terminal: a conversation at a >>> prompt "
+                                   "(/bye or Ctrl-D ends it; Ctrl-C stops a reply). Piped stdin is the prompt, "
+                                   "followed by PROMPT if given, joined by a space (as `ollama run`).")
     _tracker_flag(p)
-    p.add_argument("--model", default="smollm2-135m")
-    p.add_argument("--max-tokens", type=int, default=256)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default)")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=None)
-    p.add_argument("prompt", help="the user message")
+    p.add_argument("--model", default="smollm2-135m", help="the model id to chat with, as `meshnet status` lists it")
+    p.add_argument("--system", default=None, metavar="TEXT", help="a system message first (default: none)")
+    p.add_argument("--max-tokens", type=positive_count, default=256, metavar="N", help="the most tokens of a reply")
+    p.add_argument("--temperature", type=float, default=0.0, metavar="T", help="sampling temperature, 0 is greedy")
+    p.add_argument("--top-k", type=count, default=0, metavar="K", help="sample from the K likeliest tokens, 0 for all")
+    p.add_argument("--top-p", type=float, default=1.0, metavar="P", help="nucleus sampling mass, 1 for all")
+    p.add_argument("--seed", type=count, default=None, metavar="S",
+                   help="make sampling repeatable (default: none, a random seed per reply)")
+    p.add_argument("--stop", action="append", default=None, metavar="TEXT",
+                   help="end a reply before this text; repeat for several (default: none)")
+    p.add_argument("prompt", nargs="*", metavar="PROMPT", help="the user message (its words are joined by a space)")
     p.set_defaults(func=cmd_chat)
 
 
 def cmd_chat(args) -> int:
-    from .client import Client, FabricError
-    from .protocol import Sampling
+    from .chat_repl import ChatConfig, run as chat
 
-    sampling = Sampling(temperature=args.temperature, top_p=args.top_p, seed=args.seed)
-    with Client(args.tracker, security=_security(args)) as client:
-        try:
-            for event in client.generate(args.model, messages=[{"role": "user", "content": args.prompt}],
-                                         max_tokens=args.max_tokens, sampling=sampling):
-                if event.event == "token":
-                    print(event.text, end="", flush=True)
-        except FabricError as exc:
-            print(f"\nerror: {exc}", file=sys.stderr)
-            return 1
-    print()
-    return 0
+    return chat(ChatConfig.from_args(args, _security(args)), args.prompt)
 
 
 def _status_parser(sub) -> None:

@@ -76,7 +76,7 @@ class GenerateArgs:
 
     @classmethod
     def of(cls, model: str, *, messages=None, prompt=None, max_tokens=256, stop=(), ignore_eos=False,
-           sampling: p.Sampling | None = None, request_id=None, api_key=None, **fields) -> "GenerateArgs":
+           sampling: p.Sampling | None = None, request_id=None, api_key=None, **fields) -> GenerateArgs:
         """The arguments of ``generate``; ``fields`` (temperature, top_k, top_p, seed) override
         ``sampling``'s, None keeping it. A wrong type or value is a FabricError (bad_request)
         naming the field, with the limits of ``protocol``, before any socket is used."""

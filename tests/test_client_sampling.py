@@ -103,9 +103,8 @@ BAD = [
 def test_a_bad_value_is_refused_by_name_before_any_socket(kw, words):
     silent = "tcp://127.0.0.1:1"  # nothing answers: a refusal after dialing would take seconds
     start = time.monotonic()
-    with Client(silent, timeout=5) as client:
-        with pytest.raises(FabricError) as refused:
-            client.generate("m", messages=MESSAGES, **kw)
+    with Client(silent, timeout=5) as client, pytest.raises(FabricError) as refused:
+        client.generate("m", messages=MESSAGES, **kw)
     assert refused.value.code == p.ErrorCode.BAD_REQUEST and words in str(refused.value)
     with pytest.raises(FabricError, match=re.escape(words)):
         AsyncClient(silent).generate("m", messages=MESSAGES, **kw)  # at the call, not at the first event
