@@ -639,11 +639,11 @@ def _chat_parser(sub) -> None:
     _tracker_flag(p)
     p.add_argument("--model", default="smollm2-135m", help="the model id to chat with, as `meshnet status` lists it")
     p.add_argument("--system", default=None, metavar="TEXT", help="a system message first (default: none)")
-    p.add_argument("--max-tokens", type=positive_count, default=256, metavar="N", help="the most tokens of a reply")
+    p.add_argument("--max-tokens", type=int, default=256, metavar="N", help="the most tokens of a reply")
     p.add_argument("--temperature", type=float, default=0.0, metavar="T", help="sampling temperature, 0 is greedy")
-    p.add_argument("--top-k", type=count, default=0, metavar="K", help="sample from the K likeliest tokens, 0 for all")
+    p.add_argument("--top-k", type=int, default=0, metavar="K", help="sample from the K likeliest tokens, 0 for all")
     p.add_argument("--top-p", type=float, default=1.0, metavar="P", help="nucleus sampling mass, 1 for all")
-    p.add_argument("--seed", type=count, default=None, metavar="S",
+    p.add_argument("--seed", type=int, default=None, metavar="S",
                    help="make sampling repeatable (default: none, a random seed per reply)")
     p.add_argument("--stop", action="append", default=None, metavar="TEXT",
                    help="end a reply before this text; repeat for several (default: none)")

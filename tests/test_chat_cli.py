@@ -114,7 +114,10 @@ def test_system_top_k_seed_and_stop_reach_the_request(split, env):
     (["--temperature", "500"], "temperature must be in [0, 100]"),
     (["--top-p", "0"], "top_p must be in (0, 1]"),
     (["--stop", ""], "stop takes at most 16 non-empty strings"),
-    (["--top-k", "-1"], "'-1' is not a whole number of 0 or more"),
+    (["--top-k", "-1"], "top_k must be in [0, 2**20]"),
+    (["--max-tokens", "0"], "max_tokens must be in [1, 2**20]"),
+    (["--seed", "-1"], "seed must be in [0, 2**63)"),
+    (["--temperature", "hot"], "argument --temperature: invalid float value: 'hot'"),
 ])
 def test_a_bad_flag_is_one_line_before_any_request(env, flags, words):
     out = meshnet(["chat", "--tracker", "tcp://127.0.0.1:1", *flags, "hi"], env)
