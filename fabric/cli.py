@@ -543,7 +543,7 @@ def _node_config(args, security):
     except (ModelError, ValueError) as exc:
         raise CommandError(str(exc)) from None
     node_id = args.node_id or stable_node_id(default_data_root(), source.model_id, shard, args.bind)
-    return NodeConfig(source=source, shard=shard, bind=args.bind, advertise=args.advertise,
+    return NodeConfig.build(source, shard, bind=args.bind, advertise=args.advertise,
                       tracker=args.tracker, device=args.device,
                       dtype=dtype, node_id=node_id, quant=None if args.quant == "none" else args.quant,
                       max_sessions=args.max_sessions, max_prompt_tokens=args.max_prompt_tokens,

@@ -342,7 +342,18 @@ def load_shard(source: ModelSource, shard: Shard, *, dtype: torch.dtype = torch.
         state = _safetensors_state(source, shard, tied)
     _prune(model, shard, keep_embed=(shard.is_first and lazy_embed is None) or (shard.is_last and tied))
     _load_into(model, state, dtype)
-    inner = model.model
+    weights = _shard_weights(model, shard, lazy_embed, tied, dtype, device)
+    if quant is not None:  # --quant: see fabric/quant.py
+        from .quant import quantize
+
+        del state, model  # the float checkpoint tensors, before quantizing
+        quantize(weights, quant)
+    return weights
+
+
+def _shard_weights(model, shard: Shard, lazy_embed, tied: bool, dtype: torch.dtype, device: str) -> ShardWeights:
+    """The shard's modules of a loaded ``model``, on ``device`` in ``dtype``."""
+    inner, config = model.model, model.config
     if lazy_embed is not None:
         inner.embed_tokens = lazy_embed
     lm_head = None
@@ -363,11 +374,6 @@ def load_shard(source: ModelSource, shard: Shard, *, dtype: torch.dtype = torch.
             module.to(device=device, dtype=dtype).eval().requires_grad_(False)
     weights.rotary.to(device=device)
     _check_materialized(weights)
-    if quant is not None:  # --quant: see fabric/quant.py
-        from .quant import quantize
-
-        del state, model, inner  # the float checkpoint tensors, before quantizing
-        quantize(weights, quant)
     return weights
 
 

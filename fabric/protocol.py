@@ -20,7 +20,7 @@ import math
 import types
 import typing
 from dataclasses import dataclass, field
-from enum import IntEnum
+from enum import IntEnum, StrEnum
 from typing import Any, ClassVar, Sequence
 
 import msgpack
@@ -60,6 +60,25 @@ class ErrorCode:
     TRACKER_UNAVAILABLE = "tracker_unavailable"  # client side: the tracker did not answer in time
     HOP_FAILED = "hop_failed"
     CANCELLED = "cancelled"
+
+
+class EventKind(StrEnum):
+    """``Event.event``: what a head tells its client about a request."""
+
+    START = "start"  # the route is set and the prompt counted
+    TOKEN = "token"  # new text and the token ids it came from
+    PROGRESS = "progress"  # the head works on the prompt: no text yet, but no silence either
+    DONE = "done"  # the end, with a finish reason and usage
+    ERROR = "error"  # the end: the request failed (``error_code`` says how)
+
+
+class FinishReason(StrEnum):
+    """Why a request ended (``Event.finish_reason``, ``Report.finish_reason``)."""
+
+    STOP = "stop"  # an end-of-sequence token or a stop string
+    LENGTH = "length"  # max_tokens reached
+    CANCELLED = "cancelled"  # the client cancelled
+    ERROR = "error"
 
 
 class ProtocolError(Exception):

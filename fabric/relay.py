@@ -37,7 +37,7 @@ import zmq
 
 from . import protocol as p
 from .metrics import Sample
-from .security import Security, SecurityError, dial_securely, peer_key, serve_securely, start_authenticator
+from .security import Security, dial, peer_key, serve_securely, start_authenticator
 
 log = logging.getLogger(__name__)
 
@@ -324,16 +324,7 @@ class RelayLink:
         self.sock = self._dial()
 
     def _dial(self) -> zmq.Socket:
-        sock = self.ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.SNDHWM, 10000)
-        try:
-            dial_securely(sock, self.security, self.key)
-            sock.connect(self.relay)
-        except (zmq.ZMQError, SecurityError):
-            sock.close(linger=0)
-            raise
-        return sock
+        return dial(self.ctx, self.relay, self.security, self.key)
 
     def close(self) -> None:
         self.sock.close(linger=0)

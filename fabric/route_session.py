@@ -16,8 +16,8 @@ from typing import Protocol
 
 import torch
 
-from .protocol import (CacheMiss, Cancel, Close, Error, ErrorCode, Event, Forward, Generate, Hop,
-                       Sampling, Token)
+from .protocol import (CacheMiss, Cancel, Close, Error, ErrorCode, Event, EventKind, FinishReason, Forward,
+                       Generate, Hop, Sampling, Token)
 
 log = logging.getLogger(__name__)
 
@@ -145,7 +145,7 @@ class RouteSession:
 
     def start(self) -> list[Event]:
         self._send(self.history, pos=0)
-        return [Event(self.session, "start", route=self.route, prompt_tokens=self.prompt_tokens)]
+        return [Event(self.session, EventKind.START, route=self.route, prompt_tokens=self.prompt_tokens)]
 
     def on_token(self, msg: Token) -> list[Event]:
         if self.finished or msg.step != self.step:
@@ -154,13 +154,13 @@ class RouteSession:
         self.first_token_at = self.first_token_at or time.monotonic()
         self.generated.append(token)
         if token in self.eos and not self.request.ignore_eos:
-            return [self._token_event(token, self.detok.flush()), *self._finish("stop")]
+            return [self._token_event(token, self.detok.flush()), *self._finish(FinishReason.STOP)]
         text, stopped = self.detok.add(token)
         events = [self._token_event(token, text)]
         if stopped:
-            return events + self._finish("stop")
+            return events + self._finish(FinishReason.STOP)
         if len(self.generated) >= self.request.max_tokens:
-            return events + self._finish("length", tail=self.detok.flush())
+            return events + self._finish(FinishReason.LENGTH, tail=self.detok.flush())
         self.history.append(token)
         self._send([token], pos=len(self.history) - 1)
         return events
@@ -242,14 +242,14 @@ class RouteSession:
             return []
         self.finished = "cancelled"
         self._tell_route(Cancel)
-        return [self._done("cancelled")]
+        return [self._done(FinishReason.CANCELLED)]
 
     def fail(self, code: str, message: str) -> list[Event]:
         if self.finished:
             return []
         self.finished = "error"
         self._tell_route(Cancel)
-        return [Event(self.session, "error", text=message, error_code=code, finish_reason="error",
+        return [Event(self.session, EventKind.ERROR, text=message, error_code=code, finish_reason=FinishReason.ERROR,
                       prompt_tokens=self.prompt_tokens, completion_tokens=len(self.generated))]
 
     # -- internals ----------------------------------------------------------------------
@@ -276,11 +276,11 @@ class RouteSession:
         self.transport.control(self.route[0], kind(session=self.session, route=self.route[1:]))
 
     def _token_event(self, token: int | None, text: str) -> Event:
-        return Event(self.session, "token", text=text, token_ids=() if token is None else (token,),
+        return Event(self.session, EventKind.TOKEN, text=text, token_ids=() if token is None else (token,),
                      completion_tokens=len(self.generated))
 
     def _done(self, reason: str) -> Event:
-        return Event(self.session, "done", finish_reason=reason, prompt_tokens=self.prompt_tokens,
+        return Event(self.session, EventKind.DONE, finish_reason=reason, prompt_tokens=self.prompt_tokens,
                      completion_tokens=len(self.generated), route=self.route)
 
     @property

@@ -109,6 +109,24 @@ def dial_securely(sock: zmq.Socket, security: Security | None, server_key: str |
     sock.curve_serverkey = server_key.encode() if isinstance(server_key, str) else server_key
 
 
+def dial(ctx: zmq.Context, endpoint: str, security: Security | None, server_key: str | bytes | None, *,
+         sndhwm: int | None = 10000) -> zmq.Socket:
+    """A DEALER connected to ``endpoint``, a CURVE client of ``server_key`` when ``security``
+    is on, closing at once (linger 0). ``sndhwm``: frames queued before sends would block.
+    A bad endpoint or a missing key raises, with no socket left open."""
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    if sndhwm is not None:
+        sock.setsockopt(zmq.SNDHWM, sndhwm)
+    try:
+        dial_securely(sock, security, server_key)
+        sock.connect(endpoint)
+    except (zmq.ZMQError, SecurityError):
+        sock.close(linger=0)
+        raise
+    return sock
+
+
 def peer_key(frame: zmq.Frame) -> str | None:
     """The CURVE public key (z85) the peer that sent ``frame`` authenticated with."""
     try:

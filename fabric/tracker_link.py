@@ -23,7 +23,7 @@ import zmq
 import zmq.utils.monitor
 
 from . import protocol as p
-from .security import Security, dial_securely
+from .security import Security, dial
 
 log = logging.getLogger("fabric.node")
 
@@ -40,16 +40,8 @@ class TrackerLink:
         self.endpoint = endpoint
         self.security = security
         self.silence, self.repeat, self._clock = silence, repeat, clock
-        self.sock = ctx.socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.setsockopt(zmq.SNDHWM, 10000)
+        self.sock = dial(ctx, endpoint, security, security and security.tracker_key)
         self.monitor = self.sock.get_monitor_socket(HANDSHAKE_EVENTS)
-        try:
-            dial_securely(self.sock, security, security and security.tracker_key)
-            self.sock.connect(endpoint)
-        except zmq.ZMQError:
-            self.close()
-            raise
         self._waiting_since: float | None = None  # first message sent since the last reply
         self._warned_at: float | None = None  # last "does not answer" warning
         self._said: set[str] = set()  # handshake problems and refusals already logged

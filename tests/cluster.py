@@ -66,7 +66,7 @@ class ThreadCluster:
         self.threads.append(t)
 
     def add_node(self, model_dir: Path, start: int, end: int, num_layers: int, node_id: str, **kw) -> Node:
-        config = NodeConfig(resolve(str(model_dir)), Shard(start, end, num_layers), tracker=self.endpoint,
+        config = NodeConfig.build(resolve(str(model_dir)), Shard(start, end, num_layers), tracker=self.endpoint,
                             node_id=node_id, progress=False, heartbeat_interval=self.heartbeat, **kw)
         node = Node(config)
         self._start(node.run)

@@ -59,20 +59,20 @@ class StepGate:
         self._allowed = 0
         self._open = False
         self._lock = threading.Lock()
-        self._execute = node._execute
-        node._execute = self._gated
+        self._run = node._run
+        node._run = self._gated
 
     def _gated(self, batch) -> None:
-        """Stands in for ``Node._execute(batch)``: a batch of queued hops runs as one step."""
+        """Stands in for ``Node._run(batch)``: a batch of queued hops runs as one step."""
         with self._lock:
             go = self._open or self._allowed > 0
             if go and not self._open:
                 self._allowed -= 1
         if not go:
-            self.node.work.extendleft(reversed(batch))
+            self.node.scheduler.queue.extendleft(reversed(batch))
             time.sleep(0.005)  # the node loop polls without a timeout while work is queued
             return
-        self._execute(batch)
+        self._run(batch)
         with self._lock:
             self.executed += 1
 

@@ -82,4 +82,4 @@ def test_cache_miss_reprefills_and_output_is_unchanged(thread_cluster, tiny_mode
     assert evicted.is_set()
     assert tail.counters["cache_miss"] >= 1
     assert ids == expected
-    assert wait_for(lambda: not head.sessions, 5)  # the request ended and left no session on the head
+    assert wait_for(lambda: not head.head.sessions, 5)  # the request ended and left no session on the head

@@ -48,7 +48,7 @@ class RunningNode:
     """A Node serving in a thread; ``stop()`` ends its loop and joins the thread."""
 
     def __init__(self, model_dir: Path, node_id: str, **config):
-        self.node = Node(NodeConfig(resolve(str(model_dir)), Shard(0, NUM_LAYERS - 1, NUM_LAYERS), tracker=None,
+        self.node = Node(NodeConfig.build(resolve(str(model_dir)), Shard(0, NUM_LAYERS - 1, NUM_LAYERS), tracker=None,
                                     progress=False, node_id=node_id, **config))
         self.stop_event = threading.Event()
         self.thread = threading.Thread(target=self.node.run, args=(self.stop_event,), daemon=True,

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import zmq
 
 from fabric import protocol as p
-from fabric.security import Security, SecurityError, dial_securely
+from fabric.security import Security, SecurityError, dial
 
 log = logging.getLogger(__name__)
 
@@ -74,17 +74,17 @@ class ReachChecker:
     def _ping_all(self, checks: list[Check]) -> list[tuple[Check, bool]]:
         socks: dict[zmq.Socket, Check] = {}
         answered: set[zmq.Socket] = set()
+        undialled: list[Check] = []  # a bad endpoint or key: unreachable without a try
         try:
             for check in checks:
-                sock = self.ctx.socket(zmq.DEALER)
-                sock.setsockopt(zmq.LINGER, 0)
-                socks[sock] = check
                 try:
-                    dial_securely(sock, self.security, check.key)
-                    sock.connect(check.endpoint)
-                    sock.send_multipart(p.encode(p.Ping(1)), zmq.NOBLOCK)
+                    sock = dial(self.ctx, check.endpoint, self.security, check.key, sndhwm=None)
                 except (zmq.ZMQError, SecurityError) as exc:
                     log.info("cannot dial %s at %s: %s", check.node_id, check.endpoint, exc)
+                    undialled.append(check)
+                    continue
+                socks[sock] = check
+                sock.send_multipart(p.encode(p.Ping(1)), zmq.NOBLOCK)
             poller = zmq.Poller()
             for sock in socks:
                 poller.register(sock, zmq.POLLIN)
@@ -98,4 +98,4 @@ class ReachChecker:
         finally:
             for sock in socks:
                 sock.close(linger=0)
-        return [(check, sock in answered) for sock, check in socks.items()]
+        return [(check, sock in answered) for sock, check in socks.items()] + [(check, False) for check in undialled]

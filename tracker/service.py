@@ -22,7 +22,7 @@ import logging
 import signal
 import threading
 import time
-from collections import Counter, OrderedDict
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NoReturn
@@ -41,19 +41,19 @@ from fabric.security import Security, peer_key, serve_securely, start_authentica
 
 from .events import EventRing
 from .reach import ReachChecker
-from .ledger import Ledger, check_report, default_ledger_path
+from .ledger import Ledger, default_ledger_path
 from .planner import (
-    CostModel, Plan, assign_span, estimate_route, hop_dict, hop_weights, layer_rate,
-    links_measured, plan_all, plan_routes, route_link_seconds,
+    CostModel, Plan, assign_span, hop_dict, plan_all, plan_routes,
 )
 from .registry import NodeInfo, Registry
-from .stats import Completion, StatsStore, decode_timing, route_label
+from .reports import Reports
+from .stats import StatsStore, route_label
+from .views import node_rows, plans_view, usage
 
 log = logging.getLogger(__name__)
 
 TOPIC_PLANS, TOPIC_STATS, TOPIC_EVENTS = b"plans", b"stats", b"events"
 STATUS_EVENTS = 50  # recent events included in a Status body
-MAX_INFLIGHT = 4096  # requests whose first progress report is remembered
 MAX_DRAIN = 100  # messages handled per poll wake-up before housekeeping runs
 MAX_PROBE_PEERS = 16  # peers a heartbeat's answer asks the node to measure round trips to
 
@@ -95,7 +95,7 @@ class Tracker:
         self.registry = Registry(config.heartbeat_interval, config.expiry_missed)
         self.stats = StatsStore(config.stats_window)
         self.events = EventRing(config.event_ring)
-        self._inflight: OrderedDict[str, tuple[int, float] | None] = OrderedDict()
+        self.reports = Reports(self.registry, self.stats, self.events, config.cost, self._emit)
         self._ledger: Ledger | None = None
         self._pub: zmq.Socket | None = None
         self._started = time.monotonic()
@@ -182,7 +182,8 @@ class Tracker:
         if now >= self._next_stats:
             self._next_stats = now + self.config.stats_interval
             self._publish(TOPIC_STATS, {"ts": time.time(), "stats": self.stats.snapshot(),
-                                        "nodes": self._node_rows(), "usage": self._usage()})
+                                        "nodes": node_rows(self.registry, self.stats, self.config.cost),
+                                        "usage": usage(self._ledger)})
 
     def _expire(self) -> None:
         for node in self.registry.expire():
@@ -228,7 +229,7 @@ class Tracker:
         """Live numbers for /metrics; safe to call from another thread."""
         nodes = self.registry.snapshot()
         rows = [Sample("tracker_nodes", "registered nodes", len(nodes)),
-                Sample("tracker_requests_in_flight", "requests reported in progress", len(self._inflight))]
+                Sample("tracker_requests_in_flight", "requests reported in progress", len(self.reports))]
         rows += [Sample("tracker_node_sessions", "sessions at the node's last heartbeat", n.sessions,
                         labels={"node": n.node_id, "model": n.model}) for n in nodes]
         rows += [Sample("tracker_messages_total", "messages handled, by kind", count, "counter", {"kind": kind})
@@ -258,7 +259,7 @@ class Tracker:
             case RouteRequest():
                 return self._on_route_request(message)
             case Report():
-                return self._on_report(message)
+                return self.reports.handle(message, self._ledger)
             case StatusRequest():
                 self._expire()
                 return Status(body=self.status_body())
@@ -354,64 +355,6 @@ class Tracker:
         start, end = assign_span(self.registry.snapshot(), msg.model, msg.num_layers, msg.max_layers)
         return Assign(start_layer=start, end_layer=end)
 
-    # ----------------------------------------------------------------- reports
-
-    def _on_report(self, msg: Report) -> Message:
-        check_report(msg)
-        return self._on_completion(msg) if msg.final else self._on_progress(msg)
-
-    def _remember(self, request_id: str, first: tuple[int, float] | None) -> None:
-        self._inflight[request_id] = first
-        while len(self._inflight) > MAX_INFLIGHT:
-            self._inflight.popitem(last=False)
-
-    def _on_progress(self, msg: Report) -> Message:
-        rid = msg.request_id
-        if rid not in self._inflight:
-            self._remember(rid, None)
-            self._emit(self.events.add(
-                "connected", f"{msg.node_id} connected for {msg.model}", key=rid,
-                node=msg.node_id, model=msg.model, hops=[hop_dict(h) for h in msg.route]))
-        if msg.completion_tokens > 0:
-            if self._inflight[rid] is None:
-                self._inflight[rid] = (msg.completion_tokens, msg.elapsed)
-            timing = decode_timing(msg.completion_tokens, msg.elapsed, self._inflight[rid])
-            tps = 1.0 / timing.seconds_per_token if timing else 0.0
-            head = self.registry.get(msg.node_id)
-            self._emit(self.events.upsert(
-                "progress", rid, f"{msg.completion_tokens} tokens · {tps:.1f} tok/s",
-                node=msg.node_id, model=msg.model, tokens=msg.completion_tokens,
-                tps=round(tps, 3), queue=head.queued if head else 0, elapsed=msg.elapsed))
-        return Ack()
-
-    def _on_completion(self, msg: Report) -> Message:
-        first = self._inflight.pop(msg.request_id, None)
-        entry, new = self._ledger.record(msg)
-        if not new:
-            return Ack(detail=f"already recorded: {entry.status}")
-        self._record_stats(msg, first)
-        kind = "error" if msg.finish_reason == "error" else "complete"
-        billing = entry.status + (f" ({entry.reason})" if entry.reason else "")
-        self._emit(self.events.add(
-            kind, f"{msg.model}: {msg.prompt_tokens} in / {msg.completion_tokens} out in "
-            f"{msg.elapsed:.2f}s, {msg.finish_reason}, {billing}", key=msg.request_id,
-            node=msg.node_id, model=msg.model, prompt_tokens=msg.prompt_tokens,
-            completion_tokens=msg.completion_tokens, duration=msg.elapsed,
-            finish_reason=msg.finish_reason, billing=entry.status, billing_reason=entry.reason,
-            hops=[hop_dict(h) for h in msg.route]))
-        return Ack(detail=billing)
-
-    def _record_stats(self, msg: Report, first: tuple[int, float] | None) -> None:
-        nodes = {n.node_id: n for n in self.registry.snapshot()}
-        rates, cost = self.stats.layer_rates(), self.config.cost
-        self.stats.record(
-            Completion(model=msg.model, route=msg.route, completion_tokens=msg.completion_tokens,
-                       elapsed=msg.elapsed, finish_reason=msg.finish_reason, first_progress=first),
-            hop_weights=hop_weights(msg.route, nodes, rates, cost),
-            link_s=route_link_seconds(msg.route, nodes, cost),
-            predicted_s=estimate_route(msg.route, nodes, rates, cost),
-            min_compute_share=0.1 if links_measured(msg.route, nodes) else 0.5)
-
     # ----------------------------------------------------------------- views
 
     def _plans(self) -> dict[str, Plan]:
@@ -419,43 +362,7 @@ class Tracker:
                         self.config.max_routes, self.config.cost)
 
     def _plans_view(self, plans: dict[str, Plan] | None = None) -> dict:
-        """Plans, gaps and, where nodes of one model hold different weights, those groups."""
-        plans = self._plans() if plans is None else plans
-        relays = {n.node_id: n.relay for n in self.registry.snapshot() if n.relay}
-        return {"plans": {m: [self._plan_row(m, r, relays) for r in p.routes] for m, p in plans.items()},
-                "gaps": {m: [list(g) for g in p.gaps] for m, p in plans.items() if p.gaps},
-                "weights_differ": {m: [g.to_dict() for g in p.differ] for m, p in plans.items() if p.differ}}
-
-    def _plan_row(self, model: str, route, relays: dict[str, str]) -> dict:
-        """A planned route with its relayed hops marked, and the tokens/s requests on it
-        actually got (``actual_tps`` None until one fed the statistics)."""
-        row = route.to_dict()
-        row["hops"] = [hop_dict(h, relays.get(h.node, "")) for h in route.hops]
-        observed = self.stats.route_row(model, route.hops)
-        row["actual_tps"] = observed["actual_tps"] if observed else None
-        row["samples"] = observed["samples"] if observed else 0
-        return row
-
-    def _node_row(self, node: NodeInfo, rates: dict) -> dict:
-        measured = rates.get((node.node_id, node.model))
-        return {"id": node.node_id, "endpoint": node.endpoint, "model": node.model,
-                "fingerprint": node.fingerprint, "layers": [node.start_layer, node.end_layer],
-                "num_layers": node.num_layers, "sessions": node.sessions, "queued": node.queued,
-                "max_sessions": node.max_sessions, "benchmark": node.benchmark,
-                "layer_steps_per_s": layer_rate(node, rates, self.config.cost),
-                "measured": measured is not None, "hardware": node.hardware,
-                "last_seen_s": round(self.registry.age(node), 3),
-                "relay": node.relay, "relayed": bool(node.relay), "rtts": node.rtts, "reachable": node.reachable}
-
-    def _node_rows(self) -> list[dict]:
-        rates = self.stats.layer_rates()
-        return [self._node_row(n, rates) for n in self.registry.snapshot()]
-
-    def _usage(self) -> dict:
-        if self._ledger is None:
-            return {}
-        return {"totals": self._ledger.totals(), "by_key": self._ledger.usage_by_key(),
-                "by_node": self._ledger.usage_by_node()}
+        return plans_view(self._plans() if plans is None else plans, self.registry.snapshot(), self.stats)
 
     def status_body(self) -> dict:
         """Everything ``meshnet status --json`` shows; msgpack- and JSON-friendly."""
@@ -464,11 +371,11 @@ class Tracker:
                         "endpoint": self.endpoint, "pub": self.pub_endpoint,
                         "heartbeat_interval": self.config.heartbeat_interval,
                         "expiry_s": self.registry.expiry_s},
-            "nodes": self._node_rows(),
+            "nodes": node_rows(self.registry, self.stats, self.config.cost),
             **self._plans_view(),
             "events": self.events.recent(limit=STATUS_EVENTS),
             "stats": self.stats.snapshot(),
-            "usage": self._usage(),
+            "usage": usage(self._ledger),
         }
 
     # ----------------------------------------------------------------- publishing

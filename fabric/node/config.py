@@ -1,0 +1,73 @@
+"""A node's configuration, grouped as the node is: what it holds and computes, how it
+schedules hops, how it heads requests, and its links to the tracker and a relay."""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import secrets
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from ..models import ModelSource
+from ..security import Security
+from ..shard import Shard
+from .head import HeadConfig
+from .links import LinkConfig
+from .scheduler import SchedulerConfig
+
+
+@dataclass(frozen=True)
+class NodeConfig:
+    source: ModelSource  # what to load
+    shard: Shard  # which layers this node holds
+    bind: str = "tcp://127.0.0.1:0"  # ROUTER address; port 0 picks a free port
+    advertise: str | None = None  # endpoint peers should dial; defaults to the bound one
+    device: str = "cpu"
+    dtype: torch.dtype = torch.float32
+    quant: str | None = None  # "int8" / "int4": weight-only quantized shard (bfloat16 compute, CPU)
+    node_id: str = field(default_factory=lambda: "node-" + secrets.token_hex(4))
+    kv_idle_timeout: float = 300.0  # free a session's KV after this long unused
+    max_sessions: int = 64  # concurrent sessions this node keeps KV for
+    compute_lock: str | None = None  # a file nodes sharing this machine lock while they compute (one at a time)
+    max_frame_bytes: int = 64 << 20  # largest tensor buffer accepted from a peer
+    cache_root: Path | None = None  # where parsed GGUF metadata is cached
+    progress: bool = True  # show a progress bar while weights load
+    security: Security | None = None  # CurveZMQ keys and allow-list; None: plaintext (a trusted LAN)
+    scheduler: SchedulerConfig = SchedulerConfig()  # batching and prefill slices
+    head: HeadConfig = HeadConfig()  # requests this node heads: timeouts, pings, prompt limit
+    link: LinkConfig = LinkConfig()  # the tracker and relay
+
+    @classmethod
+    def build(cls, source: ModelSource, shard: Shard, **options) -> "NodeConfig":
+        """A config from flat options (``max_batch=8, tracker=None``): each goes to the group
+        that has a field of its name. An unknown name raises TypeError."""
+        groups = {"scheduler": SchedulerConfig, "head": HeadConfig, "link": LinkConfig}
+        parts: dict[str, dict] = {name: {} for name in groups}
+        top = {}
+        for name, value in options.items():
+            group = next((g for g, kind in groups.items() if name in _fields(kind)), None)
+            if group is None and name not in _fields(cls):
+                raise TypeError(f"NodeConfig has no option {name!r}")
+            (parts[group] if group else top)[name] = value
+        return cls(source, shard, **top, **{g: groups[g](**kw) for g, kw in parts.items()})
+
+
+def _fields(kind: type) -> set[str]:
+    return {f.name for f in dataclasses.fields(kind)}
+
+
+def stable_node_id(data_root: Path, model_id: str, shard: Shard, bind: str) -> str:
+    """A node id made once per (model, layers, bind address) and kept in a key file. A node
+    bound to port 0 (any free port) has no stable address, so it gets a fresh id."""
+    if bind.rstrip("/").endswith((":0", ":*")):
+        return "node-" + secrets.token_hex(4)
+    slot = hashlib.sha256(f"{model_id}|{shard}|{bind}".encode()).hexdigest()[:16]
+    path = data_root / "node-ids" / slot
+    if path.is_file():
+        return path.read_text().strip()
+    node_id = "node-" + secrets.token_hex(4)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(node_id + "\n")
+    return node_id

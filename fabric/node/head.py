@@ -1,0 +1,177 @@
+"""The head's side of a node: the requests it heads, the clients that sent them, failover.
+
+A node that holds layer 0 takes GENERATE from clients. For each request it keeps a
+RouteSession (fabric/route_session.py) and the client's identity on the ROUTER; it turns
+the route's TOKEN, CACHE_MISS and ERROR replies into client events, reports progress to
+the tracker, and when a hop of an active route dies it asks the tracker for another.
+No sockets here: the node passes frames in and sends what comes out through ``HeadHost``.
+"""
+from __future__ import annotations
+
+import secrets
+import time
+from collections import Counter, deque
+from dataclasses import dataclass
+from typing import Protocol
+
+from .. import protocol as p
+from ..liveness import splice
+from ..route_session import RequestError, RouteSession, Transport, encode_prompt
+
+
+@dataclass(frozen=True)
+class HeadConfig:
+    ping_interval: float = 0.25  # the head pings the hops of its active routes this often
+    peer_silence: float = 10.0  # a hop that answers nothing this long is dead (hung, unreachable)
+    link_grace: float = 0.25  # a hop whose TCP link stays down this long is dead (its process died)
+    hop_timeout: float = 30.0  # the head re-prefills a step that got no reply for this long
+    progress_interval: float = 0.5  # seconds between progress reports of a request this node heads
+    max_prompt_tokens: int = 4096  # the head refuses longer prompts
+    wire_dtype: str = ""  # hidden states on the wire of routes this node heads ("": compute dtype)
+
+
+class HeadHost(Transport, Protocol):
+    """What the head needs of its node: its address, and ways out."""
+
+    endpoint: str  # where hops answer this node (a relay's front once one opened)
+    key: str  # the CURVE key hops answer it with ("" in plaintext)
+
+    def reply(self, identity: bytes, message: p.Message) -> None: ...
+    def to_tracker(self, message: p.Message) -> bool: ...  # False: this node has no tracker
+
+
+@dataclass(frozen=True)
+class Model:
+    """The model a head serves: what it reports and how it reads prompts."""
+
+    model_id: str
+    num_layers: int
+    tokenizer: object
+    eos: frozenset[int]
+
+
+class Head:
+    def __init__(self, config: HeadConfig, host: HeadHost, node_id: str, model: Model, counters: Counter):
+        self.config = config
+        self.host = host
+        self.node_id = node_id
+        self.model = model
+        self.counters = counters  # the node's: failovers are counted here
+        self.sessions: dict[str, RouteSession] = {}  # requests this node heads
+        self.clients: dict[str, bytes] = {}  # request id -> client identity on the ROUTER
+        self.pending_routes: deque[str] = deque()  # sessions awaiting a failover route, in request order
+
+    def __len__(self) -> int:
+        return len(self.sessions)
+
+    # -- requests -----------------------------------------------------------------------
+
+    def generate(self, identity: bytes, req: p.Generate) -> None:
+        """Start a request; a bad one raises ProtocolError, a refused prompt is one event."""
+        last = self.model.num_layers - 1
+        if req.route[0].endpoint != self.host.endpoint:
+            raise p.ProtocolError("this node is not the head of that route", p.ErrorCode.BAD_REQUEST)
+        if req.request_id in self.sessions:
+            raise p.ProtocolError("request id already in flight", p.ErrorCode.BAD_REQUEST)
+        if req.route[-1].end_layer != last:
+            raise p.ProtocolError(f"the route ends at layer {req.route[-1].end_layer}, not at the last layer "
+                                  f"{last}", p.ErrorCode.BAD_REQUEST)
+        try:
+            prompt = encode_prompt(self.model.tokenizer, req, self.config.max_prompt_tokens)
+        except RequestError as exc:
+            self.host.reply(identity, p.Event(req.request_id, p.EventKind.ERROR, text=str(exc),
+                                              error_code=exc.code, finish_reason=p.FinishReason.ERROR))
+            return
+        rs = RouteSession(req, prompt, tokenizer=self.model.tokenizer, eos=self.model.eos,
+                          reply_to=self.host.endpoint, reply_key=self.host.key, transport=self.host,
+                          seed=secrets.randbits(62), wire_dtype=self.config.wire_dtype)
+        self.sessions[req.request_id] = rs
+        self.clients[req.request_id] = identity
+        self._emit(rs, rs.start())
+
+    def cancel(self, session: str) -> bool:
+        """Cancel a request this node heads; False when it heads no such request."""
+        rs = self.sessions.get(session)
+        if rs is None:
+            return False
+        self._emit(rs, rs.cancel())
+        return True
+
+    def deliver(self, session: str, msg: p.Token | p.CacheMiss | p.Error) -> None:
+        """A reply from the route: the tail's token, a hop's cache miss or error."""
+        rs = self.sessions.get(session)
+        if rs is None:
+            return  # a late reply for a request that already ended
+        match msg:
+            case p.Token():
+                events = rs.on_token(msg)
+            case p.CacheMiss():
+                events = rs.on_cache_miss(msg)
+            case _:
+                events = rs.on_error(msg)
+        self._emit(rs, events)
+
+    def progressed(self, session: str, now: float) -> None:
+        """A prefill chunk of ``session`` ran here: the route is alive, though silent."""
+        rs = self.sessions.get(session)
+        if rs is not None:
+            rs.progressed(now)
+
+    def tick(self, now: float) -> None:
+        """Re-send steps that timed out."""
+        for rs in list(self.sessions.values()):
+            self._emit(rs, rs.check_timeout(now, self.config.hop_timeout))
+
+    def _emit(self, rs: RouteSession, events: list[p.Event]) -> None:
+        identity = self.clients.get(rs.session)
+        for event in events:
+            if identity is not None:
+                self.host.reply(identity, event)
+        if rs.finished:
+            self.sessions.pop(rs.session, None)
+            self.clients.pop(rs.session, None)
+            self._report(rs)
+        elif time.monotonic() - rs.reported_at >= self.config.progress_interval:
+            self._report(rs)  # progress for every request, streamed or not
+
+    def _report(self, rs: RouteSession) -> None:
+        rs.reported_at = time.monotonic()
+        self.host.to_tracker(p.Report(
+            request_id=rs.session, node_id=self.node_id, model=self.model.model_id, route=rs.route,
+            prompt_tokens=rs.prompt_tokens, completion_tokens=len(rs.generated), elapsed=rs.elapsed,
+            final=rs.finished is not None, finish_reason=rs.finished, api_key=rs.request.api_key,
+            max_tokens=rs.request.max_tokens))
+
+    # -- failover -----------------------------------------------------------------------
+
+    def watched(self) -> dict[str, str]:
+        """Endpoint -> key of the other hops that active routes depend on."""
+        return {h.endpoint: h.key for rs in self.sessions.values() if not rs.awaiting_route
+                for h in rs.route if h.endpoint != self.host.endpoint}
+
+    def lost(self, dead: set[str], now: float) -> None:
+        """Route around hops at the ``dead`` endpoints."""
+        for rs in [rs for rs in self.sessions.values() if not rs.awaiting_route]:
+            lost = {h.node for h in rs.route if h.endpoint in dead}
+            if lost and now >= rs.replan_after:
+                self._failover(rs, lost, now)
+
+    def _failover(self, rs: RouteSession, lost: set[str], now: float) -> None:
+        rs.begin_failover(lost)
+        if not self.host.to_tracker(p.RouteRequest(self.model.model_id, tuple(sorted(rs.excluded)))):
+            rs.keep_route(lost, now)  # nobody to ask for another route: wait for them to come back
+            return
+        self.counters["failovers"] += 1
+        self.pending_routes.append(rs.session)
+
+    def route_answer(self, msg: p.Route | p.Error) -> None:
+        """The tracker's answer to the oldest failover request."""
+        if not self.pending_routes:
+            return
+        rs = self.sessions.get(self.pending_routes.popleft())
+        if rs is None:
+            return
+        if isinstance(msg, p.Route):
+            self._emit(rs, rs.reroute(splice(rs.route[0], msg.hops)))
+        else:  # nothing else serves those layers: wait for the lost hops to come back
+            rs.keep_route(rs.lost, time.monotonic())

@@ -1,0 +1,78 @@
+"""Running hops: one, or a batch, through the shard's executor under the compute lock.
+
+A failure costs the sessions of that batch, never the node: each result is the step's
+output or the exception it raised (a cache miss included), for the node to pass on.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+
+import torch
+
+from ..compute_lock import ComputeLock
+from ..executor import ShardExecutor, Step, StepResult
+from ..shard import Shard
+from .scheduler import Work
+
+log = logging.getLogger(__name__)
+
+SLOW_HOP_S = 5.0  # a hop this long is logged: it stalls every session queued behind it
+
+
+class HopRunner:
+    def __init__(self, executor: ShardExecutor, lock: ComputeLock, counters: Counter):
+        self.executor = executor
+        self.lock = lock
+        self.counters = counters  # the node's: hops, batches, chunks and seconds are counted here
+
+    def run(self, batch: list[Work]) -> tuple[list[StepResult | Exception], float, float]:
+        """Run ``batch`` (one hop, decode steps or short whole prompts over the same layers);
+        returns a result per hop, when it began and how long it took (perf_counter)."""
+        with self.lock:
+            started = time.perf_counter()
+            try:
+                results = self._run(batch)
+                self.executor.finish()
+            except Exception as exc:
+                log.exception("hop failed for sessions %s", [w.session for w in batch])
+                results = [exc] * len(batch)
+        elapsed = time.perf_counter() - started
+        self._count(batch, elapsed)
+        return results, started, elapsed
+
+    def _run(self, batch: list[Work]) -> list[StepResult | Exception]:
+        if len(batch) == 1:
+            msg = batch[0].msg
+            try:
+                return [self.executor.run(msg.session, msg.start_layer, msg.end_layer, batch[0].tensor, msg.pos,
+                                          logits=not msg.more)]
+            except Exception as exc:  # CacheMissError included: the node answers per session
+                return [exc]
+        steps = [Step(w.session, w.msg.start_layer, w.msg.end_layer, w.tensor, w.msg.pos) for w in batch]
+        return self.executor.run_batch(steps) if batch[0].decode else self.executor.run_prefills(steps)
+
+    def _count(self, batch: list[Work], elapsed: float) -> None:
+        self.counters["hops"] += len(batch)
+        self.counters["batched_hops"] += len(batch) if len(batch) > 1 else 0
+        self.counters["prefill_chunks"] += batch[0].msg.more
+        self.counters["hop_seconds"] += elapsed
+        if elapsed > SLOW_HOP_S:
+            first = batch[0]
+            log.warning("a hop of %d session(s) took %.1f s (layers %d-%d, %d tokens at position %d)", len(batch),
+                        elapsed, first.msg.start_layer, first.msg.end_layer, first.tokens, first.msg.pos)
+
+    def benchmark(self, shard: Shard, dtype: torch.dtype, reps: int = 3) -> float:
+        """Layer-steps per second for one decode token on a fixed workload."""
+        ex = self.executor
+        x = (torch.zeros((1, 1), dtype=torch.int64) if shard.is_first
+             else torch.zeros((1, 1, ex.hidden_size), dtype=dtype))
+        best = float("inf")
+        for _ in range(reps):
+            t = time.perf_counter()
+            ex.run("__bench__", shard.start, shard.end, x, 0)
+            ex.finish()
+            best = min(best, time.perf_counter() - t)
+        ex.kv.drop("__bench__")
+        return shard.size / max(best, 1e-9)

@@ -1,0 +1,341 @@
+"""The node daemon's socket loop: poll, decode frames, hand them to the part whose job
+they are, run the hops the scheduler picks, send what comes out.
+
+One thread owns every socket and the model. Inbound frames arrive on a ROUTER; frames to
+peers leave through one DEALER per peer endpoint (``Peers``). Hops are queued in the
+``HopScheduler`` and run between polls by the ``HopRunner``, so a node keeps answering
+while it computes for many sessions. When this node is the head of a request, its
+``Head`` sends the first hop to this very node: such frames are queued in-process instead
+of crossing a socket. The tracker and relay are the ``Links``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import threading
+import time
+from collections import Counter
+
+import torch
+import zmq
+
+from .. import protocol as p
+from ..compute_lock import ComputeLock
+from ..executor import CacheMissError, ShardExecutor, StepResult
+from ..kv import KVStore
+from ..liveness import PeerLiveness
+from ..metrics import Sample
+from ..models import fingerprint, load_shard, load_tokenizer
+from ..relay import RelayedPeer
+from ..route_session import eos_ids
+from ..sampling import sample
+from ..security import serve_securely, start_authenticator
+from ..tensors import TORCH_DTYPES, from_wire, to_wire
+from .config import NodeConfig
+from .head import Head, Model
+from .hops import HopRunner
+from .links import Links
+from .peers import Peers
+from .scheduler import HopScheduler, Work
+
+log = logging.getLogger(__name__)
+
+COUNTERS = ("hop_seconds", "hops", "batched_hops", "prefill_chunks", "cache_miss", "failovers", "rejected_frames",
+            "dropped_frames", "hop_errors")
+
+
+class Node:
+    def __init__(self, config: NodeConfig, ctx: zmq.Context | None = None):
+        self.config = config
+        # a secured node owns its context: one ZAP handler per context
+        self._own_ctx = ctx is None and config.security is not None
+        self.ctx = ctx or (zmq.Context() if self._own_ctx else zmq.Context.instance())
+        weights = load_shard(config.source, config.shard, dtype=config.dtype, device=config.device,
+                             progress=config.progress, cache_root=config.cache_root, quant=config.quant)
+        self.kv = KVStore(config.kv_idle_timeout)
+        self.executor = ShardExecutor(weights, self.kv)
+        self.fingerprint = fingerprint(config.source, weights.config, config.quant)
+        # hops, cache misses, failovers, errors: for /metrics and tests. Every key exists from
+        # the start, so another thread can copy the counter while this one updates it.
+        self.counters: Counter[str] = Counter({k: 0 for k in COUNTERS})
+        self._lock = ComputeLock(config.compute_lock)
+        self.hops = HopRunner(self.executor, self._lock, self.counters)
+        self.scheduler = HopScheduler(config.scheduler, self.kv, self.executor.batchable, self._lock.shared)
+        self.benchmark = self.hops.benchmark(config.shard, config.dtype)
+        self.auth = start_authenticator(self.ctx, config.security) if config.security else None
+        self.key = config.security.public_text if config.security else ""  # peers dial us with it
+        self.router = self.ctx.socket(zmq.ROUTER)
+        serve_securely(self.router, config.security)
+        self.router.setsockopt(zmq.LINGER, 0)
+        self.router.setsockopt(zmq.ROUTER_MANDATORY, 0)
+        self.router.bind(config.bind)
+        self.endpoint = config.advertise or self.router.getsockopt(zmq.LAST_ENDPOINT).decode()
+        self.poller = zmq.Poller()
+        h = config.head
+        self.peers = Peers(self.ctx, config.security, self.poller, self.counters,
+                           PeerLiveness(h.ping_interval, h.peer_silence, h.link_grace), config.link.probe_interval)
+        self.links = Links(config.link, self.ctx, config.security, self.poller, config.node_id, self)
+        self.head = self._head(weights.config) if config.shard.is_first else None
+        self.ready = threading.Event()
+
+    def _head(self, model_config) -> Head:
+        tokenizer = load_tokenizer(self.config.source, self.config.cache_root)
+        model = Model(self.config.source.model_id, self.config.shard.num_layers, tokenizer,
+                      eos_ids(tokenizer, model_config))
+        return Head(self.config.head, self, self.config.node_id, model, self.counters)
+
+    # -- main loop ----------------------------------------------------------------------
+
+    def run(self, stop: threading.Event) -> None:
+        self.poller.register(self.router, zmq.POLLIN)
+        self.links.open(stop)
+        log.info("node %s serving layers %s of %s at %s", self.config.node_id, self.config.shard,
+                 self.config.source.model_id, self.endpoint)
+        self.ready.set()
+        try:
+            while not stop.is_set():
+                wait = self.scheduler.wait(time.monotonic()) if len(self.scheduler) else 0.05
+                for sock, _ in self.poller.poll(int(wait * 1000)):
+                    self._drain(sock)
+                if len(self.scheduler) and self.scheduler.wait(time.monotonic()) == 0:
+                    self._run(self.scheduler.next_batch())
+                self._periodic()
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        self.peers.close()
+        self.router.close(linger=0)
+        self.links.close()
+        self._lock.close()
+        if self.auth is not None:
+            self.auth.stop()
+        if self._own_ctx:
+            self.ctx.term()
+
+    def _drain(self, sock: zmq.Socket) -> None:
+        """Read every frame waiting on ``sock`` (bounded, so work still runs)."""
+        for _ in range(256):
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            if sock is self.router:
+                self.inbound(frames[0].bytes, frames[1:])
+            elif sock in self.peers:
+                error = self.peers.received(sock, frames)
+                if error is not None:
+                    self._to_head(error.session, error)
+            else:
+                self.links.received(sock, frames)
+
+    def _periodic(self) -> None:
+        now = time.monotonic()
+        self.links.tick(now)
+        self.peers.probe(now)
+        for session in self.kv.evict_idle():
+            self._drop_session(session)  # its KV is gone already: the batch group and gathering forget it too
+            log.info("freed idle session %s", session)
+        self.scheduler.forget_freed()
+        if self.head is not None:
+            self.head.tick(now)
+            self._watch_routes(now)
+
+    def _watch_routes(self, now: float) -> None:
+        """Ping the hops active requests depend on; re-plan around the ones that died."""
+        for sock in list(self.peers.endpoint_of):
+            self._drain(sock)  # pongs and link events that arrived while this node computed
+        dead = self.peers.watch(self.head.watched(), now)
+        if dead:
+            self.head.lost(dead, now)
+
+    # -- inbound ------------------------------------------------------------------------
+
+    def inbound(self, identity: bytes, frames: list) -> None:
+        """Frames a client or peer sent to this node (on the ROUTER or through the relay)."""
+        try:
+            msg, buffers = p.decode(frames, self.config.max_frame_bytes)
+            self._dispatch(identity, msg, buffers)
+        except p.ProtocolError as exc:
+            self.counters["rejected_frames"] += 1
+            log.warning("rejected frame from %r: %s", identity, exc)
+            self.reply(identity, p.Error(exc.code, str(exc), node=self.config.node_id))
+        except Exception as exc:  # a bug must cost one request, never the node
+            log.exception("failed handling a frame")
+            self.reply(identity, p.Error(p.ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}",
+                                         node=self.config.node_id))
+
+    def _dispatch(self, identity: bytes, msg: p.Message, buffers: list) -> None:
+        match msg:
+            case p.Forward():
+                self._accept_forward(msg, from_wire(msg.tensors[0], buffers[0]))
+            case p.Token() | p.CacheMiss():
+                self._to_head(msg.session, msg)
+            case p.Error(session=str() as session):
+                self._to_head(session, msg)
+            case p.Generate() if self.head is not None:
+                self.head.generate(identity, msg)
+            case p.Generate():
+                raise p.ProtocolError("this node is not the head of that route", p.ErrorCode.BAD_REQUEST)
+            case p.Cancel() | p.Close():
+                self._end(msg)
+            case p.Ping():
+                self.reply(identity, p.Pong(msg.nonce, node=self.config.node_id, sessions=len(self.kv)))
+            case p.Error() | p.Pong() | p.Ack():
+                log.debug("ignoring %s", type(msg).__name__)
+            case _:
+                raise p.ProtocolError(f"a node does not accept {type(msg).__name__}", p.ErrorCode.BAD_REQUEST)
+
+    def _accept_forward(self, msg: p.Forward, tensor: torch.Tensor) -> None:
+        shard = self.config.shard
+        if not shard.covers(msg.start_layer, msg.end_layer):
+            raise p.ProtocolError(f"layers {msg.start_layer}-{msg.end_layer} are not on this node "
+                                  f"(it holds {shard})", p.ErrorCode.BAD_REQUEST)
+        if msg.end_layer != shard.num_layers - 1 and not msg.route:
+            raise p.ProtocolError(f"layers end at {msg.end_layer} but no hop follows", p.ErrorCode.BAD_REQUEST)
+        if msg.route and msg.route[-1].end_layer != shard.num_layers - 1:
+            raise p.ProtocolError("the route does not reach the last layer", p.ErrorCode.BAD_REQUEST)
+        if msg.start_layer > 0 and tensor.shape[-1] != self.executor.hidden_size:
+            raise p.ProtocolError(f"hidden size {tensor.shape[-1]} != {self.executor.hidden_size}")
+        if msg.pos == 0 and msg.session not in self.kv and len(self.kv) >= self.config.max_sessions:
+            self._send(msg.reply_to, msg.reply_key, p.Error(p.ErrorCode.BUSY, "node is at its session limit",
+                                                            session=msg.session, step=msg.step,
+                                                            node=self.config.node_id))
+            return
+        self.scheduler.push(Work(msg, tensor))
+
+    def _to_head(self, session: str, msg: p.Token | p.CacheMiss | p.Error) -> None:
+        if self.head is not None:
+            self.head.deliver(session, msg)
+
+    def _end(self, msg: p.Cancel | p.Close) -> None:
+        """A client cancels a request this node heads, or a session ends along its route."""
+        heads = isinstance(msg, p.Cancel) and self.head is not None and self.head.cancel(msg.session)
+        if not heads:
+            self._free(msg)
+
+    def _free(self, msg: p.Cancel | p.Close) -> None:
+        """Drop the session's KV and queued work here, then pass the message down the route."""
+        self._drop_session(msg.session)
+        if msg.route:
+            nxt = msg.route[0]
+            self._send(nxt.endpoint, nxt.key, type(msg)(session=msg.session, route=msg.route[1:]))
+
+    def _drop_session(self, session: str) -> None:
+        """Forget ``session`` here: its KV, its row in the executor's batch, its queued hops."""
+        self.kv.drop(session)
+        self.executor.forget(session)
+        self.scheduler.drop(session)
+
+    # -- running hops -------------------------------------------------------------------
+
+    def _run(self, batch: list[Work]) -> None:
+        results, started, elapsed = self.hops.run(batch)
+        self.scheduler.ran(batch, started, elapsed)
+        for work, result in zip(batch, results):
+            try:
+                self._after_hop(work, result)
+            except Exception as exc:
+                log.exception("could not pass on session %s", work.session)
+                self._after_hop(work, exc)
+
+    def _after_hop(self, work: Work, result: StepResult | Exception) -> None:
+        """Send what a hop produced: the next FORWARD, the tail's TOKEN, or a failure."""
+        msg = work.msg
+        if msg.more and self.head is not None:
+            self.head.progressed(msg.session, time.monotonic())
+        if isinstance(result, CacheMissError):
+            self.counters["cache_miss"] += 1
+            self._send(msg.reply_to, msg.reply_key, p.CacheMiss(msg.session, msg.step, self.config.node_id,
+                                                                 result.have))
+        elif isinstance(result, Exception):
+            self.counters["hop_errors"] += 1
+            self._drop_session(msg.session)
+            self._send(msg.reply_to, msg.reply_key, p.Error(
+                p.ErrorCode.INTERNAL, f"{type(result).__name__}: {result}", session=msg.session,
+                step=msg.step, node=self.config.node_id))
+        elif result.logits is not None:  # the tail: layers end here
+            pos = msg.pos + work.tokens
+            self._send(msg.reply_to, msg.reply_key, p.Token(msg.session, msg.step,
+                                                            sample(result.logits, msg.sampling, pos), pos))
+        elif msg.route:
+            nxt = msg.route[0]
+            out = dataclasses.replace(msg, start_layer=nxt.start_layer, end_layer=nxt.end_layer, route=msg.route[1:],
+                                      tensors=())
+            self.forward(nxt, out, result.hidden)
+        # else: the tail filled its KV with a prefill chunk that more chunks follow
+
+    # -- outbound (the Transport of RouteSession, the host of Head and Links) -----------
+
+    def forward(self, hop: p.Hop, message: p.Forward, tensor: torch.Tensor) -> None:
+        if hop.endpoint == self.endpoint:
+            self.scheduler.push(Work(message, tensor))
+            return
+        if message.wire_dtype and tensor.is_floating_point():
+            tensor = tensor.to(TORCH_DTYPES[message.wire_dtype])  # validated against WIRE_DTYPES
+        spec, buf = to_wire(tensor)
+        self.peers.send(hop.endpoint, hop.key, p.encode(dataclasses.replace(message, tensors=(spec,)), [buf]),
+                        copy=False)
+
+    def control(self, hop: p.Hop, message: p.Cancel | p.Close) -> None:
+        if hop.endpoint == self.endpoint:
+            self._free(message)
+        else:
+            self._send(hop.endpoint, hop.key, message)
+
+    def _send(self, endpoint: str, key: str, message: p.Message) -> None:
+        if endpoint == self.endpoint:
+            self._dispatch(b"", message, [])
+        else:
+            self.peers.send(endpoint, key, p.encode(message))
+
+    def reply(self, identity: bytes, message: p.Message) -> None:
+        if isinstance(identity, RelayedPeer):  # the peer reached us through our relay's front
+            self.links.reply_relayed(identity, p.encode(message))
+        elif identity:
+            try:
+                self.router.send_multipart([identity, *p.encode(message)], flags=zmq.NOBLOCK)
+            except zmq.Again:
+                log.warning("client %r is not reading; dropped an event", identity)
+
+    def to_tracker(self, message: p.Message) -> bool:
+        return self.links.send(message)
+
+    def route_answer(self, msg: p.Route | p.Error) -> None:
+        if self.head is not None:
+            self.head.route_answer(msg)
+
+    def probe(self, peers: dict[str, str]) -> None:
+        self.peers.probes = peers
+
+    def registration(self) -> p.Register:
+        c, w = self.config, self.executor.w
+        relay = self.links.relay
+        return p.Register(
+            node_id=c.node_id, endpoint=self.endpoint, model=c.source.model_id, fingerprint=self.fingerprint,
+            num_layers=c.shard.num_layers, start_layer=c.shard.start, end_layer=c.shard.end,
+            hardware={"device": c.device, "dtype": str(w.dtype).removeprefix("torch."), "quant": c.quant or "none",
+                      "threads": torch.get_num_threads(), "shard_bytes": w.parameter_bytes(),
+                      "memory_bytes": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")},
+            benchmark=self.benchmark, max_sessions=c.max_sessions, relay=relay.relay if relay else "",
+            relay_key=relay.front_key if relay else "")
+
+    def heartbeat(self) -> p.Heartbeat:
+        return p.Heartbeat(self.config.node_id, sessions=len(self.kv), queued=len(self.scheduler),
+                           rtts=self.peers.rtt.snapshot(time.monotonic()))
+
+    # -- metrics ------------------------------------------------------------------------
+
+    def metrics(self) -> list[Sample]:
+        """Live numbers for /metrics; safe to call from another thread."""
+        c, labels = self.counters.copy(), {"node": self.config.node_id}
+        rows = [Sample("node_sessions", "sessions holding KV on this node", len(self.kv), labels=labels),
+                Sample("node_kv_bytes", "bytes of KV cache held", self.kv.nbytes(), labels=labels),
+                Sample("node_requests_in_flight", "requests this node heads", len(self.head or ()), labels=labels),
+                Sample("node_queued_hops", "hops waiting to run", len(self.scheduler), labels=labels),
+                Sample("node_hop_seconds_total", "seconds spent running hops", c["hop_seconds"], "counter", labels)]
+        for name in COUNTERS[1:]:
+            rows.append(Sample(f"node_{name}_total", f"{name.replace('_', ' ')} on this node", c[name],
+                               "counter", labels))
+        return rows

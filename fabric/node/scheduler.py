@@ -1,0 +1,235 @@
+"""The hop scheduler: which queued hops run next, as one forward pass, and when.
+
+No sockets and no torch: it takes hops (a FORWARD and its input, of which it reads only
+the token count), the sessions holding KV here, and a clock, and hands back batches to
+run. The node runs them and tells it how long they took.
+
+Two aims pull against each other. Streams that decode here want their steps batched and
+never stalled; a long prompt wants to move on. So prefill slices and decode batches take
+turns, a long prefill is cut into slices sized to cost about one decode batch beside
+streams, and a decode batch waits a little for the sessions due here, which pulls them
+into step so that they then arrive together.
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, Callable, Collection
+
+from .. import protocol as p
+
+FIRST_SLICE_TOKENS = 32  # prefill tokens per slice before this node has timed any
+MIN_SLICE_TOKENS = 8  # a slice's fixed cost (reading the weights) dwarfs this many tokens' own
+MAX_SLICE_TOKENS = 4096
+WHOLE_PREFILL_TOKENS = 64  # a prefill this short runs whole: sliced, each piece would cost nearly as much
+PREFILL_BATCH_TOKENS = 256  # short prompts queued together run as one forward pass of at most this many tokens
+SLICE_PER_DECODE = 1.0  # a prefill slice beside decoding streams may take this many of their decode batches
+MIN_SLICE_S = 0.02  # ...and at least this long
+IDLE_SLICE_S = 0.25  # ...and with no stream decoding here, this long
+GATHER_PER_DECODE = 1.0  # a decode batch waits at most this many decode batches' time for sessions still due
+RECENT_CYCLES = 3.0  # a session is due here while its last decode step is this many of its cycles old
+
+
+@dataclass
+class Work:
+    """A hop to execute: a FORWARD and its input (already validated): token ids
+    (1, tokens) at the first layer, else hidden states (1, tokens, hidden)."""
+
+    msg: p.Forward
+    tensor: Any  # a torch.Tensor; only its shape is read here
+
+    @property
+    def session(self) -> str:
+        return self.msg.session
+
+    @property
+    def tokens(self) -> int:
+        return self.tensor.shape[1]
+
+    @property
+    def span(self) -> tuple[int, int]:
+        return self.msg.start_layer, self.msg.end_layer
+
+    @property
+    def decode(self) -> bool:
+        """One token after a prompt: a decode step, batched with other sessions' steps."""
+        return self.tokens == 1 and self.msg.pos > 0 and not self.msg.more
+
+    @property
+    def short_prompt(self) -> bool:
+        """A whole prompt short enough to run unsliced (and so with other such prompts)."""
+        return self.msg.pos == 0 and not self.msg.more and self.tokens < WHOLE_PREFILL_TOKENS
+
+    def cut(self, n: int) -> tuple["Work", "Work"]:
+        """The first ``n`` tokens as a chunk that more follow, and the rest."""
+        msg = self.msg
+        return (Work(dataclasses.replace(msg, more=True), self.tensor[:, :n]),
+                Work(dataclasses.replace(msg, pos=msg.pos + n), self.tensor[:, n:]))
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_batch: int = 16  # decode steps of different sessions run as one forward pass
+    prefill_slice: float = 0.0  # seconds of prefill run between decode batches while streams decode; 0: auto
+
+
+def _average(old: float | None, new: float, weight: float = 0.2) -> float:
+    return new if old is None else old + weight * (new - old)
+
+
+class HopScheduler:
+    """Queued hops in, batches out. ``live`` is the set of sessions holding KV here (read
+    live: a session freed there is no longer waited for); ``batchable(start, end)`` says
+    whether hops over those layers can share a forward pass; ``shared_lock`` whether other
+    nodes on this machine take turns with this one at the compute."""
+
+    def __init__(self, config: SchedulerConfig, live: Collection[str],
+                 batchable: Callable[[int, int], bool] = lambda start, end: True, shared_lock: bool = False):
+        self.config = config
+        self.live = live
+        self.batchable = batchable
+        self.shared_lock = shared_lock
+        self.queue: deque[Work] = deque()
+        self.ran_prefill = False  # the last hop run was a prefill (chunk): a decode batch goes next
+        self.decode_batch_s: float | None = None  # seconds per decode batch here (moving average)
+        self.cycle_s: float | None = None  # seconds between a session's decode steps here (moving average)
+        self.last_decode: dict[str, float] = {}  # session -> when its last decode step ran here
+        self.gather_since: float | None = None  # when a decode batch began waiting for sessions still due
+        # prefill tokens per slice, steered so a slice takes its target time (beside streams / alone)
+        self.slice_tokens = {"busy": float(FIRST_SLICE_TOKENS), "idle": float(FIRST_SLICE_TOKENS)}
+
+    def __len__(self) -> int:
+        return len(self.queue)
+
+    def push(self, work: Work) -> None:
+        self.queue.append(work)
+
+    def drop(self, session: str) -> None:
+        """Forget ``session``: its queued hops and its decode rhythm."""
+        self.queue = deque(w for w in self.queue if w.session != session)
+        self.last_decode.pop(session, None)
+
+    def forget_freed(self) -> None:
+        """Drop the decode times of sessions whose KV is gone."""
+        if len(self.last_decode) > len(self.live):
+            self.last_decode = {s: t for s, t in self.last_decode.items() if s in self.live}
+
+    # -- when ---------------------------------------------------------------------------
+
+    def wait(self, now: float) -> float:
+        """Seconds the queued work should still wait for sessions due here (0: run now).
+
+        Sessions reach a node out of step (prompts start at different times), and a node
+        that runs each as it comes keeps them out of step: it runs batches of one, each
+        costing nearly a whole batch's time. So a decode batch waits, at most
+        GATHER_PER_DECODE of a batch's time, for the sessions that decoded here within their
+        last few cycles. A queued prefill does not wait: it runs in the meantime. Except
+        under a shared compute lock, after a prefill slice: another slice now would hold the
+        lock while the other nodes of the machine have those sessions' decode steps to run,
+        so the node waits (at most one of their cycles) for them to come back first."""
+        decode_only = all(w.decode for w in self.queue)
+        yield_to_decode = self.ran_prefill and self.shared_lock
+        queued = {w.session for w in self.queue}
+        due = self._due(now, queued) if decode_only or yield_to_decode else []
+        if not due or len(queued) >= self.config.max_batch:
+            self.gather_since = None
+            return 0.0
+        if self.gather_since is None:
+            self.gather_since = now
+        limit = GATHER_PER_DECODE * (self.decode_batch_s or 0.0) if decode_only else (self.cycle_s or 0.0)
+        left = self.gather_since + limit - now
+        if left <= 0:
+            self.gather_since = None
+            return 0.0
+        return left
+
+    def _due(self, now: float, queued: set[str]) -> list[str]:
+        """Sessions that decoded here lately, hold KV, and have nothing queued."""
+        horizon = RECENT_CYCLES * (self.cycle_s or 0.0)
+        return [s for s, t in self.last_decode.items() if s not in queued and now - t < horizon and s in self.live]
+
+    # -- what ---------------------------------------------------------------------------
+
+    def next_batch(self) -> list[Work]:
+        """The next queued hop, batched with the other queued hops of its kind over the
+        same layers (one forward pass for many sessions): decode steps, or short whole
+        prompts. Prefill chunks and decode batches take turns, so a long prompt never
+        stalls the streams already decoding by more than one slice, and the prompt still
+        moves on while they decode."""
+        first = self.take(decode=self.ran_prefill)
+        self.ran_prefill = not first.decode
+        if self.ran_prefill:
+            first = self.slice(first)
+        kind = "decode" if first.decode else "short_prompt" if first.short_prompt else None
+        if kind is None or not self.batchable(*first.span):
+            return [first]
+        batch, rest, tokens = [first], deque(), first.tokens
+        waiting: set[str] = set()  # sessions with a hop left behind: their later hops wait too
+        while self.queue:
+            w = self.queue.popleft()
+            same = w.span == first.span and w.session not in {b.session for b in batch} | waiting
+            fits = len(batch) < self.config.max_batch and (kind == "decode" or tokens + w.tokens <= PREFILL_BATCH_TOKENS)
+            if same and getattr(w, kind) and fits:
+                batch.append(w)
+                tokens += w.tokens
+            else:
+                rest.append(w)
+                waiting.add(w.session)
+        self.queue = rest
+        return batch
+
+    def take(self, decode: bool) -> Work:
+        """Remove and return the first queued hop of the wanted kind whose session has
+        nothing queued before it (a session's hops run in order), else the first hop."""
+        earlier: set[str] = set()
+        for i, w in enumerate(self.queue):
+            if w.decode == decode and w.session not in earlier:
+                del self.queue[i]
+                return w
+            earlier.add(w.session)
+        return self.queue.popleft()
+
+    def slice(self, work: Work) -> Work:
+        """Cut a long prefill into the slice to run now and the rest, queued first. While
+        other sessions decode here a slice costs about SLICE_PER_DECODE of their decode
+        batches, so they wait one slice, not the whole prompt; alone, slices of IDLE_SLICE_S
+        keep the node answering pings and heartbeats. The rest goes on as further chunks."""
+        n = int(self.slice_tokens[self.slice_mode(work.session)])
+        if work.tokens < max(2 * n, WHOLE_PREFILL_TOKENS):
+            return work  # the rest would be a slice too small to pay its fixed cost
+        now, rest = work.cut(n)
+        self.queue.appendleft(rest)
+        return now
+
+    def slice_mode(self, session: str) -> str:
+        """"busy" while other sessions hold KV here or decode steps wait, else "idle"."""
+        others = len(self.live) - (session in self.live) > 0 or any(w.decode for w in self.queue)
+        return "busy" if others else "idle"
+
+    # -- how long it took ---------------------------------------------------------------
+
+    def ran(self, batch: list[Work], started: float, elapsed: float) -> None:
+        """Learn from a batch that began at ``started`` and took ``elapsed`` seconds."""
+        if batch[0].decode:
+            self.decode_batch_s = _average(self.decode_batch_s, elapsed)
+            for work in batch:
+                last = self.last_decode.get(work.session)
+                if last is not None:
+                    self.cycle_s = _average(self.cycle_s, started - last)
+                self.last_decode[work.session] = started
+        elif len(batch) == 1:  # a batch of prompts says nothing about one slice's cost
+            self.steer_slices(batch[0], elapsed)
+
+    def steer_slices(self, work: Work, elapsed: float) -> None:
+        """After a full prefill slice, size the next toward its target time. A slice costs
+        a fixed part (the weights are read once) plus a part per token, so the size is
+        corrected by the ratio of target to measured time, at most 2x per step."""
+        mode = self.slice_mode(work.session)
+        n = self.slice_tokens[mode]
+        if work.tokens < int(n):
+            return  # a whole short prompt or a remainder says little about a slice's cost
+        target = IDLE_SLICE_S if mode == "idle" else (
+            self.config.prefill_slice or max(MIN_SLICE_S, SLICE_PER_DECODE * (self.decode_batch_s or 0.0)))
+        size = work.tokens * min(2.0, max(0.5, target / elapsed))
+        self.slice_tokens[mode] = min(MAX_SLICE_TOKENS, max(MIN_SLICE_TOKENS, size))

@@ -1,0 +1,212 @@
+"""The hop scheduler alone: no model, no node, no sockets and no torch. Hops are FORWARDs
+with a stand-in input of which only the token count matters; the clock is a number."""
+from __future__ import annotations
+
+import pytest
+
+from fabric import protocol as p
+from fabric.node.scheduler import (GATHER_PER_DECODE, IDLE_SLICE_S, MIN_SLICE_TOKENS, WHOLE_PREFILL_TOKENS,
+                                   HopScheduler, SchedulerConfig, Work)
+
+
+class Tokens:
+    """Stands in for an input tensor (1, n): a shape, and slices along the tokens."""
+
+    def __init__(self, start: int, stop: int):
+        self.start, self.stop = start, stop
+        self.shape = (1, stop - start)
+
+    def __getitem__(self, index: tuple[slice, slice]) -> "Tokens":
+        part = index[1]
+        lo = self.start + (part.start or 0)
+        hi = self.stop if part.stop is None else self.start + part.stop
+        return Tokens(lo, hi)
+
+
+def work(session: str, pos: int, q: int, more: bool = False, span: tuple[int, int] = (0, 1)) -> Work:
+    msg = p.Forward(session=session, step=0, pos=pos, start_layer=span[0], end_layer=span[1], route=(),
+                    reply_to="x", more=more)
+    return Work(msg, Tokens(0, q))
+
+
+def scheduler(queue: list[Work] = (), live=(), busy: float = 32, idle: float = 32, decode_s: float | None = None,
+              cycle_s: float | None = None, locked: bool = False, **config) -> HopScheduler:
+    s = HopScheduler(SchedulerConfig(**config), set(live), shared_lock=locked)
+    for w in queue:
+        s.push(w)
+    s.slice_tokens = {"busy": float(busy), "idle": float(idle)}
+    s.decode_batch_s, s.cycle_s = decode_s, cycle_s
+    return s
+
+
+def test_the_scheduler_needs_neither_torch_nor_sockets():
+    import fabric.node.scheduler as module
+
+    assert "torch" not in vars(module) and "zmq" not in vars(module)
+    assert {"torch", "zmq"}.isdisjoint(m.split(".")[0] for m in _imports(module.__file__))
+
+
+def _imports(path: str) -> set[str]:
+    import ast
+
+    tree = ast.parse(open(path).read())
+    return ({a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+            | {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module and not n.level})
+
+
+def take_all(queue: list[Work]) -> list[tuple[str, int]]:
+    """The order hops run in, one at a time (as if nothing batched)."""
+    s, order = scheduler(queue), []
+    while len(s):
+        w = s.take(decode=s.ran_prefill)
+        s.ran_prefill = not w.decode
+        order.append((w.session, w.msg.pos))
+    return order
+
+
+def test_prefill_chunks_and_decode_steps_take_turns():
+    queue = [work("long", 0, 8, more=True), work("long", 8, 8, more=True), work("long", 16, 8),
+             work("a", 40, 1), work("b", 50, 1)]
+    # a chunk, then a decode step, a chunk, a decode step: neither kind waits for the other to drain
+    assert take_all(queue) == [("long", 0), ("a", 40), ("long", 8), ("b", 50), ("long", 16)]
+
+
+def test_a_sessions_hops_never_overtake_each_other():
+    # a stale decode step of "s" queued before its re-prefill: it must still run first
+    queue = [work("s", 30, 1), work("s", 0, 4, more=True), work("s", 4, 4), work("t", 9, 1)]
+    order = take_all([work("x", 0, 4)] + queue)  # after a prefill, decode steps are preferred
+    assert [o for o in order if o[0] == "s"] == [("s", 30), ("s", 0), ("s", 4)]
+
+
+def test_a_long_prefill_is_cut_and_the_rest_queued_first():
+    s = scheduler([work("a", 40, 1)], ["a"], busy=25, idle=500)  # "a" decodes here: busy
+    first = s.slice(work("long", 0, 100))
+    assert first.tokens == 25 and first.msg.pos == 0 and first.msg.more
+    rest = s.queue[0]
+    assert rest.session == "long" and rest.msg.pos == 25 and rest.tokens == 75 and not rest.msg.more
+    assert (first.tensor.start, first.tensor.stop, rest.tensor.start, rest.tensor.stop) == (0, 25, 25, 100)
+
+
+def test_alone_a_prefill_uses_the_idle_size_and_short_ones_go_whole():
+    assert scheduler(busy=8, idle=125).slice(work("long", 0, 1000)).tokens == 125
+    short = scheduler(busy=8, idle=125)
+    assert short.slice(work("short", 0, 100)).msg.more is False and not len(short)
+
+
+def test_the_last_slice_keeps_the_chunk_flag_it_came_with():
+    s = scheduler(live=["x"], busy=5)
+    first = s.slice(work("long", 10, 70, more=True))
+    assert (first.tokens, first.msg.more) == (5, True)
+    assert (s.queue[0].msg.pos, s.queue[0].msg.more) == (15, True)
+
+
+def test_a_prompt_under_two_slices_or_a_short_one_goes_whole():
+    # cut, its rest (or every piece) would be too small to pay for reading the weights once more
+    s = scheduler([work("a", 40, 1)], ["a"], busy=40)
+    whole = s.slice(work("short", 0, 79))
+    assert whole.tokens == 79 and not whole.msg.more and len(s) == 1
+    small = scheduler([work("a", 40, 1)], ["a"], busy=8)
+    assert small.slice(work("short", 0, WHOLE_PREFILL_TOKENS - 1)).tokens == WHOLE_PREFILL_TOKENS - 1
+    assert small.slice(work("long", 0, WHOLE_PREFILL_TOKENS)).tokens == 8
+
+
+def test_slices_are_steered_toward_one_decode_step_beside_streams():
+    s = scheduler(live=["a"], busy=80, decode_s=0.05)
+    s.steer_slices(work("long", 0, 80), elapsed=0.2)  # 4x too long: halve (at most 2x a step)
+    assert s.slice_tokens["busy"] == 40
+    s.steer_slices(work("long", 40, 40), elapsed=0.04)  # a bit short: grow in proportion
+    assert s.slice_tokens["busy"] == 50
+    s.steer_slices(work("long", 80, 7), elapsed=0.5)  # a remainder: no information
+    assert s.slice_tokens["busy"] == 50
+    s.slice_tokens["busy"] = MIN_SLICE_TOKENS + 1
+    s.steer_slices(work("long", 80, MIN_SLICE_TOKENS + 1), elapsed=5.0)  # never below the minimum
+    assert s.slice_tokens["busy"] == MIN_SLICE_TOKENS
+    alone = scheduler(idle=40)
+    alone.steer_slices(work("long", 0, 40), elapsed=IDLE_SLICE_S / 8)  # alone the target is IDLE_SLICE_S
+    assert alone.slice_tokens["idle"] == 80
+
+
+def test_a_configured_slice_time_is_the_target_beside_streams():
+    s = scheduler(live=["a"], busy=40, decode_s=0.05, prefill_slice=0.1)
+    s.steer_slices(work("long", 0, 40), elapsed=0.08)
+    assert s.slice_tokens["busy"] == 50
+
+
+def test_short_prompts_queued_together_run_as_one_batch():
+    queue = [work("a", 0, 30), work("x", 40, 1), work("b", 0, 20), work("long", 0, 500), work("c", 0, 40),
+             work("d", 0, 200)]
+    s = scheduler(queue, ["x"], busy=8)
+    batch = s.next_batch()
+    # "d" would take the batch past PREFILL_BATCH_TOKENS; the long prompt runs alone, in slices
+    assert [w.session for w in batch] == ["a", "b", "c"]
+    assert [w.session for w in s.queue] == ["x", "long", "d"]
+
+
+def test_decode_steps_batch_up_to_the_limit_over_the_same_layers_only():
+    queue = [work(f"s{i}", 10, 1) for i in range(5)] + [work("other", 10, 1, span=(2, 3)), work("s0", 11, 1)]
+    s = scheduler(queue, max_batch=4)
+    s.ran_prefill = True  # a decode batch goes next
+    assert [w.session for w in s.next_batch()] == ["s0", "s1", "s2", "s3"]
+    assert [w.session for w in s.queue] == ["s4", "other", "s0"]  # a session's second step waits its turn
+
+
+def test_hops_that_cannot_share_a_pass_run_alone():
+    s = HopScheduler(SchedulerConfig(), set(), batchable=lambda start, end: False)
+    for name in "ab":
+        s.push(work(name, 10, 1))
+    assert [w.session for w in s.next_batch()] == ["a"] and len(s) == 1
+
+
+def test_a_decode_batch_waits_a_little_for_sessions_due_here():
+    def gathering():
+        s = scheduler([work("a", 40, 1)], ["a", "b"], decode_s=0.04, cycle_s=0.1)
+        s.last_decode = {"a": 9.9, "b": 9.95}
+        return s
+
+    s = gathering()
+    assert s.wait(10.0) == pytest.approx(GATHER_PER_DECODE * 0.04)  # "b" decoded here just now
+    assert 0 < s.wait(10.01) < GATHER_PER_DECODE * 0.04  # the same wait, not a new one
+    s.push(work("b", 50, 1))
+    assert s.wait(10.011) == 0  # everyone due is here: run
+    late = gathering()
+    late.wait(10.0)
+    assert late.wait(10.0 + GATHER_PER_DECODE * 0.04) == 0  # waited long enough: run without "b"
+
+
+def test_nothing_waits_for_sessions_gone_quiet_freed_or_beside_a_prefill():
+    stale = scheduler([work("a", 40, 1)], ["a", "b"], decode_s=0.04, cycle_s=0.1)
+    stale.last_decode = {"a": 9.9, "b": 9.0}  # "b" last decoded 10 cycles ago
+    assert stale.wait(10.0) == 0
+    freed = scheduler([work("a", 40, 1)], ["a"], decode_s=0.04, cycle_s=0.1)  # "b" closed: its KV is gone
+    freed.last_decode = {"a": 9.9, "b": 9.95}
+    assert freed.wait(10.0) == 0
+    freed.forget_freed()
+    assert freed.last_decode == {"a": 9.9}
+    prefill = scheduler([work("a", 40, 1), work("new", 0, 30)], ["a", "b"], decode_s=0.04, cycle_s=0.1)
+    prefill.last_decode = {"a": 9.9, "b": 9.95}
+    assert prefill.wait(10.0) == 0  # a prefill runs in the meantime instead
+
+
+def test_under_a_compute_lock_a_slice_waits_for_the_streams_to_come_back():
+    # another slice now would hold the machine while the other node has their decode steps
+    s = scheduler([work("long", 64, 500), work("a", 40, 1)], ["a", "b"], decode_s=0.04, cycle_s=0.1, locked=True)
+    s.last_decode, s.ran_prefill = {"a": 9.9, "b": 9.95}, True
+    assert s.wait(10.0) == pytest.approx(0.1)  # up to one cycle of theirs
+    assert s.wait(10.1) == 0
+    s.push(work("b", 50, 1))
+    assert s.wait(10.0) == 0  # the whole group is back: its decode batch goes first
+    unlocked = scheduler([work("long", 64, 500)], ["a"], decode_s=0.04, cycle_s=0.1)
+    unlocked.last_decode, unlocked.ran_prefill = {"a": 9.9}, True
+    assert unlocked.wait(10.0) == 0  # its own machine: the slice fills the gap
+
+
+def test_timing_learns_the_decode_rhythm_and_drop_forgets_a_session():
+    s = scheduler(live=["a", "b"])
+    s.ran([work("a", 10, 1), work("b", 10, 1)], started=1.0, elapsed=0.05)
+    s.ran([work("a", 11, 1), work("b", 11, 1)], started=1.2, elapsed=0.05)
+    assert s.decode_batch_s == pytest.approx(0.05) and s.cycle_s == pytest.approx(0.2)
+    s.push(work("a", 12, 1))
+    s.push(work("b", 12, 1))
+    s.drop("a")
+    assert [w.session for w in s.queue] == ["b"] and s.last_decode == {"b": 1.2}
+
