@@ -34,10 +34,10 @@ from statistics import median
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from fabric import Client  # noqa: E402
-from fabric.client import wait_for  # noqa: E402
-from fabric.models import resolve  # noqa: E402
-from fabric.shard import even_split  # noqa: E402
+from fabric import Client
+from fabric.client import wait_for
+from fabric.compute.models import resolve
+from fabric.wire.shard import even_split
 from tests.cluster import free_port  # noqa: E402
 
 PROMPTS = ["Why is the sky blue?", "Name three prime numbers.", "Write a haiku about rivers.",
@@ -65,7 +65,7 @@ def start_cluster(model: str, nodes: int, tmp: Path, threads: int = 0,
     threads_args = ["--threads", str(threads)] if threads else []  # default: all cores, as `meshnet up`
     procs = [subprocess.Popen([*me, "tracker", "--bind", tracker, "--pub", f"tcp://127.0.0.1:{free_port()}",
                                "--db", str(tmp / "ledger.sqlite3")], cwd=REPO)]
-    from fabric.models import load_config
+    from fabric.compute.models import load_config
 
     layers = load_config(resolve(model)).num_hidden_layers
     for shard in even_split(layers, nodes):
@@ -113,7 +113,7 @@ class Batch8:
         import torch
         from transformers import AutoModelForCausalLM
 
-        from fabric.models import load_tokenizer
+        from fabric.compute.models import load_tokenizer
 
         source = resolve(model)
         tok = load_tokenizer(source)
@@ -153,7 +153,9 @@ def main() -> int:
     add_device_args(parser)
     args = parser.parse_args()
     counts = [int(n) for n in args.streams.split(",")]
-    from bench.fabric_bench import LoadMeter  # here: fabric_bench imports this module's device flags
+    from bench.fabric_bench import (
+        LoadMeter,  # here: fabric_bench imports this module's device flags
+    )
 
     baseline = Batch8(args.model, 8, args.tokens, args.dtype, args.device)
     rounds: list[dict] = []

@@ -232,7 +232,7 @@ class NoiseWatch:
 class Cluster:
     key: str  # e.g. "fabric-2"
     label: str
-    shards: list  # fabric.shard.Shard
+    shards: list  # fabric.wire.shard.Shard
     threads: int
     traced: bool = False  # diagnostic: nodes run bench/trace_node.py (same CLI, timing hooks)
     profile_dir: Path | None = None
@@ -656,9 +656,14 @@ def run(args, state: dict) -> dict:
     import torch
     import transformers
 
-    from fabric.models import default_cache_root, load_config, load_tokenizer, resolve
-    from fabric.route_session import eos_ids
-    from fabric.shard import Shard, even_split
+    from fabric.compute.models import (
+        default_cache_root,
+        load_config,
+        load_tokenizer,
+        resolve,
+    )
+    from fabric.node.route_session import eos_ids
+    from fabric.wire.shard import Shard, even_split
 
     cores = os.cpu_count() or 1
     source = resolve(args.model)
@@ -1005,7 +1010,7 @@ def main(argv: list[str] | None = None) -> int:
 
     signal.signal(signal.SIGINT, signal.default_int_handler)  # even if the shell started us with SIGINT ignored
     signal.signal(signal.SIGTERM, on_term)
-    from fabric.models import default_cache_root, load_config, resolve
+    from fabric.compute.models import default_cache_root, load_config, resolve
 
     args.layers_total = load_config(resolve(args.model), default_cache_root()).num_hidden_layers
     state: dict = {}

@@ -24,9 +24,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from fabric import Client  # noqa: E402
-from fabric.client import wait_for  # noqa: E402
-from fabric.models import load_config, resolve  # noqa: E402
+from fabric import Client
+from fabric.client import wait_for
+from fabric.compute.models import load_config, resolve
 from tests.cluster import free_port, wait_sessions_zero  # noqa: E402
 
 MESSAGES = [{"role": "user", "content": "Tell me a short story about a lighthouse keeper."}]

@@ -30,8 +30,8 @@ sys.path.insert(0, str(REPO))
 
 import psutil  # noqa: E402
 
-from fabric import Client  # noqa: E402
-from fabric.client import wait_for  # noqa: E402
+from fabric import Client
+from fabric.client import wait_for
 from tests.cluster import free_port, ping  # noqa: E402
 
 PROMPTS = ["Why is the sky blue?", "Name three prime numbers.", "Write a haiku about rivers.",

@@ -31,9 +31,9 @@ sys.path.insert(0, str(REPO / "bench"))
 from concurrency import start_cluster  # noqa: E402
 from fabric_bench import memory, runtime_floor  # noqa: E402
 
-from fabric import Client  # noqa: E402
-from fabric.models import load_config, resolve  # noqa: E402
-from fabric.shard import even_split  # noqa: E402
+from fabric import Client
+from fabric.compute.models import load_config, resolve
+from fabric.wire.shard import even_split
 
 TARGET = 0.6
 MIB = 2**20

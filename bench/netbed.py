@@ -16,7 +16,7 @@ Needs root and ``ip netns`` (see tests/netbed.py). Configurations, run one after
   trip, between two hosts);
 - 30 ms/100 Mbit: 30 ms one way and a 100 Mbit/s ``tbf`` limit on every host's link.
 
-Nodes hold a third of the layers each (``fabric.shard.even_split``) with 1 torch thread, as
+Nodes hold a third of the layers each (``fabric.wire.shard.even_split``) with 1 torch thread, as
 ``bench/fabric_bench.py`` runs a 3-node route on 2 cores. Every configuration is driven by
 the same client agent process (tests/netbed_client.py; in the beds on its own host), which
 timestamps each event. Decode tok/s = (tokens - 1) / (last token - first token), greedy,
@@ -144,14 +144,14 @@ def in_namespaces(model: str, layers: list[str], work: Path, cache: Path, link: 
 
 
 def model_id(model: str) -> str:
-    from fabric.models import resolve
+    from fabric.compute.models import resolve
 
     return resolve(model).model_id
 
 
 def layer_spans(model: str, cache: Path) -> list[str]:
-    from fabric.models import load_config, resolve
-    from fabric.shard import even_split
+    from fabric.compute.models import load_config, resolve
+    from fabric.wire.shard import even_split
 
     num_layers = load_config(resolve(model), cache / "meshnet").num_hidden_layers
     return [f"{s.start}-{s.end}" for s in even_split(num_layers, 3)]

@@ -31,13 +31,13 @@ sys.path.insert(0, str(REPO / "bench"))
 
 from concurrency import PROMPTS, add_device_args, device_args, start_cluster  # noqa: E402
 
-from fabric import Client  # noqa: E402
-from fabric.models import resolve  # noqa: E402
+from fabric import Client
+from fabric.compute.models import resolve
 
 
 def long_prompt(model: str, tokens: int) -> str:
     """Plain text of about ``tokens`` tokens for the model's tokenizer."""
-    from fabric.models import load_tokenizer
+    from fabric.compute.models import load_tokenizer
 
     tok = load_tokenizer(resolve(model))
     words = ("the fabric passes hidden states from node to node while every stream keeps its pace "

@@ -9,7 +9,7 @@ another), loaded once, then timed in rotating order ``--reps`` times:
 
 - ``hf-float32``, ``hf-bfloat16``: single-process transformers, ``AutoModelForCausalLM`` from
   the same GGUF / directory, greedy ``generate``.
-- ``hf-int8``, ``hf-int4``: the same in bfloat16, quantized with ``fabric.quant.quantize``:
+- ``hf-int8``, ``hf-int4``: the same in bfloat16, quantized with ``fabric.compute.quant.quantize``:
   the references a quantized node must match token for token.
 - ``node-int8``, ``node-int4``: one fabric node holding every layer, started as users do
   (``python -m fabric.cli tracker`` + ``python -m fabric.cli node ... --quant SCHEME
@@ -91,7 +91,7 @@ class HFWorker:
         import torch
         from transformers import AutoModelForCausalLM
 
-        from fabric.quant import load_quantized_reference
+        from fabric.compute.quant import load_quantized_reference
 
         self.torch = torch
         directory, gguf = str(source.directory), source.gguf_file
@@ -132,7 +132,7 @@ class FloorWorker:
     def __init__(self, source, tokenizer, eos, kind: str):
         import torch
 
-        from fabric.quant import Int8Linear, load_quantized_reference
+        from fabric.compute.quant import Int8Linear, load_quantized_reference
 
         self.torch = torch
         model = load_quantized_reference(str(source.directory), gguf_file=source.gguf_file, scheme="int8")
@@ -155,10 +155,10 @@ class ExecutorWorker:
     def __init__(self, source, tokenizer, eos, kind: str):
         import torch
 
-        from fabric.executor import ShardExecutor
-        from fabric.kv import KVStore
-        from fabric.models import default_cache_root, load_config, load_shard
-        from fabric.shard import Shard
+        from fabric.compute.executor import ShardExecutor
+        from fabric.compute.kv import KVStore
+        from fabric.compute.models import default_cache_root, load_config, load_shard
+        from fabric.wire.shard import Shard
 
         self.torch = torch
         layers = load_config(source, default_cache_root()).num_hidden_layers
@@ -213,8 +213,13 @@ def worker_main(args) -> int:
     import torch
 
     torch.set_num_threads(args.threads)
-    from fabric.models import default_cache_root, load_config, load_tokenizer, resolve
-    from fabric.route_session import eos_ids
+    from fabric.compute.models import (
+        default_cache_root,
+        load_config,
+        load_tokenizer,
+        resolve,
+    )
+    from fabric.node.route_session import eos_ids
 
     source = resolve(args.model)
     tokenizer = load_tokenizer(source, default_cache_root())
@@ -338,7 +343,7 @@ class NodeCluster:
 
     def __init__(self, procs: Procs, args, tmp: Path, scheme: str):
         self.kind = f"node-{scheme}"
-        from fabric.models import default_cache_root, load_config, resolve
+        from fabric.compute.models import default_cache_root, load_config, resolve
 
         source = resolve(args.model)
         layers = load_config(source, default_cache_root()).num_hidden_layers

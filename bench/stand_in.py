@@ -39,7 +39,12 @@ def main() -> int:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from fabric.models import default_cache_root, load_config, load_tokenizer, resolve
+    from fabric.compute.models import (
+        default_cache_root,
+        load_config,
+        load_tokenizer,
+        resolve,
+    )
 
     has_config = (args.out / "config.json").is_file()
     if args.model or not has_config:

@@ -47,8 +47,8 @@ def _wrap(owner, name: str, make) -> None:
 
 def install() -> None:
     import fabric.node as node_mod
-    from fabric.executor import ShardExecutor
-    from fabric.route_session import RouteSession
+    from fabric.compute.executor import ShardExecutor
+    from fabric.node.route_session import RouteSession
 
     add = EVENTS.append
 

@@ -7,6 +7,6 @@ A script needs only what this module exports::
         print(client.chat("smollm2-135m", "Hi", temperature=0.7, seed=1))
 """
 from .client import AsyncClient, Client, FabricError, HeadDied
-from .protocol import ErrorCode, Event, Sampling
+from .wire.protocol import ErrorCode, Event, Sampling
 
 __all__ = ["AsyncClient", "Client", "ErrorCode", "Event", "FabricError", "HeadDied", "Sampling"]

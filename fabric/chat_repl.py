@@ -20,8 +20,8 @@ from typing import TextIO
 
 from .client import Client, FabricError, GenerateArgs
 from .flags import CommandError, error_line
-from .protocol import Sampling
-from .security import Security
+from .net.security import Security
+from .wire.protocol import Sampling
 
 PROMPT = ">>> "
 HELP = """Available commands:

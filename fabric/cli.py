@@ -16,9 +16,20 @@ import threading
 import time
 from pathlib import Path
 
-from . import model_store
-from .flags import (CommandError, HelpFormatter, Parser, count, endpoint, error_line, non_negative, port,
-                    positive_count, seconds, version)
+from .compute import model_store
+from .flags import (
+    CommandError,
+    HelpFormatter,
+    Parser,
+    count,
+    endpoint,
+    error_line,
+    non_negative,
+    port,
+    positive_count,
+    seconds,
+    version,
+)
 
 DEFAULT_TRACKER = "tcp://127.0.0.1:5555"
 DEFAULT_PUB = "tcp://127.0.0.1:5556"
@@ -44,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def run(args: argparse.Namespace) -> int:
     """Run the parsed command; a refusal is one ``meshnet: error:`` line and its status."""
-    from .security import SecurityError
+    from .net.security import SecurityError
 
     try:
         return args.func(args) or 0
@@ -134,7 +145,7 @@ def _security(args, tracker_key_file: str | None = TRACKER_ID_KEY):
     """The Security for ``--keys`` (None without it); SecurityError says what is missing. A
     process that dials the tracker needs DIR/allowed/tracker.key (``tracker_key_file``: the
     file to copy there; None for the tracker and the relay, which do not dial it)."""
-    from .security import load, require_tracker_key
+    from .net.security import load, require_tracker_key
 
     security = load(args.keys) if getattr(args, "keys", None) else None
     if tracker_key_file:
@@ -197,8 +208,8 @@ def _up_parser(sub) -> None:
 
 def _even_shards(model: str, nodes: int) -> list:
     """``nodes`` shards splitting ``model``'s layers evenly; CommandError for an unknown model."""
-    from .models import ModelError, default_cache_root, load_config, resolve
-    from .shard import even_split
+    from .compute.models import ModelError, default_cache_root, load_config, resolve
+    from .wire.shard import even_split
 
     try:
         num_layers = load_config(resolve(model), default_cache_root()).num_hidden_layers
@@ -477,7 +488,7 @@ def _grouped_kv_attention() -> None:
 def _check_device(device: str, quant: str) -> None:
     """CommandError when ``device`` cannot compute here (with ``quant``): the check
     ``load_shard`` makes, before anything starts."""
-    from .models import ModelError, check_device
+    from .compute.models import ModelError, check_device
 
     try:
         check_device(device, quant)
@@ -527,10 +538,16 @@ def _node_config(args, security):
     """The NodeConfig for ``meshnet node``'s flags: the model's config is read, its weights are not."""
     import torch
 
-    from .models import ModelError, default_cache_root, default_data_root, load_config, resolve
+    from .compute.models import (
+        ModelError,
+        default_cache_root,
+        default_data_root,
+        load_config,
+        resolve,
+    )
+    from .net.security import relay_key
     from .node import NodeConfig, stable_node_id
-    from .security import relay_key
-    from .shard import parse_layers
+    from .wire.shard import parse_layers
 
     dtype = torch.bfloat16 if args.dtype == "bfloat16" else torch.float32
     try:
@@ -559,7 +576,7 @@ def _layers_that_fit(model_config, dtype, memory_gib: float) -> int:
     """How many layers fit ``memory_gib`` of weights (0: no budget given)."""
     if memory_gib <= 0:
         return 0
-    from .models import layer_bytes
+    from .compute.models import layer_bytes
 
     fit = int(memory_gib * (1 << 30) // layer_bytes(model_config, dtype))
     if fit < 1:
@@ -568,9 +585,9 @@ def _layers_that_fit(model_config, dtype, memory_gib: float) -> int:
 
 
 def _assigned_shard(tracker: str, model_id: str, num_layers: int, max_layers: int, security=None):
-    from . import protocol as p
     from .client import Client, FabricError
-    from .shard import Shard
+    from .wire import protocol as p
+    from .wire.shard import Shard
 
     with Client(tracker, timeout=10.0, security=security) as client:
         try:
@@ -652,7 +669,8 @@ def _chat_parser(sub) -> None:
 
 
 def cmd_chat(args) -> int:
-    from .chat_repl import ChatConfig, run as chat
+    from .chat_repl import ChatConfig
+    from .chat_repl import run as chat
 
     return chat(ChatConfig.from_args(args, _security(args)), args.prompt)
 
@@ -747,7 +765,7 @@ def _keys_parser(sub) -> None:
 def cmd_keys(args) -> int:
     import socket
 
-    from .security import create_keys
+    from .net.security import create_keys
 
     try:
         public = create_keys(Path(args.dir), args.name or socket.gethostname(), tracker=args.tracker)
@@ -791,7 +809,7 @@ def _relay_parser(sub) -> None:
 def _relay_config(args, bind: str, advertise: str | None, ports: str | None, front: str | None = None,
                   flags: str = "--"):
     """The RelayConfig; CommandError naming the flag (``flags``: their prefix, "--relay-" in the tracker)."""
-    from .relay import RelayConfig, endpoint_host
+    from .net.relay import RelayConfig, endpoint_host
 
     front = front or endpoint_host(bind)
     advertise = advertise or front
@@ -809,7 +827,7 @@ def _relay_config(args, bind: str, advertise: str | None, ports: str | None, fro
 
 
 def cmd_relay(args) -> int:
-    from .relay import Relay, serve_relay
+    from .net.relay import Relay, serve_relay
 
     config = _relay_config(args, args.bind, args.advertise_host, args.front_ports, args.front_host)
     _refuse_ports_in_use({"the relay, --bind": args.bind}, "relay")
@@ -826,7 +844,7 @@ def _relay_thread(args):
     if not args.relay:
         yield
         return
-    from .relay import Relay
+    from .net.relay import Relay
 
     relay = Relay(_relay_config(args, args.relay, args.relay_advertise_host, args.relay_front_ports,
                                 flags="--relay-"))

@@ -13,11 +13,11 @@ from pathlib import Path
 import zmq
 
 from fabric import Client, FabricError
-from fabric import protocol as p
 from fabric.client import wait_for
-from fabric.models import resolve
+from fabric.compute.models import resolve
 from fabric.node import Node, NodeConfig
-from fabric.shard import Shard
+from fabric.wire import protocol as p
+from fabric.wire.shard import Shard
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -51,7 +51,7 @@ class ThreadCluster:
 
         self.stop = threading.Event()
         self.threads: list[threading.Thread] = []
-        self.security = security  # fabric.security.Security shared by the tracker and the test's client
+        self.security = security  # fabric.net.security.Security shared by the tracker and the test's client
         self.tracker = Tracker(TrackerConfig(bind="tcp://127.0.0.1:*", pub="tcp://127.0.0.1:*", db=":memory:",
                                              heartbeat_interval=heartbeat, security=security))
         self._start(self.tracker.run)
@@ -141,7 +141,7 @@ class ProcessCluster:
 
     def secure(self) -> None:
         """Restart the tracker with a fresh swarm key set; start nodes after this."""
-        from fabric.security import create_keys
+        from fabric.net.security import create_keys
 
         self.keys = self.tmp / "keys"
         create_keys(self.keys, "swarm", tracker=True)
@@ -195,7 +195,7 @@ class ProcessCluster:
         proc.wait(10)
 
     def client(self) -> Client:
-        from fabric.security import load
+        from fabric.net.security import load
 
         return Client(self.endpoint, timeout=60, security=load(self.keys) if self.keys else None)
 

@@ -488,7 +488,8 @@ def make_venv(target: Path) -> Path:
     """A virtual environment seeing this Python's packages, with the default model installed
     in it again (so its path differs) and a ``meshnet`` command; returns its bin folder."""
     import venv
-    from fabric.models import ALIASES, alias_path
+
+    from fabric.compute.models import ALIASES, alias_path
 
     venv.create(target, system_site_packages=True, with_pip=False, symlinks=True)
     bin_dir = target / "bin"

@@ -29,7 +29,7 @@ import urllib.request
 import zmq
 
 from fabric import Client
-from fabric import protocol as p
+from fabric.wire import protocol as p
 
 
 def _emit(**fields) -> None:

@@ -1,14 +1,13 @@
 """Decode steps of concurrent sessions batched into one forward pass give the same tokens."""
 from __future__ import annotations
 
-
 import pytest
 import torch
 
-from fabric.executor import ShardExecutor, Step
-from fabric.kv import KVStore
-from fabric.models import load_shard, resolve
-from fabric.shard import Shard
+from fabric.compute.executor import ShardExecutor, Step
+from fabric.compute.kv import KVStore
+from fabric.compute.models import load_shard, resolve
+from fabric.wire.shard import Shard
 from tests.tiny_models import FAMILIES, assert_clear_lead, reference_greedy
 
 PROMPTS = [[5, 6, 7], [9, 10, 11, 12, 13, 14, 15], [20, 21], [30, 31, 32, 33, 34]]
@@ -126,7 +125,7 @@ def test_concurrent_streams_are_batched_and_unchanged(thread_cluster, tiny_model
 
 
 def prompt_ids_for(model, text: str) -> list[int]:
-    from fabric.models import load_tokenizer
+    from fabric.compute.models import load_tokenizer
 
     tok = load_tokenizer(resolve(str(model)))
     return list(tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,

@@ -31,10 +31,10 @@ def test_long_prompt_chunked_beside_running_streams(thread_cluster, tiny_models)
 def test_bfloat16_wire_for_a_float32_route(thread_cluster, tiny_models):
     """--wire-dtype bfloat16: hidden states cross the wire rounded to bfloat16 (half the
     bytes); the tokens are those of a split run that rounds at the same place."""
-    from fabric.executor import ShardExecutor
-    from fabric.kv import KVStore
-    from fabric.models import load_shard, resolve
-    from fabric.shard import Shard
+    from fabric.compute.executor import ShardExecutor
+    from fabric.compute.kv import KVStore
+    from fabric.compute.models import load_shard, resolve
+    from fabric.wire.shard import Shard
 
     model = tiny_models("llama")
     thread_cluster.add_node(model, 0, 2, 6, "head", wire_dtype="bfloat16")
@@ -67,13 +67,13 @@ def test_the_compute_lock_lets_one_process_compute_at_a_time_and_dies_with_its_h
     import subprocess
     import sys
 
-    from fabric.compute_lock import ComputeLock
+    from fabric.compute.compute_lock import ComputeLock
 
     path = str(tmp_path / "compute.lock")
     holder = subprocess.Popen([sys.executable, "-c", f"""
 import sys, time
 sys.path.insert(0, {str(Path(__file__).resolve().parent.parent)!r})
-from fabric.compute_lock import ComputeLock
+from fabric.compute.compute_lock import ComputeLock
 with ComputeLock({path!r}):
     print("held", flush=True)
     time.sleep(60)

@@ -211,7 +211,7 @@ def test_webui_refuses_an_api_keys_file_without_keys(meshnet, tmp_path, text):
 
 
 def test_a_silent_tracker_has_its_own_code_and_is_a_503():
-    from fabric.protocol import ErrorCode
+    from fabric.wire.protocol import ErrorCode
     from webui.errors import from_fabric
 
     error = from_fabric(ErrorCode.TRACKER_UNAVAILABLE, "tracker at tcp://x:1 did not answer")

@@ -9,7 +9,7 @@ import pytest
 import zmq
 
 from fabric import AsyncClient, Client, FabricError
-from fabric import protocol as p
+from fabric.wire import protocol as p
 
 
 class SlowTracker:

@@ -10,7 +10,7 @@ import time
 import pytest
 
 from fabric import AsyncClient, Client, FabricError, HeadDied, Sampling
-from fabric import protocol as p
+from fabric.wire import protocol as p
 
 MESSAGES = [{"role": "user", "content": "hello world, how are you today?"}]
 TOKENS = 24

@@ -14,7 +14,7 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from fabric.protocol import ErrorCode
+from fabric.wire.protocol import ErrorCode
 from webui import WebUIConfig, create_app
 from webui.board import CallBoard, ThroughputMeter
 from webui.dashboard import LIVE_EXTENSION, stream

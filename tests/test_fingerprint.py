@@ -16,14 +16,21 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file, save_file
 
-from fabric.models import ALIASES, alias_path, architecture, fingerprint, load_config, resolve
+from fabric.compute.models import (
+    ALIASES,
+    alias_path,
+    architecture,
+    fingerprint,
+    load_config,
+    resolve,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 
 # Computes the fingerprint the way a node does, in a fresh interpreter with its own HOME.
 _PROBE = """
 import sys
-from fabric.models import default_cache_root, fingerprint, load_config, resolve
+from fabric.compute.models import default_cache_root, fingerprint, load_config, resolve
 source = resolve(sys.argv[1])
 print(fingerprint(source, load_config(source, default_cache_root()), sys.argv[2] or None))
 """

@@ -3,9 +3,15 @@ from __future__ import annotations
 
 import pytest
 
-from fabric.protocol import Hop, ProtocolError, Report
+from fabric.wire.protocol import Hop, ProtocolError, Report
 from tracker.ledger import (
-    BILLED, HELD, VOID, Ledger, billing_verdict, default_ledger_path, key_id,
+    BILLED,
+    HELD,
+    VOID,
+    Ledger,
+    billing_verdict,
+    default_ledger_path,
+    key_id,
 )
 
 ONE = (Hop("full", "tcp://f:1", 0, 39),)

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import pytest
 
-from fabric.liveness import PeerLiveness, splice
-from fabric.protocol import Hop
+from fabric.net.liveness import PeerLiveness, splice
+from fabric.wire.protocol import Hop
 
 
 def test_a_busy_peer_is_not_dead_until_it_is_silent_for_long():
@@ -44,7 +44,7 @@ def test_splice_keeps_the_head_and_continues_after_it():
 
 
 def test_round_trips_skip_the_handshake_damp_stalls_and_smooth():
-    from fabric.liveness import RttTable
+    from fabric.net.liveness import RttTable
 
     rtt = RttTable(alpha=0.5)
     nonce = rtt.ping("tcp://b:1", now=0.0)

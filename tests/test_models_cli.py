@@ -14,11 +14,20 @@ from pathlib import Path
 import pytest
 import torch
 
-from fabric import model_store as store
-from fabric.model_store import PullError, RemoteFile, RemoteRepo
-from fabric.models import ALIASES, PULL_MANIFEST, Alias, ModelError, alias_path, fingerprint, load_config, \
-    load_shard, resolve
-from fabric.shard import Shard
+from fabric.compute import model_store as store
+from fabric.compute.model_store import PullError, RemoteFile, RemoteRepo
+from fabric.compute.models import (
+    ALIASES,
+    PULL_MANIFEST,
+    Alias,
+    ModelError,
+    alias_path,
+    fingerprint,
+    load_config,
+    load_shard,
+    resolve,
+)
+from fabric.wire.shard import Shard
 from tests.cluster import ROOT, free_port
 
 REPO = "test-org/tiny-sharded"
@@ -219,7 +228,7 @@ def test_pull_errors_say_what_is_wrong(sharded, tmp_path, tiny_models):
 
 
 def test_a_gguf_head_keeps_the_embedding_quantized_and_looks_up_the_same_rows():
-    from fabric.models import GGUFEmbedding
+    from fabric.compute.models import GGUFEmbedding
 
     if alias_path(ALIASES["smollm2-135m"]) is None:
         pytest.skip("smollm2-135m is not installed here")

@@ -1,6 +1,6 @@
 """A real ``fabric.node.Node`` on loopback, fed malformed frames from a DEALER.
 
-Every bad frame must be answered with an ERROR (decoded here with ``fabric.protocol``,
+Every bad frame must be answered with an ERROR (decoded here with ``fabric.wire.protocol``,
 code checked) and must never take the node down: afterwards it still answers PING and
 still generates exactly what a single transformers process generates.
 """
@@ -18,13 +18,13 @@ import torch
 import zmq
 
 from fabric import Client
-from fabric import protocol as p
 from fabric.client import wait_for
-from fabric.models import resolve
+from fabric.compute.models import resolve
+from fabric.compute.tensors import to_wire
 from fabric.node import Node, NodeConfig
-from fabric.protocol import ErrorCode, Hop, Kind
-from fabric.shard import Shard
-from fabric.tensors import to_wire
+from fabric.wire import protocol as p
+from fabric.wire.protocol import ErrorCode, Hop, Kind
+from fabric.wire.shard import Shard
 from tests.tiny_models import make_model, reference_greedy
 
 NUM_LAYERS = 6  # tiny_models' default

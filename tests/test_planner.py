@@ -6,9 +6,15 @@ import random
 
 import pytest
 
-from fabric.protocol import Hop
+from fabric.wire.protocol import Hop
 from tracker.planner import (
-    CostModel, assign_span, coverage_gaps, estimate_route, link_between, plan_all, plan_routes,
+    CostModel,
+    assign_span,
+    coverage_gaps,
+    estimate_route,
+    link_between,
+    plan_all,
+    plan_routes,
     route_link_seconds,
 )
 from tracker.registry import NodeInfo

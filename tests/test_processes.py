@@ -6,7 +6,7 @@ import time
 import pytest
 
 from fabric.client import wait_for
-from fabric.models import ALIASES, alias_path, load_tokenizer, resolve
+from fabric.compute.models import ALIASES, alias_path, load_tokenizer, resolve
 from tests.cluster import wait_sessions_zero
 from tests.test_fabric_equivalence import MESSAGES, prompt_ids
 from tests.tiny_models import reference_greedy

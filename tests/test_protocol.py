@@ -1,4 +1,4 @@
-"""fabric.protocol and fabric.tensors: round trips, zero copy, rejection, and fuzzing.
+"""fabric.wire.protocol and fabric.compute.tensors: round trips, zero copy, rejection, and fuzzing.
 
 Everything here is pure (no model, no node); the only sockets are an inproc PAIR to show
 that frames received with ``copy=False`` decode without a copy, and a tracker thread that
@@ -24,9 +24,16 @@ import zmq
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from fabric import protocol as p
-from fabric.protocol import ErrorCode, Hop, Kind, ProtocolError, Sampling, TensorSpec
-from fabric.tensors import from_wire, to_wire
+from fabric.compute.tensors import from_wire, to_wire
+from fabric.wire import protocol as p
+from fabric.wire.protocol import (
+    ErrorCode,
+    Hop,
+    Kind,
+    ProtocolError,
+    Sampling,
+    TensorSpec,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 DOC = ROOT / "docs" / "PROTOCOL.md"

@@ -10,12 +10,19 @@ import pytest
 import torch
 from torch import nn
 
-from fabric.executor import ShardExecutor
-from fabric.kv import KVStore
-from fabric.models import load_config, load_shard, resolve
-from fabric.quant import (Int4Linear, Int8Linear, load_quantized_reference, quantize, quantize_modules,
-                          quantize_weight, quantized_layer_bytes)
-from fabric.shard import Shard, even_split
+from fabric.compute.executor import ShardExecutor
+from fabric.compute.kv import KVStore
+from fabric.compute.models import load_config, load_shard, resolve
+from fabric.compute.quant import (
+    Int4Linear,
+    Int8Linear,
+    load_quantized_reference,
+    quantize,
+    quantize_modules,
+    quantize_weight,
+    quantized_layer_bytes,
+)
+from fabric.wire.shard import Shard, even_split
 from tests.tiny_models import reference_greedy
 
 PROMPT = [1, 5, 17, 33, 60, 8, 101, 44, 9, 250, 12]

@@ -14,10 +14,10 @@ import threading
 import pytest
 import zmq
 
-from fabric import protocol as p
 from fabric.client import wait_for
-from fabric.relay import CONTROL, Relay, RelayConfig
-from fabric.security import create_keys, dial_securely, load
+from fabric.net.relay import CONTROL, Relay, RelayConfig
+from fabric.net.security import create_keys, dial_securely, load
+from fabric.wire import protocol as p
 from tests.cluster import free_port
 from tests.test_cli import meshnet
 from tests.test_fabric_equivalence import MESSAGES, prompt_ids

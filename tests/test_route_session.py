@@ -9,13 +9,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fabric.executor import CacheMissError, ShardExecutor
-from fabric.kv import KVStore
-from fabric.models import load_shard, load_tokenizer, resolve
-from fabric.protocol import CacheMiss, Cancel, Close, Forward, Generate, Hop, Token
-from fabric.route_session import Detokenizer, RouteSession, eos_ids
-from fabric.sampling import sample
-from fabric.shard import Shard
+from fabric.compute.executor import CacheMissError, ShardExecutor
+from fabric.compute.kv import KVStore
+from fabric.compute.models import load_shard, load_tokenizer, resolve
+from fabric.compute.sampling import sample
+from fabric.node.route_session import Detokenizer, RouteSession, eos_ids
+from fabric.wire.protocol import CacheMiss, Cancel, Close, Forward, Generate, Hop, Token
+from fabric.wire.shard import Shard
 from tests.tiny_models import reference_greedy
 
 

@@ -1,8 +1,8 @@
 """The tail's token choice: greedy picks the first maximum, seeded draws replay."""
 import torch
 
-from fabric.protocol import Sampling
-from fabric.sampling import draw, sample
+from fabric.compute.sampling import draw, sample
+from fabric.wire.protocol import Sampling
 
 GREEDY = Sampling()
 

@@ -4,9 +4,16 @@ from __future__ import annotations
 
 import pytest
 
-from fabric import protocol as p
-from fabric.node.scheduler import (GATHER_PER_DECODE, IDLE_SLICE_S, MIN_SLICE_TOKENS, WHOLE_PREFILL_TOKENS,
-                                   HopScheduler, SchedulerConfig, Work)
+from fabric.node.scheduler import (
+    GATHER_PER_DECODE,
+    IDLE_SLICE_S,
+    MIN_SLICE_TOKENS,
+    WHOLE_PREFILL_TOKENS,
+    HopScheduler,
+    SchedulerConfig,
+    Work,
+)
+from fabric.wire import protocol as p
 
 
 class Tokens:

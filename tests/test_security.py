@@ -9,12 +9,12 @@ import torch
 import zmq
 
 from fabric import FabricError
-from fabric import protocol as p
-from fabric.executor import ShardExecutor
-from fabric.kv import KVStore
-from fabric.models import load_shard, resolve
-from fabric.security import create_keys, dial_securely, load
-from fabric.shard import Shard
+from fabric.compute.executor import ShardExecutor
+from fabric.compute.kv import KVStore
+from fabric.compute.models import load_shard, resolve
+from fabric.net.security import create_keys, dial_securely, load
+from fabric.wire import protocol as p
+from fabric.wire.shard import Shard
 from tests.cluster import ThreadCluster, free_port
 from tests.tcp_tap import TcpTap
 from tests.test_fabric_equivalence import MESSAGES, prompt_ids
@@ -121,7 +121,7 @@ def test_traffic_is_encrypted_on_the_wire(keys, tiny_models, secured):
 
 def _head_hidden_bytes(model_dir) -> bytes:
     """The first 64 bytes of the hidden states the head sends for PROMPT."""
-    from fabric.models import load_tokenizer
+    from fabric.compute.models import load_tokenizer
 
     source = resolve(str(model_dir))
     ids = load_tokenizer(source)(PROMPT)["input_ids"]

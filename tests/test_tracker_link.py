@@ -13,9 +13,9 @@ import time
 import pytest
 import zmq
 
-from fabric import protocol as p
-from fabric.security import create_keys, load, serve_securely, start_authenticator
-from fabric.tracker_link import TrackerLink
+from fabric.net.security import create_keys, load, serve_securely, start_authenticator
+from fabric.net.tracker_link import TrackerLink
+from fabric.wire import protocol as p
 from tests.cluster import free_port, wait_for
 
 WARN = "does not answer"

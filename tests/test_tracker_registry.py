@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from fabric.protocol import Heartbeat, ProtocolError, Register
+from fabric.wire.protocol import Heartbeat, ProtocolError, Register
 from tracker.registry import Registry
 
 

@@ -15,12 +15,31 @@ import msgpack
 import pytest
 import zmq
 
-from fabric.protocol import (
-    MAGIC, Ack, Assign, AssignRequest, Error, Forward, Heartbeat, Hop, Kind, Ping, Pong, ProtocolError,
-    Register, Report, Route, RouteRequest, Status, StatusRequest, TensorSpec, decode, encode,
+from fabric.cli import format_status
+from fabric.wire.protocol import (
+    MAGIC,
+    Ack,
+    Assign,
+    AssignRequest,
+    Error,
+    Forward,
+    Heartbeat,
+    Hop,
+    Kind,
+    Ping,
+    Pong,
+    ProtocolError,
+    Register,
+    Report,
+    Route,
+    RouteRequest,
+    Status,
+    StatusRequest,
+    TensorSpec,
+    decode,
+    encode,
     split_envelope,
 )
-from fabric.cli import format_status
 from tracker.service import Tracker, TrackerConfig
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -440,7 +459,7 @@ def test_plans_show_predicted_and_actual_tokens_per_second(start, context):
 
 
 def test_secured_tracker_gives_a_relayed_node_its_relays_key_if_allow_listed(tmp_path):
-    from fabric.security import create_keys, load
+    from fabric.net.security import create_keys, load
 
     create_keys(tmp_path / "swarm", "swarm", tracker=True)
     create_keys(tmp_path / "stranger", "stranger")

@@ -3,11 +3,16 @@ from __future__ import annotations
 
 import pytest
 
-from fabric.protocol import Hop
+from fabric.wire.protocol import Hop
 from tracker.events import EventRing
 from tracker.stats import (
-    MIN_THROUGHPUT_TOKENS, Completion, StatsStore, attribute_hops, decode_timing,
-    feeds_throughput, route_label,
+    MIN_THROUGHPUT_TOKENS,
+    Completion,
+    StatsStore,
+    attribute_hops,
+    decode_timing,
+    feeds_throughput,
+    route_label,
 )
 
 ONE = (Hop("a", "tcp://a:1", 0, 29),)

@@ -60,7 +60,7 @@ def test_the_readme_walkthrough_parses():
 def two_machines(tmp_path):
     if reason := netbed.unavailable():
         pytest.skip(reason)
-    from fabric.models import ALIASES, alias_path
+    from fabric.compute.models import ALIASES, alias_path
 
     if alias_path(ALIASES["smollm2-135m"]) is None:
         pytest.skip("smollm2-135m is not installed (meshnet pull smollm2-135m)")
@@ -138,7 +138,7 @@ def reference_reply(prompt: str, max_new_tokens: int = 256) -> str:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from fabric.models import ALIASES, alias_path
+    from fabric.compute.models import ALIASES, alias_path
 
     path = alias_path(ALIASES["smollm2-135m"])
     tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from fabric.protocol import ErrorCode, Event, Sampling
+from fabric.wire.protocol import ErrorCode, Event, Sampling
 from webui import WebUIConfig, create_app
 from webui.sse import DONE
 from webui.testing import FakeClient, Script

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping
 
-from fabric.protocol import ErrorCode, ProtocolError, Report
+from fabric.wire.protocol import ErrorCode, ProtocolError, Report
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """Route planning: a pure function from a registry snapshot to ranked routes.
 
-A route is a tuple of ``fabric.protocol.Hop`` covering layers ``0..L-1`` contiguously.
+A route is a tuple of ``fabric.wire.protocol.Hop`` covering layers ``0..L-1`` contiguously.
 Each hop starts at the previous hop's ``end_layer + 1`` -- never at the downstream node's
 own shard start: a full node used as a tail after a partial head runs from the head's
 end + 1, not from layer 0. Run from 0, it would put hidden states that already passed the
@@ -38,7 +38,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Iterable, Mapping, Sequence
 
-from fabric.protocol import Hop
+from fabric.wire.protocol import Hop
 
 from .registry import NodeInfo
 

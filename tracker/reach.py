@@ -18,8 +18,8 @@ from dataclasses import dataclass
 
 import zmq
 
-from fabric import protocol as p
-from fabric.security import Security, SecurityError, dial
+from fabric.net.security import Security, SecurityError, dial
+from fabric.wire import protocol as p
 
 log = logging.getLogger(__name__)
 

@@ -11,7 +11,13 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Callable
 
-from fabric.protocol import MAX_LAYERS, ErrorCode, Heartbeat, ProtocolError, Register
+from fabric.wire.protocol import (
+    MAX_LAYERS,
+    ErrorCode,
+    Heartbeat,
+    ProtocolError,
+    Register,
+)
 
 log = logging.getLogger(__name__)
 

@@ -5,11 +5,18 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Callable
 
-from fabric.protocol import Ack, Message, Report
+from fabric.wire.protocol import Ack, Message, Report
 
 from .events import EventRing
 from .ledger import Ledger, check_report
-from .planner import CostModel, estimate_route, hop_dict, hop_weights, links_measured, route_link_seconds
+from .planner import (
+    CostModel,
+    estimate_route,
+    hop_dict,
+    hop_weights,
+    links_measured,
+    route_link_seconds,
+)
 from .registry import Registry
 from .stats import Completion, StatsStore, decode_timing
 

@@ -1,6 +1,6 @@
 """The tracker process: a ROUTER for requests from nodes and clients, a PUB for updates.
 
-Requests (``fabric.protocol``) and their replies:
+Requests (``fabric.wire.protocol``) and their replies:
 
 ===================  ===========================================================
 Register             Ack, or Error(BAD_REQUEST)
@@ -30,21 +30,45 @@ from typing import Any, NoReturn
 import msgpack
 import zmq
 
-from fabric.protocol import (
-    MAX_LAYERS, VERSION, Ack, Assign, AssignRequest, Error, ErrorCode, Heartbeat, Hop, Kind, Message,
-    Ping, Pong, ProtocolError, Register, Report, Route, RouteRequest, Status, StatusRequest,
-    decode, encode, split_envelope,
-)
-
 from fabric.metrics import Sample
-from fabric.security import Security, peer_key, serve_securely, start_authenticator
+from fabric.net.security import Security, peer_key, serve_securely, start_authenticator
+from fabric.wire.protocol import (
+    MAX_LAYERS,
+    VERSION,
+    Ack,
+    Assign,
+    AssignRequest,
+    Error,
+    ErrorCode,
+    Heartbeat,
+    Hop,
+    Kind,
+    Message,
+    Ping,
+    Pong,
+    ProtocolError,
+    Register,
+    Report,
+    Route,
+    RouteRequest,
+    Status,
+    StatusRequest,
+    decode,
+    encode,
+    split_envelope,
+)
 
 from .events import EventRing
-from .reach import ReachChecker
 from .ledger import Ledger, default_ledger_path
 from .planner import (
-    CostModel, Plan, assign_span, hop_dict, plan_all, plan_routes,
+    CostModel,
+    Plan,
+    assign_span,
+    hop_dict,
+    plan_all,
+    plan_routes,
 )
+from .reach import ReachChecker
 from .registry import NodeInfo, Registry
 from .reports import Reports
 from .stats import StatsStore, route_label

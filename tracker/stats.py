@@ -21,7 +21,7 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass
 from typing import Sequence
 
-from fabric.protocol import Hop
+from fabric.wire.protocol import Hop
 
 MIN_THROUGHPUT_TOKENS = 8
 MAX_ROUTE_KEYS = 256  # distinct routes remembered for predicted-vs-actual

@@ -26,7 +26,14 @@ from .dashboard import LIVE_EXTENSION
 from .dashboard import blueprint as dashboard_blueprint
 from .errors import ApiError
 from .live import LiveFeed
-from .openai_api import EXTENSION, INTERNAL_ERROR, ApiContext, api_error_response, blueprint, render_api_error
+from .openai_api import (
+    EXTENSION,
+    INTERNAL_ERROR,
+    ApiContext,
+    api_error_response,
+    blueprint,
+    render_api_error,
+)
 
 __all__ = ["WebUIConfig", "create_app", "serve", "serve_async"]
 
@@ -143,7 +150,7 @@ def _ending_live_streams(app: Quart, trigger: Callable[[], Awaitable[None]]) -> 
 
 
 def _fabric_client(config: WebUIConfig) -> Any:
-    from fabric.client import AsyncClient  # the web UI's only import of the fabric client
+    from fabric.client import AsyncClient
 
     return AsyncClient(config.tracker, timeout=config.client_timeout, security=config.security)
 

@@ -34,7 +34,7 @@ class WebUIConfig:
     sse_keepalive: float = 15.0
     # Seconds without news after which an in-flight request leaves the Call wall as "lost".
     call_idle_timeout: float = 120.0
-    # CurveZMQ keys (fabric.security.Security) for the tracker and nodes; None: plaintext.
+    # CurveZMQ keys (fabric.net.security.Security) for the tracker and nodes; None: plaintext.
     security: object | None = None
 
     def __post_init__(self) -> None:

@@ -9,7 +9,7 @@ import functools
 import importlib
 from dataclasses import dataclass
 
-from fabric.protocol import ErrorCode
+from fabric.wire.protocol import ErrorCode
 
 INVALID_REQUEST = "invalid_request_error"
 SERVER_ERROR = "server_error"

@@ -13,7 +13,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
-from fabric.protocol import Event
+from fabric.wire.protocol import Event
 
 from . import accounting as acct
 from .errors import api_error_from, from_fabric

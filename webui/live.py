@@ -30,7 +30,7 @@ import msgpack
 import zmq
 import zmq.asyncio
 
-from fabric.security import SecurityError, dial_securely
+from fabric.net.security import SecurityError, dial_securely
 
 from .board import CallBoard, ThroughputMeter
 
@@ -117,7 +117,7 @@ class LiveFeed:
         self._socket: zmq.asyncio.Socket | None = None
         self._task: asyncio.Task | None = None
         self._stopped = False
-        self._security = security  # fabric.security.Security, or None for plaintext
+        self._security = security  # fabric.net.security.Security, or None for plaintext
 
     # ----------------------------------------------------------------- life cycle
 

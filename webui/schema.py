@@ -11,7 +11,7 @@ import json
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from fabric.protocol import Sampling
+from fabric.wire.protocol import Sampling
 
 from .errors import ApiError
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, field
 
-from fabric.protocol import ErrorCode, Event, Hop, Sampling
+from fabric.wire.protocol import ErrorCode, Event, Hop, Sampling
 
 from .errors import fabric_error_class
 

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import torch
 
-from ..models import ModelSource
-from ..security import Security
-from ..shard import Shard
+from ..compute.models import ModelSource
+from ..net.security import Security
+from ..wire.shard import Shard
 from .head import HeadConfig
 from .links import LinkConfig
 from .scheduler import SchedulerConfig

@@ -1,7 +1,7 @@
 """The head's side of a node: the requests it heads, the clients that sent them, failover.
 
 A node that holds layer 0 takes GENERATE from clients. For each request it keeps a
-RouteSession (fabric/route_session.py) and the client's identity on the ROUTER; it turns
+RouteSession (fabric/node/route_session.py) and the client's identity on the ROUTER; it turns
 the route's TOKEN, CACHE_MISS and ERROR replies into client events, reports progress to
 the tracker, and when a hop of an active route dies it asks the tracker for another.
 No sockets here: the node passes frames in and sends what comes out through ``HeadHost``.
@@ -14,9 +14,9 @@ from collections import Counter, deque
 from dataclasses import dataclass
 from typing import Protocol
 
-from .. import protocol as p
-from ..liveness import splice
-from ..route_session import RequestError, RouteSession, Transport, encode_prompt
+from ..net.liveness import splice
+from ..wire import protocol as p
+from .route_session import RequestError, RouteSession, Transport, encode_prompt
 
 
 @dataclass(frozen=True)

@@ -11,9 +11,9 @@ from collections import Counter
 
 import torch
 
-from ..compute_lock import ComputeLock
-from ..executor import ShardExecutor, Step, StepResult
-from ..shard import Shard
+from ..compute.compute_lock import ComputeLock
+from ..compute.executor import ShardExecutor, Step, StepResult
+from ..wire.shard import Shard
 from .scheduler import Work
 
 log = logging.getLogger(__name__)

@@ -15,10 +15,10 @@ from typing import Protocol
 
 import zmq
 
-from .. import protocol as p
-from ..relay import RelayedPeer, RelayLink
-from ..security import Security
-from ..tracker_link import TrackerLink
+from ..net.relay import RelayedPeer, RelayLink
+from ..net.security import Security
+from ..net.tracker_link import TrackerLink
+from ..wire import protocol as p
 
 log = logging.getLogger(__name__)
 

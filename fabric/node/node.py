@@ -20,23 +20,23 @@ from collections import Counter
 import torch
 import zmq
 
-from .. import protocol as p
-from ..compute_lock import ComputeLock
-from ..executor import CacheMissError, ShardExecutor, StepResult
-from ..kv import KVStore
-from ..liveness import PeerLiveness
+from ..compute.compute_lock import ComputeLock
+from ..compute.executor import CacheMissError, ShardExecutor, StepResult
+from ..compute.kv import KVStore
+from ..compute.models import fingerprint, load_shard, load_tokenizer
+from ..compute.sampling import sample
+from ..compute.tensors import TORCH_DTYPES, from_wire, to_wire
 from ..metrics import Sample
-from ..models import fingerprint, load_shard, load_tokenizer
-from ..relay import RelayedPeer
-from ..route_session import eos_ids
-from ..sampling import sample
-from ..security import serve_securely, start_authenticator
-from ..tensors import TORCH_DTYPES, from_wire, to_wire
+from ..net.liveness import PeerLiveness
+from ..net.relay import RelayedPeer
+from ..net.security import serve_securely, start_authenticator
+from ..wire import protocol as p
 from .config import NodeConfig
 from .head import Head, Model
 from .hops import HopRunner
 from .links import Links
 from .peers import Peers
+from .route_session import eos_ids
 from .scheduler import HopScheduler, Work
 
 log = logging.getLogger(__name__)

@@ -13,9 +13,9 @@ from collections import Counter
 import zmq
 import zmq.utils.monitor
 
-from .. import protocol as p
-from ..liveness import PeerLiveness, RttTable
-from ..security import Security, SecurityError, dial
+from ..net.liveness import PeerLiveness, RttTable
+from ..net.security import Security, SecurityError, dial
+from ..wire import protocol as p
 
 log = logging.getLogger(__name__)
 

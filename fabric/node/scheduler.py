@@ -17,7 +17,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable, Collection
 
-from .. import protocol as p
+from ..wire import protocol as p
 
 FIRST_SLICE_TOKENS = 32  # prefill tokens per slice before this node has timed any
 MIN_SLICE_TOKENS = 8  # a slice's fixed cost (reading the weights) dwarfs this many tokens' own

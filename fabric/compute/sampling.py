@@ -6,7 +6,7 @@ import hashlib
 
 import torch
 
-from .protocol import Sampling
+from ..wire.protocol import Sampling
 
 
 def draw(seed: int, position: int) -> float:

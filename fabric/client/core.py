@@ -22,8 +22,8 @@ import msgpack
 import zmq
 import zmq.asyncio
 
-from . import protocol as p
-from .security import Security, SecurityError, dial_securely
+from ..net.security import Security, SecurityError, dial_securely
+from ..wire import protocol as p
 
 
 class FabricError(Exception):

@@ -11,7 +11,7 @@ import warnings
 
 import torch
 
-from .protocol import DTYPE_SIZES, ProtocolError, TensorSpec
+from ..wire.protocol import DTYPE_SIZES, ProtocolError, TensorSpec
 
 TORCH_DTYPES = {
     "float32": torch.float32,

@@ -16,8 +16,21 @@ from typing import Protocol
 
 import torch
 
-from .protocol import (CacheMiss, Cancel, Close, Error, ErrorCode, Event, EventKind, FinishReason, Forward,
-                       Generate, Hop, Sampling, Token)
+from ..wire.protocol import (
+    CacheMiss,
+    Cancel,
+    Close,
+    Error,
+    ErrorCode,
+    Event,
+    EventKind,
+    FinishReason,
+    Forward,
+    Generate,
+    Hop,
+    Sampling,
+    Token,
+)
 
 log = logging.getLogger(__name__)
 

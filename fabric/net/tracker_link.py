@@ -22,7 +22,7 @@ from typing import Callable
 import zmq
 import zmq.utils.monitor
 
-from . import protocol as p
+from ..wire import protocol as p
 from .security import Security, dial
 
 log = logging.getLogger("fabric.node")

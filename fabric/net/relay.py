@@ -35,8 +35,8 @@ from dataclasses import dataclass
 
 import zmq
 
-from . import protocol as p
-from .metrics import Sample
+from ..metrics import Sample
+from ..wire import protocol as p
 from .security import Security, dial, peer_key, serve_securely, start_authenticator
 
 log = logging.getLogger(__name__)

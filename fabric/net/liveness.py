@@ -13,7 +13,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from .protocol import MAX_RTT_MS, MAX_RTT_PEERS, Hop
+from ..wire.protocol import MAX_RTT_MS, MAX_RTT_PEERS, Hop
 
 
 @dataclass

@@ -29,11 +29,10 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
-
 import torch
 from torch import nn
 
-from .shard import Shard
+from ..wire.shard import Shard
 
 log = logging.getLogger(__name__)
 
@@ -314,7 +313,7 @@ def load_shard(source: ModelSource, shard: Shard, *, dtype: torch.dtype = torch.
                quant: str | None = None) -> ShardWeights:
     """Load only ``shard``'s weights of ``source`` onto ``device`` in ``dtype``.
 
-    ``quant="int8"`` or ``"int4"`` (see ``fabric.quant``; CPU only) loads in bfloat16 whatever
+    ``quant="int8"`` or ``"int4"`` (see ``fabric.compute.quant``; CPU only) loads in bfloat16 whatever
     ``dtype`` says, then quantizes the decoder layers' linears and the lm_head, one by one.
     """
     from transformers import AutoModelForCausalLM
@@ -343,7 +342,7 @@ def load_shard(source: ModelSource, shard: Shard, *, dtype: torch.dtype = torch.
     _prune(model, shard, keep_embed=(shard.is_first and lazy_embed is None) or (shard.is_last and tied))
     _load_into(model, state, dtype)
     weights = _shard_weights(model, shard, lazy_embed, tied, dtype, device)
-    if quant is not None:  # --quant: see fabric/quant.py
+    if quant is not None:  # --quant: see fabric/compute/quant.py
         from .quant import quantize
 
         del state, model  # the float checkpoint tensors, before quantizing
@@ -444,7 +443,11 @@ def _gguf_state(tensors: tuple[list[GGUFTensorInfo], np.ndarray], model, config,
                 progress: bool, skip_embed: bool = False) -> dict:
     from gguf import GGMLQuantizationType, dequantize
     from tqdm import tqdm
-    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor, get_gguf_hf_weights_map
+    from transformers.modeling_gguf_pytorch_utils import (
+        TENSOR_PROCESSORS,
+        TensorProcessor,
+        get_gguf_hf_weights_map,
+    )
 
     infos, mm = tensors
     arch = GGUF_ARCH.get(config.model_type, config.model_type)

@@ -42,7 +42,7 @@ time, so the figures are CPU time or quiet runs; ``bench/quant_bench.py`` gives 
   dropped to 15/0/0, so the lm_head stays int8 under int4 (``LM_HEAD_SCHEME``).
 
 Memory: each linear is quantized as it is replaced, so the transient extra is one
-linear's float copy. What remains: ``fabric.models.load_shard`` first builds the whole shard
+linear's float copy. What remains: ``fabric.compute.models.load_shard`` first builds the whole shard
 in bfloat16, and for a GGUF its loader dequantizes tensor by tensor into float32 arrays
 that are all held until the shard is built; so a GGUF shard's load peak is still its
 float32 size (a safetensors shard's, its bfloat16 size). Quantizing inside the loader,
@@ -219,7 +219,7 @@ def quantize_modules(layers: Iterable[nn.Module], lm_head: nn.Module | None = No
 def quantize(module, scheme: str = "int8"):
     """Quantize ``module`` in place and return it.
 
-    ``module`` is a ``fabric.models.ShardWeights`` (its decoder layers and lm_head), or a
+    ``module`` is a ``fabric.compute.models.ShardWeights`` (its decoder layers and lm_head), or a
     transformers ``*ForCausalLM`` (``model.model.layers`` and ``model.lm_head``: the
     single-process reference with the very same quantized weights). Embeddings and norms
     are left as they are. The caller loads the model in bfloat16.
@@ -247,7 +247,7 @@ def quantize(module, scheme: str = "int8"):
 
 def quantized_layer_bytes(config, scheme: str) -> int:
     """Bytes one decoder layer holds under ``scheme`` (from the architecture, no weights):
-    what ``fabric.models.layer_bytes`` gives for float dtypes, for ``--memory`` planning."""
+    what ``fabric.compute.models.layer_bytes`` gives for float dtypes, for ``--memory`` planning."""
     from transformers import AutoModelForCausalLM
 
     if scheme not in SCHEMES:

@@ -53,8 +53,8 @@ def shard_files(weight_map: dict[str, str], start: int, end: int, num_layers: in
     are those ``models.load_shard`` reads (layer 0 adds the embeddings, the last layer the
     final norm and lm_head, or the embeddings again when ``tied``).
     """
+    from ..wire.shard import Shard
     from .models import _wanted
-    from .shard import Shard
 
     shard = Shard(start, end, num_layers)
     return sorted({file for tensor, file in weight_map.items() if _wanted(tensor, shard, tied)})
@@ -97,7 +97,7 @@ def weights_needed(directory: Path, remote: list[str], layers: str | None) -> li
 
     Reads config.json and the index from ``directory`` (fetched before the weights).
     """
-    from .shard import parse_layers
+    from ..wire.shard import parse_layers
 
     weights = sorted(n for n in remote if "/" not in n and n.endswith(".safetensors"))
     config = json.loads((directory / "config.json").read_text())
@@ -222,7 +222,7 @@ def pull_repo(repo: str, layers: str | None, models_root: Path, hub_factory: Cal
 
 
 def _check_range(target: Path, layers: str, repo: str) -> None:
-    from .shard import parse_layers
+    from ..wire.shard import parse_layers
 
     try:
         parse_layers(layers, num_layers_of(json.loads((target / "config.json").read_text())))
@@ -443,7 +443,7 @@ def cmd_pull(args, hub_factory: Callable[[], Hub] = Hub,
 
 def _range_syntax_error(layers: str) -> str | None:
     """Why ``layers`` is no range like 0-14 (the model's own size is checked once its config is here)."""
-    from .shard import _RANGE, parse_layers
+    from ..wire.shard import _RANGE, parse_layers
 
     m = _RANGE.match(layers)
     if m is None:

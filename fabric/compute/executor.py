@@ -279,7 +279,10 @@ class ShardExecutor:
 
     def _masks(self, kv: SessionKV, hidden: torch.Tensor, position_ids: torch.Tensor,
                start: int, end: int) -> dict[str, torch.Tensor | None]:
-        from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+        from transformers.masking_utils import (
+            create_causal_mask,
+            create_sliding_window_causal_mask,
+        )
 
         makers = {"full_attention": create_causal_mask, "sliding_attention": create_sliding_window_causal_mask}
         masks = {}
