@@ -35,10 +35,10 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from fabric import Client
-from fabric.client import wait_for
 from fabric.compute.models import resolve
 from fabric.wire.shard import even_split
 from tests.cluster import free_port  # noqa: E402
+from tests.support import wait_for
 
 PROMPTS = ["Why is the sky blue?", "Name three prime numbers.", "Write a haiku about rivers.",
            "What is a transformer model?", "Describe a cat in one sentence.", "What is 12 times 12?",

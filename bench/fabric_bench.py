@@ -46,7 +46,6 @@ import os
 import platform
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -65,6 +64,8 @@ import psutil  # noqa: E402
 
 sys.path.insert(0, str(REPO / "bench"))
 from concurrency import add_device_args, device_args  # noqa: E402
+
+from tests.support import free_port  # noqa: E402
 
 PROMPT = ({"role": "user", "content": "Explain in a few sentences why the sky is blue."},)
 TARGETS = {"two_node_ratio": 0.95, "hop_ratio": 1.5, "memory_ratio": 0.6}
@@ -144,12 +145,6 @@ class Procs:
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # --------------------------------------------------------------------------- load meter

@@ -25,9 +25,9 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from fabric import Client
-from fabric.client import wait_for
 from fabric.compute.models import load_config, resolve
 from tests.cluster import free_port, wait_sessions_zero  # noqa: E402
+from tests.support import wait_for
 
 MESSAGES = [{"role": "user", "content": "Tell me a short story about a lighthouse keeper."}]
 

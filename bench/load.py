@@ -31,8 +31,8 @@ sys.path.insert(0, str(REPO))
 import psutil  # noqa: E402
 
 from fabric import Client
-from fabric.client import wait_for
 from tests.cluster import free_port, ping  # noqa: E402
+from tests.support import wait_for
 
 PROMPTS = ["Why is the sky blue?", "Name three prime numbers.", "Write a haiku about rivers.",
            "What is a transformer model?"]

@@ -49,7 +49,6 @@ import os
 import platform
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -63,6 +62,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from bench.fabric_bench import LoadMeter, clock_streamer, python_path  # noqa: E402
+from tests.support import free_port  # noqa: E402
 
 PROMPTS = (
     "Explain in a few sentences why the sky is blue.",
@@ -323,12 +323,6 @@ class Worker:
     @property
     def pids(self):
         return [self.proc.pid]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def cli_quant_choices() -> str:

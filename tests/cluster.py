@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -13,19 +12,13 @@ from pathlib import Path
 import zmq
 
 from fabric import Client, FabricError
-from fabric.client import wait_for
 from fabric.compute.models import resolve
 from fabric.node import Node, NodeConfig
 from fabric.wire import protocol as p
 from fabric.wire.shard import Shard
+from tests.support import free_port, wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def ping(endpoint: str, timeout: float = 5.0) -> p.Pong | None:

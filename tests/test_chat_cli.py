@@ -18,8 +18,8 @@ import pytest
 
 from fabric import config
 from fabric.cli import build_parser
-from fabric.client import wait_for
 from tests.cluster import ROOT, wait_sessions_zero
+from tests.support import wait_for
 
 QUESTION = "hello world, how are you today?"  # a long greedy reply with no end-of-sequence (tests/test_processes.py)
 ANSI = re.compile(rb"\x1b\[[0-9;?]*[A-Za-z]")  # what a line editor may send around the prompt

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from fabric.client import wait_for
+from tests.support import wait_for
 from tests.test_batching import prompt_ids_for
 from tests.tiny_models import reference_greedy
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 
 import msgpack
 import pytest
@@ -15,6 +14,7 @@ import zmq
 import zmq.asyncio
 
 from fabric.wire.protocol import ErrorCode
+from tests.support import free_port
 from webui import WebUIConfig, create_app
 from webui.board import CallBoard, ThroughputMeter
 from webui.dashboard import LIVE_EXTENSION, stream
@@ -219,12 +219,6 @@ async def test_unknown_api_path_is_a_json_error_and_the_page_is_served():
 
 
 # --------------------------------------------------------------------------- /api/events
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture

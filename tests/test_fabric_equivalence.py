@@ -9,10 +9,10 @@ import threading
 
 import pytest
 
-from fabric.client import wait_for
 from fabric.compute.models import load_tokenizer, resolve
 from fabric.wire.protocol import Hop
 from fabric.wire.shard import even_split
+from tests.support import wait_for
 from tests.tiny_models import FAMILIES, reference_greedy
 
 MESSAGES = [{"role": "user", "content": "hello world, how are you today?"}]

@@ -1,11 +1,12 @@
 """A hop that dies mid-generation is replaced, and the answer is the same answer."""
 from __future__ import annotations
 
+import asyncio
 import signal
 
 import pytest
 
-from fabric.client import HeadDied
+from fabric.client import AsyncClient, HeadDied
 from tests.test_fabric_equivalence import MESSAGES, prompt_ids
 from tests.tiny_models import reference_greedy
 
@@ -80,3 +81,30 @@ def test_request_resubmitted_when_the_head_dies_before_any_token(process_cluster
         process_cluster.kill(first, signal.SIGKILL)  # dies before it saw the request
         ids = [t for e in events for t in e.token_ids]
     assert ids == expected
+
+
+def test_async_client_resubmits_when_the_head_dies_before_any_token(process_cluster, tiny_models):
+    """The web UI's path: AsyncClient asks for its route at the first event, finds that head
+    dead, and goes again around it."""
+    model = tiny_models("llama")
+    expected = reference_greedy(model, prompt_ids(model), 12)
+    process_cluster.start_node("head1", str(model), "0-5")
+    process_cluster.start_node("head2", str(model), "0-5")
+    process_cluster.wait_nodes(["head1", "head2"], model.name)
+
+    async def generate() -> tuple[list[int], str, str]:
+        client = AsyncClient(process_cluster.endpoint, timeout=30)
+        try:
+            first = (await client.route(model.name))[0].node
+            process_cluster.kill(first, signal.SIGKILL)  # the tracker still plans on it for a while
+            ids, served = [], ""
+            async for event in client.generate(model.name, messages=MESSAGES, max_tokens=12):
+                served = served or event.route[0].node
+                ids.extend(event.token_ids)
+            return ids, first, served
+        finally:
+            await client.close()
+
+    ids, dead, served = asyncio.run(generate())
+    assert ids == expected
+    assert served != dead

@@ -5,8 +5,8 @@ import urllib.request
 
 import pytest
 
-from fabric.client import wait_for
 from tests.cluster import free_port
+from tests.support import wait_for
 from tests.test_fabric_equivalence import MESSAGES
 from webui import WebUIConfig, create_app
 from webui.testing import FakeClient

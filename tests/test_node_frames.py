@@ -18,13 +18,13 @@ import torch
 import zmq
 
 from fabric import Client
-from fabric.client import wait_for
 from fabric.compute.models import resolve
 from fabric.compute.tensors import to_wire
 from fabric.node import Node, NodeConfig
 from fabric.wire import protocol as p
 from fabric.wire.protocol import ErrorCode, Hop, Kind
 from fabric.wire.shard import Shard
+from tests.support import wait_for
 from tests.tiny_models import make_model, reference_greedy
 
 NUM_LAYERS = 6  # tiny_models' default

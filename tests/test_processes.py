@@ -1,11 +1,8 @@
 """Real `meshnet tracker` and `meshnet node` processes on loopback, driven like a user would."""
 from __future__ import annotations
 
-import time
-
 import pytest
 
-from fabric.client import wait_for
 from fabric.compute.models import ALIASES, alias_path, load_tokenizer, resolve
 from tests.cluster import wait_sessions_zero
 from tests.test_fabric_equivalence import MESSAGES, prompt_ids

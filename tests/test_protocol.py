@@ -13,7 +13,6 @@ import struct
 import subprocess
 import sys
 import threading
-import traceback
 from pathlib import Path
 
 import msgpack

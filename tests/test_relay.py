@@ -14,11 +14,11 @@ import threading
 import pytest
 import zmq
 
-from fabric.client import wait_for
 from fabric.net.relay import CONTROL, Relay, RelayConfig
 from fabric.net.security import create_keys, dial_securely, load
 from fabric.wire import protocol as p
 from tests.cluster import free_port
+from tests.support import wait_for
 from tests.test_cli import meshnet
 from tests.test_fabric_equivalence import MESSAGES, prompt_ids
 from tests.test_processes import token_ids

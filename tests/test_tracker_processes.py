@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import signal
 
-from fabric.client import wait_for
 from fabric.wire import protocol as p
+from tests.support import wait_for
 from tests.test_fabric_equivalence import MESSAGES
 from tests.test_processes import token_ids
 

@@ -6,7 +6,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -15,6 +14,7 @@ from pathlib import Path
 import pytest
 import pytest_asyncio
 
+from tests.support import free_port
 from webui import WebUIConfig
 from webui.app import serve_async
 from webui.testing import FakeClient, Script
@@ -22,12 +22,6 @@ from webui.testing import FakeClient, Script
 REPO = Path(__file__).resolve().parent.parent
 MODEL = "smollm2-135m"
 KEY = "sk-test"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 async def wait_listening(port: int, timeout: float = 10.0) -> None:

@@ -1,28 +1,18 @@
-"""The scripting API over ZeroMQ: ask the tracker for a route, stream tokens from the head.
-
-    from fabric import Client
-    with Client("tcp://127.0.0.1:5555") as c:
-        for event in c.generate("smollm2-135m", messages=[{"role": "user", "content": "Hi"}],
-                                temperature=0.7, top_k=40, seed=1, stop=["\n\n"]):
-            print(event.text, end="", flush=True)
-
-``AsyncClient`` offers the same over asyncio. Closing a generation early (break, or
-``aclose()``) cancels the request along the route, and every hop frees its KV.
+"""The client's one core: what a request is, what the tracker's and a head's answers mean,
+and when a request goes to another head. No I/O of its own: ``Client`` (blocking, in
+``sync.py``) and ``AsyncClient`` (asyncio, in ``aio.py``) are thin shells that do the
+sends, polls and receives this module asks for.
 """
 from __future__ import annotations
 
-import asyncio
 import dataclasses
-import time
 import uuid
 from dataclasses import dataclass
-from typing import AsyncIterator, Iterator, Sequence
 
 import msgpack
 import zmq
-import zmq.asyncio
 
-from ..net.security import Security, SecurityError, dial_securely
+from ..net.security import Security, SecurityError, dial
 from ..wire import protocol as p
 
 
@@ -158,7 +148,7 @@ def _unsendable(msg: p.Generate, exc: Exception) -> FabricError:
     return _bad(f"the request cannot be sent: {exc}")
 
 
-def _route_from(reply: p.Message) -> tuple[p.Hop, ...]:
+def route_from(reply: p.Message) -> tuple[p.Hop, ...]:
     if isinstance(reply, p.Route):
         return reply.hops
     if isinstance(reply, p.Error):
@@ -166,7 +156,7 @@ def _route_from(reply: p.Message) -> tuple[p.Hop, ...]:
     raise FabricError(p.ErrorCode.INTERNAL, f"tracker answered {type(reply).__name__}")
 
 
-def _decode(frames) -> p.Message:
+def decode_reply(frames) -> p.Message:
     """Decode a reply; a peer speaking another protocol is a FabricError too."""
     try:
         return p.decode(frames)[0]
@@ -176,17 +166,18 @@ def _decode(frames) -> p.Message:
 
 def _check(frames) -> p.Event:
     """An event from the head, or the FabricError it stands for."""
-    event = _decode(frames)
+    event = decode_reply(frames)
     if isinstance(event, p.Error):
         raise FabricError(event.code, event.message)
     if not isinstance(event, p.Event):
         raise FabricError(p.ErrorCode.INTERNAL, f"head sent {type(event).__name__}")
-    if event.event == "error":
+    if event.event == p.EventKind.ERROR:
         raise FabricError(event.error_code or p.ErrorCode.INTERNAL, event.text)
     return event
 
 
-def _models(status: dict) -> list[dict]:
+def models_of(status: dict) -> list[dict]:
+    """The models nodes serve, each with its layer count, nodes, and whether a route covers it."""
     by_model: dict[str, dict] = {}
     for node in status.get("nodes", []):
         entry = by_model.setdefault(node["model"], {"id": node["model"], "num_layers": node.get("num_layers"),
@@ -199,248 +190,99 @@ def _models(status: dict) -> list[dict]:
 
 
 def _dealer(ctx, endpoint: str, security: Security | None = None, server_key: str | bytes | None = None):
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
     try:
-        dial_securely(sock, security, server_key)
-        sock.connect(endpoint)
+        return dial(ctx, endpoint, security, server_key, sndhwm=None)
     except (zmq.ZMQError, SecurityError) as exc:
-        sock.close(linger=0)
         raise FabricError(p.ErrorCode.BAD_REQUEST, f"cannot dial {endpoint!r}: {exc}") from None
-    return sock
 
 
-class _ClientBase:
-    """What both clients hold: where the tracker is, how long to wait, which keys to use."""
+class ClientCore:
+    """What both clients hold: where the tracker is, how long to wait, which keys to use, and
+    the DEALER to the tracker (made on first use, dropped after any failure so that a late
+    reply never answers the next question)."""
 
     def __init__(self, tracker: str, timeout: float, security: Security | None, ctx):
         self.tracker_endpoint = tracker
         self.timeout = timeout  # seconds to wait for the head's next event, or the tracker (TRACKER_TIMEOUT at most)
         self.security = security  # CurveZMQ keys for a secured swarm; None: plaintext
         self.ctx = ctx
-        self._tracker = None  # DEALER to the tracker, made on first use
+        self._tracker = None
+
+    def _tracker_socket(self):
+        if self._tracker is None:
+            self._tracker = _dealer(self.ctx, self.tracker_endpoint, self.security,
+                                    self.security and self.security.tracker_key)
+        return self._tracker
+
+    def _drop_tracker(self) -> None:
+        if self._tracker is not None:
+            self._tracker.close(linger=0)
+            self._tracker = None
 
     @property
     def _tracker_wait_ms(self) -> float:
         return min(self.timeout, TRACKER_TIMEOUT) * 1000
 
+    def _silent(self) -> FabricError:
+        self._drop_tracker()
+        return _tracker_silent(self.tracker_endpoint)
 
-class Client(_ClientBase):
-    """Blocking client. ``generate(route=...)`` skips the tracker and uses that route."""
 
-    def __init__(self, tracker: str = "tcp://127.0.0.1:5555", *, timeout: float = 30.0,
-                 security: Security | None = None):
-        super().__init__(tracker, timeout, security, zmq.Context.instance())
+def status_body(reply: p.Message) -> dict:
+    if not isinstance(reply, p.Status):
+        raise FabricError(getattr(reply, "code", p.ErrorCode.INTERNAL), str(reply))
+    return reply.body
 
-    def __enter__(self) -> "Client":
-        return self
 
-    def __exit__(self, *exc) -> None:
-        self.close()
+def retry_without(died: HeadDied, fixed_route: bool) -> tuple[str, ...]:
+    """The nodes a request whose head died goes around, when it may go again at all: only
+    before its first token (a head that already streamed tokens fails the request), and
+    only on a route the client chose for itself."""
+    if fixed_route or died.tokens:
+        raise died
+    return (died.head.node,)
+
+
+class HeadLink:
+    """One GENERATE on its way to one head: a DEALER to the head, a monitor of its link, and
+    what the events read so far say. The shells send, poll and receive."""
+
+    def __init__(self, ctx, msg: p.Generate, security: Security | None, poller):
+        self.msg = msg
+        self.sock = _dealer(ctx, msg.route[0].endpoint, security, msg.route[0].key)
+        self.monitor = self.sock.get_monitor_socket(HEAD_DOWN)
+        poller.register(self.sock, zmq.POLLIN)
+        poller.register(self.monitor, zmq.POLLIN)
+        self.tokens = 0  # tokens this head streamed
+        self.done = False
+
+    @property
+    def request(self) -> list:
+        return p.encode(self.msg)
+
+    @property
+    def cancel(self) -> list:
+        return p.encode(p.Cancel(self.msg.request_id))
+
+    def check(self, ready: dict) -> None:
+        """Raise when the poll says the head died (link down, nothing to read) or went silent."""
+        if self.monitor in ready and self.sock not in ready:
+            died = HeadDied(self.msg.route[0])
+            died.tokens = self.tokens
+            raise died
+        if not ready:
+            raise FabricError(p.ErrorCode.HOP_FAILED, f"head {self.msg.route[0].endpoint} went silent")
+
+    def take(self, frames) -> p.Event:
+        """The head's next event (an error raises as a FabricError)."""
+        event = _check(frames)
+        self.tokens += event.event == p.EventKind.TOKEN
+        self.done = event.event == p.EventKind.DONE
+        return event
 
     def close(self) -> None:
-        if self._tracker is not None:
-            self._tracker.close(linger=0)
-            self._tracker = None
-
-    def ask(self, message: p.Message) -> p.Message:
-        """One request/reply with the tracker."""
-        if self._tracker is None:
-            self._tracker = _dealer(self.ctx, self.tracker_endpoint, self.security,
-                                        self.security and self.security.tracker_key)
-        self._tracker.send_multipart(p.encode(message))
-        if not self._tracker.poll(self._tracker_wait_ms):
-            self.close()  # drop the socket: a late reply must not answer the next question
-            raise _tracker_silent(self.tracker_endpoint)
-        return _decode(self._tracker.recv_multipart())
-
-    def status(self) -> dict:
-        reply = self.ask(p.StatusRequest())
-        if not isinstance(reply, p.Status):
-            raise FabricError(getattr(reply, "code", p.ErrorCode.INTERNAL), str(reply))
-        return reply.body
-
-    def models(self) -> list[dict]:
-        return _models(self.status())
-
-    def route(self, model: str, exclude: tuple[str, ...] = ()) -> tuple[p.Hop, ...]:
-        return _route_from(self.ask(p.RouteRequest(model, exclude)))
-
-    def generate(self, model: str, *, messages=None, prompt=None, max_tokens: int = 256,
-                 temperature: float | None = None, top_p: float | None = None, top_k: int | None = None,
-                 seed: int | None = None, stop: str | Sequence[str] | None = (), ignore_eos: bool = False,
-                 sampling: p.Sampling | None = None, request_id: str | None = None,
-                 api_key: str | None = None, route: tuple[p.Hop, ...] | None = None) -> Iterator[p.Event]:
-        """Stream the events of one request: a chat (``messages``, OpenAI's role/content maps)
-        or a raw ``prompt``. The sampling fields are OpenAI's (``top_k`` and ``ignore_eos`` as
-        vLLM's): temperature 0 (the default) is greedy, ``top_k`` 0 and ``top_p`` 1 cut nothing,
-        and a ``seed`` makes sampling repeatable. ``stop`` is a string or a list of them; the
-        reply ends before the first one. ``sampling`` (a ``Sampling``) sets all four fields at
-        once; a field given by name wins over it. A wrong value raises FabricError
-        (``bad_request``) naming the field, before any socket is used."""
-        args = GenerateArgs.of(model, messages=messages, prompt=prompt, max_tokens=max_tokens, stop=stop,
-                               ignore_eos=ignore_eos, sampling=sampling, request_id=request_id, api_key=api_key,
-                               temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
-        msg = args.message(route or self.route(model))
-        return self._resubmitting(model, msg, fixed_route=route is not None)
-
-    def _resubmitting(self, model: str, msg: p.Generate, fixed_route: bool) -> Iterator[p.Event]:
-        """Stream ``msg``; if its head dies before the first token, re-submit once on a
-        route that avoids it (a head that already streamed tokens fails the request)."""
-        try:
-            yield from self._stream(msg)
-        except HeadDied as died:
-            if fixed_route or died.tokens:
-                raise
-            yield from self._stream(dataclasses.replace(msg, route=self.route(model, (died.head.node,))))
-
-    def _stream(self, msg: p.Generate) -> Iterator[p.Event]:
-        poller = zmq.Poller()
-        sock, monitor = _open_head(self.ctx, msg, self.security, poller)
-        done, tokens = False, 0
-        try:
-            sock.send_multipart(p.encode(msg))
-            while True:
-                ready = dict(poller.poll(self.timeout * 1000))
-                _head_ready(ready, sock, monitor, msg, tokens)
-                event = _check(sock.recv_multipart())
-                tokens += event.event == "token"
-                done = event.event == "done"
-                yield event
-                if done:
-                    return
-        finally:
-            if not done:
-                sock.send_multipart(p.encode(p.Cancel(msg.request_id)))
-            _close_head(sock, monitor, done)
-
-    def chat(self, model: str, prompt: str, **kwargs) -> str:
-        """The whole reply to one user message, as text."""
-        events = self.generate(model, messages=[{"role": "user", "content": prompt}], **kwargs)
-        return "".join(e.text for e in events if e.event == "token")
-
-
-class AsyncClient(_ClientBase):
-    """asyncio client with the same calls as ``Client``."""
-
-    def __init__(self, tracker: str = "tcp://127.0.0.1:5555", *, timeout: float = 30.0,
-                 security: Security | None = None):
-        super().__init__(tracker, timeout, security, zmq.asyncio.Context.instance())
-        self._lock = asyncio.Lock()  # one question at a time on the shared tracker socket
-
-    async def close(self) -> None:
-        if self._tracker is not None:
-            self._tracker.close(linger=0)
-            self._tracker = None
-
-    async def ask(self, message: p.Message) -> p.Message:
-        async with self._lock:  # one question in flight on the shared tracker socket
-            if self._tracker is None:
-                self._tracker = _dealer(self.ctx, self.tracker_endpoint, self.security,
-                                        self.security and self.security.tracker_key)
-            try:
-                await self._tracker.send_multipart(p.encode(message))
-                if not await self._tracker.poll(self._tracker_wait_ms):
-                    raise _tracker_silent(self.tracker_endpoint)
-                return _decode(await self._tracker.recv_multipart())
-            except BaseException:
-                await self.close()  # a late reply must never answer the next question
-                raise
-
-    async def status(self) -> dict:
-        reply = await self.ask(p.StatusRequest())
-        if not isinstance(reply, p.Status):
-            raise FabricError(getattr(reply, "code", p.ErrorCode.INTERNAL), str(reply))
-        return reply.body
-
-    async def models(self) -> list[dict]:
-        return _models(await self.status())
-
-    async def route(self, model: str, exclude: tuple[str, ...] = ()) -> tuple[p.Hop, ...]:
-        return _route_from(await self.ask(p.RouteRequest(model, exclude)))
-
-    def generate(self, model: str, *, messages=None, prompt=None, max_tokens: int = 256,
-                 temperature: float | None = None, top_p: float | None = None, top_k: int | None = None,
-                 seed: int | None = None, stop: str | Sequence[str] | None = (), ignore_eos: bool = False,
-                 sampling: p.Sampling | None = None, request_id: str | None = None,
-                 api_key: str | None = None, route: tuple[p.Hop, ...] | None = None) -> AsyncIterator[p.Event]:
-        """As ``Client.generate``, for ``async for``; wrong arguments raise here, at the call."""
-        args = GenerateArgs.of(model, messages=messages, prompt=prompt, max_tokens=max_tokens, stop=stop,
-                               ignore_eos=ignore_eos, sampling=sampling, request_id=request_id, api_key=api_key,
-                               temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
-        return self._stream(args, route)
-
-    async def _stream(self, args: GenerateArgs, route) -> AsyncIterator[p.Event]:
-        """Stream a request; if its head dies before the first token, re-submit once on a
-        route that avoids it (a head that already streamed tokens fails the request)."""
-        msg = args.message(route or await self.route(args.model))
-        try:
-            async for event in self._attempt(msg):
-                yield event
-        except HeadDied as died:
-            if route is not None or died.tokens:
-                raise
-            hops = await self.route(args.model, (died.head.node,))
-            async for event in self._attempt(dataclasses.replace(msg, route=hops)):
-                yield event
-
-    async def _attempt(self, msg: p.Generate) -> AsyncIterator[p.Event]:
-        poller = zmq.asyncio.Poller()
-        sock, monitor = _open_head(self.ctx, msg, self.security, poller)
-        done, tokens = False, 0
-        try:
-            await sock.send_multipart(p.encode(msg))
-            while True:
-                ready = dict(await poller.poll(self.timeout * 1000))
-                _head_ready(ready, sock, monitor, msg, tokens)
-                event = _check(await sock.recv_multipart())
-                tokens += event.event == "token"
-                done = event.event == "done"
-                yield event
-                if done:
-                    return
-        finally:
-            if not done:
-                await sock.send_multipart(p.encode(p.Cancel(msg.request_id)))
-            _close_head(sock, monitor, done)
-
-
-def _open_head(ctx, msg: p.Generate, security, poller):
-    """DEALER to the request's head, plus a monitor of its link, both on ``poller``."""
-    sock = _dealer(ctx, msg.route[0].endpoint, security, msg.route[0].key)
-    monitor = sock.get_monitor_socket(HEAD_DOWN)
-    poller.register(sock, zmq.POLLIN)
-    poller.register(monitor, zmq.POLLIN)
-    return sock, monitor
-
-
-def _close_head(sock, monitor, done: bool) -> None:
-    # the monitor stops before its reader closes: an event with no reader would block the
-    # context's I/O thread, and with it every socket of this process
-    sock.disable_monitor()
-    monitor.close(linger=0)
-    sock.close(linger=100 if not done else 0)
-
-
-def _head_ready(ready: dict, sock, monitor, msg: p.Generate, tokens: int) -> None:
-    """Raise when the poll says the head died (link down, nothing to read) or went silent."""
-    if monitor in ready and sock not in ready:
-        raise _died(msg.route[0], tokens)
-    if not ready:
-        raise FabricError(p.ErrorCode.HOP_FAILED, f"head {msg.route[0].endpoint} went silent")
-
-
-def _died(head: p.Hop, tokens: int) -> HeadDied:
-    died = HeadDied(head)
-    died.tokens = tokens  # tokens the client already received from this head
-    return died
-
-
-def wait_for(predicate, timeout: float = 10.0, interval: float = 0.05) -> bool:
-    """Poll ``predicate`` until true or ``timeout``; for scripts and tests."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(interval)
-    return bool(predicate())
+        # the monitor stops before its reader closes: an event with no reader would block the
+        # context's I/O thread, and with it every socket of this process
+        self.sock.disable_monitor()
+        self.monitor.close(linger=0)
+        self.sock.close(linger=100 if not self.done else 0)

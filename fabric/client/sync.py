@@ -1,0 +1,106 @@
+"""The blocking client, a thin shell over ``core``.
+
+    from fabric import Client
+    with Client("tcp://127.0.0.1:5555") as c:
+        for event in c.generate("smollm2-135m", messages=[{"role": "user", "content": "Hi"}],
+                                temperature=0.7, top_k=40, seed=1, stop=["\\n\\n"]):
+            print(event.text, end="", flush=True)
+
+Closing a generation early (break, or ``close()``) cancels the request along the route,
+and every hop frees its KV.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Iterator, Sequence
+
+import zmq
+
+from ..net.security import Security
+from ..wire import protocol as p
+from .core import (ClientCore, GenerateArgs, HeadDied, HeadLink, decode_reply, models_of, retry_without, route_from,
+                   status_body)
+
+
+class Client(ClientCore):
+    """Blocking client. ``generate(route=...)`` skips the tracker and uses that route."""
+
+    def __init__(self, tracker: str = "tcp://127.0.0.1:5555", *, timeout: float = 30.0,
+                 security: Security | None = None):
+        super().__init__(tracker, timeout, security, zmq.Context.instance())
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._drop_tracker()
+
+    def ask(self, message: p.Message) -> p.Message:
+        """One request/reply with the tracker."""
+        sock = self._tracker_socket()
+        try:
+            sock.send_multipart(p.encode(message), zmq.NOBLOCK)
+            if not sock.poll(self._tracker_wait_ms):
+                raise self._silent()
+            return decode_reply(sock.recv_multipart())
+        except zmq.Again:  # no link to the tracker can take it (a refused handshake, say)
+            raise self._silent() from None
+        except BaseException:
+            self._drop_tracker()
+            raise
+
+    def status(self) -> dict:
+        return status_body(self.ask(p.StatusRequest()))
+
+    def models(self) -> list[dict]:
+        return models_of(self.status())
+
+    def route(self, model: str, exclude: tuple[str, ...] = ()) -> tuple[p.Hop, ...]:
+        return route_from(self.ask(p.RouteRequest(model, exclude)))
+
+    def generate(self, model: str, *, messages=None, prompt=None, max_tokens: int = 256,
+                 temperature: float | None = None, top_p: float | None = None, top_k: int | None = None,
+                 seed: int | None = None, stop: str | Sequence[str] | None = (), ignore_eos: bool = False,
+                 sampling: p.Sampling | None = None, request_id: str | None = None,
+                 api_key: str | None = None, route: tuple[p.Hop, ...] | None = None) -> Iterator[p.Event]:
+        """Stream the events of one request: a chat (``messages``, OpenAI's role/content maps)
+        or a raw ``prompt``. The sampling fields are OpenAI's (``top_k`` and ``ignore_eos`` as
+        vLLM's): temperature 0 (the default) is greedy, ``top_k`` 0 and ``top_p`` 1 cut nothing,
+        and a ``seed`` makes sampling repeatable. ``stop`` is a string or a list of them; the
+        reply ends before the first one. ``sampling`` (a ``Sampling``) sets all four fields at
+        once; a field given by name wins over it. A wrong value raises FabricError
+        (``bad_request``) naming the field, and a model no route serves raises, both at the call."""
+        args = GenerateArgs.of(model, messages=messages, prompt=prompt, max_tokens=max_tokens, stop=stop,
+                               ignore_eos=ignore_eos, sampling=sampling, request_id=request_id, api_key=api_key,
+                               temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
+        return self._stream(model, args.message(route or self.route(model)), fixed_route=route is not None)
+
+    def _stream(self, model: str, msg: p.Generate, fixed_route: bool) -> Iterator[p.Event]:
+        """Stream ``msg``; if its head dies before the first token, go again around it."""
+        try:
+            yield from self._attempt(msg)
+        except HeadDied as died:
+            hops = self.route(model, retry_without(died, fixed_route))
+            yield from self._attempt(dataclasses.replace(msg, route=hops))
+
+    def _attempt(self, msg: p.Generate) -> Iterator[p.Event]:
+        poller = zmq.Poller()
+        head = HeadLink(self.ctx, msg, self.security, poller)
+        try:
+            head.sock.send_multipart(head.request)
+            while not head.done:
+                head.check(dict(poller.poll(self.timeout * 1000)))
+                yield head.take(head.sock.recv_multipart())
+        finally:
+            if not head.done:
+                head.sock.send_multipart(head.cancel)
+            head.close()
+
+    def chat(self, model: str, prompt: str, **kwargs) -> str:
+        """The whole reply to one user message, as text."""
+        events = self.generate(model, messages=[{"role": "user", "content": prompt}], **kwargs)
+        return "".join(e.text for e in events if e.event == p.EventKind.TOKEN)
+
