@@ -11,12 +11,12 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
 
 from .compute import model_store
+from .compute.compute_lock import default_path as default_lock
 from .flags import (
     CommandError,
     HelpFormatter,
@@ -234,17 +234,16 @@ def cmd_up(args) -> int:
     me = [sys.executable, "-m", "fabric.cli", "--log-level", args.log_level,
           *(["--config", args.config] if args.config else [])]  # nodes read its [node] table too
     keys = ["--keys", args.keys] if args.keys else []
-    with tempfile.TemporaryDirectory(prefix="meshnet-up-") as run_dir:
-        # nodes on one device (this machine's cores, or one GPU) compute one at a time, each with all of it
-        commands = [[*me, "tracker", "--bind", args.tracker, "--pub", args.pub, *keys]]
-        commands += [[*me, "node", "--model", args.model, "--layers", str(s), "--tracker", args.tracker, *threads,
-                      "--compute-lock", str(Path(run_dir) / f"compute-{device.replace(':', '')}.lock"),
-                      "--device", device, "--dtype", args.dtype, "--quant", args.quant, "--no-progress", *keys]
-                     for s, device in zip(shards, devices)]
-        commands.append([*me, "webui", "--tracker", args.tracker, "--pub", args.pub, "--host", args.host,
-                         "--port", str(args.port), *keys])
-        return supervise(commands, url=f"http://{args.host}:{args.port}", tracker=args.tracker, nodes=len(shards),
-                         security=security)
+    # nodes on one device (this machine's cores, or one GPU) compute one at a time, each with all of it: every
+    # node locks its device's default compute lock, as nodes started by hand on this machine do
+    commands = [[*me, "tracker", "--bind", args.tracker, "--pub", args.pub, *keys]]
+    commands += [[*me, "node", "--model", args.model, "--layers", str(s), "--tracker", args.tracker, *threads,
+                  "--device", device, "--dtype", args.dtype, "--quant", args.quant, "--no-progress", *keys]
+                 for s, device in zip(shards, devices)]
+    commands.append([*me, "webui", "--tracker", args.tracker, "--pub", args.pub, "--host", args.host,
+                     "--port", str(args.port), *keys])
+    return supervise(commands, url=f"http://{args.host}:{args.port}", tracker=args.tracker, nodes=len(shards),
+                     security=security)
 
 
 def _ports_in_use(endpoints: dict[str, str]) -> list[str]:
@@ -423,8 +422,10 @@ def _node_parser(sub) -> None:
     _quant_flag(p)
     p.add_argument("--threads", type=count, default=0, help="torch threads, 0 for all cores (default %(default)s)")
     p.add_argument("--compute-lock", default=None, metavar="FILE",
-                   help="nodes on one machine given the same file compute one at a time, each with every "
-                        "thread (`meshnet up` does this; default: none)")
+                   help="nodes on one machine that lock the same file compute one at a time, each with every "
+                        "thread; `none`: compute whenever this node likes (default: one file per device for "
+                        f"this user, {default_lock('DEVICE', os.environ)}, so nodes started one by one on a "
+                        "machine take turns)")
     p.add_argument("--max-sessions", type=positive_count, default=64, help="sessions this node keeps KV for")
     p.add_argument("--max-prompt-tokens", type=positive_count, default=4096, help="longest prompt the head accepts")
     p.add_argument("--prefill-slice-ms", type=non_negative, default=0.0, metavar="MS",
@@ -565,11 +566,27 @@ def _node_config(args, security):
                       dtype=dtype, node_id=node_id, quant=None if args.quant == "none" else args.quant,
                       max_sessions=args.max_sessions, max_prompt_tokens=args.max_prompt_tokens,
                       prefill_slice=args.prefill_slice_ms / 1000, wire_dtype=args.wire_dtype,
-                      compute_lock=args.compute_lock,
+                      compute_lock=_compute_lock(args.compute_lock, args.device),
                       hop_timeout=args.hop_timeout, heartbeat_interval=args.heartbeat,
                       cache_root=default_cache_root(), progress=not args.no_progress,
                       security=security, relay=args.relay, relay_fallback=args.relay_fallback,
                       relay_key=relay_key(args.keys, args.relay_key) if args.keys else "")
+
+
+def _compute_lock(value: str | None, device: str) -> str | None:
+    """--compute-lock: a FILE, ``none``, or by default this user's file for ``device``."""
+    from .compute.compute_lock import NO_LOCK, LockDirError, private_dir
+
+    if value == NO_LOCK:
+        return None
+    if value:
+        return value
+    path = default_lock(device, os.environ)
+    try:
+        private_dir(path)
+    except LockDirError as exc:
+        raise CommandError(f"{exc}; give --compute-lock FILE, or --compute-lock none", 1) from None
+    return str(path)
 
 
 def _layers_that_fit(model_config, dtype, memory_gib: float) -> int:

@@ -116,6 +116,8 @@ class ProcessCluster:
         self.keys: Path | None = None  # a key directory (meshnet keys --tracker) secures every process
         self.cache = cache  # XDG cache shared by the test session: GGUF metadata parsed once
         self.heartbeat = heartbeat
+        # this cluster's runtime directory, as one machine's: its nodes share the default compute lock there
+        self.runtime_dir = tmp / "run"
         self.endpoint = f"tcp://127.0.0.1:{free_port()}"
         self.pub = f"tcp://127.0.0.1:{free_port()}"
         self.procs: dict[str, subprocess.Popen] = {}
@@ -125,7 +127,7 @@ class ProcessCluster:
     def _spawn(self, name: str, *args: str) -> subprocess.Popen:
         log = open(self.tmp / f"{name}.log", "ab")
         env = {**os.environ, "PYTHONPATH": str(ROOT), "XDG_CACHE_HOME": str(self.cache),
-               "XDG_DATA_HOME": str(self.tmp / "data")}
+               "XDG_DATA_HOME": str(self.tmp / "data"), "XDG_RUNTIME_DIR": str(self.runtime_dir)}
         keys = ["--keys", str(self.keys)] if self.keys else []
         proc = subprocess.Popen([sys.executable, "-m", "fabric.cli", "--log-level", "info", *args, *keys],
                                 stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)

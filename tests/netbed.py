@@ -374,10 +374,11 @@ class Netbed:
             log.close()
 
     def env(self, h: Host) -> dict[str, str]:
-        """A process's environment in host ``h``: its HOME and PATH; the bed's shared cache of
-        parsed model metadata where one was given."""
+        """A process's environment in host ``h``: its HOME, runtime directory (its nodes' default
+        compute lock: each host's cores are its own) and PATH; the bed's shared cache of parsed
+        model metadata where one was given."""
         env = {k: v for k, v in os.environ.items() if not k.startswith("XDG_")}
-        env.update(PYTHONPATH=str(ROOT), HOME=str(h.home),
+        env.update(PYTHONPATH=str(ROOT), HOME=str(h.home), XDG_RUNTIME_DIR=str(h.home / "run"),
                    PATH=os.pathsep.join([*([str(h.bin)] if h.bin else []), env.get("PATH", "")]))
         return {**env, **({"XDG_CACHE_HOME": str(self.cache)} if self.cache else {})}
 

@@ -93,7 +93,8 @@ def test_up_serves_the_model_split_in_two_and_ctrl_c_stops_every_process(tiny_mo
     model = tiny_models("llama")
     tracker, port = f"tcp://127.0.0.1:{free_port()}", free_port()
     env = {**os.environ, "PYTHONPATH": str(ROOT), "XDG_CACHE_HOME": str(tmp_path / "cache"),
-           "XDG_DATA_HOME": str(tmp_path / "data"), "XDG_CONFIG_HOME": str(tmp_path / "config")}
+           "XDG_DATA_HOME": str(tmp_path / "data"), "XDG_CONFIG_HOME": str(tmp_path / "config"),
+           "XDG_RUNTIME_DIR": str(tmp_path / "run")}  # its nodes' compute lock: theirs alone
     up = subprocess.Popen([sys.executable, "-m", "fabric.cli", "up", "--model", str(model), "--nodes", "2",
                            "--port", str(port), "--tracker", tracker, "--pub", f"tcp://127.0.0.1:{free_port()}"],
                           cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
