@@ -30,9 +30,8 @@ from .flags import (
     seconds,
     version,
 )
+from .wire.liveness import DEFAULT_PUB, DEFAULT_TRACKER
 
-DEFAULT_TRACKER = "tcp://127.0.0.1:5555"
-DEFAULT_PUB = "tcp://127.0.0.1:5556"
 
 log = logging.getLogger("meshnet")
 

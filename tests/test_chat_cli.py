@@ -99,11 +99,11 @@ def test_a_piped_prompt_is_the_same_chat_as_an_argument(split, env):
 
 def test_system_top_k_seed_and_stop_reach_the_request(split, env):
     cluster, model, _, _ = split
-    sampled = dict(max_tokens=24, temperature=5.0, top_k=4, seed=7)
+    sampled = dict(max_tokens=24, temperature=2.0, top_k=4, seed=7)
     messages = [{"role": "system", "content": "be brief"}, user(QUESTION)]
     full = direct(cluster, model, messages, **sampled)
     stop = full[len(full) // 2:len(full) // 2 + 3]
-    flags = ["--system", "be brief", "--max-tokens", "24", "--temperature", "5", "--top-k", "4", "--seed", "7"]
+    flags = ["--system", "be brief", "--max-tokens", "24", "--temperature", "2", "--top-k", "4", "--seed", "7"]
     out = meshnet([*chat_args(cluster, model, *flags), QUESTION], env)
     assert (out.returncode, out.stdout) == (0, full + "\n"), out.stderr
     out = meshnet([*chat_args(cluster, model, *flags, "--stop", "never there", "--stop", stop), QUESTION], env)
@@ -111,9 +111,9 @@ def test_system_top_k_seed_and_stop_reach_the_request(split, env):
 
 
 @pytest.mark.parametrize("flags, words", [
-    (["--temperature", "500"], "temperature must be in [0, 100]"),
+    (["--temperature", "500"], "temperature must be in [0, 2]"),
     (["--top-p", "0"], "top_p must be in (0, 1]"),
-    (["--stop", ""], "stop takes at most 16 non-empty strings"),
+    (["--stop", ""], "stop takes at most 4 non-empty strings"),
     (["--top-k", "-1"], "top_k must be in [0, 2**20]"),
     (["--max-tokens", "0"], "max_tokens must be in [1, 2**20]"),
     (["--seed", "-1"], "seed must be in [0, 2**63)"),

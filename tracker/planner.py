@@ -163,12 +163,6 @@ def hop_compute_seconds(node: NodeInfo, layers: int, throughput: Throughput,
     return base * (1.0 + cost.session_slowdown * node.sessions) + cost.queue_penalty_s * node.queued
 
 
-def link_seconds(num_hops: int, cost: CostModel) -> float:
-    """Network hand-offs per token at the default cost: one per hop in a pipeline, none
-    on a single node."""
-    return cost.link_cost_s * num_hops if num_hops > 1 else 0.0
-
-
 def rtt_ms(a: NodeInfo, b: NodeInfo) -> float | None:
     """The round trip between two nodes as either one measured it (ms); None if unknown."""
     ms = a.rtts.get(b.node_id) or b.rtts.get(a.node_id)

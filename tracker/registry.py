@@ -11,6 +11,7 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Callable
 
+from fabric.wire.liveness import HEARTBEAT_INTERVAL, HEARTBEAT_LIVENESS
 from fabric.wire.protocol import (
     MAX_LAYERS,
     ErrorCode,
@@ -99,7 +100,7 @@ class Registry:
     shard or endpoint, or crosses its session limit), so callers can republish plans.
     """
 
-    def __init__(self, heartbeat_interval: float = 1.0, expiry_missed: int = 3,
+    def __init__(self, heartbeat_interval: float = HEARTBEAT_INTERVAL, expiry_missed: int = HEARTBEAT_LIVENESS,
                  clock: Callable[[], float] = time.monotonic):
         if heartbeat_interval <= 0 or expiry_missed < 1:
             raise ValueError("heartbeat_interval must be > 0 and expiry_missed >= 1")

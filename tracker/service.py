@@ -32,6 +32,8 @@ import zmq
 
 from fabric.metrics import Sample
 from fabric.net.security import Security, peer_key, serve_securely, start_authenticator
+from fabric.wire.liveness import (DEFAULT_PUB, DEFAULT_TRACKER, HEARTBEAT_INTERVAL, HEARTBEAT_LIVENESS, TOPIC_EVENTS,
+                                  TOPIC_PLANS, TOPIC_STATS)
 from fabric.wire.protocol import (
     MAX_LAYERS,
     VERSION,
@@ -76,7 +78,6 @@ from .views import node_rows, plans_view, usage
 
 log = logging.getLogger(__name__)
 
-TOPIC_PLANS, TOPIC_STATS, TOPIC_EVENTS = b"plans", b"stats", b"events"
 STATUS_EVENTS = 50  # recent events included in a Status body
 MAX_DRAIN = 100  # messages handled per poll wake-up before housekeeping runs
 MAX_PROBE_PEERS = 16  # peers a heartbeat's answer asks the node to measure round trips to
@@ -84,11 +85,11 @@ MAX_PROBE_PEERS = 16  # peers a heartbeat's answer asks the node to measure roun
 
 @dataclass(frozen=True)
 class TrackerConfig:
-    bind: str = "tcp://127.0.0.1:5555"  # ROUTER address for requests ("tcp://host:*": any port)
-    pub: str = "tcp://127.0.0.1:5556"  # PUB address for plans, stats and events
+    bind: str = DEFAULT_TRACKER  # ROUTER address for requests ("tcp://host:*": any port)
+    pub: str = DEFAULT_PUB  # PUB address for plans, stats and events
     db: Path | str = field(default_factory=default_ledger_path)  # SQLite ledger file (":memory:": none)
-    heartbeat_interval: float = 1.0  # seconds between a node's heartbeats
-    expiry_missed: int = 3  # missed heartbeats after which a node is dropped
+    heartbeat_interval: float = HEARTBEAT_INTERVAL  # seconds between a node's heartbeats
+    expiry_missed: int = HEARTBEAT_LIVENESS  # missed heartbeats after which a node is dropped
     stats_interval: float = 2.0  # seconds between publications on the stats topic
     event_ring: int = 200  # console events kept in memory
     max_routes: int = 3  # ranked routes per model in plans and status

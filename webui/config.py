@@ -3,16 +3,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from fabric.wire.liveness import DEFAULT_PUB, DEFAULT_TRACKER
+
 
 @dataclass(frozen=True)
 class WebUIConfig:
     """Everything the web UI needs to know; nothing else reads the environment."""
 
     # The tracker's ROUTER endpoint; the fabric client asks it for models and routes.
-    tracker: str = "tcp://127.0.0.1:5555"
+    tracker: str = DEFAULT_TRACKER
     # The tracker's PUB endpoint (plans, stats, events) behind the dashboard's live view;
     # None or "" turns the feed off (the dashboard then polls /api/status).
-    pub: str | None = "tcp://127.0.0.1:5556"
+    pub: str | None = DEFAULT_PUB
     # Address and port the HTTP server binds.
     host: str = "127.0.0.1"
     port: int = 8000

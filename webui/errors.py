@@ -5,10 +5,9 @@ an HTTP status; handlers raise ``ApiError`` and one error handler renders it.
 """
 from __future__ import annotations
 
-import functools
-import importlib
 from dataclasses import dataclass
 
+from fabric.client import FabricError
 from fabric.wire.protocol import ErrorCode
 
 INVALID_REQUEST = "invalid_request_error"
@@ -62,30 +61,9 @@ def fabric_timeout() -> ApiError:
     return ApiError(504, "the fabric did not answer in time", SERVER_ERROR, None, "timeout")
 
 
-class FabricErrorStandIn(Exception):
-    """Stands in for ``fabric.client.FabricError`` while that module does not exist."""
-
-    def __init__(self, code: str, message: str):
-        super().__init__(message)
-        self.code = code
-        self.message = message
-
-
-@functools.cache
-def fabric_error_class() -> type[Exception]:
-    """``fabric.client.FabricError``, imported on first use (the web UI's only tie to it)."""
-    try:
-        module = importlib.import_module("fabric.client")
-    except ModuleNotFoundError as exc:
-        if exc.name != "fabric.client":
-            raise
-        return FabricErrorStandIn
-    return module.FabricError
-
-
 def api_error_from(exc: BaseException) -> ApiError | None:
     """The API error for an exception raised by the fabric client, or None if foreign."""
-    if isinstance(exc, fabric_error_class()):
+    if isinstance(exc, FabricError):
         return from_fabric(getattr(exc, "code", None), getattr(exc, "message", "") or str(exc))
     if isinstance(exc, TimeoutError):
         return fabric_timeout()

@@ -11,7 +11,7 @@ import json
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from fabric.wire.protocol import Sampling
+from fabric.wire.protocol import MAX_MODEL_CHARS, MAX_SEED, MAX_STOP, MAX_TEMPERATURE, MAX_TOP_K, Sampling
 
 from .errors import ApiError
 
@@ -19,10 +19,6 @@ if TYPE_CHECKING:
     from .config import WebUIConfig
 
 ROLES = ("system", "user", "assistant")
-MAX_STOP = 4  # OpenAI's limit on stop sequences
-MAX_MODEL_CHARS = 256
-MAX_SEED = (1 << 63) - 1
-MAX_TOP_K = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -44,10 +40,6 @@ class GenerationRequest:
     stream: bool
     include_usage: bool  # stream_options.include_usage: a last chunk carries usage
     ignore_eos: bool = False  # keep generating past end-of-sequence tokens (as vLLM's extension; benchmarks)
-
-    @property
-    def is_chat(self) -> bool:
-        return self.messages is not None
 
     def generate_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for ``client.generate(model, ...)``."""
@@ -118,7 +110,7 @@ def _common(body: dict[str, Any], config: WebUIConfig) -> dict[str, Any]:
 
 
 def _sampling(body: dict[str, Any], config: WebUIConfig) -> Sampling:
-    temperature = _number(body, "temperature", config.default_temperature, 0.0, 2.0)
+    temperature = _number(body, "temperature", config.default_temperature, 0.0, MAX_TEMPERATURE)
     top_p = _number(body, "top_p", 1.0, 0.0, 1.0, low_open=True)
     top_k = _integer(body, "top_k", 0, 0, MAX_TOP_K)
     seed = _integer(body, "seed", None, 0, MAX_SEED)

@@ -11,10 +11,10 @@ from dataclasses import dataclass, field
 
 from fabric.wire.protocol import ErrorCode, Event, Hop, Sampling
 
-from .errors import fabric_error_class
+from fabric.client import FabricError
 
 
-class FakeFabricError(fabric_error_class()):  # type: ignore[misc]
+class FakeFabricError(FabricError):
     """A ``FabricError`` (the real one once fabric.client exists) with a known constructor."""
 
     def __init__(self, code: str, message: str):

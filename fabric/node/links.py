@@ -18,6 +18,7 @@ import zmq
 from ..net.relay import RelayedPeer, RelayLink
 from ..net.security import Security
 from ..net.tracker_link import TrackerLink
+from ..wire.liveness import DEFAULT_TRACKER, HEARTBEAT_INTERVAL
 from ..wire import protocol as p
 
 log = logging.getLogger(__name__)
@@ -25,8 +26,8 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class LinkConfig:
-    tracker: str | None = "tcp://127.0.0.1:5555"  # None: run without a tracker (tests, scripts)
-    heartbeat_interval: float = 1.0  # seconds between heartbeats to the tracker
+    tracker: str | None = DEFAULT_TRACKER  # None: run without a tracker (tests, scripts)
+    heartbeat_interval: float = HEARTBEAT_INTERVAL  # seconds between heartbeats to the tracker
     probe_interval: float = 2.0  # seconds between round-trip probes of peers outside active routes
     relay: str | None = None  # a relay's control endpoint: peers reach this node through the relay's front
     relay_fallback: str | None = None  # a relay to switch to if the tracker cannot reach the advertised endpoint

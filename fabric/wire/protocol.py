@@ -40,6 +40,15 @@ MAX_RTT_PEERS = 256  # peers a heartbeat may report round-trip times for
 MAX_RTT_MS = 600_000.0  # ten minutes: anything slower is not a network
 MAX_PROBES = 64  # peers the tracker may ask a node to measure in one answer
 
+# One request's limits, the same from the web UI's body to the head's GENERATE: webui/schema.py,
+# fabric.client and the head all check against these.
+MAX_TEMPERATURE = 2.0  # OpenAI's range is [0, 2]
+MAX_TOP_K = 1 << 20
+MAX_SEED = (1 << 63) - 1
+MAX_NEW_TOKENS = 1 << 20  # max_tokens
+MAX_STOP = 4  # stop strings (OpenAI's limit)
+MAX_MODEL_CHARS = 256
+
 # dtype name -> item size in bytes. The receiver refuses anything else.
 DTYPE_SIZES = {"float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4}
 WIRE_DTYPES = {"", "float32", "float16", "bfloat16"}  # hidden states on the wire; "": the compute dtype
@@ -154,13 +163,13 @@ class Sampling:
     seed: int | None = None
 
     def validate(self) -> None:
-        if not (0.0 <= self.temperature <= 100.0):
-            raise ProtocolError("temperature must be in [0, 100]", ErrorCode.BAD_REQUEST)
-        if not (0 <= self.top_k <= 1 << 20):
+        if not (0.0 <= self.temperature <= MAX_TEMPERATURE):
+            raise ProtocolError(f"temperature must be in [0, {MAX_TEMPERATURE:g}]", ErrorCode.BAD_REQUEST)
+        if not (0 <= self.top_k <= MAX_TOP_K):
             raise ProtocolError("top_k must be in [0, 2**20]", ErrorCode.BAD_REQUEST)
         if not (0.0 < self.top_p <= 1.0):
             raise ProtocolError("top_p must be in (0, 1]", ErrorCode.BAD_REQUEST)
-        if self.seed is not None and not (0 <= self.seed < 1 << 63):
+        if self.seed is not None and not (0 <= self.seed <= MAX_SEED):
             raise ProtocolError("seed must be in [0, 2**63)", ErrorCode.BAD_REQUEST)
 
 
@@ -307,10 +316,10 @@ class Generate(Message):
             raise ProtocolError("GENERATE needs exactly one of messages or prompt", ErrorCode.BAD_REQUEST)
         if not self.route:
             raise ProtocolError("GENERATE needs a route", ErrorCode.BAD_REQUEST)
-        if not 1 <= self.max_tokens <= 1 << 20:
+        if not 1 <= self.max_tokens <= MAX_NEW_TOKENS:
             raise ProtocolError("max_tokens must be in [1, 2**20]", ErrorCode.BAD_REQUEST)
-        if len(self.stop) > 16 or any(not s for s in self.stop):
-            raise ProtocolError("stop takes at most 16 non-empty strings", ErrorCode.BAD_REQUEST)
+        if len(self.stop) > MAX_STOP or any(not s for s in self.stop):
+            raise ProtocolError(f"stop takes at most {MAX_STOP} non-empty strings", ErrorCode.BAD_REQUEST)
         for m in self.messages or ():
             if not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
                 raise ProtocolError("each message needs string role and content", ErrorCode.BAD_REQUEST)
