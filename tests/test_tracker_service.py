@@ -40,6 +40,7 @@ from fabric.wire.protocol import (
     encode,
     split_envelope,
 )
+from tests.support import wait_for
 from tracker.service import Tracker, TrackerConfig
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -85,10 +86,10 @@ class Peer:
 class Running:
     """A tracker thread; ``stop()`` ends it and checks the thread really finished."""
 
-    def __init__(self, tmp_path: Path, context: zmq.Context, **overrides):
+    def __init__(self, tmp_path: Path, context: zmq.Context, clock=time.monotonic, **overrides):
         fields = dict(bind="tcp://127.0.0.1:*", pub="tcp://127.0.0.1:*",
                       db=tmp_path / "ledger.sqlite3", heartbeat_interval=0.2, stats_interval=0.1)
-        self.tracker = Tracker(TrackerConfig(**{**fields, **overrides}))
+        self.tracker = Tracker(TrackerConfig(**{**fields, **overrides}), clock=clock)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self.tracker.run, args=(self._stop,),
                                         name="tracker-under-test")
@@ -195,21 +196,32 @@ def test_status_shape(start):
     assert body["usage"]["totals"]["billed"]["requests"] == 0
 
 
+class FakeClock:
+    """The registry's clock, moved by the test: expiry without sleeping."""
+
+    def __init__(self):
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
 def test_heartbeat_expiry(start):
-    running = start(heartbeat_interval=0.2, expiry_missed=3)
-    peer, interval = running.peer, 0.2
+    clock = FakeClock()
+    running = start(heartbeat_interval=1.0, expiry_missed=3, clock=clock)  # expiry after 3 s of silence
+    peer = running.peer
     peer.call(register("a", 0, 29))
     peer.call(register("b", 0, 29))
-    until = time.monotonic() + 4 * interval  # longer than the 0.6 s expiry
-    while time.monotonic() < until:
+    for _ in range(4):  # 4 s: b heartbeats every second, a says nothing
+        clock.now += 1.0
         assert isinstance(peer.call(Heartbeat(node_id="b")), Ack)
-        time.sleep(interval / 4)
-    last_ack = time.monotonic()
-    assert [n["id"] for n in peer.status()["nodes"]] == ["b"]  # a stopped at once: gone
-    # b's heartbeats stop now: it must be gone within two intervals after its expiry.
-    time.sleep(max(0.0, last_ack + running.tracker.registry.expiry_s + 2 * interval - time.monotonic()))
+    assert wait_for(lambda: [n["id"] for n in peer.status()["nodes"]] == ["b"], TIMEOUT)  # a is gone
+    clock.now += 2.9  # b's silence is still short of its expiry
+    assert [n["id"] for n in peer.status()["nodes"]] == ["b"]
+    clock.now += 0.2
+    assert wait_for(lambda: peer.status()["nodes"] == [], TIMEOUT)
     body = peer.status()
-    assert body["nodes"] == [] and body["plans"] == {}
+    assert body["plans"] == {}
     assert sum(e["kind"] == "error" and "expired" in e["message"] for e in body["events"]) == 2
     late = peer.call(Heartbeat(node_id="b"))
     assert isinstance(late, Error) and late.code == "unknown_node"

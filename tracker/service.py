@@ -25,7 +25,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any, Callable, NoReturn
 
 import msgpack
 import zmq
@@ -111,13 +111,14 @@ class Tracker:
     sockets are bound; ``endpoint`` and ``pub_endpoint`` then hold the real addresses.
     """
 
-    def __init__(self, config: TrackerConfig, context: zmq.Context | None = None):
+    def __init__(self, config: TrackerConfig, context: zmq.Context | None = None,
+                 clock: Callable[[], float] = time.monotonic):
         self.config = config
         self.ready = threading.Event()
         self.endpoint: str | None = None
         self.pub_endpoint: str | None = None
         self._context = context
-        self.registry = Registry(config.heartbeat_interval, config.expiry_missed)
+        self.registry = Registry(config.heartbeat_interval, config.expiry_missed, clock=clock)  # expiry's clock
         self.stats = StatsStore(config.stats_window)
         self.events = EventRing(config.event_ring)
         self.reports = Reports(self.registry, self.stats, self.events, config.cost, self._emit)
