@@ -66,12 +66,19 @@ def _forward_hidden(dtype=torch.float32) -> tuple[p.Forward, list]:
                      reply_to=HEAD.endpoint, tensors=(spec,)), [buf]
 
 
+def _forward_reuse() -> tuple[p.Forward, list]:
+    spec, buf = _ids(1, 5, 7)
+    return p.Forward(session="s2", step=0, pos=40, start_layer=0, end_layer=2, route=ROUTE,
+                     reply_to=HEAD.endpoint, reuse="s1", tensors=(spec,)), [buf]
+
+
 def samples() -> list[tuple[p.Message, list]]:
     """One or more valid messages of every kind, with non-default values where possible."""
     return [
         _forward_ids(),
         _forward_hidden(),
         _forward_hidden(torch.bfloat16),
+        _forward_reuse(),
         (p.Token("s1", 2, 42, 8), []),
         (p.CacheMiss("s1", 2, "b", 4), []),
         (p.Cancel("s1", ROUTE), []),
@@ -94,6 +101,7 @@ def samples() -> list[tuple[p.Message, list]]:
                     start_layer=3, end_layer=7, relay="tcp://relay:5557", relay_key="k" * 40), []),
         (p.Heartbeat("a", sessions=2, queued=1), []),
         (p.Heartbeat("a", rtts={"b": 0.75, "c": 31.5}), []),
+        (p.Heartbeat("a", kv_bytes=46 << 20, kv_hits=4, kv_misses=1), []),
         (p.RouteRequest("tiny", exclude=("b",)), []),
         (p.Route("tiny", FULL, estimated_tps=15.5), []),
         (p.Report(request_id="r1", node_id="a", model="tiny", route=FULL, prompt_tokens=3, completion_tokens=9,
@@ -450,6 +458,8 @@ VALUE_CASES = {
                            "at most 256 peers"),
     "too many probes": (ACK, _set("probe", [dict(node="x", endpoint="e", start_layer=0, end_layer=0)]
                                   * (p.MAX_PROBES + 1)), "at most 64 peers"),
+    "negative kv_bytes": (HEARTBEAT, _set("kv_bytes", -1), "must be >= 0"),
+    "negative kv_hits": (HEARTBEAT, _set("kv_hits", -1), "must be >= 0"),
     "relay_key without relay": (RELAYED, _set("relay", ""), "relay_key without relay"),
     "empty relay node_id": (RELAY_OPEN, _set("node_id", ""), "1-256 characters"),
     "long relay endpoint": (RELAY_OPEN, _set("endpoint", "x" * 1025), "at most 1024"),
@@ -483,6 +493,8 @@ FORWARD_CASES = {
     "hop start after end": (FWD, [_set("route", [_hop(3, 2)])], "hop layers"),
     "hop past MAX_LAYERS": (FWD, [_set("route", [_hop(3, p.MAX_LAYERS)])], "hop layers"),
     "layer 0 with hidden states": (FWD_H, [_set("start_layer", 0)], "int64 input_ids"),
+    "reuse at pos 0": (FWD, [_set("reuse", "s0")], "reuse needs pos > 0"),
+    "reuse of itself": (FWD_H, [_set("reuse", "s1")], "another session's id"),
     "hidden states for layer 3 as ids": (FWD, [_set("start_layer", 1)], "float hidden states"),
 }
 

@@ -93,16 +93,18 @@ class ShardExecutor:
 
     @torch.inference_mode()
     def run(self, session: str, start: int, end: int, inputs: torch.Tensor, pos: int,
-            logits: bool = True) -> StepResult:
+            logits: bool = True, reuse: str = "") -> StepResult:
         """Run layers start..end on ``inputs`` at positions pos.. for ``session``.
 
         ``inputs`` is input_ids (1, q) when start is 0, else hidden states (1, q, hidden).
         pos 0 starts the session afresh (prefill, or re-prefill after a cache miss);
-        otherwise pos must continue the session's cache, else CacheMissError. ``logits``
-        False (a prefill chunk that more follow) skips the tail's norm and lm_head.
+        ``reuse`` names an ended session whose retained KV holds the first pos positions:
+        the session starts with them (``take_over``); otherwise pos must continue the
+        session's cache. Else CacheMissError. ``logits`` False (a prefill chunk that more
+        follow) skips the tail's norm and lm_head.
         """
         self.check_span(start, end)
-        kv = self._session_kv(session, start, end, pos)
+        kv = self.take_over(reuse, session, start, end, pos) if reuse else self._session_kv(session, start, end, pos)
         if kv.group is not None:
             self._dissolve()  # this session leaves its batch group: it needs its own cache back
         q = inputs.shape[1]
@@ -242,6 +244,53 @@ class ShardExecutor:
                                 steps[0].start, steps[0].end)
         for kv in kvs:
             kv.cache, kv.group = None, self.group
+
+    def reusable(self, start: int, end: int) -> bool:
+        """A session's KV over start..end can be cut to a prefix: full attention everywhere
+        (a sliding window layer's cache has already dropped its oldest positions)."""
+        return self.batchable(start, end)
+
+    def retain(self, session: str) -> list[str]:
+        """``session`` ended here: keep its KV for a later session that shares its prefix
+        (within the store's budget, on a span that can be cut), else free it. Returns the
+        kept sessions evicted to make room."""
+        self.forget(session)  # a batch group row goes back to the session's own cache first
+        kv = self.kv.get(session)
+        if kv is None or not self.reusable(kv.start, kv.end):
+            self.kv.drop(session)
+            return []
+        return self.kv.retain(session)
+
+    def take_over(self, reuse: str, session: str, start: int, end: int, pos: int) -> SessionKV:
+        """Start ``session`` with the first ``pos`` positions of the KV kept for ``reuse``: the
+        entry itself when it holds exactly pos (the new session continues all of it), else a
+        copy of its prefix, the entry staying for others. CacheMissError when no entry holds
+        that much over this span."""
+        retained = self.kv.retained
+        old = retained.peek(reuse)
+        if old is None or old.length < pos or (old.start, old.end) != (start, end):
+            retained.stats["misses"] += 1
+            raise CacheMissError(0)
+        if old.length == pos:
+            retained.pop(reuse)
+            cache = old.cache
+        else:
+            cache = self._prefix(old.cache, start, end, pos)
+        kv = SessionKV(cache=cache, start=start, end=end, length=pos)
+        self.kv.put(session, kv)
+        retained.stats["hits"] += 1
+        retained.stats["reused_tokens"] += pos
+        return kv
+
+    def _prefix(self, cache, start: int, end: int, n: int):
+        """A new cache holding copies of the first ``n`` positions of ``cache``'s layers start..end."""
+        from transformers import DynamicCache
+
+        out = DynamicCache(config=self.w.config)
+        for i in range(start, end + 1):
+            layer = cache.layers[i]
+            out.update(layer.keys[:, :, :n].clone(), layer.values[:, :, :n].clone(), i)  # (1, kv_heads, n, head_dim)
+        return out
 
     def forget(self, session: str) -> None:
         """``session`` ended here: if it was a row of the batch group, hand the other rows

@@ -1,7 +1,10 @@
-"""Hot KV state: per-session caches that stay on the node that computed them."""
+"""Hot KV state: per-session caches that stay on the node that computed them, and the KV
+of ended sessions kept for reuse by later requests that share their prefix."""
 from __future__ import annotations
 
+import os
 import time
+from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 
 import torch
@@ -32,12 +35,89 @@ class SessionKV:
         return total // rows
 
 
-class KVStore:
-    """Sessions by id; freed on close, cancel or idle timeout."""
+KV_BUDGET_SHARE = 0.1  # by default a node keeps ended sessions' KV in this share of the memory available at start
 
-    def __init__(self, idle_timeout: float = 300.0):
+
+def default_budget(device: str = "cpu") -> int:
+    """Bytes of retained KV a node keeps by default: KV_BUDGET_SHARE of the memory free on
+    its device (a GPU's free memory, else the RAM available to new processes)."""
+    if device.startswith("cuda") and torch.cuda.is_available():
+        return int(KV_BUDGET_SHARE * torch.cuda.mem_get_info(torch.device(device))[0])
+    return int(KV_BUDGET_SHARE * _available_ram())
+
+
+def _available_ram() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+
+class RetainedKV:
+    """The KV of ended sessions, kept so that a later session sharing a prefix takes it over
+    instead of computing it again: least recently used first out, within ``budget`` bytes.
+    ``stats`` counts hits, misses, reused tokens and evictions."""
+
+    def __init__(self, budget: int = 0):
+        self.budget = budget  # bytes; 0 keeps nothing
+        self._entries: OrderedDict[str, tuple[SessionKV, int]] = OrderedDict()  # session -> (KV, bytes)
+        self.bytes = 0
+        self.stats: Counter[str] = Counter({k: 0 for k in ("hits", "misses", "reused_tokens", "evictions")})
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __contains__(self, session: str) -> bool:
+        return session in self._entries
+
+    def keep(self, session: str, kv: SessionKV) -> list[str]:
+        """Keep ``kv`` as the most recently used entry; returns the sessions evicted to fit it
+        (``session`` itself when it alone is over the budget)."""
+        self.pop(session)
+        size = kv.nbytes()
+        if size > self.budget:
+            return [session]
+        self._entries[session] = (kv, size)
+        self.bytes += size
+        evicted = []
+        while self.bytes > self.budget:
+            old, (_, freed) = self._entries.popitem(last=False)
+            self.bytes -= freed
+            evicted.append(old)
+        self.stats["evictions"] += len(evicted)
+        return evicted
+
+    def peek(self, session: str) -> SessionKV | None:
+        """The entry of ``session``, now the most recently used; None if not kept."""
+        if session not in self._entries:
+            return None
+        self._entries.move_to_end(session)
+        return self._entries[session][0]
+
+    def pop(self, session: str) -> SessionKV | None:
+        entry = self._entries.pop(session, None)
+        if entry is None:
+            return None
+        self.bytes -= entry[1]
+        return entry[0]
+
+    def sessions(self) -> list[str]:
+        """Kept sessions, least recently used first."""
+        return list(self._entries)
+
+
+class KVStore:
+    """Live sessions by id, freed on close, cancel or idle timeout; ``retained`` keeps the
+    KV of ended ones for reuse. Length and membership count live sessions only."""
+
+    def __init__(self, idle_timeout: float = 300.0, retain_bytes: int = 0):
         self.idle_timeout = idle_timeout
         self._sessions: dict[str, SessionKV] = {}
+        self.retained = RetainedKV(retain_bytes)
 
     def __len__(self) -> int:
         return len(self._sessions)
@@ -53,6 +133,13 @@ class KVStore:
 
     def drop(self, session: str) -> bool:
         return self._sessions.pop(session, None) is not None
+
+    def retain(self, session: str) -> list[str]:
+        """End ``session``, keeping its KV for reuse; returns the retained sessions evicted."""
+        kv = self._sessions.pop(session, None)
+        if kv is None or kv.group is not None or kv.cache is None or self.retained.budget <= 0:
+            return []  # nothing kept: no budget, or a batch group row not written back (the executor does that)
+        return self.retained.keep(session, kv)
 
     def evict_idle(self, now: float | None = None) -> list[str]:
         """Drop sessions unused for ``idle_timeout`` seconds; returns their ids."""

@@ -53,8 +53,9 @@ class Work:
 
     @property
     def decode(self) -> bool:
-        """One token after a prompt: a decode step, batched with other sessions' steps."""
-        return self.tokens == 1 and self.msg.pos > 0 and not self.msg.more
+        """One token after a prompt: a decode step, batched with other sessions' steps (not
+        the first step of a session that starts from kept KV: it runs alone)."""
+        return self.tokens == 1 and self.msg.pos > 0 and not self.msg.more and not self.msg.reuse
 
     @property
     def short_prompt(self) -> bool:
@@ -62,10 +63,11 @@ class Work:
         return self.msg.pos == 0 and not self.msg.more and self.tokens < WHOLE_PREFILL_TOKENS
 
     def cut(self, n: int) -> tuple["Work", "Work"]:
-        """The first ``n`` tokens as a chunk that more follow, and the rest."""
+        """The first ``n`` tokens as a chunk that more follow, and the rest (which continues
+        the session: only the first chunk starts it from kept KV)."""
         msg = self.msg
         return (Work(dataclasses.replace(msg, more=True), self.tensor[:, :n]),
-                Work(dataclasses.replace(msg, pos=msg.pos + n), self.tensor[:, n:]))
+                Work(dataclasses.replace(msg, pos=msg.pos + n, reuse=""), self.tensor[:, n:]))
 
 
 @dataclass(frozen=True)

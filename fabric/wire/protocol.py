@@ -207,12 +207,15 @@ class Forward(Message):
     reply_key: str = ""  # the head's CURVE public key when the swarm is secured
     more: bool = False  # a prefill chunk that more chunks follow: the tail fills its KV, answers nothing
     wire_dtype: str = ""  # dtype of hidden states sent on from here; "": each node's compute dtype
+    reuse: str = ""  # an ended session whose kept KV holds positions 0..pos-1: start from it; "": none
 
     def validate(self) -> None:
         if not 0 <= self.start_layer <= self.end_layer < MAX_LAYERS:
             raise ProtocolError(f"layers {self.start_layer}-{self.end_layer} out of range")
         if self.pos < 0 or self.step < 0:
             raise ProtocolError("pos and step must be >= 0")
+        if self.reuse and (self.pos == 0 or self.reuse == self.session):
+            raise ProtocolError("reuse needs pos > 0 and another session's id")
         if self.wire_dtype not in WIRE_DTYPES:
             raise ProtocolError(f"wire_dtype must be one of {sorted(WIRE_DTYPES)}")
         if len(self.tensors) != 1:
@@ -376,8 +379,13 @@ class Heartbeat(Message):
     sessions: int = 0
     queued: int = 0
     rtts: dict[str, float] = field(default_factory=dict)  # peer node id -> smoothed round trip, ms
+    kv_bytes: int = 0  # bytes of ended sessions' KV kept for reuse
+    kv_hits: int = 0  # requests that started from kept KV here, since the node started
+    kv_misses: int = 0  # requests that asked for kept KV this node no longer held
 
     def validate(self) -> None:
+        if min(self.kv_bytes, self.kv_hits, self.kv_misses) < 0:
+            raise ProtocolError("kv_bytes, kv_hits and kv_misses must be >= 0")
         if len(self.rtts) > MAX_RTT_PEERS:
             raise ProtocolError(f"rtts lists at most {MAX_RTT_PEERS} peers")
         for peer, ms in self.rtts.items():

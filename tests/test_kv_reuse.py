@@ -1,0 +1,158 @@
+"""KV reuse across requests: a hop keeps the KV of ended sessions under a byte budget, the
+head remembers what it sent where, and a request that shares a start with an ended one
+computes only the rest. Greedy tokens are those of transformers with no reuse (float32:
+see tests/tiny_models.py), and hit counters show the reuse really happened."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fabric.compute.executor import CacheMissError, ShardExecutor, Step
+from fabric.compute.kv import KVStore
+from fabric.compute.models import load_shard, resolve
+from fabric.node.prefixes import PrefixIndex, Reuse, common_prefix
+from fabric.node.scheduler import Work
+from fabric.wire import protocol as p
+from fabric.wire.shard import Shard
+from tests.tiny_models import reference_greedy
+
+PROMPT = [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23]
+ROUTE = (p.Hop("a", "tcp://a:1", 0, 2), p.Hop("b", "tcp://b:1", 3, 5))
+
+
+def split(model) -> tuple[ShardExecutor, ShardExecutor]:
+    source = resolve(str(model))
+    return (ShardExecutor(load_shard(source, Shard(0, 2, 6), progress=False), KVStore(retain_bytes=1 << 30)),
+            ShardExecutor(load_shard(source, Shard(3, 5, 6), progress=False), KVStore(retain_bytes=1 << 30)))
+
+
+def greedy(hops: tuple[ShardExecutor, ShardExecutor], session: str, ids: list[int], steps: int, pos: int = 0,
+           reuse: str = "") -> list[int]:
+    """Greedy tokens of ``session`` through both hops, sending ``ids[pos:]`` first."""
+    x, out = torch.tensor([ids[pos:]]), []
+    while len(out) < steps:
+        hidden = hops[0].run(session, 0, 2, x, pos, reuse=reuse).hidden
+        out.append(int(hops[1].run(session, 3, 5, hidden, pos, reuse=reuse).logits.argmax()))
+        pos, reuse, x = pos + x.shape[1], "", torch.tensor([[out[-1]]])
+    return out
+
+
+def end(hops, session: str) -> None:
+    for hop in hops:
+        hop.retain(session)
+
+
+def test_a_kept_prefix_gives_the_tokens_of_a_full_prefill(tiny_models):
+    """Turn 2 continues all of turn 1 (its KV moves to the new session); a prompt that
+    shares only a start copies that much and leaves the kept KV for others."""
+    model = tiny_models("llama")
+    hops = split(model)
+    first = greedy(hops, "t1", PROMPT, 8)
+    end(hops, "t1")
+    held = PROMPT + first[:-1]  # the last token was never fed back
+    assert [h.kv.retained.sessions() for h in hops] == [["t1"], ["t1"]] and len(hops[0].kv) == 0
+    turn2 = held + [40, 41, 42]
+    assert greedy(hops, "t2", turn2, 8, pos=len(held), reuse="t1") == reference_greedy(model, turn2, 8)
+    assert all("t1" not in h.kv.retained for h in hops)  # moved, not copied
+    end(hops, "t2")
+    other = PROMPT[:10] + [60, 61, 62, 63]
+    assert greedy(hops, "t3", other, 6, pos=10, reuse="t2") == reference_greedy(model, other, 6)
+    assert all("t2" in h.kv.retained for h in hops)  # copied: the longer KV stays kept
+    assert [h.kv.retained.stats["hits"] for h in hops] == [2, 2]
+    assert hops[0].kv.retained.stats["reused_tokens"] == len(held) + 10
+
+
+def test_a_hop_without_the_kept_kv_misses(tiny_models):
+    hops = split(tiny_models("llama"))
+    greedy(hops, "t1", PROMPT, 3)
+    end(hops, "t1")
+    ex = hops[1]
+    hidden = torch.zeros((1, 2, ex.hidden_size))
+    with pytest.raises(CacheMissError):
+        ex.run("t2", 3, 5, hidden, 30, reuse="t1")  # holds 21 positions, not 30
+    with pytest.raises(CacheMissError):
+        ex.run("t2", 3, 5, hidden, 5, reuse="ghost")
+    with pytest.raises(CacheMissError):
+        hops[0].run("t2", 0, 1, torch.tensor([[1]]), 5, reuse="t1")  # another span
+    assert ex.kv.retained.stats["misses"] == 2 and "t1" in ex.kv.retained
+
+
+def test_eviction_under_the_budget_frees_the_least_recently_used(tiny_models):
+    source = resolve(str(tiny_models("llama")))
+    weights = load_shard(source, Shard(0, 5, 6), progress=False)
+    probe = ShardExecutor(weights, KVStore(retain_bytes=1 << 30))
+    probe.run("x", 0, 5, torch.tensor([PROMPT]), 0)
+    one = probe.kv.get("x").nbytes()
+    ex = ShardExecutor(weights, KVStore(retain_bytes=int(2.5 * one)))  # room for two such sessions
+    kept = ex.kv.retained
+    for name in ("s0", "s1"):
+        ex.run(name, 0, 5, torch.tensor([PROMPT]), 0)
+        assert ex.retain(name) == []
+    assert kept.bytes == 2 * one and kept.sessions() == ["s0", "s1"]
+    ex.run("s2", 0, 5, torch.tensor([[50]]), 10, reuse="s0")  # 10 positions of s0 copied: s0 is now most recent
+    ex.run("s3", 0, 5, torch.tensor([PROMPT]), 0)
+    assert ex.retain("s3") == ["s1"]  # the least recently used goes
+    assert kept.sessions() == ["s0", "s3"] and kept.bytes == 2 * one and kept.stats["evictions"] == 1
+    assert ex.retain("s2") == ["s0"]  # s2 holds 11 positions: s0 makes room
+    assert kept.bytes < 2 * one and kept.sessions() == ["s3", "s2"]
+    tiny = ShardExecutor(weights, KVStore(retain_bytes=one // 2))
+    tiny.run("big", 0, 5, torch.tensor([PROMPT]), 0)
+    assert tiny.retain("big") == ["big"] and tiny.kv.retained.bytes == 0 and len(tiny.kv) == 0
+    off = ShardExecutor(weights, KVStore(retain_bytes=0))
+    off.run("s", 0, 5, torch.tensor([PROMPT]), 0)
+    assert off.retain("s") == [] and len(off.kv.retained) == 0 and len(off.kv) == 0
+
+
+def test_a_batch_group_row_is_kept_with_its_own_kv(tiny_models):
+    """A session that ends while a row of the decode batch is written back first, so its
+    kept KV is whole; the rows still decoding keep their tokens."""
+    model = tiny_models("qwen2")
+    ex = ShardExecutor(load_shard(resolve(str(model)), Shard(0, 5, 6), progress=False), KVStore(retain_bytes=1 << 30))
+    prompts = [PROMPT, PROMPT[:7] + [70, 71]]
+    results = ex.run_prefills([Step(f"b{i}", 0, 5, torch.tensor([q]), 0) for i, q in enumerate(prompts)])
+    tokens = [[int(r.logits.argmax())] for r in results]
+    pos = [len(q) for q in prompts]
+    for _ in range(4):
+        out = ex.run_batch([Step(f"b{i}", 0, 5, torch.tensor([[tokens[i][-1]]]), pos[i]) for i in range(2)])
+        for i, r in enumerate(out):
+            tokens[i].append(int(r.logits.argmax()))
+            pos[i] += 1
+    assert ex.group is not None
+    ex.retain("b0")
+    assert ex.group is None and ex.kv.retained.peek("b0").length == pos[0]
+    turn2 = prompts[0] + tokens[0][:-1] + [80, 81]
+    first = ex.run("c", 0, 5, torch.tensor([turn2[pos[0]:]]), pos[0], reuse="b0")
+    assert int(first.logits.argmax()) == reference_greedy(model, turn2, 1)[0]
+
+
+def test_prefix_index_matches_the_longest_start_on_the_same_route():
+    index = PrefixIndex(max_entries=3, min_tokens=4)
+    index.add("a", list(range(20)), ROUTE)
+    index.add("b", list(range(10)) + [99] * 10, ROUTE)
+    index.add("short", [1, 2], ROUTE)  # under min_tokens: not kept
+    assert len(index) == 2
+    assert index.match(list(range(15)) + [7], ROUTE) == Reuse("a", 15)  # partial: "a" stays
+    assert index.match(list(range(10)) + [5], ROUTE[:1]) is None  # other hops hold nothing of it
+    assert index.match(list(range(3)) + [8] * 9, ROUTE) is None  # too short a match
+    assert index.match(list(range(20)), ROUTE) == Reuse("a", 19)  # one token is always computed
+    assert index.match(list(range(20)) + [1, 2], ROUTE) == Reuse("a", 20)  # all of it: "a" leaves
+    assert index.match(list(range(20)) + [1, 2], ROUTE) == Reuse("b", 10)
+    index.discard("b")
+    assert len(index) == 0 and index.match(list(range(20)), ROUTE) is None
+    for name in "wxyz":
+        index.add(name, list(range(8)), ROUTE)
+    assert len(index) == 3
+    assert PrefixIndex(max_entries=0).match(list(range(20)), ROUTE) is None
+    assert common_prefix((1, 2, 3), (1, 2, 4, 5)) == 2 and common_prefix((), (1,)) == 0
+
+
+def test_work_that_starts_from_kept_kv_runs_alone_and_only_its_first_chunk_takes_it():
+    spec = p.TensorSpec("int64", (1, 100))
+    msg = p.Forward("s", 0, 40, 0, 2, ROUTE[1:], "tcp://a:1", reuse="old", tensors=(spec,))
+    work = Work(msg, torch.zeros((1, 100), dtype=torch.int64))
+    first, rest = work.cut(30)
+    assert (first.msg.reuse, first.msg.pos, first.msg.more) == ("old", 40, True)
+    assert (rest.msg.reuse, rest.msg.pos, rest.tokens) == ("", 70, 70)
+    one = Work(p.Forward("s", 0, 40, 0, 2, ROUTE[1:], "tcp://a:1", reuse="old", tensors=(p.TensorSpec(
+        "int64", (1, 1)),)), torch.zeros((1, 1), dtype=torch.int64))
+    assert not one.decode and not one.short_prompt
