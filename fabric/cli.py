@@ -426,6 +426,11 @@ def _node_parser(sub) -> None:
                         f"this user, {default_lock('DEVICE', os.environ)}, so nodes started one by one on a "
                         "machine take turns)")
     p.add_argument("--max-sessions", type=positive_count, default=64, help="sessions this node keeps KV for")
+    p.add_argument("--kv-cache-gib", type=non_negative, default=None, metavar="GIB",
+                   help="GiB of ended requests' KV this node keeps, so that a later request sharing their start "
+                        "(a chat's earlier turns, a common system prompt) computes only the rest; the least "
+                        "recently used goes first; 0 keeps none (default: a tenth of the memory available at "
+                        "start, on the node's device)")
     p.add_argument("--max-prompt-tokens", type=positive_count, default=4096, help="longest prompt the head accepts")
     p.add_argument("--prefill-slice-ms", type=non_negative, default=0.0, metavar="MS",
                    help="while other streams decode here, run a long prompt's prefill in slices of about this "
@@ -564,6 +569,7 @@ def _node_config(args, security):
                       tracker=args.tracker, device=args.device,
                       dtype=dtype, node_id=node_id, quant=None if args.quant == "none" else args.quant,
                       max_sessions=args.max_sessions, max_prompt_tokens=args.max_prompt_tokens,
+                      kv_cache_bytes=None if args.kv_cache_gib is None else int(args.kv_cache_gib * (1 << 30)),
                       prefill_slice=args.prefill_slice_ms / 1000, wire_dtype=args.wire_dtype,
                       compute_lock=_compute_lock(args.compute_lock, args.device),
                       hop_timeout=args.hop_timeout, heartbeat_interval=args.heartbeat,
@@ -713,13 +719,14 @@ def cmd_status(args) -> int:
 def format_status(status: dict) -> str:
     """A readable view: nodes, a coverage map per model, the plans, recent events."""
     nodes = status.get("nodes", [])
-    lines = [f"{'NODE':<20} {'MODEL':<18} {'LAYERS':<9} {'SESSIONS':>8} {'LAYER-STEPS/S':>14}  ENDPOINT"]
+    lines = [f"{'NODE':<20} {'MODEL':<18} {'LAYERS':<9} {'SESSIONS':>8} {'LAYER-STEPS/S':>14} "
+             f"{'KV KEPT (HITS/MISSES)':>22}  ENDPOINT"]
     for n in nodes:
         a, b = n["layers"]
         rate = n.get("layer_steps_per_s") or n.get("benchmark") or 0
         via = f" (relayed via {n['relay']})" if n.get("relay") else ""
-        lines.append(f"{n['id']:<20} {n['model']:<18} {f'{a}-{b}':<9} {n.get('sessions', 0):>8} {rate:>14.0f}"
-                     f"  {n['endpoint']}{via}")
+        lines.append(f"{n['id']:<20} {n['model']:<18} {f'{a}-{b}':<9} {n.get('sessions', 0):>8} {rate:>14.0f} "
+                     f"{kv_cache_cell(n.get('kv_cache') or {}):>22}  {n['endpoint']}{via}")
     for model in sorted({n["model"] for n in nodes}):
         lines += ["", f"{model}:", *coverage_map(model, nodes)]
         plans = status.get("plans", {}).get(model) or []
@@ -738,6 +745,11 @@ def format_status(status: dict) -> str:
         lines += ["", "recent events:"]
         lines += [f"  {e.get('kind', ''):<15} {e.get('message', '')}" for e in events]
     return "\n".join(lines)
+
+
+def kv_cache_cell(kv: dict) -> str:
+    """A node's kept KV and how often requests found it there: ``46.1 MiB (4/1)``."""
+    return f"{kv.get('bytes', 0) / (1 << 20):.1f} MiB ({kv.get('hits', 0)}/{kv.get('misses', 0)})"
 
 
 def weights_differ_lines(groups: list[dict]) -> list[str]:

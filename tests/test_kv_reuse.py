@@ -156,3 +156,76 @@ def test_work_that_starts_from_kept_kv_runs_alone_and_only_its_first_chunk_takes
     one = Work(p.Forward("s", 0, 40, 0, 2, ROUTE[1:], "tcp://a:1", reuse="old", tensors=(p.TensorSpec(
         "int64", (1, 1)),)), torch.zeros((1, 1), dtype=torch.int64))
     assert not one.decode and not one.short_prompt
+
+
+class KeepingTransport:
+    """FORWARDs run on in-process executors (with ``reuse``); CLOSE and CANCEL keep the KV."""
+
+    def __init__(self, executors: dict[str, ShardExecutor]):
+        self.executors, self.sent, self.replies = executors, [], []
+
+    def forward(self, hop: p.Hop, message: p.Forward, tensor: torch.Tensor) -> None:
+        from fabric.compute.sampling import sample
+
+        self.sent.append(message)
+        x = tensor
+        try:
+            for h in (hop, *message.route):
+                result = self.executors[h.node].run(message.session, h.start_layer, h.end_layer, x, message.pos,
+                                                    reuse=message.reuse)
+                x = result.hidden
+        except CacheMissError as miss:
+            self.replies.append(p.CacheMiss(message.session, message.step, h.node, miss.have))
+            return
+        pos = message.pos + tensor.shape[1]
+        self.replies.append(p.Token(message.session, message.step, sample(result.logits, message.sampling, pos), pos))
+
+    def control(self, hop: p.Hop, message) -> None:
+        for h in (hop, *message.route):
+            self.executors[h.node].retain(message.session)
+
+
+def drive(rs, transport, reuse=None, stop_after: int = 0) -> list[int]:
+    """Run a RouteSession to its end (or cancel it after ``stop_after`` tokens)."""
+    rs.start(reuse)
+    while transport.replies and not rs.finished:
+        reply = transport.replies.pop(0)
+        rs.on_token(reply) if isinstance(reply, p.Token) else rs.on_cache_miss(reply)
+        if stop_after and len(rs.generated) == stop_after:
+            transport.replies.clear()  # the step in flight ran on every hop, its TOKEN is lost
+            rs.cancel()
+    return rs.generated
+
+
+def test_a_route_session_sends_only_the_rest_and_knows_what_the_hops_hold(tiny_models):
+    from fabric.node.route_session import RouteSession
+
+    model = tiny_models("llama")
+    hops = dict(zip("ht", split(model)))
+    transport = KeepingTransport(hops)
+    route = (p.Hop("h", "inproc://h", 0, 2), p.Hop("t", "inproc://t", 3, 5))
+
+    def session(name: str, ids: list[int], max_tokens: int = 6) -> RouteSession:
+        request = p.Generate(request_id=name, route=route, prompt="x", max_tokens=max_tokens, ignore_eos=True)
+        return RouteSession(request, ids, tokenizer=load_tokenizer_for(model), eos=frozenset(), reply_to="inproc://c",
+                            transport=transport, seed=0)
+
+    first = session("r1", PROMPT)
+    drive(first, transport, stop_after=3)  # cancelled: the hops hold one step more than the head heard of
+    assert first.held_ids == PROMPT + first.generated[:2] and hops["t"].kv.retained.peek("r1").length == len(PROMPT) + 3
+    turn2 = first.held_ids + [44, 45]
+    second = session("r2", turn2)
+    got = drive(second, transport, Reuse("r1", len(first.held_ids)))
+    assert transport.sent[-len(got)].pos == len(first.held_ids) and transport.sent[-len(got)].reuse == "r1"
+    assert got == reference_greedy(model, turn2, 6)
+    assert second.held_ids == second.history and len(second.history) == len(turn2) + 5
+    third = session("r3", turn2)
+    got = drive(third, transport, Reuse("gone", 20))  # the hops never kept it: a full prefill after the miss
+    assert [(m.pos, m.reuse) for m in transport.sent[-len(got) - 1:-len(got) + 1]] == [(20, "gone"), (0, "")]
+    assert got == reference_greedy(model, turn2, 6) and third.cache_misses == 1
+
+
+def load_tokenizer_for(model):
+    from fabric.compute.models import load_tokenizer
+
+    return load_tokenizer(resolve(str(model)))

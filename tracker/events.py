@@ -12,7 +12,7 @@ import time
 from collections import deque
 from typing import Callable
 
-KINDS = ("route selected", "connected", "progress", "complete", "error")
+KINDS = ("route selected", "connected", "progress", "complete", "error", "left")
 
 
 class EventRing:

@@ -47,6 +47,9 @@ class NodeInfo:
     relay: str = ""  # control endpoint of the relay whose front ``endpoint`` is; "": reached directly
     rtts: dict = field(default_factory=dict, hash=False, compare=False)  # peer id -> round trip ms it measured
     reachable: bool | None = None  # whether the tracker reached ``endpoint`` (None: not checked yet)
+    kv_bytes: int = 0  # bytes of ended sessions' KV it keeps for reuse, at the last heartbeat
+    kv_hits: int = 0  # requests that started from its kept KV (since it started)
+    kv_misses: int = 0  # requests that asked for kept KV it no longer held
 
     @property
     def layers(self) -> tuple[int, int]:
@@ -133,7 +136,7 @@ class Registry:
         if old is None:
             return None
         node = replace(old, sessions=msg.sessions, queued=msg.queued, last_seen=self._clock(),
-                       rtts=dict(msg.rtts))
+                       rtts=dict(msg.rtts), kv_bytes=msg.kv_bytes, kv_hits=msg.kv_hits, kv_misses=msg.kv_misses)
         self._nodes[msg.node_id] = node
         if node.at_capacity != old.at_capacity or node.rtts.keys() != old.rtts.keys():
             self.version += 1  # plans change with load limits and with what is known of links

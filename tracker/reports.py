@@ -66,7 +66,7 @@ class Reports:
         first = self._inflight.pop(msg.request_id, None)
         entry, new = ledger.record(msg)
         if not new:
-            return Ack(detail=f"already recorded: {entry.status}")
+            return Ack(detail=f"already recorded: {entry.status}", request_id=msg.request_id)
         self._record_stats(msg, first)
         kind = "error" if msg.finish_reason == "error" else "complete"
         billing = entry.status + (f" ({entry.reason})" if entry.reason else "")
@@ -77,7 +77,7 @@ class Reports:
             completion_tokens=msg.completion_tokens, duration=msg.elapsed,
             finish_reason=msg.finish_reason, billing=entry.status, billing_reason=entry.reason,
             hops=[hop_dict(h) for h in msg.route]))
-        return Ack(detail=billing)
+        return Ack(detail=billing, request_id=msg.request_id)
 
     def _record_stats(self, msg: Report, first: tuple[int, float] | None) -> None:
         nodes = {n.node_id: n for n in self.registry.snapshot()}

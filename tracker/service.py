@@ -45,6 +45,7 @@ from fabric.wire.protocol import (
     Heartbeat,
     Hop,
     Kind,
+    Leave,
     Message,
     Ping,
     Pong,
@@ -101,7 +102,7 @@ class TrackerConfig:
 
 
 HANDLED = (Kind.REGISTER, Kind.HEARTBEAT, Kind.ROUTE_REQUEST, Kind.REPORT, Kind.STATUS_REQUEST,
-           Kind.ASSIGN_REQUEST)
+           Kind.ASSIGN_REQUEST, Kind.LEAVE)
 
 
 class Tracker:
@@ -265,7 +266,7 @@ class Tracker:
     def _authorize(self, message: Message, peer: str | None) -> None:
         """In a secured swarm a node id belongs to the key that first registered it:
         no member can register, heartbeat or report as another."""
-        if self.config.security is None or not isinstance(message, (Register, Heartbeat, Report)):
+        if self.config.security is None or not isinstance(message, (Register, Heartbeat, Report, Leave)):
             return
         owner = self._node_keys.get(message.node_id)
         if owner is not None and owner != peer:
@@ -291,6 +292,8 @@ class Tracker:
                 return Status(body=self.status_body())
             case AssignRequest():
                 return self._on_assign(message)
+            case Leave():
+                return self._on_leave(message)
             case Ping(nonce=nonce):
                 return Pong(nonce=nonce, node="tracker")
             case _:
@@ -334,6 +337,17 @@ class Tracker:
             return Error(code=ErrorCode.UNKNOWN_NODE, node=msg.node_id,
                          message=f"node {msg.node_id!r} is not registered; register again")
         return Ack(probe=self._probes_for(node), reachable=node.reachable is not False)
+
+    def _on_leave(self, msg: Leave) -> Message:
+        """A node leaves politely: out of the plans now, not after missed heartbeats."""
+        node = self.registry.remove(msg.node_id)
+        if node is None:
+            return Ack(detail="unknown node")
+        log.info("node %s left", node.node_id)
+        self._emit(self.events.add("left", f"node {node.node_id} left", node=node.node_id, model=node.model,
+                                   code="left"))
+        self._expire()  # publishes the plans without it
+        return Ack(detail="left")
 
     def _reach_results(self) -> None:
         for result in self._reach.results() if self._reach is not None else ():

@@ -41,7 +41,8 @@ def node_row(node: NodeInfo, rates: dict, cost: CostModel, age_s: float) -> dict
             "layer_steps_per_s": layer_rate(node, rates, cost),
             "measured": measured is not None, "hardware": node.hardware,
             "last_seen_s": round(age_s, 3),
-            "relay": node.relay, "relayed": bool(node.relay), "rtts": node.rtts, "reachable": node.reachable}
+            "relay": node.relay, "relayed": bool(node.relay), "rtts": node.rtts, "reachable": node.reachable,
+            "kv_cache": {"bytes": node.kv_bytes, "hits": node.kv_hits, "misses": node.kv_misses}}
 
 
 def usage(ledger: Ledger | None) -> dict:

@@ -25,6 +25,7 @@ from .config import WebUIConfig
 from .dashboard import LIVE_EXTENSION
 from .dashboard import blueprint as dashboard_blueprint
 from .errors import ApiError
+from .guard import JsonErrors
 from .live import LiveFeed
 from .openai_api import (
     EXTENSION,
@@ -67,8 +68,10 @@ def create_app(config: WebUIConfig, client: Any) -> Quart:
     app = Quart(__name__, static_folder=str(STATIC), static_url_path="/static")
     app.config["MAX_CONTENT_LENGTH"] = config.max_body_bytes
     app.extensions[EXTENSION] = ApiContext(config, client, Accounting())
+    # the feed's plans also go to the client, which routes on them while the tracker is away
     feed = app.extensions[LIVE_EXTENSION] = LiveFeed(config.pub, idle_timeout=config.call_idle_timeout,
-                                                        security=config.security)
+                                                        security=config.security,
+                                                        on_plans=getattr(client, "learn_plans", None))
     app.before_serving(feed.start)
     app.after_serving(feed.stop)
     app.register_blueprint(blueprint)
@@ -76,6 +79,7 @@ def create_app(config: WebUIConfig, client: Any) -> Quart:
     app.register_error_handler(ApiError, render_api_error)
     app.register_error_handler(HTTPException, _http_error)
     app.register_error_handler(Exception, _unexpected_error)
+    app.asgi_app = JsonErrors(app.asgi_app)  # what escapes Quart's handlers is a JSON error too
 
     registry = metrics.registry_for(lambda: _metrics(app))
 

@@ -31,12 +31,13 @@ import zmq
 import zmq.asyncio
 
 from fabric.net.security import SecurityError, dial_securely
+from fabric.wire.liveness import TOPIC_EVENTS, TOPIC_PLANS, TOPIC_STATS
 
 from .board import CallBoard, ThroughputMeter
 
 logger = logging.getLogger(__name__)
 
-TOPICS = (b"plans", b"stats", b"events")
+TOPICS = (TOPIC_PLANS, TOPIC_STATS, TOPIC_EVENTS)
 RECENT_EVENTS = 50  # raw tracker events kept for a new dashboard's event log
 LIVE_WITHIN_S = 10.0  # the feed counts as live if it heard the tracker this recently (stats: every 2 s)
 CLOSED = ("closed", None)  # what a listener's get() returns once the feed has stopped
@@ -101,8 +102,10 @@ class LiveFeed:
     """The tracker's PUB as dashboard updates. ``start``/``stop`` bracket the app's life."""
 
     def __init__(self, endpoint: str | None, *, queue_size: int = 512, idle_timeout: float = 120.0,
-                 clock: Callable[[], float] = time.monotonic, security=None):
+                 clock: Callable[[], float] = time.monotonic, security=None,
+                 on_plans: Callable[[dict], None] | None = None):
         self.endpoint = endpoint  # None: no feed; the dashboard polls /api/status
+        self.on_plans = on_plans  # called with every plans publication (the client remembers routes)
         self.board = CallBoard(idle_timeout=idle_timeout)
         self.meter = ThroughputMeter()
         self.plans: dict | None = None  # latest ``plans`` publication
@@ -204,6 +207,8 @@ class LiveFeed:
         self._heard_at = self._clock()
         if topic == "plans":
             self.plans = payload
+            if self.on_plans is not None:
+                self.on_plans(payload)
             updates: list[Update] = [("plans", payload)]
         elif topic == "stats":
             self.stats = payload

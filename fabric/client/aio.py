@@ -15,8 +15,7 @@ import zmq.asyncio
 
 from ..net.security import Security
 from ..wire import protocol as p
-from .core import (ClientCore, GenerateArgs, HeadDied, HeadLink, decode_reply, models_of, retry_without, route_from,
-                   status_body)
+from .core import ClientCore, FabricError, GenerateArgs, HeadDied, HeadLink, decode_reply, models_of, route_from
 
 
 class AsyncClient(ClientCore):
@@ -44,7 +43,7 @@ class AsyncClient(ClientCore):
                 await sock.send_multipart(p.encode(message), zmq.NOBLOCK)
                 if not await sock.poll(self._tracker_wait_ms):
                     raise self._silent()
-                return decode_reply(await sock.recv_multipart())
+                return self._answered(decode_reply(await sock.recv_multipart()))
             except zmq.Again:  # no link to the tracker can take it (a refused handshake, say)
                 raise self._silent() from None
             except BaseException:
@@ -52,13 +51,21 @@ class AsyncClient(ClientCore):
                 raise
 
     async def status(self) -> dict:
-        return status_body(await self.ask(p.StatusRequest()))
+        return self._status(await self.ask(p.StatusRequest()))
 
     async def models(self) -> list[dict]:
-        return models_of(await self.status())
+        """As ``Client.models``."""
+        try:
+            return models_of(await self.status())
+        except FabricError as exc:
+            return self._remembered_models(exc)
 
     async def route(self, model: str, exclude: tuple[str, ...] = ()) -> tuple[p.Hop, ...]:
-        return route_from(await self.ask(p.RouteRequest(model, exclude)))
+        """As ``Client.route``: while the tracker is away, a remembered route."""
+        try:
+            return self._routed(model, route_from(await self.ask(p.RouteRequest(model, exclude))))
+        except FabricError as exc:
+            return self._remembered(model, exclude, exc)
 
     def generate(self, model: str, *, route: tuple[p.Hop, ...] | None = None, **kwargs) -> AsyncIterator[p.Event]:
         """As ``Client.generate`` (the same keyword arguments), for ``async for``. Wrong
@@ -72,7 +79,7 @@ class AsyncClient(ClientCore):
             async for event in self._attempt(msg):
                 yield event
         except HeadDied as died:
-            hops = await self.route(args.model, retry_without(died, route is not None))
+            hops = await self.route(args.model, self._around(died, route is not None))
             async for event in self._attempt(dataclasses.replace(msg, route=hops)):
                 yield event
 

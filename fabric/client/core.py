@@ -6,6 +6,8 @@ sends, polls and receives this module asks for.
 from __future__ import annotations
 
 import dataclasses
+import logging
+import time
 import uuid
 from dataclasses import dataclass
 
@@ -14,6 +16,9 @@ import zmq
 
 from ..net.security import Security, SecurityError, dial
 from ..wire import protocol as p
+from .routes import RouteBook
+
+log = logging.getLogger(__name__)
 
 
 class FabricError(Exception):
@@ -26,6 +31,7 @@ class FabricError(Exception):
 
 
 TRACKER_TIMEOUT = 5.0  # a running tracker answers at once: waiting longer only delays the error
+TRACKER_RETRY = 0.5  # after a silence the tracker gets this long before a remembered route is used
 
 
 def _tracker_silent(endpoint: str) -> FabricError:
@@ -39,6 +45,15 @@ class HeadDied(FabricError):
     def __init__(self, head: p.Hop):
         super().__init__(p.ErrorCode.HOP_FAILED, f"the head {head.node} at {head.endpoint} died")
         self.head = head
+
+
+class HeadLeaving(HeadDied):
+    """The head refused the request because it is leaving the swarm: go to another."""
+
+    def __init__(self, head: p.Hop, message: str):
+        FabricError.__init__(self, p.ErrorCode.LEAVING, message)
+        self.head = head
+        self.tokens = 0
 
 
 # the link to the head dropped, or it refuses connections: its process is gone
@@ -207,6 +222,9 @@ class ClientCore:
         self.security = security  # CurveZMQ keys for a secured swarm; None: plaintext
         self.ctx = ctx
         self._tracker = None
+        self.routes = RouteBook()  # the last routes and plans seen: used while the tracker is away
+        self._silent_since: float | None = None  # when the tracker last failed to answer (None: it answers)
+        self._said_remembered = False  # the fallback to remembered routes was logged in this silence
 
     def _tracker_socket(self):
         if self._tracker is None:
@@ -221,11 +239,52 @@ class ClientCore:
 
     @property
     def _tracker_wait_ms(self) -> float:
-        return min(self.timeout, TRACKER_TIMEOUT) * 1000
+        wait = min(self.timeout, TRACKER_TIMEOUT)
+        return (wait if self._silent_since is None else min(wait, TRACKER_RETRY)) * 1000
 
     def _silent(self) -> FabricError:
         self._drop_tracker()
+        self._silent_since = time.monotonic()
         return _tracker_silent(self.tracker_endpoint)
+
+    def learn_plans(self, plans: dict) -> None:
+        """Remember the routes of a tracker's ``plans`` publication (the web UI's live feed
+        calls this), to use while the tracker is away."""
+        self.routes.learn_plans(plans)
+
+    def _answered(self, reply: p.Message) -> p.Message:
+        self._silent_since, self._said_remembered = None, False
+        return reply
+
+    def _routed(self, model: str, hops: tuple[p.Hop, ...]) -> tuple[p.Hop, ...]:
+        """The tracker's route, remembered."""
+        self.routes.learn(model, hops)
+        return hops
+
+    def _remembered(self, model: str, exclude: tuple[str, ...], error: FabricError) -> tuple[p.Hop, ...]:
+        """A remembered route of ``model`` when the tracker did not answer; else ``error``."""
+        route = self.routes.instead(model, exclude) if error.code == p.ErrorCode.TRACKER_UNAVAILABLE else None
+        if route is None:
+            raise error
+        said, self._said_remembered = self._said_remembered, True  # said once while the tracker is away
+        log.log(logging.DEBUG if said else logging.WARNING, "%s: using a remembered route for %s (%s)",
+                error.message, model, " > ".join(h.node for h in route))
+        return route
+
+    def _remembered_models(self, error: FabricError) -> list[dict]:
+        if error.code != p.ErrorCode.TRACKER_UNAVAILABLE or not self.routes.models():
+            raise error
+        return self.routes.models()
+
+    def _status(self, reply: p.Message) -> dict:
+        body = status_body(reply)
+        self.routes.learn_plans(body)
+        return body
+
+    def _around(self, died: HeadDied, fixed_route: bool) -> tuple[str, ...]:
+        """The nodes to go around after ``died`` (see ``retry_without``); remembered as dead."""
+        self.routes.died(died.head.node)
+        return retry_without(died, fixed_route)
 
 
 def status_body(reply: p.Message) -> dict:
@@ -274,8 +333,14 @@ class HeadLink:
             raise FabricError(p.ErrorCode.HOP_FAILED, f"head {self.msg.route[0].endpoint} went silent")
 
     def take(self, frames) -> p.Event:
-        """The head's next event (an error raises as a FabricError)."""
-        event = _check(frames)
+        """The head's next event (an error raises as a FabricError; a leaving head's refusal
+        before any token as HeadLeaving, so that the request goes to another head)."""
+        try:
+            event = _check(frames)
+        except FabricError as exc:
+            if exc.code == p.ErrorCode.LEAVING and not self.tokens:
+                raise HeadLeaving(self.msg.route[0], exc.message) from None
+            raise
         self.tokens += event.event == p.EventKind.TOKEN
         self.done = event.event == p.EventKind.DONE
         return event

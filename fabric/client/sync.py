@@ -18,8 +18,7 @@ import zmq
 
 from ..net.security import Security
 from ..wire import protocol as p
-from .core import (ClientCore, GenerateArgs, HeadDied, HeadLink, decode_reply, models_of, retry_without, route_from,
-                   status_body)
+from .core import ClientCore, FabricError, GenerateArgs, HeadDied, HeadLink, decode_reply, models_of, route_from
 
 
 class Client(ClientCore):
@@ -45,7 +44,7 @@ class Client(ClientCore):
             sock.send_multipart(p.encode(message), zmq.NOBLOCK)
             if not sock.poll(self._tracker_wait_ms):
                 raise self._silent()
-            return decode_reply(sock.recv_multipart())
+            return self._answered(decode_reply(sock.recv_multipart()))
         except zmq.Again:  # no link to the tracker can take it (a refused handshake, say)
             raise self._silent() from None
         except BaseException:
@@ -53,13 +52,21 @@ class Client(ClientCore):
             raise
 
     def status(self) -> dict:
-        return status_body(self.ask(p.StatusRequest()))
+        return self._status(self.ask(p.StatusRequest()))
 
     def models(self) -> list[dict]:
-        return models_of(self.status())
+        """The models the tracker lists; while it is away, those of the remembered routes."""
+        try:
+            return models_of(self.status())
+        except FabricError as exc:
+            return self._remembered_models(exc)
 
     def route(self, model: str, exclude: tuple[str, ...] = ()) -> tuple[p.Hop, ...]:
-        return route_from(self.ask(p.RouteRequest(model, exclude)))
+        """The tracker's best route around ``exclude``; while it is away, a remembered one."""
+        try:
+            return self._routed(model, route_from(self.ask(p.RouteRequest(model, exclude))))
+        except FabricError as exc:
+            return self._remembered(model, exclude, exc)
 
     def generate(self, model: str, *, messages=None, prompt=None, max_tokens: int = 256,
                  temperature: float | None = None, top_p: float | None = None, top_k: int | None = None,
@@ -83,7 +90,7 @@ class Client(ClientCore):
         try:
             yield from self._attempt(msg)
         except HeadDied as died:
-            hops = self.route(model, retry_without(died, fixed_route))
+            hops = self.route(model, self._around(died, fixed_route))
             yield from self._attempt(dataclasses.replace(msg, route=hops))
 
     def _attempt(self, msg: p.Generate) -> Iterator[p.Event]:

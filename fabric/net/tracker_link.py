@@ -11,12 +11,18 @@ the log, once and with the fix, what a newcomer would otherwise never see:
   ``DIR/allowed/tracker.key``;
 - the tracker refuses a message (an ERROR reply): the reason, once per distinct reason.
 
-It never decides anything for the node; the node reads the replies it passes on.
+The usage of a request is never lost to a tracker that is away or restarts: a final REPORT
+is kept until an ACK names its request id, and sent again while the tracker answers other
+messages but not that one (it died with the report in a buffer). The ledger bills a
+request id once, so a report sent twice costs nothing.
+
+It never decides anything else for the node; the node reads the replies it passes on.
 """
 from __future__ import annotations
 
 import logging
 import time
+from collections import OrderedDict
 from typing import Callable
 
 import zmq
@@ -29,27 +35,36 @@ log = logging.getLogger("fabric.node")
 
 SILENCE_S = 5.0  # a tracker that answers nothing this long after a message gets a WARNING
 REPEAT_S = 60.0  # ...repeated this often while the silence lasts
+RESEND_S = 3.0  # a final report not acknowledged this long, while the tracker answers, is sent again
+MAX_UNACKED = 10_000  # final reports kept for the tracker; beyond that the oldest is given up (logged)
 HANDSHAKE_EVENTS = (zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
                     | zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
 
 
 class TrackerLink:
     def __init__(self, ctx: zmq.Context, endpoint: str, security: Security | None,
-                 silence: float = SILENCE_S, repeat: float = REPEAT_S,
+                 silence: float = SILENCE_S, repeat: float = REPEAT_S, resend: float = RESEND_S,
                  clock: Callable[[], float] = time.monotonic):
         self.endpoint = endpoint
         self.security = security
-        self.silence, self.repeat, self._clock = silence, repeat, clock
+        self.silence, self.repeat, self.resend, self._clock = silence, repeat, resend, clock
         self.sock = dial(ctx, endpoint, security, security and security.tracker_key)
         self.monitor = self.sock.get_monitor_socket(HANDSHAKE_EVENTS)
         self._waiting_since: float | None = None  # first message sent since the last reply
         self._warned_at: float | None = None  # last "does not answer" warning
         self._said: set[str] = set()  # handshake problems and refusals already logged
+        self._answered_at: float | None = None  # the tracker's last reply of any kind
+        self._back_at = 0.0  # its first reply after a silence longer than ``resend``
+        # request id -> [final report, when it was last sent]: usage the tracker has not acknowledged
+        self.unacked: OrderedDict[str, list] = OrderedDict()
 
     # -- sending and replies --------------------------------------------------------------
 
     def send(self, message: p.Message) -> bool:
-        """Queue ``message`` for the tracker; False (logged once) when it cannot take more."""
+        """Queue ``message`` for the tracker; False (logged once) when it cannot take more.
+        A final report is also kept until the tracker acknowledges it."""
+        if isinstance(message, p.Report) and message.final:
+            self._keep(message)
         if self._waiting_since is None:
             self._waiting_since = self._clock()
         try:
@@ -65,6 +80,12 @@ class TrackerLink:
         if self._warned_at is not None:
             log.info("the tracker at %s answers now", self.endpoint)
         self._waiting_since = self._warned_at = None
+        now = self._clock()
+        if self._answered_at is None or now - self._answered_at > self.resend:
+            self._back_at = now  # what was queued meanwhile flows now: give it time to be acknowledged
+        self._answered_at = now
+        if isinstance(message, p.Ack) and message.request_id:
+            self.unacked.pop(message.request_id, None)
         self._said.discard("dropped")
         if isinstance(message, p.Error) and message.code not in (p.ErrorCode.UNKNOWN_NODE, p.ErrorCode.NO_ROUTE,
                                                                  p.ErrorCode.UNKNOWN_MODEL):
@@ -74,13 +95,40 @@ class TrackerLink:
     def check(self, now: float | None = None) -> None:
         """Warn about a tracker that has not answered for ``silence`` seconds (call often)."""
         now = self._clock() if now is None else now
+        self._resend(now)
         if self._waiting_since is None or now - self._waiting_since < self.silence:
             return
         if self._warned_at is None or now - self._warned_at >= self.repeat:
             self._warned_at = now
             log.warning("the tracker at %s does not answer (%.0f s so far): is it running, and is --tracker "
-                        "right? This node keeps trying and serves nobody until it answers",
+                        "right? This node keeps trying; until it answers, no new client can find this node",
                         self.endpoint, now - self._waiting_since)
+
+    # -- usage the tracker has not taken ---------------------------------------------------
+
+    def _keep(self, report: p.Report) -> None:
+        self.unacked[report.request_id] = [report, self._clock()]
+        self.unacked.move_to_end(report.request_id)
+        if len(self.unacked) > MAX_UNACKED:
+            lost, _ = self.unacked.popitem(last=False)
+            log.warning("the tracker at %s has not taken %d reports: giving up the usage of request %s",
+                        self.endpoint, MAX_UNACKED, lost)
+
+    def _resend(self, now: float) -> None:
+        """Send again the final reports the tracker left unacknowledged though it answers: they
+        died with it. While it is away they wait in the socket's queue, which flows once it is back."""
+        if self._answered_at is None or now - self._answered_at > self.resend:
+            return
+        for entry in self.unacked.values():
+            if now - max(entry[1], self._back_at) >= self.resend:
+                entry[1] = now
+                self._send_now(entry[0])
+
+    def _send_now(self, message: p.Message) -> None:
+        try:
+            self.sock.send_multipart(p.encode(message), flags=zmq.NOBLOCK)
+        except zmq.Again:
+            pass  # kept: sent again later
 
     # -- the handshake ---------------------------------------------------------------------
 

@@ -16,6 +16,7 @@ from typing import Protocol
 
 from ..net.liveness import splice
 from ..wire import protocol as p
+from .prefixes import PrefixIndex
 from .route_session import RequestError, RouteSession, Transport, encode_prompt
 
 
@@ -51,8 +52,10 @@ class Model:
 
 
 class Head:
-    def __init__(self, config: HeadConfig, host: HeadHost, node_id: str, model: Model, counters: Counter):
+    def __init__(self, config: HeadConfig, host: HeadHost, node_id: str, model: Model, counters: Counter,
+                 prefixes: PrefixIndex | None = None):
         self.config = config
+        self.prefixes = prefixes if prefixes is not None else PrefixIndex()  # what ended requests left on hops
         self.host = host
         self.node_id = node_id
         self.model = model
@@ -87,7 +90,7 @@ class Head:
                           seed=secrets.randbits(62), wire_dtype=self.config.wire_dtype)
         self.sessions[req.request_id] = rs
         self.clients[req.request_id] = identity
-        self._emit(rs, rs.start())
+        self._emit(rs, rs.start(self.prefixes.match(prompt, req.route)))
 
     def cancel(self, session: str) -> bool:
         """Cancel a request this node heads; False when it heads no such request."""
@@ -106,6 +109,8 @@ class Head:
             case p.Token():
                 events = rs.on_token(msg)
             case p.CacheMiss():
+                if rs.reused is not None:
+                    self.prefixes.discard(rs.reused.session)  # a hop dropped it: do not offer it again
                 events = rs.on_cache_miss(msg)
             case _:
                 events = rs.on_error(msg)
@@ -130,6 +135,8 @@ class Head:
         if rs.finished:
             self.sessions.pop(rs.session, None)
             self.clients.pop(rs.session, None)
+            if rs.finished != "error":  # the hops keep its KV (CLOSE, CANCEL): later requests may start from it
+                self.prefixes.add(rs.session, rs.held_ids, rs.route)
             self._report(rs)
         elif time.monotonic() - rs.reported_at >= self.config.progress_interval:
             self._report(rs)  # progress for every request, streamed or not

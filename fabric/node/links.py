@@ -57,7 +57,9 @@ class Links:
         self.tracker: TrackerLink | None = None  # the DEALER to the tracker and what its silence means
         self.relay: RelayLink | None = None  # the link to our relay, when peers cannot dial us
         self._next_heartbeat = 0.0
+        self._registered_at = float("-inf")  # when the last REGISTER went out
         self._warned_unreachable = False
+        self.leaving = False  # LEAVE sent: no more heartbeats, and no registering again
 
     def open(self, stop: threading.Event) -> None:
         """Open the relay's front (waiting for it), then dial the tracker and register."""
@@ -67,7 +69,7 @@ class Links:
             self.tracker = TrackerLink(self.ctx, self.config.tracker, self.security)
             self.poller.register(self.tracker.sock, zmq.POLLIN)
             self.poller.register(self.tracker.monitor, zmq.POLLIN)
-            self.send(self.host.registration())
+            self._register()
 
     def close(self) -> None:
         for link in (self.tracker, self.relay):
@@ -93,13 +95,23 @@ class Links:
         self.tracker.send(message)
         return True
 
+    def leave(self) -> None:
+        """Tell the tracker this node leaves: plans drop it now. Heartbeats stop, so that an
+        ``unknown_node`` answer never registers it again."""
+        self.leaving = True
+        self.send(p.Leave(self.node_id))
+
     def tick(self, now: float) -> None:
-        if self.tracker is not None and now >= self._next_heartbeat and self.reachable():
+        if self.tracker is not None and now >= self._next_heartbeat and self.reachable() and not self.leaving:
             self._next_heartbeat = now + self.config.heartbeat_interval
             self.send(self.host.heartbeat())
         if self.tracker is not None:
             self.tracker.check(now)
         self._relay_tick(now)
+
+    def _register(self) -> None:
+        self._registered_at = time.monotonic()
+        self.send(self.host.registration())
 
     def reachable(self) -> bool:
         """Whether peers can reach this node: always, unless its relay is down (then it
@@ -119,8 +131,10 @@ class Links:
             return
         self.tracker.answered(msg)
         if isinstance(msg, p.Error) and msg.code == p.ErrorCode.UNKNOWN_NODE:
-            log.info("tracker does not know this node (restarted?): registering again")
-            self.send(self.host.registration())
+            # heartbeats queued while the tracker was away are answered at once: register once for them all
+            if not self.leaving and time.monotonic() - self._registered_at >= self.config.heartbeat_interval:
+                log.info("tracker does not know this node (restarted?): registering again")
+                self._register()
         elif isinstance(msg, p.Route) or (isinstance(msg, p.Error) and msg.code in (
                 p.ErrorCode.NO_ROUTE, p.ErrorCode.UNKNOWN_MODEL)):
             self.host.route_answer(msg)
@@ -186,4 +200,4 @@ class Links:
             self.host.endpoint = self.relay.front
             if self.security is not None:
                 self.host.key = self.relay.front_key  # hops answer a relayed head through the relay
-            self.send(self.host.registration())
+            self._register()

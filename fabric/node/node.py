@@ -22,7 +22,7 @@ import zmq
 
 from ..compute.compute_lock import ComputeLock
 from ..compute.executor import CacheMissError, ShardExecutor, StepResult
-from ..compute.kv import KVStore
+from ..compute.kv import KVStore, default_budget
 from ..compute.models import fingerprint, load_shard, load_tokenizer
 from ..compute.sampling import sample
 from ..compute.tensors import TORCH_DTYPES, from_wire, to_wire
@@ -36,6 +36,7 @@ from .head import Head, Model
 from .hops import HopRunner
 from .links import Links
 from .peers import Peers
+from .prefixes import MAX_PREFIXES, PrefixIndex
 from .route_session import eos_ids
 from .scheduler import HopScheduler, Work
 
@@ -53,7 +54,8 @@ class Node:
         self.ctx = ctx or (zmq.Context() if self._own_ctx else zmq.Context.instance())
         weights = load_shard(config.source, config.shard, dtype=config.dtype, device=config.device,
                              progress=config.progress, cache_root=config.cache_root, quant=config.quant)
-        self.kv = KVStore(config.kv_idle_timeout)
+        budget = default_budget(config.device) if config.kv_cache_bytes is None else config.kv_cache_bytes
+        self.kv = KVStore(config.kv_idle_timeout, retain_bytes=budget)
         self.executor = ShardExecutor(weights, self.kv)
         self.fingerprint = fingerprint(config.source, weights.config, config.quant)
         # hops, cache misses, failovers, errors: for /metrics and tests. Every key exists from
@@ -83,7 +85,9 @@ class Node:
         tokenizer = load_tokenizer(self.config.source, self.config.cache_root)
         model = Model(self.config.source.model_id, self.config.shard.num_layers, tokenizer,
                       eos_ids(tokenizer, model_config))
-        return Head(self.config.head, self, self.config.node_id, model, self.counters)
+        # a node that keeps no KV of ended requests offers none to reuse either
+        prefixes = PrefixIndex(max_entries=0 if self.kv.retained.budget <= 0 else MAX_PREFIXES)
+        return Head(self.config.head, self, self.config.node_id, model, self.counters, prefixes=prefixes)
 
     # -- main loop ----------------------------------------------------------------------
 
@@ -198,7 +202,7 @@ class Node:
             raise p.ProtocolError("the route does not reach the last layer", p.ErrorCode.BAD_REQUEST)
         if msg.start_layer > 0 and tensor.shape[-1] != self.executor.hidden_size:
             raise p.ProtocolError(f"hidden size {tensor.shape[-1]} != {self.executor.hidden_size}")
-        if msg.pos == 0 and msg.session not in self.kv and len(self.kv) >= self.config.max_sessions:
+        if (msg.pos == 0 or msg.reuse) and msg.session not in self.kv and len(self.kv) >= self.config.max_sessions:
             self._send(msg.reply_to, msg.reply_key, p.Error(p.ErrorCode.BUSY, "node is at its session limit",
                                                             session=msg.session, step=msg.step,
                                                             node=self.config.node_id))
@@ -216,8 +220,11 @@ class Node:
             self._free(msg)
 
     def _free(self, msg: p.Cancel | p.Close) -> None:
-        """Drop the session's KV and queued work here, then pass the message down the route."""
-        self._drop_session(msg.session)
+        """End the session here (its KV kept for reuse while the budget allows, its queued work
+        dropped), then pass the message down the route."""
+        self.scheduler.drop(msg.session)
+        for evicted in self.executor.retain(msg.session):
+            log.debug("evicted the kept KV of session %s", evicted)
         if msg.route:
             nxt = msg.route[0]
             self._send(nxt.endpoint, nxt.key, type(msg)(session=msg.session, route=msg.route[1:]))
@@ -322,8 +329,10 @@ class Node:
             relay_key=relay.front_key if relay else "")
 
     def heartbeat(self) -> p.Heartbeat:
+        kept = self.kv.retained
         return p.Heartbeat(self.config.node_id, sessions=len(self.kv), queued=len(self.scheduler),
-                           rtts=self.peers.rtt.snapshot(time.monotonic()))
+                           rtts=self.peers.rtt.snapshot(time.monotonic()), kv_bytes=kept.bytes,
+                           kv_hits=kept.stats["hits"], kv_misses=kept.stats["misses"])
 
     # -- metrics ------------------------------------------------------------------------
 
@@ -338,4 +347,19 @@ class Node:
         for name in COUNTERS[1:]:
             rows.append(Sample(f"node_{name}_total", f"{name.replace('_', ' ')} on this node", c[name],
                                "counter", labels))
-        return rows
+        return rows + self._kv_reuse_metrics(labels)
+
+    def _kv_reuse_metrics(self, labels: dict) -> list[Sample]:
+        kept = self.kv.retained
+        stats = kept.stats.copy()
+        return [Sample("node_kv_kept_bytes", "bytes of ended sessions' KV kept for reuse", kept.bytes, labels=labels),
+                Sample("node_kv_kept_budget_bytes", "most bytes of KV kept for reuse", kept.budget, labels=labels),
+                Sample("node_kv_kept_sessions", "ended sessions whose KV is kept", len(kept), labels=labels),
+                Sample("node_kv_reuse_hits_total", "requests that started from kept KV", stats["hits"], "counter",
+                       labels),
+                Sample("node_kv_reuse_misses_total", "requests that asked for kept KV no longer here",
+                       stats["misses"], "counter", labels),
+                Sample("node_kv_reused_tokens_total", "prompt positions taken from kept KV instead of computed",
+                       stats["reused_tokens"], "counter", labels),
+                Sample("node_kv_evictions_total", "kept KV dropped to stay within the budget", stats["evictions"],
+                       "counter", labels)]

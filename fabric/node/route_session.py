@@ -31,6 +31,7 @@ from ..wire.protocol import (
     Sampling,
     Token,
 )
+from .prefixes import Reuse
 
 log = logging.getLogger(__name__)
 
@@ -153,17 +154,25 @@ class RouteSession:
         self.replan_after = 0.0  # no new failover before this (monotonic clock)
         self.replan_backoff = 1.0  # seconds, doubled after each failover that found no route
         self.reported_at = float("-inf")  # when the head last reported progress to the tracker
+        self.reused: Reuse | None = None  # the ended session whose kept KV this request started from
+        self.held = 0  # positions of ``history`` every hop of the route is known to hold (a TOKEN says so)
 
     # -- inputs -------------------------------------------------------------------------
 
-    def start(self) -> list[Event]:
-        self._send(self.history, pos=0)
+    def start(self, reuse: Reuse | None = None) -> list[Event]:
+        """Send the prompt; with ``reuse``, only what follows the ended session's kept KV."""
+        self.reused = reuse
+        if reuse is None:
+            self._send(self.history, pos=0)
+        else:
+            self._send(self.history[reuse.tokens:], pos=reuse.tokens, reuse=reuse.session)
         return [Event(self.session, EventKind.START, route=self.route, prompt_tokens=self.prompt_tokens)]
 
     def on_token(self, msg: Token) -> list[Event]:
         if self.finished or msg.step != self.step:
             return []  # stale reply from before a re-prefill or after the end
         token = msg.token
+        self.held = msg.pos  # the tail answered: every hop ran every position before this token's
         self.first_token_at = self.first_token_at or time.monotonic()
         self.generated.append(token)
         if token in self.eos and not self.request.ignore_eos:
@@ -267,15 +276,17 @@ class RouteSession:
 
     # -- internals ----------------------------------------------------------------------
 
-    def _send(self, ids: list[int], pos: int) -> None:
+    def _send(self, ids: list[int], pos: int, reuse: str = "") -> None:
         """Send ``ids`` from ``pos`` along the route as one step (each hop may run a long
         prefill in slices, passed on as chunks of the same step)."""
         self.step += 1
         self.sent_at = time.monotonic()
+        if pos == 0 or reuse:
+            self.held = 0  # the hops start the session over: nothing is known held until a TOKEN
         head = self.route[0]
         msg = Forward(session=self.session, step=self.step, pos=pos, start_layer=head.start_layer,
                       end_layer=head.end_layer, route=self.route[1:], reply_to=self.reply_to,
-                      sampling=self.sampling, reply_key=self.reply_key, wire_dtype=self.wire_dtype)
+                      sampling=self.sampling, reply_key=self.reply_key, wire_dtype=self.wire_dtype, reuse=reuse)
         self.transport.forward(head, msg, torch.tensor([ids], dtype=torch.int64))  # (1, q)
 
     def _finish(self, reason: str, tail: str = "") -> list[Event]:
@@ -295,6 +306,11 @@ class RouteSession:
     def _done(self, reason: str) -> Event:
         return Event(self.session, EventKind.DONE, finish_reason=reason, prompt_tokens=self.prompt_tokens,
                      completion_tokens=len(self.generated), route=self.route)
+
+    @property
+    def held_ids(self) -> list[int]:
+        """The token ids whose KV every hop of the route holds, in order."""
+        return self.history[:self.held]
 
     @property
     def elapsed(self) -> float:

@@ -69,6 +69,7 @@ class ErrorCode:
     TRACKER_UNAVAILABLE = "tracker_unavailable"  # client side: the tracker did not answer in time
     HOP_FAILED = "hop_failed"
     CANCELLED = "cancelled"
+    LEAVING = "leaving"  # the node is leaving the swarm (SIGTERM): it takes no new session; go around it
 
 
 class EventKind(StrEnum):
@@ -121,6 +122,7 @@ class Kind(IntEnum):
     ACK = 29
     RELAY_OPEN = 30
     RELAY_OPENED = 31
+    LEAVE = 32
 
 
 @dataclass(frozen=True)
@@ -463,10 +465,26 @@ class Ack(Message):
     detail: str = ""
     probe: tuple[Hop, ...] = ()  # answer to a heartbeat: peers whose round trip the node should measure
     reachable: bool = True  # answer to a heartbeat: False when the tracker could not reach the node's endpoint
+    request_id: str = ""  # answer to a final report: its request id (the node stops sending it again)
 
     def validate(self) -> None:
         if len(self.probe) > MAX_PROBES:
             raise ProtocolError(f"probe lists at most {MAX_PROBES} peers")
+        if len(self.request_id) > 256:
+            raise ProtocolError("request_id has at most 256 characters")
+
+
+@dataclass(frozen=True)
+class Leave(Message):
+    """Node -> tracker: this node is leaving (SIGTERM). The tracker drops it from plans at once;
+    the node finishes the sessions it serves, takes no new one, and sends no more heartbeats."""
+
+    KIND: ClassVar[Kind] = Kind.LEAVE
+    node_id: str
+
+    def validate(self) -> None:
+        if not 1 <= len(self.node_id) <= 256:
+            raise ProtocolError("node_id must have 1-256 characters")
 
 
 @dataclass(frozen=True)
@@ -501,7 +519,7 @@ MESSAGE_TYPES: dict[Kind, type[Message]] = {
     for cls in (
         Forward, Token, CacheMiss, Cancel, Close, Error, Ping, Pong, Generate, Event,
         Register, Heartbeat, RouteRequest, Route, Report, StatusRequest, Status,
-        AssignRequest, Assign, Ack, RelayOpen, RelayOpened,
+        AssignRequest, Assign, Ack, RelayOpen, RelayOpened, Leave,
     )
 }
 
