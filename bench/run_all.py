@@ -32,6 +32,7 @@ SCRIPTS = {
     "concurrency": (["--plot", "OUT/concurrency.png"], ["--streams", "1,8", "--tokens", "32", "--reps", "2",
                                                          "--plot", "OUT/concurrency.png"]),
     "prefill_itl": ([], ["--prompt-tokens", "1000", "--decode-tokens", "250"]),
+    "long_context": ([], ["--reps", "1", "--turns", "3"]),
     "quant_bench": (["--json", "OUT/quant_bench.json"], ["--reps", "2", "--json", "OUT/quant_bench.json"]),
     "failover": ([], ["--runs", "1"]),
     "load": (["--clients", "8", "--seconds", "30"], ["--clients", "4", "--seconds", "10"]),
@@ -39,7 +40,7 @@ SCRIPTS = {
     "memory": (["--large"], ["--large"]),
     "netbed": (["--json", "OUT/netbed.json"], ["--reps", "2", "--only", "2ms", "--json", "OUT/netbed.json"]),
 }
-DEVICE_AWARE = ("fabric_bench", "concurrency", "prefill_itl")  # take --model, --device and --dtype
+DEVICE_AWARE = ("fabric_bench", "concurrency", "prefill_itl", "long_context")  # take --model, --device and --dtype
 VERDICT = re.compile(r"\b(PASS|MISS|met|missed|MISSED|skipped)\b|\d+(\.\d+)?x\b")
 
 
