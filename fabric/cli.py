@@ -444,13 +444,23 @@ def _node_parser(sub) -> None:
     p.add_argument("--memory", type=non_negative, default=0.0, metavar="GIB",
                    help="GiB of weights this node may hold, 0 for no limit; instead of --layers: the tracker "
                         "assigns a span that fits (default %(default)s)")
+    _node_timing_flags(p)
+    p.add_argument("--no-progress", action="store_true", help="no progress bar while loading")
+    _metrics_flag(p)
+    p.set_defaults(func=cmd_node)
+
+
+def _node_timing_flags(p: argparse.ArgumentParser) -> None:
+    """How long a node waits: for a step's reply, between heartbeats, and when it leaves."""
     p.add_argument("--hop-timeout", type=seconds, default=30.0, metavar="SECONDS",
                    help="seconds the head waits for a step's reply before re-sending it (default %(default)s)")
     p.add_argument("--heartbeat", type=seconds, default=1.0, metavar="SECONDS",
                    help="seconds between heartbeats to the tracker (default %(default)s)")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar while loading")
-    _metrics_flag(p)
-    p.set_defaults(func=cmd_node)
+    p.add_argument("--drain-timeout", type=non_negative, default=30.0, metavar="SECONDS",
+                   help="on SIGTERM the node leaves politely: the tracker drops it from plans, it takes no new "
+                        "request, and it exits once the requests it serves end, or after this many seconds, "
+                        "when their heads move them to other nodes (default %(default)s; a second SIGTERM or "
+                        "Ctrl-C exits at once)")
 
 
 def _node_relay_flags(p: argparse.ArgumentParser) -> None:
@@ -528,13 +538,13 @@ def cmd_node(args) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     config = _node_config(args, security)
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
+    stop, leave = threading.Event(), threading.Event()  # Ctrl-C stops now; SIGTERM leaves politely, twice stops
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    signal.signal(signal.SIGTERM, lambda *_: stop.set() if leave.is_set() else leave.set())
     with _listening("--bind"):
         node = Node(config)
     _serve_metrics(args, node.metrics)
-    node.run(stop)
+    node.run(stop, leave)
     log.info("node stopped")
     return 0
 
@@ -573,6 +583,7 @@ def _node_config(args, security):
                       prefill_slice=args.prefill_slice_ms / 1000, wire_dtype=args.wire_dtype,
                       compute_lock=_compute_lock(args.compute_lock, args.device),
                       hop_timeout=args.hop_timeout, heartbeat_interval=args.heartbeat,
+                      drain_timeout=args.drain_timeout,
                       cache_root=default_cache_root(), progress=not args.no_progress,
                       security=security, relay=args.relay, relay_fallback=args.relay_fallback,
                       relay_key=relay_key(args.keys, args.relay_key) if args.keys else "")

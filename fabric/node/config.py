@@ -30,6 +30,7 @@ class NodeConfig:
     node_id: str = field(default_factory=lambda: "node-" + secrets.token_hex(4))
     kv_idle_timeout: float = 300.0  # free a session's KV after this long unused
     max_sessions: int = 64  # concurrent sessions this node keeps KV for
+    drain_timeout: float = 30.0  # a leaving node (SIGTERM) exits once its sessions end, or after this many seconds
     kv_cache_bytes: int | None = None  # ended sessions' KV kept for reuse; None: a share of free memory (kv.py)
     compute_lock: str | None = None  # a file nodes sharing this machine lock while they compute (one at a time);
     # None: no lock (`meshnet node` gives its device's default file, see compute_lock.default_path)

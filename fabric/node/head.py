@@ -112,6 +112,10 @@ class Head:
                 if rs.reused is not None:
                     self.prefixes.discard(rs.reused.session)  # a hop dropped it: do not offer it again
                 events = rs.on_cache_miss(msg)
+            case p.Error(code=p.ErrorCode.LEAVING, node=str() as node) if msg.step == rs.step:
+                if not rs.awaiting_route:  # the hop leaves the swarm: go around it, as around a dead one
+                    self._failover(rs, {node}, time.monotonic())
+                return
             case _:
                 events = rs.on_error(msg)
         self._emit(rs, events)

@@ -34,6 +34,7 @@ from ..wire import protocol as p
 from .config import NodeConfig
 from .head import Head, Model
 from .hops import HopRunner
+from .leave import Departure
 from .links import Links
 from .peers import Peers
 from .prefixes import MAX_PREFIXES, PrefixIndex
@@ -79,6 +80,7 @@ class Node:
                            PeerLiveness(h.ping_interval, h.peer_silence, h.link_grace), config.link.probe_interval)
         self.links = Links(config.link, self.ctx, config.security, self.poller, config.node_id, self)
         self.head = self._head(weights.config) if config.shard.is_first else None
+        self.departure = Departure(config.node_id, config.drain_timeout)  # a polite leave, once asked
         self.ready = threading.Event()
 
     def _head(self, model_config) -> Head:
@@ -91,14 +93,15 @@ class Node:
 
     # -- main loop ----------------------------------------------------------------------
 
-    def run(self, stop: threading.Event) -> None:
+    def run(self, stop: threading.Event, leave: threading.Event | None = None) -> None:
+        """Serve until ``stop`` is set, or after ``leave`` is set, until the sessions served end."""
         self.poller.register(self.router, zmq.POLLIN)
         self.links.open(stop)
         log.info("node %s serving layers %s of %s at %s", self.config.node_id, self.config.shard,
                  self.config.source.model_id, self.endpoint)
         self.ready.set()
         try:
-            while not stop.is_set():
+            while not stop.is_set() and not (leave is not None and leave.is_set() and self._left()):
                 wait = self.scheduler.wait(time.monotonic()) if len(self.scheduler) else 0.05
                 for sock, _ in self.poller.poll(int(wait * 1000)):
                     self._drain(sock)
@@ -107,6 +110,13 @@ class Node:
                 self._periodic()
         finally:
             self.close()
+
+    def _left(self) -> bool:
+        """Leave politely: tell the tracker once, then True when the sessions served ended."""
+        now, serving = time.monotonic(), len(self.kv) + len(self.scheduler) + len(self.head or ())
+        if self.departure.begin(now, serving):
+            self.links.leave()
+        return self.departure.over(now, serving)
 
     def close(self) -> None:
         self.peers.close()
@@ -178,6 +188,8 @@ class Node:
                 self._to_head(msg.session, msg)
             case p.Error(session=str() as session):
                 self._to_head(session, msg)
+            case p.Generate() if self.departure.leaving:
+                self.reply(identity, self.departure.refusal())
             case p.Generate() if self.head is not None:
                 self.head.generate(identity, msg)
             case p.Generate():
@@ -202,6 +214,9 @@ class Node:
             raise p.ProtocolError("the route does not reach the last layer", p.ErrorCode.BAD_REQUEST)
         if msg.start_layer > 0 and tensor.shape[-1] != self.executor.hidden_size:
             raise p.ProtocolError(f"hidden size {tensor.shape[-1]} != {self.executor.hidden_size}")
+        if self.departure.refuses(msg, msg.session in self.kv):
+            self._send(msg.reply_to, msg.reply_key, self.departure.refusal(msg.session, msg.step))
+            return
         if (msg.pos == 0 or msg.reuse) and msg.session not in self.kv and len(self.kv) >= self.config.max_sessions:
             self._send(msg.reply_to, msg.reply_key, p.Error(p.ErrorCode.BUSY, "node is at its session limit",
                                                             session=msg.session, step=msg.step,
