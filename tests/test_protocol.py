@@ -81,6 +81,7 @@ def samples() -> list[tuple[p.Message, list]]:
         _forward_reuse(),
         (p.Token("s1", 2, 42, 8), []),
         (p.CacheMiss("s1", 2, "b", 4), []),
+        (p.Progress("s1", 2, "b", 5, 96), []),
         (p.Cancel("s1", ROUTE), []),
         (p.Close("s1", ROUTE), []),
         (p.Close("s1"), []),
@@ -92,6 +93,7 @@ def samples() -> list[tuple[p.Message, list]]:
                     stop=("\n\n",), sampling=SAMPLING, api_key="k"), []),
         (p.Generate(request_id="r2", route=(Hop("a", HEAD.endpoint, 0, 7),), prompt="once upon"), []),
         (p.Event("r1", "token", text="h\u00e9", token_ids=(1, 2), prompt_tokens=3, completion_tokens=2), []),
+        (p.Event("r1", "progress", prompt_tokens=300, prefilled=96, prefill_tokens=300), []),
         (p.Event("r1", "done", finish_reason="stop", prompt_tokens=3, completion_tokens=9, route=FULL), []),
         (p.Event("r1", "error", text="no", finish_reason="error", error_code=ErrorCode.HOP_FAILED), []),
         (p.Register(node_id="a", endpoint=HEAD.endpoint, model="tiny", fingerprint="f00d", num_layers=8,
@@ -106,6 +108,8 @@ def samples() -> list[tuple[p.Message, list]]:
         (p.Route("tiny", FULL, estimated_tps=15.5), []),
         (p.Report(request_id="r1", node_id="a", model="tiny", route=FULL, prompt_tokens=3, completion_tokens=9,
                   elapsed=1.25, final=True, finish_reason="stop", api_key="k", max_tokens=16), []),
+        (p.Report(request_id="r2", node_id="a", model="tiny", route=FULL, prompt_tokens=300, elapsed=2.5,
+                  prefilled=96, prefill_tokens=300), []),
         (p.StatusRequest(), []),
         (p.Status({"nodes": [{"id": "a", "layers": [0, 2]}], "plans": {}, "x": None}), []),
         (p.AssignRequest("tiny", 30, max_layers=15), []),
@@ -152,7 +156,8 @@ def test_kind_codes_are_stable():
     # these numbers are on the wire: changing one is a protocol version bump
     assert {k.name: k.value for k in Kind} == {
         "FORWARD": 1, "TOKEN": 2, "CACHE_MISS": 3, "CANCEL": 4, "CLOSE": 5, "ERROR": 6, "PING": 7,
-        "PONG": 8, "GENERATE": 10, "EVENT": 11, "REGISTER": 20, "HEARTBEAT": 21, "ROUTE_REQUEST": 22,
+        "PONG": 8, "PROGRESS": 9, "GENERATE": 10, "EVENT": 11, "REGISTER": 20, "HEARTBEAT": 21,
+        "ROUTE_REQUEST": 22,
         "ROUTE": 23, "REPORT": 24, "STATUS_REQUEST": 25, "STATUS": 26, "ASSIGN_REQUEST": 27, "ASSIGN": 28,
         "ACK": 29, "RELAY_OPEN": 30, "RELAY_OPENED": 31, "LEAVE": 32}
     assert p.MAGIC == b"MESH1" and p.VERSION == 1
@@ -463,6 +468,9 @@ VALUE_CASES = {
     "negative kv_bytes": (HEARTBEAT, _set("kv_bytes", -1), "must be >= 0"),
     "negative kv_hits": (HEARTBEAT, _set("kv_hits", -1), "must be >= 0"),
     "relay_key without relay": (RELAYED, _set("relay", ""), "relay_key without relay"),
+    "negative progress": ((p.Progress("s1", 2, "b", 5, 96), []), _set("done", -1), "done >= 0"),
+    "progress past the layers": ((p.Progress("s1", 2, "b", 5, 96), []), _set("end_layer", p.MAX_LAYERS),
+                                 "end_layer in range"),
     "empty relay node_id": (RELAY_OPEN, _set("node_id", ""), "1-256 characters"),
     "long relay endpoint": (RELAY_OPEN, _set("endpoint", "x" * 1025), "at most 1024"),
 }

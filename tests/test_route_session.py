@@ -14,7 +14,7 @@ from fabric.compute.kv import KVStore
 from fabric.compute.models import load_shard, load_tokenizer, resolve
 from fabric.compute.sampling import sample
 from fabric.node.route_session import Detokenizer, RouteSession, eos_ids
-from fabric.wire.protocol import CacheMiss, Cancel, Close, Forward, Generate, Hop, Token
+from fabric.wire.protocol import CacheMiss, Cancel, Close, EventKind, Forward, Generate, Hop, Progress, Token
 from fabric.wire.shard import Shard
 from tests.tiny_models import reference_greedy
 
@@ -58,9 +58,9 @@ def split(tiny_models):
     return model_dir, executors, tok, route
 
 
-def new_session(split, max_tokens=16, stop=(), eos=frozenset(), ignore_eos=False):
+def new_session(split, max_tokens=16, stop=(), eos=frozenset(), ignore_eos=False, prompt="the quick brown fox"):
     model_dir, executors, tok, route = split
-    request = Generate(request_id="r1", route=route, prompt="the quick brown fox", max_tokens=max_tokens, stop=stop,
+    request = Generate(request_id="r1", route=route, prompt=prompt, max_tokens=max_tokens, stop=stop,
                        ignore_eos=ignore_eos)
     ids = tok(request.prompt)["input_ids"]
     transport = LocalTransport(executors)
@@ -174,6 +174,29 @@ def test_a_prefill_that_keeps_moving_is_not_timed_out(split):
     transport.replies.clear()  # the reply is slow: the prompt is long
     sent = len(transport.sent)
     t0 = rs.sent_at
-    rs.progressed(t0 + 25)  # the head passed on another slice of the prompt
+    rs.on_progress(Progress(rs.session, rs.step, "t", 5, 2), t0 + 25)  # the tail ran another chunk of it
     assert rs.check_timeout(t0 + 40, timeout=30) == [] and len(transport.sent) == sent
+    rs.on_progress(Progress(rs.session, rs.step - 1, "t", 5, 3), t0 + 50)  # an old step's: no sign of this one
     assert rs.check_timeout(t0 + 56, timeout=30) == [] and len(transport.sent) == sent + 1  # then silence: re-sent
+
+
+def test_prefill_progress_weighs_each_hop_by_its_layers(split):
+    """A 2-hop route of 3 layers each: the head's chunks count half, the tail's the rest; a
+    hop holds at least what a later one holds; the client hears only growth."""
+    rs, transport, _ = new_session(split, prompt="the quick brown fox jumps over the lazy dog " * 3)
+    rs.start()
+    total = rs.prompt_tokens
+    assert total > 8 and rs.prefill.total == total
+
+    def progress(node: str, end: int, done: int) -> list:
+        return rs.on_progress(Progress(rs.session, rs.step, node, end, done), rs.sent_at)
+
+    [event] = progress("h", 2, 4)
+    assert event.event == EventKind.PROGRESS and (event.prefilled, event.prefill_tokens) == (2, total)
+    assert event.text == "" and event.token_ids == () and event.prompt_tokens == total
+    assert progress("h", 2, 4) == []  # no growth, no event
+    [event] = progress("t", 5, 6)  # the tail is past what the head reported: the head holds 6 too
+    assert event.prefilled == 6
+    assert progress("h", 2, total)[0].prefilled == (total + 6) // 2
+    rs.on_token(transport.replies.pop(0))  # the first token: decode steps prefill nothing
+    assert rs.prefill.total == 0 and rs.prefilled == 0 and progress("t", 5, total + 1) == []

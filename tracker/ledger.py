@@ -112,7 +112,8 @@ def check_report(report: Report) -> None:
     _check_text(report.model, "model")
     _check_text(report.finish_reason, "finish_reason", 64, optional=True)
     _check_text(report.api_key, "api_key", 4096, optional=True)
-    counts = (report.prompt_tokens, report.completion_tokens, report.max_tokens)
+    counts = (report.prompt_tokens, report.completion_tokens, report.max_tokens, report.prefilled,
+              report.prefill_tokens)
     if any(not 0 <= c < 1 << 31 for c in counts) or report.elapsed < 0:
         raise ProtocolError("token counts and elapsed must be >= 0", ErrorCode.BAD_REQUEST)
     if len(report.route) > 64:

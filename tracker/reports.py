@@ -23,6 +23,13 @@ from .stats import Completion, StatsStore, decode_timing
 MAX_INFLIGHT = 4096  # requests whose first progress report is remembered
 
 
+def _progress_line(msg: Report, tps: float) -> str:
+    """The progress event's one line: the prefill while one runs, else the tokens so far."""
+    if msg.prefilled < msg.prefill_tokens:
+        return f"prefill {msg.prefilled} / {msg.prefill_tokens} tokens"
+    return f"{msg.completion_tokens} tokens · {tps:.1f} tok/s"
+
+
 class Reports:
     def __init__(self, registry: Registry, stats: StatsStore, events: EventRing, cost: CostModel,
                  emit: Callable[[dict], None]):
@@ -50,17 +57,22 @@ class Reports:
             self.emit(self.events.add(
                 "connected", f"{msg.node_id} connected for {msg.model}", key=rid,
                 node=msg.node_id, model=msg.model, hops=[hop_dict(h) for h in msg.route]))
-        if msg.completion_tokens > 0:
-            if self._inflight[rid] is None:
-                self._inflight[rid] = (msg.completion_tokens, msg.elapsed)
-            timing = decode_timing(msg.completion_tokens, msg.elapsed, self._inflight[rid])
-            tps = 1.0 / timing.seconds_per_token if timing else 0.0
+        if msg.completion_tokens > 0 or msg.prefilled > 0:  # tokens come, or a long prompt prefills
+            tps = self._decode_tps(msg) if msg.completion_tokens > 0 else 0.0
             head = self.registry.get(msg.node_id)
             self.emit(self.events.upsert(
-                "progress", rid, f"{msg.completion_tokens} tokens · {tps:.1f} tok/s",
+                "progress", rid, _progress_line(msg, tps),
                 node=msg.node_id, model=msg.model, tokens=msg.completion_tokens,
-                tps=round(tps, 3), queue=head.queued if head else 0, elapsed=msg.elapsed))
+                tps=round(tps, 3), queue=head.queued if head else 0, elapsed=msg.elapsed,
+                prefilled=msg.prefilled, prefill_tokens=msg.prefill_tokens))
         return Ack()
+
+    def _decode_tps(self, msg: Report) -> float:
+        """Decode tokens per second since the request's first report with tokens."""
+        if self._inflight[msg.request_id] is None:
+            self._inflight[msg.request_id] = (msg.completion_tokens, msg.elapsed)
+        timing = decode_timing(msg.completion_tokens, msg.elapsed, self._inflight[msg.request_id])
+        return 1.0 / timing.seconds_per_token if timing else 0.0
 
     def _on_completion(self, msg: Report, ledger: Ledger) -> Message:
         first = self._inflight.pop(msg.request_id, None)

@@ -1,7 +1,7 @@
 """The dashboard's live state, derived from the tracker's events: pure, no sockets, no clock.
 
 ``CallBoard`` turns the tracker's console events into one row per request (the Call
-wall): ``connected`` opens a row with its route, ``progress`` moves its tokens, tok/s and
+wall): ``connected`` opens a row with its route, ``progress`` moves its prefill, tokens, tok/s and
 queue, ``complete``/``error`` close it into the recent list with usage, duration and
 billing. ``ThroughputMeter`` turns the same events into tokens per second served by each
 node, sampled over time. Both accept the same event twice (from the PUB feed and from a
@@ -67,7 +67,9 @@ class CallBoard:
             row["hops"] = _hops(event["hops"])
         if kind == "progress":
             row.update(tokens=int(_number(event.get("tokens"), row["tokens"])), tps=_number(event.get("tps")),
-                       queue=int(_number(event.get("queue"))), elapsed=_number(event.get("elapsed")))
+                       queue=int(_number(event.get("queue"))), elapsed=_number(event.get("elapsed")),
+                       prefilled=int(_number(event.get("prefilled"))),
+                       prefill_tokens=int(_number(event.get("prefill_tokens"))))
         elif kind in FINAL_KINDS:
             self._close(row, event, _final_state(event))
         return dict(row)
@@ -89,6 +91,7 @@ class CallBoard:
         ts = _number(event.get("ts"))
         row = {"key": key, "state": RUNNING, "model": str(event.get("model", "")),
                "node": str(event.get("node", "")), "hops": [], "tokens": 0, "tps": 0.0, "queue": 0,
+               "prefilled": 0, "prefill_tokens": 0,
                "elapsed": 0.0, "started": ts, "updated": ts, "seq": 0, "message": "",
                "prompt_tokens": None, "completion_tokens": None, "duration": None,
                "finish_reason": None, "billing": None, "billing_reason": None}

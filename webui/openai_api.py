@@ -129,7 +129,8 @@ def api_error_response(error: ApiError) -> tuple[Response, int]:
 
 
 async def stream_events(generation: Generation, fmt: ResponseFormat) -> AsyncIterator[bytes]:
-    """SSE chunks for a generation; a fabric failure mid-stream becomes an error event.
+    """SSE chunks for a generation; a fabric failure mid-stream becomes an error event. A long
+    prompt's prefill progress goes as SSE comments, which OpenAI's clients ignore.
 
     Ends with ``data: [DONE]`` unless the HTTP client went away; closes the generation
     (cancelling the request in the fabric if unfinished) on every path.
@@ -140,6 +141,8 @@ async def stream_events(generation: Generation, fmt: ResponseFormat) -> AsyncIte
         async for event in generation:
             if event.event == "token" and event.text:
                 yield sse.event(fmt.delta(event.text))
+            elif event.event == "progress":  # a comment: OpenAI clients skip it, the dashboard shows it
+                yield sse.comment(progress_comment(event))
             elif event.event == "done":
                 yield sse.event(fmt.closing(event.finish_reason or "stop"))
                 if fmt.include_usage:
@@ -153,6 +156,11 @@ async def stream_events(generation: Generation, fmt: ResponseFormat) -> AsyncIte
     finally:
         await generation.aclose()
     yield sse.DONE
+
+
+def progress_comment(event) -> str:
+    """The SSE comment for a prefill's progress: ``progress {"prefilled":…,"prefill_tokens":…}``."""
+    return "progress " + sse.encode_json({"prefilled": event.prefilled, "prefill_tokens": event.prefill_tokens})
 
 
 async def _fabric_models() -> list[dict]:

@@ -34,6 +34,7 @@ class Script:
     error_after: int | None = None  # raise hop_failed after this many tokens
     hang_after: int | None = None  # block forever after this many tokens (disconnect tests)
     hang_at_start: bool = False  # block forever before the start event
+    prefill: tuple[int, ...] = ()  # progress events before the first token: positions prefilled of prompt_tokens
 
 
 @dataclass(frozen=True)
@@ -84,6 +85,9 @@ class FakeStream:
         if script.hang_at_start:
             await asyncio.Event().wait()
         yield Event(request_id=rid, event="start", route=(Hop("fake-node", "tcp://fake:1", 0, 29),))
+        for done in script.prefill:
+            yield Event(request_id=rid, event="progress", prompt_tokens=script.prompt_tokens, prefilled=done,
+                        prefill_tokens=script.prompt_tokens)
         tokens = script.tokens[: self.call.max_tokens]
         for i, text in enumerate(tokens):
             if script.hang_after == i:

@@ -2,8 +2,9 @@
 
 A node that holds layer 0 takes GENERATE from clients. For each request it keeps a
 RouteSession (fabric/node/route_session.py) and the client's identity on the ROUTER; it turns
-the route's TOKEN, CACHE_MISS and ERROR replies into client events, reports progress to
-the tracker, and when a hop of an active route dies it asks the tracker for another.
+the route's TOKEN, PROGRESS, CACHE_MISS and ERROR replies into client events (a long prompt's
+prefill is never silence: each hop's PROGRESS becomes the client's), reports progress to the
+tracker, and when a hop of an active route dies it asks the tracker for another.
 No sockets here: the node passes frames in and sends what comes out through ``HeadHost``.
 """
 from __future__ import annotations
@@ -100,8 +101,8 @@ class Head:
         self._emit(rs, rs.cancel())
         return True
 
-    def deliver(self, session: str, msg: p.Token | p.CacheMiss | p.Error) -> None:
-        """A reply from the route: the tail's token, a hop's cache miss or error."""
+    def deliver(self, session: str, msg: p.Token | p.Progress | p.CacheMiss | p.Error) -> None:
+        """A reply from the route: the tail's token, a hop's prefill progress, cache miss or error."""
         rs = self.sessions.get(session)
         if rs is None:
             return  # a late reply for a request that already ended
@@ -116,15 +117,11 @@ class Head:
                 if not rs.awaiting_route:  # the hop leaves the swarm: go around it, as around a dead one
                     self._failover(rs, {node}, time.monotonic())
                 return
+            case p.Progress():
+                events = rs.on_progress(msg, time.monotonic())
             case _:
                 events = rs.on_error(msg)
         self._emit(rs, events)
-
-    def progressed(self, session: str, now: float) -> None:
-        """A prefill chunk of ``session`` ran here: the route is alive, though silent."""
-        rs = self.sessions.get(session)
-        if rs is not None:
-            rs.progressed(now)
 
     def tick(self, now: float) -> None:
         """Re-send steps that timed out."""
@@ -151,7 +148,7 @@ class Head:
             request_id=rs.session, node_id=self.node_id, model=self.model.model_id, route=rs.route,
             prompt_tokens=rs.prompt_tokens, completion_tokens=len(rs.generated), elapsed=rs.elapsed,
             final=rs.finished is not None, finish_reason=rs.finished, api_key=rs.request.api_key,
-            max_tokens=rs.request.max_tokens))
+            max_tokens=rs.request.max_tokens, prefilled=rs.prefilled, prefill_tokens=rs.prefill.total))
 
     # -- failover -----------------------------------------------------------------------
 

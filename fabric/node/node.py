@@ -184,7 +184,7 @@ class Node:
         match msg:
             case p.Forward():
                 self._accept_forward(msg, from_wire(msg.tensors[0], buffers[0]))
-            case p.Token() | p.CacheMiss():
+            case p.Token() | p.Progress() | p.CacheMiss():
                 self._to_head(msg.session, msg)
             case p.Error(session=str() as session):
                 self._to_head(session, msg)
@@ -224,7 +224,7 @@ class Node:
             return
         self.scheduler.push(Work(msg, tensor))
 
-    def _to_head(self, session: str, msg: p.Token | p.CacheMiss | p.Error) -> None:
+    def _to_head(self, session: str, msg: p.Token | p.Progress | p.CacheMiss | p.Error) -> None:
         if self.head is not None:
             self.head.deliver(session, msg)
 
@@ -263,10 +263,12 @@ class Node:
                 self._after_hop(work, exc)
 
     def _after_hop(self, work: Work, result: StepResult | Exception) -> None:
-        """Send what a hop produced: the next FORWARD, the tail's TOKEN, or a failure."""
+        """Send what a hop produced: the next FORWARD, the tail's TOKEN, or a failure; after a
+        prefill chunk, PROGRESS to the head too (however long the prompt, the head hears it move)."""
         msg = work.msg
-        if msg.more and self.head is not None:
-            self.head.progressed(msg.session, time.monotonic())
+        if msg.more and not isinstance(result, Exception):
+            self._send(msg.reply_to, msg.reply_key, p.Progress(msg.session, msg.step, self.config.node_id,
+                                                               msg.end_layer, msg.pos + work.tokens))
         if isinstance(result, CacheMissError):
             self.counters["cache_miss"] += 1
             self._send(msg.reply_to, msg.reply_key, p.CacheMiss(msg.session, msg.step, self.config.node_id,

@@ -28,6 +28,7 @@ from ..wire.protocol import (
     Forward,
     Generate,
     Hop,
+    Progress,
     Sampling,
     Token,
 )
@@ -111,6 +112,31 @@ def encode_prompt(tokenizer, request: Generate, max_prompt_tokens: int) -> list[
     return ids
 
 
+@dataclass
+class PrefillProgress:
+    """How far one step's prefill has come along the route. Each hop says, after each prefill
+    chunk it ran, how many positions it holds (PROGRESS); a hop holds at least what any later
+    hop holds; and the route's count weighs each hop by its share of the layers."""
+
+    start: int = 0  # positions held before the step (a continued history, a reused prefix)
+    total: int = 0  # positions the step's prefill reaches; 0: no prefill runs (a decode step)
+    hops: dict[int, int] = field(default_factory=dict)  # a hop's last layer -> positions it holds
+
+    def begin(self, pos: int, tokens: int) -> None:
+        """A step of ``tokens`` from ``pos`` is sent: a prefill when it has more than one."""
+        self.start, self.total, self.hops = pos, pos + tokens if tokens > 1 else 0, {}
+
+    def tokens(self, route: tuple[Hop, ...]) -> int:
+        """Positions the route has prefilled: each hop's count weighed by its layers."""
+        if not self.total:
+            return 0
+        done, held = 0, self.start
+        for hop in reversed(route):
+            held = max(held, self.hops.get(hop.end_layer, 0))
+            done += held * (hop.end_layer - hop.start_layer + 1)
+        return min(self.total, done // (route[-1].end_layer + 1))
+
+
 def eos_ids(tokenizer, config) -> frozenset[int]:
     ids = {tokenizer.eos_token_id, *_as_list(getattr(config, "eos_token_id", None))}
     return frozenset(i for i in ids if i is not None)
@@ -154,6 +180,7 @@ class RouteSession:
         self.replan_after = 0.0  # no new failover before this (monotonic clock)
         self.replan_backoff = 1.0  # seconds, doubled after each failover that found no route
         self.reported_at = float("-inf")  # when the head last reported progress to the tracker
+        self.prefill = PrefillProgress()  # how far the pending step's prefill has come
         self.reused: Reuse | None = None  # the ended session whose kept KV this request started from
         self.held = 0  # positions of ``history`` every hop of the route is known to hold (a TOKEN says so)
 
@@ -219,11 +246,24 @@ class RouteSession:
         self._send(self.history, pos=0)
         return []
 
-    def progressed(self, now: float) -> None:
-        """The head ran a slice of this step's prefill and passed it on: the step is moving,
-        so its reply timeout counts from now (a long prompt may take longer than one)."""
-        if not self.finished:
-            self.sent_at = now
+    def on_progress(self, msg: Progress, now: float) -> list[Event]:
+        """A hop ran a chunk of the pending step's prefill: the step is moving, so its reply
+        timeout counts from now (a long prompt may take longer than one), and the client hears
+        how far the prefill has come (a PROGRESS event, when the count grew)."""
+        if self.finished or msg.step != self.step or not self.prefill.total:
+            return []
+        self.sent_at = now
+        before = self.prefilled
+        self.prefill.hops[msg.end_layer] = max(msg.done, self.prefill.hops.get(msg.end_layer, 0))
+        if self.prefilled <= before:
+            return []
+        return [Event(self.session, EventKind.PROGRESS, prompt_tokens=self.prompt_tokens,
+                      completion_tokens=len(self.generated), prefilled=self.prefilled,
+                      prefill_tokens=self.prefill.total)]
+
+    @property
+    def prefilled(self) -> int:
+        return self.prefill.tokens(self.route)
 
     def begin_failover(self, dead_nodes: set[str]) -> None:
         """Hops died: stop waiting on them until ``reroute`` gives a route around them."""
@@ -281,6 +321,7 @@ class RouteSession:
         prefill in slices, passed on as chunks of the same step)."""
         self.step += 1
         self.sent_at = time.monotonic()
+        self.prefill.begin(pos, len(ids))
         if pos == 0 or reuse:
             self.held = 0  # the hops start the session over: nothing is known held until a TOKEN
         head = self.route[0]

@@ -77,7 +77,7 @@ class EventKind(StrEnum):
 
     START = "start"  # the route is set and the prompt counted
     TOKEN = "token"  # new text and the token ids it came from
-    PROGRESS = "progress"  # the head works on the prompt: no text yet, but no silence either
+    PROGRESS = "progress"  # the route prefills: no text yet, but no silence either (``prefilled`` of ``prefill_tokens``)
     DONE = "done"  # the end, with a finish reason and usage
     ERROR = "error"  # the end: the request failed (``error_code`` says how)
 
@@ -108,6 +108,7 @@ class Kind(IntEnum):
     ERROR = 6
     PING = 7
     PONG = 8
+    PROGRESS = 9
     GENERATE = 10
     EVENT = 11
     REGISTER = 20
@@ -260,6 +261,23 @@ class CacheMiss(Message):
 
 
 @dataclass(frozen=True)
+class Progress(Message):
+    """A hop ran a prefill chunk of ``step`` (one that more chunks follow) and now holds the
+    session's positions 0..done-1: the step is moving, however long its prompt."""
+
+    KIND: ClassVar[Kind] = Kind.PROGRESS
+    session: str
+    step: int
+    node: str
+    end_layer: int  # the last layer the hop ran: which hop of the route it is
+    done: int
+
+    def validate(self) -> None:
+        if self.step < 0 or self.done < 0 or not 0 <= self.end_layer < MAX_LAYERS:
+            raise ProtocolError("PROGRESS needs step >= 0, done >= 0 and end_layer in range")
+
+
+@dataclass(frozen=True)
 class Cancel(Message):
     """Stop a session; ``route`` lists the hops after the receiver, which pass it on."""
 
@@ -339,7 +357,7 @@ class Generate(Message):
 
 @dataclass(frozen=True)
 class Event(Message):
-    """Head -> client. ``event`` is "start", "token", "done" or "error"."""
+    """Head -> client. ``event`` is "start", "token", "progress", "done" or "error"."""
 
     KIND: ClassVar[Kind] = Kind.EVENT
     request_id: str
@@ -351,6 +369,8 @@ class Event(Message):
     completion_tokens: int = 0
     error_code: str | None = None
     route: tuple[Hop, ...] = ()
+    prefilled: int = 0  # progress: positions the route has prefilled, each hop weighed by its layers
+    prefill_tokens: int = 0  # progress: positions the prefill reaches (the prompt; the history on a re-prefill)
 
 
 @dataclass(frozen=True)
@@ -428,6 +448,8 @@ class Report(Message):
     finish_reason: str | None = None
     api_key: str | None = None
     max_tokens: int = 0
+    prefilled: int = 0  # as EVENT's: how far the running prefill has come (0 with prefill_tokens 0: none runs)
+    prefill_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -517,7 +539,7 @@ class RelayOpened(Message):
 MESSAGE_TYPES: dict[Kind, type[Message]] = {
     cls.KIND: cls
     for cls in (
-        Forward, Token, CacheMiss, Cancel, Close, Error, Ping, Pong, Generate, Event,
+        Forward, Token, CacheMiss, Progress, Cancel, Close, Error, Ping, Pong, Generate, Event,
         Register, Heartbeat, RouteRequest, Route, Report, StatusRequest, Status,
         AssignRequest, Assign, Ack, RelayOpen, RelayOpened, Leave,
     )

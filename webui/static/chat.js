@@ -2,7 +2,7 @@
 // and replies streamed from /v1/chat/completions (SSE over fetch), stoppable mid-reply.
 // Until a route serves a model the picker says the model is still loading, Send is off,
 // and /v1/models is asked again every few seconds (the swarm's feed also asks on each change).
-import {$, el, fill, num} from "./ui.js";
+import {$, el, fill, int, num} from "./ui.js";
 import {apiFetch, errorMessage, readEvents} from "./net.js";
 
 const STORE = "meshnet.conversations";
@@ -301,10 +301,15 @@ async function generate(conversation, reply, view) {
   }
 }
 
-/** Read the SSE body: append each delta to the bubble; an error event ends with an error. */
+/** Read the SSE body: append each delta to the bubble; an error event ends with an error.
+ * While a long prompt prefills, its progress comments show in the bubble. */
 async function streamReply(response, reply, view, meter, conversation) {
   let lastSave = Date.now();
-  for await (const {data} of readEvents(response)) {
+  for await (const {event, data} of readEvents(response, {comments: true})) {
+    if (event === "comment") {
+      showPrefill(view, data);
+      continue;
+    }
     if (data === "[DONE]") break;
     const chunk = JSON.parse(data);
     if (chunk.error) throw new Error(chunk.error.message || "the swarm reported an error");
@@ -313,6 +318,7 @@ async function streamReply(response, reply, view, meter, conversation) {
     if (choice?.finish_reason) meter.finish = choice.finish_reason;
     const text = choice?.delta?.content;
     if (!text) continue;
+    if (view.node.dataset.prefill) view.meta.textContent = ""; // the prompt is read: tokens come
     appendText(reply, view, text);
     meter.token();
     setStatus(`generating… ${meter.describe()}`, "busy");
@@ -321,6 +327,17 @@ async function streamReply(response, reply, view, meter, conversation) {
       save(); // a reload mid-reply keeps what has arrived
     }
   }
+}
+
+/** A prefill's progress comment, `progress {"prefilled": n, "prefill_tokens": total}`: tokens
+ * done / total in the bubble and the status line. Other comments are keep-alives. */
+function showPrefill(view, note) {
+  if (!note.startsWith("progress ")) return;
+  const {prefilled, prefill_tokens: total} = JSON.parse(note.slice("progress ".length));
+  const text = `reading the prompt… ${int(prefilled)} / ${int(total)} tokens`;
+  view.node.dataset.prefill = `${prefilled}/${total}`;
+  view.meta.textContent = text;
+  setStatus(text, "busy");
 }
 
 /** A non-streamed answer (or an error object) instead of SSE. */

@@ -70,8 +70,9 @@ export async function errorMessage(response) {
   }
 }
 
-/** Server-sent events from a fetch response: yields {event, data} (data as text). */
-export async function* readEvents(response) {
+/** Server-sent events from a fetch response: yields {event, data} (data as text); with
+ * comments, a block of comment lines only as {event: "comment", data: their text}. */
+export async function* readEvents(response, {comments = false} = {}) {
   const reader = response.body.pipeThrough(new TextDecoderStream()).getReader();
   let buffer = "";
   try {
@@ -81,7 +82,7 @@ export async function* readEvents(response) {
       buffer = (buffer + value).replace(/\r\n?/g, "\n");
       let end;
       while ((end = buffer.indexOf("\n\n")) >= 0) {
-        const parsed = parseBlock(buffer.slice(0, end));
+        const parsed = parseBlock(buffer.slice(0, end), comments);
         buffer = buffer.slice(end + 2);
         if (parsed) yield parsed;
       }
@@ -91,16 +92,19 @@ export async function* readEvents(response) {
   }
 }
 
-function parseBlock(block) {
+function parseBlock(block, comments) {
   let event = "message";
   const data = [];
+  const notes = [];
   for (const line of block.split("\n")) {
-    if (!line || line.startsWith(":")) continue; // comments are keep-alives
+    if (line.startsWith(":")) notes.push(line.slice(1).replace(/^ /, "")); // keep-alives, progress
+    if (!line || line.startsWith(":")) continue;
     const colon = line.indexOf(":");
     const field = colon < 0 ? line : line.slice(0, colon);
     const value = colon < 0 ? "" : line.slice(colon + 1).replace(/^ /, "");
     if (field === "event") event = value;
     else if (field === "data") data.push(value);
   }
-  return data.length ? {event, data: data.join("\n")} : null;
+  if (data.length) return {event, data: data.join("\n")};
+  return comments && notes.length ? {event: "comment", data: notes.join("\n")} : null;
 }

@@ -207,11 +207,20 @@ function callCard(row) {
        el("b", {}, row.model), mine ? el("span", {class: "badge mine"}, "you") : null,
        el("span", {class: "call-id", title: row.key}, shortId(row.key))),
     el("div", {class: "call-figures"},
+       prefillFigure(row),
        el("span", {}, el("b", {class: "tokens"}, int(row.tokens)), " tokens"),
        el("span", {}, el("b", {class: "tps"}, num(row.tps)), " tok/s"),
        el("span", {}, "queue ", el("b", {}, int(row.queue))),
        el("span", {class: "muted"}, seconds(row.elapsed))),
     routeView(row.hops));
+}
+
+/** While a prompt prefills: tokens done / total, and a bar (none once tokens come). */
+function prefillFigure(row) {
+  if (!(row.prefill_tokens > 0) || row.prefilled >= row.prefill_tokens) return null;
+  return el("span", {class: "prefill", title: "prompt tokens the route has prefilled"}, "prefill ",
+            el("b", {}, `${int(row.prefilled)} / ${int(row.prefill_tokens)}`), " ",
+            el("progress", {max: row.prefill_tokens, value: row.prefilled}));
 }
 
 function recentRow(row) {
