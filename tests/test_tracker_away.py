@@ -156,6 +156,27 @@ def test_a_final_report_is_sent_again_until_the_tracker_acknowledges_it(ctx):
         router.close(linger=0)
 
 
+def test_a_report_the_tracker_never_takes_is_given_up(ctx, monkeypatch, caplog):
+    """A tracker that answers everything but never acknowledges a report (it refuses it):
+    the node sends it a bounded number of times, then gives it up, saying so."""
+    monkeypatch.setattr("fabric.net.tracker_link.MAX_RESENDS", 2)
+    clock, endpoint = Clock(), f"tcp://127.0.0.1:{free_port()}"
+    router = ctx.socket(zmq.ROUTER)
+    router.bind(endpoint)
+    link = TrackerLink(ctx, endpoint, None, resend=3.0, clock=clock)
+    try:
+        link.send(_final("bad"))
+        for _ in range(4):
+            clock.now += 3
+            link.answered(p.Error(p.ErrorCode.BAD_REQUEST, "refused"))
+            link.check()
+        assert [m.request_id for m in _received(router)] == ["bad"] * 3 and not link.unacked
+        assert any("never took the report of request bad" in r.getMessage() for r in caplog.records)
+    finally:
+        link.close()
+        router.close(linger=0)
+
+
 def test_the_tracker_names_the_report_it_acknowledges(ctx):
     tracker = Tracker(TrackerConfig(bind="tcp://127.0.0.1:*", pub="tcp://127.0.0.1:*", db=":memory:",
                                     reach_timeout=0), context=ctx)

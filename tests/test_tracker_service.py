@@ -326,7 +326,7 @@ def test_reports_become_events_stats_and_ledger_rows(start, context):
     _, event = sub.until(lambda t, e: t == b"events" and e["kind"] == "progress" and e["tokens"] == 20)
     assert event["tps"] == pytest.approx(10.0) and event["key"] == "r1" and event["queue"] == 0
     done = peer.call(report("r1", 24, 2.7, final=True, reason="stop"))
-    assert done == Ack(detail="billed")
+    assert done == Ack(detail="billed", request_id="r1")  # named: the node stops sending it again
     _, event = sub.until(lambda t, e: t == b"events" and e["kind"] == "complete")
     assert (event["completion_tokens"], event["billing"], event["duration"]) == (24, "billed", 2.7)
 

@@ -37,6 +37,7 @@ SILENCE_S = 5.0  # a tracker that answers nothing this long after a message gets
 REPEAT_S = 60.0  # ...repeated this often while the silence lasts
 RESEND_S = 3.0  # a final report not acknowledged this long, while the tracker answers, is sent again
 MAX_UNACKED = 10_000  # final reports kept for the tracker; beyond that the oldest is given up (logged)
+MAX_RESENDS = 20  # a report the tracker answers but never acknowledges (it refuses it) is given up after this
 HANDSHAKE_EVENTS = (zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
                     | zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
 
@@ -55,7 +56,7 @@ class TrackerLink:
         self._said: set[str] = set()  # handshake problems and refusals already logged
         self._answered_at: float | None = None  # the tracker's last reply of any kind
         self._back_at = 0.0  # its first reply after a silence longer than ``resend``
-        # request id -> [final report, when it was last sent]: usage the tracker has not acknowledged
+        # request id -> [final report, when it was last sent, times sent again]: usage not acknowledged yet
         self.unacked: OrderedDict[str, list] = OrderedDict()
 
     # -- sending and replies --------------------------------------------------------------
@@ -107,7 +108,7 @@ class TrackerLink:
     # -- usage the tracker has not taken ---------------------------------------------------
 
     def _keep(self, report: p.Report) -> None:
-        self.unacked[report.request_id] = [report, self._clock()]
+        self.unacked[report.request_id] = [report, self._clock(), 0]
         self.unacked.move_to_end(report.request_id)
         if len(self.unacked) > MAX_UNACKED:
             lost, _ = self.unacked.popitem(last=False)
@@ -119,10 +120,16 @@ class TrackerLink:
         died with it. While it is away they wait in the socket's queue, which flows once it is back."""
         if self._answered_at is None or now - self._answered_at > self.resend:
             return
-        for entry in self.unacked.values():
-            if now - max(entry[1], self._back_at) >= self.resend:
-                entry[1] = now
-                self._send_now(entry[0])
+        for rid, entry in list(self.unacked.items()):
+            if now - max(entry[1], self._back_at) < self.resend:
+                continue
+            if entry[2] >= MAX_RESENDS:
+                del self.unacked[rid]
+                log.warning("the tracker at %s answers but never took the report of request %s: giving it up",
+                            self.endpoint, rid)
+                continue
+            entry[1], entry[2] = now, entry[2] + 1
+            self._send_now(entry[0])
 
     def _send_now(self, message: p.Message) -> None:
         try:
