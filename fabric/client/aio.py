@@ -15,13 +15,14 @@ import zmq.asyncio
 
 from ..net.security import Security
 from ..wire import protocol as p
+from ..wire.liveness import DEFAULT_TRACKER
 from .core import ClientCore, FabricError, GenerateArgs, HeadDied, HeadLink, decode_reply, models_of, route_from
 
 
 class AsyncClient(ClientCore):
     """asyncio client with the same calls as ``Client``."""
 
-    def __init__(self, tracker: str = "tcp://127.0.0.1:5555", *, timeout: float = 30.0,
+    def __init__(self, tracker: str = DEFAULT_TRACKER, *, timeout: float = 30.0,
                  security: Security | None = None):
         super().__init__(tracker, timeout, security, zmq.asyncio.Context.instance())
         self._lock = asyncio.Lock()  # one question at a time on the shared tracker socket

@@ -16,6 +16,7 @@ import zmq
 
 from ..net.security import Security, SecurityError, dial
 from ..wire import protocol as p
+from ..wire.liveness import TRACKER_SILENCE
 from .routes import RouteBook
 
 log = logging.getLogger(__name__)
@@ -30,7 +31,7 @@ class FabricError(Exception):
         self.message = message
 
 
-TRACKER_TIMEOUT = 5.0  # a running tracker answers at once: waiting longer only delays the error
+TRACKER_TIMEOUT = TRACKER_SILENCE  # a running tracker answers at once: waiting longer only delays the error
 TRACKER_RETRY = 0.5  # after a silence the tracker gets this long before a remembered route is used
 
 

@@ -18,13 +18,14 @@ import zmq
 
 from ..net.security import Security
 from ..wire import protocol as p
+from ..wire.liveness import DEFAULT_TRACKER
 from .core import ClientCore, FabricError, GenerateArgs, HeadDied, HeadLink, decode_reply, models_of, route_from
 
 
 class Client(ClientCore):
     """Blocking client. ``generate(route=...)`` skips the tracker and uses that route."""
 
-    def __init__(self, tracker: str = "tcp://127.0.0.1:5555", *, timeout: float = 30.0,
+    def __init__(self, tracker: str = DEFAULT_TRACKER, *, timeout: float = 30.0,
                  security: Security | None = None):
         super().__init__(tracker, timeout, security, zmq.Context.instance())
 

@@ -29,11 +29,12 @@ import zmq
 import zmq.utils.monitor
 
 from ..wire import protocol as p
+from ..wire.liveness import TRACKER_SILENCE
 from .security import Security, dial
 
 log = logging.getLogger("fabric.node")
 
-SILENCE_S = 5.0  # a tracker that answers nothing this long after a message gets a WARNING
+SILENCE_S = TRACKER_SILENCE  # a tracker that answers nothing this long after a message gets a WARNING
 REPEAT_S = 60.0  # ...repeated this often while the silence lasts
 RESEND_S = 3.0  # a final report not acknowledged this long, while the tracker answers, is sent again
 MAX_UNACKED = 10_000  # final reports kept for the tracker; beyond that the oldest is given up (logged)

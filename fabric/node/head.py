@@ -17,15 +17,16 @@ from typing import Protocol
 
 from ..net.liveness import splice
 from ..wire import protocol as p
+from ..wire.liveness import LINK_GRACE, PEER_SILENCE, PING_INTERVAL
 from .prefixes import PrefixIndex
 from .route_session import RequestError, RouteSession, Transport, encode_prompt
 
 
 @dataclass(frozen=True)
 class HeadConfig:
-    ping_interval: float = 0.25  # the head pings the hops of its active routes this often
-    peer_silence: float = 10.0  # a hop that answers nothing this long is dead (hung, unreachable)
-    link_grace: float = 0.25  # a hop whose TCP link stays down this long is dead (its process died)
+    ping_interval: float = PING_INTERVAL  # the head pings the hops of its active routes this often
+    peer_silence: float = PEER_SILENCE  # a hop that answers nothing this long is dead (hung, unreachable)
+    link_grace: float = LINK_GRACE  # a hop whose TCP link stays down this long is dead (its process died)
     hop_timeout: float = 30.0  # the head re-prefills a step that got no reply for this long
     progress_interval: float = 0.5  # seconds between progress reports of a request this node heads
     max_prompt_tokens: int = 4096  # the head refuses longer prompts
