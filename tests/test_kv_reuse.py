@@ -136,6 +136,7 @@ def test_prefix_index_matches_the_longest_start_on_the_same_route():
     assert index.match(list(range(3)) + [8] * 9, ROUTE) is None  # too short a match
     assert index.match(list(range(20)), ROUTE) == Reuse("a", 19)  # one token is always computed
     assert index.match(list(range(20)) + [1, 2], ROUTE) == Reuse("a", 20)  # all of it: "a" leaves
+    assert index.match(list(range(20)) + [1, 2], ROUTE, session="b") is None  # a request id used again
     assert index.match(list(range(20)) + [1, 2], ROUTE) == Reuse("b", 10)
     index.discard("b")
     assert len(index) == 0 and index.match(list(range(20)), ROUTE) is None

@@ -92,7 +92,7 @@ class Head:
                           seed=secrets.randbits(62), wire_dtype=self.config.wire_dtype)
         self.sessions[req.request_id] = rs
         self.clients[req.request_id] = identity
-        self._emit(rs, rs.start(self.prefixes.match(prompt, req.route)))
+        self._emit(rs, rs.start(self.prefixes.match(prompt, req.route, req.request_id)))
 
     def cancel(self, session: str) -> bool:
         """Cancel a request this node heads; False when it heads no such request."""

@@ -62,18 +62,19 @@ class PrefixIndex:
         while len(self._entries) > self.max_entries:
             self._entries.popitem(last=False)
 
-    def match(self, ids: list[int], route: tuple[Hop, ...]) -> Reuse | None:
-        """The longest kept start of ``ids`` on exactly these hops, leaving at least one
-        token to compute (the tail needs one for logits). A match that takes all of an
+    def match(self, ids: list[int], route: tuple[Hop, ...], session: str = "") -> Reuse | None:
+        """The longest kept start of ``ids`` on exactly these hops, for the request
+        ``session`` (never its own earlier KV: a request id used again), leaving at least
+        one token to compute (the tail needs one for logits). A match that takes all of an
         entry leaves the index: the hops hand that KV itself to the new session."""
         best: Reuse | None = None
         ids, key = tuple(ids), tuple(route)
-        for session, (held, hops) in self._entries.items():
-            if hops != key:
+        for name, (held, hops) in self._entries.items():
+            if hops != key or name == session:
                 continue
             n = min(common_prefix(held, ids), len(ids) - 1)
             if n >= self.min_tokens and (best is None or n > best.tokens):
-                best = Reuse(session, n)
+                best = Reuse(name, n)
         if best is not None:
             if best.tokens == len(self._entries[best.session][0]):
                 del self._entries[best.session]  # moved: the new session will be kept in its place
