@@ -94,7 +94,7 @@ def test_a_node_without_keys_is_told_the_tracker_needs_them(ctx, caplog, tmp_pat
     link = TrackerLink(ctx, endpoint, None)
     try:
         with caplog.at_level(logging.INFO, logger="fabric.node"):
-            deadline = time.monotonic() + 10
+            deadline = time.monotonic() + 30  # a loaded machine handshakes slowly
             while not messages(caplog, NEEDS_KEYS) and time.monotonic() < deadline:
                 if link.monitor.poll(100):
                     link.on_monitor(link.monitor.recv_multipart())

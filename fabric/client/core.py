@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import msgpack
 import zmq
 
-from ..net.security import Security, SecurityError, dial
+from ..net.security import Security, SecurityError, dial, dial_watched
 from ..wire import protocol as p
 from ..wire.liveness import TRACKER_SILENCE
 from .routes import RouteBook
@@ -205,8 +205,13 @@ def models_of(status: dict) -> list[dict]:
     return sorted(by_model.values(), key=lambda m: m["id"])
 
 
-def _dealer(ctx, endpoint: str, security: Security | None = None, server_key: str | bytes | None = None):
+def _dealer(ctx, endpoint: str, security: Security | None = None, server_key: str | bytes | None = None,
+            watch: int = 0):
+    """A DEALER to ``endpoint`` (and, given ``watch`` events, its monitor); a FabricError if
+    it cannot be dialled."""
     try:
+        if watch:
+            return dial_watched(ctx, endpoint, security, server_key, watch, sndhwm=None)
         return dial(ctx, endpoint, security, server_key, sndhwm=None)
     except (zmq.ZMQError, SecurityError) as exc:
         raise FabricError(p.ErrorCode.BAD_REQUEST, f"cannot dial {endpoint!r}: {exc}") from None
@@ -309,8 +314,7 @@ class HeadLink:
 
     def __init__(self, ctx, msg: p.Generate, security: Security | None, poller):
         self.msg = msg
-        self.sock = _dealer(ctx, msg.route[0].endpoint, security, msg.route[0].key)
-        self.monitor = self.sock.get_monitor_socket(HEAD_DOWN)
+        self.sock, self.monitor = _dealer(ctx, msg.route[0].endpoint, security, msg.route[0].key, watch=HEAD_DOWN)
         poller.register(self.sock, zmq.POLLIN)
         poller.register(self.monitor, zmq.POLLIN)
         self.tokens = 0  # tokens this head streamed

@@ -114,14 +114,40 @@ def dial(ctx: zmq.Context, endpoint: str, security: Security | None, server_key:
     """A DEALER connected to ``endpoint``, a CURVE client of ``server_key`` when ``security``
     is on, closing at once (linger 0). ``sndhwm``: frames queued before sends would block.
     A bad endpoint or a missing key raises, with no socket left open."""
+    sock = _dealer(ctx, security, server_key, sndhwm)
+    try:
+        sock.connect(endpoint)
+    except zmq.ZMQError:
+        sock.close(linger=0)
+        raise
+    return sock
+
+
+def dial_watched(ctx: zmq.Context, endpoint: str, security: Security | None, server_key: str | bytes | None,
+                 events: int, *, sndhwm: int | None = 10000) -> tuple[zmq.Socket, zmq.Socket]:
+    """``dial``, and a monitor of the DEALER's ``events`` (a PAIR to read them from), attached
+    before the connection starts: a handshake that fails at once is not missed."""
+    sock = _dealer(ctx, security, server_key, sndhwm)
+    monitor = sock.get_monitor_socket(events)
+    try:
+        sock.connect(endpoint)
+    except zmq.ZMQError:
+        sock.disable_monitor()
+        monitor.close(linger=0)
+        sock.close(linger=0)
+        raise
+    return sock, monitor
+
+
+def _dealer(ctx: zmq.Context, security: Security | None, server_key: str | bytes | None,
+            sndhwm: int | None) -> zmq.Socket:
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     if sndhwm is not None:
         sock.setsockopt(zmq.SNDHWM, sndhwm)
     try:
         dial_securely(sock, security, server_key)
-        sock.connect(endpoint)
-    except (zmq.ZMQError, SecurityError):
+    except SecurityError:
         sock.close(linger=0)
         raise
     return sock

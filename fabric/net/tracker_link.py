@@ -30,7 +30,7 @@ import zmq.utils.monitor
 
 from ..wire import protocol as p
 from ..wire.liveness import TRACKER_SILENCE
-from .security import Security, dial
+from .security import Security, dial_watched
 
 log = logging.getLogger("fabric.node")
 
@@ -50,8 +50,8 @@ class TrackerLink:
         self.endpoint = endpoint
         self.security = security
         self.silence, self.repeat, self.resend, self._clock = silence, repeat, resend, clock
-        self.sock = dial(ctx, endpoint, security, security and security.tracker_key)
-        self.monitor = self.sock.get_monitor_socket(HANDSHAKE_EVENTS)
+        self.sock, self.monitor = dial_watched(ctx, endpoint, security, security and security.tracker_key,
+                                               HANDSHAKE_EVENTS)
         self._waiting_since: float | None = None  # first message sent since the last reply
         self._warned_at: float | None = None  # last "does not answer" warning
         self._said: set[str] = set()  # handshake problems and refusals already logged

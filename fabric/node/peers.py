@@ -14,7 +14,7 @@ import zmq
 import zmq.utils.monitor
 
 from ..net.liveness import PeerLiveness, RttTable
-from ..net.security import Security, SecurityError, dial
+from ..net.security import Security, SecurityError, dial_watched
 from ..wire import protocol as p
 
 log = logging.getLogger(__name__)
@@ -54,8 +54,9 @@ class Peers:
     def _sock(self, endpoint: str, key: str) -> zmq.Socket:
         sock = self.socks.get(endpoint)
         if sock is None:
-            sock = self.socks[endpoint] = dial(self.ctx, endpoint, self.security, key)
-            monitor = sock.get_monitor_socket(LINK_EVENTS)  # its link going down = the peer died
+            # a monitor of its link: the link going down = the peer died
+            sock, monitor = dial_watched(self.ctx, endpoint, self.security, key, LINK_EVENTS)
+            self.socks[endpoint] = sock
             for s in (sock, monitor):  # pongs and errors come back on the DEALER
                 self.endpoint_of[s] = endpoint
                 self.poller.register(s, zmq.POLLIN)
