@@ -27,14 +27,15 @@ from webui.testing import FakeClient, Script
 
 SENTENCE = "the quick brown fox jumps over the lazy dog. meshnet splits a model across nodes."
 LONG = [{"role": "user", "content": " ".join([SENTENCE] * 80)}]  # ~2,500 tokens
+OTHER = [{"role": "user", "content": " ".join(["hello world, how are you today? the lazy dog sleeps."] * 80)}]
 CLIENT_TIMEOUT = 2.0  # the client gives up on a head that sends no event for this long
 HOP_TIMEOUT = 2.0  # the head re-sends a step that hears nothing for this long
 
 
 class Throttle:
     """Slows every node of one machine: holds their shared compute lock ``hold`` seconds, lets
-    go for ``gap`` seconds, again and again. Each hold is shorter than every timeout; the
-    prefill they add up to is several times longer."""
+    go for ``gap`` seconds, again and again. A node runs a slice only between holds, each hold
+    is shorter than every timeout, and the prefill they add up to is several times longer."""
 
     def __init__(self, path: str, hold: float = 0.9, gap: float = 0.002):
         self.fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
@@ -59,34 +60,69 @@ class Throttle:
         os.close(self.fd)
 
 
-def test_a_prompt_whose_prefill_outlasts_every_timeout_is_answered(process_cluster, tiny_models):
+def _stream(tracker: str, model: str, messages: list[dict], run: list, first_token: threading.Event) -> None:
+    """One request with a client that gives up after CLIENT_TIMEOUT seconds without an event:
+    (arrival time, event) pairs into ``run``, or the exception that ended it."""
+    try:
+        with Client(tracker, timeout=CLIENT_TIMEOUT) as client:
+            for event in client.generate(model, messages=messages, max_tokens=4):
+                run.append((time.monotonic(), event))
+                if event.event == p.EventKind.TOKEN:
+                    first_token.set()
+    except Exception as exc:  # re-raised by the test
+        run.append((time.monotonic(), exc))
+    first_token.set()
+
+
+def _check(run: list, expected: list[int], prompt_tokens: int, logs: str) -> None:
+    """The answer equals the reference; progress (and only progress) came before the first
+    token, for longer than any timeout lets a silence last."""
+    times, events = [t for t, _ in run], [e for _, e in run]
+    timeline = [(round(t - times[0], 2), getattr(e, "event", e), getattr(e, "prefilled", None)) for t, e in run]
+    assert not [e for e in events if isinstance(e, Exception)], (timeline, logs)
+    kinds = [e.event for e in events]
+    assert [t for e in events for t in e.token_ids] == expected, logs
+    first = kinds.index(p.EventKind.TOKEN)
+    assert kinds[0] == p.EventKind.START and set(kinds[1:first]) == {p.EventKind.PROGRESS}
+    progress = events[1:first]
+    assert len(progress) >= 4
+    assert all(e.prefill_tokens == prompt_tokens and e.text == "" and not e.token_ids for e in progress)
+    done = [e.prefilled for e in progress]
+    assert done == sorted(done) and 0 < done[-1] <= prompt_tokens
+    assert times[first] - times[0] > 2 * max(CLIENT_TIMEOUT, HOP_TIMEOUT), logs
+
+
+def test_prompts_whose_prefill_outlasts_every_timeout_are_answered(process_cluster, tiny_models):
+    """Two long prompts at once on two node processes that their shared compute lock slows
+    down (the ``Throttle``, until the first prompt's first token): the first prefills while the
+    second waits its turn at the head. Each hop's PROGRESS
+    (it ran a chunk, or the step waits in its queue) keeps both clients, and the head's step
+    timeout, from taking them for lost; both answers equal transformers'."""
     model = tiny_models("llama")
-    ids = list(load_tokenizer(resolve(str(model))).apply_chat_template(LONG, add_generation_prompt=True,
-                                                                      tokenize=True, return_dict=False))
-    expected = reference_greedy(model, ids, 4)
+    tokenizer = load_tokenizer(resolve(str(model)))
+    prompts = [LONG, OTHER]
+    ids = [list(tokenizer.apply_chat_template(m, add_generation_prompt=True, tokenize=True, return_dict=False))
+           for m in prompts]
+    expected = [reference_greedy(model, i, 4) for i in ids]
     process_cluster.start_node("a", str(model), "0-2", None, "--hop-timeout", str(HOP_TIMEOUT))
     process_cluster.start_node("b", str(model), "3-5")
     process_cluster.wait_nodes(["a", "b"], model.name)
-    lock = default_path("cpu", {"XDG_RUNTIME_DIR": str(process_cluster.runtime_dir)})
-    events, times = [], []
-    with Client(process_cluster.endpoint, timeout=CLIENT_TIMEOUT) as client, Throttle(str(lock)) as throttle:
-        for event in client.generate(model.name, messages=LONG, max_tokens=4):
-            events.append(event)
-            times.append(time.monotonic())
-            if event.event == p.EventKind.TOKEN:
-                throttle.stop.set()  # the prompt is in: decode at full speed
-    kinds = [e.event for e in events]
-    assert [t for e in events for t in e.token_ids] == expected, process_cluster.logs()
-    first_token = kinds.index(p.EventKind.TOKEN)
-    progress = [e for e in events if e.event == p.EventKind.PROGRESS]
-    assert kinds[0] == p.EventKind.START and set(kinds[1:first_token]) == {p.EventKind.PROGRESS}
-    assert len(progress) >= 4
-    assert all(e.prefill_tokens == len(ids) and e.text == "" and not e.token_ids for e in progress)
-    done = [e.prefilled for e in progress]
-    assert done == sorted(set(done)) and 0 < done[0] and done[-1] <= len(ids)
-    # the prefill took longer than either timeout allows a silence to last
-    assert times[first_token] - times[0] > 2 * max(CLIENT_TIMEOUT, HOP_TIMEOUT), process_cluster.logs()
-    assert "re-prefilling" not in process_cluster.logs()  # the head never took the moving step for lost
+    lock = default_path("cpu", {"XDG_RUNTIME_DIR": str(process_cluster.runtime_dir)})  # the nodes' default
+    runs, firsts = [[], []], [threading.Event(), threading.Event()]  # firsts: a token came, or the end
+    with Throttle(str(lock)) as throttle:
+        threads = [threading.Thread(target=_stream, args=(process_cluster.endpoint, model.name, m, run, first))
+                   for m, run, first in zip(prompts, runs, firsts)]
+        for thread in threads:
+            thread.start()
+            time.sleep(0.3)  # the first prompt reaches the head first
+        firsts[0].wait(120)
+        throttle.stop.set()  # the first prompt is in: the rest runs at full speed
+        for thread in threads:
+            thread.join(60)
+    logs = process_cluster.logs()
+    for run, want, n in zip(runs, expected, ids):
+        _check(run, want, len(n), logs)
+    assert "re-prefilling" not in logs  # the head never took a moving or waiting step for lost
 
 
 @pytest.mark.asyncio

@@ -174,9 +174,9 @@ def test_a_prefill_that_keeps_moving_is_not_timed_out(split):
     transport.replies.clear()  # the reply is slow: the prompt is long
     sent = len(transport.sent)
     t0 = rs.sent_at
-    rs.on_progress(Progress(rs.session, rs.step, "t", 5, 2), t0 + 25)  # the tail ran another chunk of it
+    rs.on_progress(Progress(rs.session, rs.step, "t", 5, 2), t0 + 25, 0.5)  # the tail ran another chunk of it
     assert rs.check_timeout(t0 + 40, timeout=30) == [] and len(transport.sent) == sent
-    rs.on_progress(Progress(rs.session, rs.step - 1, "t", 5, 3), t0 + 50)  # an old step's: no sign of this one
+    rs.on_progress(Progress(rs.session, rs.step - 1, "t", 5, 3), t0 + 50, 0.5)  # an old step's: no sign of this one
     assert rs.check_timeout(t0 + 56, timeout=30) == [] and len(transport.sent) == sent + 1  # then silence: re-sent
 
 
@@ -189,7 +189,7 @@ def test_prefill_progress_weighs_each_hop_by_its_layers(split):
     assert total > 8 and rs.prefill.total == total
 
     def progress(node: str, end: int, done: int) -> list:
-        return rs.on_progress(Progress(rs.session, rs.step, node, end, done), rs.sent_at)
+        return rs.on_progress(Progress(rs.session, rs.step, node, end, done), rs.sent_at, 0.5)
 
     [event] = progress("h", 2, 4)
     assert event.event == EventKind.PROGRESS and (event.prefilled, event.prefill_tokens) == (2, total)
@@ -200,3 +200,16 @@ def test_prefill_progress_weighs_each_hop_by_its_layers(split):
     assert progress("h", 2, total)[0].prefilled == (total + 6) // 2
     rs.on_token(transport.replies.pop(0))  # the first token: decode steps prefill nothing
     assert rs.prefill.total == 0 and rs.prefilled == 0 and progress("t", 5, total + 1) == []
+
+
+def test_a_step_waiting_in_a_queue_keeps_its_client_and_its_timeout(split):
+    """A hop reports a step still queued there (done = what it held before): no growth, but
+    the step is not lost, and a client that heard nothing for a while hears that."""
+    rs, transport, _ = new_session(split, prompt="the quick brown fox jumps over the lazy dog " * 3)
+    rs.start()
+    t0 = rs.sent_at
+    [event] = rs.on_progress(Progress(rs.session, rs.step, "h", 2, 0), t0 + 20, 0.5)
+    assert (event.prefilled, event.prefill_tokens) == (0, rs.prompt_tokens) and rs.sent_at == t0 + 20
+    assert rs.on_progress(Progress(rs.session, rs.step, "h", 2, 0), t0 + 20.3, 0.5) == []  # it just heard
+    assert rs.check_timeout(t0 + 45, timeout=30) == [] and rs.retries == 0
+    assert len(rs.on_progress(Progress(rs.session, rs.step, "h", 2, 0), t0 + 21, 0.5)) == 1

@@ -8,6 +8,7 @@ from fabric.node.scheduler import (
     GATHER_PER_DECODE,
     IDLE_SLICE_S,
     MIN_SLICE_TOKENS,
+    WAITING_REPORT_S,
     WHOLE_PREFILL_TOKENS,
     HopScheduler,
     SchedulerConfig,
@@ -76,6 +77,17 @@ def test_prefill_chunks_and_decode_steps_take_turns():
              work("a", 40, 1), work("b", 50, 1)]
     # a chunk, then a decode step, a chunk, a decode step: neither kind waits for the other to drain
     assert take_all(queue) == [("long", 0), ("a", 40), ("long", 8), ("b", 50), ("long", 16)]
+
+
+def test_the_sessions_waiting_in_the_queue_are_named_every_so_often():
+    """Their heads hear that these steps wait their turn here (PROGRESS): the first queued
+    hop of each session, at most once every WAITING_REPORT_S."""
+    s = scheduler([work("long", 64, 32, more=True), work("a", 40, 1), work("long", 96, 32), work("b", 50, 1)])
+    assert [(w.session, w.msg.pos) for w in s.waiting(100.0)] == [("long", 64), ("a", 40), ("b", 50)]
+    assert s.waiting(100.0 + WAITING_REPORT_S / 2) == []
+    assert s.next_batch()[0].session == "long"  # its first chunk ran: its next one waits behind "a" now
+    assert [(w.session, w.msg.pos) for w in s.waiting(100.0 + WAITING_REPORT_S)] == [("a", 40), ("long", 96),
+                                                                                   ("b", 50)]
 
 
 def test_a_sessions_hops_never_overtake_each_other():

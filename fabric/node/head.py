@@ -119,7 +119,7 @@ class Head:
                     self._failover(rs, {node}, time.monotonic())
                 return
             case p.Progress():
-                events = rs.on_progress(msg, time.monotonic())
+                events = rs.on_progress(msg, time.monotonic(), self.config.progress_interval)
             case _:
                 events = rs.on_error(msg)
         self._emit(rs, events)

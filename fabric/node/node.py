@@ -152,6 +152,8 @@ class Node:
             self._drop_session(session)  # its KV is gone already: the batch group and gathering forget it too
             log.info("freed idle session %s", session)
         self.scheduler.forget_freed()
+        for work in self.scheduler.waiting(now):  # hops waiting their turn here: their heads hear they are not lost
+            self._progress(work.msg, work.msg.pos)
         if self.head is not None:
             self.head.tick(now)
             self._watch_routes(now)
@@ -263,12 +265,12 @@ class Node:
                 self._after_hop(work, exc)
 
     def _after_hop(self, work: Work, result: StepResult | Exception) -> None:
-        """Send what a hop produced: the next FORWARD, the tail's TOKEN, or a failure; after a
-        prefill chunk, PROGRESS to the head too (however long the prompt, the head hears it move)."""
+        """Send what a hop produced: the next FORWARD, the tail's TOKEN, or a failure; after each
+        piece of a long prefill (all but the tail's last, which its TOKEN answers), PROGRESS to the
+        head too: however long the prompt, the head hears it move."""
         msg = work.msg
-        if msg.more and not isinstance(result, Exception):
-            self._send(msg.reply_to, msg.reply_key, p.Progress(msg.session, msg.step, self.config.node_id,
-                                                               msg.end_layer, msg.pos + work.tokens))
+        if (msg.more or msg.pos and not work.decode) and isinstance(result, StepResult) and result.logits is None:
+            self._progress(msg, msg.pos + work.tokens)
         if isinstance(result, CacheMissError):
             self.counters["cache_miss"] += 1
             self._send(msg.reply_to, msg.reply_key, p.CacheMiss(msg.session, msg.step, self.config.node_id,
@@ -307,6 +309,11 @@ class Node:
             self._free(message)
         else:
             self._send(hop.endpoint, hop.key, message)
+
+    def _progress(self, msg: p.Forward, done: int) -> None:
+        """Tell the head of ``msg``'s session that its step moves (or waits its turn) here."""
+        self._send(msg.reply_to, msg.reply_key, p.Progress(msg.session, msg.step, self.config.node_id, msg.end_layer,
+                                                           done))
 
     def _send(self, endpoint: str, key: str, message: p.Message) -> None:
         if endpoint == self.endpoint:

@@ -181,6 +181,7 @@ class RouteSession:
         self.replan_backoff = 1.0  # seconds, doubled after each failover that found no route
         self.reported_at = float("-inf")  # when the head last reported progress to the tracker
         self.prefill = PrefillProgress()  # how far the pending step's prefill has come
+        self.told_at = float("-inf")  # when the client last got a TOKEN or PROGRESS event
         self.reused: Reuse | None = None  # the ended session whose kept KV this request started from
         self.held = 0  # positions of ``history`` every hop of the route is known to hold (a TOKEN says so)
 
@@ -199,6 +200,7 @@ class RouteSession:
         if self.finished or msg.step != self.step:
             return []  # stale reply from before a re-prefill or after the end
         token = msg.token
+        self.told_at = time.monotonic()
         self.held = msg.pos  # the tail answered: every hop ran every position before this token's
         self.first_token_at = self.first_token_at or time.monotonic()
         self.generated.append(token)
@@ -246,17 +248,20 @@ class RouteSession:
         self._send(self.history, pos=0)
         return []
 
-    def on_progress(self, msg: Progress, now: float) -> list[Event]:
-        """A hop ran a chunk of the pending step's prefill: the step is moving, so its reply
-        timeout counts from now (a long prompt may take longer than one), and the client hears
-        how far the prefill has come (a PROGRESS event, when the count grew)."""
-        if self.finished or msg.step != self.step or not self.prefill.total:
+    def on_progress(self, msg: Progress, now: float, every: float) -> list[Event]:
+        """A hop ran a chunk of the pending step's prefill, or holds the step in its queue: the
+        step is not lost, so its reply timeout counts from now (a long prompt, or a wait behind
+        other sessions' work, may take longer than one). The client hears it as a PROGRESS event
+        when the prefill count grew, else when it heard nothing for ``every`` seconds."""
+        if self.finished or msg.step != self.step:
             return []
         self.sent_at = now
         before = self.prefilled
-        self.prefill.hops[msg.end_layer] = max(msg.done, self.prefill.hops.get(msg.end_layer, 0))
-        if self.prefilled <= before:
+        if self.prefill.total:
+            self.prefill.hops[msg.end_layer] = max(msg.done, self.prefill.hops.get(msg.end_layer, 0))
+        if self.prefilled <= before and now - self.told_at < every:
             return []
+        self.told_at = now
         return [Event(self.session, EventKind.PROGRESS, prompt_tokens=self.prompt_tokens,
                       completion_tokens=len(self.generated), prefilled=self.prefilled,
                       prefill_tokens=self.prefill.total)]

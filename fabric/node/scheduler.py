@@ -29,6 +29,7 @@ MIN_SLICE_S = 0.02  # ...and at least this long
 IDLE_SLICE_S = 0.25  # ...and with no stream decoding here, this long
 GATHER_PER_DECODE = 1.0  # a decode batch waits at most this many decode batches' time for sessions still due
 RECENT_CYCLES = 3.0  # a session is due here while its last decode step is this many of its cycles old
+WAITING_REPORT_S = 0.5  # how often a node tells heads that their sessions' hops wait in its queue
 
 
 @dataclass
@@ -100,6 +101,7 @@ class HopScheduler:
         self.gather_since: float | None = None  # when a decode batch began waiting for sessions still due
         # prefill tokens per slice, steered so a slice takes its target time (beside streams / alone)
         self.slice_tokens = {"busy": float(FIRST_SLICE_TOKENS), "idle": float(FIRST_SLICE_TOKENS)}
+        self.waiting_at = float("-inf")  # when ``waiting`` last named the queued sessions
 
     def __len__(self) -> int:
         return len(self.queue)
@@ -111,6 +113,17 @@ class HopScheduler:
         """Forget ``session``: its queued hops and its decode rhythm."""
         self.queue = deque(w for w in self.queue if w.session != session)
         self.last_decode.pop(session, None)
+
+    def waiting(self, now: float) -> list[Work]:
+        """The first queued hop of each session, every WAITING_REPORT_S (else none): a step
+        that waits its turn behind other sessions' work is not lost, and its head hears so."""
+        if now - self.waiting_at < WAITING_REPORT_S:
+            return []
+        self.waiting_at = now
+        first: dict[str, Work] = {}
+        for work in self.queue:
+            first.setdefault(work.session, work)
+        return list(first.values())
 
     def forget_freed(self) -> None:
         """Drop the decode times of sessions whose KV is gone."""

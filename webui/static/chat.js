@@ -330,11 +330,14 @@ async function streamReply(response, reply, view, meter, conversation) {
 }
 
 /** A prefill's progress comment, `progress {"prefilled": n, "prefill_tokens": total}`: tokens
- * done / total in the bubble and the status line. Other comments are keep-alives. */
+ * done / total in the bubble and the status line. Other comments, and progress while no prefill
+ * runs (total 0: the reply waits its turn while decoding), are keep-alives. */
 function showPrefill(view, note) {
   if (!note.startsWith("progress ")) return;
   const {prefilled, prefill_tokens: total} = JSON.parse(note.slice("progress ".length));
-  const text = `reading the prompt… ${int(prefilled)} / ${int(total)} tokens`;
+  if (!total) return;
+  const text = prefilled ? `reading the prompt… ${int(prefilled)} / ${int(total)} tokens`
+    : `waiting for a turn on the swarm… a prompt of ${int(total)} tokens`;
   view.node.dataset.prefill = `${prefilled}/${total}`;
   view.meta.textContent = text;
   setStatus(text, "busy");
