@@ -4,6 +4,7 @@ client as progress events; the web UI and the tracker's call wall show them."""
 from __future__ import annotations
 
 import fcntl
+import io
 import json
 import os
 import threading
@@ -159,3 +160,18 @@ def test_the_call_wall_shows_a_prompt_prefilling():
     assert (row["prefilled"], row["prefill_tokens"], row["tokens"]) == (1536, 3200, 0)
     report(elapsed=9.0, completion_tokens=3)  # decoding: no prefill runs
     assert published[-1]["message"].startswith("3 tokens") and published[-1]["prefill_tokens"] == 0
+
+
+def test_meshnet_chat_writes_only_the_reply_while_a_prompt_prefills():
+    from fabric.chat_repl import ChatConfig, Reply
+
+    events = [p.Event("r", "start", prompt_tokens=9), p.Event("r", "progress", prefilled=4, prefill_tokens=9),
+              p.Event("r", "token", text="Hi", token_ids=(5,)), p.Event("r", "done", finish_reason="stop")]
+
+    class Fabric:
+        def generate(self, model: str, **request):
+            yield from events
+
+    out = io.StringIO()
+    config = ChatConfig("tcp://127.0.0.1:1", None, "m", None, 8, p.Sampling(), ())
+    assert Reply(out).stream(Fabric(), config, [{"role": "user", "content": "x"}]) == "Hi" == out.getvalue()
