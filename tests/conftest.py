@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import pytest
+import zmq
 
 from tests.cluster import ProcessCluster, ThreadCluster
 from tests.tiny_models import make_model
@@ -49,3 +50,11 @@ def netbed(tmp_path, xdg_cache):
         pytest.skip(reason)
     with Netbed(tmp_path / "netbed", xdg_cache) as bed:
         yield bed
+
+
+@pytest.fixture
+def ctx():
+    """A ZeroMQ context of the test's own, destroyed with every socket left in it."""
+    context = zmq.Context()
+    yield context
+    context.destroy(linger=0)

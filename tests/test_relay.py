@@ -27,13 +27,6 @@ from tests.tiny_models import reference_greedy
 TIMEOUT_MS = 5000
 
 
-@pytest.fixture
-def ctx():
-    context = zmq.Context()
-    yield context
-    context.destroy(linger=0)
-
-
 class RelayThread:
     def __init__(self, ctx, port: int | None = None, **kw):
         self.relay = Relay(RelayConfig(bind=f"tcp://127.0.0.1:{port or free_port()}", **kw), ctx)

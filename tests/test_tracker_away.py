@@ -22,7 +22,7 @@ from fabric import Client, FabricError
 from fabric.client.routes import RouteBook
 from fabric.net.tracker_link import TrackerLink
 from fabric.wire import protocol as p
-from tests.support import free_port, wait_for
+from tests.support import FakeClock, free_port, wait_for
 from tests.test_fabric_equivalence import MESSAGES, prompt_ids
 from tests.tiny_models import reference_greedy
 from tracker.service import Tracker, TrackerConfig
@@ -92,19 +92,6 @@ def test_the_web_ui_feed_hands_plans_to_the_client():
 # --------------------------------------------------------------------------- usage the tracker has not taken
 
 
-class Clock:
-    def __init__(self):
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-@pytest.fixture
-def ctx():
-    context = zmq.Context()
-    yield context
-    context.destroy(linger=0)
 
 
 def _final(rid: str) -> p.Report:
@@ -122,7 +109,7 @@ def _received(router: zmq.Socket) -> list[p.Message]:
 def test_a_final_report_is_sent_again_until_the_tracker_acknowledges_it(ctx):
     """The tracker died with report r1 in a buffer: once a restarted tracker answers other
     messages, r1 goes again; an ACK naming it ends that, and r2, acknowledged at once, never goes twice."""
-    clock, endpoint = Clock(), f"tcp://127.0.0.1:{free_port()}"
+    clock, endpoint = FakeClock(), f"tcp://127.0.0.1:{free_port()}"
     router = ctx.socket(zmq.ROUTER)
     router.bind(endpoint)
     link = TrackerLink(ctx, endpoint, None, resend=3.0, clock=clock)
@@ -160,7 +147,7 @@ def test_a_report_the_tracker_never_takes_is_given_up(ctx, monkeypatch, caplog):
     """A tracker that answers everything but never acknowledges a report (it refuses it):
     the node sends it a bounded number of times, then gives it up, saying so."""
     monkeypatch.setattr("fabric.net.tracker_link.MAX_RESENDS", 2)
-    clock, endpoint = Clock(), f"tcp://127.0.0.1:{free_port()}"
+    clock, endpoint = FakeClock(), f"tcp://127.0.0.1:{free_port()}"
     router = ctx.socket(zmq.ROUTER)
     router.bind(endpoint)
     link = TrackerLink(ctx, endpoint, None, resend=3.0, clock=clock)

@@ -10,31 +10,17 @@ import logging
 import re
 import time
 
-import pytest
 import zmq
 
 from fabric.net.security import create_keys, load, serve_securely, start_authenticator
 from fabric.net.tracker_link import TrackerLink
 from fabric.wire import protocol as p
-from tests.cluster import free_port, wait_for
+from tests.support import FakeClock, free_port, wait_for
 
 WARN = "does not answer"
 NEEDS_KEYS = "requires CurveZMQ keys (start with --keys DIR"
 
 
-class Clock:
-    def __init__(self):
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-@pytest.fixture
-def ctx():
-    context = zmq.Context()
-    yield context
-    context.destroy(linger=0)
 
 
 def messages(caplog, text: str) -> list[str]:
@@ -42,7 +28,7 @@ def messages(caplog, text: str) -> list[str]:
 
 
 def test_a_silent_tracker_is_named_after_the_silence_and_again_later(ctx, caplog):
-    clock, endpoint = Clock(), f"tcp://127.0.0.1:{free_port()}"
+    clock, endpoint = FakeClock(), f"tcp://127.0.0.1:{free_port()}"
     link = TrackerLink(ctx, endpoint, None, silence=5.0, repeat=60.0, clock=clock)
     try:
         with caplog.at_level(logging.INFO, logger="fabric.node"):

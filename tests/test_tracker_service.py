@@ -40,7 +40,7 @@ from fabric.wire.protocol import (
     encode,
     split_envelope,
 )
-from tests.support import wait_for
+from tests.support import FakeClock, wait_for
 from tracker.service import Tracker, TrackerConfig
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -194,16 +194,6 @@ def test_status_shape(start):
     assert [(h["start_layer"], h["end_layer"]) for h in selected["hops"]] == [(0, 14), (15, 29)]
     assert body["stats"]["counts"]["completions"] == 0
     assert body["usage"]["totals"]["billed"]["requests"] == 0
-
-
-class FakeClock:
-    """The registry's clock, moved by the test: expiry without sleeping."""
-
-    def __init__(self):
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def test_heartbeat_expiry(start):

@@ -1,4 +1,4 @@
-"""Helpers every test and bench script shares: one ``free_port``, one ``wait_for``."""
+"""Helpers every test and bench script shares: one ``free_port``, one ``wait_for``, one fake clock."""
 from __future__ import annotations
 
 import socket
@@ -20,3 +20,13 @@ def wait_for(predicate, timeout: float = 10.0, interval: float = 0.05) -> bool:
             return True
         time.sleep(interval)
     return bool(predicate())
+
+
+class FakeClock:
+    """A clock a test moves by hand (``clock.now += 5``): timeouts without sleeping."""
+
+    def __init__(self, now: float = 100.0):
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
