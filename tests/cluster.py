@@ -16,7 +16,7 @@ from fabric.compute.models import resolve
 from fabric.node import Node, NodeConfig
 from fabric.wire import protocol as p
 from fabric.wire.shard import Shard
-from tests.support import free_port, wait_for
+from tests.support import at_once, free_port, wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -72,22 +72,13 @@ class ThreadCluster:
 
     def stream_all(self, model: str, prompts: list[str], max_tokens: int) -> dict[int, list[int]]:
         """Greedy chat streams of every prompt at once (started together); token ids by index."""
-        outputs: dict[int, list[int]] = {}
-        together = threading.Barrier(len(prompts))
-
-        def stream(i: int) -> None:
+        def stream(i: int) -> list[int]:
             with self.client() as client:
-                together.wait(30)
                 events = client.generate(model, messages=[{"role": "user", "content": prompts[i]}],
                                          max_tokens=max_tokens)
-                outputs[i] = [t for e in events for t in e.token_ids]
+                return [t for e in events for t in e.token_ids]
 
-        threads = [threading.Thread(target=stream, args=(i,)) for i in range(len(prompts))]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(120)
-        return outputs
+        return at_once(stream, len(prompts))
 
     def wait_routable(self, model: str, nodes: int, timeout: float = 30.0) -> dict:
         def ready() -> bool:

@@ -13,7 +13,7 @@ from fabric.compute.models import load_tokenizer, resolve
 from fabric.node import Node, NodeConfig
 from fabric.node.prefixes import common_prefix
 from fabric.wire.shard import Shard
-from tests.support import wait_for
+from tests.support import at_once, wait_for
 from tests.tiny_models import reference_greedy
 
 SYSTEM = "meshnet splits a model across nodes, the quick brown fox jumps over the lazy dog. " * 2
@@ -148,18 +148,7 @@ def test_concurrent_chats_each_continue_their_own_turn(thread_cluster, tiny_mode
 
 
 def run_together(cluster, model, chats: list[list[dict]]) -> dict[int, tuple[list[int], str]]:
-    outputs: dict[int, tuple[list[int], str]] = {}
-    together = threading.Barrier(len(chats))
-
-    def one(i: int) -> None:
-        together.wait(30)
-        outputs[i] = ask(cluster, model, chats[i])
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(chats))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
-    return outputs
+    return at_once(lambda i: ask(cluster, model, chats[i]), len(chats))
 
 
 def test_a_cancelled_reply_is_continued_from_what_the_hops_hold(thread_cluster, tiny_models):

@@ -2,7 +2,11 @@
 from __future__ import annotations
 
 import socket
+import threading
 import time
+from typing import Callable, TypeVar
+
+T = TypeVar("T")
 
 
 def free_port() -> int:
@@ -20,6 +24,24 @@ def wait_for(predicate, timeout: float = 10.0, interval: float = 0.05) -> bool:
             return True
         time.sleep(interval)
     return bool(predicate())
+
+
+def at_once(task: Callable[[int], T], count: int, timeout: float = 120.0) -> dict[int, T]:
+    """``task(i)`` for each i below ``count``, each in a thread of its own, all released
+    together; what each returned, by i (a task that raised or did not end is missing)."""
+    results: dict[int, T] = {}
+    together = threading.Barrier(count)
+
+    def run(i: int) -> None:
+        together.wait(30)
+        results[i] = task(i)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(count)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout)
+    return results
 
 
 class FakeClock:
