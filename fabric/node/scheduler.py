@@ -176,17 +176,20 @@ class HopScheduler:
         self.ran_prefill = not first.decode
         if self.ran_prefill:
             first = self.slice(first)
-        kind = "decode" if first.decode else "short_prompt" if first.short_prompt else None
-        if kind is None or not self.batchable(*first.span):
+        decode = first.decode  # else a short whole prompt: both kinds batch with their own kind only
+        if not (decode or first.short_prompt) or not self.batchable(*first.span):
             return [first]
         batch, rest, tokens = [first], deque(), first.tokens
+        taken = {first.session}  # a session has at most one hop in a batch
         waiting: set[str] = set()  # sessions with a hop left behind: their later hops wait too
         while self.queue:
             w = self.queue.popleft()
-            same = w.span == first.span and w.session not in {b.session for b in batch} | waiting
-            fits = len(batch) < self.config.max_batch and (kind == "decode" or tokens + w.tokens <= PREFILL_BATCH_TOKENS)
-            if same and getattr(w, kind) and fits:
+            same = w.span == first.span and w.session not in taken and w.session not in waiting
+            alike = w.decode if decode else w.short_prompt
+            fits = len(batch) < self.config.max_batch and (decode or tokens + w.tokens <= PREFILL_BATCH_TOKENS)
+            if same and alike and fits:
                 batch.append(w)
+                taken.add(w.session)
                 tokens += w.tokens
             else:
                 rest.append(w)
