@@ -88,10 +88,11 @@ class Peers:
 
     def watch(self, keys: dict[str, str], now: float) -> set[str]:
         """Ping the peers at ``keys`` (endpoint -> key) when due; return those that died."""
-        for endpoint in self.liveness.watch(set(keys), now):
+        watched = set(keys)
+        for endpoint in self.liveness.watch(watched, now):
             self.ping(endpoint, keys[endpoint], now)
-        dead = self.liveness.dead(set(keys), now)
-        self.liveness.forget(set(keys))
+        dead = self.liveness.dead(watched, now)
+        self.liveness.forget(watched)
         return dead
 
     def probe(self, now: float) -> None:
