@@ -32,7 +32,7 @@ class FabricError(Exception):
 
 
 TRACKER_TIMEOUT = TRACKER_SILENCE  # a running tracker answers at once: waiting longer only delays the error
-TRACKER_RETRY = 0.5  # after a silence the tracker gets this long before a remembered route is used
+TRACKER_RETRY = 0.5  # after a silence the tracker gets this long before a remembered route is used instead
 
 
 def _tracker_silent(endpoint: str) -> FabricError:
@@ -246,7 +246,9 @@ class ClientCore:
     @property
     def _tracker_wait_ms(self) -> float:
         wait = min(self.timeout, TRACKER_TIMEOUT)
-        return (wait if self._silent_since is None else min(wait, TRACKER_RETRY)) * 1000
+        if self._silent_since is not None and self.routes:  # a remembered route stands by: do not keep it waiting
+            wait = min(wait, TRACKER_RETRY)
+        return wait * 1000
 
     def _silent(self) -> FabricError:
         self._drop_tracker()

@@ -27,6 +27,10 @@ class RouteBook:
     def __contains__(self, model: str) -> bool:
         return bool(self._routes.get(model))
 
+    def __bool__(self) -> bool:
+        """Whether any route is remembered."""
+        return any(self._routes.values())
+
     def learn(self, model: str, route: tuple[p.Hop, ...]) -> None:
         """The tracker's answer: the best route now; its nodes are alive."""
         known = [r for r in self._routes.get(model, []) if r != route]
