@@ -13,12 +13,26 @@ import torch
 
 from ..compute.compute_lock import ComputeLock
 from ..compute.executor import ShardExecutor, Step, StepResult
+from ..wire import protocol as p
 from ..wire.shard import Shard
 from .scheduler import Work
 
 log = logging.getLogger(__name__)
 
 SLOW_HOP_S = 5.0  # a hop this long is logged: it stalls every session queued behind it
+
+
+def check_forward(msg: p.Forward, tensor: torch.Tensor, shard: Shard, hidden_size: int) -> None:
+    """ProtocolError unless ``shard`` can run ``msg``'s layers on ``tensor`` and pass them on."""
+    if not shard.covers(msg.start_layer, msg.end_layer):
+        raise p.ProtocolError(f"layers {msg.start_layer}-{msg.end_layer} are not on this node "
+                              f"(it holds {shard})", p.ErrorCode.BAD_REQUEST)
+    if msg.end_layer != shard.num_layers - 1 and not msg.route:
+        raise p.ProtocolError(f"layers end at {msg.end_layer} but no hop follows", p.ErrorCode.BAD_REQUEST)
+    if msg.route and msg.route[-1].end_layer != shard.num_layers - 1:
+        raise p.ProtocolError("the route does not reach the last layer", p.ErrorCode.BAD_REQUEST)
+    if msg.start_layer > 0 and tensor.shape[-1] != hidden_size:
+        raise p.ProtocolError(f"hidden size {tensor.shape[-1]} != {hidden_size}")
 
 
 class HopRunner:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import threading
 import time
 from collections import Counter
@@ -31,20 +30,19 @@ from ..net.liveness import PeerLiveness
 from ..net.relay import RelayedPeer
 from ..net.security import serve_securely, start_authenticator
 from ..wire import protocol as p
+from . import telemetry
 from .config import NodeConfig
 from .head import Head, Model
-from .hops import HopRunner
+from .hops import HopRunner, check_forward
 from .leave import Departure
 from .links import Links
 from .peers import Peers
 from .prefixes import MAX_PREFIXES, PrefixIndex
 from .route_session import eos_ids
 from .scheduler import HopScheduler, Work
+from .telemetry import COUNTERS
 
 log = logging.getLogger(__name__)
-
-COUNTERS = ("hop_seconds", "hops", "batched_hops", "prefill_chunks", "cache_miss", "failovers", "rejected_frames",
-            "dropped_frames", "hop_errors")
 
 
 class Node:
@@ -206,16 +204,7 @@ class Node:
                 raise p.ProtocolError(f"a node does not accept {type(msg).__name__}", p.ErrorCode.BAD_REQUEST)
 
     def _accept_forward(self, msg: p.Forward, tensor: torch.Tensor) -> None:
-        shard = self.config.shard
-        if not shard.covers(msg.start_layer, msg.end_layer):
-            raise p.ProtocolError(f"layers {msg.start_layer}-{msg.end_layer} are not on this node "
-                                  f"(it holds {shard})", p.ErrorCode.BAD_REQUEST)
-        if msg.end_layer != shard.num_layers - 1 and not msg.route:
-            raise p.ProtocolError(f"layers end at {msg.end_layer} but no hop follows", p.ErrorCode.BAD_REQUEST)
-        if msg.route and msg.route[-1].end_layer != shard.num_layers - 1:
-            raise p.ProtocolError("the route does not reach the last layer", p.ErrorCode.BAD_REQUEST)
-        if msg.start_layer > 0 and tensor.shape[-1] != self.executor.hidden_size:
-            raise p.ProtocolError(f"hidden size {tensor.shape[-1]} != {self.executor.hidden_size}")
+        check_forward(msg, tensor, self.config.shard, self.executor.hidden_size)
         if self.departure.refuses(msg, msg.session in self.kv):
             self._send(msg.reply_to, msg.reply_key, self.departure.refusal(msg.session, msg.step))
             return
@@ -341,49 +330,11 @@ class Node:
         self.peers.probes = peers
 
     def registration(self) -> p.Register:
-        c, w = self.config, self.executor.w
-        relay = self.links.relay
-        return p.Register(
-            node_id=c.node_id, endpoint=self.endpoint, model=c.source.model_id, fingerprint=self.fingerprint,
-            num_layers=c.shard.num_layers, start_layer=c.shard.start, end_layer=c.shard.end,
-            hardware={"device": c.device, "dtype": str(w.dtype).removeprefix("torch."), "quant": c.quant or "none",
-                      "threads": torch.get_num_threads(), "shard_bytes": w.parameter_bytes(),
-                      "memory_bytes": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")},
-            benchmark=self.benchmark, max_sessions=c.max_sessions, relay=relay.relay if relay else "",
-            relay_key=relay.front_key if relay else "")
+        return telemetry.registration(self)
 
     def heartbeat(self) -> p.Heartbeat:
-        kept = self.kv.retained
-        return p.Heartbeat(self.config.node_id, sessions=len(self.kv), queued=len(self.scheduler),
-                           rtts=self.peers.rtt.snapshot(time.monotonic()), kv_bytes=kept.bytes,
-                           kv_hits=kept.stats["hits"], kv_misses=kept.stats["misses"])
-
-    # -- metrics ------------------------------------------------------------------------
+        return telemetry.heartbeat(self)
 
     def metrics(self) -> list[Sample]:
         """Live numbers for /metrics; safe to call from another thread."""
-        c, labels = self.counters.copy(), {"node": self.config.node_id}
-        rows = [Sample("node_sessions", "sessions holding KV on this node", len(self.kv), labels=labels),
-                Sample("node_kv_bytes", "bytes of KV cache held", self.kv.nbytes(), labels=labels),
-                Sample("node_requests_in_flight", "requests this node heads", len(self.head or ()), labels=labels),
-                Sample("node_queued_hops", "hops waiting to run", len(self.scheduler), labels=labels),
-                Sample("node_hop_seconds_total", "seconds spent running hops", c["hop_seconds"], "counter", labels)]
-        for name in COUNTERS[1:]:
-            rows.append(Sample(f"node_{name}_total", f"{name.replace('_', ' ')} on this node", c[name],
-                               "counter", labels))
-        return rows + self._kv_reuse_metrics(labels)
-
-    def _kv_reuse_metrics(self, labels: dict) -> list[Sample]:
-        kept = self.kv.retained
-        stats = kept.stats.copy()
-        return [Sample("node_kv_kept_bytes", "bytes of ended sessions' KV kept for reuse", kept.bytes, labels=labels),
-                Sample("node_kv_kept_budget_bytes", "most bytes of KV kept for reuse", kept.budget, labels=labels),
-                Sample("node_kv_kept_sessions", "ended sessions whose KV is kept", len(kept), labels=labels),
-                Sample("node_kv_reuse_hits_total", "requests that started from kept KV", stats["hits"], "counter",
-                       labels),
-                Sample("node_kv_reuse_misses_total", "requests that asked for kept KV no longer here",
-                       stats["misses"], "counter", labels),
-                Sample("node_kv_reused_tokens_total", "prompt positions taken from kept KV instead of computed",
-                       stats["reused_tokens"], "counter", labels),
-                Sample("node_kv_evictions_total", "kept KV dropped to stay within the budget", stats["evictions"],
-                       "counter", labels)]
+        return telemetry.metrics(self)
