@@ -81,6 +81,25 @@ def test_client_routes_on_a_remembered_route_while_the_tracker_is_silent():
         assert refused.value.code == p.ErrorCode.TRACKER_UNAVAILABLE
 
 
+def test_a_tracker_that_just_started_lets_clients_route_on_what_they_remember(ctx):
+    tracker = Tracker(TrackerConfig(bind="tcp://127.0.0.1:*", pub="tcp://127.0.0.1:*", db=":memory:",
+                                    warmup=60), context=ctx)
+    stop = threading.Event()
+    thread = threading.Thread(target=tracker.run, args=(stop,), daemon=True)
+    thread.start()
+    assert tracker.ready.wait(10)
+    try:
+        with Client(tracker.endpoint, timeout=5) as client:
+            with pytest.raises(FabricError) as refused:
+                client.route("m")  # its nodes have not registered again yet, and nothing is remembered
+            assert refused.value.code == p.ErrorCode.TRACKER_STARTING and "nodes register" in str(refused.value)
+            client.learn_plans(plans_of("m", (A, B)))
+            assert client.route("m") == (A, B)
+    finally:
+        stop.set()
+        thread.join(10)
+
+
 def test_the_web_ui_feed_hands_plans_to_the_client():
     seen = []
     feed = LiveFeed(None, on_plans=seen.append)
@@ -257,7 +276,9 @@ def test_kill_9_of_the_tracker_costs_new_requests_nothing_and_the_ledger_keeps_e
         for rid in ("away-1", "away-2"):
             assert _greedy(client, model.name, rid) == (expected, text)  # on its last route
             ids.append(rid)
-    cluster.start_tracker()  # the same port and ledger
+        cluster.start_tracker()  # the same port and ledger
+        assert _greedy(client, model.name, "restarted") == (expected, text)  # its nodes may not be back yet
+        ids.append("restarted")
     cluster.wait_nodes(["a", "b"], model.name, timeout=30)
     ledger = cluster.tmp / "ledger.sqlite3"
 

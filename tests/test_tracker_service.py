@@ -88,7 +88,7 @@ class Running:
 
     def __init__(self, tmp_path: Path, context: zmq.Context, clock=time.monotonic, **overrides):
         fields = dict(bind="tcp://127.0.0.1:*", pub="tcp://127.0.0.1:*",
-                      db=tmp_path / "ledger.sqlite3", heartbeat_interval=0.2, stats_interval=0.1)
+                      db=tmp_path / "ledger.sqlite3", heartbeat_interval=0.2, stats_interval=0.1, warmup=0)
         self.tracker = Tracker(TrackerConfig(**{**fields, **overrides}), clock=clock)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self.tracker.run, args=(self._stop,),

@@ -99,6 +99,9 @@ class TrackerConfig:
     cost: CostModel = CostModel()  # the planner's cost knobs
     security: Security | None = None  # CurveZMQ keys + allow-list; None: plaintext (a trusted LAN)
     reach_timeout: float = 3.0  # seconds a node's endpoint has to answer the tracker's PING (0: never check)
+    # seconds after start in which a missing route is "tracker_starting", not "no_route": the nodes of a restarted
+    # tracker register again meanwhile, and clients route on what they remember (None: every heartbeat missed once)
+    warmup: float | None = None
 
 
 HANDLED = (Kind.REGISTER, Kind.HEARTBEAT, Kind.ROUTE_REQUEST, Kind.REPORT, Kind.STATUS_REQUEST,
@@ -384,6 +387,9 @@ class Tracker:
         return Route(model=msg.model, hops=best.hops, estimated_tps=best.estimated_tps)
 
     def _route_error(self, msg: RouteRequest, code: str, text: str) -> NoReturn:
+        age, warmup = time.monotonic() - self._started, self.config.warmup
+        if age < (self.config.heartbeat_interval * self.config.expiry_missed if warmup is None else warmup):
+            code, text = ErrorCode.TRACKER_STARTING, f"{text} (the tracker started {age:.1f} s ago: nodes register)"
         self._emit(self.events.add("error", text, model=msg.model, code=code,
                                    exclude=list(msg.exclude)))
         raise ProtocolError(text, code)

@@ -48,6 +48,7 @@ _FABRIC_ERRORS: dict[str, tuple[int, str, str, str | None]] = {
     ErrorCode.CANCELLED: (503, SERVER_ERROR, "cancelled", None),
     ErrorCode.INTERNAL: (500, SERVER_ERROR, "internal", None),
     ErrorCode.TRACKER_UNAVAILABLE: (503, SERVER_ERROR, "tracker_unavailable", None),
+    ErrorCode.TRACKER_STARTING: (503, SERVER_ERROR, "tracker_starting", None),
     ErrorCode.LEAVING: (503, SERVER_ERROR, "node_leaving", None),
 }
 

@@ -271,7 +271,7 @@ class ClientCore:
 
     def _remembered(self, model: str, exclude: tuple[str, ...], error: FabricError) -> tuple[p.Hop, ...]:
         """A remembered route of ``model`` when the tracker did not answer; else ``error``."""
-        route = self.routes.instead(model, exclude) if error.code == p.ErrorCode.TRACKER_UNAVAILABLE else None
+        route = self.routes.instead(model, exclude) if error.code in p.TRACKER_AWAY_CODES else None
         if route is None:
             raise error
         said, self._said_remembered = self._said_remembered, True  # said once while the tracker is away
@@ -280,7 +280,7 @@ class ClientCore:
         return route
 
     def _remembered_models(self, error: FabricError) -> list[dict]:
-        if error.code != p.ErrorCode.TRACKER_UNAVAILABLE or not self.routes.models():
+        if error.code not in p.TRACKER_AWAY_CODES or not self.routes.models():
             raise error
         return self.routes.models()
 

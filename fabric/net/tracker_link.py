@@ -89,8 +89,7 @@ class TrackerLink:
         if isinstance(message, p.Ack) and message.request_id:
             self.unacked.pop(message.request_id, None)
         self._said.discard("dropped")
-        if isinstance(message, p.Error) and message.code not in (p.ErrorCode.UNKNOWN_NODE, p.ErrorCode.NO_ROUTE,
-                                                                 p.ErrorCode.UNKNOWN_MODEL):
+        if isinstance(message, p.Error) and message.code not in {p.ErrorCode.UNKNOWN_NODE, *p.NO_ROUTE_CODES}:
             self._once(f"refused:{message.code}:{message.message}", logging.WARNING,
                        "the tracker at %s refused this node: %s (%s)", self.endpoint, message.message, message.code)
 

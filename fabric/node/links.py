@@ -135,8 +135,7 @@ class Links:
             if not self.leaving and time.monotonic() - self._registered_at >= self.config.heartbeat_interval:
                 log.info("tracker does not know this node (restarted?): registering again")
                 self._register()
-        elif isinstance(msg, p.Route) or (isinstance(msg, p.Error) and msg.code in (
-                p.ErrorCode.NO_ROUTE, p.ErrorCode.UNKNOWN_MODEL)):
+        elif isinstance(msg, p.Route) or (isinstance(msg, p.Error) and msg.code in p.NO_ROUTE_CODES):
             self.host.route_answer(msg)
         elif isinstance(msg, p.Ack):
             if msg.probe:

@@ -67,9 +67,16 @@ class ErrorCode:
     PROMPT_TOO_LONG = "prompt_too_long"
     INTERNAL = "internal"
     TRACKER_UNAVAILABLE = "tracker_unavailable"  # client side: the tracker did not answer in time
+    TRACKER_STARTING = "tracker_starting"  # a tracker that just started has no route yet: its nodes still register
     HOP_FAILED = "hop_failed"
     CANCELLED = "cancelled"
     LEAVING = "leaving"  # the node is leaving the swarm (SIGTERM): it takes no new session; go around it
+
+
+# a tracker's answer to ROUTE_REQUEST when it has no route (a head waits for its lost hops then)
+NO_ROUTE_CODES = frozenset({ErrorCode.NO_ROUTE, ErrorCode.UNKNOWN_MODEL, ErrorCode.TRACKER_STARTING})
+# the tracker cannot tell now: a client routes on what it remembers instead
+TRACKER_AWAY_CODES = frozenset({ErrorCode.TRACKER_UNAVAILABLE, ErrorCode.TRACKER_STARTING})
 
 
 class EventKind(StrEnum):
