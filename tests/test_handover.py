@@ -12,8 +12,9 @@ import dataclasses
 import json
 import signal
 import sqlite3
+import subprocess
+import sys
 import threading
-import time
 import urllib.request
 
 import pytest
@@ -21,6 +22,7 @@ import pytest
 from fabric.client.core import MAX_HANDOVERS, Continuation, HeadDied
 from fabric.node.route_session import RouteSession
 from fabric.wire import protocol as p
+from tests.cluster import ROOT
 from tests.support import wait_for
 from tests.test_fabric_equivalence import MESSAGES, prompt_ids
 from tests.test_protocol import _doc_block
@@ -61,6 +63,10 @@ def _drive(rs, transport) -> list[p.Event]:
 
 def _tokens(events) -> list[int]:
     return [t for e in events if e.event == "token" for t in e.token_ids]
+
+
+def _text(events) -> str:
+    return "".join(e.text for e in events if e.event == "token")
 
 
 def _after(events, k: int) -> str:
@@ -228,3 +234,197 @@ def test_the_call_wall_moves_a_request_to_the_head_that_took_it_over():
     row = board.apply({"kind": "handover", "key": "r1", "seq": 2, "node": "a2", "model": "m",
                        "message": "a2 took over", "hops": [{"node": "a2", "start_layer": 0, "end_layer": 2}]}, 1.0)
     assert (row["node"], row["state"], [h["node"] for h in row["hops"]]) == ("a2", "running", ["a2"])
+
+
+# --------------------------------------------------------------------------- real processes
+
+TOKENS = 150  # more than the reference's reply: it ends at its end-of-sequence token
+LINK_DELAY = 0.02  # seconds each way on the link to a tail: a token takes this long at least
+
+
+def _swarm(cluster, model) -> list[str]:
+    """Two heads (0-2) and two tails (3-5) behind a delay proxy, so that a stream lasts long
+    enough to be killed in its middle; the token ids of the unbroken reply."""
+    from tests.support import free_port
+
+    maps, tails = [], []
+    for name in ("t1", "t2"):
+        bind, front = free_port(), free_port()
+        maps += ["--map", f"127.0.0.1:{front}=127.0.0.1:{bind}"]
+        tails.append((name, bind, f"tcp://127.0.0.1:{front}"))
+    log = open(cluster.tmp / "proxy.log", "ab")
+    cluster.procs["proxy"] = subprocess.Popen([sys.executable, "-m", "tests.delay_proxy", *maps, "--delay",
+                                               str(LINK_DELAY)], stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
+    for name, bind, front in tails:
+        cluster.start_node(name, str(model), "3-5", bind, "--advertise", front)
+    for name in ("h1", "h2"):
+        cluster.start_node(name, str(model), "0-2")
+    cluster.wait_nodes(["h1", "h2", "t1", "t2"], model.name)
+    return reference_greedy(model, prompt_ids(model), TOKENS)
+
+
+def _restart(cluster, model, name: str) -> None:
+    """Start the head ``name`` again, on a new port, and wait until the tracker plans on it."""
+    endpoint = cluster.start_node(name, str(model), "0-2")
+
+    def registered() -> bool:
+        with cluster.client() as client:
+            return any(n["id"] == name and n["endpoint"] == endpoint for n in client.status()["nodes"])
+    assert wait_for(registered, 60, 0.2), cluster.logs()
+
+
+def _serving_head(cluster) -> str | None:
+    from tests.cluster import ping
+
+    for name in ("h1", "h2"):
+        pong = ping(cluster.node_endpoints[name], 2.0) if name in cluster.procs else None
+        if pong and pong.sessions:
+            return name
+    return None
+
+
+def _stream_and_kill_the_head(cluster, model: str, after: int = 4, **kw) -> tuple[list[p.Event], str]:
+    """Stream a chat; after ``after`` tokens kill -9 its head. The events, and the head killed."""
+    events, victim = [], ""
+    with cluster.client() as client:
+        for event in client.generate(model, messages=MESSAGES, **{"max_tokens": TOKENS, **kw}):
+            events.append(event)
+            victim = victim or event.route[0].node
+            if len(_tokens(events)) == after and victim in cluster.procs:
+                cluster.kill(victim, signal.SIGKILL)
+    return events, victim
+
+
+def _handovers(cluster) -> dict[str, dict]:
+    with cluster.client() as client:
+        return {e["key"]: e for e in client.status()["events"] if e["kind"] == "handover"}
+
+
+def _ledger(cluster, ids: list[str]) -> list[tuple]:
+    """The ledger's rows of ``ids``, once the tracker has them all."""
+    def rows() -> list[tuple]:
+        with sqlite3.connect(cluster.tmp / "ledger.sqlite3") as db:
+            marks = ",".join("?" * len(ids))
+            return db.execute(f"SELECT request_id, prompt_tokens, completion_tokens, status FROM completions "
+                              f"WHERE request_id IN ({marks}) ORDER BY request_id", ids).fetchall()
+    assert wait_for(lambda: len(rows()) == len(ids), 20), rows()
+    return rows()
+
+
+def test_kill_9_of_the_head_mid_stream_costs_the_stream_nothing(process_cluster, tiny_models):
+    """fabric.Client, greedy and with sampling the caller gave no seed for: one start, no
+    error, the text of the unbroken reply; the ledger bills each request once, in full."""
+    cluster, model = process_cluster, tiny_models("llama")
+    expected = _swarm(cluster, model)
+    with cluster.client() as client:
+        unbroken = list(client.generate(model.name, messages=MESSAGES, max_tokens=TOKENS))
+    assert _tokens(unbroken) == expected
+    events, victim = _stream_and_kill_the_head(cluster, model.name, request_id="greedy")
+    assert [e.event for e in events].count("start") == 1 and events[-1].event == "done", events[-1]
+    assert (_tokens(events), _text(events)) == (expected, _text(unbroken))
+    assert victim not in cluster.procs and events[-1].route[0].node != victim  # it went on at the other head
+    assert (events[-1].prompt_tokens, events[-1].completion_tokens) == (unbroken[-1].prompt_tokens, len(expected))
+    _restart(cluster, model, victim)
+    hot = dict(temperature=0.7, top_k=2, ignore_eos=True)  # no seed: the first head draws one
+    sampled, victim = _stream_and_kill_the_head(cluster, model.name, request_id="sampled", **{**hot, "max_tokens": 40})
+    with cluster.client() as client:
+        again = list(client.generate(model.name, messages=MESSAGES, max_tokens=40, seed=sampled[0].seed, **hot))
+    assert (_tokens(sampled), _text(sampled)) == (_tokens(again), _text(again)) and len(_tokens(again)) == 40
+    assert sampled[-1].route[0].node != victim
+    handovers = _handovers(cluster)
+    assert all(handovers[rid]["resumed"] >= 4 for rid in ("greedy", "sampled")), handovers
+    prompt = unbroken[-1].prompt_tokens
+    assert _ledger(cluster, ["greedy", "sampled"]) == [("greedy", prompt, len(expected), "billed"),
+                                                       ("sampled", prompt, 40, "billed")]
+
+
+def _post(url: str, body: dict, on_chunk=None) -> tuple[str, list[dict], str]:
+    """POST a chat to the web UI: its text, its SSE chunks ([] when not streamed), its request id.
+    ``on_chunk(chunks)`` is called after each SSE chunk."""
+    req = urllib.request.Request(url + "/v1/chat/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=60) as r:
+        rid = r.headers["X-Request-Id"]
+        if not body.get("stream"):
+            return json.loads(r.read())["choices"][0]["message"]["content"], [], rid
+        chunks = []
+        for line in r:  # each line as it arrives
+            if line.startswith(b"data: {"):
+                chunks.append(json.loads(line[6:]))
+                if on_chunk:
+                    on_chunk(chunks)
+    return "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c.get("choices")), chunks, rid
+
+
+def _kill_once(cluster, killed: list[str]) -> None:
+    """kill -9 the head that serves the running request, if none was killed yet."""
+    if not killed:
+        head = _serving_head(cluster)
+        assert head, "no head serves a session"
+        cluster.kill(head, signal.SIGKILL)
+        killed.append(head)
+
+
+def _kill_when_tokens_come(cluster, known: set[str], killed: list[str]) -> None:
+    """Wait for a new request's progress report with tokens (its head's), then kill -9 that head."""
+    def progress() -> dict | None:
+        with cluster.client() as client:
+            return next((e for e in client.status()["events"] if e["kind"] == "progress" and e["key"] not in known
+                         and e["tokens"] >= 2), None)
+    assert wait_for(lambda: progress() is not None, 30, 0.02)
+    head = progress()["node"]
+    cluster.kill(head, signal.SIGKILL)
+    killed.append(head)
+
+
+def test_kill_9_of_the_head_mid_stream_under_the_web_ui_and_meshnet_chat(process_cluster, tiny_models):
+    """The web UI's stream and non-streamed reply, and `meshnet chat`'s, each with the head that
+    serves it killed mid-stream: the unbroken text, no error, each request billed once."""
+    cluster, model = process_cluster, tiny_models("llama")
+    _swarm(cluster, model)
+    url = cluster.start_webui()
+    body = {"model": model.name, "messages": MESSAGES, "max_tokens": TOKENS, "temperature": 0}
+    text, _, first = _post(url, {**body, "stream": True})
+    streamed: list[str] = []
+    got, chunks, rid = _post(url, {**body, "stream": True},
+                             lambda chunks: _content(chunks) >= 3 and _kill_once(cluster, streamed))
+    assert got == text and streamed, streamed
+    assert not any("error" in c for c in chunks) and chunks[-1]["choices"][0]["finish_reason"] == "stop"
+    ids = [first, rid]
+    _restart(cluster, model, streamed[0])
+    with cluster.client() as client:
+        known = {e["key"] for e in client.status()["events"]}
+    whole: list[str] = []
+    killer = threading.Thread(target=_kill_when_tokens_come, args=(cluster, known, whole))
+    killer.start()
+    got, _, rid = _post(url, body)
+    killer.join(30)
+    assert got == text and whole
+    ids.append(rid)
+    _restart(cluster, model, whole[0])
+    assert _chat(cluster, model.name) == text + "\n"
+    handovers = _handovers(cluster)
+    assert set(ids[1:]) <= set(handovers) and len(handovers) == 3, handovers  # the chat's, too
+    assert all(h["resumed"] > 0 for h in handovers.values()), handovers  # each head died mid-stream
+    rows = _ledger(cluster, ids)
+    assert [(r[2], r[3]) for r in rows] == [(rows[0][2], "billed")] * 3
+
+
+def _content(chunks: list[dict]) -> int:
+    return sum(1 for c in chunks if c.get("choices") and c["choices"][0]["delta"].get("content"))
+
+
+def _chat(cluster, model: str) -> str:
+    """`meshnet chat PROMPT`, its head killed -9 once its reply shows: what it printed."""
+    proc = subprocess.Popen([sys.executable, "-m", "fabric.cli", "chat", "--tracker", cluster.endpoint, "--model",
+                             model, "--max-tokens", str(TOKENS), MESSAGES[0]["content"]], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL)
+    try:
+        shown = proc.stdout.read(1)  # the reply's first character: its head serves it
+        _kill_once(cluster, [])
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0 and b"error" not in err, err
+    return (shown + out).decode()
