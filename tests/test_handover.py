@@ -22,7 +22,7 @@ import pytest
 from fabric.client.core import MAX_HANDOVERS, Continuation, HeadDied
 from fabric.node.route_session import RouteSession
 from fabric.wire import protocol as p
-from tests.cluster import ROOT
+from tests.cluster import ROOT, wait_sessions_zero
 from tests.support import wait_for
 from tests.test_fabric_equivalence import MESSAGES, prompt_ids
 from tests.test_protocol import _doc_block
@@ -324,6 +324,8 @@ def test_kill_9_of_the_head_mid_stream_costs_the_stream_nothing(process_cluster,
     assert (_tokens(events), _text(events)) == (expected, _text(unbroken))
     assert victim not in cluster.procs and events[-1].route[0].node != victim  # it went on at the other head
     assert (events[-1].prompt_tokens, events[-1].completion_tokens) == (unbroken[-1].prompt_tokens, len(expected))
+    # no hop of the dead head's route keeps the session: the client cancelled it on those the new route skips
+    wait_sessions_zero([cluster.node_endpoints[n] for n in ("h1", "h2", "t1", "t2") if n in cluster.procs], timeout=5)
     _restart(cluster, model, victim)
     hot = dict(temperature=0.7, top_k=2, ignore_eos=True)  # no seed: the first head draws one
     sampled, victim = _stream_and_kill_the_head(cluster, model.name, request_id="sampled", **{**hot, "max_tokens": 40})

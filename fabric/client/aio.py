@@ -100,7 +100,7 @@ class AsyncClient(ClientCore):
                     hops = await self.route(args.model, exclude)
                 except FabricError as exc:
                     raise stranded(died, exc) from None
-                stream.go_on(died, hops)
+                self._go_on(stream, died, hops)
 
     async def _attempt(self, msg: p.Generate) -> AsyncIterator[p.Event]:
         poller = zmq.asyncio.Poller()

@@ -113,7 +113,7 @@ class Client(ClientCore):
                     route = self.route(model, exclude)
                 except FabricError as exc:
                     raise stranded(died, exc) from None
-                stream.go_on(died, route)
+                self._go_on(stream, died, route)
 
     def _attempt(self, msg: p.Generate) -> Iterator[p.Event]:
         poller = zmq.Poller()
