@@ -39,6 +39,7 @@ class Cluster:
         self.model, self.tmp = model, tmp
         self.tracker = f"tcp://127.0.0.1:{free_port()}"
         self.procs: dict[str, subprocess.Popen] = {}
+        self.endpoints: dict[str, str] = {}  # node -> the endpoint it was started on
         self.layers = load_config(resolve(model)).num_hidden_layers
         self._run("tracker", "tracker", "--bind", self.tracker, "--pub", f"tcp://127.0.0.1:{free_port()}",
                   "--db", str(tmp / "ledger.sqlite3"), "--heartbeat", "0.5")
@@ -48,18 +49,23 @@ class Cluster:
                                             cwd=REPO)
 
     def node(self, name: str, layers: str) -> None:
+        self.endpoints[name] = f"tcp://127.0.0.1:{free_port()}"
         self._run(name, "node", "--model", self.model, "--layers", layers, "--tracker", self.tracker,
-                  "--node-id", name, "--threads", "1", "--no-progress", "--heartbeat", "0.5")
+                  "--node-id", name, "--bind", self.endpoints[name], "--threads", "1", "--no-progress",
+                  "--heartbeat", "0.5")
 
     def wait(self, names: set[str]) -> list[str]:
+        """The nodes' endpoints, once the tracker lists each at the endpoint it has now (a node
+        started again is listed at its old one until that expires)."""
         with Client(self.tracker, timeout=2) as client:
             def ready():
                 try:
-                    return names <= {n["id"] for n in client.status()["nodes"]}
+                    listed = {(n["id"], n["endpoint"]) for n in client.status()["nodes"]}
                 except Exception:
                     return False
+                return all((name, self.endpoints[name]) in listed for name in names)
             assert wait_for(ready, 300, 0.2), "nodes did not come up"
-            return [n["endpoint"] for n in client.status()["nodes"] if n["id"] in names]
+        return [self.endpoints[name] for name in sorted(names)]
 
     def kill(self, name: str) -> None:
         proc = self.procs.pop(name)
