@@ -92,6 +92,9 @@ def samples() -> list[tuple[p.Message, list]]:
         (p.Generate(request_id="r1", route=FULL, messages=({"role": "user", "content": "hi"},), max_tokens=16,
                     stop=("\n\n",), sampling=SAMPLING, api_key="k"), []),
         (p.Generate(request_id="r2", route=(Hop("a", HEAD.endpoint, 0, 7),), prompt="once upon"), []),
+        (p.Generate(request_id="r3", route=FULL, prompt="once upon", max_tokens=8, sampling=SAMPLING,
+                    resume=(17, 0, 2**31 - 1)), []),
+        (p.Event("r1", "start", route=FULL, prompt_tokens=3, seed=2**62 - 1), []),
         (p.Event("r1", "token", text="h\u00e9", token_ids=(1, 2), prompt_tokens=3, completion_tokens=2), []),
         (p.Event("r1", "progress", prompt_tokens=300, prefilled=96, prefill_tokens=300), []),
         (p.Event("r1", "done", finish_reason="stop", prompt_tokens=3, completion_tokens=9, route=FULL), []),
@@ -110,6 +113,8 @@ def samples() -> list[tuple[p.Message, list]]:
                   elapsed=1.25, final=True, finish_reason="stop", api_key="k", max_tokens=16), []),
         (p.Report(request_id="r2", node_id="a", model="tiny", route=FULL, prompt_tokens=300, elapsed=2.5,
                   prefilled=96, prefill_tokens=300), []),
+        (p.Report(request_id="r3", node_id="b", model="tiny", route=FULL, prompt_tokens=3, completion_tokens=9,
+                  resumed=4), []),
         (p.StatusRequest(), []),
         (p.Status({"nodes": [{"id": "a", "layers": [0, 2]}], "plans": {}, "x": None}), []),
         (p.AssignRequest("tiny", 30, max_layers=15), []),
@@ -575,6 +580,9 @@ GENERATE_CASES = {
                                  "role and content"),
     # a gap in a GENERATE route is reported as bad_frame (Generate.validate uses the default code)
     "route gap": (_set("route", [_hop(0, 2), _hop(4, 7)]), BAD_FRAME, "starts at 4, expected 3"),
+    "resume beyond max_tokens": (_set("resume", [1] * 17), BAD_REQUEST, "resume"),
+    "negative resumed token id": (_set("resume", [-1]), BAD_REQUEST, "resume"),
+    "resumed token id that is not an int": (_set("resume", ["a"]), BAD_FRAME, "resume must be an int"),
 }
 
 

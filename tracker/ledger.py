@@ -116,6 +116,8 @@ def check_report(report: Report) -> None:
               report.prefill_tokens)
     if any(not 0 <= c < 1 << 31 for c in counts) or report.elapsed < 0:
         raise ProtocolError("token counts and elapsed must be >= 0", ErrorCode.BAD_REQUEST)
+    if not 0 <= report.resumed <= report.completion_tokens:
+        raise ProtocolError("resumed must be in [0, completion_tokens]", ErrorCode.BAD_REQUEST)
     if len(report.route) > 64:
         raise ProtocolError("a route has at most 64 hops", ErrorCode.BAD_REQUEST)
     expected = 0

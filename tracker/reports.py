@@ -3,6 +3,7 @@ ledger bills once and the statistics learn from. Every change is an event on the
 from __future__ import annotations
 
 from collections import OrderedDict
+from dataclasses import dataclass
 from typing import Callable
 
 from fabric.wire.protocol import Ack, Message, Report
@@ -23,6 +24,19 @@ from .stats import Completion, StatsStore, decode_timing
 MAX_INFLIGHT = 4096  # requests whose first progress report is remembered
 
 
+@dataclass
+class _Flight:
+    """A request in flight: the head that serves it, and its first progress with tokens."""
+
+    node: str
+    first: tuple[int, float] | None = None  # (tokens, seconds) at the head's first progress report with tokens
+
+
+def _handed_over(msg: Report, flight: _Flight | None) -> bool:
+    """Whether ``msg`` is the first word of a head that took the request over from another."""
+    return (flight is None and msg.resumed > 0) or (flight is not None and flight.node != msg.node_id)
+
+
 def _progress_line(msg: Report, tps: float) -> str:
     """The progress event's one line: the prefill while one runs, else the tokens so far."""
     if msg.prefilled < msg.prefill_tokens:
@@ -35,8 +49,7 @@ class Reports:
                  emit: Callable[[dict], None]):
         self.registry, self.stats, self.events, self.cost = registry, stats, events, cost
         self.emit = emit  # publishes an event on the feed
-        # request id -> (tokens, seconds) at its first progress report with tokens (None before)
-        self._inflight: OrderedDict[str, tuple[int, float] | None] = OrderedDict()
+        self._inflight: OrderedDict[str, _Flight] = OrderedDict()  # request id -> its head and first progress
 
     def __len__(self) -> int:
         return len(self._inflight)
@@ -45,16 +58,17 @@ class Reports:
         check_report(msg)
         return self._on_completion(msg, ledger) if msg.final else self._on_progress(msg)
 
-    def _remember(self, request_id: str, first: tuple[int, float] | None) -> None:
-        self._inflight[request_id] = first
+    def _remember(self, request_id: str, node: str) -> None:
+        self._inflight[request_id] = _Flight(node)
         while len(self._inflight) > MAX_INFLIGHT:
             self._inflight.popitem(last=False)
 
     def _on_progress(self, msg: Report) -> Message:
         rid = msg.request_id
-        if rid not in self._inflight:
-            self._remember(rid, None)
-            self.emit(self.events.add(
+        flight = self._inflight.get(rid)
+        if flight is None or _handed_over(msg, flight):
+            self._remember(rid, msg.node_id)  # a new head: its decode rate counts from its own reports
+            self.emit(self._handover(msg, flight) if _handed_over(msg, flight) else self.events.add(
                 "connected", f"{msg.node_id} connected for {msg.model}", key=rid,
                 node=msg.node_id, model=msg.model, hops=[hop_dict(h) for h in msg.route]))
         if msg.completion_tokens > 0 or msg.prefilled > 0:  # tokens come, or a long prompt prefills
@@ -67,19 +81,31 @@ class Reports:
                 prefilled=msg.prefilled, prefill_tokens=msg.prefill_tokens))
         return Ack()
 
+    def _handover(self, msg: Report, flight: _Flight | None) -> dict:
+        """The event of a head that took the request over from one that died."""
+        before = f" from {flight.node}" if flight is not None else ""
+        return self.events.add(
+            "handover", f"{msg.node_id} took over a request for {msg.model}{before} after {msg.resumed} tokens",
+            key=msg.request_id, node=msg.node_id, model=msg.model, previous=flight.node if flight else None,
+            resumed=msg.resumed, hops=[hop_dict(h) for h in msg.route])
+
     def _decode_tps(self, msg: Report) -> float:
         """Decode tokens per second since the request's first report with tokens."""
-        if self._inflight[msg.request_id] is None:
-            self._inflight[msg.request_id] = (msg.completion_tokens, msg.elapsed)
-        timing = decode_timing(msg.completion_tokens, msg.elapsed, self._inflight[msg.request_id])
+        flight = self._inflight[msg.request_id]
+        if flight.first is None:
+            flight.first = (msg.completion_tokens, msg.elapsed)
+        timing = decode_timing(msg.completion_tokens, msg.elapsed, flight.first)
         return 1.0 / timing.seconds_per_token if timing else 0.0
 
     def _on_completion(self, msg: Report, ledger: Ledger) -> Message:
-        first = self._inflight.pop(msg.request_id, None)
+        flight = self._inflight.pop(msg.request_id, None)
         entry, new = ledger.record(msg)
         if not new:
             return Ack(detail=f"already recorded: {entry.status}", request_id=msg.request_id)
-        self._record_stats(msg, first)
+        if _handed_over(msg, flight):  # the new head ended it before its first progress report
+            self.emit(self._handover(msg, flight))
+            flight = None  # the first progress was another head's
+        self._record_stats(msg, flight.first if flight else None)
         kind = "error" if msg.finish_reason == "error" else "complete"
         billing = entry.status + (f" ({entry.reason})" if entry.reason else "")
         self.emit(self.events.add(
@@ -92,10 +118,13 @@ class Reports:
         return Ack(detail=billing, request_id=msg.request_id)
 
     def _record_stats(self, msg: Report, first: tuple[int, float] | None) -> None:
+        """Learn from the completion; after a handover, from the tokens of the last head only
+        (its ``elapsed`` counts from when it took over)."""
         nodes = {n.node_id: n for n in self.registry.snapshot()}
         rates, cost = self.stats.layer_rates(), self.cost
+        first = (first[0] - msg.resumed, first[1]) if first else None
         self.stats.record(
-            Completion(model=msg.model, route=msg.route, completion_tokens=msg.completion_tokens,
+            Completion(model=msg.model, route=msg.route, completion_tokens=msg.completion_tokens - msg.resumed,
                        elapsed=msg.elapsed, finish_reason=msg.finish_reason, first_progress=first),
             hop_weights=hop_weights(msg.route, nodes, rates, cost),
             link_s=route_link_seconds(msg.route, nodes, cost),

@@ -1,7 +1,8 @@
 """The dashboard's live state, derived from the tracker's events: pure, no sockets, no clock.
 
 ``CallBoard`` turns the tracker's console events into one row per request (the Call
-wall): ``connected`` opens a row with its route, ``progress`` moves its prefill, tokens, tok/s and
+wall): ``connected`` opens a row with its route (``handover`` moves it to the head that took
+the request over from one that died), ``progress`` moves its prefill, tokens, tok/s and
 queue, ``complete``/``error`` close it into the recent list with usage, duration and
 billing. ``ThroughputMeter`` turns the same events into tokens per second served by each
 node, sampled over time. Both accept the same event twice (from the PUB feed and from a
@@ -13,7 +14,7 @@ from collections import Counter, OrderedDict, deque
 from typing import Any
 
 RUNNING, COMPLETE, CANCELLED, ERROR, LOST = "running", "complete", "cancelled", "error", "lost"
-OPEN_KINDS = ("connected", "progress")
+OPEN_KINDS = ("connected", "handover", "progress")
 FINAL_KINDS = ("complete", "error")
 MAX_TRACKED = 4096  # request keys remembered (finished, or counted by the meter)
 
@@ -65,7 +66,9 @@ class CallBoard:
         self._seen[key] = now
         if event.get("hops"):
             row["hops"] = _hops(event["hops"])
-        if kind == "progress":
+        if kind == "handover":
+            row["node"] = str(event.get("node", row["node"]))
+        elif kind == "progress":
             row.update(tokens=int(_number(event.get("tokens"), row["tokens"])), tps=_number(event.get("tps")),
                        queue=int(_number(event.get("queue"))), elapsed=_number(event.get("elapsed")),
                        prefilled=int(_number(event.get("prefilled"))),

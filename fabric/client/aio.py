@@ -7,7 +7,7 @@
 from __future__ import annotations
 
 import asyncio
-import dataclasses
+import contextlib
 from typing import AsyncIterator
 
 import zmq
@@ -16,7 +16,18 @@ import zmq.asyncio
 from ..net.security import Security
 from ..wire import protocol as p
 from ..wire.liveness import DEFAULT_TRACKER
-from .core import ClientCore, FabricError, GenerateArgs, HeadDied, HeadLink, decode_reply, models_of, route_from
+from .core import (
+    ClientCore,
+    Continuation,
+    FabricError,
+    GenerateArgs,
+    HeadDied,
+    HeadLink,
+    decode_reply,
+    models_of,
+    route_from,
+    stranded,
+)
 
 
 class AsyncClient(ClientCore):
@@ -74,15 +85,22 @@ class AsyncClient(ClientCore):
         return self._stream(GenerateArgs.of(model, **kwargs), route)
 
     async def _stream(self, args: GenerateArgs, route) -> AsyncIterator[p.Event]:
-        """Stream a request; if its head dies before the first token, go again around it."""
-        msg = args.message(route or await self.route(args.model))
-        try:
-            async for event in self._attempt(msg):
-                yield event
-        except HeadDied as died:
-            hops = await self.route(args.model, self._around(died, route is not None))
-            async for event in self._attempt(dataclasses.replace(msg, route=hops)):
-                yield event
+        """Stream a request; when its head dies, it goes on at another (``Continuation``)."""
+        stream = Continuation(args.message(route or await self.route(args.model)), route is not None)
+        while True:
+            try:
+                async with contextlib.aclosing(self._attempt(stream.msg)) as events:
+                    async for event in events:
+                        if stream.passes(event):
+                            yield event
+                return
+            except HeadDied as died:
+                exclude = self._around(died, stream)
+                try:
+                    hops = await self.route(args.model, exclude)
+                except FabricError as exc:
+                    raise stranded(died, exc) from None
+                self._go_on(stream, died, hops)
 
     async def _attempt(self, msg: p.Generate) -> AsyncIterator[p.Event]:
         poller = zmq.asyncio.Poller()

@@ -54,7 +54,6 @@ class HeadLeaving(HeadDied):
     def __init__(self, head: p.Hop, message: str):
         FabricError.__init__(self, p.ErrorCode.LEAVING, message)
         self.head = head
-        self.tokens = 0
 
 
 # the link to the head dropped, or it refuses connections: its process is gone
@@ -289,10 +288,37 @@ class ClientCore:
         self.routes.learn_plans(body)
         return body
 
-    def _around(self, died: HeadDied, fixed_route: bool) -> tuple[str, ...]:
-        """The nodes to go around after ``died`` (see ``retry_without``); remembered as dead."""
+    def _around(self, died: HeadDied, stream: Continuation) -> tuple[str, ...]:
+        """The heads ``stream`` goes around after ``died`` (see ``Continuation.around``); the
+        dead one is remembered as dead."""
         self.routes.died(died.head.node)
-        return retry_without(died, fixed_route)
+        return stream.around(died)
+
+    def _go_on(self, stream: Continuation, died: HeadDied, route: tuple[p.Hop, ...]) -> None:
+        """``stream`` goes on at ``route``'s head. The hops of the dead head's route that the new
+        route does not use are told to free the session: no head will, and their KV would stay
+        until their idle timeout. (A hop on both routes starts the session afresh instead.)"""
+        old = stream.msg.route
+        stream.go_on(died, route)
+        on_route = {h.endpoint for h in route}
+        for hop in old[1:]:
+            if hop.endpoint not in on_route:
+                self._tell(hop, p.Cancel(stream.msg.request_id))
+
+    def _tell(self, hop: p.Hop, message: p.Message) -> None:
+        """Send ``message`` to ``hop`` without waiting (a blocking socket of its own, which its
+        context goes on delivering for a moment after it is closed)."""
+        try:
+            sock = _dealer(zmq.Context.instance(), hop.endpoint, self.security, hop.key)
+        except FabricError as exc:
+            log.debug("cannot tell %s: %s", hop.node, exc)
+            return
+        try:
+            sock.send_multipart(p.encode(message), zmq.NOBLOCK)
+        except zmq.Again:
+            log.debug("could not tell %s %s", hop.node, type(message).__name__)
+        finally:
+            sock.close(linger=1000)
 
 
 def status_body(reply: p.Message) -> dict:
@@ -301,13 +327,62 @@ def status_body(reply: p.Message) -> dict:
     return reply.body
 
 
-def retry_without(died: HeadDied, fixed_route: bool) -> tuple[str, ...]:
-    """The nodes a request whose head died goes around, when it may go again at all: only
-    before its first token (a head that already streamed tokens fails the request), and
-    only on a route the client chose for itself."""
-    if fixed_route or died.tokens:
-        raise died
-    return (died.head.node,)
+MAX_HANDOVERS = 3  # heads one request may lose and still go on
+
+
+def stranded(died: HeadDied, why: FabricError) -> HeadDied:
+    """``died``, saying why no other head took its request over."""
+    died.message = f"{died.message}, and no other head could take the request over ({why})"
+    died.args = (f"{died.code}: {died.message}",)
+    return died
+
+
+class Continuation:
+    """One request's stream across the heads that serve it in turn, seen by the caller as one.
+
+    When a head dies (or refuses the request because it leaves), the request goes on at another
+    head that holds layer 0: the same GENERATE with the token ids streamed so far (``resume``)
+    and the sampling seed the first head used (its start event names it). Sampling depends only
+    on (seed, position), so the new head goes on as the first would have. The caller sees one
+    start event, each token once and one end. The shells stream ``msg``, pass on the events
+    ``passes`` lets through, and after a HeadDied ask for a route around ``around``'s nodes.
+    """
+
+    def __init__(self, msg: p.Generate, fixed_route: bool):
+        self.msg = msg  # the GENERATE to send next
+        self.fixed_route = fixed_route  # the caller chose the route: no other head to go to
+        self.ids: list[int] = []  # the token ids streamed so far
+        self.started = False  # a start event was passed on
+        self.flushed = False  # the last flush of held-back text was passed on (only the end follows it)
+        self.lost: list[str] = []  # heads that died under this request
+
+    def passes(self, event: p.Event) -> bool:
+        """Whether the caller sees ``event``: not a later head's start, nor a flush it had."""
+        if event.event == p.EventKind.START:
+            seen, self.started = self.started, True
+            if not seen and event.seed is not None:  # unseeded sampling, too, goes on the same
+                self.msg = dataclasses.replace(self.msg, sampling=dataclasses.replace(self.msg.sampling,
+                                                                                      seed=event.seed))
+            return not seen
+        if event.event == p.EventKind.TOKEN and not event.token_ids:
+            seen, self.flushed = self.flushed, True
+            return not seen
+        self.ids.extend(event.token_ids)
+        return True
+
+    def around(self, died: HeadDied) -> tuple[str, ...]:
+        """The heads to go around after ``died``; ``died`` itself when the request cannot go on
+        (a route the caller chose, or too many heads lost)."""
+        if self.fixed_route or len(self.lost) >= MAX_HANDOVERS:
+            raise died
+        self.lost.append(died.head.node)
+        return tuple(self.lost)
+
+    def go_on(self, died: HeadDied, route: tuple[p.Hop, ...]) -> None:
+        """Send the request to ``route``'s head next, after the tokens so far."""
+        log.warning("%s after %d tokens; request %s goes on at %s", died.message, len(self.ids),
+                    self.msg.request_id, route[0].node)
+        self.msg = dataclasses.replace(self.msg, route=tuple(route), resume=tuple(self.ids))
 
 
 class HeadLink:
@@ -333,9 +408,7 @@ class HeadLink:
     def check(self, ready: dict) -> None:
         """Raise when the poll says the head died (link down, nothing to read) or went silent."""
         if self.monitor in ready and self.sock not in ready:
-            died = HeadDied(self.msg.route[0])
-            died.tokens = self.tokens
-            raise died
+            raise HeadDied(self.msg.route[0])
         if not ready:
             raise FabricError(p.ErrorCode.HOP_FAILED, f"head {self.msg.route[0].endpoint} went silent")
 

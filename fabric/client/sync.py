@@ -11,7 +11,7 @@ and every hop frees its KV.
 """
 from __future__ import annotations
 
-import dataclasses
+import contextlib
 from typing import Iterator, Sequence
 
 import zmq
@@ -19,7 +19,18 @@ import zmq
 from ..net.security import Security
 from ..wire import protocol as p
 from ..wire.liveness import DEFAULT_TRACKER
-from .core import ClientCore, FabricError, GenerateArgs, HeadDied, HeadLink, decode_reply, models_of, route_from
+from .core import (
+    ClientCore,
+    Continuation,
+    FabricError,
+    GenerateArgs,
+    HeadDied,
+    HeadLink,
+    decode_reply,
+    models_of,
+    route_from,
+    stranded,
+)
 
 
 class Client(ClientCore):
@@ -87,12 +98,22 @@ class Client(ClientCore):
         return self._stream(model, args.message(route or self.route(model)), fixed_route=route is not None)
 
     def _stream(self, model: str, msg: p.Generate, fixed_route: bool) -> Iterator[p.Event]:
-        """Stream ``msg``; if its head dies before the first token, go again around it."""
-        try:
-            yield from self._attempt(msg)
-        except HeadDied as died:
-            hops = self.route(model, self._around(died, fixed_route))
-            yield from self._attempt(dataclasses.replace(msg, route=hops))
+        """Stream ``msg``; when its head dies, the request goes on at another (``Continuation``)."""
+        stream = Continuation(msg, fixed_route)
+        while True:
+            try:
+                with contextlib.closing(self._attempt(stream.msg)) as events:
+                    for event in events:
+                        if stream.passes(event):
+                            yield event
+                return
+            except HeadDied as died:
+                exclude = self._around(died, stream)
+                try:
+                    route = self.route(model, exclude)
+                except FabricError as exc:
+                    raise stranded(died, exc) from None
+                self._go_on(stream, died, route)
 
     def _attempt(self, msg: p.Generate) -> Iterator[p.Event]:
         poller = zmq.Poller()

@@ -9,6 +9,7 @@ No sockets here: the node passes frames in and sends what comes out through ``He
 """
 from __future__ import annotations
 
+import logging
 import secrets
 import time
 from collections import Counter, deque
@@ -20,6 +21,8 @@ from ..wire import protocol as p
 from ..wire.liveness import LINK_GRACE, PEER_SILENCE, PING_INTERVAL
 from .prefixes import PrefixIndex
 from .route_session import RequestError, RouteSession, Transport, encode_prompt
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -51,6 +54,7 @@ class Model:
     num_layers: int
     tokenizer: object
     eos: frozenset[int]
+    vocab_size: int = 0  # token ids are below this (0: unchecked)
 
 
 class Head:
@@ -83,6 +87,7 @@ class Head:
                                   f"{last}", p.ErrorCode.BAD_REQUEST)
         try:
             prompt = encode_prompt(self.model.tokenizer, req, self.config.max_prompt_tokens)
+            self._check_resume(req)
         except RequestError as exc:
             self.host.reply(identity, p.Event(req.request_id, p.EventKind.ERROR, text=str(exc),
                                               error_code=exc.code, finish_reason=p.FinishReason.ERROR))
@@ -92,7 +97,15 @@ class Head:
                           seed=secrets.randbits(62), wire_dtype=self.config.wire_dtype)
         self.sessions[req.request_id] = rs
         self.clients[req.request_id] = identity
-        self._emit(rs, rs.start(self.prefixes.match(prompt, req.route, req.request_id)))
+        if req.resume:
+            log.warning("request %s: taking it over after %d tokens (its head died)", req.request_id, len(req.resume))
+        self._emit(rs, rs.start(self.prefixes.match(prompt + list(req.resume), req.route, req.request_id)))
+
+    def _check_resume(self, req: p.Generate) -> None:
+        """Resumed token ids must be ids of this model's vocabulary."""
+        if self.model.vocab_size and any(t >= self.model.vocab_size for t in req.resume):
+            raise RequestError(p.ErrorCode.BAD_REQUEST,
+                               f"resume holds a token id beyond the vocabulary ({self.model.vocab_size})")
 
     def cancel(self, session: str) -> bool:
         """Cancel a request this node heads; False when it heads no such request."""
@@ -149,7 +162,8 @@ class Head:
             request_id=rs.session, node_id=self.node_id, model=self.model.model_id, route=rs.route,
             prompt_tokens=rs.prompt_tokens, completion_tokens=len(rs.generated), elapsed=rs.elapsed,
             final=rs.finished is not None, finish_reason=rs.finished, api_key=rs.request.api_key,
-            max_tokens=rs.request.max_tokens, prefilled=rs.prefilled, prefill_tokens=rs.prefill.total))
+            max_tokens=rs.request.max_tokens, prefilled=rs.prefilled, prefill_tokens=rs.prefill.total,
+            resumed=rs.resumed))
 
     # -- failover -----------------------------------------------------------------------
 

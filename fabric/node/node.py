@@ -84,7 +84,7 @@ class Node:
     def _head(self, model_config) -> Head:
         tokenizer = load_tokenizer(self.config.source, self.config.cache_root)
         model = Model(self.config.source.model_id, self.config.shard.num_layers, tokenizer,
-                      eos_ids(tokenizer, model_config))
+                      eos_ids(tokenizer, model_config), getattr(model_config, "vocab_size", 0) or 0)
         # a node that keeps no KV of ended requests offers none to reuse either
         prefixes = PrefixIndex(max_entries=0 if self.kv.retained.budget <= 0 else MAX_PREFIXES)
         return Head(self.config.head, self, self.config.node_id, model, self.counters, prefixes=prefixes)

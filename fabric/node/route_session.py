@@ -156,6 +156,7 @@ class RouteSession:
         self.route = request.route
         self.history = list(prompt_ids)  # prompt + every generated token fed so far
         self.prompt_tokens = len(prompt_ids)
+        self.resumed = len(request.resume)  # of the generated tokens, those a head that died had streamed
         self.generated: list[int] = []
         self.eos = eos
         self.reply_to = reply_to
@@ -188,21 +189,33 @@ class RouteSession:
     # -- inputs -------------------------------------------------------------------------
 
     def start(self, reuse: Reuse | None = None) -> list[Event]:
-        """Send the prompt; with ``reuse``, only what follows the ended session's kept KV."""
+        """Send the prompt (after the resumed tokens, when a head that died streamed some);
+        with ``reuse``, only what follows the ended session's kept KV."""
         self.reused = reuse
+        start = [Event(self.session, EventKind.START, route=self.route, prompt_tokens=self.prompt_tokens,
+                       seed=self.sampling.seed)]
+        if ended := self._resume(self.request.resume):
+            return start + ended
         if reuse is None:
             self._send(self.history, pos=0)
         else:
             self._send(self.history[reuse.tokens:], pos=reuse.tokens, reuse=reuse.session)
-        return [Event(self.session, EventKind.START, route=self.route, prompt_tokens=self.prompt_tokens)]
+        return start
 
     def on_token(self, msg: Token) -> list[Event]:
         if self.finished or msg.step != self.step:
             return []  # stale reply from before a re-prefill or after the end
-        token = msg.token
         self.told_at = time.monotonic()
         self.held = msg.pos  # the tail answered: every hop ran every position before this token's
         self.first_token_at = self.first_token_at or time.monotonic()
+        events = self._take(msg.token)
+        if not self.finished:
+            self._send([msg.token], pos=len(self.history) - 1)
+        return events
+
+    def _take(self, token: int) -> list[Event]:
+        """Count ``token`` as generated: its text (stop strings held back), and the end when it
+        is one (EOS, a stop string, max_tokens); else it joins the history, to be fed next."""
         self.generated.append(token)
         if token in self.eos and not self.request.ignore_eos:
             return [self._token_event(token, self.detok.flush()), *self._finish(FinishReason.STOP)]
@@ -213,8 +226,20 @@ class RouteSession:
         if len(self.generated) >= self.request.max_tokens:
             return events + self._finish(FinishReason.LENGTH, tail=self.detok.flush())
         self.history.append(token)
-        self._send([token], pos=len(self.history) - 1)
         return events
+
+    def _resume(self, ids: tuple[int, ...]) -> list[Event]:
+        """Take ``ids``, streamed by a head that died, as if this session had generated them: the
+        history, the count, the text and stop strings' state. Their events are not sent again
+        (the client has them); what ends the request is, when they already end it (the client
+        lost the end with the head). Ids after the end fail the request (bad_request)."""
+        events: list[Event] = []
+        for n, token in enumerate(ids, 1):
+            events = self._take(token)
+            if self.finished and n < len(ids):
+                self.finished = None  # not an end: a request that cannot be
+                return self.fail(ErrorCode.BAD_REQUEST, f"resume goes on after the end of the reply (token {n})")
+        return events[1:] if self.finished else []
 
     def on_cache_miss(self, msg: CacheMiss) -> list[Event]:
         if self.finished or msg.step != self.step:

@@ -48,6 +48,8 @@ MAX_SEED = (1 << 63) - 1
 MAX_NEW_TOKENS = 1 << 20  # max_tokens
 MAX_STOP = 4  # stop strings (OpenAI's limit)
 MAX_MODEL_CHARS = 256
+MAX_RESUME = MAX_LIST  # token ids a resumed GENERATE carries (at most its max_tokens, too)
+MAX_TOKEN_ID = (1 << 31) - 1
 
 # dtype name -> item size in bytes. The receiver refuses anything else.
 DTYPE_SIZES = {"float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4}
@@ -340,6 +342,8 @@ class Generate(Message):
     sampling: Sampling = Sampling()
     api_key: str | None = None  # who to bill; reported to the tracker, never checked here
     ignore_eos: bool = False  # generate max_tokens even past an end-of-sequence token (benchmarks)
+    # token ids a head that died had streamed: this head takes them as its own and goes on after them
+    resume: tuple[int, ...] = ()
 
     def validate(self) -> None:
         if (self.messages is None) == (self.prompt is None):
@@ -350,6 +354,10 @@ class Generate(Message):
             raise ProtocolError("max_tokens must be in [1, 2**20]", ErrorCode.BAD_REQUEST)
         if len(self.stop) > MAX_STOP or any(not s for s in self.stop):
             raise ProtocolError(f"stop takes at most {MAX_STOP} non-empty strings", ErrorCode.BAD_REQUEST)
+        resume_ok = len(self.resume) <= min(self.max_tokens, MAX_RESUME)
+        if not resume_ok or not all(0 <= t <= MAX_TOKEN_ID for t in self.resume):
+            raise ProtocolError("resume carries at most max_tokens token ids, each in [0, 2**31)",
+                                ErrorCode.BAD_REQUEST)
         for m in self.messages or ():
             if not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
                 raise ProtocolError("each message needs string role and content", ErrorCode.BAD_REQUEST)
@@ -378,6 +386,7 @@ class Event(Message):
     route: tuple[Hop, ...] = ()
     prefilled: int = 0  # progress: positions the route has prefilled, each hop weighed by its layers
     prefill_tokens: int = 0  # progress: positions the prefill reaches (the prompt; the history on a re-prefill)
+    seed: int | None = None  # start: the sampling seed (the head draws one when the request names none)
 
 
 @dataclass(frozen=True)
@@ -457,6 +466,7 @@ class Report(Message):
     max_tokens: int = 0
     prefilled: int = 0  # as EVENT's: how far the running prefill has come (0 with prefill_tokens 0: none runs)
     prefill_tokens: int = 0
+    resumed: int = 0  # of completion_tokens, those a head that died streamed before this one took over
 
 
 @dataclass(frozen=True)

@@ -398,7 +398,8 @@ function renderUsage() {
 
 function renderLog() {
   const events = [...state.events.values()].sort((a, b) => b.ts - a.ts || b.seq - a.seq).slice(0, MAX_LOG);
-  const kindClass = {complete: "complete", error: "error", progress: "running", connected: "running"};
+  const kindClass = {complete: "complete", error: "error", progress: "running", connected: "running",
+                     handover: "handover"};
   fill($("event-log"), events.length ? events.map((e) => el("li", {dataset: {kind: e.kind}},
     el("span", {class: "muted mono"}, clock(e.updated || e.ts)),
     el("span", {class: "kind"}, el("span", {class: `badge ${kindClass[e.kind] || ""}`}, e.kind)),
