@@ -92,7 +92,7 @@ class Reports:
         return Ack(detail=billing, request_id=msg.request_id)
 
     def _record_stats(self, msg: Report, first: tuple[int, float] | None) -> None:
-        nodes = {n.node_id: n for n in self.registry.snapshot()}
+        nodes = {n.node_id: n for n in self.registry.snapshot(everyone=True)}
         rates, cost = self.stats.layer_rates(), self.cost
         self.stats.record(
             Completion(model=msg.model, route=msg.route, completion_tokens=msg.completion_tokens,

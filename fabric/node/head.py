@@ -18,6 +18,7 @@ from typing import Protocol
 from ..net.liveness import splice
 from ..wire import protocol as p
 from ..wire.liveness import LINK_GRACE, PEER_SILENCE, PING_INTERVAL
+from .audit import AuditConfig, Auditor
 from .prefixes import PrefixIndex
 from .route_session import RequestError, RouteSession, Transport, encode_prompt
 
@@ -51,11 +52,12 @@ class Model:
     num_layers: int
     tokenizer: object
     eos: frozenset[int]
+    fingerprint: str = ""  # the weights' digest: audits re-run hops on nodes with the same
 
 
 class Head:
     def __init__(self, config: HeadConfig, host: HeadHost, node_id: str, model: Model, counters: Counter,
-                 prefixes: PrefixIndex | None = None):
+                 prefixes: PrefixIndex | None = None, audit: AuditConfig = AuditConfig(audit_rate=0.0)):
         self.config = config
         self.prefixes = prefixes if prefixes is not None else PrefixIndex()  # what ended requests left on hops
         self.host = host
@@ -65,6 +67,9 @@ class Head:
         self.sessions: dict[str, RouteSession] = {}  # requests this node heads
         self.clients: dict[str, bytes] = {}  # request id -> client identity on the ROUTER
         self.pending_routes: deque[str] = deque()  # sessions awaiting a failover route, in request order
+        # steps re-run on replicas (fabric/node/audit.py); it is the RouteSessions' transport
+        self.auditor = Auditor(audit, host, node_id, model.model_id, model.fingerprint, counters,
+                               release=lambda token: self.deliver(token.session, token), route_around=self.route_around)
 
     def __len__(self) -> int:
         return len(self.sessions)
@@ -88,7 +93,7 @@ class Head:
                                               error_code=exc.code, finish_reason=p.FinishReason.ERROR))
             return
         rs = RouteSession(req, prompt, tokenizer=self.model.tokenizer, eos=self.model.eos,
-                          reply_to=self.host.endpoint, reply_key=self.host.key, transport=self.host,
+                          reply_to=self.host.endpoint, reply_key=self.host.key, transport=self.auditor,
                           seed=secrets.randbits(62), wire_dtype=self.config.wire_dtype)
         self.sessions[req.request_id] = rs
         self.clients[req.request_id] = identity
@@ -108,6 +113,8 @@ class Head:
         if rs is None:
             return  # a late reply for a request that already ended
         match msg:
+            case p.Token() if self.auditor.hold(msg):
+                return  # an audited step: its token goes on once the audit ends
             case p.Token():
                 events = rs.on_token(msg)
             case p.CacheMiss():
@@ -128,6 +135,7 @@ class Head:
         """Re-send steps that timed out."""
         for rs in list(self.sessions.values()):
             self._emit(rs, rs.check_timeout(now, self.config.hop_timeout))
+        self.auditor.tick(now)
 
     def _emit(self, rs: RouteSession, events: list[p.Event]) -> None:
         identity = self.clients.get(rs.session)
@@ -137,6 +145,7 @@ class Head:
         if rs.finished:
             self.sessions.pop(rs.session, None)
             self.clients.pop(rs.session, None)
+            self.auditor.forget(rs.session)
             if rs.finished != "error":  # the hops keep its KV (CLOSE, CANCEL): later requests may start from it
                 self.prefixes.add(rs.session, rs.held_ids, rs.route)
             self._report(rs)
@@ -164,6 +173,12 @@ class Head:
             lost = {h.node for h in rs.route if h.endpoint in dead}
             if lost and now >= rs.replan_after:
                 self._failover(rs, lost, now)
+
+    def route_around(self, node: str) -> None:
+        """An audit convicted ``node``: sessions through it re-run on routes without it."""
+        for rs in [rs for rs in self.sessions.values() if not rs.awaiting_route]:
+            if any(h.node == node for h in rs.route):
+                self._failover(rs, {node}, time.monotonic())
 
     def _failover(self, rs: RouteSession, lost: set[str], now: float) -> None:
         rs.begin_failover(lost)

@@ -40,11 +40,13 @@ from .peers import Peers
 from .prefixes import MAX_PREFIXES, PrefixIndex
 from .route_session import eos_ids
 from .scheduler import HopScheduler, Work
+from .taps import Taps, kernels
 
 log = logging.getLogger(__name__)
 
 COUNTERS = ("hop_seconds", "hops", "batched_hops", "prefill_chunks", "cache_miss", "failovers", "rejected_frames",
-            "dropped_frames", "hop_errors")
+            "dropped_frames", "hop_errors", "audits", "audits_passed", "audits_convicted", "audits_unsettled",
+            "audits_skipped", "audit_taps", "audit_replays")
 
 
 class Node:
@@ -64,6 +66,8 @@ class Node:
         self.counters: Counter[str] = Counter({k: 0 for k in COUNTERS})
         self._lock = ComputeLock(config.compute_lock)
         self.hops = HopRunner(self.executor, self._lock, self.counters)
+        self.taps = Taps(self.executor, self._lock, config.node_id, kernels(config.device, config.dtype, config.quant),
+                         self.counters)
         self.scheduler = HopScheduler(config.scheduler, self.kv, self.executor.batchable, self._lock.shared)
         self.benchmark = self.hops.benchmark(config.shard, config.dtype)
         self.auth = start_authenticator(self.ctx, config.security) if config.security else None
@@ -86,10 +90,11 @@ class Node:
     def _head(self, model_config) -> Head:
         tokenizer = load_tokenizer(self.config.source, self.config.cache_root)
         model = Model(self.config.source.model_id, self.config.shard.num_layers, tokenizer,
-                      eos_ids(tokenizer, model_config))
+                      eos_ids(tokenizer, model_config), self.fingerprint)
         # a node that keeps no KV of ended requests offers none to reuse either
         prefixes = PrefixIndex(max_entries=0 if self.kv.retained.budget <= 0 else MAX_PREFIXES)
-        return Head(self.config.head, self, self.config.node_id, model, self.counters, prefixes=prefixes)
+        return Head(self.config.head, self, self.config.node_id, model, self.counters, prefixes=prefixes,
+                    audit=self.config.audit)
 
     # -- main loop ----------------------------------------------------------------------
 
@@ -198,6 +203,11 @@ class Node:
                 raise p.ProtocolError("this node is not the head of that route", p.ErrorCode.BAD_REQUEST)
             case p.Cancel() | p.Close():
                 self._end(msg)
+            case p.Audit():
+                self.send_tensors(msg.reply_to, msg.reply_key, *self.taps.replay(msg, from_wire(msg.tensors[0],
+                                                                                                buffers[0])))
+            case p.AuditTap() | p.AuditResult() if self.head is not None:
+                self.head.auditor.received(msg, [from_wire(s, b) for s, b in zip(msg.tensors, buffers)])
             case p.Ping():
                 self.reply(identity, p.Pong(msg.nonce, node=self.config.node_id, sessions=len(self.kv)))
             case p.Error() | p.Pong() | p.Ack():
@@ -269,6 +279,8 @@ class Node:
         piece of a long prefill (all but the tail's last, which its TOKEN answers), PROGRESS to the
         head too: however long the prompt, the head hears it move."""
         msg = work.msg
+        if work.tapped and isinstance(result, StepResult):  # the head audits this step: it hears what ran here
+            self.send_tensors(msg.reply_to, msg.reply_key, *self.taps.tap(work, result))
         if (msg.more or msg.pos and not work.decode) and isinstance(result, StepResult) and result.logits is None:
             self._progress(msg, msg.pos + work.tokens)
         if isinstance(result, CacheMissError):
@@ -300,9 +312,16 @@ class Node:
             return
         if message.wire_dtype and tensor.is_floating_point():
             tensor = tensor.to(TORCH_DTYPES[message.wire_dtype])  # validated against WIRE_DTYPES
-        spec, buf = to_wire(tensor)
-        self.peers.send(hop.endpoint, hop.key, p.encode(dataclasses.replace(message, tensors=(spec,)), [buf]),
-                        copy=False)
+        self.send_tensors(hop.endpoint, hop.key, message, [tensor])
+
+    def send_tensors(self, endpoint: str, key: str, message: p.Message, tensors: list[torch.Tensor]) -> None:
+        """Send ``message`` with ``tensors`` as its buffers (an audit's input and outputs)."""
+        wired = [to_wire(t) for t in tensors]
+        frames = p.encode(dataclasses.replace(message, tensors=tuple(s for s, _ in wired)), [b for _, b in wired])
+        if endpoint == self.endpoint:
+            self.inbound(b"", frames)
+        else:
+            self.peers.send(endpoint, key, frames, copy=False)
 
     def control(self, hop: p.Hop, message: p.Cancel | p.Close) -> None:
         if hop.endpoint == self.endpoint:
@@ -336,6 +355,10 @@ class Node:
     def route_answer(self, msg: p.Route | p.Error) -> None:
         if self.head is not None:
             self.head.route_answer(msg)
+
+    def replicas(self, msg: p.Replicas) -> None:
+        if self.head is not None:
+            self.head.auditor.replicas(msg)
 
     def probe(self, peers: dict[str, str]) -> None:
         self.peers.probes = peers
@@ -371,19 +394,20 @@ class Node:
         for name in COUNTERS[1:]:
             rows.append(Sample(f"node_{name}_total", f"{name.replace('_', ' ')} on this node", c[name],
                                "counter", labels))
-        return rows + self._kv_reuse_metrics(labels)
+        return rows + kv_reuse_metrics(self.kv.retained, labels)
 
-    def _kv_reuse_metrics(self, labels: dict) -> list[Sample]:
-        kept = self.kv.retained
-        stats = kept.stats.copy()
-        return [Sample("node_kv_kept_bytes", "bytes of ended sessions' KV kept for reuse", kept.bytes, labels=labels),
-                Sample("node_kv_kept_budget_bytes", "most bytes of KV kept for reuse", kept.budget, labels=labels),
-                Sample("node_kv_kept_sessions", "ended sessions whose KV is kept", len(kept), labels=labels),
-                Sample("node_kv_reuse_hits_total", "requests that started from kept KV", stats["hits"], "counter",
-                       labels),
-                Sample("node_kv_reuse_misses_total", "requests that asked for kept KV no longer here",
-                       stats["misses"], "counter", labels),
-                Sample("node_kv_reused_tokens_total", "prompt positions taken from kept KV instead of computed",
-                       stats["reused_tokens"], "counter", labels),
-                Sample("node_kv_evictions_total", "kept KV dropped to stay within the budget", stats["evictions"],
-                       "counter", labels)]
+
+def kv_reuse_metrics(kept, labels: dict) -> list[Sample]:
+    """/metrics rows of the KV kept for reuse (``KVStore.retained``)."""
+    stats = kept.stats.copy()
+    return [Sample("node_kv_kept_bytes", "bytes of ended sessions' KV kept for reuse", kept.bytes, labels=labels),
+            Sample("node_kv_kept_budget_bytes", "most bytes of KV kept for reuse", kept.budget, labels=labels),
+            Sample("node_kv_kept_sessions", "ended sessions whose KV is kept", len(kept), labels=labels),
+            Sample("node_kv_reuse_hits_total", "requests that started from kept KV", stats["hits"], "counter",
+                   labels),
+            Sample("node_kv_reuse_misses_total", "requests that asked for kept KV no longer here",
+                   stats["misses"], "counter", labels),
+            Sample("node_kv_reused_tokens_total", "prompt positions taken from kept KV instead of computed",
+                   stats["reused_tokens"], "counter", labels),
+            Sample("node_kv_evictions_total", "kept KV dropped to stay within the budget", stats["evictions"],
+                   "counter", labels)]
