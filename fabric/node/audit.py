@@ -167,8 +167,10 @@ class Auditor:
         """Take the audit as far as what has arrived allows."""
         if audit.suspect is None or audit.untried is None or len(audit.answered) < len(audit.asked):
             return  # waiting for the tap, the tracker or a replica
-        if audit.on_tail and audit.token is None:
-            return  # the tail's claim includes the token it sent
+        if audit.on_tail and audit.token is None:  # the tail's claim includes the token it sent: judge with it
+            if not audit.asked and audit.untried:
+                self._ask(audit, audit.untried.pop(0))  # meanwhile a replica computes
+            return
         suspect = audit.suspect
         if audit.on_tail:
             consistent = sample(suspect.output, audit.sampling, audit.token.pos) == audit.token.token
