@@ -1,0 +1,203 @@
+#!/usr/bin/env python
+"""What audits cost and what they catch, on real processes.
+
+    python bench/audit.py [--model smollm2-135m] [--rounds 3] [--clients 4] [--requests 3]
+                          [--tokens 32] [--trials 3] [--max-requests 80]
+
+Starts a tracker, three heads holding the first half of the layers, identical but for
+``--audit-rate`` (0, the default 0.05, and 1), and two tails holding the second half (one
+is the other's replica). Nodes are ``meshnet node`` processes (``--threads 1``, as the tests
+run them).
+
+Throughput: in each round, for each head in turn (interleaved), ``--clients`` concurrent
+clients each send ``--requests`` greedy chat requests of ``--tokens`` tokens through that
+head (the tails alternate). Every prompt is new, so that no request starts from kept KV and
+every prefill can be audited. Reported: aggregate tokens/s, and each audited head's median
+ratio to the head that audits nothing (target at the default rate: a cost of at most 5%).
+
+Detection: a lying tail (tests/liar_node.py) joins; requests go through it from one head
+until the tracker excludes it, ``--trials`` times per audit rate (a fresh liar each time).
+Reported: how many requests it served until it was caught (expected 1/rate: each prefill is
+audited with that probability, on the route's only other hop), and how many of its answers
+differed from an honest tail's.
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import os
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "bench"))
+
+from fabric.compute.models import load_config, resolve  # noqa: E402
+from fabric.wire.liveness import AUDIT_RATE  # noqa: E402
+from fabric.wire.protocol import Hop  # noqa: E402
+from tests.cluster import ProcessCluster  # noqa: E402
+from tests.support import at_once, wait_for  # noqa: E402
+
+RATES = {"off": 0.0, "default": AUDIT_RATE, "all": 1.0}
+TOPICS = ["lighthouses", "rivers", "prime numbers", "volcanoes", "bees", "glaciers", "comets", "forests", "deserts",
+          "clocks", "bridges", "whales"]
+
+
+class Prompts:
+    """A new prompt for every request (no two share their start for long, so none reuses kept KV)."""
+
+    def __init__(self):
+        self._count = itertools.count()
+        self._lock = threading.Lock()
+
+    def next(self) -> list[dict]:
+        with self._lock:
+            n = next(self._count)
+        return [{"role": "user", "content": f"{n}. Tell me one fact about {TOPICS[n % len(TOPICS)]}, #{n * 7919}."}]
+
+
+class Swarm:
+    def __init__(self, cluster: ProcessCluster, model: str):
+        self.cluster, self.model = cluster, model
+        self.layers = load_config(resolve(model)).num_hidden_layers
+        self.half = self.layers // 2
+        self.nodes: dict[str, dict] = {}
+
+    def start(self) -> None:
+        for name, rate in RATES.items():
+            self.cluster.start_node(f"head-{name}", self.model, f"0-{self.half - 1}", None, "--audit-rate", str(rate))
+        for tail in ("tail1", "tail2"):
+            self.cluster.start_node(tail, self.model, f"{self.half}-{self.layers - 1}")
+        self.refresh([f"head-{n}" for n in RATES] + ["tail1", "tail2"])
+
+    def refresh(self, names: list[str]) -> None:
+        status = self.cluster.wait_nodes(names, resolve(self.model).model_id, timeout=300)
+        self.nodes = {n["id"]: n for n in status["nodes"]}
+
+    def route(self, head: str, tail: str) -> tuple[Hop, ...]:
+        return (Hop(head, self.nodes[head]["endpoint"], 0, self.half - 1),
+                Hop(tail, self.nodes[tail]["endpoint"], self.half, self.layers - 1))
+
+    def ask(self, route: tuple[Hop, ...], messages: list[dict], tokens: int) -> list[int]:
+        with self.cluster.client() as client:
+            events = client.generate(resolve(self.model).model_id, messages=messages, max_tokens=tokens,
+                                     route=route, ignore_eos=True)
+            return [t for e in events for t in e.token_ids]
+
+    def excluded(self, node: str) -> bool:
+        with self.cluster.client() as client:
+            return any(n["id"] == node and n["excluded"] for n in client.status()["nodes"])
+
+
+def throughput(swarm: Swarm, prompts: Prompts, head: str, clients: int, requests: int, tokens: int) -> float:
+    """Aggregate tokens/s of ``clients`` clients sending ``requests`` requests each through ``head``."""
+    def client(i: int) -> int:
+        return sum(len(swarm.ask(swarm.route(head, f"tail{1 + (i + r) % 2}"), prompts.next(), tokens))
+                   for r in range(requests))
+
+    started = time.perf_counter()
+    done = at_once(client, clients, timeout=600)
+    elapsed = time.perf_counter() - started
+    if len(done) != clients:
+        raise RuntimeError(f"{clients - len(done)} client(s) of {head} failed")
+    return sum(done.values()) / elapsed
+
+
+def cost_rounds(swarm: Swarm, prompts: Prompts, args) -> dict[str, list[float]]:
+    from fabric_bench import LoadMeter
+
+    tps: dict[str, list[float]] = {name: [] for name in RATES}
+    for r in range(args.rounds):
+        for name in (RATES if r % 2 == 0 else reversed(list(RATES))):  # interleaved, the order alternating
+            with LoadMeter() as meter:
+                tps[name].append(throughput(swarm, prompts, f"head-{name}", args.clients, args.requests, args.tokens))
+            print(f"  round {r + 1}, --audit-rate {RATES[name]:g}: {tps[name][-1]:.2f} tok/s "
+                  f"(other tenants {100 * meter.foreign:.0f}% of the CPU)", flush=True)
+    return tps
+
+
+def detection_trial(swarm: Swarm, prompts: Prompts, head: str, liar: str, limit: int, tokens: int) -> tuple[int, int]:
+    """(requests through ``liar`` until the tracker excluded it, how many of those answers were wrong)."""
+    wrong = 0
+    for n in range(1, limit + 1):
+        messages = prompts.next()
+        got = swarm.ask(swarm.route(head, liar), messages, tokens)
+        wrong += got != swarm.ask(swarm.route("head-off", "tail1"), messages, tokens)
+        if wait_for(lambda: swarm.excluded(liar), 2.0 if n == 1 else 0.5, 0.1):
+            return n, wrong
+    return limit + 1, wrong
+
+
+def detection(swarm: Swarm, prompts: Prompts, args) -> dict[str, list[tuple[int, int]]]:
+    found: dict[str, list[tuple[int, int]]] = {"default": [], "all": []}
+    trial = itertools.count(1)
+    for name in found:
+        for _ in range(args.trials):
+            liar = f"liar{next(trial)}"
+            swarm.cluster.start_node(liar, swarm.model, f"{swarm.half}-{swarm.layers - 1}", liar=True)
+            swarm.refresh([liar])
+            found[name].append(detection_trial(swarm, prompts, f"head-{name}", liar, args.max_requests, 8))
+            swarm.cluster.kill(liar)
+            caught, wrong = found[name][-1]
+            print(f"  --audit-rate {RATES[name]:g}: {liar} caught after {caught} request(s) through it, "
+                  f"{wrong} of them answered wrongly", flush=True)
+    return found
+
+
+def report(args, tps: dict[str, list[float]], found: dict[str, list[tuple[int, int]]]) -> bool:
+    print(f"\naudits on {args.model}: {args.clients} clients x {args.requests} requests x {args.tokens} tokens "
+          f"per head and round, {args.rounds} interleaved rounds")
+    ok = True
+    for name in ("default", "all"):
+        ratios = [a / b for a, b in zip(tps[name], tps["off"])]
+        ratio = statistics.median(ratios)
+        line = (f"  --audit-rate {RATES[name]:g}: {statistics.median(tps[name]):.2f} tok/s vs "
+                f"{statistics.median(tps['off']):.2f} audit off = {ratio:.3f}x (rounds "
+                f"{', '.join(f'{x:.3f}' for x in ratios)}), cost {100 * (1 - ratio):.1f}%")
+        if name == "default":
+            ok = ratio >= 0.95
+            line += f"; target cost <= 5%: {'PASS' if ok else 'MISS'}"
+        print(line)
+    for name, trials in found.items():
+        if trials:
+            caught = [c for c, _ in trials]
+            print(f"  detection at --audit-rate {RATES[name]:g}: caught after {statistics.mean(caught):.1f} requests "
+                  f"through the liar on average (trials {', '.join(map(str, caught))}; expected "
+                  f"{1 / RATES[name]:.0f}), wrong answers before: {', '.join(str(w) for _, w in trials)}")
+    return ok
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--clients", type=int, default=4)
+    parser.add_argument("--requests", type=int, default=3, help="requests per client per round")
+    parser.add_argument("--tokens", type=int, default=32)
+    parser.add_argument("--trials", type=int, default=3, help="liars caught per audit rate (0: no detection part)")
+    parser.add_argument("--max-requests", type=int, default=80, help="requests through a liar before a trial stops")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        cluster = ProcessCluster(Path(tmp), Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")))
+        try:
+            swarm = Swarm(cluster, args.model)
+            swarm.start()
+            prompts = Prompts()
+            swarm.ask(swarm.route("head-off", "tail1"), prompts.next(), 4)  # warm up
+            tps = cost_rounds(swarm, prompts, args)
+            found = detection(swarm, prompts, args) if args.trials else {}
+        except Exception:
+            print(cluster.logs())
+            raise
+        finally:
+            cluster.close()
+    return 0 if report(args, tps, found) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
