@@ -40,8 +40,8 @@ sys.path.insert(0, str(REPO / "bench"))
 from fabric.compute.models import load_config, resolve  # noqa: E402
 from fabric.wire.liveness import AUDIT_RATE  # noqa: E402
 from fabric.wire.protocol import Hop  # noqa: E402
-from tests.cluster import ProcessCluster  # noqa: E402
-from tests.support import at_once, wait_for  # noqa: E402
+from tests.cluster import ProcessCluster, node_counters  # noqa: E402
+from tests.support import at_once, free_port, wait_for  # noqa: E402
 
 RATES = {"off": 0.0, "default": AUDIT_RATE, "all": 1.0}
 TOPICS = ["lighthouses", "rivers", "prime numbers", "volcanoes", "bees", "glaciers", "comets", "forests", "deserts",
@@ -67,10 +67,12 @@ class Swarm:
         self.layers = load_config(resolve(model)).num_hidden_layers
         self.half = self.layers // 2
         self.nodes: dict[str, dict] = {}
+        self.metrics = {name: free_port() for name in RATES}  # each head's /metrics port
 
     def start(self) -> None:
         for name, rate in RATES.items():
-            self.cluster.start_node(f"head-{name}", self.model, f"0-{self.half - 1}", None, "--audit-rate", str(rate))
+            self.cluster.start_node(f"head-{name}", self.model, f"0-{self.half - 1}", None, "--audit-rate", str(rate),
+                                    "--metrics-port", str(self.metrics[name]))
         for tail in ("tail1", "tail2"):
             self.cluster.start_node(tail, self.model, f"{self.half}-{self.layers - 1}")
         self.refresh([f"head-{n}" for n in RATES] + ["tail1", "tail2"])
@@ -118,6 +120,12 @@ def cost_rounds(swarm: Swarm, prompts: Prompts, args) -> dict[str, list[float]]:
                 tps[name].append(throughput(swarm, prompts, f"head-{name}", args.clients, args.requests, args.tokens))
             print(f"  round {r + 1}, --audit-rate {RATES[name]:g}: {tps[name][-1]:.2f} tok/s "
                   f"(other tenants {100 * meter.foreign:.0f}% of the CPU)", flush=True)
+    requests = args.rounds * args.clients * args.requests
+    for name, port in swarm.metrics.items():
+        counts = node_counters(port, "audits")
+        print(f"  head-{name}: {counts['audits']:.0f} audits in {requests} requests ({counts['audits_passed']:.0f} "
+              f"passed, {counts['audits_skipped']:.0f} given up, {counts['audits_convicted']:.0f} convictions, "
+              f"{counts['audits_unsettled']:.0f} unsettled)")
     return tps
 
 
@@ -144,31 +152,38 @@ def detection(swarm: Swarm, prompts: Prompts, args) -> dict[str, list[tuple[int,
             found[name].append(detection_trial(swarm, prompts, f"head-{name}", liar, args.max_requests, 8))
             swarm.cluster.kill(liar)
             caught, wrong = found[name][-1]
-            print(f"  --audit-rate {RATES[name]:g}: {liar} caught after {caught} request(s) through it, "
-                  f"{wrong} of them answered wrongly", flush=True)
+            print(f"  --audit-rate {RATES[name]:g}: {liar} {caught_after(caught, args.max_requests)}, "
+                  f"{wrong} answer(s) through it wrong", flush=True)
     return found
+
+
+def caught_after(requests: int, limit: int) -> str:
+    return f"caught at request {requests} through it" if requests <= limit else f"not caught in {limit} requests"
 
 
 def report(args, tps: dict[str, list[float]], found: dict[str, list[tuple[int, int]]]) -> bool:
     print(f"\naudits on {args.model}: {args.clients} clients x {args.requests} requests x {args.tokens} tokens "
           f"per head and round, {args.rounds} interleaved rounds")
-    ok = True
+    ratio = {}
     for name in ("default", "all"):
         ratios = [a / b for a, b in zip(tps[name], tps["off"])]
-        ratio = statistics.median(ratios)
-        line = (f"  --audit-rate {RATES[name]:g}: {statistics.median(tps[name]):.2f} tok/s vs "
-                f"{statistics.median(tps['off']):.2f} audit off = {ratio:.3f}x (rounds "
-                f"{', '.join(f'{x:.3f}' for x in ratios)}), cost {100 * (1 - ratio):.1f}%")
-        if name == "default":
-            ok = ratio >= 0.95
-            line += f"; target cost <= 5%: {'PASS' if ok else 'MISS'}"
-        print(line)
+        ratio[name] = statistics.median(ratios)
+        print(f"  --audit-rate {RATES[name]:g}: {statistics.median(tps[name]):.2f} tok/s vs "
+              f"{statistics.median(tps['off']):.2f} audit off = {ratio[name]:.3f}x (rounds "
+              f"{', '.join(f'{x:.3f}' for x in ratios)}), cost {100 * (1 - ratio[name]):.1f}%")
+    # a share r of prefills audited costs about r times what auditing every one costs: a sharper figure
+    # than the default rate's own ratio, whose few audits drown in the noise of a shared machine
+    scaled = AUDIT_RATE * (1 - ratio["all"])
+    ok = ratio["default"] >= 0.95 and scaled <= 0.05
+    print(f"  cost at the default rate {AUDIT_RATE:g}: measured {100 * (1 - ratio['default']):.1f}%, "
+          f"{AUDIT_RATE:g} x the cost of auditing every prefill {100 * scaled:.1f}%; target <= 5%: "
+          f"{'PASS' if ok else 'MISS'}")
     for name, trials in found.items():
         if trials:
             caught = [c for c, _ in trials]
-            print(f"  detection at --audit-rate {RATES[name]:g}: caught after {statistics.mean(caught):.1f} requests "
-                  f"through the liar on average (trials {', '.join(map(str, caught))}; expected "
-                  f"{1 / RATES[name]:.0f}), wrong answers before: {', '.join(str(w) for _, w in trials)}")
+            print(f"  detection at --audit-rate {RATES[name]:g} (expected after {1 / RATES[name]:.0f} requests through "
+                  f"the liar): {'; '.join(caught_after(c, args.max_requests) for c in caught)}; wrong answers "
+                  f"through it meanwhile: {', '.join(str(w) for _, w in trials)}")
     return ok
 
 

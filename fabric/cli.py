@@ -469,8 +469,8 @@ def _node_audit_flags(p: argparse.ArgumentParser) -> None:
     """How often the requests a node heads are checked on replicas, and how strictly."""
     p.add_argument("--audit-rate", type=share, default=AUDIT_RATE, metavar="SHARE",
                    help="share of the requests this node heads whose prefill is re-run, on one hop, by replicas "
-                        "holding the same layers, to catch a node that returns wrong results; 0: never "
-                        "(default %(default)s)")
+                        "holding the same layers, to catch a node that returns wrong results (such a request "
+                        "starts without kept KV); 0: never (default %(default)s)")
     p.add_argument("--audit-tolerance", type=non_negative, default=AUDIT_TOLERANCE, metavar="REL",
                    help="relative distance allowed between an audited hop's output and a replica's unless both "
                         "compute in float32, unquantized, with the same CPU kernels and threads: those must agree "

@@ -219,6 +219,17 @@ class ProcessCluster:
         self.procs.clear()
 
 
+def node_counters(port: int, prefix: str = "") -> dict[str, float]:
+    """A node's counters from its /metrics (``meshnet node --metrics-port``), by name without
+    ``meshnet_node_`` and ``_total``; those whose name starts with ``prefix``."""
+    import re
+    import urllib.request
+
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    found = re.findall(r"^meshnet_node_(\w+)_total\{[^}]*\} (\S+)$", text, re.M)
+    return {name: float(value) for name, value in found if name.startswith(prefix)}
+
+
 def wait_sessions_zero(endpoints: list[str], timeout: float = 1.0) -> float:
     """Seconds until every node reports zero sessions (or raises after ``timeout``)."""
     start = time.monotonic()

@@ -16,7 +16,8 @@ from fabric.compute.kv import KVStore
 from fabric.compute.models import load_shard, resolve
 from fabric.node.audit import AuditConfig, Auditor
 from fabric.node.scheduler import HopScheduler, SchedulerConfig, Work
-from fabric.node.taps import TAIL_CHUNK, Taps, kernels
+from fabric.node.hops import HopRunner
+from fabric.node.taps import Taps, kernels
 from fabric.node.verdicts import Claim, Outcome, agree, distance, judge
 from fabric.wire import protocol as p
 from fabric.wire.shard import Shard
@@ -96,6 +97,7 @@ class Host:
 
     def __init__(self):
         self.forwarded, self.sent, self.tracker = [], [], []
+        self.has_tracker = True
 
     def forward(self, hop, message, tensor):
         self.forwarded.append(message)
@@ -108,7 +110,7 @@ class Host:
 
     def to_tracker(self, message):
         self.tracker.append(message)
-        return True
+        return self.has_tracker
 
 
 class Rig:
@@ -119,14 +121,16 @@ class Rig:
                                self.counters, self.released.append, self.around.append, rng=random.Random(0))
         self.route = route
 
-    def send(self, pos: int = 0, reuse: str = "", step: int = 0) -> p.Forward:
+    def send(self, pos: int = 0, reuse: str = "", step: int = 0, draw: bool = True) -> p.Forward:
+        if step == 0 and draw:
+            self.auditor.draw("s")  # the head draws each new request
         msg = p.Forward(session="s", step=step, pos=pos, start_layer=0, end_layer=2, route=self.route[1:],
                         reply_to="tcp://head", reuse=reuse)
         self.auditor.forward(self.route[0], msg, torch.zeros(1, 3, dtype=torch.int64))
         return self.host.forwarded[-1]
 
-    def tap(self, output: torch.Tensor, node: str = "tail", kernels: str = K, step: int = 0):
-        tap = p.AuditTap("s", step, node, 3, 5, kernels=kernels)
+    def tap(self, output: torch.Tensor, node: str = "tail", kernels: str = K, step: int = 0, more: bool = False):
+        tap = p.AuditTap("s", step, node, 3, 5, kernels=kernels, more=more)
         self.auditor.received(tap, [hidden(99), output])
 
     def replicas(self, *hops: p.Hop):
@@ -158,6 +162,8 @@ def test_only_prefills_past_the_head_are_audited():
     assert rig.send(pos=5, reuse="old", step=2).audit == -1  # a step from kept KV, likewise
     assert Rig(route=(HEAD,)).send().audit == -1  # nothing but the head itself
     assert Rig(rate=0.0).send().audit == -1
+    assert Rig().send(draw=False).audit == -1  # a request the head did not draw (it may start from kept KV)
+    assert rig.send(step=3).audit == TAIL.start_layer  # a re-prefill: drawn again, at the rate
 
 
 def test_the_rate_is_the_share_of_prefills_audited_and_the_hop_is_drawn():
@@ -255,13 +261,24 @@ def test_the_tails_token_must_follow_from_its_own_logits():
     assert len(honest.released) == 1 and honest.verdicts == []
 
 
-@pytest.mark.parametrize("how", ["skipped", "no replica", "timeout", "stale tap"])
+def test_a_tapped_prefill_chunk_is_compared_without_the_token():
+    logits = torch.linspace(-1, 1, 320)
+    rig = Rig()
+    rig.send()
+    rig.tap(logits, more=True)  # the first slice of a long prompt: its logits are not the token's
+    rig.replicas(R1)
+    rig.answer("r1", logits.clone())
+    assert rig.counters["audits_passed"] == 1 and not rig.token(token=5)
+
+
+@pytest.mark.parametrize("how", ["no tracker", "no replica", "timeout", "stale tap"])
 def test_an_audit_that_cannot_finish_lets_the_token_go(how):
     rig = Rig()
     rig.send()
     rig.token()
-    if how == "skipped":
-        rig.auditor.received(p.AuditTap("s", 0, "tail", 3, 5, skipped=TAIL_CHUNK), [])
+    if how == "no tracker":
+        rig.host.has_tracker = False
+        rig.tap(hidden(1))
     elif how == "no replica":
         rig.tap(hidden(1))
         rig.replicas()
@@ -318,11 +335,16 @@ def test_a_replica_reruns_a_tapped_hop_bit_for_bit(tail):
     assert "audit:a1" not in tail.kv  # the replica's session is gone
 
 
-def test_a_tail_chunk_is_skipped_and_a_replay_it_cannot_run_is_an_error(tail):
-    taps = Taps(tail, ComputeLock(None), "tail", "", Counter())
+def test_a_tapped_chunk_on_the_tail_is_run_with_its_logits_and_a_replay_it_cannot_run_is_an_error(tail):
+    lock = ComputeLock(None)
+    taps = Taps(tail, lock, "tail", "", Counter())
     x = hidden(size=64)
-    tap, tensors = taps.tap(Work(_forward(3, more=True), x), tail.run("c", 3, 5, x, 0, logits=False))
-    assert tap.skipped == TAIL_CHUNK and tensors == []
+    (result,), _, _ = HopRunner(tail, lock, Counter()).run([Work(_forward(3, more=True), x)])
+    tap, (_, output) = taps.tap(Work(_forward(3, more=True), x), result)
+    assert tap.more and output.shape == (320,)  # the chunk's last position: a replica computes the same
+    assert torch.equal(taps.replay(p.Audit("a3", 3, 5, "tcp://head"), x)[1][0], output)
+    (plain,), _, _ = HopRunner(tail, lock, Counter()).run([Work(_forward(-1, more=True), x)])
+    assert plain.logits is None  # an untapped chunk skips the tail's norm and lm_head
     answer, tensors = taps.replay(p.Audit("a2", 1, 5, "tcp://head"), x)
     assert "outside this node's shard" in answer.error and tensors == []
 

@@ -9,15 +9,13 @@ in no plan. A head that audits nothing lets the liar's wrong answer through.
 """
 from __future__ import annotations
 
-import re
-import urllib.request
-
 import msgpack
 import zmq
 
 from fabric.compute.models import load_tokenizer, resolve
 from fabric.wire.liveness import TOPIC_EVENTS
 from fabric.wire.protocol import Hop
+from tests.cluster import node_counters
 from tests.support import at_once, free_port
 from tests.tiny_models import reference_greedy
 
@@ -97,12 +95,7 @@ def test_a_lying_tail_is_excluded_and_every_answer_stays_correct(process_cluster
 
     assert at_once(planned_answer, 4) == {i: expected[PROMPTS[i]] for i in range(4)}
     assert audit_events(sub, timeout=2.0) == []  # honest tails pass their audits: no mismatch, no verdict
-    counts = audit_counts(metrics)
+    counts = node_counters(metrics, "audits")
     assert counts["audits_convicted"] >= 1 and counts["audits_passed"] >= 1, counts
     assert counts["audits_unsettled"] == 0, counts
 
-
-def audit_counts(port: int) -> dict[str, float]:
-    """The head's audit counters from its /metrics."""
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
-    return {name: float(value) for name, value in re.findall(r"^meshnet_node_(audits\w*)_total\{[^}]*\} (\S+)$", text, re.M)}

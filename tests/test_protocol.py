@@ -77,7 +77,7 @@ def _audit_tap(tail: bool = False) -> tuple[p.AuditTap, list]:
     spec_in, buf_in = _hidden(3)
     spec_out, buf_out = (to_wire(torch.linspace(-3, 3, 320)) if tail  # logits (vocab,)
                          else _hidden(3, dtype=torch.bfloat16))
-    return p.AuditTap("s1", 0, "b", 3, 5, kernels="torch 2 cpu AVX2 threads 1" if tail else "",
+    return p.AuditTap("s1", 0, "b", 3, 5, kernels="torch 2 cpu AVX2 threads 1" if tail else "", more=not tail,
                       tensors=(spec_in, spec_out)), [buf_in, buf_out]
 
 
@@ -94,7 +94,6 @@ def _audit_result() -> tuple[p.AuditResult, list]:
 def _audit_samples() -> list[tuple[p.Message, list]]:
     return [
         _audit_tap(), _audit_tap(tail=True),
-        (p.AuditTap("s1", 0, "b", 3, 5, skipped="a prefill chunk on the tail"), []),
         _audit(), _audit_result(),
         (p.AuditResult("a1f3", "c", error="layers 3-5 are outside this node's shard 0-2"), []),
         (p.ReplicasRequest("a1f3", "tiny", "f00d", 3, 5, exclude=("a", "b")), []),
@@ -553,7 +552,6 @@ AUDIT_CASES = {
     "tap of layer 0": (TAP, _set("start_layer", 0), "0 < start <= end"),
     "tap with one tensor": ((dataclasses.replace(TAP[0], tensors=TAP[0].tensors[:1]), TAP[1][:1]), lambda h: None,
                             "two tensors"),
-    "skipped tap with tensors": (TAP, _set("skipped", "why"), "no tensors"),
     "tap input of ids": (TAP, _set("tensors.0.dtype", "int32"), "float hidden states"),
     "tap output of 2 dims": (TAP_TAIL, _set("tensors.1.shape", [4, 80]), "float hidden states"),
     "empty tap session": (TAP, _set("session", ""), "1-256 characters"),

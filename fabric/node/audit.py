@@ -1,8 +1,10 @@
 """The head's side of audits: pick steps to check, re-run them on replicas, report liars.
 
 Hidden states flow hop to hop, so a head never sees what a later hop received or computed.
-At ``audit_rate`` of the steps that start a session at position 0 (a request's prefill, a
-re-prefill), the head names one of the route's other hops in the FORWARD (``audit``). That
+A share ``audit_rate`` of the requests a head takes is audited: such a request starts at
+position 0 (never from kept KV: a replica could not hold that KV), and its first step, as
+well as that share of later steps at position 0 (re-prefills), names one of the route's
+other hops in the FORWARD (``audit``). That
 hop sends back its input and output (AUDIT_TAP, fabric/node/taps.py); the step's TOKEN is
 held meanwhile. The head asks the tracker for replicas of those layers (REPLICAS_REQUEST),
 sends the input to one (AUDIT), and compares its output with the suspect's
@@ -12,7 +14,8 @@ settles it, and the node the other two contradict is convicted: the head tells t
 convicted suspect is dropped and the step re-runs on a route without it. With no second
 replica, or three different outputs, the mismatch is reported and nobody is excluded.
 
-Decode steps (which need a past KV no replica holds) are never audited. No sockets here:
+Decode steps and steps from kept KV (which need a past KV no replica holds) are never
+audited. No sockets here:
 the auditor is the RouteSessions' transport and sends through the node.
 """
 from __future__ import annotations
@@ -38,9 +41,9 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class AuditConfig:
-    audit_rate: float = AUDIT_RATE  # share of the steps at position 0 (prefills) whose one hop is re-run
+    audit_rate: float = AUDIT_RATE  # share of requests (and of re-prefills) whose prefill one hop re-runs
     audit_tolerance: float = DEFAULT_TOLERANCE  # relative distance allowed between outputs not bit-exact by rule
-    audit_timeout: float = 10.0  # seconds an audit waits for its tap and replicas before it is given up
+    audit_timeout: float = 15.0  # seconds an audit waits for its tap, the tracker or a replica before it gives up
 
 
 class AuditHost(Transport, Protocol):
@@ -60,7 +63,7 @@ class Pending:
     step: int
     target: p.Hop  # the audited hop: the suspect
     sampling: p.Sampling  # how the tail picks the step's token (checked against its logits)
-    started: float
+    moved: float  # when the audit last moved on (begun, tapped, answered): it gives up after a timeout still
     inputs: torch.Tensor | None = None  # what the suspect received, (1, q, hidden)
     suspect: Claim | None = None  # what it said it computed
     token: p.Token | None = None  # the step's TOKEN, held until the audit ends
@@ -68,10 +71,12 @@ class Pending:
     asked: list[str] = field(default_factory=list)  # replicas asked, in order
     answered: set[str] = field(default_factory=set)
     claims: list[Claim] = field(default_factory=list)  # the replicas' outputs, in the order asked
+    whole: bool = True  # the tap covers the whole step, not only its first prefill chunk
 
     @property
-    def on_tail(self) -> bool:
-        return self.suspect is not None and self.suspect.output.dim() == 1  # logits (vocab,)
+    def sampled(self) -> bool:
+        """The suspect is the tail and its tapped logits are the ones it sampled the step's token from."""
+        return self.suspect is not None and self.suspect.output.dim() == 1 and self.whole  # logits (vocab,)
 
 
 class Auditor:
@@ -88,6 +93,14 @@ class Auditor:
         self.pending: dict[str, Pending] = {}  # audit id -> its state
         self.steps: dict[tuple[str, int], str] = {}  # (session, step) -> audit id
         self.convicted: set[str] = set()  # nodes this head found lying
+        self.drawn: set[str] = set()  # requests to audit whose first step has not gone out yet
+
+    def draw(self, session: str) -> bool:
+        """Whether to audit the new request ``session``: then it must start at position 0."""
+        if self.config.audit_rate > 0 and self.rng.random() < self.config.audit_rate:
+            self.drawn.add(session)
+            return True
+        return False
 
     # -- the RouteSessions' transport: mark a step for audit on its way out -------------
 
@@ -106,9 +119,13 @@ class Auditor:
         self.host.control(hop, message)
 
     def _draw(self, m: p.Forward) -> bool:
-        """A step that starts the session on every hop (position 0, no kept KV), past this head."""
-        return (self.config.audit_rate > 0 and m.start_layer == 0 and m.pos == 0 and not m.reuse and bool(m.route)
-                and self.rng.random() < self.config.audit_rate)
+        """A step that starts the session on every hop (position 0, no kept KV), past this head: a drawn
+        request's first step, or a later one (a re-prefill) drawn now."""
+        first = m.session in self.drawn and m.step == 0
+        self.drawn.discard(m.session)
+        if m.start_layer != 0 or m.pos != 0 or m.reuse or not m.route:
+            return False
+        return first or (m.step > 0 and self.config.audit_rate > 0 and self.rng.random() < self.config.audit_rate)
 
     # -- what comes back ----------------------------------------------------------------
 
@@ -131,12 +148,10 @@ class Auditor:
         audit = self._of(msg.session, msg.step)
         if audit is None or msg.node != audit.target.node or audit.suspect is not None:
             return  # a stale step, or a hop this audit did not name
-        if msg.skipped:
-            log.info("audit of %s skipped: %s", msg.node, msg.skipped)
-            self._end(audit, "skipped")
-            return
+        audit.moved = time.monotonic()
         audit.inputs = tensors[0]
         audit.suspect = Claim(msg.node, tensors[1], msg.kernels)
+        audit.whole = not msg.more
         exclude = tuple(sorted({msg.node, self.node_id, *self.convicted}))
         if not self.host.to_tracker(p.ReplicasRequest(audit.id, self.model, self.fingerprint, msg.start_layer,
                                                       msg.end_layer, exclude)):
@@ -147,6 +162,7 @@ class Auditor:
         audit = self.pending.get(msg.audit)
         if audit is None or audit.untried is not None:
             return
+        audit.moved = time.monotonic()
         audit.untried = [h for h in msg.hops if h.node not in (audit.target.node, self.node_id, *self.convicted)]
         self._advance(audit)
 
@@ -155,6 +171,7 @@ class Auditor:
         if audit is None or msg.node not in audit.asked or msg.node in audit.answered:
             return
         audit.answered.add(msg.node)
+        audit.moved = time.monotonic()
         if msg.error:
             log.warning("replica %s could not re-run audit %s: %s", msg.node, msg.audit, msg.error)
         else:
@@ -167,12 +184,12 @@ class Auditor:
         """Take the audit as far as what has arrived allows."""
         if audit.suspect is None or audit.untried is None or len(audit.answered) < len(audit.asked):
             return  # waiting for the tap, the tracker or a replica
-        if audit.on_tail and audit.token is None:  # the tail's claim includes the token it sent: judge with it
+        if audit.sampled and audit.token is None:  # the tail's claim includes the token it sent: judge with it
             if not audit.asked and audit.untried:
                 self._ask(audit, audit.untried.pop(0))  # meanwhile a replica computes
             return
         suspect = audit.suspect
-        if audit.on_tail:
+        if audit.sampled:
             consistent = sample(suspect.output, audit.sampling, audit.token.pos) == audit.token.token
             suspect = dataclasses.replace(suspect, consistent=consistent)
         verdict = judge(suspect, audit.claims, more=bool(audit.untried), tolerance=self.config.audit_tolerance)
@@ -227,20 +244,21 @@ class Auditor:
     # -- time and endings ---------------------------------------------------------------
 
     def tick(self, now: float) -> None:
-        """Give up audits older than the timeout (a tap, a replica or the tracker never answered);
-        a mismatch seen by then is reported unsettled."""
-        for audit in [a for a in self.pending.values() if now - a.started >= self.config.audit_timeout]:
+        """Give up audits that waited the timeout (for a tap, the tracker or a replica); a mismatch
+        seen by then is reported unsettled."""
+        for audit in [a for a in self.pending.values() if now - a.moved >= self.config.audit_timeout]:
             verdict = (judge(audit.suspect, audit.claims, more=False, tolerance=self.config.audit_tolerance)
                        if audit.suspect is not None and audit.claims else None)
             if verdict is not None and verdict.outcome == Outcome.UNSETTLED:
                 self._unsettled(audit, verdict)
             else:
-                log.info("audit of %s for session %s given up after %.0f s", audit.target.node, audit.session,
-                         now - audit.started)
+                log.info("audit of %s for session %s given up: no answer for %.0f s", audit.target.node,
+                         audit.session, now - audit.moved)
                 self._end(audit, "skipped")
 
     def forget(self, session: str) -> None:
         """The session ended: its audits are moot."""
+        self.drawn.discard(session)
         for audit in [a for a in self.pending.values() if a.session == session]:
             self.pending.pop(audit.id)
             self.steps.pop((audit.session, audit.step), None)

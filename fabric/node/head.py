@@ -97,7 +97,8 @@ class Head:
                           seed=secrets.randbits(62), wire_dtype=self.config.wire_dtype)
         self.sessions[req.request_id] = rs
         self.clients[req.request_id] = identity
-        self._emit(rs, rs.start(self.prefixes.match(prompt, req.route, req.request_id)))
+        audited = self.auditor.draw(req.request_id)  # then it starts afresh: no replica holds kept KV
+        self._emit(rs, rs.start(None if audited else self.prefixes.match(prompt, req.route, req.request_id)))
 
     def cancel(self, session: str) -> bool:
         """Cancel a request this node heads; False when it heads no such request."""

@@ -281,6 +281,7 @@ class Node:
         msg = work.msg
         if work.tapped and isinstance(result, StepResult):  # the head audits this step: it hears what ran here
             self.send_tensors(msg.reply_to, msg.reply_key, *self.taps.tap(work, result))
+            result = StepResult(result.hidden, None if msg.more else result.logits)  # a chunk's logits: tap only
         if (msg.more or msg.pos and not work.decode) and isinstance(result, StepResult) and result.logits is None:
             self._progress(msg, msg.pos + work.tokens)
         if isinstance(result, CacheMissError):

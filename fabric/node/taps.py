@@ -3,14 +3,15 @@
 A head audits a step that starts a session at position 0 by naming one hop in the FORWARD
 (``audit``: that hop's first layer). That hop runs the step as usual, alone (``Work.tapped``
 keeps it out of batches, so a replica computes it in the same order), passes its output on,
-and sends the head an AUDIT_TAP with the input it received and the output it computed. The
+and sends the head an AUDIT_TAP with the input it received and the output it computed: of
+the step, or of its first prefill chunk when the node cuts a long prompt into slices (the
+tail then computes that chunk's logits for the tap alone). The
 head then sends the input to replicas holding the same layers as an AUDIT; a replica runs it
 in a session of its own from position 0, frees it at once, and answers AUDIT_RESULT.
 No sockets here: the node sends what these return.
 """
 from __future__ import annotations
 
-import dataclasses
 import logging
 from collections import Counter
 
@@ -22,9 +23,6 @@ from ..wire import protocol as p
 from .scheduler import Work
 
 log = logging.getLogger(__name__)
-
-TAIL_CHUNK = "a prefill chunk on the tail has no output to compare (the prompt was cut into slices)"
-
 
 def kernels(device: str, dtype: torch.dtype, quant: str | None) -> str:
     """What decides the bits of this node's output in exact mode (float32, unquantized, CPU):
@@ -44,14 +42,13 @@ class Taps:
         self.counters = counters  # the node's: taps and replays are counted here
 
     def tap(self, work: Work, result: StepResult) -> tuple[p.AuditTap, list[torch.Tensor]]:
-        """The AUDIT_TAP for a tapped hop that ran: its input and output (hidden states, or the
-        tail's logits); with none when the tail ran a prefill chunk, which has no output."""
+        """The AUDIT_TAP for a tapped hop that ran (a tapped chunk on the tail ran with logits):
+        its input and output, hidden states or the tail's logits."""
         msg = work.msg
         self.counters["audit_taps"] += 1
-        tap = p.AuditTap(msg.session, msg.step, self.node_id, msg.start_layer, msg.end_layer, kernels=self.kernels)
         output = result.logits if result.logits is not None else result.hidden
-        if output is None:
-            return dataclasses.replace(tap, skipped=TAIL_CHUNK), []
+        tap = p.AuditTap(msg.session, msg.step, self.node_id, msg.start_layer, msg.end_layer, kernels=self.kernels,
+                         more=msg.more)
         return tap, [work.tensor, output]  # (1, q, hidden) in; (1, q, hidden) or (vocab,) out
 
     def replay(self, msg: p.Audit, inputs: torch.Tensor) -> tuple[p.AuditResult, list[torch.Tensor]]:

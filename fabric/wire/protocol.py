@@ -577,7 +577,7 @@ def _check_output(spec: TensorSpec, what: str) -> None:
 class AuditTap(Message):
     """Hop -> head: the hop that a FORWARD's ``audit`` names ran that step from position 0.
     Buffer 0 is the input it received, buffer 1 its output: hidden states, or on the tail the
-    logits of the last position (vocab,) float32. No buffers when ``skipped`` says why."""
+    logits of the last position (vocab,) float32."""
 
     KIND: ClassVar[Kind] = Kind.AUDIT_TAP
     session: str
@@ -586,7 +586,7 @@ class AuditTap(Message):
     start_layer: int
     end_layer: int
     kernels: str = ""  # its exact-mode arithmetic (float32, unquantized): torch, device, CPU, threads; "": none
-    skipped: str = ""  # why no tensors follow (a prefill chunk at the tail has no output); "": two follow
+    more: bool = False  # the tap covers the step's first prefill chunk only (its logits are not the token's)
 
     def validate(self) -> None:
         _check_id(self.session, "session")
@@ -596,10 +596,6 @@ class AuditTap(Message):
             raise ProtocolError(f"kernels has at most {MAX_ID} characters")
         if self.step < 0:
             raise ProtocolError("step must be >= 0")
-        if self.skipped:
-            if self.tensors:
-                raise ProtocolError("a skipped AUDIT_TAP carries no tensors")
-            return
         if len(self.tensors) != 2:
             raise ProtocolError("AUDIT_TAP carries two tensors: the input and the output")
         _check_hidden(self.tensors[0], "AUDIT_TAP's input")
