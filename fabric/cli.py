@@ -751,6 +751,7 @@ def format_status(status: dict) -> str:
         a, b = n["layers"]
         rate = n.get("layer_steps_per_s") or n.get("benchmark") or 0
         via = f" (relayed via {n['relay']})" if n.get("relay") else ""
+        via += " EXCLUDED: an audit caught it returning wrong results" if n.get("excluded") else ""
         lines.append(f"{n['id']:<20} {n['model']:<18} {f'{a}-{b}':<9} {n.get('sessions', 0):>8} {rate:>14.0f} "
                      f"{kv_cache_cell(n.get('kv_cache') or {}):>22}  {n['endpoint']}{via}")
     for model in sorted({n["model"] for n in nodes}):

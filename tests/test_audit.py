@@ -396,6 +396,10 @@ def test_a_settled_verdict_excludes_the_liar_from_plans_replicas_and_routes():
     status = tracker.status_body()
     rows = {n["id"]: n for n in status["nodes"]}
     assert "wrong results" in rows["liar"]["excluded"] and rows["t1"]["excluded"] == ""
+    from fabric.cli import format_status
+
+    shown = {line.split()[0]: line for line in format_status(status).splitlines() if line[:1].isalnum()}
+    assert "EXCLUDED" in shown["liar"] and "EXCLUDED" not in shown["t1"]  # what `meshnet status` prints
     assert all(h["node"] != "liar" for route in status["plans"]["tiny"] for h in route["hops"])
     assert "liar" not in {h.node for h in tracker.handle(p.ReplicasRequest("a3", "tiny", "fp", 3, 5)).hops}
     with pytest.raises(p.ProtocolError, match="no route for"):  # the liar is no way round them
