@@ -2,7 +2,7 @@
 """What audits cost and what they catch, on real processes.
 
     python bench/audit.py [--model smollm2-135m] [--rounds 3] [--clients 4] [--requests 3]
-                          [--tokens 32] [--trials 3] [--max-requests 80]
+                          [--tokens 32] [--trials 3] [--max-requests 80] [--no-noise]
 
 Starts a tracker, three heads holding the first half of the layers, identical but for
 ``--audit-rate`` (0, the default 0.05, and 1), and two tails holding the second half (one
@@ -20,6 +20,13 @@ until the tracker excludes it, ``--trials`` times per audit rate (a fresh liar e
 Reported: how many requests it served until it was caught (expected 1/rate: each prefill is
 audited with that probability, on the route's only other hop), and how many of its answers
 differed from an honest tail's.
+
+Noise: how far apart honest outputs of one audited step can be. Layers 1 to the last, run on
+the same 200 positions of seeded hidden states, in each mode (float32; bfloat16; int8 and
+int4, computed in bfloat16), by this CPU's own kernels and by its AVX2 ones
+(``ATEN_CPU_CAPABILITY=avx2``), as two honest nodes on different CPUs would: their relative
+distance, against the tolerance (``--audit-tolerance``) and against a lying node's output
+(reversed along the hidden dimension, as tests/liar_node.py does).
 """
 from __future__ import annotations
 
@@ -27,6 +34,7 @@ import argparse
 import itertools
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import threading
@@ -38,7 +46,7 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
 from fabric.compute.models import load_config, resolve  # noqa: E402
-from fabric.wire.liveness import AUDIT_RATE  # noqa: E402
+from fabric.wire.liveness import AUDIT_RATE, AUDIT_TOLERANCE  # noqa: E402
 from fabric.wire.protocol import Hop  # noqa: E402
 from tests.cluster import ProcessCluster, node_counters  # noqa: E402
 from tests.support import at_once, free_port, wait_for  # noqa: E402
@@ -157,6 +165,49 @@ def detection(swarm: Swarm, prompts: Prompts, args) -> dict[str, list[tuple[int,
     return found
 
 
+NOISE_RUN = r"""
+import sys, torch
+from fabric.compute.executor import ShardExecutor
+from fabric.compute.kv import KVStore
+from fabric.compute.models import load_config, load_shard, resolve
+from fabric.wire.shard import Shard
+model, dtype, quant, out = sys.argv[1:]
+torch.set_num_threads(1)
+source = resolve(model)
+last = load_config(source).num_hidden_layers - 1
+ex = ShardExecutor(load_shard(source, Shard(1, last, last + 1), dtype=getattr(torch, dtype), progress=False,
+                              quant=None if quant == "none" else quant), KVStore())
+x = torch.randn(1, 200, ex.hidden_size, generator=torch.Generator().manual_seed(1)).to(getattr(torch, dtype))
+honest = ex.run("honest", 1, last, x, 0).logits  # (vocab,)
+import tests.liar_node  # from here on this executor lies, as the liar of the tests does
+torch.save({"honest": honest, "liar": ex.run("liar", 1, last, x, 0).logits}, out)
+"""
+
+
+def noise(model: str, tmp: Path) -> None:
+    """Relative distance between honest outputs of one step by this CPU's kernels and its AVX2 ones,
+    and a liar's from the honest one."""
+    import torch
+
+    from fabric.node.verdicts import distance
+
+    print(f"\nhonest noise on {model}: layers 1 to the last on 200 positions, this CPU's kernels "
+          f"({torch.backends.cpu.get_cpu_capability()}) vs AVX2 ones (tolerance {AUDIT_TOLERANCE:g}):", flush=True)
+    for dtype, quant in (("float32", "none"), ("bfloat16", "none"), ("bfloat16", "int8"), ("bfloat16", "int4")):
+        runs = []
+        for capability in ("", "avx2"):
+            out = tmp / f"noise-{dtype}-{quant}-{capability or 'native'}.pt"
+            env = {**os.environ, "PYTHONPATH": str(REPO), **({"ATEN_CPU_CAPABILITY": capability} if capability else {})}
+            subprocess.run([sys.executable, "-c", NOISE_RUN, model, dtype, quant, str(out)], env=env, check=True,
+                           capture_output=True)
+            runs.append(torch.load(out))
+        native, avx2 = runs
+        mode = dtype if quant == "none" else f"{dtype} {quant}"
+        honest, other = native["honest"], avx2["honest"]
+        print(f"  {mode}: bit-equal {torch.equal(honest, other)}, relative distance {distance(honest, other):.2g}; "
+              f"the liar's {distance(native['liar'], honest):.2g}")
+
+
 def caught_after(requests: int, limit: int) -> str:
     return f"caught at request {requests} through it" if requests <= limit else f"not caught in {limit} requests"
 
@@ -196,6 +247,7 @@ def main() -> int:
     parser.add_argument("--tokens", type=int, default=32)
     parser.add_argument("--trials", type=int, default=3, help="liars caught per audit rate (0: no detection part)")
     parser.add_argument("--max-requests", type=int, default=80, help="requests through a liar before a trial stops")
+    parser.add_argument("--no-noise", action="store_true", help="skip the measure of honest outputs' noise")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         cluster = ProcessCluster(Path(tmp), Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")))
@@ -211,7 +263,10 @@ def main() -> int:
             raise
         finally:
             cluster.close()
-    return 0 if report(args, tps, found) else 1
+        ok = report(args, tps, found)
+        if not args.no_noise:
+            noise(args.model, Path(tmp))
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":
