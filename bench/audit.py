@@ -11,9 +11,14 @@ run them).
 
 Throughput: in each round, for each head in turn (interleaved), ``--clients`` concurrent
 clients each send ``--requests`` greedy chat requests of ``--tokens`` tokens through that
-head (the tails alternate). Every prompt is new, so that no request starts from kept KV and
-every prefill can be audited. Reported: aggregate tokens/s, and each audited head's median
-ratio to the head that audits nothing (target at the default rate: a cost of at most 5%).
+head (the tails alternate). Every prompt is new (they share only the chat template's system
+prompt). Reported per head: aggregate tokens/s, and the CPU seconds this process and the
+swarm (its children) spent per token: the throughput of a saturated swarm is inversely
+proportional to that, and it is far less disturbed than tokens/s by other tenants of a
+shared machine. The cost of an audit rate is its extra CPU per token over the head that
+audits nothing (median of the rounds' ratios; target at the default rate: at most 5%). The
+default rate audits few requests per round, so ``rate x the cost of auditing every request``
+is given too: the sharper estimate.
 
 Detection: a lying tail (tests/liar_node.py) joins; requests go through it from one head
 until the tracker excludes it, ``--trials`` times per audit rate (a fresh liar each time).
@@ -104,8 +109,9 @@ class Swarm:
             return any(n["id"] == node and n["excluded"] for n in client.status()["nodes"])
 
 
-def throughput(swarm: Swarm, prompts: Prompts, head: str, clients: int, requests: int, tokens: int) -> float:
-    """Aggregate tokens/s of ``clients`` clients sending ``requests`` requests each through ``head``."""
+def throughput(swarm: Swarm, prompts: Prompts, head: str, clients: int, requests: int,
+               tokens: int) -> tuple[int, float]:
+    """(tokens, seconds) of ``clients`` clients sending ``requests`` requests each through ``head``."""
     def client(i: int) -> int:
         return sum(len(swarm.ask(swarm.route(head, f"tail{1 + (i + r) % 2}"), prompts.next(), tokens))
                    for r in range(requests))
@@ -115,26 +121,29 @@ def throughput(swarm: Swarm, prompts: Prompts, head: str, clients: int, requests
     elapsed = time.perf_counter() - started
     if len(done) != clients:
         raise RuntimeError(f"{clients - len(done)} client(s) of {head} failed")
-    return sum(done.values()) / elapsed
+    return sum(done.values()), elapsed
 
 
-def cost_rounds(swarm: Swarm, prompts: Prompts, args) -> dict[str, list[float]]:
+def cost_rounds(swarm: Swarm, prompts: Prompts, args) -> dict[str, list[tuple[float, float]]]:
+    """Per head, each round's (tokens/s, CPU seconds per token)."""
     from fabric_bench import LoadMeter
 
-    tps: dict[str, list[float]] = {name: [] for name in RATES}
+    rows: dict[str, list[tuple[float, float]]] = {name: [] for name in RATES}
     for r in range(args.rounds):
         for name in (RATES if r % 2 == 0 else reversed(list(RATES))):  # interleaved, the order alternating
             with LoadMeter() as meter:
-                tps[name].append(throughput(swarm, prompts, f"head-{name}", args.clients, args.requests, args.tokens))
-            print(f"  round {r + 1}, --audit-rate {RATES[name]:g}: {tps[name][-1]:.2f} tok/s "
-                  f"(other tenants {100 * meter.foreign:.0f}% of the CPU)", flush=True)
+                tokens, seconds = throughput(swarm, prompts, f"head-{name}", args.clients, args.requests, args.tokens)
+            rows[name].append((tokens / seconds, meter.mine / tokens))
+            print(f"  round {r + 1}, --audit-rate {RATES[name]:g}: {rows[name][-1][0]:.2f} tok/s, "
+                  f"{1000 * rows[name][-1][1]:.1f} CPU ms per token (other tenants {100 * meter.foreign:.0f}% of "
+                  f"the CPU)", flush=True)
     requests = args.rounds * args.clients * args.requests
     for name, port in swarm.metrics.items():
         counts = node_counters(port, "audits")
         print(f"  head-{name}: {counts['audits']:.0f} audits in {requests} requests ({counts['audits_passed']:.0f} "
               f"passed, {counts['audits_skipped']:.0f} given up, {counts['audits_convicted']:.0f} convictions, "
               f"{counts['audits_unsettled']:.0f} unsettled)")
-    return tps
+    return rows
 
 
 def detection_trial(swarm: Swarm, prompts: Prompts, head: str, liar: str, limit: int, tokens: int) -> tuple[int, int]:
@@ -212,23 +221,21 @@ def caught_after(requests: int, limit: int) -> str:
     return f"caught at request {requests} through it" if requests <= limit else f"not caught in {limit} requests"
 
 
-def report(args, tps: dict[str, list[float]], found: dict[str, list[tuple[int, int]]]) -> bool:
+def report(args, rows: dict[str, list[tuple[float, float]]], found: dict[str, list[tuple[int, int]]]) -> bool:
     print(f"\naudits on {args.model}: {args.clients} clients x {args.requests} requests x {args.tokens} tokens "
           f"per head and round, {args.rounds} interleaved rounds")
-    ratio = {}
+    cost = {}
     for name in ("default", "all"):
-        ratios = [a / b for a, b in zip(tps[name], tps["off"])]
-        ratio[name] = statistics.median(ratios)
-        print(f"  --audit-rate {RATES[name]:g}: {statistics.median(tps[name]):.2f} tok/s vs "
-              f"{statistics.median(tps['off']):.2f} audit off = {ratio[name]:.3f}x (rounds "
-              f"{', '.join(f'{x:.3f}' for x in ratios)}), cost {100 * (1 - ratio[name]):.1f}%")
-    # a share r of prefills audited costs about r times what auditing every one costs: a sharper figure
-    # than the default rate's own ratio, whose few audits drown in the noise of a shared machine
-    scaled = AUDIT_RATE * (1 - ratio["all"])
-    ok = ratio["default"] >= 0.95 and scaled <= 0.05
-    print(f"  cost at the default rate {AUDIT_RATE:g}: measured {100 * (1 - ratio['default']):.1f}%, "
-          f"{AUDIT_RATE:g} x the cost of auditing every prefill {100 * scaled:.1f}%; target <= 5%: "
-          f"{'PASS' if ok else 'MISS'}")
+        speed = [a[0] / b[0] for a, b in zip(rows[name], rows["off"])]
+        work = [a[1] / b[1] for a, b in zip(rows[name], rows["off"])]
+        cost[name] = statistics.median(work) - 1
+        print(f"  --audit-rate {RATES[name]:g} vs 0: CPU per token {1 + cost[name]:.3f}x (rounds "
+              f"{', '.join(f'{x:.3f}' for x in work)}): cost {100 * cost[name]:.1f}%; tokens/s "
+              f"{statistics.median(speed):.3f}x (rounds {', '.join(f'{x:.2f}' for x in speed)})")
+    scaled = AUDIT_RATE * cost["all"]
+    ok = cost["default"] <= 0.05 and scaled <= 0.05
+    print(f"  cost at the default rate {AUDIT_RATE:g}: measured {100 * cost['default']:.1f}%, {AUDIT_RATE:g} x the "
+          f"cost of auditing every request {100 * scaled:.1f}%; target <= 5%: {'PASS' if ok else 'MISS'}")
     for name, trials in found.items():
         if trials:
             caught = [c for c, _ in trials]
@@ -256,14 +263,14 @@ def main() -> int:
             swarm.start()
             prompts = Prompts()
             swarm.ask(swarm.route("head-off", "tail1"), prompts.next(), 4)  # warm up
-            tps = cost_rounds(swarm, prompts, args)
+            rows = cost_rounds(swarm, prompts, args)
             found = detection(swarm, prompts, args) if args.trials else {}
         except Exception:
             print(cluster.logs())
             raise
         finally:
             cluster.close()
-        ok = report(args, tps, found)
+        ok = report(args, rows, found)
         if not args.no_noise:
             noise(args.model, Path(tmp))
     return 0 if ok else 1
