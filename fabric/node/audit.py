@@ -4,9 +4,8 @@ Hidden states flow hop to hop, so a head never sees what a later hop received or
 A share ``audit_rate`` of the requests a head takes is audited: such a request starts at
 position 0 (never from kept KV: a replica could not hold that KV), and its first step, as
 well as that share of later steps at position 0 (re-prefills), names one of the route's
-other hops in the FORWARD (``audit``). That
-hop sends back its input and output (AUDIT_TAP, fabric/node/taps.py); the step's TOKEN is
-held meanwhile. The head asks the tracker for replicas of those layers (REPLICAS_REQUEST),
+other hops in the FORWARD (``audit``). That hop sends back its input and output
+(AUDIT_TAP, fabric/node/taps.py); the step's TOKEN is held meanwhile. The head asks the tracker for replicas of those layers (REPLICAS_REQUEST),
 sends the input to one (AUDIT), and compares its output with the suspect's
 (fabric/node/verdicts.py). They agree: the TOKEN goes on. They differ: a second replica
 settles it, and the node the other two contradict is convicted: the head tells the tracker
@@ -14,8 +13,7 @@ settles it, and the node the other two contradict is convicted: the head tells t
 convicted suspect is dropped and the step re-runs on a route without it. With no second
 replica, or three different outputs, the mismatch is reported and nobody is excluded.
 
-Decode steps and steps from kept KV (which need a past KV no replica holds) are never
-audited. No sockets here:
+Decode steps (which need a past KV no replica holds) are never audited. No sockets here:
 the auditor is the RouteSessions' transport and sends through the node.
 """
 from __future__ import annotations
@@ -38,6 +36,7 @@ from .route_session import Transport
 from .verdicts import DEFAULT_TOLERANCE, Claim, Judgement, Outcome, judge
 
 log = logging.getLogger(__name__)
+
 
 @dataclass(frozen=True)
 class AuditConfig:
@@ -63,7 +62,7 @@ class Pending:
     step: int
     target: p.Hop  # the audited hop: the suspect
     sampling: p.Sampling  # how the tail picks the step's token (checked against its logits)
-    moved: float  # when the audit last moved on (begun, tapped, answered): it gives up after a timeout still
+    moved: float  # when the audit last moved on (begun, tapped, answered); it gives up a timeout after
     inputs: torch.Tensor | None = None  # what the suspect received, (1, q, hidden)
     suspect: Claim | None = None  # what it said it computed
     token: p.Token | None = None  # the step's TOKEN, held until the audit ends
