@@ -179,7 +179,8 @@ class LoadMeter:
         steal = lambda t: getattr(t, "steal", 0.0)  # noqa: E731
         busy = (sum(sys1) - idle(sys1) - steal(sys1)) - (sum(self.sys0) - idle(self.sys0) - steal(self.sys0))
         cap = wall * (psutil.cpu_count() or 1)
-        self.foreign = max(0.0, (busy - (mine1 - self.mine0)) / cap)
+        self.mine = mine1 - self.mine0  # CPU seconds of ``pids`` and their children
+        self.foreign = max(0.0, (busy - self.mine) / cap)
         self.steal = max(0.0, (steal(sys1) - steal(self.sys0)) / cap)
         return False
 

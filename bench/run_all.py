@@ -35,6 +35,7 @@ SCRIPTS = {
     "long_context": ([], ["--reps", "1", "--turns", "3"]),
     "quant_bench": (["--json", "OUT/quant_bench.json"], ["--reps", "2", "--json", "OUT/quant_bench.json"]),
     "failover": ([], ["--runs", "1"]),
+    "audit": ([], ["--rounds", "2", "--clients", "2", "--trials", "1"]),
     # two nodes started by hand: their default compute lock against none, and a 3,200-token prompt answered
     "standalone_nodes": (["--rounds", "2", "--node-args", "", "--node-args", "--compute-lock none"],
                          ["--prompts", "786,3200", "--node-args", "", "--node-args", "--compute-lock none"]),

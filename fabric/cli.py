@@ -28,9 +28,10 @@ from .flags import (
     port,
     positive_count,
     seconds,
+    share,
     version,
 )
-from .wire.liveness import DEFAULT_PUB, DEFAULT_TRACKER
+from .wire.liveness import AUDIT_RATE, AUDIT_TOLERANCE, DEFAULT_PUB, DEFAULT_TRACKER
 
 
 log = logging.getLogger("meshnet")
@@ -445,6 +446,7 @@ def _node_parser(sub) -> None:
                    help="GiB of weights this node may hold, 0 for no limit; instead of --layers: the tracker "
                         "assigns a span that fits (default %(default)s)")
     _node_timing_flags(p)
+    _node_audit_flags(p)
     p.add_argument("--no-progress", action="store_true", help="no progress bar while loading")
     _metrics_flag(p)
     p.set_defaults(func=cmd_node)
@@ -461,6 +463,18 @@ def _node_timing_flags(p: argparse.ArgumentParser) -> None:
                         "request, and it exits once the requests it serves end, or after this many seconds, "
                         "when their heads move them to other nodes (default %(default)s; a second SIGTERM or "
                         "Ctrl-C exits at once)")
+
+
+def _node_audit_flags(p: argparse.ArgumentParser) -> None:
+    """How often the requests a node heads are checked on replicas, and how strictly."""
+    p.add_argument("--audit-rate", type=share, default=AUDIT_RATE, metavar="SHARE",
+                   help="share of the requests this node heads whose prefill is re-run, on one hop, by replicas "
+                        "holding the same layers, to catch a node that returns wrong results (such a request "
+                        "starts without kept KV); 0: never (default %(default)s)")
+    p.add_argument("--audit-tolerance", type=non_negative, default=AUDIT_TOLERANCE, metavar="REL",
+                   help="relative distance allowed between an audited hop's output and a replica's unless both "
+                        "compute in float32, unquantized, with the same CPU kernels and threads: those must agree "
+                        "bit for bit (default %(default)s)")
 
 
 def _node_relay_flags(p: argparse.ArgumentParser) -> None:
@@ -583,6 +597,7 @@ def _node_config(args, security):
                       prefill_slice=args.prefill_slice_ms / 1000, wire_dtype=args.wire_dtype,
                       compute_lock=_compute_lock(args.compute_lock, args.device),
                       hop_timeout=args.hop_timeout, heartbeat_interval=args.heartbeat,
+                      audit_rate=args.audit_rate, audit_tolerance=args.audit_tolerance,
                       drain_timeout=args.drain_timeout,
                       cache_root=default_cache_root(), progress=not args.no_progress,
                       security=security, relay=args.relay, relay_fallback=args.relay_fallback,
@@ -736,6 +751,7 @@ def format_status(status: dict) -> str:
         a, b = n["layers"]
         rate = n.get("layer_steps_per_s") or n.get("benchmark") or 0
         via = f" (relayed via {n['relay']})" if n.get("relay") else ""
+        via += " EXCLUDED: an audit caught it returning wrong results" if n.get("excluded") else ""
         lines.append(f"{n['id']:<20} {n['model']:<18} {f'{a}-{b}':<9} {n.get('sessions', 0):>8} {rate:>14.0f} "
                      f"{kv_cache_cell(n.get('kv_cache') or {}):>22}  {n['endpoint']}{via}")
     for model in sorted({n["model"] for n in nodes}):

@@ -106,6 +106,14 @@ def non_negative(text: str) -> float:
     return value
 
 
+def share(text: str) -> float:
+    """A fraction from 0 to 1."""
+    value = _float(text)
+    if value is None or not 0 <= value <= 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a share from 0 to 1, such as 0.05")
+    return value
+
+
 def count(text: str) -> int:
     """A whole number of 0 or more (0 usually meaning "automatic")."""
     if text.strip().isdigit():

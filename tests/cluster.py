@@ -115,12 +115,13 @@ class ProcessCluster:
         self.node_endpoints: dict[str, str] = {}
         self.start_tracker()
 
-    def _spawn(self, name: str, *args: str) -> subprocess.Popen:
+    def _spawn(self, name: str, *args: str, entry: tuple[str, ...] = ("-m", "fabric.cli")) -> subprocess.Popen:
+        """Start ``meshnet ARGS`` (or the script ``entry`` names with them, such as tests/liar_node.py)."""
         log = open(self.tmp / f"{name}.log", "ab")
         env = {**os.environ, "PYTHONPATH": str(ROOT), "XDG_CACHE_HOME": str(self.cache),
                "XDG_DATA_HOME": str(self.tmp / "data"), "XDG_RUNTIME_DIR": str(self.runtime_dir)}
         keys = ["--keys", str(self.keys)] if self.keys else []
-        proc = subprocess.Popen([sys.executable, "-m", "fabric.cli", "--log-level", "info", *args, *keys],
+        proc = subprocess.Popen([sys.executable, *entry, "--log-level", "info", *args, *keys],
                                 stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
         self.procs[name] = proc
         return proc
@@ -138,12 +139,15 @@ class ProcessCluster:
         self._spawn("tracker", "tracker", "--bind", self.endpoint, "--pub", self.pub,
                     "--db", str(self.tmp / "ledger.sqlite3"), "--heartbeat", str(self.heartbeat))
 
-    def start_node(self, name: str, model: str, layers: str | None, port: int | None = None, *extra: str) -> str:
-        """Start a node; ``layers`` None lets the tracker assign them (pass --memory in extra)."""
+    def start_node(self, name: str, model: str, layers: str | None, port: int | None = None, *extra: str,
+                   liar: bool = False) -> str:
+        """Start a node; ``layers`` None lets the tracker assign them (pass --memory in extra);
+        ``liar``: one whose every output is wrong (tests/liar_node.py)."""
         endpoint = f"tcp://127.0.0.1:{port or free_port()}"
         self._spawn(name, "node", "--model", model, *(["--layers", layers, "--node-id", name] if layers else []),
                     "--tracker", self.endpoint, "--bind", endpoint, "--threads", "1", "--no-progress",
-                    "--heartbeat", str(self.heartbeat), *extra)
+                    "--heartbeat", str(self.heartbeat), *extra,
+                    entry=(str(ROOT / "tests" / "liar_node.py"),) if liar else ("-m", "fabric.cli"))
         self.node_endpoints[name] = endpoint
         return endpoint
 
@@ -213,6 +217,17 @@ class ProcessCluster:
                 proc.kill()
                 proc.wait()
         self.procs.clear()
+
+
+def node_counters(port: int, prefix: str = "") -> dict[str, float]:
+    """A node's counters from its /metrics (``meshnet node --metrics-port``), by name without
+    ``meshnet_node_`` and ``_total``; those whose name starts with ``prefix``."""
+    import re
+    import urllib.request
+
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    found = re.findall(r"^meshnet_node_(\w+)_total\{[^}]*\} (\S+)$", text, re.M)
+    return {name: float(value) for name, value in found if name.startswith(prefix)}
 
 
 def wait_sessions_zero(endpoints: list[str], timeout: float = 1.0) -> float:

@@ -6,6 +6,7 @@ runs the status example from docs/PROTOCOL.md.
 """
 from __future__ import annotations
 
+import dataclasses
 import copy
 import math
 import re
@@ -72,6 +73,37 @@ def _forward_reuse() -> tuple[p.Forward, list]:
                      reply_to=HEAD.endpoint, reuse="s1", tensors=(spec,)), [buf]
 
 
+def _audit_tap(tail: bool = False) -> tuple[p.AuditTap, list]:
+    spec_in, buf_in = _hidden(3)
+    spec_out, buf_out = (to_wire(torch.linspace(-3, 3, 320)) if tail  # logits (vocab,)
+                         else _hidden(3, dtype=torch.bfloat16))
+    return p.AuditTap("s1", 0, "b", 3, 5, kernels="torch 2 cpu AVX2 threads 1" if tail else "", more=not tail,
+                      tensors=(spec_in, spec_out)), [buf_in, buf_out]
+
+
+def _audit() -> tuple[p.Audit, list]:
+    spec, buf = _hidden(3)
+    return p.Audit("a1f3", 3, 5, HEAD.endpoint, reply_key="k" * 40, tensors=(spec,)), [buf]
+
+
+def _audit_result() -> tuple[p.AuditResult, list]:
+    spec, buf = _hidden(3)
+    return p.AuditResult("a1f3", "c", kernels="torch 2 cpu AVX2 threads 1", tensors=(spec,)), [buf]
+
+
+def _audit_samples() -> list[tuple[p.Message, list]]:
+    return [
+        _audit_tap(), _audit_tap(tail=True),
+        _audit(), _audit_result(),
+        (p.AuditResult("a1f3", "c", error="layers 3-5 are outside this node's shard 0-2"), []),
+        (p.ReplicasRequest("a1f3", "tiny", "f00d", 3, 5, exclude=("a", "b")), []),
+        (p.Replicas("a1f3", ROUTE[:1]), []),
+        (p.Replicas("a1f3"), []),
+        (p.Verdict("a", "tiny", "b", 3, 5, witnesses=("c", "d"), settled=True, detail="b vs c: 1.04"), []),
+        (p.Verdict("a", "tiny", "b", 3, 5, witnesses=("c",)), []),
+    ]
+
+
 def samples() -> list[tuple[p.Message, list]]:
     """One or more valid messages of every kind, with non-default values where possible."""
     return [
@@ -126,6 +158,7 @@ def samples() -> list[tuple[p.Message, list]]:
         (p.RelayOpen("a"), []),
         (p.RelayOpen("a", endpoint="tcp://relay:40001"), []),
         (p.RelayOpened("a", "tcp://relay:40001", key="k" * 40), []),
+        *_audit_samples(),
     ]
 
 
@@ -161,10 +194,12 @@ def test_kind_codes_are_stable():
     # these numbers are on the wire: changing one is a protocol version bump
     assert {k.name: k.value for k in Kind} == {
         "FORWARD": 1, "TOKEN": 2, "CACHE_MISS": 3, "CANCEL": 4, "CLOSE": 5, "ERROR": 6, "PING": 7,
-        "PONG": 8, "PROGRESS": 9, "GENERATE": 10, "EVENT": 11, "REGISTER": 20, "HEARTBEAT": 21,
+        "PONG": 8, "PROGRESS": 9, "GENERATE": 10, "EVENT": 11, "AUDIT_TAP": 12, "AUDIT": 13, "AUDIT_RESULT": 14,
+        "REGISTER": 20, "HEARTBEAT": 21,
         "ROUTE_REQUEST": 22,
         "ROUTE": 23, "REPORT": 24, "STATUS_REQUEST": 25, "STATUS": 26, "ASSIGN_REQUEST": 27, "ASSIGN": 28,
-        "ACK": 29, "RELAY_OPEN": 30, "RELAY_OPENED": 31, "LEAVE": 32}
+        "ACK": 29, "RELAY_OPEN": 30, "RELAY_OPENED": 31, "LEAVE": 32, "REPLICAS_REQUEST": 33, "REPLICAS": 34,
+        "VERDICT": 35}
     assert p.MAGIC == b"MESH1" and p.VERSION == 1
 
 
@@ -327,7 +362,7 @@ def test_other_version(magic):
     rejected(frames_of(Kind.PING, {"nonce": 1}, magic=magic), VERSION, "version")
 
 
-@pytest.mark.parametrize("kind", [0, 12, 19, 33, 255])
+@pytest.mark.parametrize("kind", [0, 15, 19, 36, 255])
 def test_unknown_kind(kind):
     rejected(frames_of(kind, {"nonce": 1}), BAD_FRAME, "unknown message kind")
 
@@ -511,7 +546,37 @@ FORWARD_CASES = {
     "reuse at pos 0": (FWD, [_set("reuse", "s0")], "reuse needs pos > 0"),
     "reuse of itself": (FWD_H, [_set("reuse", "s1")], "another session's id"),
     "hidden states for layer 3 as ids": (FWD, [_set("start_layer", 1)], "float hidden states"),
+    "audit of the head's layer 0": (FWD, [_set("audit", 0)], "audit must be -1 or a layer"),
+    "audit past the layers": (FWD, [_set("audit", p.MAX_LAYERS)], "audit must be -1 or a layer"),
 }
+
+
+TAP, TAP_TAIL, AUDIT, AUDIT_RESULT = _audit_tap(), _audit_tap(tail=True), _audit(), _audit_result()
+VERDICT = (p.Verdict("a", "tiny", "b", 3, 5, witnesses=("c", "d"), settled=True), [])
+AUDIT_CASES = {
+    "tap of layer 0": (TAP, _set("start_layer", 0), "0 < start <= end"),
+    "tap with one tensor": ((dataclasses.replace(TAP[0], tensors=TAP[0].tensors[:1]), TAP[1][:1]), lambda h: None,
+                            "two tensors"),
+    "tap input of ids": (TAP, _set("tensors.0.dtype", "int32"), "float hidden states"),
+    "tap output of 2 dims": (TAP_TAIL, _set("tensors.1.shape", [4, 80]), "float hidden states"),
+    "empty tap session": (TAP, _set("session", ""), "1-256 characters"),
+    "audit of layer 0": (AUDIT, _set("start_layer", 0), "0 < start <= end"),
+    "audit input of batch 2": (AUDIT, _set("tensors.0.shape", [2, 3, 4]), "shape \\(1, q, hidden\\)"),
+    "empty audit id": (AUDIT, _set("audit", ""), "1-256 characters"),
+    "result with an error and a tensor": (AUDIT_RESULT, _set("error", "busy"), "one tensor, or none"),
+    "result node too long": (AUDIT_RESULT, _set("node", "n" * 257), "1-256 characters"),
+    "settled with one witness": (VERDICT, _set("witnesses", ["c"]), "at least two witnesses"),
+    "settled with one witness twice": (VERDICT, _set("witnesses", ["c", "c"]), "at least two witnesses"),
+    "suspect witnesses": (VERDICT, _set("witnesses", ["b", "c"]), "cannot witness against itself"),
+    "head convicts itself": (VERDICT, _set("suspect", "a"), "cannot witness against itself"),
+    "verdict on layer 0": (VERDICT, _set("start_layer", 0), "0 < start <= end"),
+}
+
+
+@pytest.mark.parametrize("case", list(AUDIT_CASES))
+def test_audit_rejections(case):
+    (message, buffers), mutate, match = AUDIT_CASES[case]
+    rejected(_mutated(message, buffers, mutate), BAD_FRAME, match)
 
 
 @pytest.mark.parametrize("case", list(FORWARD_CASES))

@@ -1,6 +1,7 @@
 """The console ring: the last few hundred human-facing events, kept in memory.
 
-Kinds: ``route selected``, ``connected``, ``handover``, ``progress``, ``complete``, ``error``, ``left``.
+Kinds: ``route selected``, ``connected``, ``handover``, ``progress``, ``complete``, ``error``, ``left``,
+``audit`` (a head's audit caught a node returning wrong results, or found a mismatch it could not settle).
 A ``progress`` event is updated in place for its request (keyed by request id) instead
 of appended, so a long generation occupies one row whose tokens and tok/s move.
 Every event has a stable ``id`` and a ``seq`` that grows on every insert or update,
@@ -12,7 +13,7 @@ import time
 from collections import deque
 from typing import Callable
 
-KINDS = ("route selected", "connected", "handover", "progress", "complete", "error", "left")
+KINDS = ("route selected", "connected", "handover", "progress", "complete", "error", "left", "audit")
 
 
 class EventRing:

@@ -111,6 +111,7 @@ class Registry:
         self._clock = clock
         self._nodes: dict[str, NodeInfo] = {}
         self.version = 0
+        self.excluded: dict[str, str] = {}  # node id -> why an audit excluded it from plans (outlives its expiry)
 
     def register(self, msg: Register, public_key: str = "") -> NodeInfo:
         """Add or replace a node (load starts at zero). Validates first."""
@@ -167,12 +168,21 @@ class Registry:
             self.version += 1
         return node
 
+    def exclude(self, node_id: str, reason: str) -> bool:
+        """Leave ``node_id`` out of every plan from now on (an audit caught it lying); False if it was already."""
+        if node_id in self.excluded:
+            return False
+        self.excluded[node_id] = reason
+        self.version += 1
+        return True
+
     def get(self, node_id: str) -> NodeInfo | None:
         return self._nodes.get(node_id)
 
-    def snapshot(self) -> tuple[NodeInfo, ...]:
-        """An immutable view, ordered by node id."""
-        return tuple(self._nodes[k] for k in sorted(self._nodes))
+    def snapshot(self, everyone: bool = False) -> tuple[NodeInfo, ...]:
+        """An immutable view, ordered by node id: the nodes plans may use, or with ``everyone``
+        also those audits excluded."""
+        return tuple(self._nodes[k] for k in sorted(self._nodes) if everyone or k not in self.excluded)
 
     def models(self) -> list[str]:
         return sorted({n.model for n in self._nodes.values()})

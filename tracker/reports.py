@@ -120,7 +120,7 @@ class Reports:
     def _record_stats(self, msg: Report, first: tuple[int, float] | None) -> None:
         """Learn from the completion; after a handover, from the tokens of the last head only
         (its ``elapsed`` counts from when it took over)."""
-        nodes = {n.node_id: n for n in self.registry.snapshot()}
+        nodes = {n.node_id: n for n in self.registry.snapshot(everyone=True)}
         rates, cost = self.stats.layer_rates(), self.cost
         first = (first[0] - msg.resumed, first[1]) if first else None
         self.stats.record(

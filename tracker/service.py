@@ -9,6 +9,8 @@ RouteRequest         Route (best route), or Error(UNKNOWN_MODEL / NO_ROUTE)
 Report               Ack (``detail`` is the billing status of a final report)
 StatusRequest        Status(body=...) -- see ``Tracker.status_body``
 AssignRequest        Assign(start_layer, end_layer)
+ReplicasRequest      Replicas (nodes holding the layers an audit re-runs; maybe none)
+Verdict              Ack -- a settled one excludes its suspect from plans; or Error(BAD_REQUEST)
 Ping                 Pong
 anything malformed   Error(code) from the ProtocolError; the tracker carries on
 ===================  ===========================================================
@@ -51,16 +53,19 @@ from fabric.wire.protocol import (
     Pong,
     ProtocolError,
     Register,
+    ReplicasRequest,
     Report,
     Route,
     RouteRequest,
     Status,
     StatusRequest,
+    Verdict,
     decode,
     encode,
     split_envelope,
 )
 
+from .audits import Audits
 from .events import EventRing
 from .ledger import Ledger, default_ledger_path
 from .planner import (
@@ -105,7 +110,7 @@ class TrackerConfig:
 
 
 HANDLED = (Kind.REGISTER, Kind.HEARTBEAT, Kind.ROUTE_REQUEST, Kind.REPORT, Kind.STATUS_REQUEST,
-           Kind.ASSIGN_REQUEST, Kind.LEAVE)
+           Kind.ASSIGN_REQUEST, Kind.LEAVE, Kind.REPLICAS_REQUEST, Kind.VERDICT)
 
 
 class Tracker:
@@ -126,6 +131,7 @@ class Tracker:
         self.stats = StatsStore(config.stats_window)
         self.events = EventRing(config.event_ring)
         self.reports = Reports(self.registry, self.stats, self.events, config.cost, self._emit)
+        self.audits = Audits(self.registry, self.events, self._emit)  # replicas for audits, and their verdicts
         self._ledger: Ledger | None = None
         self._pub: zmq.Socket | None = None
         self._started = time.monotonic()
@@ -257,7 +263,7 @@ class Tracker:
 
     def metrics(self) -> list[Sample]:
         """Live numbers for /metrics; safe to call from another thread."""
-        nodes = self.registry.snapshot()
+        nodes = self.registry.snapshot(everyone=True)
         rows = [Sample("tracker_nodes", "registered nodes", len(nodes)),
                 Sample("tracker_requests_in_flight", "requests reported in progress", len(self.reports))]
         rows += [Sample("tracker_node_sessions", "sessions at the node's last heartbeat", n.sessions,
@@ -269,7 +275,7 @@ class Tracker:
     def _authorize(self, message: Message, peer: str | None) -> None:
         """In a secured swarm a node id belongs to the key that first registered it:
         no member can register, heartbeat or report as another."""
-        if self.config.security is None or not isinstance(message, (Register, Heartbeat, Report, Leave)):
+        if self.config.security is None or not isinstance(message, (Register, Heartbeat, Report, Leave, Verdict)):
             return
         owner = self._node_keys.get(message.node_id)
         if owner is not None and owner != peer:
@@ -297,6 +303,10 @@ class Tracker:
                 return self._on_assign(message)
             case Leave():
                 return self._on_leave(message)
+            case ReplicasRequest():
+                return self.audits.replicas(message)
+            case Verdict():
+                return self.audits.verdict(message)
             case Ping(nonce=nonce):
                 return Pong(nonce=nonce, node="tracker")
             case _:

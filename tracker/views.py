@@ -29,10 +29,11 @@ def plan_row(model: str, route, relays: dict[str, str], stats: StatsStore) -> di
 
 def node_rows(registry: Registry, stats: StatsStore, cost: CostModel) -> list[dict]:
     rates = stats.layer_rates()
-    return [node_row(n, rates, cost, registry.age(n)) for n in registry.snapshot()]
+    return [node_row(n, rates, cost, registry.age(n), registry.excluded.get(n.node_id, ""))
+            for n in registry.snapshot(everyone=True)]
 
 
-def node_row(node: NodeInfo, rates: dict, cost: CostModel, age_s: float) -> dict:
+def node_row(node: NodeInfo, rates: dict, cost: CostModel, age_s: float, excluded: str = "") -> dict:
     measured = rates.get((node.node_id, node.model))
     return {"id": node.node_id, "endpoint": node.endpoint, "model": node.model,
             "fingerprint": node.fingerprint, "layers": [node.start_layer, node.end_layer],
@@ -42,7 +43,8 @@ def node_row(node: NodeInfo, rates: dict, cost: CostModel, age_s: float) -> dict
             "measured": measured is not None, "hardware": node.hardware,
             "last_seen_s": round(age_s, 3),
             "relay": node.relay, "relayed": bool(node.relay), "rtts": node.rtts, "reachable": node.reachable,
-            "kv_cache": {"bytes": node.kv_bytes, "hits": node.kv_hits, "misses": node.kv_misses}}
+            "kv_cache": {"bytes": node.kv_bytes, "hits": node.kv_hits, "misses": node.kv_misses},
+            "excluded": excluded}  # why an audit left it out of plans; "": it is planned
 
 
 def usage(ledger: Ledger | None) -> dict:

@@ -13,6 +13,7 @@ import torch
 from ..compute.models import ModelSource
 from ..net.security import Security
 from ..wire.shard import Shard
+from .audit import AuditConfig
 from .head import HeadConfig
 from .links import LinkConfig
 from .scheduler import SchedulerConfig
@@ -41,12 +42,13 @@ class NodeConfig:
     scheduler: SchedulerConfig = SchedulerConfig()  # batching and prefill slices
     head: HeadConfig = HeadConfig()  # requests this node heads: timeouts, pings, prompt limit
     link: LinkConfig = LinkConfig()  # the tracker and relay
+    audit: AuditConfig = AuditConfig()  # how often requests this node heads are checked on replicas
 
     @classmethod
     def build(cls, source: ModelSource, shard: Shard, **options) -> "NodeConfig":
         """A config from flat options (``max_batch=8, tracker=None``): each goes to the group
         that has a field of its name. An unknown name raises TypeError."""
-        groups = {"scheduler": SchedulerConfig, "head": HeadConfig, "link": LinkConfig}
+        groups = {"scheduler": SchedulerConfig, "head": HeadConfig, "link": LinkConfig, "audit": AuditConfig}
         parts: dict[str, dict] = {name: {} for name in groups}
         top = {}
         for name, value in options.items():

@@ -19,6 +19,7 @@ from typing import Protocol
 from ..net.liveness import splice
 from ..wire import protocol as p
 from ..wire.liveness import LINK_GRACE, PEER_SILENCE, PING_INTERVAL
+from .audit import AuditConfig, Auditor
 from .prefixes import PrefixIndex
 from .route_session import RequestError, RouteSession, Transport, encode_prompt
 
@@ -55,11 +56,12 @@ class Model:
     tokenizer: object
     eos: frozenset[int]
     vocab_size: int = 0  # token ids are below this (0: unchecked)
+    fingerprint: str = ""  # the weights' digest: audits re-run hops on nodes with the same
 
 
 class Head:
     def __init__(self, config: HeadConfig, host: HeadHost, node_id: str, model: Model, counters: Counter,
-                 prefixes: PrefixIndex | None = None):
+                 prefixes: PrefixIndex | None = None, audit: AuditConfig = AuditConfig(audit_rate=0.0)):
         self.config = config
         self.prefixes = prefixes if prefixes is not None else PrefixIndex()  # what ended requests left on hops
         self.host = host
@@ -69,6 +71,9 @@ class Head:
         self.sessions: dict[str, RouteSession] = {}  # requests this node heads
         self.clients: dict[str, bytes] = {}  # request id -> client identity on the ROUTER
         self.pending_routes: deque[str] = deque()  # sessions awaiting a failover route, in request order
+        # steps re-run on replicas (fabric/node/audit.py); it is the RouteSessions' transport
+        self.auditor = Auditor(audit, host, node_id, model.model_id, model.fingerprint, counters,
+                               release=lambda token: self.deliver(token.session, token), route_around=self.route_around)
 
     def __len__(self) -> int:
         return len(self.sessions)
@@ -93,13 +98,15 @@ class Head:
                                               error_code=exc.code, finish_reason=p.FinishReason.ERROR))
             return
         rs = RouteSession(req, prompt, tokenizer=self.model.tokenizer, eos=self.model.eos,
-                          reply_to=self.host.endpoint, reply_key=self.host.key, transport=self.host,
+                          reply_to=self.host.endpoint, reply_key=self.host.key, transport=self.auditor,
                           seed=secrets.randbits(62), wire_dtype=self.config.wire_dtype)
         self.sessions[req.request_id] = rs
         self.clients[req.request_id] = identity
         if req.resume:
             log.warning("request %s: taking it over after %d tokens (its head died)", req.request_id, len(req.resume))
-        self._emit(rs, rs.start(self.prefixes.match(prompt + list(req.resume), req.route, req.request_id)))
+        audited = self.auditor.draw(req.request_id)  # then it starts afresh: no replica holds kept KV
+        reused = None if audited else self.prefixes.match(prompt + list(req.resume), req.route, req.request_id)
+        self._emit(rs, rs.start(reused))
 
     def _check_resume(self, req: p.Generate) -> None:
         """Resumed token ids must be ids of this model's vocabulary."""
@@ -121,6 +128,8 @@ class Head:
         if rs is None:
             return  # a late reply for a request that already ended
         match msg:
+            case p.Token() if self.auditor.hold(msg):
+                return  # an audited step: its token goes on once the audit ends
             case p.Token():
                 events = rs.on_token(msg)
             case p.CacheMiss():
@@ -141,6 +150,7 @@ class Head:
         """Re-send steps that timed out."""
         for rs in list(self.sessions.values()):
             self._emit(rs, rs.check_timeout(now, self.config.hop_timeout))
+        self.auditor.tick(now)
 
     def _emit(self, rs: RouteSession, events: list[p.Event]) -> None:
         identity = self.clients.get(rs.session)
@@ -150,6 +160,7 @@ class Head:
         if rs.finished:
             self.sessions.pop(rs.session, None)
             self.clients.pop(rs.session, None)
+            self.auditor.forget(rs.session)
             if rs.finished != "error":  # the hops keep its KV (CLOSE, CANCEL): later requests may start from it
                 self.prefixes.add(rs.session, rs.held_ids, rs.route)
             self._report(rs)
@@ -178,6 +189,12 @@ class Head:
             lost = {h.node for h in rs.route if h.endpoint in dead}
             if lost and now >= rs.replan_after:
                 self._failover(rs, lost, now)
+
+    def route_around(self, node: str) -> None:
+        """An audit convicted ``node``: sessions through it re-run on routes without it."""
+        for rs in [rs for rs in self.sessions.values() if not rs.awaiting_route]:
+            if any(h.node == node for h in rs.route):
+                self._failover(rs, {node}, time.monotonic())
 
     def _failover(self, rs: RouteSession, lost: set[str], now: float) -> None:
         rs.begin_failover(lost)

@@ -46,6 +46,7 @@ class LinkHost(Protocol):
     def heartbeat(self) -> p.Heartbeat: ...
     def inbound(self, identity: bytes, frames: list) -> None: ...  # a peer's frame through the relay
     def route_answer(self, msg: p.Route | p.Error) -> None: ...  # the answer to a failover request
+    def replicas(self, msg: p.Replicas) -> None: ...  # the answer to an audit's question for replicas
     def probe(self, peers: dict[str, str]) -> None: ...  # endpoint -> key of peers to time
 
 
@@ -137,6 +138,8 @@ class Links:
                 self._register()
         elif isinstance(msg, p.Route) or (isinstance(msg, p.Error) and msg.code in p.NO_ROUTE_CODES):
             self.host.route_answer(msg)
+        elif isinstance(msg, p.Replicas):
+            self.host.replicas(msg)
         elif isinstance(msg, p.Ack):
             if msg.probe:
                 self.host.probe({h.endpoint: h.key for h in msg.probe

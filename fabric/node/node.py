@@ -40,6 +40,7 @@ from .peers import Peers
 from .prefixes import MAX_PREFIXES, PrefixIndex
 from .route_session import eos_ids
 from .scheduler import HopScheduler, Work
+from .taps import Taps, kernels
 from .telemetry import COUNTERS
 
 log = logging.getLogger(__name__)
@@ -62,6 +63,8 @@ class Node:
         self.counters: Counter[str] = Counter({k: 0 for k in COUNTERS})
         self._lock = ComputeLock(config.compute_lock)
         self.hops = HopRunner(self.executor, self._lock, self.counters)
+        self.taps = Taps(self.executor, self._lock, config.node_id, kernels(config.device, config.dtype, config.quant),
+                         self.counters)
         self.scheduler = HopScheduler(config.scheduler, self.kv, self.executor.batchable, self._lock.shared)
         self.benchmark = self.hops.benchmark(config.shard, config.dtype)
         self.auth = start_authenticator(self.ctx, config.security) if config.security else None
@@ -84,10 +87,12 @@ class Node:
     def _head(self, model_config) -> Head:
         tokenizer = load_tokenizer(self.config.source, self.config.cache_root)
         model = Model(self.config.source.model_id, self.config.shard.num_layers, tokenizer,
-                      eos_ids(tokenizer, model_config), getattr(model_config, "vocab_size", 0) or 0)
+                      eos_ids(tokenizer, model_config), vocab_size=getattr(model_config, "vocab_size", 0) or 0,
+                      fingerprint=self.fingerprint)
         # a node that keeps no KV of ended requests offers none to reuse either
         prefixes = PrefixIndex(max_entries=0 if self.kv.retained.budget <= 0 else MAX_PREFIXES)
-        return Head(self.config.head, self, self.config.node_id, model, self.counters, prefixes=prefixes)
+        return Head(self.config.head, self, self.config.node_id, model, self.counters, prefixes=prefixes,
+                    audit=self.config.audit)
 
     # -- main loop ----------------------------------------------------------------------
 
@@ -196,6 +201,11 @@ class Node:
                 raise p.ProtocolError("this node is not the head of that route", p.ErrorCode.BAD_REQUEST)
             case p.Cancel() | p.Close():
                 self._end(msg)
+            case p.Audit():
+                self.send_tensors(msg.reply_to, msg.reply_key, *self.taps.replay(msg, from_wire(msg.tensors[0],
+                                                                                                buffers[0])))
+            case p.AuditTap() | p.AuditResult() if self.head is not None:
+                self.head.auditor.received(msg, [from_wire(s, b) for s, b in zip(msg.tensors, buffers)])
             case p.Ping():
                 self.reply(identity, p.Pong(msg.nonce, node=self.config.node_id, sessions=len(self.kv)))
             case p.Error() | p.Pong() | p.Ack():
@@ -258,6 +268,9 @@ class Node:
         piece of a long prefill (all but the tail's last, which its TOKEN answers), PROGRESS to the
         head too: however long the prompt, the head hears it move."""
         msg = work.msg
+        if work.tapped and isinstance(result, StepResult):  # the head audits this step: it hears what ran here
+            self.send_tensors(msg.reply_to, msg.reply_key, *self.taps.tap(work, result))
+            result = StepResult(result.hidden, None if msg.more else result.logits)  # a chunk's logits: tap only
         if (msg.more or msg.pos and not work.decode) and isinstance(result, StepResult) and result.logits is None:
             self._progress(msg, msg.pos + work.tokens)
         if isinstance(result, CacheMissError):
@@ -289,9 +302,16 @@ class Node:
             return
         if message.wire_dtype and tensor.is_floating_point():
             tensor = tensor.to(TORCH_DTYPES[message.wire_dtype])  # validated against WIRE_DTYPES
-        spec, buf = to_wire(tensor)
-        self.peers.send(hop.endpoint, hop.key, p.encode(dataclasses.replace(message, tensors=(spec,)), [buf]),
-                        copy=False)
+        self.send_tensors(hop.endpoint, hop.key, message, [tensor])
+
+    def send_tensors(self, endpoint: str, key: str, message: p.Message, tensors: list[torch.Tensor]) -> None:
+        """Send ``message`` with ``tensors`` as its buffers (an audit's input and outputs)."""
+        wired = [to_wire(t) for t in tensors]
+        frames = p.encode(dataclasses.replace(message, tensors=tuple(s for s, _ in wired)), [b for _, b in wired])
+        if endpoint == self.endpoint:
+            self.inbound(b"", frames)
+        else:
+            self.peers.send(endpoint, key, frames, copy=False)
 
     def control(self, hop: p.Hop, message: p.Cancel | p.Close) -> None:
         if hop.endpoint == self.endpoint:
@@ -325,6 +345,10 @@ class Node:
     def route_answer(self, msg: p.Route | p.Error) -> None:
         if self.head is not None:
             self.head.route_answer(msg)
+
+    def replicas(self, msg: p.Replicas) -> None:
+        if self.head is not None:
+            self.head.auditor.replicas(msg)
 
     def probe(self, peers: dict[str, str]) -> None:
         self.peers.probes = peers

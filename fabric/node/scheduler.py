@@ -60,8 +60,15 @@ class Work:
 
     @property
     def short_prompt(self) -> bool:
-        """A whole prompt short enough to run unsliced (and so with other such prompts)."""
-        return self.msg.pos == 0 and not self.msg.more and self.tokens < WHOLE_PREFILL_TOKENS
+        """A whole prompt short enough to run unsliced (and so with other such prompts; not a
+        tapped one: a replica re-runs it alone, and must compute it in the same order)."""
+        return self.msg.pos == 0 and not self.msg.more and self.tokens < WHOLE_PREFILL_TOKENS and not self.tapped
+
+    @property
+    def tapped(self) -> bool:
+        """This hop reports the step to its head for an audit (fabric/node/taps.py): the FORWARD
+        names this hop, and the step starts the session here at position 0."""
+        return self.msg.audit == self.msg.start_layer and self.msg.pos == 0 and not self.msg.reuse
 
     def cut(self, n: int) -> tuple["Work", "Work"]:
         """The first ``n`` tokens as a chunk that more follow, and the rest (which continues

@@ -54,6 +54,8 @@ MAX_TOKEN_ID = (1 << 31) - 1
 # dtype name -> item size in bytes. The receiver refuses anything else.
 DTYPE_SIZES = {"float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4}
 WIRE_DTYPES = {"", "float32", "float16", "bfloat16"}  # hidden states on the wire; "": the compute dtype
+FLOAT_DTYPES = ("float32", "float16", "bfloat16")  # hidden states and logits
+MAX_ID = 256  # longest session, audit, node or model id in the audit messages
 
 
 class ErrorCode:
@@ -120,6 +122,9 @@ class Kind(IntEnum):
     PROGRESS = 9
     GENERATE = 10
     EVENT = 11
+    AUDIT_TAP = 12
+    AUDIT = 13
+    AUDIT_RESULT = 14
     REGISTER = 20
     HEARTBEAT = 21
     ROUTE_REQUEST = 22
@@ -133,6 +138,9 @@ class Kind(IntEnum):
     RELAY_OPEN = 30
     RELAY_OPENED = 31
     LEAVE = 32
+    REPLICAS_REQUEST = 33
+    REPLICAS = 34
+    VERDICT = 35
 
 
 @dataclass(frozen=True)
@@ -220,10 +228,13 @@ class Forward(Message):
     more: bool = False  # a prefill chunk that more chunks follow: the tail fills its KV, answers nothing
     wire_dtype: str = ""  # dtype of hidden states sent on from here; "": each node's compute dtype
     reuse: str = ""  # an ended session whose kept KV holds positions 0..pos-1: start from it; "": none
+    audit: int = -1  # the first layer of the hop that reports this step to the head (AUDIT_TAP); -1: none
 
     def validate(self) -> None:
         if not 0 <= self.start_layer <= self.end_layer < MAX_LAYERS:
             raise ProtocolError(f"layers {self.start_layer}-{self.end_layer} out of range")
+        if self.audit != -1 and not 0 < self.audit < MAX_LAYERS:
+            raise ProtocolError("audit must be -1 or a layer in [1, 4096)")
         if self.pos < 0 or self.step < 0:
             raise ProtocolError("pos and step must be >= 0")
         if self.reuse and (self.pos == 0 or self.reuse == self.session):
@@ -553,12 +564,163 @@ class RelayOpened(Message):
     key: str = ""  # the relay's CURVE public key (z85) in a secured swarm
 
 
+# --------------------------------------------------------------------------- audits
+
+
+def _check_id(value: str, name: str) -> None:
+    if not 1 <= len(value) <= MAX_ID:
+        raise ProtocolError(f"{name} must have 1-{MAX_ID} characters")
+
+
+def _check_span(start: int, end: int) -> None:
+    """An audited span: never the head's (layer 0 takes token ids, and the head trusts itself)."""
+    if not 0 < start <= end < MAX_LAYERS:
+        raise ProtocolError(f"audited layers {start}-{end} must satisfy 0 < start <= end < {MAX_LAYERS}")
+
+
+def _check_hidden(spec: TensorSpec, what: str) -> None:
+    if spec.dtype not in FLOAT_DTYPES or len(spec.shape) != 3 or spec.shape[0] != 1 or spec.shape[1] < 1:
+        raise ProtocolError(f"{what} is float hidden states of shape (1, q, hidden)")
+
+
+def _check_output(spec: TensorSpec, what: str) -> None:
+    """A hop's output: hidden states (1, q, hidden), or the tail's logits (vocab,)."""
+    if len(spec.shape) == 1 and spec.dtype in FLOAT_DTYPES and spec.shape[0] >= 1:
+        return
+    _check_hidden(spec, what)
+
+
+@dataclass(frozen=True)
+class AuditTap(Message):
+    """Hop -> head: the hop that a FORWARD's ``audit`` names ran that step from position 0.
+    Buffer 0 is the input it received, buffer 1 its output: hidden states, or on the tail the
+    logits of the last position (vocab,) float32."""
+
+    KIND: ClassVar[Kind] = Kind.AUDIT_TAP
+    session: str
+    step: int
+    node: str
+    start_layer: int
+    end_layer: int
+    kernels: str = ""  # its exact-mode arithmetic (float32, unquantized): torch, device, CPU, threads; "": none
+    more: bool = False  # the tap covers the step's first prefill chunk only (its logits are not the token's)
+
+    def validate(self) -> None:
+        _check_id(self.session, "session")
+        _check_id(self.node, "node")
+        _check_span(self.start_layer, self.end_layer)
+        if len(self.kernels) > MAX_ID:
+            raise ProtocolError(f"kernels has at most {MAX_ID} characters")
+        if self.step < 0:
+            raise ProtocolError("step must be >= 0")
+        if len(self.tensors) != 2:
+            raise ProtocolError("AUDIT_TAP carries two tensors: the input and the output")
+        _check_hidden(self.tensors[0], "AUDIT_TAP's input")
+        _check_output(self.tensors[1], "AUDIT_TAP's output")
+
+
+@dataclass(frozen=True)
+class Audit(Message):
+    """Head -> a replica holding the layers: run start_layer..end_layer on buffer 0 (hidden
+    states, (1, q, hidden)) from position 0 in a session of its own, then answer AUDIT_RESULT."""
+
+    KIND: ClassVar[Kind] = Kind.AUDIT
+    audit: str
+    start_layer: int
+    end_layer: int
+    reply_to: str
+    reply_key: str = ""  # the head's CURVE public key when the swarm is secured
+
+    def validate(self) -> None:
+        _check_id(self.audit, "audit")
+        _check_span(self.start_layer, self.end_layer)
+        if len(self.tensors) != 1:
+            raise ProtocolError("AUDIT carries exactly one tensor: the input")
+        _check_hidden(self.tensors[0], "AUDIT's input")
+
+
+@dataclass(frozen=True)
+class AuditResult(Message):
+    """Replica -> head: the output of an AUDIT (buffer 0, as AUDIT_TAP's output), or ``error``."""
+
+    KIND: ClassVar[Kind] = Kind.AUDIT_RESULT
+    audit: str
+    node: str
+    kernels: str = ""  # as AUDIT_TAP's
+    error: str = ""  # why the replica computed nothing; "": one tensor follows
+
+    def validate(self) -> None:
+        _check_id(self.audit, "audit")
+        _check_id(self.node, "node")
+        if len(self.kernels) > MAX_ID or len(self.error) > 1024:
+            raise ProtocolError(f"kernels has at most {MAX_ID} characters and error at most 1024")
+        if len(self.tensors) != (0 if self.error else 1):
+            raise ProtocolError("AUDIT_RESULT carries one tensor, or none with an error")
+        if self.tensors:
+            _check_output(self.tensors[0], "AUDIT_RESULT's output")
+
+
+@dataclass(frozen=True)
+class ReplicasRequest(Message):
+    """Head -> tracker: which nodes could re-run layers start..end of ``model`` with these weights."""
+
+    KIND: ClassVar[Kind] = Kind.REPLICAS_REQUEST
+    audit: str
+    model: str
+    fingerprint: str
+    start_layer: int
+    end_layer: int
+    exclude: tuple[str, ...] = ()
+
+    def validate(self) -> None:
+        _check_id(self.audit, "audit")
+        _check_id(self.model, "model")
+        _check_id(self.fingerprint, "fingerprint")
+        _check_span(self.start_layer, self.end_layer)
+
+
+@dataclass(frozen=True)
+class Replicas(Message):
+    """Tracker -> head: the answer to REPLICAS_REQUEST ``audit``; each hop runs exactly the asked layers."""
+
+    KIND: ClassVar[Kind] = Kind.REPLICAS
+    audit: str
+    hops: tuple[Hop, ...] = ()
+
+
+@dataclass(frozen=True)
+class Verdict(Message):
+    """Head -> tracker: an audit found ``suspect``'s output on layers start..end wrong."""
+
+    KIND: ClassVar[Kind] = Kind.VERDICT
+    node_id: str  # the head that audited
+    model: str
+    suspect: str
+    start_layer: int
+    end_layer: int
+    witnesses: tuple[str, ...] = ()  # nodes whose outputs agree with each other and not with the suspect's
+    settled: bool = False  # True: two agree against the suspect, exclude it; False: a mismatch nobody settled
+    detail: str = ""  # how far apart the outputs were
+
+    def validate(self) -> None:
+        for value, name in ((self.node_id, "node_id"), (self.model, "model"), (self.suspect, "suspect")):
+            _check_id(value, name)
+        _check_span(self.start_layer, self.end_layer)
+        if self.suspect in self.witnesses or self.suspect == self.node_id:
+            raise ProtocolError("a suspect cannot witness against itself or be the auditing head")
+        if self.settled and len(set(self.witnesses)) < 2:
+            raise ProtocolError("a settled VERDICT names at least two witnesses")
+        if len(self.detail) > 1024 or len(self.witnesses) > 8:
+            raise ProtocolError("detail has at most 1024 characters and witnesses at most 8 nodes")
+
+
 MESSAGE_TYPES: dict[Kind, type[Message]] = {
     cls.KIND: cls
     for cls in (
         Forward, Token, CacheMiss, Progress, Cancel, Close, Error, Ping, Pong, Generate, Event,
         Register, Heartbeat, RouteRequest, Route, Report, StatusRequest, Status,
         AssignRequest, Assign, Ack, RelayOpen, RelayOpened, Leave,
+        AuditTap, Audit, AuditResult, ReplicasRequest, Replicas, Verdict,
     )
 }
 

@@ -252,6 +252,7 @@ function renderCalls() {
 function health(node) {
   const beat = state.tracker.heartbeat_interval || 1;
   const expiry = state.tracker.expiry_s || beat * 3;
+  if (node.excluded) return ["bad", "excluded: an audit caught it returning wrong results"];
   if (node.last_seen_s === undefined) return ["warn", "unknown"];
   if (node.last_seen_s <= beat * 2) return ["ok", "healthy"];
   return node.last_seen_s < expiry ? ["warn", "late heartbeat"] : ["bad", "missing"];
@@ -398,7 +399,7 @@ function renderUsage() {
 
 function renderLog() {
   const events = [...state.events.values()].sort((a, b) => b.ts - a.ts || b.seq - a.seq).slice(0, MAX_LOG);
-  const kindClass = {complete: "complete", error: "error", progress: "running", connected: "running",
+  const kindClass = {complete: "complete", error: "error", audit: "error", progress: "running", connected: "running",
                      handover: "handover"};
   fill($("event-log"), events.length ? events.map((e) => el("li", {dataset: {kind: e.kind}},
     el("span", {class: "muted mono"}, clock(e.updated || e.ts)),
