@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Failover stall and cancel latency on real processes, as users run them.
 
-    python bench/failover.py [--model smollm2-135m] [--runs 3] [--tokens 48]
+    python bench/failover.py [--model smollm2-135m] [--runs 3] [--tokens 48] [--quant none|auto|int8|int4]
 
 Starts a tracker, a head holding the first half of the layers and two tails holding the
 second half (``python -m fabric.cli ...``). For each run it streams a greedy request,
@@ -33,8 +33,8 @@ MESSAGES = [{"role": "user", "content": "Tell me a short story about a lighthous
 
 
 class Cluster:
-    def __init__(self, model: str, tmp: Path):
-        self.model, self.tmp = model, tmp
+    def __init__(self, model: str, tmp: Path, quant: str = "none"):
+        self.model, self.tmp, self.quant = model, tmp, quant
         self.tracker = f"tcp://127.0.0.1:{free_port()}"
         self.procs: dict[str, subprocess.Popen] = {}
         self.layers = load_config(resolve(model)).num_hidden_layers
@@ -47,7 +47,7 @@ class Cluster:
 
     def node(self, name: str, layers: str) -> None:
         self._run(name, "node", "--model", self.model, "--layers", layers, "--tracker", self.tracker,
-                  "--node-id", name, "--threads", "1", "--no-progress", "--heartbeat", "0.5")
+                  "--node-id", name, "--threads", "1", "--no-progress", "--heartbeat", "0.5", "--quant", self.quant)
 
     def wait(self, names: set[str]) -> list[str]:
         with Client(self.tracker, timeout=2) as client:
@@ -101,9 +101,12 @@ def main() -> int:
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--tokens", type=int, default=48)
+    parser.add_argument("--quant", default="none", choices=["auto", "none", "int8", "int4"],
+                        help="the nodes' --quant (default %(default)s: float32, where a re-prefill gives the very "
+                             "tokens of the uninterrupted run; see bench/default_mode.py for auto)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        cluster = Cluster(args.model, Path(tmp))
+        cluster = Cluster(args.model, Path(tmp), args.quant)
         try:
             half = cluster.layers // 2
             cluster.node("head", f"0-{half - 1}")

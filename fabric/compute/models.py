@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 from ..wire.shard import Shard
+from .gguf_grid import FileGrid, grid_of, scheme_of
 
 log = logging.getLogger(__name__)
 
@@ -226,6 +227,40 @@ def fingerprint(source: ModelSource, config, quant: str | None = None) -> str:
     return h.hexdigest()[:32] + _quant_suffix(quant)
 
 
+def pick_quant(quant: str | None, source: ModelSource, device: str = "cpu",
+               cache_root: Path | None = None) -> tuple[str | None, str]:
+    """The scheme ``--quant`` means for ``source`` on ``device`` (None: every layer in its
+    dtype, exact), and why, for the log. ``auto`` is a GGUF's own grid: int4 for Q4_0/Q4_1
+    layers, int8 for Q8_0 (``fabric.compute.gguf_grid.scheme_of``); none for other weights,
+    other types and other devices (the kernels are the CPU's). int8 and int4 stay as given."""
+    if quant != "auto":
+        return (None if quant in (None, "none") else quant), f"--quant {quant or 'none'}"
+    if source.kind != "gguf":
+        return None, "not a GGUF file: its weights have no grid of their own"
+    if torch.device(device).type != "cpu":
+        return None, f"the weight-only kernels run on the CPU, not {device}"
+    from gguf import GGMLQuantizationType
+
+    infos, _ = _gguf_tensors(source, cache_root)
+    types = [GGMLQuantizationType(t.tensor_type).name for t in infos if _LAYER_RE.search(t.name) and len(t.shape) == 2]
+    return scheme_of(types)
+
+
+def file_grids(source: ModelSource, cache_root: Path | None = None) -> dict[str, FileGrid]:
+    """Every Q4_0 / Q4_1 linear's own grid in a GGUF file, by parameter name (for a
+    single-process reference computing as ``load_shard(quant="int4")`` does)."""
+    from transformers import AutoModelForCausalLM
+
+    config = load_config(source, cache_root)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    grids: dict[str, FileGrid] = {}
+    n = config.num_hidden_layers
+    _gguf_state(_gguf_tensors(source, cache_root), model, config, Shard(0, n - 1, n),
+                bool(getattr(config, "tie_word_embeddings", False)), progress=False, grids=grids)
+    return grids
+
+
 def _quant_suffix(quant: str | None) -> str:
     """Quantized and float weights of one model never share a route."""
     return f":{quant}" if quant and quant != "none" else ""
@@ -331,12 +366,13 @@ def load_shard(source: ModelSource, shard: Shard, *, dtype: torch.dtype = torch.
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     tied = bool(getattr(config, "tie_word_embeddings", False))
-    lazy_embed = None
+    lazy_embed, grids = None, {} if quant == "int4" else None  # int4: a Q4_0 / Q4_1 file's linears keep their grid
     if source.kind == "gguf":
         tensors = _gguf_tensors(source, cache_root)
         if shard.is_first and not shard.is_last:
             lazy_embed = GGUFEmbedding.from_tensors(*tensors, model, config)
-        state = _gguf_state(tensors, model, config, shard, tied, progress, skip_embed=lazy_embed is not None)
+        state = _gguf_state(tensors, model, config, shard, tied, progress, skip_embed=lazy_embed is not None,
+                            grids=grids)
     else:
         state = _safetensors_state(source, shard, tied)
     _prune(model, shard, keep_embed=(shard.is_first and lazy_embed is None) or (shard.is_last and tied))
@@ -345,9 +381,23 @@ def load_shard(source: ModelSource, shard: Shard, *, dtype: torch.dtype = torch.
     if quant is not None:  # --quant: see fabric/compute/quant.py
         from .quant import quantize
 
-        del state, model  # the float checkpoint tensors, before quantizing
-        quantize(weights, quant)
+        on_grid = grid_modules(model, grids or {})
+        del state, model, grids  # the float checkpoint tensors, before quantizing
+        quantize(weights, quant, on_grid)
     return weights
+
+
+def grid_modules(model: nn.Module, grids: dict[str, FileGrid]) -> dict[nn.Module, FileGrid]:
+    """{linear: its file grid} for ``grids`` named by parameter (``model.layers.0.mlp.up_proj.weight``)."""
+    found = {}
+    for name, grid in grids.items():
+        try:
+            module = model.get_submodule(name.removesuffix(".weight"))
+        except AttributeError:
+            continue
+        if isinstance(module, nn.Linear) and tuple(module.weight.shape) == tuple(grid.codes.shape):
+            found[module] = grid
+    return found
 
 
 def _shard_weights(model, shard: Shard, lazy_embed, tied: bool, dtype: torch.dtype, device: str) -> ShardWeights:
@@ -440,7 +490,9 @@ def _gguf_tensors(source: ModelSource, cache_root: Path | None) -> tuple[list[GG
 
 
 def _gguf_state(tensors: tuple[list[GGUFTensorInfo], np.ndarray], model, config, shard: Shard, tied: bool,
-                progress: bool, skip_embed: bool = False) -> dict:
+                progress: bool, skip_embed: bool = False, grids: dict[str, FileGrid] | None = None) -> dict:
+    """The shard's tensors of a GGUF file, dequantized to float32 and named as the model names
+    them; with ``grids``, also each Q4_0 / Q4_1 linear's own grid, by the same names."""
     from gguf import GGMLQuantizationType, dequantize
     from tqdm import tqdm
     from transformers.modeling_gguf_pytorch_utils import (
@@ -462,11 +514,27 @@ def _gguf_state(tensors: tuple[list[GGUFTensorInfo], np.ndarray], model, config,
     wanted = [t for t in infos if _wanted(t.name, shard, tied) and not (skip_embed and t.name == EMBED_TENSOR)]
     for t in tqdm(wanted, desc=f"loading layers {shard}", unit="tensor", disable=not progress):
         data = np.frombuffer(mm, dtype=t.dtype, count=math.prod(t.shape), offset=t.offset).reshape(t.shape)
-        result = processor.process(weights=dequantize(data, GGMLQuantizationType(t.tensor_type)), name=t.name,
+        kind = GGMLQuantizationType(t.tensor_type)
+        result = processor.process(weights=dequantize(data, kind), name=t.name,
                                    tensor_key_mapping=name_map, parsed_parameters=parsed)
-        if result.name in name_map:
-            state[name_map[result.name]] = torch.from_numpy(np.array(result.weights))
+        if result.name not in name_map:
+            continue
+        weight = np.array(result.weights)
+        state[name_map[result.name]] = torch.from_numpy(weight)
+        if grids is not None:  # --quant int4 on a Q4_0 / Q4_1 file: keep the file's codes, steps and minima
+            grid = grid_of(weight, data, kind.name, lambda a, name=t.name: _processed(processor, a, name, name_map,
+                                                                                      config))
+            if grid is not None:
+                grids[name_map[result.name]] = grid
     return state
+
+
+def _processed(processor, array: np.ndarray, name: str, name_map: dict, config) -> np.ndarray | None:
+    """``array`` (shaped as GGUF tensor ``name`` dequantized) as transformers' processor
+    hands that tensor to the model (rows reordered where llama.cpp permuted them)."""
+    scratch = {"config": config.to_dict(), "tensors": {}}
+    result = processor.process(weights=array, name=name, tensor_key_mapping=name_map, parsed_parameters=scratch)
+    return None if result.weights is None else np.asarray(result.weights)
 
 
 EMBED_TENSOR = "token_embd.weight"  # the token embedding's name in a GGUF file
