@@ -226,10 +226,10 @@ def cmd_up(args) -> int:
     # checked here, so a bad key directory fails before anything starts; up's tracker runs with DIR's key pair
     security = _security(args, f"{args.keys}/id.key (the key pair `meshnet up` runs its tracker with)")
     shards = _even_shards(args.model, args.nodes)
-    args.quant = _picked_quant(args.quant, args.model, args.device)  # every node gets the one answer
     _refuse_ports_in_use({"the tracker, --tracker": args.tracker, "its feed, --pub": args.pub,
                           "the web UI, --port": f"tcp://{args.host}:{args.port}"},
                          "`meshnet up` (or a tracker or web UI)")
+    args.quant = _picked_quant(args.quant, args.model, args.device)  # every node gets the one answer
     threads = ["--threads", str(args.threads)] if args.threads else []
     devices = node_devices(args.device, len(shards), _cuda_count(args.device))
     log.info("starting a tracker, %d nodes (layers %s on %s; nodes of one device compute one at a time, "
@@ -481,17 +481,24 @@ def _node_relay_flags(p: argparse.ArgumentParser) -> None:
                         "else the tracker's key); only with --keys")
 
 
-def _omp_workers_nap() -> None:
-    """Before torch loads: idle OpenMP workers spin only briefly (GOMP_SPINCOUNT=10000), then sleep.
+def _omp_workers_nap(weight_only: bool = False) -> None:
+    """Before torch loads: idle OpenMP workers spin only briefly (GOMP_SPINCOUNT=10000), then
+    sleep; on the weight-only kernels (``weight_only``) they sleep at once (OMP_WAIT_POLICY=PASSIVE).
 
     libgomp's default spins ~300 000 times after every parallel region: nodes share hosts (with
     each other, the web UI, anything) and that spinning takes the cores a busy node needs
     (3-7x slower decode steps measured on a loaded 2-core machine). Sleeping at once
-    (OMP_WAIT_POLICY=PASSIVE) costs ~25% inside a forward pass, whose regions follow each
-    other within microseconds; a short spin keeps most of that. Either variable set wins.
+    (OMP_WAIT_POLICY=PASSIVE) costs ~25% inside a float32 forward pass, whose regions follow each
+    other within microseconds; a short spin keeps most of that. The weight-only kernels split
+    even a small matrix over every thread, so a token is hundreds of short regions: on the
+    loaded 2-core machine a short spin there cost 118-144 CPU ms per int4 token against 20-22
+    sleeping at once (19 with one thread; SmolLM2-135M, two nodes). Either variable set wins.
     """
     if "OMP_WAIT_POLICY" not in os.environ and "GOMP_SPINCOUNT" not in os.environ:
-        os.environ["GOMP_SPINCOUNT"] = "10000"
+        if weight_only:
+            os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+        else:
+            os.environ["GOMP_SPINCOUNT"] = "10000"
 
 
 def _grouped_kv_attention() -> None:
@@ -516,12 +523,25 @@ def _check_device(device: str, quant: str) -> None:
         raise CommandError(str(exc)) from None
 
 
-def _picked_quant(quant: str, model: str, device: str) -> str:
-    """``--quant`` as a scheme for ``model`` on ``device`` (``auto``: a GGUF's own grid), said in the log."""
-    from .compute.models import ModelError, default_cache_root, pick_quant, resolve
+def _runs_weight_only(args) -> bool:
+    """Will this node's layers run on the weight-only kernels? Asked before torch loads; a bad
+    --model is left for ``_node_config`` to report, after the other flags' checks."""
+    from .compute.model_ref import ModelError, pick_quant, resolve
 
     try:
-        scheme, why = pick_quant(quant, resolve(model), device, default_cache_root())
+        auto = args.quant == "auto"
+        return pick_quant(args.quant, resolve(args.model) if auto else None, args.device)[0] is not None
+    except ModelError:
+        return False
+
+
+def _picked_quant(quant: str, model: str, device: str) -> str:
+    """``--quant`` as a scheme for ``model`` on ``device`` (``auto``: a GGUF's own grid), said in
+    the log. Torch stays unloaded (see ``cmd_node``)."""
+    from .compute.model_ref import ModelError, pick_quant, resolve
+
+    try:
+        scheme, why = pick_quant(quant, resolve(model) if quant == "auto" else None, device)
     except ModelError as exc:
         raise CommandError(str(exc)) from None
     if quant == "auto":
@@ -546,7 +566,7 @@ def _check_node_flags(args) -> None:
 
 
 def cmd_node(args) -> int:
-    _omp_workers_nap()
+    _omp_workers_nap(weight_only=_runs_weight_only(args))
     _grouped_kv_attention()
     import torch
 

@@ -13,14 +13,22 @@ import math
 import numpy as np
 import pytest
 import torch
-from gguf import GGMLQuantizationType, GGUFWriter
+from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter
 from gguf.quants import dequantize, quantize
 from torch import nn
 
 from fabric import cli
 from fabric.compute import models
-from fabric.compute.gguf_grid import block_params, grid_of, scheme_of
-from fabric.compute.models import ALIASES, alias_path, load_shard, load_tokenizer, pick_quant, resolve
+from fabric.compute.gguf_grid import block_params, grid_of
+from fabric.compute.model_ref import gguf_tensor_types, scheme_of
+from fabric.compute.models import (
+    ALIASES,
+    alias_path,
+    load_shard,
+    load_tokenizer,
+    pick_quant,
+    resolve,
+)
 from fabric.compute.quant import Int4Linear, load_quantized_reference
 from fabric.wire.shard import Shard
 from tests.support import free_port
@@ -50,8 +58,7 @@ def test_the_scheme_follows_the_layers_tensor_types():
     assert scheme_of(["Q4_1", "F32"])[0] == "int4"
     assert scheme_of(["Q4_0", "Q4_1"])[0] == "int4"
     assert scheme_of(["Q8_0", "F32"])[0] == "int8"
-    assert scheme_of(["Q4_0", "Q8_0"]) == (None, "its layers are Q4_0/Q8_0, which no kernel here holds on their "
-                                                 "own grid")
+    assert scheme_of(["Q4_0", "Q8_0"]) == (None, "its layers are Q4_0/Q8_0, which no kernel here holds on their own grid")
     assert scheme_of(["F16"])[0] is None and scheme_of(["Q4_K", "Q6_K"])[0] is None
     assert scheme_of(["F32"]) == (None, "its layers are float32")
 
@@ -78,6 +85,9 @@ def tiny_gguf(path, layer_type: str, embed_type: str = "Q8_0"):
                                                  ("F16", None)])
 def test_auto_is_the_files_own_grid(tmp_path, layer_type, expected):
     source = tiny_gguf(tmp_path / f"tiny-{layer_type}.gguf", layer_type)
+    # the header read without torch agrees with gguf's own reader
+    assert gguf_tensor_types(source.path) == {t.name: (t.tensor_type.name, len(t.shape))
+                                              for t in GGUFReader(str(source.path)).tensors}
     assert pick_quant("auto", source)[0] == expected
     assert pick_quant("auto", source, "cuda")[0] is None  # the kernels are the CPU's
     assert pick_quant("none", source)[0] is None and pick_quant("int8", source)[0] == "int8"
@@ -86,6 +96,18 @@ def test_auto_is_the_files_own_grid(tmp_path, layer_type, expected):
 def test_auto_leaves_other_weights_exact(tiny_models):
     assert pick_quant("auto", resolve(str(tiny_models("llama")))) == (
         None, "not a GGUF file: its weights have no grid of their own")
+
+
+def test_a_weight_only_node_lets_its_openmp_workers_sleep(monkeypatch):
+    """Decided before torch loads (libgomp reads it once): the weight-only kernels' many short
+    parallel regions collapse under a short spin on a busy machine; float layers keep it."""
+    for weight_only, expected in ((True, {"OMP_WAIT_POLICY": "PASSIVE"}), (False, {"GOMP_SPINCOUNT": "10000"})):
+        monkeypatch.setattr(cli.os, "environ", {})
+        cli._omp_workers_nap(weight_only)
+        assert cli.os.environ == expected
+    monkeypatch.setattr(cli.os, "environ", {"GOMP_SPINCOUNT": "5"})  # the user's choice wins
+    cli._omp_workers_nap(True)
+    assert cli.os.environ == {"GOMP_SPINCOUNT": "5"}
 
 
 # --------------------------------------------------------------------------- the grid itself
@@ -168,7 +190,7 @@ def test_node_and_up_pick_the_files_grid_by_default(xdg_cache, monkeypatch):
 def test_the_default_modes_split_equals_its_single_process_in_the_same_chunks(xdg_cache):
     source, cache = need_model(), xdg_cache / "meshnet"
     prompt = chat_prompt(source, QUESTIONS[1], cache)
-    scheme, _ = pick_quant("auto", source, "cpu", cache)
+    scheme, _ = pick_quant("auto", source)
     assert scheme == "int4"
     expected = reference_tokens(source.directory, prompt, 24, scheme, chunk=7, gguf_file=source.gguf_file,
                                 cache_root=cache)

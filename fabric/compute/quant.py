@@ -8,11 +8,13 @@ CPU kernels with bfloat16 activations:
   127``, no zero point), bfloat16 scales; ``torch._weight_int8pack_mm(x, w, scales)``.
 - ``int4`` -> :class:`Int4Linear`: 4-bit, asymmetric, groups of 32 along the input
   (``w = (q - 8) * scale + zero``, bfloat16 scale and zero per group and output);
-  ``torch._weight_int4pack_mm_for_cpu``. llama.cpp's Q4_1 blocks are exactly that shape
-  (32 weights, a scale and a minimum), so a Q4_1 GGUF's weights come back on their own grid
-  (up to the bfloat16 rounding of scale and zero). The lm_head stays int8 under int4 (in
-  SmolLM2's GGUF it is the Q8_0 token embedding), and a linear the int4 kernel cannot take
-  (out_features not a multiple of 16, in_features not whole groups) falls back to int8.
+  ``torch._weight_int4pack_mm_for_cpu``. llama.cpp's Q4_0 and Q4_1 blocks are exactly that
+  shape (32 weights, a step and a minimum), so a Q4_0 / Q4_1 GGUF's linears take the file's
+  own codes, steps and minima (``Int4Linear.from_grid``, ``fabric.compute.gguf_grid``; only
+  the step and zero are rounded to bfloat16); other weights are fitted group by group
+  (``Int4Linear.from_linear``). The lm_head stays int8 under int4 (in SmolLM2's GGUF it is
+  the Q8_0 token embedding), and a linear the int4 kernel cannot take (out_features not a
+  multiple of 16, in_features not whole groups) falls back to int8.
 
 Embeddings, norms, rotary embeddings, attention and the KV cache stay in bfloat16: a
 quantized shard is loaded with ``dtype=torch.bfloat16`` (``load_shard(quant=...)`` does it).
