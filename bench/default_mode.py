@@ -49,7 +49,7 @@ from fabric_bench import LoadMeter  # noqa: E402
 
 import psutil
 
-from fabric import Client
+from fabric import Client, FabricError
 from fabric.compute.models import default_cache_root, load_config, pick_quant, resolve
 
 EXACT = ("--quant", "none", "--dtype", "float32")
@@ -207,7 +207,7 @@ class Replicas:
             try:
                 with self.cluster.client() as client:
                     return {n["id"] for n in client.status()["nodes"]} == want
-            except Exception:
+            except FabricError:  # a busy machine: ask again
                 return False
         assert wait_for(ready, 60, 0.1), "the replicas did not register"
 

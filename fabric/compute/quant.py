@@ -91,7 +91,7 @@ class Int8Linear(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias.to(torch.bfloat16), requires_grad=False)
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear) -> "Int8Linear":
+    def from_linear(cls, linear: nn.Linear) -> Int8Linear:
         w_int8, scales = quantize_weight(linear.weight.detach())
         bias = None if linear.bias is None else linear.bias.detach()
         return cls(w_int8, scales, bias)
@@ -132,7 +132,7 @@ class Int4Linear(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias.to(torch.bfloat16), requires_grad=False)
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, group_size: int = INT4_GROUP) -> "Int4Linear":
+    def from_linear(cls, linear: nn.Linear, group_size: int = INT4_GROUP) -> Int4Linear:
         """Each group's min..max in 16 steps (the weight's own range, re-rounded)."""
         out_f, in_f = linear.weight.shape
         w = linear.weight.detach().float().view(out_f, in_f // group_size, group_size)
@@ -143,16 +143,16 @@ class Int4Linear(nn.Module):
         return cls.packed(q.view(out_f, in_f), scale, zero, group_size, linear.bias)
 
     @classmethod
-    def from_grid(cls, grid: "FileGrid", bias: torch.Tensor | None = None) -> "Int4Linear":
+    def from_grid(cls, grid: FileGrid, bias: torch.Tensor | None = None) -> Int4Linear:
         """A GGUF's Q4_0 / Q4_1 blocks as the file stores them (``fabric.compute.gguf_grid``):
         its codes, scale = its step, zero = its minimum + 8 steps, rounded to bfloat16."""
-        out_f, in_f = grid.codes.shape
+        in_f = grid.codes.shape[1]
         zero = grid.minimum + 8 * grid.scale  # (out, groups): the kernel's (q - 8) * scale + zero
         return cls.packed(grid.codes.to(torch.int32), grid.scale, zero, in_f // grid.scale.shape[1], bias)
 
     @classmethod
     def packed(cls, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_size: int,
-               bias: torch.Tensor | None = None) -> "Int4Linear":
+               bias: torch.Tensor | None = None) -> Int4Linear:
         """From codes (out, in) in 0..15 and a scale and zero per (out, group): w = (q - 8) * scale + zero."""
         out_f, in_f = codes.shape
         packed = torch._convert_weight_to_int4pack_for_cpu(codes.contiguous(), 1)
@@ -195,7 +195,7 @@ def int4_fits(linear: nn.Linear, group_size: int = INT4_GROUP) -> bool:
     return in_f % group_size == 0 and out_f % 16 == 0
 
 
-def _quantize_linear(linear: nn.Linear, scheme: str, grid: "FileGrid | None" = None) -> nn.Module:
+def _quantize_linear(linear: nn.Linear, scheme: str, grid: FileGrid | None = None) -> nn.Module:
     if scheme == "int4" and grid is not None and int4_fits(linear):
         return Int4Linear.from_grid(grid, linear.bias)
     if scheme == "int4" and int4_fits(linear):
@@ -203,7 +203,7 @@ def _quantize_linear(linear: nn.Linear, scheme: str, grid: "FileGrid | None" = N
     return Int8Linear.from_linear(linear)  # int8, or an int4 shape the kernel cannot take
 
 
-def _swap_linears(module: nn.Module, scheme: str, grids: "Mapping[nn.Module, FileGrid]") -> int:
+def _swap_linears(module: nn.Module, scheme: str, grids: Mapping[nn.Module, FileGrid]) -> int:
     """Replace every nn.Linear below ``module`` (one at a time); how many were replaced."""
     count = 0
     for name, child in list(module.named_children()):
@@ -218,7 +218,7 @@ def _swap_linears(module: nn.Module, scheme: str, grids: "Mapping[nn.Module, Fil
 
 @torch.no_grad()
 def quantize_modules(layers: Iterable[nn.Module], lm_head: nn.Module | None = None, scheme: str = "int8",
-                     grids: "Mapping[nn.Module, FileGrid] | None" = None) -> tuple[list[nn.Module], nn.Module | None]:
+                     grids: Mapping[nn.Module, FileGrid] | None = None) -> tuple[list[nn.Module], nn.Module | None]:
     """Quantize decoder layers (in place, one by one) and an lm_head (returned new).
 
     ``grids``: linears whose weights a GGUF stores on a 4-bit grid (``fabric.compute.gguf_grid``);
@@ -241,7 +241,7 @@ def quantize_modules(layers: Iterable[nn.Module], lm_head: nn.Module | None = No
     return out, head
 
 
-def quantize(module, scheme: str = "int8", grids: "Mapping[nn.Module, FileGrid] | None" = None):
+def quantize(module, scheme: str = "int8", grids: Mapping[nn.Module, FileGrid] | None = None):
     """Quantize ``module`` in place and return it.
 
     ``module`` is a ``fabric.compute.models.ShardWeights`` (its decoder layers and lm_head), or a
