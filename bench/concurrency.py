@@ -46,16 +46,19 @@ PROMPTS = ["Why is the sky blue?", "Name three prime numbers.", "Write a haiku a
 
 
 def add_device_args(parser: argparse.ArgumentParser) -> None:
-    """``--device`` and ``--dtype``, for the nodes and the baseline alike."""
+    """``--device``, ``--dtype`` and the nodes' ``--quant``."""
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
                         help="where nodes and the baseline compute (default %(default)s)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                         help="compute dtype of nodes and baseline (default %(default)s)")
+    parser.add_argument("--quant", default="none", choices=["auto", "none", "int8", "int4"],
+                        help="the nodes' --quant (default %(default)s: every layer in --dtype, the weights the "
+                             "transformers baseline computes with; `meshnet node` itself defaults to auto)")
 
 
 def device_args(args: argparse.Namespace) -> tuple[str, ...]:
     """The node flags for ``add_device_args``' choices."""
-    return ("--device", args.device, "--dtype", args.dtype)
+    return ("--device", args.device, "--dtype", args.dtype, "--quant", args.quant)
 
 
 def start_cluster(model: str, nodes: int, tmp: Path, threads: int = 0,

@@ -2,6 +2,7 @@
 """Failover stall and cancel latency on real processes, as users run them.
 
     python bench/failover.py [--model smollm2-135m] [--runs 3] [--tokens 48] [--victim tail|head|both]
+                             [--quant none|auto|int8|int4]
 
 Starts a tracker, two heads holding the first half of the layers and two tails holding the
 second half (``python -m fabric.cli ...``). For each run it streams a greedy request,
@@ -35,8 +36,8 @@ MESSAGES = [{"role": "user", "content": "Tell me a short story about a lighthous
 
 
 class Cluster:
-    def __init__(self, model: str, tmp: Path):
-        self.model, self.tmp = model, tmp
+    def __init__(self, model: str, tmp: Path, quant: str = "none"):
+        self.model, self.tmp, self.quant = model, tmp, quant
         self.tracker = f"tcp://127.0.0.1:{free_port()}"
         self.procs: dict[str, subprocess.Popen] = {}
         self.endpoints: dict[str, str] = {}  # node -> the endpoint it was started on
@@ -52,7 +53,7 @@ class Cluster:
         self.endpoints[name] = f"tcp://127.0.0.1:{free_port()}"
         self._run(name, "node", "--model", self.model, "--layers", layers, "--tracker", self.tracker,
                   "--node-id", name, "--bind", self.endpoints[name], "--threads", "1", "--no-progress",
-                  "--heartbeat", "0.5")
+                  "--heartbeat", "0.5", "--quant", self.quant)
 
     def wait(self, names: set[str]) -> list[str]:
         """The nodes' endpoints, once the tracker lists each at the endpoint it has now (a node
@@ -115,11 +116,14 @@ def main() -> int:
     parser.add_argument("--tokens", type=int, default=48)
     parser.add_argument("--victim", choices=["tail", "head", "both"], default="both",
                         help="the node of the route to kill -9: its tail, its head, or each in turn")
+    parser.add_argument("--quant", default="none", choices=["auto", "none", "int8", "int4"],
+                        help="the nodes' --quant (default %(default)s: float32, where a re-prefill gives the very "
+                             "tokens of the uninterrupted run; see bench/default_mode.py for auto)")
     args = parser.parse_args()
     victims = ["tail", "head"] if args.victim == "both" else [args.victim]
     names = {"head1", "head2", "tail1", "tail2"}
     with tempfile.TemporaryDirectory() as tmp:
-        cluster = Cluster(args.model, Path(tmp))
+        cluster = Cluster(args.model, Path(tmp), args.quant)
         try:
             half = cluster.layers // 2
             for head in ("head1", "head2"):

@@ -4,7 +4,8 @@ KV reuse across requests on and off, paired in one run.
 
     python bench/long_context.py [--model smollm2-135m] [--system-tokens 1200] [--turns 5]
                                  [--reply-tokens 32] [--reps 2] [--device cpu|cuda]
-                                 [--dtype float32|bfloat16]
+                                 [--dtype float32|bfloat16] [--quant none|auto|int8|int4]
+                                 [--speed-rounds 3] [--speed-prompts 8] [--speed-tokens 64]
 
 Starts two clusters side by side, each a tracker and a 2-node split as ``meshnet up``
 starts them (all cores each, one compute lock: here one lock for all four nodes, so the two
@@ -19,6 +20,11 @@ same system prompt and another question shows what a shared system prompt saves.
 Prints the TTFT of each turn, the ratio median(turns 2..N) / turn 1 of each cluster
 (target with reuse: <= 0.35), the nodes' reuse counters, and whether both clusters gave
 the same tokens.
+
+Then, on the CPU, the default mode against exact mode (``bench/default_mode.py``'s speed
+part: decode tok/s of the nodes' defaults, a GGUF on its own grid, against ``--quant none
+--dtype float32``, paired in interleaved rounds, and their greedy agreement);
+``--speed-rounds 0`` skips it.
 """
 from __future__ import annotations
 
@@ -35,6 +41,7 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
 from concurrency import add_device_args, device_args, start_cluster  # noqa: E402
+from default_mode import report_speed, run_speed  # noqa: E402
 
 from fabric import Client
 from fabric.compute.models import load_tokenizer, resolve
@@ -143,8 +150,22 @@ def main() -> int:
     parser.add_argument("--turns", type=int, default=5, help="turns per chat (default %(default)s)")
     parser.add_argument("--reply-tokens", type=int, default=32, help="max tokens per reply (default %(default)s)")
     parser.add_argument("--reps", type=int, default=2, help="chats, each on both clusters (default %(default)s)")
+    parser.add_argument("--speed-rounds", type=int, default=3,
+                        help="rounds of default vs exact decode speed, 0 for none (default %(default)s)")
+    parser.add_argument("--speed-prompts", type=int, default=8, help="prompts per speed round (default %(default)s)")
+    parser.add_argument("--speed-tokens", type=int, default=64, help="tokens per speed prompt (default %(default)s)")
     add_device_args(parser)
     args = parser.parse_args()
+    reuse_turns(args)
+    if args.speed_rounds and args.device == "cpu":  # the weight-only kernels are the CPU's
+        speed = argparse.Namespace(model=args.model, rounds=args.speed_rounds, prompts=args.speed_prompts,
+                                   tokens=args.speed_tokens, threads=0)
+        report_speed(speed, run_speed(speed))
+    return 0
+
+
+def reuse_turns(args) -> None:
+    """TTFT per turn with and without KV reuse, two clusters side by side."""
     model = resolve(args.model).model_id
     with tempfile.TemporaryDirectory() as tmp:
         clusters = {}
@@ -166,7 +187,6 @@ def main() -> int:
                     proc.send_signal(signal.SIGINT)
                 for proc in procs:
                     proc.wait(30)
-    return 0
 
 
 if __name__ == "__main__":

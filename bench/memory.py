@@ -43,7 +43,7 @@ def measure(model: str, nodes: int, dtype: str, tokens: int) -> list[dict]:
     """Per node of an even ``nodes``-way split: layers, RSS/USS after load and after a generation."""
     layers = load_config(resolve(model)).num_hidden_layers
     with tempfile.TemporaryDirectory() as tmp:
-        procs, tracker = start_cluster(model, nodes, Path(tmp), node_args=("--dtype", dtype))
+        procs, tracker = start_cluster(model, nodes, Path(tmp), node_args=("--dtype", dtype, "--quant", "none"))
         try:
             node_procs = procs[1:]
             rows = [{"layers": str(shard), "load": memory(p)}

@@ -3,6 +3,7 @@
 
     python bench/run_all.py [--out bench/results/all] [--quick] [--only NAME ...]
                             [--model REF] [--device cpu|cuda] [--dtype float32|bfloat16]
+                            [--quant none|auto|int8|int4]
 
 Runs each script of ``bench/`` in turn (one at a time: they would disturb each other's
 timings), as a subprocess with its own baselines measured in the same run, keeps each
@@ -10,7 +11,8 @@ one's full output in ``OUT/NAME.txt`` (and JSON where the script writes it), and
 every verdict line (PASS / MISS / met / missed) gathered in one summary. A script that
 fails is reported and the rest still run. A full run takes about an hour on 2 cores;
 ``--quick`` runs shorter versions (fewer tokens and repetitions) in about 20 minutes.
-``--model``, ``--device`` and ``--dtype`` go to the scripts that take them; with ``--device
+``--model``, ``--device``, ``--dtype`` and the nodes' ``--quant`` (default none: the weights
+the transformers baselines compute with) go to the scripts that take them; with ``--device
 cuda`` only those run (the others measure CPU kernels, threads and networks).
 """
 from __future__ import annotations
@@ -32,7 +34,11 @@ SCRIPTS = {
     "concurrency": (["--plot", "OUT/concurrency.png"], ["--streams", "1,8", "--tokens", "32", "--reps", "2",
                                                          "--plot", "OUT/concurrency.png"]),
     "prefill_itl": ([], ["--prompt-tokens", "1000", "--decode-tokens", "250"]),
-    "long_context": ([], ["--reps", "1", "--turns", "3"]),
+    "long_context": ([], ["--reps", "1", "--turns", "3", "--speed-rounds", "2", "--speed-prompts", "4",
+                          "--speed-tokens", "32"]),
+    # the default mode's failover (its speed is long_context's): how often a failover changes the text
+    "default_mode": (["--parts", "failover"], ["--parts", "failover", "--failover-trials", "20",
+                                                "--control-trials", "0", "--failover-tokens", "32"]),
     "quant_bench": (["--json", "OUT/quant_bench.json"], ["--reps", "2", "--json", "OUT/quant_bench.json"]),
     "failover": ([], ["--runs", "1"]),
     "audit": ([], ["--rounds", "2", "--clients", "2", "--trials", "1"]),
@@ -44,7 +50,7 @@ SCRIPTS = {
     "memory": (["--large"], ["--large"]),
     "netbed": (["--json", "OUT/netbed.json"], ["--reps", "2", "--only", "2ms", "--json", "OUT/netbed.json"]),
 }
-DEVICE_AWARE = ("fabric_bench", "concurrency", "prefill_itl", "long_context")  # take --model, --device and --dtype
+DEVICE_AWARE = ("fabric_bench", "concurrency", "prefill_itl", "long_context")  # take --model, --device, --dtype, --quant
 VERDICT = re.compile(r"\b(PASS|MISS|met|missed|MISSED|skipped)\b|\d+(\.\d+)?x\b")
 
 

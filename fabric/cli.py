@@ -122,8 +122,11 @@ def _keys_flag(p: argparse.ArgumentParser) -> None:
 
 
 def _quant_flag(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--quant", default="none", choices=["none", "int8", "int4"],
-                   help="weight-only quantized layers, computed in bfloat16 on the CPU (default: none, exact)")
+    p.add_argument("--quant", default="auto", choices=["auto", "none", "int8", "int4"],
+                   help="weight-only quantized layers, computed in bfloat16 on the CPU. auto (default): a GGUF on "
+                        "its own grid, Q4_0/Q4_1 layers on the int4 kernels and Q8_0 on int8 (other weights, other "
+                        "types, a GPU: none); none: every layer in --dtype (with --dtype float32: exact, the tokens "
+                        "of transformers in float32)")
 
 
 def _metrics_flag(p: argparse.ArgumentParser) -> None:
@@ -180,8 +183,9 @@ def _device_flags(p: argparse.ArgumentParser, whose: str, more: str = "") -> Non
                    help=f"where {whose} layers compute (default %(default)s; cuda needs a CUDA build of torch, "
                         f"cuda:N picks one GPU of several{more})")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
-                   help=f"{whose} compute dtype (default %(default)s, exact; bfloat16 halves the memory, "
-                        "and suits --device cuda)")
+                   help=f"{whose} compute dtype for layers that --quant leaves as they are (default %(default)s, "
+                        "exact; bfloat16 halves the memory, and suits --device cuda); quantized layers compute "
+                        "in bfloat16")
 
 
 def _up_parser(sub) -> None:
@@ -226,6 +230,7 @@ def cmd_up(args) -> int:
     _refuse_ports_in_use({"the tracker, --tracker": args.tracker, "its feed, --pub": args.pub,
                           "the web UI, --port": f"tcp://{args.host}:{args.port}"},
                          "`meshnet up` (or a tracker or web UI)")
+    args.quant = _picked_quant(args.quant, args.model, args.device)  # every node gets the one answer
     threads = ["--threads", str(args.threads)] if args.threads else []
     devices = node_devices(args.device, len(shards), _cuda_count(args.device))
     log.info("starting a tracker, %d nodes (layers %s on %s; nodes of one device compute one at a time, "
@@ -490,17 +495,24 @@ def _node_relay_flags(p: argparse.ArgumentParser) -> None:
                         "else the tracker's key); only with --keys")
 
 
-def _omp_workers_nap() -> None:
-    """Before torch loads: idle OpenMP workers spin only briefly (GOMP_SPINCOUNT=10000), then sleep.
+def _omp_workers_nap(weight_only: bool = False) -> None:
+    """Before torch loads: idle OpenMP workers spin only briefly (GOMP_SPINCOUNT=10000), then
+    sleep; on the weight-only kernels (``weight_only``) they sleep at once (OMP_WAIT_POLICY=PASSIVE).
 
     libgomp's default spins ~300 000 times after every parallel region: nodes share hosts (with
     each other, the web UI, anything) and that spinning takes the cores a busy node needs
     (3-7x slower decode steps measured on a loaded 2-core machine). Sleeping at once
-    (OMP_WAIT_POLICY=PASSIVE) costs ~25% inside a forward pass, whose regions follow each
-    other within microseconds; a short spin keeps most of that. Either variable set wins.
+    (OMP_WAIT_POLICY=PASSIVE) costs ~25% inside a float32 forward pass, whose regions follow each
+    other within microseconds; a short spin keeps most of that. The weight-only kernels split
+    even a small matrix over every thread, so a token is hundreds of short regions: on the
+    loaded 2-core machine a short spin there cost 118-144 CPU ms per int4 token against 20-22
+    sleeping at once (19 with one thread; SmolLM2-135M, two nodes). Either variable set wins.
     """
     if "OMP_WAIT_POLICY" not in os.environ and "GOMP_SPINCOUNT" not in os.environ:
-        os.environ["GOMP_SPINCOUNT"] = "10000"
+        if weight_only:
+            os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+        else:
+            os.environ["GOMP_SPINCOUNT"] = "10000"
 
 
 def _grouped_kv_attention() -> None:
@@ -516,13 +528,41 @@ def _grouped_kv_attention() -> None:
 
 def _check_device(device: str, quant: str) -> None:
     """CommandError when ``device`` cannot compute here (with ``quant``): the check
-    ``load_shard`` makes, before anything starts."""
+    ``load_shard`` makes, before anything starts (``auto`` fits any device)."""
     from .compute.models import ModelError, check_device
 
     try:
-        check_device(device, quant)
+        check_device(device, None if quant == "auto" else quant)
     except ModelError as exc:
         raise CommandError(str(exc)) from None
+
+
+def _runs_weight_only(args) -> bool:
+    """Will this node's layers run on the weight-only kernels? Asked before torch loads; a bad
+    --model is left for ``_node_config`` to report, after the other flags' checks."""
+    from .compute.model_ref import ModelError, pick_quant, resolve
+
+    try:
+        auto = args.quant == "auto"
+        return pick_quant(args.quant, resolve(args.model) if auto else None, args.device)[0] is not None
+    except ModelError:
+        return False
+
+
+def _picked_quant(quant: str, model: str, device: str) -> str:
+    """``--quant`` as a scheme for ``model`` on ``device`` (``auto``: a GGUF's own grid), said in
+    the log. Torch stays unloaded (see ``cmd_node``)."""
+    from .compute.model_ref import ModelError, pick_quant, resolve
+
+    try:
+        scheme, why = pick_quant(quant, resolve(model) if quant == "auto" else None, device)
+    except ModelError as exc:
+        raise CommandError(str(exc)) from None
+    if quant == "auto":
+        mode = (f"on its own grid, --quant {scheme}: weight-only kernels, bfloat16 compute; for the exact tokens "
+                "of transformers use --quant none --dtype float32" if scheme else "--quant none, in --dtype")
+        log.info("%s: %s (%s)", model, mode, why)
+    return scheme or "none"
 
 
 def _check_node_flags(args) -> None:
@@ -540,7 +580,7 @@ def _check_node_flags(args) -> None:
 
 
 def cmd_node(args) -> int:
-    _omp_workers_nap()
+    _omp_workers_nap(weight_only=_runs_weight_only(args))
     _grouped_kv_attention()
     import torch
 
@@ -579,19 +619,21 @@ def _node_config(args, security):
     from .wire.shard import parse_layers
 
     dtype = torch.bfloat16 if args.dtype == "bfloat16" else torch.float32
+    quant = _picked_quant(args.quant, args.model, args.device)
+    quant = None if quant == "none" else quant
     try:
         source = resolve(args.model, args.model_id)
         model_config = load_config(source, default_cache_root())
         num_layers = model_config.num_hidden_layers
         shard = (parse_layers(args.layers, num_layers) if args.layers
                  else _assigned_shard(args.tracker, source.model_id, num_layers,
-                                      _layers_that_fit(model_config, dtype, args.memory), security))
+                                      _layers_that_fit(model_config, dtype, args.memory, quant), security))
     except (ModelError, ValueError) as exc:
         raise CommandError(str(exc)) from None
     node_id = args.node_id or stable_node_id(default_data_root(), source.model_id, shard, args.bind)
     return NodeConfig.build(source, shard, bind=args.bind, advertise=args.advertise,
                       tracker=args.tracker, device=args.device,
-                      dtype=dtype, node_id=node_id, quant=None if args.quant == "none" else args.quant,
+                      dtype=torch.bfloat16 if quant else dtype, node_id=node_id, quant=quant,
                       max_sessions=args.max_sessions, max_prompt_tokens=args.max_prompt_tokens,
                       kv_cache_bytes=None if args.kv_cache_gib is None else int(args.kv_cache_gib * (1 << 30)),
                       prefill_slice=args.prefill_slice_ms / 1000, wire_dtype=args.wire_dtype,
@@ -620,13 +662,15 @@ def _compute_lock(value: str | None, device: str) -> str | None:
     return str(path)
 
 
-def _layers_that_fit(model_config, dtype, memory_gib: float) -> int:
-    """How many layers fit ``memory_gib`` of weights (0: no budget given)."""
+def _layers_that_fit(model_config, dtype, memory_gib: float, quant: str | None = None) -> int:
+    """How many layers fit ``memory_gib`` of weights (0: no budget given), quantized by ``quant``."""
     if memory_gib <= 0:
         return 0
     from .compute.models import layer_bytes
+    from .compute.quant import quantized_layer_bytes
 
-    fit = int(memory_gib * (1 << 30) // layer_bytes(model_config, dtype))
+    held = quantized_layer_bytes(model_config, quant) if quant else layer_bytes(model_config, dtype)
+    fit = int(memory_gib * (1 << 30) // held)
     if fit < 1:
         raise ValueError(f"--memory {memory_gib} GiB does not hold even one layer of this model")
     return fit

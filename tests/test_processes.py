@@ -50,8 +50,9 @@ def test_smollm2_two_way_split_equals_transformers(process_cluster):
     import torch
     from transformers import AutoModelForCausalLM
 
-    process_cluster.start_node("head", "smollm2-135m", "0-14")
-    process_cluster.start_node("tail", "smollm2-135m", "15-29")
+    exact = ("--quant", "none", "--dtype", "float32")  # transformers' own tokens: not the default grid
+    process_cluster.start_node("head", "smollm2-135m", "0-14", None, *exact)
+    process_cluster.start_node("tail", "smollm2-135m", "15-29", None, *exact)
     process_cluster.wait_nodes(["head", "tail"], "smollm2-135m")
     source = resolve("smollm2-135m")
     model = AutoModelForCausalLM.from_pretrained(source.directory, gguf_file=source.gguf_file).eval()

