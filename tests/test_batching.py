@@ -42,41 +42,89 @@ def test_batched_decode_equals_unbatched(tiny_models, family):
     assert tokens == expected
 
 
-def test_batch_groups_keep_every_session_exact_as_members_come_and_go(tiny_models):
-    """Sessions that decode together keep their KV as rows of one group cache between
-    steps; a changed line-up, a lone step or a fresh prefill hands each row back. Whatever
-    the order, every session's tokens are those it gets alone."""
-    ex = ShardExecutor(load_shard(resolve(str(tiny_models("llama"))), Shard(0, 5, 6), progress=False), KVStore())
-    expected = [greedy_alone(ex, f"alone{i}", p, 14) for i, p in enumerate(PROMPTS)]
-    tokens, pos = [[] for _ in PROMPTS], [0] * len(PROMPTS)
+class Sessions:
+    """Sessions of PROMPTS on one executor, stepped greedily in any line-up: a batch, or a
+    lone step (which runs on the session's row where it has one)."""
 
-    def prefill(i):
-        tokens[i] = [int(ex.run(f"s{i}", 0, 5, torch.tensor([PROMPTS[i]]), 0).logits.argmax())]
-        pos[i] = len(PROMPTS[i])
+    def __init__(self, ex: ShardExecutor):
+        self.ex, self.tokens, self.pos = ex, [[] for _ in PROMPTS], [0] * len(PROMPTS)
 
-    def step(members):
-        results = ([ex.run(f"s{members[0]}", 0, 5, torch.tensor([[tokens[members[0]][-1]]]), pos[members[0]])]
-                   if len(members) == 1 else ex.run_batch(
-                       [Step(f"s{i}", 0, 5, torch.tensor([[tokens[i][-1]]]), pos[i]) for i in members]))
+    def prefill(self, i: int) -> None:
+        self.tokens[i] = [int(self.ex.run(f"s{i}", 0, 5, torch.tensor([PROMPTS[i]]), 0).logits.argmax())]
+        self.pos[i] = len(PROMPTS[i])
+
+    def step(self, members: list[int]) -> None:
+        ex, tokens, pos = self.ex, self.tokens, self.pos
+        steps = [Step(f"s{i}", 0, 5, torch.tensor([[tokens[i][-1]]]), pos[i]) for i in members]
+        if len(steps) == 1:
+            results = [ex.run(steps[0].session, 0, 5, steps[0].inputs, steps[0].pos)]
+        else:
+            results = ex.run_batch(steps)
         for i, result in zip(members, results):
             tokens[i].append(int(result.logits.argmax()))
             pos[i] += 1
 
+    def finish(self, steps: int) -> None:
+        while any(len(t) < steps + 1 for t in self.tokens):
+            self.step([i for i in range(len(PROMPTS)) if len(self.tokens[i]) < steps + 1])
+
+
+def test_batch_groups_keep_every_session_exact_as_members_come_and_go(tiny_models):
+    """Sessions that decode together keep their KV as rows of one group, where each batched
+    step reads and appends to it in place: while the line-up stays nothing moves (the
+    group's buffers stay where they are and no session has a cache of its own). A session
+    that ends frees its row and the others stay; a newcomer joins a free row. Whatever the
+    order, every session's tokens are those it gets alone."""
+    ex = ShardExecutor(load_shard(resolve(str(tiny_models("llama"))), Shard(0, 5, 6), progress=False), KVStore())
+    expected = [greedy_alone(ex, f"alone{i}", p, 14) for i, p in enumerate(PROMPTS)]
+    run = Sessions(ex)
     for i in range(3):
-        prefill(i)
-    line_ups = [[0, 1, 2], [0, 1, 2], [0, 1, 2], [1, 2], [0], [0, 1, 2], [2, 0, 1], [2, 0, 1]]
-    for members in line_ups:
-        step(members)
-    assert ex.group is not None and len(ex.group.sessions) == 3
-    ex.kv.drop("s1")  # closed while a row of the group: the others get their own caches back
+        run.prefill(i)
+    run.step([0, 1, 2])
+    group, buffers = ex.group, [t.data_ptr() for t in (*ex.group.keys.values(), *ex.group.values.values())]
+    for members in [[0, 1, 2], [0, 1, 2], [1, 2], [0], [0, 1, 2], [2, 0, 1], [2, 0, 1]]:
+        run.step(members)
+    assert ex.group is group and [t.data_ptr() for t in (*group.keys.values(), *group.values.values())] == buffers
+    assert all(ex.kv.get(f"s{i}").cache is None and ex.kv.get(f"s{i}").group is group for i in range(3))
+    ex.kv.drop("s1")  # closed while a row of the group: its row is freed, the others stay
     ex.forget("s1")
-    assert ex.group is None and ex.kv.get("s0").cache is not None and ex.kv.get("s0").group is None
-    prefill(1)  # then it starts over with a fresh prefill
-    prefill(3)  # a newcomer joins
-    while any(len(t) < 15 for t in tokens):
-        step([i for i in range(len(PROMPTS)) if len(tokens[i]) < 15])
-    assert tokens == expected
+    assert group.members() == ["s0", "s2"] and ex.kv.get("s0").group is group
+    run.prefill(1)  # then it starts over with a fresh prefill
+    run.prefill(3)  # a newcomer joins
+    run.finish(14)
+    assert run.tokens == expected
     assert sum(ex.kv.get(f"s{i}").nbytes() for i in range(4)) > 0
+
+
+def test_rows_packed_and_grown_under_churn_stay_exact(tiny_models, monkeypatch):
+    """Buffers with hardly any room to spare are rebuilt every few steps: more sessions
+    than rows, rows that skip steps (holes in their columns) and get packed once the one
+    dense row has gone, a lone chunk of several positions that takes a session out of its
+    row, and its return."""
+    monkeypatch.setattr("fabric.compute.kv.GROW_MIN", 1)
+    monkeypatch.setattr("fabric.compute.rows.MIN_ROWS", 1)
+    ex = ShardExecutor(load_shard(resolve(str(tiny_models("qwen3"))), Shard(0, 5, 6), progress=False), KVStore())
+    expected = [greedy_alone(ex, f"alone{i}", p, 16) for i, p in enumerate(PROMPTS)]
+    run = Sessions(ex)
+    for i in range(4):
+        run.prefill(i)
+    for members in [[0, 1], [0, 1, 2, 3], [3], [3], [0, 3]] + [[3]] * 24 + [[1, 2, 3], [0, 1, 2, 3]]:
+        run.step(members)
+    assert len(ex.group.sessions) == 4
+    ex.kv.drop("s3")  # the one row without holes goes: the rest are mostly holes, packed when next full
+    ex.forget("s3")
+    run.prefill(3)
+    expected[3] = greedy_alone(ex, "again", PROMPTS[3], 16)
+    # two positions at once: the session leaves its row for a cache of its own, then rejoins
+    before = run.tokens[2]
+    assert before == expected[2][:len(before)]
+    chunk = ex.run("s2", 0, 5, torch.tensor([[before[-1], 7]]), run.pos[2])
+    assert ex.kv.get("s2").group is None and ex.group.row("s2") is None
+    run.tokens[2], run.pos[2] = before + [int(chunk.logits.argmax())], run.pos[2] + 2
+    run.finish(16)
+    assert run.tokens[:2] + run.tokens[3:] == expected[:2] + expected[3:]
+    assert run.tokens[2] == before + greedy_alone(ex, "after", PROMPTS[2] + before + [7], 16 - len(before))
+    assert ex.kv.get("s2").group is ex.group
 
 
 @pytest.mark.parametrize("family", FAMILIES)

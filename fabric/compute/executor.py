@@ -1,9 +1,11 @@
-"""Run decoder layers start..end of a shard for one session. No sockets here.
+"""Run decoder layers start..end of a shard for one session, or one pass for many. No sockets here.
 
 This follows ``LlamaModel.forward`` with the library's own pieces (embedding, rotary
-embeddings, mask helpers, decoder layers, DynamicCache), except that lengths and mask
-sizes come from the first layer this hop runs: the cache's default (layer 0) is empty
-on a shard that does not hold layer 0.
+embeddings, mask helpers, decoder layers, a DynamicCache whose full-attention layers grow
+in place: fabric/compute/cache.py), except that lengths and mask sizes come from the first
+layer this hop runs: the cache's default (layer 0) is empty on a shard that does not hold
+layer 0. Sessions that decode together keep their KV as rows of one ``RowGroup``
+(fabric/compute/rows.py), where their batched steps read and append to it in place.
 """
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ import torch.nn.functional as F
 
 from .kv import KVStore, SessionKV
 from .models import ShardWeights
+from .rows import RowGroup
 
 log = logging.getLogger(__name__)
 
@@ -38,26 +41,6 @@ class Step:
     pos: int
 
 
-@dataclass
-class BatchGroup:
-    """Sessions that decode together, their KV kept as the rows of one left-padded cache
-    between steps, so a step appends one column instead of gathering every session's
-    cache into a batch and scattering it back. While a session is a row here, its own
-    cache is stale; ``ShardExecutor._dissolve`` writes the rows back."""
-
-    sessions: tuple[str, ...]
-    kvs: tuple[SessionKV, ...]
-    cache: object  # a DynamicCache over the group's span, (b, kv_heads, longest, head_dim) per layer
-    pads: tuple[int, ...]  # left padding of each row
-    start: int
-    end: int
-
-    def continues(self, steps: list["Step"], kvs: list[SessionKV]) -> bool:
-        """The same sessions, in the same order, each exactly where the group left it."""
-        return (tuple(s.session for s in steps) == self.sessions and (steps[0].start, steps[0].end) ==
-                (self.start, self.end) and all(a is b and a.group is self for a, b in zip(kvs, self.kvs)))
-
-
 @dataclass(frozen=True)
 class StepResult:
     """What one hop produced: hidden states for the next hop, or the tail's logits."""
@@ -70,7 +53,7 @@ class ShardExecutor:
     def __init__(self, weights: ShardWeights, kv: KVStore):
         self.w = weights
         self.kv = kv
-        self.group: BatchGroup | None = None  # the sessions that decoded together last
+        self.group: RowGroup | None = None  # the sessions that decode together, their KV in its rows
         config = weights.config
         types = getattr(config, "layer_types", None)
         sliding = getattr(config, "sliding_window", None) is not None
@@ -105,9 +88,11 @@ class ShardExecutor:
         """
         self.check_span(start, end)
         kv = self.take_over(reuse, session, start, end, pos) if reuse else self._session_kv(session, start, end, pos)
+        q, tail = inputs.shape[1], end == self.w.shard.num_layers - 1
+        if kv.group is not None and q == 1 and (logits or not tail):
+            return self._group_pass([Step(session, start, end, inputs, pos)], [kv])[0]  # its row, in place
         if kv.group is not None:
-            self._dissolve()  # this session leaves its batch group: it needs its own cache back
-        q = inputs.shape[1]
+            self._ungroup(kv)  # a chunk of several positions runs on the session's own cache
         hidden = self._embed(start, inputs)  # (1, q, hidden)
         position_ids = torch.arange(pos, pos + q, device=self.w.device).unsqueeze(0)  # (1, q)
         masks = self._masks(kv, hidden, position_ids, start, end)
@@ -118,7 +103,7 @@ class ShardExecutor:
                                       position_embeddings=position_embeddings)
         kv.length = pos + q
         kv.touch()
-        if not logits and end == self.w.shard.num_layers - 1:
+        if not logits and tail:
             return StepResult(hidden=None, logits=None)
         return self._result(hidden, end)[0]
 
@@ -142,9 +127,9 @@ class ShardExecutor:
     @torch.inference_mode()
     def run_batch(self, steps: list[Step]) -> list[StepResult | CacheMissError]:
         """One forward pass for decode steps (q = 1) of different sessions over the same
-        layers. Each session's KV stays its own: past keys and values are left-padded into
-        one batch, the padding masked out, and each row's new entry appended back to its
-        session. Steps whose session cannot continue get a CacheMissError instead."""
+        layers, reading and appending to their rows of the batch group in place (a session
+        not in it yet joins it first). Steps whose session cannot continue get a
+        CacheMissError instead."""
         start, end = steps[0].start, steps[0].end
         results: list[StepResult | CacheMissError] = []
         ready: list[tuple[int, Step, SessionKV]] = []
@@ -156,7 +141,7 @@ class ShardExecutor:
             except CacheMissError as miss:
                 results.append(miss)
         if ready:
-            rows = self._batched_step([s for _, s, _ in ready], [kv for _, _, kv in ready], start, end)
+            rows = self._group_pass([s for _, s, _ in ready], [kv for _, _, kv in ready])
             for (n, _, _), row in zip(ready, rows):
                 results[n] = row
         return results
@@ -164,11 +149,10 @@ class ShardExecutor:
     @torch.inference_mode()
     def run_prefills(self, steps: list[Step]) -> list[StepResult]:
         """One forward pass for whole prompts (pos 0) of different sessions over the same
-        layers: left-padded into one batch, the padding masked out. The sessions leave as a
+        layers: left-padded into one batch, the padding masked out. The sessions join the
         batch group, ready to decode together."""
         start, end = steps[0].start, steps[0].end
         assert all((s.start, s.end) == (start, end) and s.pos == 0 for s in steps) and self.batchable(start, end)
-        self._dissolve()  # the group's rows may be other sessions: hand them back first
         lengths = [s.inputs.shape[1] for s in steps]
         longest = max(lengths)
         pads = [longest - n for n in lengths]
@@ -180,42 +164,24 @@ class ShardExecutor:
         position_ids = torch.stack([torch.arange(-pad, n, device=self.w.device).clamp(min=0)
                                     for pad, n in zip(pads, lengths)])  # (b, longest)
         mask = self._left_padded_mask(pads, longest, longest, hidden.dtype)
-        from transformers import DynamicCache
-
-        cache = DynamicCache(config=self.w.config)
+        cache = self._new_cache()
         position_embeddings = self.w.rotary(hidden, position_ids)
         for i in range(start, end + 1):
             hidden = self.w.layers[i](hidden, attention_mask=mask, position_ids=position_ids, cache=cache,
                                       use_cache=True, position_embeddings=position_embeddings)
-        kvs = [self._session_kv(s.session, start, end, 0) for s in steps]
-        for kv, n in zip(kvs, lengths):
+        kvs = [self._session_kv(step.session, start, end, 0) for step in steps]  # first: a former row goes
+        group = self._group_for(start, end)
+        for row, (step, kv, n, pad) in enumerate(zip(steps, kvs, lengths, pads)):
             kv.length = n
+            self._join(group, step.session, kv, {i: (cache.layers[i].keys[row:row + 1, :, pad:],
+                                                     cache.layers[i].values[row:row + 1, :, pad:])
+                                                 for i in range(start, end + 1)})
             kv.touch()
-        self._adopt(steps, kvs, cache, pads)
         if end == self.w.shard.num_layers - 1:
             return self._result(hidden, end)  # every row's last position is real
         return [StepResult(hidden=hidden[row:row + 1, pad:], logits=None) for row, pad in enumerate(pads)]
 
-    def _batched_step(self, steps: list[Step], kvs: list[SessionKV], start: int, end: int) -> list[StepResult]:
-        if self.group is None or not self.group.continues(steps, kvs):
-            self._dissolve()
-            self._gather(steps, kvs)
-        group = self.group
-        hidden = self._embed(start, torch.cat([s.inputs for s in steps]))  # (b, 1, hidden)
-        position_ids = torch.tensor([[s.pos] for s in steps], device=self.w.device)  # (b, 1)
-        longest = group.cache.layers[start].keys.shape[-2]
-        mask = self._left_padded_mask(group.pads, 1, longest + 1, hidden.dtype)
-        position_embeddings = self.w.rotary(hidden, position_ids)
-        for i in range(start, end + 1):
-            hidden = self.w.layers[i](hidden, attention_mask=mask, position_ids=position_ids, cache=group.cache,
-                                      use_cache=True, position_embeddings=position_embeddings)
-        for kv in kvs:
-            kv.length += 1
-            kv.touch()
-        return self._result(hidden, end)
-
-    def _left_padded_mask(self, pads: list[int] | tuple[int, ...], q: int, k: int,
-                          dtype: torch.dtype) -> torch.Tensor:
+    def _left_padded_mask(self, pads: list[int], q: int, k: int, dtype: torch.dtype) -> torch.Tensor:
         """Additive mask (b, 1, q, k) for ``q`` queries ending at the last of ``k`` keys: causal,
         and no query sees its row's left padding. Finite, not -inf, so no softmax row (a
         padding query's, whose output is never used) is all -inf."""
@@ -225,40 +191,97 @@ class ShardExecutor:
         return torch.zeros(keep.shape, dtype=dtype, device=self.w.device).masked_fill(
             ~keep, torch.finfo(dtype).min)[:, None]
 
-    def _gather(self, steps: list[Step], kvs: list[SessionKV]) -> None:
-        """Left-pad every session's KV into the rows of one new group cache."""
-        from transformers import DynamicCache
+    # -- the batch group ------------------------------------------------------------------
 
-        longest = max(kv.length for kv in kvs)
-        batch = DynamicCache(config=self.w.config)
-        for i in range(steps[0].start, steps[0].end + 1):
-            keys = [F.pad(kv.cache.layers[i].keys, (0, 0, longest - kv.length, 0)) for kv in kvs]
-            values = [F.pad(kv.cache.layers[i].values, (0, 0, longest - kv.length, 0)) for kv in kvs]
-            batch.update(torch.cat(keys), torch.cat(values), i)  # (b, kv_heads, longest, head_dim)
-        self._adopt(steps, kvs, batch, [longest - kv.length for kv in kvs])
-
-    def _adopt(self, steps: list[Step], kvs: list[SessionKV], cache, pads: list[int]) -> None:
-        """Make ``cache`` (one left-padded row per session) the batch group; the sessions'
-        own caches are stale from now on."""
-        self.group = BatchGroup(tuple(s.session for s in steps), tuple(kvs), cache, tuple(pads),
-                                steps[0].start, steps[0].end)
+    def _group_pass(self, steps: list[Step], kvs: list[SessionKV]) -> list[StepResult]:
+        """One forward pass for decode steps over their rows of the batch group, in place:
+        the rows lo..hi that hold them, a row in between with no step here running as a
+        masked dummy. A session not in the group joins it first."""
+        start, end = steps[0].start, steps[0].end
+        group = self._group_for(start, end)
+        for step, kv in zip(steps, kvs):
+            if kv.group is not group:
+                self._join(group, step.session, kv)
+        rows = [kv.row for kv in kvs]
+        lo, hi = min(rows), max(rows) + 1
+        at = [r - lo for r in rows]
+        inputs = torch.zeros((hi - lo, 1, *steps[0].inputs.shape[2:]), dtype=steps[0].inputs.dtype)
+        inputs[at] = torch.cat([s.inputs for s in steps])  # (rows, 1) ids or (rows, 1, hidden)
+        hidden = self._embed(start, inputs)
+        position_ids = torch.zeros((hi - lo, 1), dtype=torch.long, device=self.w.device)
+        position_ids[at, 0] = torch.tensor([s.pos for s in steps], device=self.w.device)
+        cache = group.step_cache(lo, hi)  # first: it may pack the rows, which changes the mask
+        mask = group.mask(lo, hi, hidden.dtype)
+        position_embeddings = self.w.rotary(hidden, position_ids)
+        for i in range(start, end + 1):
+            hidden = self.w.layers[i](hidden, attention_mask=mask, position_ids=position_ids, cache=cache,
+                                      use_cache=True, position_embeddings=position_embeddings)
+        group.advance(rows)
         for kv in kvs:
-            kv.cache, kv.group = None, self.group
+            kv.length += 1
+            kv.touch()
+        return self._result(hidden[at], end)
+
+    def _group_for(self, start: int, end: int) -> RowGroup:
+        """The batch group over start..end, rows whose session is gone freed. A group over
+        other layers (a route that uses part of this shard) hands its rows back first."""
+        group = self.group
+        if group is not None and (group.start, group.end) != (start, end):
+            for session in group.members():
+                self._ungroup(self.kv.get(session))
+            group = None
+        if group is None:
+            group = self.group = RowGroup(start, end)
+        for row, session in enumerate(group.sessions):
+            kv = self.kv.get(session) if session is not None else None
+            if session is not None and (kv is None or kv.group is not group or kv.row != row):
+                group.free(row)
+        return group
+
+    def _join(self, group: RowGroup, session: str, kv: SessionKV, layers: dict | None = None) -> None:
+        """Move ``session``'s KV into a free row of ``group``: from its own cache, or ``layers``."""
+        if layers is None:
+            layers = {i: (kv.cache.layers[i].keys, kv.cache.layers[i].values) for i in range(group.start, group.end + 1)}
+        kv.row = group.join(session, layers)
+        kv.cache, kv.group = None, group
+
+    def _ungroup(self, kv: SessionKV | None) -> None:
+        """Move a session's KV out of its row into a cache of its own; the row is freed."""
+        if kv is None or kv.group is None:
+            return
+        group, cache = kv.group, self._new_cache()
+        for i, (keys, values) in group.take(kv.row).items():
+            cache.update(keys, values, i)
+        kv.cache, kv.group, kv.row = cache, None, -1
+        if not group.members() and group is self.group:
+            self.group = None  # nobody left: its buffers go
+
+    # -- sessions -------------------------------------------------------------------------
+
+    def _new_cache(self):
+        from .cache import new_cache
+
+        return new_cache(self.w.config)
 
     def reusable(self, start: int, end: int) -> bool:
         """A session's KV over start..end can be cut to a prefix: full attention everywhere
         (a sliding window layer's cache has already dropped its oldest positions)."""
         return self.batchable(start, end)
 
+    @torch.inference_mode()
     def retain(self, session: str) -> list[str]:
         """``session`` ended here: keep its KV for a later session that shares its prefix
         (within the store's budget, on a span that can be cut), else free it. Returns the
         kept sessions evicted to make room."""
-        self.forget(session)  # a batch group row goes back to the session's own cache first
+        from .cache import trim
+
         kv = self.kv.get(session)
-        if kv is None or not self.reusable(kv.start, kv.end):
+        if kv is None or not self.reusable(kv.start, kv.end) or self.kv.retained.budget <= 0:
+            self.forget(session)
             self.kv.drop(session)
             return []
+        self._ungroup(kv)  # a row of the batch group comes out as a cache of its own
+        trim(kv.cache)  # kept, not appended to: no room to spare
         return self.kv.retain(session)
 
     def take_over(self, reuse: str, session: str, start: int, end: int, pos: int) -> SessionKV:
@@ -277,49 +300,37 @@ class ShardExecutor:
         else:
             cache = self._prefix(old.cache, start, end, pos)
         kv = SessionKV(cache=cache, start=start, end=end, length=pos)
-        self.kv.put(session, kv)
+        self._put(session, kv)
         retained.stats["hits"] += 1
         retained.stats["reused_tokens"] += pos
         return kv
 
     def _prefix(self, cache, start: int, end: int, n: int):
         """A new cache holding copies of the first ``n`` positions of ``cache``'s layers start..end."""
-        from transformers import DynamicCache
-
-        out = DynamicCache(config=self.w.config)
+        out = self._new_cache()
         for i in range(start, end + 1):
             layer = cache.layers[i]
-            out.update(layer.keys[:, :, :n].clone(), layer.values[:, :, :n].clone(), i)  # (1, kv_heads, n, head_dim)
+            out.update(layer.keys[:, :, :n], layer.values[:, :, :n], i)  # copied: (1, kv_heads, n, head_dim)
         return out
 
+    @torch.inference_mode()
     def forget(self, session: str) -> None:
-        """``session`` ended here: if it was a row of the batch group, hand the other rows
-        back, so the group's cache does not outlive its sessions."""
-        if self.group is not None and session in self.group.sessions:
-            self._dissolve()
+        """``session`` ended here: free its row of the batch group, if it has one."""
+        row = self.group.row(session) if self.group is not None else None
+        if row is not None:
+            self.group.free(row)
+            if not self.group.members():
+                self.group = None
 
-    def _dissolve(self) -> None:
-        """Write each row of the current group back into its session's own cache."""
-        from transformers import DynamicCache
-
-        group, self.group = self.group, None
-        if group is None:
-            return
-        for row, (session, kv, pad) in enumerate(zip(group.sessions, group.kvs, group.pads)):
-            kv.group = None
-            if self.kv.get(session) is not kv:
-                continue  # ended, or replaced meanwhile (a fresh prefill)
-            kv.cache = DynamicCache(config=self.w.config)
-            for i in range(group.start, group.end + 1):
-                layer = group.cache.layers[i]
-                kv.cache.update(layer.keys[row:row + 1, :, pad:].clone(), layer.values[row:row + 1, :, pad:].clone(), i)
+    def _put(self, session: str, kv: SessionKV) -> None:
+        """``kv`` is ``session``'s from now on; a row its former KV held is freed."""
+        self.forget(session)
+        self.kv.put(session, kv)
 
     def _session_kv(self, session: str, start: int, end: int, pos: int) -> SessionKV:
-        from transformers import DynamicCache
-
         if pos == 0:
-            kv = SessionKV(cache=DynamicCache(config=self.w.config), start=start, end=end)
-            self.kv.put(session, kv)
+            kv = SessionKV(cache=self._new_cache(), start=start, end=end)
+            self._put(session, kv)
             return kv
         kv = self.kv.get(session)
         if kv is None or kv.length != pos or (kv.start, kv.end) != (start, end):
