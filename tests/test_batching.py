@@ -178,3 +178,43 @@ def prompt_ids_for(model, text: str) -> list[int]:
     tok = load_tokenizer(resolve(str(model)))
     return list(tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
                                         tokenize=True, return_dict=False))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_prompt_in_chunks_riding_decode_passes_equals_each_alone(tiny_models, family):
+    """A long prompt's chunks run inside the decode batch's forward pass (run_mixed), on both
+    hops of a split: the streams' tokens and the prompt's are those of single-process runs,
+    and the prompt then decodes in the batch with them."""
+    source = resolve(str(tiny_models(family)))
+    head = ShardExecutor(load_shard(source, Shard(0, 2, 6), progress=False), KVStore())
+    tail = ShardExecutor(load_shard(source, Shard(3, 5, 6), progress=False), KVStore())
+    streams, prompt = PROMPTS[:3], list(range(40, 63))
+    names = [f"d{i}" for i in range(len(streams))]
+    hidden = head.run_prefills([Step(n, 0, 2, torch.tensor([p]), 0) for n, p in zip(names, streams)])
+    results = tail.run_prefills([Step(n, 3, 5, h.hidden, 0) for n, h in zip(names, hidden)])
+    tokens, pos = [[int(r.logits.argmax())] for r in results], [len(p) for p in streams]
+
+    def decode_steps(hop, inputs, start, end):
+        return [Step(n, start, end, x, p) for n, x, p in zip(names, inputs, pos)]
+
+    for at in range(0, len(prompt), 5):  # chunks of 5 (the last of 3), each riding a decode pass
+        chunk, last = prompt[at:at + 5], at + 5 >= len(prompt)
+        ids = [torch.tensor([[t[-1]]]) for t in tokens]
+        mid = head.run_mixed(decode_steps(head, ids, 0, 2), Step("p", 0, 2, torch.tensor([chunk]), at), logits=last)
+        out = tail.run_mixed(decode_steps(tail, [m.hidden for m in mid[:-1]], 3, 5),
+                             Step("p", 3, 5, mid[-1].hidden, at), logits=last)
+        for i, r in enumerate(out[:-1]):
+            tokens[i].append(int(r.logits.argmax()))
+            pos[i] += 1
+    assert out[-1].logits is not None and head.kv.get("p").group is None
+    names, pos, tokens = names + ["p"], pos + [len(prompt)], tokens + [[int(out[-1].logits.argmax())]]
+    for _ in range(4):  # the prompt joins the streams' batch
+        mid = head.run_batch(decode_steps(head, [torch.tensor([[t[-1]]]) for t in tokens], 0, 2))
+        out = tail.run_batch(decode_steps(tail, [m.hidden for m in mid], 3, 5))
+        for i, r in enumerate(out):
+            tokens[i].append(int(r.logits.argmax()))
+            pos[i] += 1
+    assert head.kv.get("p").group is head.group
+    for got, ids in zip(tokens, streams + [prompt]):
+        expected = reference_greedy(tiny_models(family), ids, len(got))  # stops at an end-of-sequence token
+        assert got[:len(expected)] == expected and len(expected) >= 3

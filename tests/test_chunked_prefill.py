@@ -1,5 +1,5 @@
-"""Chunked prefill: a node runs a long prompt in slices that take turns with decode batches,
-passes each on as a chunk, and every stream still gets exactly the single-process tokens.
+"""Chunked prefill: a node runs a long prompt in slices that ride in the decode batches'
+passes, passes each on as a chunk, and every stream still gets exactly the single-process tokens.
 How the slices are cut and ordered is tested on the scheduler alone (tests/test_scheduler.py)."""
 from __future__ import annotations
 
@@ -23,8 +23,9 @@ def test_long_prompt_chunked_beside_running_streams(thread_cluster, tiny_models)
     outputs = thread_cluster.stream_all(model.name, prompts, 24)
     for i, prompt in enumerate(prompts):
         assert outputs[i] == reference_greedy(model, prompt_ids_for(model, prompt), 24), prompt
-    # with other requests in flight, prompts went in chunks through both hops
+    # with other requests in flight, prompts went in chunks through both hops, riding in decode passes
     assert head.counters["prefill_chunks"] > 0 and tail.counters["prefill_chunks"] > 0
+    assert head.counters["riding_chunks"] > 0 and tail.counters["riding_chunks"] > 0
     assert wait_for(lambda: len(head.kv) == len(tail.kv) == 0, 5)  # every chunk's KV was freed with its session
 
 

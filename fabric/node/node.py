@@ -43,8 +43,8 @@ from .scheduler import HopScheduler, Work
 
 log = logging.getLogger(__name__)
 
-COUNTERS = ("hop_seconds", "hops", "batched_hops", "prefill_chunks", "cache_miss", "failovers", "rejected_frames",
-            "dropped_frames", "hop_errors")
+COUNTERS = ("hop_seconds", "hops", "batched_hops", "prefill_chunks", "riding_chunks", "cache_miss", "failovers",
+            "rejected_frames", "dropped_frames", "hop_errors")
 
 
 class Node:
