@@ -1,10 +1,12 @@
 #!/usr/bin/env python
 """Long contexts: time to first token per turn of a chat with a long system prompt, with
-KV reuse across requests on and off, paired in one run.
+KV reuse across requests on and off, paired in one run; then a long prompt prefilled beside
+running streams, and the concurrency figures.
 
     python bench/long_context.py [--model smollm2-135m] [--system-tokens 1200] [--turns 5]
                                  [--reply-tokens 32] [--reps 2] [--device cpu|cuda]
-                                 [--dtype float32|bfloat16]
+                                 [--dtype float32|bfloat16] [--parts ttft,prefill,concurrency]
+                                 [--prompt-tokens 2000] [--concurrency-reps 3]
 
 Starts two clusters side by side, each a tracker and a 2-node split as ``meshnet up``
 starts them (all cores each, one compute lock: here one lock for all four nodes, so the two
@@ -19,12 +21,20 @@ same system prompt and another question shows what a shared system prompt saves.
 Prints the TTFT of each turn, the ratio median(turns 2..N) / turn 1 of each cluster
 (target with reuse: <= 0.35), the nodes' reuse counters, and whether both clusters gave
 the same tokens.
+
+The other parts run the scripts that measure them, one after the other, each with its
+baseline in its own run: ``prefill`` is bench/prefill_itl.py (a ``--prompt-tokens`` prompt
+sent while 3 streams decode, in slices against in one piece: how long it took, and the
+running streams' inter-token latency p99 during it against their median; targets: sliced
+<= 1.5x one piece, p99 <= 3x median); ``concurrency`` is bench/concurrency.py with 1 and 8
+streams (targets: 8 streams >= 4x one and >= 0.9x transformers' batch of 8).
 """
 from __future__ import annotations
 
 import argparse
 import signal
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -136,6 +146,17 @@ def report(args, rounds: list[dict], counters: dict[str, list[dict]]) -> None:
     print(f"  same tokens with and without reuse: {'yes' if same else 'NO'}")
 
 
+def other_parts(args) -> None:
+    """The prefill and concurrency parts: their own scripts, run here one after the other."""
+    parts = {"prefill": ["prefill_itl.py", "--prompt-tokens", str(args.prompt_tokens)],
+             "concurrency": ["concurrency.py", "--streams", "1,8", "--reps", str(args.concurrency_reps)]}
+    for name, (script, *argv) in parts.items():
+        if name in args.parts:
+            command = [script, *argv, "--model", args.model, *device_args(args)]
+            print(f"\n== {name}: python bench/{' '.join(command)}", flush=True)
+            subprocess.run([sys.executable, str(REPO / "bench" / script), *command[1:]], cwd=REPO, check=False)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="smollm2-135m")
@@ -143,8 +164,21 @@ def main() -> int:
     parser.add_argument("--turns", type=int, default=5, help="turns per chat (default %(default)s)")
     parser.add_argument("--reply-tokens", type=int, default=32, help="max tokens per reply (default %(default)s)")
     parser.add_argument("--reps", type=int, default=2, help="chats, each on both clusters (default %(default)s)")
+    parser.add_argument("--parts", default="ttft,prefill,concurrency", type=lambda v: set(v.split(",")),
+                        help="which figures: ttft (reuse on and off), prefill (bench/prefill_itl.py), concurrency "
+                             "(bench/concurrency.py) (default: all)")
+    parser.add_argument("--prompt-tokens", type=int, default=2000, help="the prefill part's long prompt")
+    parser.add_argument("--concurrency-reps", type=int, default=3, help="the concurrency part's rounds")
     add_device_args(parser)
     args = parser.parse_args()
+    if "ttft" in args.parts:
+        chats(args)
+    other_parts(args)
+    return 0
+
+
+def chats(args) -> None:
+    """The TTFT part: two clusters, reuse off and on, the same chats asked of both."""
     model = resolve(args.model).model_id
     with tempfile.TemporaryDirectory() as tmp:
         clusters = {}
@@ -166,7 +200,6 @@ def main() -> int:
                     proc.send_signal(signal.SIGINT)
                 for proc in procs:
                     proc.wait(30)
-    return 0
 
 
 if __name__ == "__main__":

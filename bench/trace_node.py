@@ -8,6 +8,7 @@ that, a few methods of the node are wrapped to record CLOCK_MONOTONIC timestamps
 clock is system-wide, so timestamps from different node processes can be compared):
 
 - ``run``      ShardExecutor.run: layer compute for one hop (session, pos, q, t0, t1)
+- ``pass``     HopRunner.run: one forward pass, each hop of it as [session, pos, tokens, decode] (t0, t1)
 - ``inbound``  Node._inbound: a frame from the ROUTER, decode + dispatch (t0, t1)
 - ``dispatch`` Node._dispatch: entered after decode (message kind, t0)
 - ``forward``  Node._forward: hand a hop to the next node or the local queue (local?, t0, t1)
@@ -48,6 +49,7 @@ def _wrap(owner, name: str, make) -> None:
 def install() -> None:
     import fabric.node as node_mod
     from fabric.compute.executor import ShardExecutor
+    from fabric.node.hops import HopRunner
     from fabric.node.route_session import RouteSession
 
     add = EVENTS.append
@@ -59,6 +61,15 @@ def install() -> None:
                 return orig(self, session, start, end, inputs, pos, **kw)
             finally:
                 add(("run", session, pos, int(inputs.shape[1]), start, end, t0, _now()))
+        return wrapper
+
+    def one_pass(orig):
+        def wrapper(self, batch):
+            t0 = _now()
+            try:
+                return orig(self, batch)
+            finally:
+                add(("pass", [[w.session, w.msg.pos, w.tokens, w.decode] for w in batch], t0, _now()))
         return wrapper
 
     def inbound(orig):
@@ -114,6 +125,7 @@ def install() -> None:
         return wrapper
 
     _wrap(ShardExecutor, "run", run)
+    _wrap(HopRunner, "run", one_pass)
     _wrap(node_mod.Node, "_inbound", inbound)
     _wrap(node_mod.Node, "_dispatch", dispatch)
     _wrap(node_mod.Node, "_forward", forward)

@@ -43,7 +43,7 @@ def scheduler(queue: list[Work] = (), live=(), busy: float = 32, idle: float = 3
     for w in queue:
         s.push(w)
     s.slice_tokens = {"ride": float(ride), "busy": float(busy), "idle": float(idle)}
-    s.decode_batch_s, s.cycle_s = decode_s, cycle_s
+    s.decode_batch_s, s.pass_s, s.cycle_s = decode_s, decode_s, cycle_s
     return s
 
 
@@ -190,6 +190,7 @@ def test_a_riding_slice_is_steered_by_what_it_adds_to_the_pass():
     batch = [work("a", 40, 1), work("long", 0, 80, more=True)]
     s.ran(batch, started=1.0, elapsed=0.05 + 0.1)  # it added 0.1 s, twice SLICE_PER_DECODE's 0.05: halve
     assert s.slice_tokens["ride"] == 40 and s.decode_batch_s == 0.05 and s.last_decode == {"a": 1.0}
+    assert s.pass_s > 0.05  # a decode batch waits for late sessions in proportion to its passes, slice and all
     s.ran([work("a", 41, 1), work("long", 80, 40, more=True)], started=1.2, elapsed=0.05 + 0.025)
     assert s.slice_tokens["ride"] == pytest.approx(80)
     fresh = scheduler(live=["a"], ride=80)  # no decode batch timed yet: no telling what the slice added

@@ -30,7 +30,7 @@ PREFILL_BATCH_TOKENS = 256  # short prompts queued together run as one forward p
 SLICE_PER_DECODE = 1.0  # a prefill slice beside decoding streams may take this many of their decode batches
 MIN_SLICE_S = 0.02  # ...and at least this long (alone: a slice reads all the weights, as a decode batch does)
 IDLE_SLICE_S = 0.25  # ...and with no stream decoding here, this long
-GATHER_PER_DECODE = 1.0  # a decode batch waits at most this many decode batches' time for sessions still due
+GATHER_PER_DECODE = 1.0  # a decode batch waits at most this many passes' time for sessions still due
 RECENT_CYCLES = 3.0  # a session is due here while its last decode step is this many of its cycles old
 WAITING_REPORT_S = 0.5  # how often a node tells heads that their sessions' hops wait in its queue
 
@@ -99,6 +99,7 @@ class HopScheduler:
         self.queue: deque[Work] = deque()
         self.ran_prefill = False  # the last pass moved a prefill on (alone or riding): decode steps go next
         self.decode_batch_s: float | None = None  # seconds per decode batch here (moving average)
+        self.pass_s: float | None = None  # ...and per pass with decode steps, a slice riding or not
         self.cycle_s: float | None = None  # seconds between a session's decode steps here (moving average)
         self.last_decode: dict[str, float] = {}  # session -> when its last decode step ran here
         self.gather_since: float | None = None  # when a decode batch began waiting for sessions still due
@@ -158,7 +159,7 @@ class HopScheduler:
             return 0.0
         if self.gather_since is None:
             self.gather_since = now
-        limit = GATHER_PER_DECODE * (self.decode_batch_s or 0.0) if gather else (self.cycle_s or 0.0)
+        limit = GATHER_PER_DECODE * (self.pass_s or 0.0) if gather else (self.cycle_s or 0.0)
         left = self.gather_since + limit - now
         if left <= 0:
             self.gather_since = None
@@ -276,6 +277,7 @@ class HopScheduler:
         elif batch[0].decode:
             self.decode_batch_s = _average(self.decode_batch_s, elapsed)
         if batch[0].decode:
+            self.pass_s = _average(self.pass_s, elapsed)
             for work in batch:
                 last = self.last_decode.get(work.session)
                 if last is not None:
