@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fabric.compute.executor import ShardExecutor, Step
+from fabric.compute.executor import CacheMissError, Chunk, ShardExecutor, Step
 from fabric.compute.kv import KVStore
 from fabric.compute.models import load_shard, resolve
 from fabric.wire.shard import Shard
@@ -200,9 +200,9 @@ def test_a_prompt_in_chunks_riding_decode_passes_equals_each_alone(tiny_models, 
     for at in range(0, len(prompt), 5):  # chunks of 5 (the last of 3), each riding a decode pass
         chunk, last = prompt[at:at + 5], at + 5 >= len(prompt)
         ids = [torch.tensor([[t[-1]]]) for t in tokens]
-        mid = head.run_mixed(decode_steps(head, ids, 0, 2), Step("p", 0, 2, torch.tensor([chunk]), at), logits=last)
+        mid = head.run_mixed(decode_steps(head, ids, 0, 2), [Chunk(Step("p", 0, 2, torch.tensor([chunk]), at), last)])
         out = tail.run_mixed(decode_steps(tail, [m.hidden for m in mid[:-1]], 3, 5),
-                             Step("p", 3, 5, mid[-1].hidden, at), logits=last)
+                             [Chunk(Step("p", 3, 5, mid[-1].hidden, at), last)])
         for i, r in enumerate(out[:-1]):
             tokens[i].append(int(r.logits.argmax()))
             pos[i] += 1
@@ -217,4 +217,53 @@ def test_a_prompt_in_chunks_riding_decode_passes_equals_each_alone(tiny_models, 
     assert head.kv.get("p").group is head.group
     for got, ids in zip(tokens, streams + [prompt]):
         expected = reference_greedy(tiny_models(family), ids, len(got))  # stops at an end-of-sequence token
+        assert got[:len(expected)] == expected and len(expected) >= 3
+
+
+def test_short_prompts_ride_together_and_a_miss_costs_only_its_own_chunk(tiny_models):
+    """Two whole prompts ride in one decode pass beside a chunk whose kept KV is gone: the
+    streams and the prompts get their single-process tokens, the lost chunk a cache miss."""
+    model = tiny_models("qwen3_moe")
+    ex = ShardExecutor(load_shard(resolve(str(model)), Shard(0, 5, 6), progress=False), KVStore())
+    run = Sessions(ex)
+    for i in range(2):
+        run.prefill(i)
+    steps = [Step(f"s{i}", 0, 5, torch.tensor([[run.tokens[i][-1]]]), run.pos[i]) for i in range(2)]
+    chunks = [Chunk(Step("s2", 0, 5, torch.tensor([PROMPTS[2]]), 0)), Chunk(Step("gone", 0, 5, torch.tensor([[7]]), 9),
+                                                                          reuse="never-kept"),
+              Chunk(Step("s3", 0, 5, torch.tensor([PROMPTS[3]]), 0))]
+    results = ex.run_mixed(steps, chunks)
+    assert isinstance(results[3], CacheMissError) and "gone" not in ex.kv
+    for i, result in zip([0, 1, 2, 3], results[:3] + results[4:]):
+        if i < 2:
+            run.tokens[i].append(int(result.logits.argmax()))
+            run.pos[i] += 1
+        else:
+            run.tokens[i], run.pos[i] = [int(result.logits.argmax())], len(PROMPTS[i])
+    run.finish(8)
+    for got, prompt in zip(run.tokens, PROMPTS):
+        expected = reference_greedy(model, prompt, 9)  # stops at an end-of-sequence token
+        assert got[:len(expected)] == expected and len(expected) >= 3
+
+
+def test_chunks_with_no_decode_step_share_one_pass(tiny_models):
+    """With no decode step to ride, short chunks still run as one pass: what follows a kept
+    prefix and a fresh prompt; then both decode in the batch group, as a single process would."""
+    model = tiny_models("mistral")
+    ex = ShardExecutor(load_shard(resolve(str(model)), Shard(0, 5, 6), progress=False), KVStore(retain_bytes=1 << 30))
+    kept = PROMPTS[1] + [40, 41, 42, 43, 44, 45, 46, 47, 48, 49]
+    ex.run("old", 0, 5, torch.tensor([kept]), 0)
+    ex.retain("old")
+    turn = kept + [53, 54, 55]
+    results = ex.run_mixed([], [Chunk(Step("s0", 0, 5, torch.tensor([turn[len(kept):]]), len(kept)), reuse="old"),
+                                Chunk(Step("s1", 0, 5, torch.tensor([PROMPTS[0]]), 0))])
+    assert ex.kv.retained.stats["hits"] == 1
+    tokens, pos = [[int(r.logits.argmax())] for r in results], [len(turn), len(PROMPTS[0])]
+    for _ in range(6):
+        out = ex.run_batch([Step(f"s{i}", 0, 5, torch.tensor([[tokens[i][-1]]]), pos[i]) for i in range(2)])
+        for i, r in enumerate(out):
+            tokens[i].append(int(r.logits.argmax()))
+            pos[i] += 1
+    for got, prompt in zip(tokens, [turn, PROMPTS[0]]):
+        expected = reference_greedy(model, prompt, 7)  # stops at an end-of-sequence token
         assert got[:len(expected)] == expected and len(expected) >= 3

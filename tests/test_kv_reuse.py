@@ -157,7 +157,7 @@ def test_prefix_index_matches_the_longest_start_on_the_same_route():
     assert common_prefix((1, 2, 3), (1, 2, 4, 5)) == 2 and common_prefix((), (1,)) == 0
 
 
-def test_work_that_starts_from_kept_kv_runs_alone_and_only_its_first_chunk_takes_it():
+def test_work_that_starts_from_kept_kv_is_a_chunk_and_only_its_first_chunk_takes_it():
     spec = p.TensorSpec("int64", (1, 100))
     msg = p.Forward("s", 0, 40, 0, 2, ROUTE[1:], "tcp://a:1", reuse="old", tensors=(spec,))
     work = Work(msg, torch.zeros((1, 100), dtype=torch.int64))
@@ -166,7 +166,7 @@ def test_work_that_starts_from_kept_kv_runs_alone_and_only_its_first_chunk_takes
     assert (rest.msg.reuse, rest.msg.pos, rest.tokens) == ("", 70, 70)
     one = Work(p.Forward("s", 0, 40, 0, 2, ROUTE[1:], "tcp://a:1", reuse="old", tensors=(p.TensorSpec(
         "int64", (1, 1)),)), torch.zeros((1, 1), dtype=torch.int64))
-    assert not one.decode and not one.short_prompt
+    assert not one.decode and not one.short_prompt and one.short_chunk  # it rides, or runs with other chunks
 
 
 class KeepingTransport:

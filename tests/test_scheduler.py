@@ -178,6 +178,11 @@ def test_a_prompt_slice_rides_in_the_decode_batch():
     assert [(w.session, w.msg.pos, w.tokens) for w in alone] == [("long", 200, 8)]
     s.push(work("a", 42, 1))
     assert [w.session for w in s.next_batch()] == ["a", "long"]  # not "other": another span
+    short = scheduler([work("a", 43, 1), work("p", 0, 30), work("q", 0, 20, span=(2, 3)), work("r", 0, 50),
+                       work("r", 50, 5), work("s", 0, 200), work("t", 0, 40)], ["a"])
+    # whole short prompts ride together, up to PREFILL_BATCH_TOKENS; a session's later hop stays behind
+    assert [w.session for w in short.next_batch()] == ["a", "p", "r", "t"]
+    assert [w.session for w in short.queue] == ["q", "r", "s"]
     cannot = HopScheduler(SchedulerConfig(), {"a"}, batchable=lambda start, end: False)
     for w in (work("long", 0, 500), work("a", 40, 1)):
         cannot.push(w)

@@ -35,6 +35,16 @@ class Step:
 
 
 @dataclass(frozen=True)
+class Chunk:
+    """A prompt's positions in a mixed pass: its ``step``, whether the tail computes its
+    logits (not for a chunk that more follow), and the kept KV it starts from, if any."""
+
+    step: Step
+    logits: bool = True
+    reuse: str = ""
+
+
+@dataclass(frozen=True)
 class StepResult:
     """What one hop produced: hidden states for the next hop, or the tail's logits."""
 
@@ -82,17 +92,21 @@ class ShardExecutor(HopKV):
         """
         self.check_span(start, end)
         step = Step(session, start, end, inputs, pos)
-        kv = self._chunk_kv(step, reuse)
-        if kv.group is not None and inputs.shape[1] == 1 and (logits or not self._tail(end)):
+        return self._alone(self._chunk_kv(step, reuse), step, logits)
+
+    def _alone(self, kv: SessionKV, step: Step, logits: bool) -> StepResult:
+        """``run`` once the session's KV is found."""
+        if kv.group is not None and step.inputs.shape[1] == 1 and (logits or not self._tail(step.end)):
             return self._group_pass([step], [kv])[0]  # a decode step of a row of the group: there, in place
         self._ungroup(kv)  # several positions run on the session's own cache
-        hidden = self._embed(start, inputs)  # (1, q, hidden)
-        position_ids = torch.arange(pos, pos + inputs.shape[1], device=self.w.device).unsqueeze(0)  # (1, q)
-        masks = self._masks(kv, hidden, position_ids, start, end)
-        hidden = self._layers(hidden, position_ids, masks, kv.cache, start, end)
+        hidden = self._embed(step.start, step.inputs)  # (1, q, hidden)
+        position_ids = torch.arange(step.pos, step.pos + step.inputs.shape[1], device=self.w.device)[None]  # (1, q)
+        masks = self._masks(kv, hidden, position_ids, step.start, step.end)
+        hidden = self._layers(hidden, position_ids, masks, kv.cache, step.start, step.end)
         return self._chunk_done(kv, step, hidden, logits)
 
     def _chunk_kv(self, step: Step, reuse: str) -> SessionKV:
+        self.check_span(step.start, step.end)
         if reuse:
             return self.take_over(reuse, step.session, step.start, step.end, step.pos)
         return self._session_kv(step.session, step.start, step.end, step.pos)
@@ -147,11 +161,11 @@ class ShardExecutor(HopKV):
     def _ready(self, steps: list[Step]) -> tuple[list, list[tuple[int, SessionKV]]]:
         """Each decode step's session KV, or the CacheMissError of a session that cannot
         continue: (results with the misses filled in, [(index, KV)] of the others)."""
-        start, end = steps[0].start, steps[0].end
         results: list[StepResult | CacheMissError | None] = []
         ready: list[tuple[int, SessionKV]] = []
         for n, step in enumerate(steps):
-            assert (step.start, step.end) == (start, end) and step.inputs.shape[1] == 1 and step.pos > 0
+            assert (step.start, step.end) == (steps[0].start, steps[0].end) and step.inputs.shape[1] == 1 and step.pos
+            start, end = step.start, step.end
             try:
                 ready.append((n, self._session_kv(step.session, start, end, step.pos)))
                 results.append(None)
@@ -160,26 +174,28 @@ class ShardExecutor(HopKV):
         return results, ready
 
     @torch.inference_mode()
-    def run_mixed(self, steps: list[Step], chunk: Step, logits: bool = True,
-                  reuse: str = "") -> list[StepResult | CacheMissError]:
-        """Decode steps (q = 1) of different sessions and a chunk of another session's prompt,
-        all over the same layers, in one forward pass (fabric/compute/mixed.py): the weights
-        are read once for both, so the chunk costs only its own tokens. ``logits`` and
-        ``reuse`` are the chunk's, as in ``run``. Returns a result per decode step, as
-        ``run_batch``, then the chunk's (a CacheMissError where it cannot continue)."""
-        self.check_span(chunk.start, chunk.end)
+    def run_mixed(self, steps: list[Step], chunks: list[Chunk]) -> list[StepResult | CacheMissError]:
+        """Decode steps (q = 1) of different sessions and chunks of other sessions' prompts, all
+        over the same layers, in one forward pass (fabric/compute/mixed.py): the weights are
+        read once for all, so a chunk costs only its own tokens. Returns a result per decode
+        step, as ``run_batch``, then one per chunk (a CacheMissError where a session cannot
+        continue)."""
         results, ready = self._ready(steps)
-        try:
-            kv = self._chunk_kv(chunk, reuse)
-        except CacheMissError as miss:
-            return self.run_batch(steps) + [miss]
-        if not ready:
-            return results + [self.run(chunk.session, chunk.start, chunk.end, chunk.inputs, chunk.pos, logits)]
-        self._ungroup(kv)  # its positions go to a cache of its own
-        rows = self._mixed_pass([steps[n] for n, _ in ready], [k for _, k in ready], chunk, kv, logits)
-        for (n, _), row in zip(ready, rows):
-            results[n] = row
-        return results + [rows[-1]]
+        kvs: list[SessionKV | CacheMissError] = []
+        for chunk in chunks:
+            try:
+                kvs.append(self._chunk_kv(chunk.step, chunk.reuse))
+            except CacheMissError as miss:
+                kvs.append(miss)
+        live = [(chunk, kv) for chunk, kv in zip(chunks, kvs) if isinstance(kv, SessionKV)]
+        if live and len(ready) + len(live) > 1:
+            out = iter(self._mixed_pass([steps[n] for n, _ in ready], [kv for _, kv in ready], live))
+        else:  # nothing to run beside: each part as it would run alone
+            out = iter(self._group_pass([steps[n] for n, _ in ready], [kv for _, kv in ready]) if ready else [])
+            out = iter([*out, *(self._alone(kv, chunk.step, chunk.logits) for chunk, kv in live)])
+        for n, _ in ready:
+            results[n] = next(out)
+        return results + [kv if isinstance(kv, CacheMissError) else next(out) for kv in kvs]
 
     @torch.inference_mode()
     def run_prefills(self, steps: list[Step]) -> list[StepResult]:
@@ -237,27 +253,39 @@ class ShardExecutor(HopKV):
         self._advance(group, rows, kvs)
         return self._result(hidden[[r - lo for r in rows]], steps[0].end)
 
-    def _mixed_pass(self, steps: list[Step], kvs: list[SessionKV], chunk: Step, kv: SessionKV,
-                    logits: bool) -> list[StepResult]:
-        """``_group_pass`` with ``chunk`` (its own cache ``kv``) in the same pass, as one sequence
-        of n + q tokens: the n rows lo..hi, then the chunk's q. Its result comes last."""
-        from .mixed import ChunkAndRows, rows_and_chunk
+    def _mixed_pass(self, steps: list[Step], kvs: list[SessionKV],
+                    chunks: list[tuple[Chunk, SessionKV]]) -> list[StepResult]:
+        """``_group_pass`` with ``chunks`` (each with its session's own cache) in the same pass,
+        as one sequence: a token for each of the rows lo..hi, then each chunk's (no rows
+        without steps). Results: the steps', then the chunks'."""
+        from .mixed import ChunksAndRows, rows_and_chunks
 
-        start, end = chunk.start, chunk.end
-        group, rows, lo, hi = self._rows(steps, kvs)
-        row_hidden, row_positions = self._row_inputs(steps, rows, lo, hi)  # (n, 1, hidden), (n, 1)
-        chunk_hidden = self._embed(start, chunk.inputs)  # (1, q, hidden)
-        chunk_positions = torch.arange(chunk.pos, chunk.pos + chunk.inputs.shape[1], device=self.w.device)[None]
-        chunk_mask = self._masks(kv, chunk_hidden, chunk_positions, start, end)["full_attention"]
-        cache = ChunkAndRows(group.step_cache(lo, hi), kv.cache, hi - lo)
-        masks = (group.mask(lo, hi, row_hidden.dtype), chunk_mask)
-        hidden = torch.cat([row_hidden.transpose(0, 1), chunk_hidden], dim=1)  # (1, n + q, hidden)
-        with rows_and_chunk(self.w.config):
-            hidden = self._layers(hidden, torch.cat([row_positions.T, chunk_positions], dim=1), masks, cache,
-                                  start, end)
-        self._advance(group, rows, kvs)
-        out = self._result(hidden[0, [r - lo for r in rows], None], end)  # (b, 1, hidden)
-        return out + [self._chunk_done(kv, chunk, hidden[:, hi - lo:], logits)]
+        start, end = chunks[0][0].step.start, chunks[0][0].step.end
+        group, rows, lo, hi = self._rows(steps, kvs) if steps else (None, [], 0, 0)
+        parts, positions, masks, sizes = [], [], [], []
+        if steps:
+            row_hidden, row_positions = self._row_inputs(steps, rows, lo, hi)  # (n, 1, hidden), (n, 1)
+            parts, positions = [row_hidden.transpose(0, 1)], [row_positions.T]
+        for chunk, kv in chunks:
+            self._ungroup(kv)  # its positions go to a cache of its own
+            q, pos = chunk.step.inputs.shape[1], chunk.step.pos
+            parts.append(self._embed(start, chunk.step.inputs))  # (1, q, hidden)
+            positions.append(torch.arange(pos, pos + q, device=self.w.device)[None])
+            masks.append((q, self._masks(kv, parts[-1], positions[-1], start, end)["full_attention"]))
+            sizes.append(q)
+        cache = ChunksAndRows(group.step_cache(lo, hi) if steps else None, [kv.cache for _, kv in chunks], sizes)
+        with rows_and_chunks(self.w.config):
+            hidden = self._layers(torch.cat(parts, dim=1), torch.cat(positions, dim=1),
+                                  (group.mask(lo, hi, self.w.dtype) if steps else None, masks), cache, start, end)
+        out = []
+        if steps:
+            self._advance(group, rows, kvs)
+            out = self._result(hidden[0, [r - lo for r in rows], None], end)  # (b, 1, hidden)
+        at = hi - lo
+        for (chunk, kv), q in zip(chunks, sizes):
+            out.append(self._chunk_done(kv, chunk.step, hidden[:, at:at + q], chunk.logits))
+            at += q
+        return out
 
     def _rows(self, steps: list[Step], kvs: list[SessionKV]) -> tuple[RowGroup, list[int], int, int]:
         """The batch group over the steps' layers, each step's session in it (joining a

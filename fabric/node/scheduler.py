@@ -57,14 +57,21 @@ class Work:
 
     @property
     def decode(self) -> bool:
-        """One token after a prompt: a decode step, batched with other sessions' steps (not
-        the first step of a session that starts from kept KV: it runs alone)."""
+        """One token after a prompt: a decode step, batched with other sessions' steps in the
+        batch group (not the first step of a session that starts from kept KV: a chunk)."""
         return self.tokens == 1 and self.msg.pos > 0 and not self.msg.more and not self.msg.reuse
 
     @property
     def short_prompt(self) -> bool:
         """A whole prompt short enough to run unsliced (and so with other such prompts)."""
         return self.msg.pos == 0 and not self.msg.more and self.tokens < WHOLE_PREFILL_TOKENS
+
+    @property
+    def short_chunk(self) -> bool:
+        """The last or only piece of a prompt (a whole short prompt, what follows kept KV, a
+        long prompt's last slice), short enough to run unsliced: one forward pass takes
+        several such pieces, and they ride in decode batches together."""
+        return not self.decode and not self.msg.more and self.tokens < WHOLE_PREFILL_TOKENS
 
     def cut(self, n: int) -> tuple["Work", "Work"]:
         """The first ``n`` tokens as a chunk that more follow, and the rest (which continues
@@ -182,19 +189,19 @@ class HopScheduler:
         first = self.take(decode=self.ran_prefill or self._rides(self._first(decode=True)))
         if first.decode:
             batch = self._batch(first)
-            rider = self._rider(batch)
-            self.ran_prefill = rider is not None
-            return batch + [rider] if rider is not None else batch
+            riders = self._riders(batch)
+            self.ran_prefill = bool(riders)
+            return batch + riders
         self.ran_prefill = True
         first = self.slice(first)
-        if not first.short_prompt:
+        if not first.short_chunk:
             return [first]
         return self._batch(first)
 
     def _batch(self, first: Work) -> list[Work]:
         """``first`` and the queued hops of its kind over the same layers, as one batch:
-        decode steps, or short whole prompts."""
-        decode = first.decode  # else a short whole prompt: both kinds batch with their own kind only
+        decode steps, or short chunks of prompts."""
+        decode = first.decode  # else a short chunk: both kinds batch with their own kind only
         if not self.batchable(*first.span):
             return [first]
         batch, rest, tokens = [first], deque(), first.tokens
@@ -203,7 +210,7 @@ class HopScheduler:
         while self.queue:
             w = self.queue.popleft()
             same = w.span == first.span and w.session not in taken and w.session not in waiting
-            alike = w.decode if decode else w.short_prompt
+            alike = w.decode if decode else w.short_chunk
             fits = len(batch) < self.config.max_batch and (decode or tokens + w.tokens <= PREFILL_BATCH_TOKENS)
             if same and alike and fits:
                 batch.append(w)
@@ -221,14 +228,26 @@ class HopScheduler:
         return (decode is not None and prompt is not None and prompt.span == decode.span
                 and prompt.session != decode.session and self.batchable(*decode.span))
 
-    def _rider(self, batch: list[Work]) -> Work | None:
-        """Take the slice of the first queued prompt that rides along with ``batch``, if any."""
+    def _riders(self, batch: list[Work]) -> list[Work]:
+        """Take what rides along with the decode steps of ``batch``: a slice of the first
+        queued prompt over the same layers, or, where that is a short chunk, it and the other
+        short chunks queued (at most PREFILL_BATCH_TOKENS in all)."""
         prompt = self._first(decode=False)
         if prompt is None or prompt.span != batch[0].span or not self.batchable(*prompt.span) \
                 or any(w.session == prompt.session for w in batch):
-            return None
+            return []
         self.queue.remove(prompt)
-        return self.slice(prompt, "ride")
+        if not prompt.short_chunk:
+            return [self.slice(prompt, "ride")]
+        riders, tokens, taken, earlier = [prompt], prompt.tokens, {w.session for w in batch}, set()
+        for w in list(self.queue):
+            if (w.short_chunk and w.span == prompt.span and w.session not in taken | earlier
+                    and tokens + w.tokens <= PREFILL_BATCH_TOKENS):
+                self.queue.remove(w)
+                riders.append(w)
+                tokens += w.tokens
+            earlier.add(w.session)
+        return riders
 
     def _first(self, decode: bool) -> Work | None:
         """The first queued hop of that kind whose session has nothing queued before it (a
@@ -271,9 +290,11 @@ class HopScheduler:
 
     def ran(self, batch: list[Work], started: float, elapsed: float) -> None:
         """Learn from a batch that began at ``started`` and took ``elapsed`` seconds."""
-        if batch[0].decode and not batch[-1].decode:  # a slice rode along: it took what the pass took beyond
-            self.steer_slices(batch[-1], elapsed - (self.decode_batch_s or 0.0), "ride")
-            batch = batch[:-1]
+        if batch[0].decode and not batch[-1].decode:  # prompts rode along: they took what the pass took beyond
+            riders = [w for w in batch if not w.decode]
+            if len(riders) == 1:
+                self.steer_slices(riders[0], elapsed - (self.decode_batch_s or 0.0), "ride")
+            batch = batch[:-len(riders)]
         elif batch[0].decode:
             self.decode_batch_s = _average(self.decode_batch_s, elapsed)
         if batch[0].decode:
