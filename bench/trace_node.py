@@ -9,6 +9,7 @@ clock is system-wide, so timestamps from different node processes can be compare
 
 - ``run``      ShardExecutor.run: layer compute for one hop (session, pos, q, t0, t1)
 - ``pass``     HopRunner.run: one forward pass, each hop of it as [session, pos, tokens, decode] (t0, t1)
+- ``gc``       a garbage collection: generation, objects collected (t0, t1)
 - ``inbound``  Node._inbound: a frame from the ROUTER, decode + dispatch (t0, t1)
 - ``dispatch`` Node._dispatch: entered after decode (message kind, t0)
 - ``forward``  Node._forward: hand a hop to the next node or the local queue (local?, t0, t1)
@@ -24,6 +25,7 @@ Hooks that no longer match the fabric's code are skipped with a note on stderr.
 from __future__ import annotations
 
 import atexit
+import gc
 import json
 import os
 import sys
@@ -124,6 +126,13 @@ def install() -> None:
                 add(("on_token", self.session, getattr(msg, "pos", None), t0, _now()))
         return wrapper
 
+    def collected(phase: str, info: dict) -> None:
+        if phase == "start":
+            collected.t0 = _now()
+        else:
+            add(("gc", info["generation"], info["collected"], collected.t0, _now()))
+
+    gc.callbacks.append(collected)
     _wrap(ShardExecutor, "run", run)
     _wrap(HopRunner, "run", one_pass)
     _wrap(node_mod.Node, "_inbound", inbound)

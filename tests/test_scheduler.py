@@ -8,6 +8,7 @@ from fabric.node.scheduler import (
     GATHER_PER_DECODE,
     IDLE_SLICE_S,
     MIN_SLICE_TOKENS,
+    RIDE_PER_DECODE,
     WAITING_REPORT_S,
     WHOLE_PREFILL_TOKENS,
     HopScheduler,
@@ -192,15 +193,22 @@ def test_a_prompt_slice_rides_in_the_decode_batch():
 
 def test_a_riding_slice_is_steered_by_what_it_adds_to_the_pass():
     s = scheduler(live=["a"], ride=80, decode_s=0.05)
+    target = RIDE_PER_DECODE * 0.05
     batch = [work("a", 40, 1), work("long", 0, 80, more=True)]
-    s.ran(batch, started=1.0, elapsed=0.05 + 0.1)  # it added 0.1 s, twice SLICE_PER_DECODE's 0.05: halve
-    assert s.slice_tokens["ride"] == 40 and s.decode_batch_s == 0.05 and s.last_decode == {"a": 1.0}
+    s.ran(batch, started=1.0, elapsed=0.05 + 2 * target)  # it added twice the target: halve
+    assert s.slice_tokens["ride"] == pytest.approx(40) and s.decode_batch_s == 0.05 and s.last_decode == {"a": 1.0}
     assert s.pass_s > 0.05  # a decode batch waits for late sessions in proportion to its passes, slice and all
-    s.ran([work("a", 41, 1), work("long", 80, 40, more=True)], started=1.2, elapsed=0.05 + 0.025)
-    assert s.slice_tokens["ride"] == pytest.approx(80)
+    s.ran([work("a", 41, 1), work("long", 80, 40, more=True)], started=1.2, elapsed=0.05 + target / 2)
+    # one pass moves the cost per token by 0.3 of what it saw (half the last one's): not twofold
+    assert s.slice_tokens["ride"] == pytest.approx(40 / (0.7 + 0.3 * 0.5))
+    s.ran([work("a", 42, 1), work("long", 120, 5)], started=1.4, elapsed=1.0)  # a remainder: no information
+    assert s.slice_tokens["ride"] == pytest.approx(40 / 0.85)
     fresh = scheduler(live=["a"], ride=80)  # no decode batch timed yet: no telling what the slice added
     fresh.ran(batch, started=1.0, elapsed=0.5)
     assert fresh.slice_tokens["ride"] == 80
+    configured = scheduler(live=["a"], ride=80, decode_s=0.05, prefill_slice=0.2)
+    configured.ran(batch, started=1.0, elapsed=0.05 + 0.1)
+    assert configured.slice_tokens["ride"] == pytest.approx(160)  # --prefill-slice-ms sets what a slice may add
 
 
 def test_decode_steps_batch_up_to_the_limit_over_the_same_layers_only():
@@ -260,6 +268,9 @@ def test_under_a_compute_lock_a_slice_waits_for_the_streams_to_come_back():
     s.push(work("a", 40, 1))
     s.push(work("b", 50, 1))
     assert s.wait(10.0) == 0  # the whole group is back: its decode batch goes first, the slice riding
+    split = scheduler([work("a", 40, 1)], ["a", "b"], decode_s=0.04, cycle_s=0.1, locked=True)
+    split.last_decode = {"a": 9.9, "b": 9.95}
+    assert split.wait(10.0) == pytest.approx(0.1)  # a decode batch too: "b" comes back within a cycle, so merge
     unlocked = scheduler([work("long", 64, 500)], ["a"], decode_s=0.04, cycle_s=0.1)
     unlocked.last_decode, unlocked.ran_prefill = {"a": 9.9}, True
     assert unlocked.wait(10.0) == 0  # its own machine: the slice fills the gap

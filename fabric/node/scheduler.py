@@ -7,7 +7,7 @@ run. The node runs them and tells it how long they took.
 Two aims pull against each other. Streams that decode here want their steps batched and
 never stalled; a long prompt wants to move on. So a long prefill is cut into slices, and
 a slice rides along in a decode batch's forward pass (the layers' weights are read once
-for both, so the slice costs only its own tokens), sized to add about SLICE_PER_DECODE of
+for both, so the slice costs only its own tokens), sized to add about RIDE_PER_DECODE of
 a decode batch's time to that pass. A slice that cannot ride (other layers, or a model
 whose layers cannot batch) takes turns with the decode batches instead. A decode batch
 waits a little for the sessions due here, which pulls them into step so that they then
@@ -28,6 +28,7 @@ MAX_SLICE_TOKENS = 4096
 WHOLE_PREFILL_TOKENS = 64  # a prefill this short runs whole: sliced, each piece would cost nearly as much
 PREFILL_BATCH_TOKENS = 256  # short prompts queued together run as one forward pass of at most this many tokens
 SLICE_PER_DECODE = 1.0  # a prefill slice beside decoding streams may take this many of their decode batches
+RIDE_PER_DECODE = 2.0  # ...and riding in their pass, add this many (a stream then waits ~3 decode batches at most)
 MIN_SLICE_S = 0.02  # ...and at least this long (alone: a slice reads all the weights, as a decode batch does)
 IDLE_SLICE_S = 0.25  # ...and with no stream decoding here, this long
 GATHER_PER_DECODE = 1.0  # a decode batch waits at most this many passes' time for sessions still due
@@ -107,6 +108,7 @@ class HopScheduler:
         self.ran_prefill = False  # the last pass moved a prefill on (alone or riding): decode steps go next
         self.decode_batch_s: float | None = None  # seconds per decode batch here (moving average)
         self.pass_s: float | None = None  # ...and per pass with decode steps, a slice riding or not
+        self.ride_token_s: float | None = None  # seconds a riding slice adds to a pass per token (moving average)
         self.cycle_s: float | None = None  # seconds between a session's decode steps here (moving average)
         self.last_decode: dict[str, float] = {}  # session -> when its last decode step ran here
         self.gather_since: float | None = None  # when a decode batch began waiting for sessions still due
@@ -155,7 +157,9 @@ class HopScheduler:
         under a shared compute lock, after a prefill slice: another slice now would hold the
         lock while the other nodes of the machine have those sessions' decode steps to run,
         so the node waits (at most one of their cycles) for them to come back first. A prefill
-        that can ride the decode batch waits with it: it goes in the same pass."""
+        that can ride the decode batch waits with it: it goes in the same pass. Under a shared
+        lock a decode batch too waits up to one cycle: the streams' other hops run meanwhile,
+        and streams that fell into two groups (a long pass, a prompt arriving) merge again."""
         decode = self._first(decode=True)
         gather = decode is not None and (all(w.decode for w in self.queue) or self._rides(decode))
         yield_to_decode = self.ran_prefill and self.shared_lock
@@ -167,6 +171,8 @@ class HopScheduler:
         if self.gather_since is None:
             self.gather_since = now
         limit = GATHER_PER_DECODE * (self.pass_s or 0.0) if gather else (self.cycle_s or 0.0)
+        if gather and self.shared_lock:
+            limit = max(limit, self.cycle_s or 0.0)
         left = self.gather_since + limit - now
         if left <= 0:
             self.gather_since = None
@@ -293,7 +299,7 @@ class HopScheduler:
         if batch[0].decode and not batch[-1].decode:  # prompts rode along: they took what the pass took beyond
             riders = [w for w in batch if not w.decode]
             if len(riders) == 1:
-                self.steer_slices(riders[0], elapsed - (self.decode_batch_s or 0.0), "ride")
+                self.steer_ride(riders[0], elapsed - (self.decode_batch_s or 0.0))
             batch = batch[:-len(riders)]
         elif batch[0].decode:
             self.decode_batch_s = _average(self.decode_batch_s, elapsed)
@@ -307,22 +313,28 @@ class HopScheduler:
         elif len(batch) == 1:  # a batch of prompts says nothing about one slice's cost
             self.steer_slices(batch[0], elapsed)
 
-    def steer_slices(self, work: Work, elapsed: float, mode: str = "") -> None:
-        """After a full prefill slice, size the next toward its target time. Alone, a slice
-        costs a fixed part (the weights are read once) plus a part per token; riding a
-        decode batch, only the part per token (``elapsed`` is then what it added to the
-        pass). Either way the size is corrected by the ratio of target to measured time, at
-        most 2x per step."""
-        mode = mode or self.slice_mode(work.session)
+    def steer_slices(self, work: Work, elapsed: float) -> None:
+        """After a full prefill slice run alone, size the next toward its target time. A
+        slice costs a fixed part (the weights are read once) plus a part per token, so the
+        size is corrected by the ratio of target to measured time, at most 2x per step."""
+        mode = self.slice_mode(work.session)
         n = self.slice_tokens[mode]
         if work.tokens < int(n):
             return  # a whole short prompt or a remainder says little about a slice's cost
-        if mode == "idle":
-            target = IDLE_SLICE_S
-        elif mode == "ride" and self.decode_batch_s is None:
-            return  # what the decode batch took of the pass is not known yet
-        else:
-            beside = SLICE_PER_DECODE * (self.decode_batch_s or 0.0)
-            target = self.config.prefill_slice or (beside if mode == "ride" else max(MIN_SLICE_S, beside))
-        size = work.tokens * min(2.0, max(0.5, target / max(elapsed, 1e-6)))
+        target = IDLE_SLICE_S if mode == "idle" else (
+            self.config.prefill_slice or max(MIN_SLICE_S, SLICE_PER_DECODE * (self.decode_batch_s or 0.0)))
+        size = work.tokens * min(2.0, max(0.5, target / elapsed))
         self.slice_tokens[mode] = min(MAX_SLICE_TOKENS, max(MIN_SLICE_TOKENS, size))
+
+    def steer_ride(self, work: Work, added: float) -> None:
+        """After a slice rode a decode batch, adding ``added`` seconds to its pass, size the
+        next to add RIDE_PER_DECODE of a decode batch's time. What a slice adds is its own
+        tokens' cost, about proportional to them (growing with the context they attend to),
+        so the size follows a moving average of the cost per token: a pass's noise moves it
+        a little, not twofold."""
+        n = self.slice_tokens["ride"]
+        if work.tokens < int(n) or self.decode_batch_s is None:
+            return  # a remainder says little; nor does a pass whose decode part's time is unknown
+        self.ride_token_s = _average(self.ride_token_s, max(added, 1e-6) / work.tokens, 0.3)
+        size = (self.config.prefill_slice or RIDE_PER_DECODE * self.decode_batch_s) / self.ride_token_s
+        self.slice_tokens["ride"] = min(MAX_SLICE_TOKENS, max(MIN_SLICE_TOKENS, n / 2, min(2 * n, size)))
