@@ -32,6 +32,7 @@ SCRIPTS = {
     "concurrency": (["--plot", "OUT/concurrency.png"], ["--streams", "1,8", "--tokens", "32", "--reps", "2",
                                                          "--plot", "OUT/concurrency.png"]),
     "prefill_itl": ([], ["--prompt-tokens", "1000", "--decode-tokens", "250"]),
+    "batch_step": ([], ["--steps", "20"]),
     "long_context": ([], ["--reps", "1", "--turns", "3", "--prompt-tokens", "1000", "--concurrency-reps", "1"]),
     "quant_bench": (["--json", "OUT/quant_bench.json"], ["--reps", "2", "--json", "OUT/quant_bench.json"]),
     "failover": ([], ["--runs", "1"]),

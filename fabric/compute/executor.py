@@ -188,11 +188,12 @@ class ShardExecutor(HopKV):
             except CacheMissError as miss:
                 kvs.append(miss)
         live = [(chunk, kv) for chunk, kv in zip(chunks, kvs) if isinstance(kv, SessionKV)]
+        decoding = [steps[n] for n, _ in ready], [kv for _, kv in ready]
         if live and len(ready) + len(live) > 1:
-            out = iter(self._mixed_pass([steps[n] for n, _ in ready], [kv for _, kv in ready], live))
+            out = iter(self._mixed_pass(*decoding, live))
         else:  # nothing to run beside: each part as it would run alone
-            out = iter(self._group_pass([steps[n] for n, _ in ready], [kv for _, kv in ready]) if ready else [])
-            out = iter([*out, *(self._alone(kv, chunk.step, chunk.logits) for chunk, kv in live)])
+            out = iter((self._group_pass(*decoding) if ready else [])
+                       + [self._alone(kv, chunk.step, chunk.logits) for chunk, kv in live])
         for n, _ in ready:
             results[n] = next(out)
         return results + [kv if isinstance(kv, CacheMissError) else next(out) for kv in kvs]

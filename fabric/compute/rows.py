@@ -34,6 +34,7 @@ class RowGroup:
         self.values: dict[int, torch.Tensor] = {}
         self.valid: torch.Tensor | None = None  # (rows, columns) bool: which columns hold a row's positions
         self.width = 0  # columns in use; every column from here on is free in every row
+        self.column_bytes = 0  # bytes of one column of one row, over every layer's keys and values
 
     def row(self, session: str) -> int | None:
         try:
@@ -77,8 +78,10 @@ class RowGroup:
         self.valid[row] = False
 
     def row_bytes(self) -> int:
-        """Bytes one row occupies (every layer's keys and values, free columns included)."""
-        return sum(t[0].numel() * t.element_size() for d in (self.keys, self.values) for t in d.values())
+        """Bytes one row occupies (every layer's keys and values, free columns included); safe
+        to ask from another thread (metrics)."""
+        valid = self.valid
+        return 0 if valid is None else valid.shape[1] * self.column_bytes
 
     # -- one forward pass over rows lo..hi ------------------------------------------------
 
@@ -110,6 +113,7 @@ class RowGroup:
         for i in range(self.start, self.end + 1):
             self.keys[i] = like.new_zeros(shape)
             self.values[i] = like.new_zeros(shape)
+        self.column_bytes = 2 * (self.end - self.start + 1) * like.shape[1] * like.shape[-1] * like.element_size()
         self.valid = torch.zeros((rows, columns), dtype=torch.bool, device=like.device)
         self.sessions += [None] * (rows - len(self.sessions))
 
