@@ -3,6 +3,7 @@
 
     python bench/concurrency.py [--model smollm2-135m] [--streams 1,2,4,8] [--tokens 48] [--reps 3]
                                 [--plot OUT.png] [--device cpu|cuda] [--dtype float32|bfloat16]
+                                [--node-args "--kv-cache-gib 0"]
 
 Starts a tracker and a 2-node split (``python -m fabric.cli ...``, as ``meshnet up`` does:
 all cores each and one compute lock) and drives it with N concurrent ``fabric.Client``
@@ -18,6 +19,10 @@ against waves run minutes later compares two machines. Each of ``--reps`` rounds
 times the baseline and then every stream count back to back, and each ratio is the median
 of the rounds' own ratios (tok/s figures: the median over rounds). Beside each round: the
 share of the CPU that other tenants used while it ran.
+
+Every wave sends the same prompts, so with the nodes' default KV cache a wave's requests
+start from the KV that the previous wave's kept (only the last prompt token is computed);
+``--node-args "--kv-cache-gib 0"`` measures them prefilled in full, as the baseline does.
 """
 from __future__ import annotations
 
@@ -151,6 +156,7 @@ def main() -> int:
     parser.add_argument("--tokens", type=int, default=48)
     parser.add_argument("--reps", type=int, default=3, help="rounds of baseline + every stream count")
     parser.add_argument("--plot", default=None, help="write a PNG of aggregate tok/s against streams")
+    parser.add_argument("--node-args", default="", help="more flags for every node, in one string")
     parser.add_argument("--threads", type=int, default=0,
                         help="torch threads per node (default: all cores, as `meshnet up`)")
     add_device_args(parser)
@@ -163,7 +169,8 @@ def main() -> int:
     baseline = Batch8(args.model, 8, args.tokens, args.dtype, args.device)
     rounds: list[dict] = []
     with tempfile.TemporaryDirectory() as tmp:
-        procs, tracker = start_cluster(args.model, 2, Path(tmp), args.threads, device_args(args))
+        procs, tracker = start_cluster(args.model, 2, Path(tmp), args.threads,
+                                       (*args.node_args.split(), *device_args(args)))
         try:
             model_id = resolve(args.model).model_id  # what clients ask for (a directory's name)
             for n in counts:  # warm up every batch size: first shapes cost extra (on a GPU, seconds)
@@ -189,7 +196,8 @@ def report(args, counts: list[int], rounds: list[dict]) -> None:
     vs_one = {n: median([r[n] / r[one] for r in rounds]) for n in counts}
     vs_base = {n: median([r[n] / r["baseline"] for r in rounds]) for n in counts}
     print(f"concurrency on a 2-node split of {args.model} ({args.dtype} on {args.device}), "
-          f"{args.tokens} tokens per stream, median of {len(rounds)} round(s)")
+          f"{args.tokens} tokens per stream, median of {len(rounds)} round(s)"
+          + (f", nodes with {args.node_args}" if args.node_args else ""))
     for i, r in enumerate(rounds, 1):
         waves = ", ".join(f"{n}: {r[n]:.1f}" for n in counts)
         print(f"  round {i}: batch-8 {r['baseline']:.1f} tok/s; streams {waves}; "

@@ -1,11 +1,13 @@
 #!/usr/bin/env python
 """Long contexts: time to first token per turn of a chat with a long system prompt, with
-KV reuse across requests on and off, paired in one run.
+KV reuse across requests on and off, paired in one run; then a long prompt prefilled beside
+running streams, and the concurrency figures.
 
     python bench/long_context.py [--model smollm2-135m] [--system-tokens 1200] [--turns 5]
                                  [--reply-tokens 32] [--reps 2] [--device cpu|cuda]
                                  [--dtype float32|bfloat16] [--quant none|auto|int8|int4]
-                                 [--speed-rounds 3] [--speed-prompts 8] [--speed-tokens 64]
+                                 [--parts ttft,prefill,concurrency,speed] [--prompt-tokens 2000]
+                                 [--concurrency-reps 3] [--speed-rounds 3] [--speed-prompts 8] [--speed-tokens 64]
 
 Starts two clusters side by side, each a tracker and a 2-node split as ``meshnet up``
 starts them (all cores each, one compute lock: here one lock for all four nodes, so the two
@@ -21,16 +23,22 @@ Prints the TTFT of each turn, the ratio median(turns 2..N) / turn 1 of each clus
 (target with reuse: <= 0.35), the nodes' reuse counters, and whether both clusters gave
 the same tokens.
 
-Then, on the CPU, the default mode against exact mode (``bench/default_mode.py``'s speed
+The other parts run the scripts that measure them, one after the other, each with its
+baseline in its own run: ``prefill`` is bench/prefill_itl.py (a ``--prompt-tokens`` prompt
+sent while 3 streams decode, in slices against in one piece: how long it took, and the
+running streams' inter-token latency p99 during it against their median; targets: sliced
+<= 1.5x one piece, p99 <= 3x median); ``concurrency`` is bench/concurrency.py with 1 and 8
+streams (targets: 8 streams >= 4x one and >= 0.9x transformers' batch of 8).
+``speed`` (on the CPU) is the default mode against exact mode (``bench/default_mode.py``'s speed
 part: decode tok/s of the nodes' defaults, a GGUF on its own grid, against ``--quant none
---dtype float32``, paired in interleaved rounds, and their greedy agreement);
-``--speed-rounds 0`` skips it.
+--dtype float32``, paired in interleaved rounds, and their greedy agreement).
 """
 from __future__ import annotations
 
 import argparse
 import signal
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -143,6 +151,17 @@ def report(args, rounds: list[dict], counters: dict[str, list[dict]]) -> None:
     print(f"  same tokens with and without reuse: {'yes' if same else 'NO'}")
 
 
+def other_parts(args) -> None:
+    """The prefill and concurrency parts: their own scripts, run here one after the other."""
+    parts = {"prefill": ["prefill_itl.py", "--prompt-tokens", str(args.prompt_tokens)],
+             "concurrency": ["concurrency.py", "--streams", "1,8", "--reps", str(args.concurrency_reps)]}
+    for name, (script, *argv) in parts.items():
+        if name in args.parts:
+            command = [script, *argv, "--model", args.model, *device_args(args)]
+            print(f"\n== {name}: python bench/{' '.join(command)}", flush=True)
+            subprocess.run([sys.executable, str(REPO / "bench" / script), *command[1:]], cwd=REPO, check=False)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="smollm2-135m")
@@ -150,22 +169,29 @@ def main() -> int:
     parser.add_argument("--turns", type=int, default=5, help="turns per chat (default %(default)s)")
     parser.add_argument("--reply-tokens", type=int, default=32, help="max tokens per reply (default %(default)s)")
     parser.add_argument("--reps", type=int, default=2, help="chats, each on both clusters (default %(default)s)")
+    parser.add_argument("--parts", default="ttft,prefill,concurrency,speed", type=lambda v: set(v.split(",")),
+                        help="which figures: ttft (reuse on and off), prefill (bench/prefill_itl.py), concurrency "
+                             "(bench/concurrency.py), speed (default vs exact mode) (default: all)")
+    parser.add_argument("--prompt-tokens", type=int, default=2000, help="the prefill part's long prompt")
+    parser.add_argument("--concurrency-reps", type=int, default=3, help="the concurrency part's rounds")
     parser.add_argument("--speed-rounds", type=int, default=3,
-                        help="rounds of default vs exact decode speed, 0 for none (default %(default)s)")
+                        help="rounds of default vs exact decode speed (default %(default)s)")
     parser.add_argument("--speed-prompts", type=int, default=8, help="prompts per speed round (default %(default)s)")
     parser.add_argument("--speed-tokens", type=int, default=64, help="tokens per speed prompt (default %(default)s)")
     add_device_args(parser)
     args = parser.parse_args()
-    reuse_turns(args)
-    if args.speed_rounds and args.device == "cpu":  # the weight-only kernels are the CPU's
+    if "ttft" in args.parts:
+        chats(args)
+    other_parts(args)
+    if "speed" in args.parts and args.speed_rounds and args.device == "cpu":  # the weight-only kernels are the CPU's
         speed = argparse.Namespace(model=args.model, rounds=args.speed_rounds, prompts=args.speed_prompts,
                                    tokens=args.speed_tokens, threads=0)
         report_speed(speed, run_speed(speed))
     return 0
 
 
-def reuse_turns(args) -> None:
-    """TTFT per turn with and without KV reuse, two clusters side by side."""
+def chats(args) -> None:
+    """The TTFT part: two clusters, reuse off and on, the same chats asked of both."""
     model = resolve(args.model).model_id
     with tempfile.TemporaryDirectory() as tmp:
         clusters = {}

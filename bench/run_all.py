@@ -34,8 +34,9 @@ SCRIPTS = {
     "concurrency": (["--plot", "OUT/concurrency.png"], ["--streams", "1,8", "--tokens", "32", "--reps", "2",
                                                          "--plot", "OUT/concurrency.png"]),
     "prefill_itl": ([], ["--prompt-tokens", "1000", "--decode-tokens", "250"]),
-    "long_context": ([], ["--reps", "1", "--turns", "3", "--speed-rounds", "2", "--speed-prompts", "4",
-                          "--speed-tokens", "32"]),
+    "batch_step": ([], ["--steps", "20"]),
+    "long_context": ([], ["--reps", "1", "--turns", "3", "--prompt-tokens", "1000", "--concurrency-reps", "1",
+                          "--speed-rounds", "2", "--speed-prompts", "4", "--speed-tokens", "32"]),
     # the default mode's failover (its speed is long_context's): how often a failover changes the text
     "default_mode": (["--parts", "failover"], ["--parts", "failover", "--failover-trials", "20",
                                                 "--control-trials", "0", "--failover-tokens", "32"]),

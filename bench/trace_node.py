@@ -8,6 +8,8 @@ that, a few methods of the node are wrapped to record CLOCK_MONOTONIC timestamps
 clock is system-wide, so timestamps from different node processes can be compared):
 
 - ``run``      ShardExecutor.run: layer compute for one hop (session, pos, q, t0, t1)
+- ``pass``     HopRunner.run: one forward pass, each hop of it as [session, pos, tokens, decode] (t0, t1)
+- ``gc``       a garbage collection: generation, objects collected (t0, t1)
 - ``inbound``  Node._inbound: a frame from the ROUTER, decode + dispatch (t0, t1)
 - ``dispatch`` Node._dispatch: entered after decode (message kind, t0)
 - ``forward``  Node._forward: hand a hop to the next node or the local queue (local?, t0, t1)
@@ -23,6 +25,7 @@ Hooks that no longer match the fabric's code are skipped with a note on stderr.
 from __future__ import annotations
 
 import atexit
+import gc
 import json
 import os
 import sys
@@ -48,6 +51,7 @@ def _wrap(owner, name: str, make) -> None:
 def install() -> None:
     import fabric.node as node_mod
     from fabric.compute.executor import ShardExecutor
+    from fabric.node.hops import HopRunner
     from fabric.node.route_session import RouteSession
 
     add = EVENTS.append
@@ -59,6 +63,15 @@ def install() -> None:
                 return orig(self, session, start, end, inputs, pos, **kw)
             finally:
                 add(("run", session, pos, int(inputs.shape[1]), start, end, t0, _now()))
+        return wrapper
+
+    def one_pass(orig):
+        def wrapper(self, batch):
+            t0 = _now()
+            try:
+                return orig(self, batch)
+            finally:
+                add(("pass", [[w.session, w.msg.pos, w.tokens, w.decode] for w in batch], t0, _now()))
         return wrapper
 
     def inbound(orig):
@@ -113,7 +126,15 @@ def install() -> None:
                 add(("on_token", self.session, getattr(msg, "pos", None), t0, _now()))
         return wrapper
 
+    def collected(phase: str, info: dict) -> None:
+        if phase == "start":
+            collected.t0 = _now()
+        else:
+            add(("gc", info["generation"], info["collected"], collected.t0, _now()))
+
+    gc.callbacks.append(collected)
     _wrap(ShardExecutor, "run", run)
+    _wrap(HopRunner, "run", one_pass)
     _wrap(node_mod.Node, "_inbound", inbound)
     _wrap(node_mod.Node, "_dispatch", dispatch)
     _wrap(node_mod.Node, "_forward", forward)

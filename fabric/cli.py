@@ -439,9 +439,9 @@ def _node_parser(sub) -> None:
                         "start, on the node's device)")
     p.add_argument("--max-prompt-tokens", type=positive_count, default=4096, help="longest prompt the head accepts")
     p.add_argument("--prefill-slice-ms", type=non_negative, default=0.0, metavar="MS",
-                   help="while other streams decode here, run a long prompt's prefill in slices of about this "
-                        "many milliseconds between their decode steps; 0: as long as one decode step "
-                        "(default %(default)s)")
+                   help="while other streams decode here, run a long prompt's prefill in slices that add about "
+                        "this many milliseconds to their decode steps (a slice rides in their forward pass); 0: as "
+                        "long as one decode step (default %(default)s)")
     p.add_argument("--wire-dtype", default="", choices=["", "float32", "float16", "bfloat16"],
                    help="dtype of hidden states between the hops of routes this node heads (default: each "
                         "node's compute dtype; bfloat16 halves the bytes of a float32 route, not bit-exact)")

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fabric.compute.executor import ShardExecutor, Step
+from fabric.compute.executor import CacheMissError, Chunk, ShardExecutor, Step
 from fabric.compute.kv import KVStore
 from fabric.compute.models import load_shard, resolve
 from fabric.wire.shard import Shard
@@ -42,41 +42,89 @@ def test_batched_decode_equals_unbatched(tiny_models, family):
     assert tokens == expected
 
 
-def test_batch_groups_keep_every_session_exact_as_members_come_and_go(tiny_models):
-    """Sessions that decode together keep their KV as rows of one group cache between
-    steps; a changed line-up, a lone step or a fresh prefill hands each row back. Whatever
-    the order, every session's tokens are those it gets alone."""
-    ex = ShardExecutor(load_shard(resolve(str(tiny_models("llama"))), Shard(0, 5, 6), progress=False), KVStore())
-    expected = [greedy_alone(ex, f"alone{i}", p, 14) for i, p in enumerate(PROMPTS)]
-    tokens, pos = [[] for _ in PROMPTS], [0] * len(PROMPTS)
+class Sessions:
+    """Sessions of PROMPTS on one executor, stepped greedily in any line-up: a batch, or a
+    lone step (which runs on the session's row where it has one)."""
 
-    def prefill(i):
-        tokens[i] = [int(ex.run(f"s{i}", 0, 5, torch.tensor([PROMPTS[i]]), 0).logits.argmax())]
-        pos[i] = len(PROMPTS[i])
+    def __init__(self, ex: ShardExecutor):
+        self.ex, self.tokens, self.pos = ex, [[] for _ in PROMPTS], [0] * len(PROMPTS)
 
-    def step(members):
-        results = ([ex.run(f"s{members[0]}", 0, 5, torch.tensor([[tokens[members[0]][-1]]]), pos[members[0]])]
-                   if len(members) == 1 else ex.run_batch(
-                       [Step(f"s{i}", 0, 5, torch.tensor([[tokens[i][-1]]]), pos[i]) for i in members]))
+    def prefill(self, i: int) -> None:
+        self.tokens[i] = [int(self.ex.run(f"s{i}", 0, 5, torch.tensor([PROMPTS[i]]), 0).logits.argmax())]
+        self.pos[i] = len(PROMPTS[i])
+
+    def step(self, members: list[int]) -> None:
+        ex, tokens, pos = self.ex, self.tokens, self.pos
+        steps = [Step(f"s{i}", 0, 5, torch.tensor([[tokens[i][-1]]]), pos[i]) for i in members]
+        if len(steps) == 1:
+            results = [ex.run(steps[0].session, 0, 5, steps[0].inputs, steps[0].pos)]
+        else:
+            results = ex.run_batch(steps)
         for i, result in zip(members, results):
             tokens[i].append(int(result.logits.argmax()))
             pos[i] += 1
 
+    def finish(self, steps: int) -> None:
+        while any(len(t) < steps + 1 for t in self.tokens):
+            self.step([i for i in range(len(PROMPTS)) if len(self.tokens[i]) < steps + 1])
+
+
+def test_batch_groups_keep_every_session_exact_as_members_come_and_go(tiny_models):
+    """Sessions that decode together keep their KV as rows of one group, where each batched
+    step reads and appends to it in place: while the line-up stays nothing moves (the
+    group's buffers stay where they are and no session has a cache of its own). A session
+    that ends frees its row and the others stay; a newcomer joins a free row. Whatever the
+    order, every session's tokens are those it gets alone."""
+    ex = ShardExecutor(load_shard(resolve(str(tiny_models("llama"))), Shard(0, 5, 6), progress=False), KVStore())
+    expected = [greedy_alone(ex, f"alone{i}", p, 14) for i, p in enumerate(PROMPTS)]
+    run = Sessions(ex)
     for i in range(3):
-        prefill(i)
-    line_ups = [[0, 1, 2], [0, 1, 2], [0, 1, 2], [1, 2], [0], [0, 1, 2], [2, 0, 1], [2, 0, 1]]
-    for members in line_ups:
-        step(members)
-    assert ex.group is not None and len(ex.group.sessions) == 3
-    ex.kv.drop("s1")  # closed while a row of the group: the others get their own caches back
+        run.prefill(i)
+    run.step([0, 1, 2])
+    group, buffers = ex.group, [t.data_ptr() for t in (*ex.group.keys.values(), *ex.group.values.values())]
+    for members in [[0, 1, 2], [0, 1, 2], [1, 2], [0], [0, 1, 2], [2, 0, 1], [2, 0, 1]]:
+        run.step(members)
+    assert ex.group is group and [t.data_ptr() for t in (*group.keys.values(), *group.values.values())] == buffers
+    assert all(ex.kv.get(f"s{i}").cache is None and ex.kv.get(f"s{i}").group is group for i in range(3))
+    ex.kv.drop("s1")  # closed while a row of the group: its row is freed, the others stay
     ex.forget("s1")
-    assert ex.group is None and ex.kv.get("s0").cache is not None and ex.kv.get("s0").group is None
-    prefill(1)  # then it starts over with a fresh prefill
-    prefill(3)  # a newcomer joins
-    while any(len(t) < 15 for t in tokens):
-        step([i for i in range(len(PROMPTS)) if len(tokens[i]) < 15])
-    assert tokens == expected
+    assert group.members() == ["s0", "s2"] and ex.kv.get("s0").group is group
+    run.prefill(1)  # then it starts over with a fresh prefill
+    run.prefill(3)  # a newcomer joins
+    run.finish(14)
+    assert run.tokens == expected
     assert sum(ex.kv.get(f"s{i}").nbytes() for i in range(4)) > 0
+
+
+def test_rows_packed_and_grown_under_churn_stay_exact(tiny_models, monkeypatch):
+    """Buffers with hardly any room to spare are rebuilt every few steps: more sessions
+    than rows, rows that skip steps (holes in their columns) and get packed once the one
+    dense row has gone, a lone chunk of several positions that takes a session out of its
+    row, and its return."""
+    monkeypatch.setattr("fabric.compute.kv.GROW_MIN", 1)
+    monkeypatch.setattr("fabric.compute.rows.MIN_ROWS", 1)
+    ex = ShardExecutor(load_shard(resolve(str(tiny_models("qwen3"))), Shard(0, 5, 6), progress=False), KVStore())
+    expected = [greedy_alone(ex, f"alone{i}", p, 16) for i, p in enumerate(PROMPTS)]
+    run = Sessions(ex)
+    for i in range(4):
+        run.prefill(i)
+    for members in [[0, 1], [0, 1, 2, 3], [3], [3], [0, 3]] + [[3]] * 24 + [[1, 2, 3], [0, 1, 2, 3]]:
+        run.step(members)
+    assert len(ex.group.sessions) == 4
+    ex.kv.drop("s3")  # the one row without holes goes: the rest are mostly holes, packed when next full
+    ex.forget("s3")
+    run.prefill(3)
+    expected[3] = greedy_alone(ex, "again", PROMPTS[3], 16)
+    # two positions at once: the session leaves its row for a cache of its own, then rejoins
+    before = run.tokens[2]
+    assert before == expected[2][:len(before)]
+    chunk = ex.run("s2", 0, 5, torch.tensor([[before[-1], 7]]), run.pos[2])
+    assert ex.kv.get("s2").group is None and ex.group.row("s2") is None
+    run.tokens[2], run.pos[2] = before + [int(chunk.logits.argmax())], run.pos[2] + 2
+    run.finish(16)
+    assert run.tokens[:2] + run.tokens[3:] == expected[:2] + expected[3:]
+    assert run.tokens[2] == before + greedy_alone(ex, "after", PROMPTS[2] + before + [7], 16 - len(before))
+    assert ex.kv.get("s2").group is ex.group
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -130,3 +178,92 @@ def prompt_ids_for(model, text: str) -> list[int]:
     tok = load_tokenizer(resolve(str(model)))
     return list(tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
                                         tokenize=True, return_dict=False))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_prompt_in_chunks_riding_decode_passes_equals_each_alone(tiny_models, family):
+    """A long prompt's chunks run inside the decode batch's forward pass (run_mixed), on both
+    hops of a split: the streams' tokens and the prompt's are those of single-process runs,
+    and the prompt then decodes in the batch with them."""
+    source = resolve(str(tiny_models(family)))
+    head = ShardExecutor(load_shard(source, Shard(0, 2, 6), progress=False), KVStore())
+    tail = ShardExecutor(load_shard(source, Shard(3, 5, 6), progress=False), KVStore())
+    streams, prompt = PROMPTS[:3], list(range(40, 63))
+    names = [f"d{i}" for i in range(len(streams))]
+    hidden = head.run_prefills([Step(n, 0, 2, torch.tensor([p]), 0) for n, p in zip(names, streams)])
+    results = tail.run_prefills([Step(n, 3, 5, h.hidden, 0) for n, h in zip(names, hidden)])
+    tokens, pos = [[int(r.logits.argmax())] for r in results], [len(p) for p in streams]
+
+    def decode_steps(hop, inputs, start, end):
+        return [Step(n, start, end, x, p) for n, x, p in zip(names, inputs, pos)]
+
+    for at in range(0, len(prompt), 5):  # chunks of 5 (the last of 3), each riding a decode pass
+        chunk, last = prompt[at:at + 5], at + 5 >= len(prompt)
+        ids = [torch.tensor([[t[-1]]]) for t in tokens]
+        mid = head.run_mixed(decode_steps(head, ids, 0, 2), [Chunk(Step("p", 0, 2, torch.tensor([chunk]), at), last)])
+        out = tail.run_mixed(decode_steps(tail, [m.hidden for m in mid[:-1]], 3, 5),
+                             [Chunk(Step("p", 3, 5, mid[-1].hidden, at), last)])
+        for i, r in enumerate(out[:-1]):
+            tokens[i].append(int(r.logits.argmax()))
+            pos[i] += 1
+    assert out[-1].logits is not None and head.kv.get("p").group is None
+    names, pos, tokens = names + ["p"], pos + [len(prompt)], tokens + [[int(out[-1].logits.argmax())]]
+    for _ in range(4):  # the prompt joins the streams' batch
+        mid = head.run_batch(decode_steps(head, [torch.tensor([[t[-1]]]) for t in tokens], 0, 2))
+        out = tail.run_batch(decode_steps(tail, [m.hidden for m in mid], 3, 5))
+        for i, r in enumerate(out):
+            tokens[i].append(int(r.logits.argmax()))
+            pos[i] += 1
+    assert head.kv.get("p").group is head.group
+    for got, ids in zip(tokens, streams + [prompt]):
+        expected = reference_greedy(tiny_models(family), ids, len(got))  # stops at an end-of-sequence token
+        assert got[:len(expected)] == expected and len(expected) >= 3
+
+
+def test_short_prompts_ride_together_and_a_miss_costs_only_its_own_chunk(tiny_models):
+    """Two whole prompts ride in one decode pass beside a chunk whose kept KV is gone: the
+    streams and the prompts get their single-process tokens, the lost chunk a cache miss."""
+    model = tiny_models("qwen3_moe")
+    ex = ShardExecutor(load_shard(resolve(str(model)), Shard(0, 5, 6), progress=False), KVStore())
+    run = Sessions(ex)
+    for i in range(2):
+        run.prefill(i)
+    steps = [Step(f"s{i}", 0, 5, torch.tensor([[run.tokens[i][-1]]]), run.pos[i]) for i in range(2)]
+    chunks = [Chunk(Step("s2", 0, 5, torch.tensor([PROMPTS[2]]), 0)), Chunk(Step("gone", 0, 5, torch.tensor([[7]]), 9),
+                                                                          reuse="never-kept"),
+              Chunk(Step("s3", 0, 5, torch.tensor([PROMPTS[3]]), 0))]
+    results = ex.run_mixed(steps, chunks)
+    assert isinstance(results[3], CacheMissError) and "gone" not in ex.kv
+    for i, result in zip([0, 1, 2, 3], results[:3] + results[4:]):
+        if i < 2:
+            run.tokens[i].append(int(result.logits.argmax()))
+            run.pos[i] += 1
+        else:
+            run.tokens[i], run.pos[i] = [int(result.logits.argmax())], len(PROMPTS[i])
+    run.finish(8)
+    for got, prompt in zip(run.tokens, PROMPTS):
+        expected = reference_greedy(model, prompt, 9)  # stops at an end-of-sequence token
+        assert got[:len(expected)] == expected and len(expected) >= 3
+
+
+def test_chunks_with_no_decode_step_share_one_pass(tiny_models):
+    """With no decode step to ride, short chunks still run as one pass: what follows a kept
+    prefix and a fresh prompt; then both decode in the batch group, as a single process would."""
+    model = tiny_models("mistral")
+    ex = ShardExecutor(load_shard(resolve(str(model)), Shard(0, 5, 6), progress=False), KVStore(retain_bytes=1 << 30))
+    kept = PROMPTS[1] + [40, 41, 42, 43, 44, 45, 46, 47, 48, 49]
+    ex.run("old", 0, 5, torch.tensor([kept]), 0)
+    ex.retain("old")
+    turn = kept + [53, 54, 55]
+    results = ex.run_mixed([], [Chunk(Step("s0", 0, 5, torch.tensor([turn[len(kept):]]), len(kept)), reuse="old"),
+                                Chunk(Step("s1", 0, 5, torch.tensor([PROMPTS[0]]), 0))])
+    assert ex.kv.retained.stats["hits"] == 1
+    tokens, pos = [[int(r.logits.argmax())] for r in results], [len(turn), len(PROMPTS[0])]
+    for _ in range(6):
+        out = ex.run_batch([Step(f"s{i}", 0, 5, torch.tensor([[tokens[i][-1]]]), pos[i]) for i in range(2)])
+        for i, r in enumerate(out):
+            tokens[i].append(int(r.logits.argmax()))
+            pos[i] += 1
+    for got, prompt in zip(tokens, [turn, PROMPTS[0]]):
+        expected = reference_greedy(model, prompt, 7)  # stops at an end-of-sequence token
+        assert got[:len(expected)] == expected and len(expected) >= 3

@@ -1,5 +1,5 @@
-"""Chunked prefill: a node runs a long prompt in slices that take turns with decode batches,
-passes each on as a chunk, and every stream still gets exactly the single-process tokens.
+"""Chunked prefill: a node runs a long prompt in slices that ride in the decode batches'
+passes, passes each on as a chunk, and every stream still gets exactly the single-process tokens.
 How the slices are cut and ordered is tested on the scheduler alone (tests/test_scheduler.py)."""
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from tests.support import wait_for
+from tests.support import at_once, wait_for
 from tests.test_batching import prompt_ids_for
 from tests.tiny_models import reference_greedy
 
@@ -20,11 +20,27 @@ def test_long_prompt_chunked_beside_running_streams(thread_cluster, tiny_models)
     tail = thread_cluster.add_node(model, 3, 5, 6, "tail", prefill_slice=1e-9)
     thread_cluster.wait_routable(model.name, 2)
     prompts = ["hi", "one two", "a much longer prompt that arrives while the others decode, " * 12]
-    outputs = thread_cluster.stream_all(model.name, prompts, 24)
+    tokens = [48, 48, 24]  # the short ones still decode while the long one is prefilled
+    decoding = threading.Barrier(len(prompts))
+
+    def stream(i: int) -> list[int]:
+        if i == len(prompts) - 1:
+            decoding.wait(30)  # the long prompt arrives once the others decode
+        out = []
+        with thread_cluster.client() as client:
+            for event in client.generate(model.name, messages=[{"role": "user", "content": prompts[i]}],
+                                         max_tokens=tokens[i]):
+                out += event.token_ids
+                if len(out) == 2 and i < len(prompts) - 1:
+                    decoding.wait(30)
+        return out
+
+    outputs = at_once(stream, len(prompts))
     for i, prompt in enumerate(prompts):
-        assert outputs[i] == reference_greedy(model, prompt_ids_for(model, prompt), 24), prompt
-    # with other requests in flight, prompts went in chunks through both hops
+        assert outputs[i] == reference_greedy(model, prompt_ids_for(model, prompt), tokens[i]), prompt
+    # the long prompt went in chunks through both hops, riding in the streams' decode passes
     assert head.counters["prefill_chunks"] > 0 and tail.counters["prefill_chunks"] > 0
+    assert head.counters["riding_chunks"] > 0 and tail.counters["riding_chunks"] > 0
     assert wait_for(lambda: len(head.kv) == len(tail.kv) == 0, 5)  # every chunk's KV was freed with its session
 
 

@@ -104,25 +104,35 @@ def test_eviction_under_the_budget_frees_the_least_recently_used(tiny_models):
 
 
 def test_a_batch_group_row_is_kept_with_its_own_kv(tiny_models):
-    """A session that ends while a row of the decode batch is written back first, so its
-    kept KV is whole; the rows still decoding keep their tokens."""
+    """A session that ends while a row of the decode batch comes out of its row first, so
+    its kept KV is whole (and no larger than its positions); the row still decoding stays
+    where it is and keeps its tokens."""
     model = tiny_models("qwen2")
     ex = ShardExecutor(load_shard(resolve(str(model)), Shard(0, 5, 6), progress=False), KVStore(retain_bytes=1 << 30))
     prompts = [PROMPT, PROMPT[:7] + [70, 71]]
     results = ex.run_prefills([Step(f"b{i}", 0, 5, torch.tensor([q]), 0) for i, q in enumerate(prompts)])
     tokens = [[int(r.logits.argmax())] for r in results]
     pos = [len(q) for q in prompts]
-    for _ in range(4):
-        out = ex.run_batch([Step(f"b{i}", 0, 5, torch.tensor([[tokens[i][-1]]]), pos[i]) for i in range(2)])
-        for i, r in enumerate(out):
+
+    def step(members):
+        out = ex.run_batch([Step(f"b{i}", 0, 5, torch.tensor([[tokens[i][-1]]]), pos[i]) for i in members])
+        for i, r in zip(members, out):
             tokens[i].append(int(r.logits.argmax()))
             pos[i] += 1
-    assert ex.group is not None
+
+    for _ in range(4):
+        step([0, 1])
+    group = ex.group
     ex.retain("b0")
-    assert ex.group is None and ex.kv.retained.peek("b0").length == pos[0]
+    kept = ex.kv.retained.peek("b0")
+    assert group.members() == ["b1"] and kept.length == pos[0] and kept.group is None
+    assert kept.nbytes() == 2 * 6 * kept.cache.layers[0].keys[0].numel() * 4  # keys and values of 6 layers, exactly
     turn2 = prompts[0] + tokens[0][:-1] + [80, 81]
     first = ex.run("c", 0, 5, torch.tensor([turn2[pos[0]:]]), pos[0], reuse="b0")
     assert int(first.logits.argmax()) == reference_greedy(model, turn2, 1)[0]
+    for _ in range(4):
+        step([1])
+    assert ex.group is group and tokens[1] == reference_greedy(model, prompts[1], 9)
 
 
 def test_prefix_index_matches_the_longest_start_on_the_same_route():
@@ -147,7 +157,7 @@ def test_prefix_index_matches_the_longest_start_on_the_same_route():
     assert common_prefix((1, 2, 3), (1, 2, 4, 5)) == 2 and common_prefix((), (1,)) == 0
 
 
-def test_work_that_starts_from_kept_kv_runs_alone_and_only_its_first_chunk_takes_it():
+def test_work_that_starts_from_kept_kv_is_a_chunk_and_only_its_first_chunk_takes_it():
     spec = p.TensorSpec("int64", (1, 100))
     msg = p.Forward("s", 0, 40, 0, 2, ROUTE[1:], "tcp://a:1", reuse="old", tensors=(spec,))
     work = Work(msg, torch.zeros((1, 100), dtype=torch.int64))
@@ -156,7 +166,7 @@ def test_work_that_starts_from_kept_kv_runs_alone_and_only_its_first_chunk_takes
     assert (rest.msg.reuse, rest.msg.pos, rest.tokens) == ("", 70, 70)
     one = Work(p.Forward("s", 0, 40, 0, 2, ROUTE[1:], "tcp://a:1", reuse="old", tensors=(p.TensorSpec(
         "int64", (1, 1)),)), torch.zeros((1, 1), dtype=torch.int64))
-    assert not one.decode and not one.short_prompt
+    assert not one.decode and not one.short_prompt and one.short_chunk  # it rides, or runs with other chunks
 
 
 class KeepingTransport:

@@ -8,6 +8,7 @@ from fabric.node.scheduler import (
     GATHER_PER_DECODE,
     IDLE_SLICE_S,
     MIN_SLICE_TOKENS,
+    RIDE_PER_DECODE,
     WAITING_REPORT_S,
     WHOLE_PREFILL_TOKENS,
     HopScheduler,
@@ -38,12 +39,12 @@ def work(session: str, pos: int, q: int, more: bool = False, span: tuple[int, in
 
 
 def scheduler(queue: list[Work] = (), live=(), busy: float = 32, idle: float = 32, decode_s: float | None = None,
-              cycle_s: float | None = None, locked: bool = False, **config) -> HopScheduler:
+              cycle_s: float | None = None, locked: bool = False, ride: float = 32, **config) -> HopScheduler:
     s = HopScheduler(SchedulerConfig(**config), set(live), shared_lock=locked)
     for w in queue:
         s.push(w)
-    s.slice_tokens = {"busy": float(busy), "idle": float(idle)}
-    s.decode_batch_s, s.cycle_s = decode_s, cycle_s
+    s.slice_tokens = {"ride": float(ride), "busy": float(busy), "idle": float(idle)}
+    s.decode_batch_s, s.pass_s, s.cycle_s = decode_s, decode_s, cycle_s
     return s
 
 
@@ -82,7 +83,8 @@ def test_prefill_chunks_and_decode_steps_take_turns():
 def test_the_sessions_waiting_in_the_queue_are_named_every_so_often():
     """Their heads hear that these steps wait their turn here (PROGRESS): the first queued
     hop of each session, at most once every WAITING_REPORT_S."""
-    s = scheduler([work("long", 64, 32, more=True), work("a", 40, 1), work("long", 96, 32), work("b", 50, 1)])
+    s = scheduler([work("long", 64, 32, more=True), work("a", 40, 1, span=(2, 3)), work("long", 96, 32),
+                   work("b", 50, 1, span=(2, 3))])
     assert [(w.session, w.msg.pos) for w in s.waiting(100.0)] == [("long", 64), ("a", 40), ("b", 50)]
     assert s.waiting(100.0 + WAITING_REPORT_S / 2) == []
     assert s.next_batch()[0].session == "long"  # its first chunk ran: its next one waits behind "a" now
@@ -152,13 +154,61 @@ def test_a_configured_slice_time_is_the_target_beside_streams():
 
 
 def test_short_prompts_queued_together_run_as_one_batch():
-    queue = [work("a", 0, 30), work("x", 40, 1), work("b", 0, 20), work("long", 0, 500), work("c", 0, 40),
-             work("d", 0, 200)]
+    queue = [work("a", 0, 30), work("x", 40, 1, span=(2, 3)), work("b", 0, 20), work("long", 0, 500),
+             work("c", 0, 40), work("d", 0, 200)]
     s = scheduler(queue, ["x"], busy=8)
     batch = s.next_batch()
     # "d" would take the batch past PREFILL_BATCH_TOKENS; the long prompt runs alone, in slices
     assert [w.session for w in batch] == ["a", "b", "c"]
     assert [w.session for w in s.queue] == ["x", "long", "d"]
+
+
+def test_a_prompt_slice_rides_in_the_decode_batch():
+    """Decode steps go with a slice of the first queued prompt over the same layers, in one
+    pass, and then with the next slice: the prompt moves on at every decode batch."""
+    queue = [work("long", 0, 500), work("a", 40, 1), work("b", 50, 1), work("other", 0, 300, span=(2, 3))]
+    s = scheduler(queue, ["a", "b"], ride=100, busy=8)
+    batch = s.next_batch()
+    assert [(w.session, w.msg.pos, w.tokens, w.msg.more) for w in batch] == [("a", 40, 1, False), ("b", 50, 1, False),
+                                                                           ("long", 0, 100, True)]
+    assert [(w.session, w.msg.pos) for w in s.queue] == [("long", 100), ("other", 0)]
+    s.push(work("a", 41, 1))
+    assert [w.session for w in s.next_batch()] == ["a", "long"]
+    assert [(w.session, w.msg.pos) for w in s.queue] == [("long", 200), ("other", 0)]
+    alone = s.next_batch()  # no decode step queued: a slice alone, the other prompt riding nothing
+    assert [(w.session, w.msg.pos, w.tokens) for w in alone] == [("long", 200, 8)]
+    s.push(work("a", 42, 1))
+    assert [w.session for w in s.next_batch()] == ["a", "long"]  # not "other": another span
+    short = scheduler([work("a", 43, 1), work("p", 0, 30), work("q", 0, 20, span=(2, 3)), work("r", 0, 50),
+                       work("r", 50, 5), work("s", 0, 200), work("t", 0, 40)], ["a"])
+    # whole short prompts ride together, up to PREFILL_BATCH_TOKENS; a session's later hop stays behind
+    assert [w.session for w in short.next_batch()] == ["a", "p", "r", "t"]
+    assert [w.session for w in short.queue] == ["q", "r", "s"]
+    cannot = HopScheduler(SchedulerConfig(), {"a"}, batchable=lambda start, end: False)
+    for w in (work("long", 0, 500), work("a", 40, 1)):
+        cannot.push(w)
+    assert [w.session for w in cannot.next_batch()] == ["long"]  # taking turns instead
+    assert [w.session for w in cannot.next_batch()] == ["a"]
+
+
+def test_a_riding_slice_is_steered_by_what_it_adds_to_the_pass():
+    s = scheduler(live=["a"], ride=80, decode_s=0.05)
+    target = RIDE_PER_DECODE * 0.05
+    batch = [work("a", 40, 1), work("long", 0, 80, more=True)]
+    s.ran(batch, started=1.0, elapsed=0.05 + 2 * target)  # it added twice the target: halve
+    assert s.slice_tokens["ride"] == pytest.approx(40) and s.decode_batch_s == 0.05 and s.last_decode == {"a": 1.0}
+    assert s.pass_s > 0.05  # a decode batch waits for late sessions in proportion to its passes, slice and all
+    s.ran([work("a", 41, 1), work("long", 80, 40, more=True)], started=1.2, elapsed=0.05 + target / 2)
+    # one pass moves the cost per token by 0.3 of what it saw (half the last one's): not twofold
+    assert s.slice_tokens["ride"] == pytest.approx(40 / (0.7 + 0.3 * 0.5))
+    s.ran([work("a", 42, 1), work("long", 120, 5)], started=1.4, elapsed=1.0)  # a remainder: no information
+    assert s.slice_tokens["ride"] == pytest.approx(40 / 0.85)
+    fresh = scheduler(live=["a"], ride=80)  # no decode batch timed yet: no telling what the slice added
+    fresh.ran(batch, started=1.0, elapsed=0.5)
+    assert fresh.slice_tokens["ride"] == 80
+    configured = scheduler(live=["a"], ride=80, decode_s=0.05, prefill_slice=0.2)
+    configured.ran(batch, started=1.0, elapsed=0.05 + 0.1)
+    assert configured.slice_tokens["ride"] == pytest.approx(160)  # --prefill-slice-ms sets what a slice may add
 
 
 def test_decode_steps_batch_up_to_the_limit_over_the_same_layers_only():
@@ -201,19 +251,26 @@ def test_nothing_waits_for_sessions_gone_quiet_freed_or_beside_a_prefill():
     assert freed.wait(10.0) == 0
     freed.forget_freed()
     assert freed.last_decode == {"a": 9.9}
-    prefill = scheduler([work("a", 40, 1), work("new", 0, 30)], ["a", "b"], decode_s=0.04, cycle_s=0.1)
+    prefill = scheduler([work("a", 40, 1), work("new", 0, 30, span=(2, 3))], ["a", "b"], decode_s=0.04, cycle_s=0.1)
     prefill.last_decode = {"a": 9.9, "b": 9.95}
-    assert prefill.wait(10.0) == 0  # a prefill runs in the meantime instead
+    assert prefill.wait(10.0) == 0  # a prefill that cannot ride with them runs in the meantime instead
+    riding = scheduler([work("a", 40, 1), work("new", 0, 30)], ["a", "b"], decode_s=0.04, cycle_s=0.1)
+    riding.last_decode = {"a": 9.9, "b": 9.95}
+    assert riding.wait(10.0) == pytest.approx(GATHER_PER_DECODE * 0.04)  # one that can waits with them
 
 
 def test_under_a_compute_lock_a_slice_waits_for_the_streams_to_come_back():
     # another slice now would hold the machine while the other node has their decode steps
-    s = scheduler([work("long", 64, 500), work("a", 40, 1)], ["a", "b"], decode_s=0.04, cycle_s=0.1, locked=True)
+    s = scheduler([work("long", 64, 500)], ["a", "b"], decode_s=0.04, cycle_s=0.1, locked=True)
     s.last_decode, s.ran_prefill = {"a": 9.9, "b": 9.95}, True
     assert s.wait(10.0) == pytest.approx(0.1)  # up to one cycle of theirs
     assert s.wait(10.1) == 0
+    s.push(work("a", 40, 1))
     s.push(work("b", 50, 1))
-    assert s.wait(10.0) == 0  # the whole group is back: its decode batch goes first
+    assert s.wait(10.0) == 0  # the whole group is back: its decode batch goes first, the slice riding
+    split = scheduler([work("a", 40, 1)], ["a", "b"], decode_s=0.04, cycle_s=0.1, locked=True)
+    split.last_decode = {"a": 9.9, "b": 9.95}
+    assert split.wait(10.0) == pytest.approx(0.1)  # a decode batch too: "b" comes back within a cycle, so merge
     unlocked = scheduler([work("long", 64, 500)], ["a"], decode_s=0.04, cycle_s=0.1)
     unlocked.last_decode, unlocked.ran_prefill = {"a": 9.9}, True
     assert unlocked.wait(10.0) == 0  # its own machine: the slice fills the gap

@@ -1,9 +1,11 @@
-"""Run decoder layers start..end of a shard for one session. No sockets here.
+"""Run decoder layers start..end of a shard for one session, or one pass for many. No sockets here.
 
 This follows ``LlamaModel.forward`` with the library's own pieces (embedding, rotary
-embeddings, mask helpers, decoder layers, DynamicCache), except that lengths and mask
-sizes come from the first layer this hop runs: the cache's default (layer 0) is empty
-on a shard that does not hold layer 0.
+embeddings, mask helpers, decoder layers, a DynamicCache whose full-attention layers grow
+in place: fabric/compute/cache.py), except that lengths and mask sizes come from the first
+layer this hop runs: the cache's default (layer 0) is empty on a shard that does not hold
+layer 0. Sessions that decode together keep their KV as rows of one ``RowGroup``
+(fabric/compute/rows.py), where their batched steps read and append to it in place.
 """
 from __future__ import annotations
 
@@ -13,18 +15,12 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from .hopkv import CacheMissError, HopKV
 from .kv import KVStore, SessionKV
 from .models import ShardWeights
+from .rows import RowGroup
 
 log = logging.getLogger(__name__)
-
-
-class CacheMissError(Exception):
-    """The session's KV is not here (evicted, restarted, or a different layer span)."""
-
-    def __init__(self, have: int):
-        super().__init__(f"session KV holds {have} tokens")
-        self.have = have
 
 
 @dataclass(frozen=True)
@@ -38,24 +34,14 @@ class Step:
     pos: int
 
 
-@dataclass
-class BatchGroup:
-    """Sessions that decode together, their KV kept as the rows of one left-padded cache
-    between steps, so a step appends one column instead of gathering every session's
-    cache into a batch and scattering it back. While a session is a row here, its own
-    cache is stale; ``ShardExecutor._dissolve`` writes the rows back."""
+@dataclass(frozen=True)
+class Chunk:
+    """A prompt's positions in a mixed pass: its ``step``, whether the tail computes its
+    logits (not for a chunk that more follow), and the kept KV it starts from, if any."""
 
-    sessions: tuple[str, ...]
-    kvs: tuple[SessionKV, ...]
-    cache: object  # a DynamicCache over the group's span, (b, kv_heads, longest, head_dim) per layer
-    pads: tuple[int, ...]  # left padding of each row
-    start: int
-    end: int
-
-    def continues(self, steps: list["Step"], kvs: list[SessionKV]) -> bool:
-        """The same sessions, in the same order, each exactly where the group left it."""
-        return (tuple(s.session for s in steps) == self.sessions and (steps[0].start, steps[0].end) ==
-                (self.start, self.end) and all(a is b and a.group is self for a, b in zip(kvs, self.kvs)))
+    step: Step
+    logits: bool = True
+    reuse: str = ""
 
 
 @dataclass(frozen=True)
@@ -66,16 +52,17 @@ class StepResult:
     logits: torch.Tensor | None  # (vocab,) float32 of the last position, on the tail
 
 
-class ShardExecutor:
+class ShardExecutor(HopKV):
+    """The layers of a shard, run for one session or as one pass for many (where each
+    session's KV lives: ``HopKV``)."""
+
     def __init__(self, weights: ShardWeights, kv: KVStore):
-        self.w = weights
-        self.kv = kv
-        self.group: BatchGroup | None = None  # the sessions that decoded together last
         config = weights.config
         types = getattr(config, "layer_types", None)
         sliding = getattr(config, "sliding_window", None) is not None
-        self.layer_types = list(types) if types else [
-            "sliding_attention" if sliding else "full_attention"] * config.num_hidden_layers
+        super().__init__(config, kv, list(types) if types else [
+            "sliding_attention" if sliding else "full_attention"] * config.num_hidden_layers)
+        self.w = weights
 
     @property
     def hidden_size(self) -> int:
@@ -104,71 +91,120 @@ class ShardExecutor:
         follow) skips the tail's norm and lm_head.
         """
         self.check_span(start, end)
-        kv = self.take_over(reuse, session, start, end, pos) if reuse else self._session_kv(session, start, end, pos)
-        if kv.group is not None:
-            self._dissolve()  # this session leaves its batch group: it needs its own cache back
-        q = inputs.shape[1]
-        hidden = self._embed(start, inputs)  # (1, q, hidden)
-        position_ids = torch.arange(pos, pos + q, device=self.w.device).unsqueeze(0)  # (1, q)
-        masks = self._masks(kv, hidden, position_ids, start, end)
-        position_embeddings = self.w.rotary(hidden, position_ids)
-        for i in range(start, end + 1):
-            hidden = self.w.layers[i](hidden, attention_mask=masks[self.layer_types[i]],
-                                      position_ids=position_ids, cache=kv.cache, use_cache=True,
-                                      position_embeddings=position_embeddings)
-        kv.length = pos + q
+        step = Step(session, start, end, inputs, pos)
+        return self._alone(self._chunk_kv(step, reuse), step, logits)
+
+    def _alone(self, kv: SessionKV, step: Step, logits: bool) -> StepResult:
+        """``run`` once the session's KV is found."""
+        if kv.group is not None and step.inputs.shape[1] == 1 and (logits or not self._tail(step.end)):
+            return self._group_pass([step], [kv])[0]  # a decode step of a row of the group: there, in place
+        self._ungroup(kv)  # several positions run on the session's own cache
+        hidden = self._embed(step.start, step.inputs)  # (1, q, hidden)
+        position_ids = torch.arange(step.pos, step.pos + step.inputs.shape[1], device=self.w.device)[None]  # (1, q)
+        masks = self._masks(kv, hidden, position_ids, step.start, step.end)
+        hidden = self._layers(hidden, position_ids, masks, kv.cache, step.start, step.end)
+        return self._chunk_done(kv, step, hidden, logits)
+
+    def _chunk_kv(self, step: Step, reuse: str) -> SessionKV:
+        self.check_span(step.start, step.end)
+        if reuse:
+            return self.take_over(reuse, step.session, step.start, step.end, step.pos)
+        return self._session_kv(step.session, step.start, step.end, step.pos)
+
+    def _chunk_done(self, kv: SessionKV, step: Step, hidden: torch.Tensor, logits: bool) -> StepResult:
+        """After a pass over ``step``'s positions (``hidden`` (1, q, hidden) their output)."""
+        kv.length = step.pos + step.inputs.shape[1]
         kv.touch()
-        if not logits and end == self.w.shard.num_layers - 1:
+        if not logits and self._tail(step.end):
             return StepResult(hidden=None, logits=None)
-        return self._result(hidden, end)[0]
+        return self._result(hidden, step.end)[0]
+
+    def _tail(self, end: int) -> bool:
+        return end == self.w.shard.num_layers - 1
 
     def _embed(self, start: int, inputs: torch.Tensor) -> torch.Tensor:
         if start == 0:
             return self.w.embed(inputs.to(self.w.device))  # (b, q, hidden)
         return inputs.to(device=self.w.device, dtype=self.w.dtype)  # (b, q, hidden)
 
+    def _layers(self, hidden: torch.Tensor, position_ids: torch.Tensor, masks, cache, start: int,
+                end: int) -> torch.Tensor:
+        """Layers start..end over ``hidden`` (b, q, hidden); ``masks`` one per layer kind, or one for all."""
+        position_embeddings = self.w.rotary(hidden, position_ids)
+        for i in range(start, end + 1):
+            mask = masks[self.layer_types[i]] if isinstance(masks, dict) else masks
+            hidden = self.w.layers[i](hidden, attention_mask=mask, position_ids=position_ids, cache=cache,
+                                      use_cache=True, position_embeddings=position_embeddings)
+        return hidden
+
     def _result(self, hidden: torch.Tensor, end: int) -> list[StepResult]:
         """One StepResult per row of ``hidden`` (b, q, hidden): hidden states, or on the tail
         the logits of each row's last position."""
-        if end != self.w.shard.num_layers - 1:
+        if not self._tail(end):
             return [StepResult(hidden=h.unsqueeze(0), logits=None) for h in hidden]
         logits = self.w.lm_head(self.w.norm(hidden[:, -1:, :]))[:, -1].float()  # (b, vocab)
         return [StepResult(hidden=None, logits=row) for row in logits]
 
-    def batchable(self, start: int, end: int) -> bool:
-        """Decode steps over start..end can run as one batch (full attention everywhere)."""
-        return all(self.layer_types[i] == "full_attention" for i in range(start, end + 1))
-
     @torch.inference_mode()
     def run_batch(self, steps: list[Step]) -> list[StepResult | CacheMissError]:
         """One forward pass for decode steps (q = 1) of different sessions over the same
-        layers. Each session's KV stays its own: past keys and values are left-padded into
-        one batch, the padding masked out, and each row's new entry appended back to its
-        session. Steps whose session cannot continue get a CacheMissError instead."""
-        start, end = steps[0].start, steps[0].end
-        results: list[StepResult | CacheMissError] = []
-        ready: list[tuple[int, Step, SessionKV]] = []
+        layers, reading and appending to their rows of the batch group in place (a session
+        not in it yet joins it first). Steps whose session cannot continue get a
+        CacheMissError instead."""
+        results, ready = self._ready(steps)
+        if ready:
+            rows = self._group_pass([steps[n] for n, _ in ready], [kv for _, kv in ready])
+            for (n, _), row in zip(ready, rows):
+                results[n] = row
+        return results
+
+    def _ready(self, steps: list[Step]) -> tuple[list, list[tuple[int, SessionKV]]]:
+        """Each decode step's session KV, or the CacheMissError of a session that cannot
+        continue: (results with the misses filled in, [(index, KV)] of the others)."""
+        results: list[StepResult | CacheMissError | None] = []
+        ready: list[tuple[int, SessionKV]] = []
         for n, step in enumerate(steps):
-            assert (step.start, step.end) == (start, end) and step.inputs.shape[1] == 1 and step.pos > 0
+            assert (step.start, step.end) == (steps[0].start, steps[0].end) and step.inputs.shape[1] == 1 and step.pos
+            start, end = step.start, step.end
             try:
-                ready.append((n, step, self._session_kv(step.session, start, end, step.pos)))
+                ready.append((n, self._session_kv(step.session, start, end, step.pos)))
                 results.append(None)
             except CacheMissError as miss:
                 results.append(miss)
-        if ready:
-            rows = self._batched_step([s for _, s, _ in ready], [kv for _, _, kv in ready], start, end)
-            for (n, _, _), row in zip(ready, rows):
-                results[n] = row
-        return results
+        return results, ready
+
+    @torch.inference_mode()
+    def run_mixed(self, steps: list[Step], chunks: list[Chunk]) -> list[StepResult | CacheMissError]:
+        """Decode steps (q = 1) of different sessions and chunks of other sessions' prompts, all
+        over the same layers, in one forward pass (fabric/compute/mixed.py): the weights are
+        read once for all, so a chunk costs only its own tokens. Returns a result per decode
+        step, as ``run_batch``, then one per chunk (a CacheMissError where a session cannot
+        continue)."""
+        results, ready = self._ready(steps)
+        kvs: list[SessionKV | CacheMissError] = []
+        for chunk in chunks:
+            try:
+                kvs.append(self._chunk_kv(chunk.step, chunk.reuse))
+            except CacheMissError as miss:
+                kvs.append(miss)
+        live = [(chunk, kv) for chunk, kv in zip(chunks, kvs) if isinstance(kv, SessionKV)]
+        decoding = [steps[n] for n, _ in ready], [kv for _, kv in ready]
+        if live and len(ready) + len(live) > 1:
+            out = iter(self._mixed_pass(*decoding, live))
+        else:  # nothing to run beside: each part as it would run alone
+            out = iter((self._group_pass(*decoding) if ready else [])
+                       + [self._alone(kv, chunk.step, chunk.logits) for chunk, kv in live])
+        for n, _ in ready:
+            results[n] = next(out)
+        return results + [kv if isinstance(kv, CacheMissError) else next(out) for kv in kvs]
 
     @torch.inference_mode()
     def run_prefills(self, steps: list[Step]) -> list[StepResult]:
         """One forward pass for whole prompts (pos 0) of different sessions over the same
-        layers: left-padded into one batch, the padding masked out. The sessions leave as a
+        layers: left-padded into one batch, the padding masked out. The sessions join the
         batch group, ready to decode together."""
         start, end = steps[0].start, steps[0].end
         assert all((s.start, s.end) == (start, end) and s.pos == 0 for s in steps) and self.batchable(start, end)
-        self._dissolve()  # the group's rows may be other sessions: hand them back first
         lengths = [s.inputs.shape[1] for s in steps]
         longest = max(lengths)
         pads = [longest - n for n in lengths]
@@ -179,152 +215,104 @@ class ShardExecutor:
         hidden = self._embed(start, inputs)
         position_ids = torch.stack([torch.arange(-pad, n, device=self.w.device).clamp(min=0)
                                     for pad, n in zip(pads, lengths)])  # (b, longest)
-        mask = self._left_padded_mask(pads, longest, longest, hidden.dtype)
-        from transformers import DynamicCache
-
-        cache = DynamicCache(config=self.w.config)
-        position_embeddings = self.w.rotary(hidden, position_ids)
-        for i in range(start, end + 1):
-            hidden = self.w.layers[i](hidden, attention_mask=mask, position_ids=position_ids, cache=cache,
-                                      use_cache=True, position_embeddings=position_embeddings)
-        kvs = [self._session_kv(s.session, start, end, 0) for s in steps]
-        for kv, n in zip(kvs, lengths):
+        cache = self._new_cache()
+        hidden = self._layers(hidden, position_ids, self._left_padded_mask(pads, longest, hidden.dtype), cache,
+                              start, end)
+        kvs = [self._session_kv(step.session, start, end, 0) for step in steps]  # first: a former row goes
+        group = self._group_for(start, end)
+        for row, (step, kv, n, pad) in enumerate(zip(steps, kvs, lengths, pads)):
             kv.length = n
+            self._join(group, step.session, kv, {i: (cache.layers[i].keys[row:row + 1, :, pad:],
+                                                     cache.layers[i].values[row:row + 1, :, pad:])
+                                                 for i in range(start, end + 1)})
             kv.touch()
-        self._adopt(steps, kvs, cache, pads)
-        if end == self.w.shard.num_layers - 1:
+        if self._tail(end):
             return self._result(hidden, end)  # every row's last position is real
         return [StepResult(hidden=hidden[row:row + 1, pad:], logits=None) for row, pad in enumerate(pads)]
 
-    def _batched_step(self, steps: list[Step], kvs: list[SessionKV], start: int, end: int) -> list[StepResult]:
-        if self.group is None or not self.group.continues(steps, kvs):
-            self._dissolve()
-            self._gather(steps, kvs)
-        group = self.group
-        hidden = self._embed(start, torch.cat([s.inputs for s in steps]))  # (b, 1, hidden)
-        position_ids = torch.tensor([[s.pos] for s in steps], device=self.w.device)  # (b, 1)
-        longest = group.cache.layers[start].keys.shape[-2]
-        mask = self._left_padded_mask(group.pads, 1, longest + 1, hidden.dtype)
-        position_embeddings = self.w.rotary(hidden, position_ids)
-        for i in range(start, end + 1):
-            hidden = self.w.layers[i](hidden, attention_mask=mask, position_ids=position_ids, cache=group.cache,
-                                      use_cache=True, position_embeddings=position_embeddings)
-        for kv in kvs:
-            kv.length += 1
-            kv.touch()
-        return self._result(hidden, end)
-
-    def _left_padded_mask(self, pads: list[int] | tuple[int, ...], q: int, k: int,
-                          dtype: torch.dtype) -> torch.Tensor:
-        """Additive mask (b, 1, q, k) for ``q`` queries ending at the last of ``k`` keys: causal,
-        and no query sees its row's left padding. Finite, not -inf, so no softmax row (a
-        padding query's, whose output is never used) is all -inf."""
+    def _left_padded_mask(self, pads: list[int], k: int, dtype: torch.dtype) -> torch.Tensor:
+        """Additive mask (b, 1, k, k) for left-padded prompts: causal, and no query sees its
+        row's left padding. Finite, not -inf, so no softmax row (a padding query's, whose
+        output is never used) is all -inf."""
         keys = torch.arange(k, device=self.w.device)
-        causal = keys[None, :] <= torch.arange(k - q, k, device=self.w.device)[:, None]  # (q, k)
-        keep = causal & (keys >= torch.tensor(pads, device=self.w.device)[:, None, None])  # (b, q, k)
+        causal = keys[None, :] <= keys[:, None]  # (k, k)
+        keep = causal & (keys >= torch.tensor(pads, device=self.w.device)[:, None, None])  # (b, k, k)
         return torch.zeros(keep.shape, dtype=dtype, device=self.w.device).masked_fill(
             ~keep, torch.finfo(dtype).min)[:, None]
 
-    def _gather(self, steps: list[Step], kvs: list[SessionKV]) -> None:
-        """Left-pad every session's KV into the rows of one new group cache."""
-        from transformers import DynamicCache
+    # -- passes over the batch group --------------------------------------------------------
 
-        longest = max(kv.length for kv in kvs)
-        batch = DynamicCache(config=self.w.config)
-        for i in range(steps[0].start, steps[0].end + 1):
-            keys = [F.pad(kv.cache.layers[i].keys, (0, 0, longest - kv.length, 0)) for kv in kvs]
-            values = [F.pad(kv.cache.layers[i].values, (0, 0, longest - kv.length, 0)) for kv in kvs]
-            batch.update(torch.cat(keys), torch.cat(values), i)  # (b, kv_heads, longest, head_dim)
-        self._adopt(steps, kvs, batch, [longest - kv.length for kv in kvs])
+    def _group_pass(self, steps: list[Step], kvs: list[SessionKV]) -> list[StepResult]:
+        """One forward pass for decode steps over their rows of the batch group, in place:
+        the rows lo..hi that hold them, a row in between with no step here running as a
+        masked dummy. A session not in the group joins it first."""
+        group, rows, lo, hi = self._rows(steps, kvs)
+        hidden, position_ids = self._row_inputs(steps, rows, lo, hi)
+        cache = group.step_cache(lo, hi)  # first: it may pack the rows, which changes the mask
+        hidden = self._layers(hidden, position_ids, group.mask(lo, hi, hidden.dtype), cache, steps[0].start,
+                              steps[0].end)
+        self._advance(group, rows, kvs)
+        return self._result(hidden[[r - lo for r in rows]], steps[0].end)
 
-    def _adopt(self, steps: list[Step], kvs: list[SessionKV], cache, pads: list[int]) -> None:
-        """Make ``cache`` (one left-padded row per session) the batch group; the sessions'
-        own caches are stale from now on."""
-        self.group = BatchGroup(tuple(s.session for s in steps), tuple(kvs), cache, tuple(pads),
-                                steps[0].start, steps[0].end)
-        for kv in kvs:
-            kv.cache, kv.group = None, self.group
+    def _mixed_pass(self, steps: list[Step], kvs: list[SessionKV],
+                    chunks: list[tuple[Chunk, SessionKV]]) -> list[StepResult]:
+        """``_group_pass`` with ``chunks`` (each with its session's own cache) in the same pass,
+        as one sequence: a token for each of the rows lo..hi, then each chunk's (no rows
+        without steps). Results: the steps', then the chunks'."""
+        from .mixed import ChunksAndRows, rows_and_chunks
 
-    def reusable(self, start: int, end: int) -> bool:
-        """A session's KV over start..end can be cut to a prefix: full attention everywhere
-        (a sliding window layer's cache has already dropped its oldest positions)."""
-        return self.batchable(start, end)
-
-    def retain(self, session: str) -> list[str]:
-        """``session`` ended here: keep its KV for a later session that shares its prefix
-        (within the store's budget, on a span that can be cut), else free it. Returns the
-        kept sessions evicted to make room."""
-        self.forget(session)  # a batch group row goes back to the session's own cache first
-        kv = self.kv.get(session)
-        if kv is None or not self.reusable(kv.start, kv.end):
-            self.kv.drop(session)
-            return []
-        return self.kv.retain(session)
-
-    def take_over(self, reuse: str, session: str, start: int, end: int, pos: int) -> SessionKV:
-        """Start ``session`` with the first ``pos`` positions of the KV kept for ``reuse``: the
-        entry itself when it holds exactly pos (the new session continues all of it), else a
-        copy of its prefix, the entry staying for others. CacheMissError when no entry holds
-        that much over this span."""
-        retained = self.kv.retained
-        old = retained.peek(reuse)
-        if old is None or old.length < pos or (old.start, old.end) != (start, end):
-            retained.stats["misses"] += 1
-            raise CacheMissError(0)
-        if old.length == pos:
-            retained.pop(reuse)
-            cache = old.cache
-        else:
-            cache = self._prefix(old.cache, start, end, pos)
-        kv = SessionKV(cache=cache, start=start, end=end, length=pos)
-        self.kv.put(session, kv)
-        retained.stats["hits"] += 1
-        retained.stats["reused_tokens"] += pos
-        return kv
-
-    def _prefix(self, cache, start: int, end: int, n: int):
-        """A new cache holding copies of the first ``n`` positions of ``cache``'s layers start..end."""
-        from transformers import DynamicCache
-
-        out = DynamicCache(config=self.w.config)
-        for i in range(start, end + 1):
-            layer = cache.layers[i]
-            out.update(layer.keys[:, :, :n].clone(), layer.values[:, :, :n].clone(), i)  # (1, kv_heads, n, head_dim)
+        start, end = chunks[0][0].step.start, chunks[0][0].step.end
+        group, rows, lo, hi = self._rows(steps, kvs) if steps else (None, [], 0, 0)
+        parts, positions, masks, sizes = [], [], [], []
+        if steps:
+            row_hidden, row_positions = self._row_inputs(steps, rows, lo, hi)  # (n, 1, hidden), (n, 1)
+            parts, positions = [row_hidden.transpose(0, 1)], [row_positions.T]
+        for chunk, kv in chunks:
+            self._ungroup(kv)  # its positions go to a cache of its own
+            q, pos = chunk.step.inputs.shape[1], chunk.step.pos
+            parts.append(self._embed(start, chunk.step.inputs))  # (1, q, hidden)
+            positions.append(torch.arange(pos, pos + q, device=self.w.device)[None])
+            masks.append((q, self._masks(kv, parts[-1], positions[-1], start, end)["full_attention"]))
+            sizes.append(q)
+        cache = ChunksAndRows(group.step_cache(lo, hi) if steps else None, [kv.cache for _, kv in chunks], sizes)
+        with rows_and_chunks(self.w.config):
+            hidden = self._layers(torch.cat(parts, dim=1), torch.cat(positions, dim=1),
+                                  (group.mask(lo, hi, self.w.dtype) if steps else None, masks), cache, start, end)
+        out = []
+        if steps:
+            self._advance(group, rows, kvs)
+            out = self._result(hidden[0, [r - lo for r in rows], None], end)  # (b, 1, hidden)
+        at = hi - lo
+        for (chunk, kv), q in zip(chunks, sizes):
+            out.append(self._chunk_done(kv, chunk.step, hidden[:, at:at + q], chunk.logits))
+            at += q
         return out
 
-    def forget(self, session: str) -> None:
-        """``session`` ended here: if it was a row of the batch group, hand the other rows
-        back, so the group's cache does not outlive its sessions."""
-        if self.group is not None and session in self.group.sessions:
-            self._dissolve()
+    def _rows(self, steps: list[Step], kvs: list[SessionKV]) -> tuple[RowGroup, list[int], int, int]:
+        """The batch group over the steps' layers, each step's session in it (joining a
+        free row if not yet): (group, each step's row, lo, hi) for a pass over rows lo..hi."""
+        group = self._group_for(steps[0].start, steps[0].end)
+        for step, kv in zip(steps, kvs):
+            if kv.group is not group:
+                self._join(group, step.session, kv)
+        rows = [kv.row for kv in kvs]
+        return group, rows, min(rows), max(rows) + 1
 
-    def _dissolve(self) -> None:
-        """Write each row of the current group back into its session's own cache."""
-        from transformers import DynamicCache
+    def _row_inputs(self, steps: list[Step], rows: list[int], lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Hidden states (hi - lo, 1, hidden) and position ids (hi - lo, 1) of rows lo..hi: each
+        step's at its row, a dummy (token 0 at position 0) at a row without one."""
+        at = [r - lo for r in rows]
+        inputs = torch.zeros((hi - lo, 1, *steps[0].inputs.shape[2:]), dtype=steps[0].inputs.dtype)
+        inputs[at] = torch.cat([s.inputs for s in steps])  # (rows, 1) ids or (rows, 1, hidden)
+        position_ids = torch.zeros((hi - lo, 1), dtype=torch.long, device=self.w.device)
+        position_ids[at, 0] = torch.tensor([s.pos for s in steps], device=self.w.device)
+        return self._embed(steps[0].start, inputs), position_ids
 
-        group, self.group = self.group, None
-        if group is None:
-            return
-        for row, (session, kv, pad) in enumerate(zip(group.sessions, group.kvs, group.pads)):
-            kv.group = None
-            if self.kv.get(session) is not kv:
-                continue  # ended, or replaced meanwhile (a fresh prefill)
-            kv.cache = DynamicCache(config=self.w.config)
-            for i in range(group.start, group.end + 1):
-                layer = group.cache.layers[i]
-                kv.cache.update(layer.keys[row:row + 1, :, pad:].clone(), layer.values[row:row + 1, :, pad:].clone(), i)
-
-    def _session_kv(self, session: str, start: int, end: int, pos: int) -> SessionKV:
-        from transformers import DynamicCache
-
-        if pos == 0:
-            kv = SessionKV(cache=DynamicCache(config=self.w.config), start=start, end=end)
-            self.kv.put(session, kv)
-            return kv
-        kv = self.kv.get(session)
-        if kv is None or kv.length != pos or (kv.start, kv.end) != (start, end):
-            raise CacheMissError(0 if kv is None else kv.length)
-        return kv
+    def _advance(self, group: RowGroup, rows: list[int], kvs: list[SessionKV]) -> None:
+        group.advance(rows)
+        for kv in kvs:
+            kv.length += 1
+            kv.touch()
 
     def _masks(self, kv: SessionKV, hidden: torch.Tensor, position_ids: torch.Tensor,
                start: int, end: int) -> dict[str, torch.Tensor | None]:

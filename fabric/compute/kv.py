@@ -9,6 +9,22 @@ from dataclasses import dataclass, field
 
 import torch
 
+GROW_MIN = 64  # positions a full buffer grows by at least
+
+
+def spare(n: int) -> int:
+    """``n`` positions and room to grow: half as much again, at least GROW_MIN more."""
+    return n + max(GROW_MIN, n // 2)
+
+
+def room(needed: int, have: int) -> int:
+    """Positions to allocate when ``needed`` no longer fit in ``have``. A first allocation
+    (``have`` 0) of more than one position, a prompt, is exact: many prompts end without a
+    decode step (kept KV, a miss replayed)."""
+    if have == 0 and needed > 1:
+        return needed
+    return max(needed, spare(have))
+
 
 @dataclass
 class SessionKV:
@@ -19,20 +35,25 @@ class SessionKV:
     end: int
     length: int = 0  # tokens the cache holds
     last_used: float = field(default_factory=time.monotonic)
-    group: object | None = None  # a batch group holding this session's KV as one of its rows, meanwhile
+    group: object | None = None  # the RowGroup holding this session's KV in row ``row`` meanwhile (cache None)
+    row: int = -1
 
     def touch(self) -> None:
         self.last_used = time.monotonic()
 
     def nbytes(self) -> int:
-        """Bytes of this session's KV (its share of a batch group's cache while it is a row there)."""
-        cache, rows = (self.group.cache, len(self.group.kvs)) if self.group is not None else (self.cache, 1)
+        """Bytes of this session's KV, room to grow included (its row's while it is one of a group)."""
+        if self.group is not None:
+            return self.group.row_bytes()
         total = 0
-        for layer in getattr(cache, "layers", ()):
+        for layer in getattr(self.cache, "layers", ()):
+            if hasattr(layer, "nbytes"):  # a buffer grown in place (fabric/compute/cache.py)
+                total += layer.nbytes()
+                continue
             for t in (getattr(layer, "keys", None), getattr(layer, "values", None)):
                 if isinstance(t, torch.Tensor):
                     total += t.numel() * t.element_size()
-        return total // rows
+        return total
 
 
 KV_BUDGET_SHARE = 0.1  # by default a node keeps ended sessions' KV in this share of the memory available at start

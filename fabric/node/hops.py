@@ -12,7 +12,7 @@ from collections import Counter
 import torch
 
 from ..compute.compute_lock import ComputeLock
-from ..compute.executor import ShardExecutor, Step, StepResult
+from ..compute.executor import Chunk, ShardExecutor, Step, StepResult
 from ..wire import protocol as p
 from ..wire.shard import Shard
 from .scheduler import Work
@@ -42,8 +42,9 @@ class HopRunner:
         self.counters = counters  # the node's: hops, batches, chunks and seconds are counted here
 
     def run(self, batch: list[Work]) -> tuple[list[StepResult | Exception], float, float]:
-        """Run ``batch`` (one hop, decode steps or short whole prompts over the same layers);
-        returns a result per hop, when it began and how long it took (perf_counter)."""
+        """Run ``batch`` (one hop; decode steps over the same layers, perhaps with prompts'
+        chunks riding last; or short chunks of prompts); returns a result per hop, when it
+        began and how long it took (perf_counter)."""
         with self.lock:
             started = time.perf_counter()
             try:
@@ -65,12 +66,19 @@ class HopRunner:
             except Exception as exc:  # CacheMissError included: the node answers per session
                 return [exc]
         steps = [Step(w.session, w.msg.start_layer, w.msg.end_layer, w.tensor, w.msg.pos) for w in batch]
-        return self.executor.run_batch(steps) if batch[0].decode else self.executor.run_prefills(steps)
+        if all(w.short_prompt for w in batch):
+            return self.executor.run_prefills(steps)  # whole prompts from scratch: one padded batch
+        decode = sum(w.decode for w in batch)  # then prompts' chunks riding in the same pass, if any
+        if decode == len(batch):
+            return self.executor.run_batch(steps)
+        return self.executor.run_mixed(steps[:decode], [Chunk(step, logits=not w.msg.more, reuse=w.msg.reuse)
+                                                        for step, w in zip(steps[decode:], batch[decode:])])
 
     def _count(self, batch: list[Work], elapsed: float) -> None:
         self.counters["hops"] += len(batch)
         self.counters["batched_hops"] += len(batch) if len(batch) > 1 else 0
-        self.counters["prefill_chunks"] += batch[0].msg.more
+        self.counters["prefill_chunks"] += batch[-1].msg.more
+        self.counters["riding_chunks"] += sum(not w.decode for w in batch) if batch[0].decode else 0
         self.counters["hop_seconds"] += elapsed
         if elapsed > SLOW_HOP_S:
             first = batch[0]

@@ -5,10 +5,13 @@ the token count), the sessions holding KV here, and a clock, and hands back batc
 run. The node runs them and tells it how long they took.
 
 Two aims pull against each other. Streams that decode here want their steps batched and
-never stalled; a long prompt wants to move on. So prefill slices and decode batches take
-turns, a long prefill is cut into slices sized to cost about one decode batch beside
-streams, and a decode batch waits a little for the sessions due here, which pulls them
-into step so that they then arrive together.
+never stalled; a long prompt wants to move on. So a long prefill is cut into slices, and
+a slice rides along in a decode batch's forward pass (the layers' weights are read once
+for both, so the slice costs only its own tokens), sized to add about RIDE_PER_DECODE of
+a decode batch's time to that pass. A slice that cannot ride (other layers, or a model
+whose layers cannot batch) takes turns with the decode batches instead. A decode batch
+waits a little for the sessions due here, which pulls them into step so that they then
+arrive together.
 """
 from __future__ import annotations
 
@@ -25,9 +28,10 @@ MAX_SLICE_TOKENS = 4096
 WHOLE_PREFILL_TOKENS = 64  # a prefill this short runs whole: sliced, each piece would cost nearly as much
 PREFILL_BATCH_TOKENS = 256  # short prompts queued together run as one forward pass of at most this many tokens
 SLICE_PER_DECODE = 1.0  # a prefill slice beside decoding streams may take this many of their decode batches
-MIN_SLICE_S = 0.02  # ...and at least this long
+RIDE_PER_DECODE = 2.0  # ...and riding in their pass, add this many (a stream then waits ~3 decode batches at most)
+MIN_SLICE_S = 0.02  # ...and at least this long (alone: a slice reads all the weights, as a decode batch does)
 IDLE_SLICE_S = 0.25  # ...and with no stream decoding here, this long
-GATHER_PER_DECODE = 1.0  # a decode batch waits at most this many decode batches' time for sessions still due
+GATHER_PER_DECODE = 1.0  # a decode batch waits at most this many passes' time for sessions still due
 RECENT_CYCLES = 3.0  # a session is due here while its last decode step is this many of its cycles old
 WAITING_REPORT_S = 0.5  # how often a node tells heads that their sessions' hops wait in its queue
 
@@ -54,8 +58,8 @@ class Work:
 
     @property
     def decode(self) -> bool:
-        """One token after a prompt: a decode step, batched with other sessions' steps (not
-        the first step of a session that starts from kept KV: it runs alone)."""
+        """One token after a prompt: a decode step, batched with other sessions' steps in the
+        batch group (not the first step of a session that starts from kept KV: a chunk)."""
         return self.tokens == 1 and self.msg.pos > 0 and not self.msg.more and not self.msg.reuse
 
     @property
@@ -69,6 +73,13 @@ class Work:
         """This hop reports the step to its head for an audit (fabric/node/taps.py): the FORWARD
         names this hop, and the step starts the session here at position 0."""
         return self.msg.audit == self.msg.start_layer and self.msg.pos == 0 and not self.msg.reuse
+
+    @property
+    def short_chunk(self) -> bool:
+        """The last or only piece of a prompt (a whole short prompt, what follows kept KV, a
+        long prompt's last slice), short enough to run unsliced: one forward pass takes
+        several such pieces, and they ride in decode batches together."""
+        return not self.decode and not self.msg.more and self.tokens < WHOLE_PREFILL_TOKENS
 
     def cut(self, n: int) -> tuple["Work", "Work"]:
         """The first ``n`` tokens as a chunk that more follow, and the rest (which continues
@@ -101,13 +112,16 @@ class HopScheduler:
         self.batchable = batchable
         self.shared_lock = shared_lock
         self.queue: deque[Work] = deque()
-        self.ran_prefill = False  # the last hop run was a prefill (chunk): a decode batch goes next
+        self.ran_prefill = False  # the last pass moved a prefill on (alone or riding): decode steps go next
         self.decode_batch_s: float | None = None  # seconds per decode batch here (moving average)
+        self.pass_s: float | None = None  # ...and per pass with decode steps, a slice riding or not
+        self.ride_token_s: float | None = None  # seconds a riding slice adds to a pass per token (moving average)
         self.cycle_s: float | None = None  # seconds between a session's decode steps here (moving average)
         self.last_decode: dict[str, float] = {}  # session -> when its last decode step ran here
         self.gather_since: float | None = None  # when a decode batch began waiting for sessions still due
-        # prefill tokens per slice, steered so a slice takes its target time (beside streams / alone)
-        self.slice_tokens = {"busy": float(FIRST_SLICE_TOKENS), "idle": float(FIRST_SLICE_TOKENS)}
+        # prefill tokens per slice, steered so a slice takes its target time: riding a decode
+        # batch (the time it adds), alone beside streams, alone with none
+        self.slice_tokens = {mode: float(FIRST_SLICE_TOKENS) for mode in ("ride", "busy", "idle")}
         self.waiting_at = float("-inf")  # when ``waiting`` last named the queued sessions
 
     def __len__(self) -> int:
@@ -149,17 +163,23 @@ class HopScheduler:
         last few cycles. A queued prefill does not wait: it runs in the meantime. Except
         under a shared compute lock, after a prefill slice: another slice now would hold the
         lock while the other nodes of the machine have those sessions' decode steps to run,
-        so the node waits (at most one of their cycles) for them to come back first."""
-        decode_only = all(w.decode for w in self.queue)
+        so the node waits (at most one of their cycles) for them to come back first. A prefill
+        that can ride the decode batch waits with it: it goes in the same pass. Under a shared
+        lock a decode batch too waits up to one cycle: the streams' other hops run meanwhile,
+        and streams that fell into two groups (a long pass, a prompt arriving) merge again."""
+        decode = self._first(decode=True)
+        gather = decode is not None and (all(w.decode for w in self.queue) or self._rides(decode))
         yield_to_decode = self.ran_prefill and self.shared_lock
         queued = {w.session for w in self.queue}
-        due = self._due(now, queued) if decode_only or yield_to_decode else []
+        due = self._due(now, queued) if gather or yield_to_decode else []
         if not due or len(queued) >= self.config.max_batch:
             self.gather_since = None
             return 0.0
         if self.gather_since is None:
             self.gather_since = now
-        limit = GATHER_PER_DECODE * (self.decode_batch_s or 0.0) if decode_only else (self.cycle_s or 0.0)
+        limit = GATHER_PER_DECODE * (self.pass_s or 0.0) if gather else (self.cycle_s or 0.0)
+        if gather and self.shared_lock:
+            limit = max(limit, self.cycle_s or 0.0)
         left = self.gather_since + limit - now
         if left <= 0:
             self.gather_since = None
@@ -174,17 +194,28 @@ class HopScheduler:
     # -- what ---------------------------------------------------------------------------
 
     def next_batch(self) -> list[Work]:
-        """The next queued hop, batched with the other queued hops of its kind over the
-        same layers (one forward pass for many sessions): decode steps, or short whole
-        prompts. Prefill chunks and decode batches take turns, so a long prompt never
-        stalls the streams already decoding by more than one slice, and the prompt still
-        moves on while they decode."""
-        first = self.take(decode=self.ran_prefill)
-        self.ran_prefill = not first.decode
-        if self.ran_prefill:
-            first = self.slice(first)
-        decode = first.decode  # else a short whole prompt: both kinds batch with their own kind only
-        if not (decode or first.short_prompt) or not self.batchable(*first.span):
+        """The next hops to run as one forward pass: queued decode steps over the same layers,
+        with a slice of a queued prompt riding along (one pass for both: the slice costs
+        only its own tokens); else a prompt's slice alone, or short whole prompts together
+        (one forward pass for many sessions). A prompt that cannot ride takes turns with
+        the decode batches, so neither kind stalls the other by more than one pass."""
+        first = self.take(decode=self.ran_prefill or self._rides(self._first(decode=True)))
+        if first.decode:
+            batch = self._batch(first)
+            riders = self._riders(batch)
+            self.ran_prefill = bool(riders)
+            return batch + riders
+        self.ran_prefill = True
+        first = self.slice(first)
+        if not first.short_chunk:
+            return [first]
+        return self._batch(first)
+
+    def _batch(self, first: Work) -> list[Work]:
+        """``first`` and the queued hops of its kind over the same layers, as one batch:
+        decode steps, or short chunks of prompts."""
+        decode = first.decode  # else a short chunk: both kinds batch with their own kind only
+        if not self.batchable(*first.span):
             return [first]
         batch, rest, tokens = [first], deque(), first.tokens
         taken = {first.session}  # a session has at most one hop in a batch
@@ -192,7 +223,7 @@ class HopScheduler:
         while self.queue:
             w = self.queue.popleft()
             same = w.span == first.span and w.session not in taken and w.session not in waiting
-            alike = w.decode if decode else w.short_prompt
+            alike = w.decode if decode else w.short_chunk
             fits = len(batch) < self.config.max_batch and (decode or tokens + w.tokens <= PREFILL_BATCH_TOKENS)
             if same and alike and fits:
                 batch.append(w)
@@ -204,23 +235,59 @@ class HopScheduler:
         self.queue = rest
         return batch
 
+    def _rides(self, decode: Work | None) -> bool:
+        """A queued prompt can ride a decode batch that starts with ``decode``."""
+        prompt = self._first(decode=False)
+        return (decode is not None and prompt is not None and prompt.span == decode.span
+                and prompt.session != decode.session and self.batchable(*decode.span))
+
+    def _riders(self, batch: list[Work]) -> list[Work]:
+        """Take what rides along with the decode steps of ``batch``: a slice of the first
+        queued prompt over the same layers, or, where that is a short chunk, it and the other
+        short chunks queued (at most PREFILL_BATCH_TOKENS in all)."""
+        prompt = self._first(decode=False)
+        if prompt is None or prompt.span != batch[0].span or not self.batchable(*prompt.span) \
+                or any(w.session == prompt.session for w in batch):
+            return []
+        self.queue.remove(prompt)
+        if not prompt.short_chunk:
+            return [self.slice(prompt, "ride")]
+        riders, tokens, taken, earlier = [prompt], prompt.tokens, {w.session for w in batch}, set()
+        for w in list(self.queue):
+            if (w.short_chunk and w.span == prompt.span and w.session not in taken | earlier
+                    and tokens + w.tokens <= PREFILL_BATCH_TOKENS):
+                self.queue.remove(w)
+                riders.append(w)
+                tokens += w.tokens
+            earlier.add(w.session)
+        return riders
+
+    def _first(self, decode: bool) -> Work | None:
+        """The first queued hop of that kind whose session has nothing queued before it (a
+        session's hops run in order), or None."""
+        earlier: set[str] = set()
+        for w in self.queue:
+            if w.decode == decode and w.session not in earlier:
+                return w
+            earlier.add(w.session)
+        return None
+
     def take(self, decode: bool) -> Work:
         """Remove and return the first queued hop of the wanted kind whose session has
         nothing queued before it (a session's hops run in order), else the first hop."""
-        earlier: set[str] = set()
-        for i, w in enumerate(self.queue):
-            if w.decode == decode and w.session not in earlier:
-                del self.queue[i]
-                return w
-            earlier.add(w.session)
-        return self.queue.popleft()
+        w = self._first(decode)
+        if w is None:
+            return self.queue.popleft()
+        self.queue.remove(w)
+        return w
 
-    def slice(self, work: Work) -> Work:
+    def slice(self, work: Work, mode: str = "") -> Work:
         """Cut a long prefill into the slice to run now and the rest, queued first. While
-        other sessions decode here a slice costs about SLICE_PER_DECODE of their decode
-        batches, so they wait one slice, not the whole prompt; alone, slices of IDLE_SLICE_S
-        keep the node answering pings and heartbeats. The rest goes on as further chunks."""
-        n = int(self.slice_tokens[self.slice_mode(work.session)])
+        other sessions decode here a slice adds about SLICE_PER_DECODE of their decode
+        batch's time to it (riding in their pass, else as a pass of its own), so they wait
+        one slice, not the whole prompt; alone, slices of IDLE_SLICE_S keep the node
+        answering pings and heartbeats. The rest goes on as further chunks."""
+        n = int(self.slice_tokens[mode or self.slice_mode(work.session)])
         if work.tokens < max(2 * n, WHOLE_PREFILL_TOKENS):
             return work  # the rest would be a slice too small to pay its fixed cost
         now, rest = work.cut(n)
@@ -236,8 +303,15 @@ class HopScheduler:
 
     def ran(self, batch: list[Work], started: float, elapsed: float) -> None:
         """Learn from a batch that began at ``started`` and took ``elapsed`` seconds."""
-        if batch[0].decode:
+        if batch[0].decode and not batch[-1].decode:  # prompts rode along: they took what the pass took beyond
+            riders = [w for w in batch if not w.decode]
+            if len(riders) == 1:
+                self.steer_ride(riders[0], elapsed - (self.decode_batch_s or 0.0))
+            batch = batch[:-len(riders)]
+        elif batch[0].decode:
             self.decode_batch_s = _average(self.decode_batch_s, elapsed)
+        if batch[0].decode:
+            self.pass_s = _average(self.pass_s, elapsed)
             for work in batch:
                 last = self.last_decode.get(work.session)
                 if last is not None:
@@ -247,9 +321,9 @@ class HopScheduler:
             self.steer_slices(batch[0], elapsed)
 
     def steer_slices(self, work: Work, elapsed: float) -> None:
-        """After a full prefill slice, size the next toward its target time. A slice costs
-        a fixed part (the weights are read once) plus a part per token, so the size is
-        corrected by the ratio of target to measured time, at most 2x per step."""
+        """After a full prefill slice run alone, size the next toward its target time. A
+        slice costs a fixed part (the weights are read once) plus a part per token, so the
+        size is corrected by the ratio of target to measured time, at most 2x per step."""
         mode = self.slice_mode(work.session)
         n = self.slice_tokens[mode]
         if work.tokens < int(n):
@@ -258,3 +332,16 @@ class HopScheduler:
             self.config.prefill_slice or max(MIN_SLICE_S, SLICE_PER_DECODE * (self.decode_batch_s or 0.0)))
         size = work.tokens * min(2.0, max(0.5, target / elapsed))
         self.slice_tokens[mode] = min(MAX_SLICE_TOKENS, max(MIN_SLICE_TOKENS, size))
+
+    def steer_ride(self, work: Work, added: float) -> None:
+        """After a slice rode a decode batch, adding ``added`` seconds to its pass, size the
+        next to add RIDE_PER_DECODE of a decode batch's time. What a slice adds is its own
+        tokens' cost, about proportional to them (growing with the context they attend to),
+        so the size follows a moving average of the cost per token: a pass's noise moves it
+        a little, not twofold."""
+        n = self.slice_tokens["ride"]
+        if work.tokens < int(n) or self.decode_batch_s is None:
+            return  # a remainder says little; nor does a pass whose decode part's time is unknown
+        self.ride_token_s = _average(self.ride_token_s, max(added, 1e-6) / work.tokens, 0.3)
+        size = (self.config.prefill_slice or RIDE_PER_DECODE * self.decode_batch_s) / self.ride_token_s
+        self.slice_tokens["ride"] = min(MAX_SLICE_TOKENS, max(MIN_SLICE_TOKENS, n / 2, min(2 * n, size)))

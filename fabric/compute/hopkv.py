@@ -1,0 +1,149 @@
+"""A hop's sessions and their KV: each session's own cache, the batch group whose rows hold
+the KV of sessions decoding together, and the KV of ended sessions kept for reuse. No sockets.
+
+``ShardExecutor`` (fabric/compute/executor.py) runs the layers over it; this part decides
+where each session's KV is: its own cache (a prompt, a chunk), a row of the group (decode
+steps in a batch), or the kept store (ended, waiting for a request that shares its prefix).
+"""
+from __future__ import annotations
+
+import torch
+
+from .kv import KVStore, SessionKV
+from .rows import RowGroup
+
+
+class CacheMissError(Exception):
+    """The session's KV is not here (evicted, restarted, or a different layer span)."""
+
+    def __init__(self, have: int):
+        super().__init__(f"session KV holds {have} tokens")
+        self.have = have
+
+
+class HopKV:
+    """Sessions by id over a shard's layers, and the one batch group."""
+
+    def __init__(self, config, kv: KVStore, layer_types: list[str]):
+        self.config = config
+        self.kv = kv
+        self.layer_types = layer_types
+        self.group: RowGroup | None = None  # the sessions that decode together, their KV in its rows
+
+    def batchable(self, start: int, end: int) -> bool:
+        """Decode steps over start..end can run as one batch (full attention everywhere)."""
+        return all(self.layer_types[i] == "full_attention" for i in range(start, end + 1))
+
+    def _group_for(self, start: int, end: int) -> RowGroup:
+        """The batch group over start..end, rows whose session is gone freed. A group over
+        other layers (a route that uses part of this shard) hands its rows back first."""
+        group = self.group
+        if group is not None and (group.start, group.end) != (start, end):
+            for session in group.members():
+                self._ungroup(self.kv.get(session))
+            group = None
+        if group is None:
+            group = self.group = RowGroup(start, end)
+        for row, session in enumerate(group.sessions):
+            kv = self.kv.get(session) if session is not None else None
+            if session is not None and (kv is None or kv.group is not group or kv.row != row):
+                group.free(row)
+        return group
+
+    def _join(self, group: RowGroup, session: str, kv: SessionKV, layers: dict | None = None) -> None:
+        """Move ``session``'s KV into a free row of ``group``: from its own cache, or ``layers``."""
+        if layers is None:
+            layers = {i: (kv.cache.layers[i].keys, kv.cache.layers[i].values) for i in range(group.start, group.end + 1)}
+        kv.row = group.join(session, layers)
+        kv.cache, kv.group = None, group
+
+    def _ungroup(self, kv: SessionKV | None) -> None:
+        """Move a session's KV out of its row into a cache of its own; the row is freed."""
+        if kv is None or kv.group is None:
+            return
+        group, cache = kv.group, self._new_cache()
+        for i, (keys, values) in group.take(kv.row).items():
+            cache.update(keys, values, i)
+        kv.cache, kv.group, kv.row = cache, None, -1
+        if not group.members() and group is self.group:
+            self.group = None  # nobody left: its buffers go
+
+    def _new_cache(self):
+        from .cache import new_cache
+
+        return new_cache(self.config)
+
+    def reusable(self, start: int, end: int) -> bool:
+        """A session's KV over start..end can be cut to a prefix: full attention everywhere
+        (a sliding window layer's cache has already dropped its oldest positions)."""
+        return self.batchable(start, end)
+
+    @torch.inference_mode()
+    def retain(self, session: str) -> list[str]:
+        """``session`` ended here: keep its KV for a later session that shares its prefix
+        (within the store's budget, on a span that can be cut), else free it. Returns the
+        kept sessions evicted to make room."""
+        from .cache import trim
+
+        kv = self.kv.get(session)
+        if kv is None or not self.reusable(kv.start, kv.end) or self.kv.retained.budget <= 0:
+            self.forget(session)
+            self.kv.drop(session)
+            return []
+        self._ungroup(kv)  # a row of the batch group comes out as a cache of its own
+        trim(kv.cache)  # kept, not appended to: no room to spare
+        return self.kv.retain(session)
+
+    def take_over(self, reuse: str, session: str, start: int, end: int, pos: int) -> SessionKV:
+        """Start ``session`` with the first ``pos`` positions of the KV kept for ``reuse``: the
+        entry itself when it holds exactly pos (the new session continues all of it), else a
+        copy of its prefix, the entry staying for others. CacheMissError when no entry holds
+        that much over this span."""
+        retained = self.kv.retained
+        old = retained.peek(reuse)
+        if old is None or old.length < pos or (old.start, old.end) != (start, end):
+            retained.stats["misses"] += 1
+            raise CacheMissError(0)
+        if old.length == pos:
+            retained.pop(reuse)
+            cache = old.cache
+        else:
+            cache = self._prefix(old.cache, start, end, pos)
+        kv = SessionKV(cache=cache, start=start, end=end, length=pos)
+        self._put(session, kv)
+        retained.stats["hits"] += 1
+        retained.stats["reused_tokens"] += pos
+        return kv
+
+    def _prefix(self, cache, start: int, end: int, n: int):
+        """A new cache holding copies of the first ``n`` positions of ``cache``'s layers start..end."""
+        out = self._new_cache()
+        for i in range(start, end + 1):
+            layer = cache.layers[i]
+            out.update(layer.keys[:, :, :n], layer.values[:, :, :n], i)  # copied: (1, kv_heads, n, head_dim)
+        return out
+
+    @torch.inference_mode()
+    def forget(self, session: str) -> None:
+        """``session`` ended here: free its row of the batch group, if it has one."""
+        row = self.group.row(session) if self.group is not None else None
+        if row is not None:
+            self.group.free(row)
+            if not self.group.members():
+                self.group = None
+
+    def _put(self, session: str, kv: SessionKV) -> None:
+        """``kv`` is ``session``'s from now on; a row its former KV held is freed."""
+        self.forget(session)
+        self.kv.put(session, kv)
+
+    def _session_kv(self, session: str, start: int, end: int, pos: int) -> SessionKV:
+        if pos == 0:
+            kv = SessionKV(cache=self._new_cache(), start=start, end=end)
+            self._put(session, kv)
+            return kv
+        kv = self.kv.get(session)
+        if kv is None or kv.length != pos or (kv.start, kv.end) != (start, end):
+            raise CacheMissError(0 if kv is None else kv.length)
+        return kv
+

@@ -1,0 +1,84 @@
+"""Decode rows and prompts' chunks in one forward pass. No sockets.
+
+A prefill slice run as a pass of its own reads every weight of the layers again, as a
+decode step does: on a CPU that is most of a small slice's cost. Run inside the decode
+batch's pass, it pays only for its own tokens. The pass lays its tokens out in one
+sequence (1, n + q..., hidden): first one token for each of the n decode rows of the batch
+group, then each chunk's q tokens (a slice of a long prompt, or a few short whole ones).
+Projections, norms and MLPs are per token and take the sequence as it is. Attention is
+not: the layers' cache and attention are swapped, for the pass, for ``ChunksAndRows``
+(each layer's new keys and values go to the group's rows and to each chunk's own cache)
+and ``attention`` (transformers' own SDPA attention, once over the rows as a decode batch
+and once over each chunk with its causal mask). Each part is computed as it is alone; only
+the sequence the projections see is longer.
+
+This module imports transformers; the executor imports it for a mixed pass.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+NAME = "meshnet_rows_and_chunk"
+
+
+class ChunksAndRows:
+    """The cache of a mixed pass: ``rows`` (a ``RowsStep`` over n rows, or None: no rows), then
+    each chunk's own cache and its number of positions."""
+
+    def __init__(self, rows, chunks: list, sizes: list[int]):
+        self.rows, self.chunks, self.sizes = rows, chunks, sizes
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        """key_states, value_states: (1, kv_heads, n + q..., head_dim). Returns lists, the
+        rows' (n, kv_heads, columns, head_dim) first, then each chunk's (1, kv_heads, pos + q, head_dim)."""
+        n = key_states.shape[2] - sum(self.sizes)
+        keys, values = [None], [None]
+        if self.rows is not None:
+            keys[0], values[0] = self.rows.update(key_states[0, :, :n, None].transpose(0, 1),
+                                                  value_states[0, :, :n, None].transpose(0, 1), layer_idx)
+        for cache, at, q in zip(self.chunks, self._starts(n), self.sizes):
+            k, v = cache.update(key_states[:, :, at:at + q], value_states[:, :, at:at + q], layer_idx)
+            keys.append(k)
+            values.append(v)
+        return keys, values
+
+    def _starts(self, n: int) -> list[int]:
+        starts = [n]
+        for q in self.sizes[:-1]:
+            starts.append(starts[-1] + q)
+        return starts
+
+
+def attention(module, query: torch.Tensor, key, value, attention_mask, **kwargs) -> tuple[torch.Tensor, None]:
+    """query (1, heads, n + q..., head_dim); key and value: the rows' (None: no rows), then
+    each chunk's; attention_mask: (the rows' mask, [(q, mask) of each chunk]). Returns (1,
+    n + q..., heads, head_dim), as every attention function of transformers does."""
+    rows_mask, chunks = attention_mask
+    n = key[0].shape[0] if key[0] is not None else 0
+    out = []
+    if n:
+        rows_q = query[0, :, :n, None].transpose(0, 1)  # (n, heads, 1, head_dim)
+        out.append(sdpa_attention_forward(module, rows_q, key[0], value[0], rows_mask, **kwargs)[0].transpose(0, 1))
+    at = n
+    for k, v, (q, mask) in zip(key[1:], value[1:], chunks):
+        out.append(sdpa_attention_forward(module, query[:, :, at:at + q], k, v, mask, **kwargs)[0])
+        at += q
+    return torch.cat(out, dim=1), None
+
+
+AttentionInterface.register(NAME, attention)
+
+
+@contextlib.contextmanager
+def rows_and_chunks(config):
+    """The layers built on ``config`` attend with ``attention`` meanwhile."""
+    before = config._attn_implementation
+    config._attn_implementation = NAME
+    try:
+        yield
+    finally:
+        config._attn_implementation = before
