@@ -416,3 +416,15 @@ def test_an_unsettled_verdict_is_an_event_only_and_strangers_are_refused():
     assert [e["code"] for e in status["events"] if e["kind"] == "audit"] == ["audit_mismatch"]
     with pytest.raises(p.ProtocolError, match="not registered"):
         tracker.handle(p.Verdict("stranger", "tiny", "t1", 3, 5, witnesses=("t2", "full"), settled=True))
+
+
+def test_a_tapped_prompt_does_not_ride_decode_steps_and_still_gets_its_turn():
+    sched = HopScheduler(SchedulerConfig(), live=set())
+    for session, pos, audit in (("d", 9, -1), ("t", 0, 3)):
+        sched.push(Work(p.Forward(session=session, step=0, pos=pos, start_layer=3, end_layer=5, route=(),
+                                  reply_to="h", audit=audit), torch.zeros(1, 1 if pos else 4, 8)))
+    sched.ran_prefill = True  # a prompt just ran: decode steps go next, and an untapped prompt would ride them
+    assert [w.session for w in sched.next_batch()] == ["d"]  # the tapped prompt rides nothing
+    sched.push(Work(p.Forward(session="d", step=1, pos=10, start_layer=3, end_layer=5, route=(), reply_to="h"),
+                    torch.zeros(1, 1, 8)))
+    assert [w.session for w in sched.next_batch()] == ["t"]  # and takes its turn between decode batches

@@ -78,8 +78,8 @@ class Work:
     def short_chunk(self) -> bool:
         """The last or only piece of a prompt (a whole short prompt, what follows kept KV, a
         long prompt's last slice), short enough to run unsliced: one forward pass takes
-        several such pieces, and they ride in decode batches together."""
-        return not self.decode and not self.msg.more and self.tokens < WHOLE_PREFILL_TOKENS
+        several such pieces, and they ride in decode batches together (not a tapped one: it runs alone)."""
+        return not self.decode and not self.msg.more and self.tokens < WHOLE_PREFILL_TOKENS and not self.tapped
 
     def cut(self, n: int) -> tuple["Work", "Work"]:
         """The first ``n`` tokens as a chunk that more follow, and the rest (which continues
@@ -238,7 +238,7 @@ class HopScheduler:
     def _rides(self, decode: Work | None) -> bool:
         """A queued prompt can ride a decode batch that starts with ``decode``."""
         prompt = self._first(decode=False)
-        return (decode is not None and prompt is not None and prompt.span == decode.span
+        return (decode is not None and prompt is not None and not prompt.tapped and prompt.span == decode.span
                 and prompt.session != decode.session and self.batchable(*decode.span))
 
     def _riders(self, batch: list[Work]) -> list[Work]:
@@ -246,7 +246,7 @@ class HopScheduler:
         queued prompt over the same layers, or, where that is a short chunk, it and the other
         short chunks queued (at most PREFILL_BATCH_TOKENS in all)."""
         prompt = self._first(decode=False)
-        if prompt is None or prompt.span != batch[0].span or not self.batchable(*prompt.span) \
+        if prompt is None or prompt.tapped or prompt.span != batch[0].span or not self.batchable(*prompt.span) \
                 or any(w.session == prompt.session for w in batch):
             return []
         self.queue.remove(prompt)
