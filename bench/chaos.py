@@ -3,7 +3,7 @@
 
     python bench/chaos.py [--model smollm2-135m] [--clients 3] [--minutes 3] [--interval 12]
                           [--down 3] [--targets tail,head,tracker] [--tokens 40] [--seed 0]
-                          [--quant-default] [--json OUT]
+                          [--quant-default] [--json OUT] [--logs DIR]
 
 Starts, as real processes driven by the CLI, a tracker (with its ledger), two heads holding
 the first half of the layers and two tails holding the second half, in exact mode
@@ -23,9 +23,11 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import shutil
 import signal
 import sqlite3
 import statistics
+import subprocess
 import sys
 import tempfile
 import threading
@@ -41,6 +43,7 @@ if str(REPO) not in sys.path:
 
 from fabric import Client, FabricError  # noqa: E402
 from fabric.compute.models import load_config, resolve  # noqa: E402
+from fabric.node.leave import DRAIN_TIMEOUT  # noqa: E402
 from tests.cluster import ProcessCluster  # noqa: E402
 
 PROMPTS = ["Tell me a short story about a lighthouse keeper.", "What is the capital of France?",
@@ -137,7 +140,13 @@ def chaos(swarm: Swarm, targets: list[str], interval: float, down: float, deadli
         stops += 1
         started = time.monotonic()
         log.append({"victim": victim, "signal": sig.name, "at": started})
-        swarm.cluster.kill(victim, sig)
+        proc = swarm.cluster.procs[victim]
+        try:  # a SIGTERM'd node finishes its sessions first, within its --drain-timeout
+            swarm.cluster.kill(victim, sig, wait=DRAIN_TIMEOUT + 15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            log[-1]["left_in_time"] = False
+        log[-1]["exited_after_s"] = round(time.monotonic() - started, 1)
         time.sleep(down)
         swarm.start(victim)
         back = swarm.serving()
@@ -194,10 +203,13 @@ def report(s: dict, args: argparse.Namespace) -> None:
     print(f"chaos on {args.model}: {args.clients} clients for {args.minutes} min, a stop every {args.interval} s "
           f"among {args.targets}")
     for stop in s["stops"]:
-        print(f"  stopped {stop['victim']:<8} ({stop['signal']}): serving again after {stop['serving_again_s']} s"
+        print(f"  stopped {stop['victim']:<8} ({stop['signal']}, exited after {stop['exited_after_s']} s"
+              + ("" if stop.get("left_in_time", True) else ", killed: it did not leave in time")
+              + f"): serving again after {stop['serving_again_s']} s"
               + ("" if stop["recovered"] else " (NOT recovered)") + f", {stop['failed_after']} requests failed")
-    print(f"  requests {s['requests']}: done {s['done']}, failed {s['failed']} (target 0), "
-          f"identical to the reference {s['identical']}/{s['done']}")
+    met = s["failed"] == 0 and s["identical"] == s["done"]
+    print(f"  requests {s['requests']}: done {s['done']}, failed {s['failed']} (target 0), identical to the "
+          f"reference {s['identical']}/{s['done']}: {'met' if met else 'missed'}")
     for error in s["errors"]:
         print(f"    error: {error}")
     print(f"  worst gap between two tokens: {s['worst_token_gap_s']} s (median of each stream's worst: "
@@ -223,6 +235,7 @@ def main() -> int:
     parser.add_argument("--quant-default", action="store_true", help="run nodes in the model's default mode, "
                         "not exact float32")
     parser.add_argument("--json", type=Path, help="also write the figures here")
+    parser.add_argument("--logs", type=Path, help="copy every process's log into this folder at the end")
     args = parser.parse_args()
     targets = [t for t in args.targets.split(",") if t]
     if not targets or set(targets) - {"tail", "head", "tracker"}:
@@ -250,6 +263,10 @@ def main() -> int:
             ledger = ledger_check(Path(tmp) / "ledger.sqlite3", [o for o in outcomes if not o.error])
         finally:
             cluster.close()
+            if args.logs:
+                args.logs.mkdir(parents=True, exist_ok=True)
+                for log in Path(tmp).glob("*.log"):
+                    shutil.copy(log, args.logs / log.name)
     s = summary(outcomes, refs, stops, before, after, ledger)
     report(s, args)
     if args.json:

@@ -179,10 +179,10 @@ class ProcessCluster:
         self.start_node(names[1], str(model), "3-5")
         return self.wait_nodes(list(names), model.name)
 
-    def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
+    def kill(self, name: str, sig: int = signal.SIGKILL, wait: float = 10.0) -> None:
         proc = self.procs.pop(name)
         proc.send_signal(sig)
-        proc.wait(10)
+        proc.wait(wait)
 
     def client(self) -> Client:
         from fabric.net.security import load

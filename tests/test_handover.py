@@ -19,6 +19,7 @@ import urllib.request
 
 import pytest
 
+from fabric import Client, FabricError
 from fabric.client.core import MAX_HANDOVERS, Continuation, HeadDied
 from fabric.node.route_session import RouteSession
 from fabric.wire import protocol as p
@@ -156,7 +157,7 @@ def test_the_caller_sees_one_start_each_token_once_and_the_seed_goes_on():
     assert stream.passes(start) and stream.msg.sampling.seed == 41
     for t in (5, 6, 7):
         assert stream.passes(p.Event("r1", "token", text=chr(t), token_ids=(t,)))
-    assert stream.around(HeadDied(A1)) == ("a1",)
+    assert stream.around(HeadDied(A1)) == [("a1",)]
     stream.go_on(HeadDied(A1), (A2,))
     assert stream.msg.route == (A2,) and stream.msg.resume == (5, 6, 7) and stream.msg.sampling == \
         dataclasses.replace(HOT, seed=41)
@@ -178,9 +179,30 @@ def test_a_request_stops_going_on_after_too_many_heads_or_on_a_route_the_caller_
     stream = Continuation(_generate(), fixed_route=False)
     heads = [A1, A2, A3, A4]
     for n, head in enumerate(heads[:MAX_HANDOVERS], 1):
-        assert stream.around(HeadDied(head)) == tuple(h.node for h in heads[:n])
+        assert stream.around(HeadDied(head))[0] == tuple(h.node for h in heads[:n])
     with pytest.raises(HeadDied):
         stream.around(HeadDied(heads[MAX_HANDOVERS]))
+
+
+def test_a_head_lost_earlier_is_taken_again_when_no_other_serves(monkeypatch):
+    """A request that left a1 for a2 and then loses a2 goes back to a1 if the tracker knows
+    nothing else: a1 was restarted meanwhile (under its name, at a new endpoint)."""
+    stream = Continuation(_generate(), fixed_route=False)
+    assert stream.around(HeadDied(A1)) == [("a1",)]
+    stream.go_on(HeadDied(A1), (A2,))
+    back = p.Hop("a1", "tcp://127.0.0.1:9", 0, 5)
+
+    def route(model, exclude=()):
+        if "a1" in exclude:
+            raise FabricError(p.ErrorCode.NO_ROUTE, "layers 0-5 are not served; skipped a1 (excluded)")
+        return (back,)
+
+    with Client("tcp://127.0.0.1:1") as client:
+        monkeypatch.setattr(client, "route", route)
+        assert client._route_around("m", HeadDied(A2), stream) == (back,)
+        monkeypatch.setattr(client, "route", lambda model, exclude=(): route(model, ("a1",)))
+        with pytest.raises(HeadDied, match="no other head could take the request over"):
+            client._route_around("m", HeadDied(back), stream)
 
 
 # --------------------------------------------------------------------------- the tracker and the dashboard

@@ -14,8 +14,10 @@ import time
 import pytest
 
 from fabric import Client
+from fabric.compute.kv import KVStore, SessionKV
 from fabric.node.leave import Departure
 from fabric.wire import protocol as p
+from fabric.wire.liveness import PEER_SILENCE
 from tests.support import wait_for
 from tests.test_fabric_equivalence import MESSAGES, prompt_ids
 from tests.tiny_models import reference_greedy
@@ -43,6 +45,14 @@ def test_a_leaving_node_refuses_only_new_sessions_and_exits_when_they_end():
     assert not d.over(105.0, serving=1)
     assert d.over(105.0, serving=0)
     assert d.over(110.0, serving=1)  # the deadline: the rest go to their heads' failover
+
+
+def test_a_session_whose_head_went_quiet_does_not_hold_the_leave():
+    kv = KVStore()
+    kv.put("live", SessionKV(cache=None, start=0, end=2, last_used=100.0))
+    kv.put("orphan", SessionKV(cache=None, start=0, end=2, last_used=100.0 - 2 * PEER_SILENCE))
+    assert len(kv) == 2 and kv.active(100.0 + PEER_SILENCE / 2, PEER_SILENCE) == 1
+    assert kv.active(100.0 + 2 * PEER_SILENCE, PEER_SILENCE) == 0  # both heads gone: leave now
 
 
 def test_the_tracker_drops_a_leaving_node_from_its_plans():

@@ -6,6 +6,9 @@ cancellation and cleanup.
 """
 from __future__ import annotations
 
+import time
+from collections import Counter
+
 import pytest
 import torch
 
@@ -13,8 +16,11 @@ from fabric.compute.executor import CacheMissError, ShardExecutor
 from fabric.compute.kv import KVStore
 from fabric.compute.models import load_shard, load_tokenizer, resolve
 from fabric.compute.sampling import sample
+from fabric.node.head import Head, HeadConfig, Model
 from fabric.node.route_session import Detokenizer, RouteSession, eos_ids
-from fabric.wire.protocol import CacheMiss, Cancel, Close, EventKind, Forward, Generate, Hop, Progress, Token
+from fabric.wire.liveness import TRACKER_SILENCE
+from fabric.wire.protocol import (CacheMiss, Cancel, Close, EventKind, Forward, Generate, Hop, Progress, Route,
+                                   RouteRequest, Token)
 from fabric.wire.shard import Shard
 from tests.tiny_models import reference_greedy
 
@@ -213,3 +219,57 @@ def test_a_step_waiting_in_a_queue_keeps_its_client_and_its_timeout(split):
     assert rs.on_progress(Progress(rs.session, rs.step, "h", 2, 0), t0 + 20.3, 0.5) == []  # it just heard
     assert rs.check_timeout(t0 + 45, timeout=30) == [] and rs.retries == 0
     assert len(rs.on_progress(Progress(rs.session, rs.step, "h", 2, 0), t0 + 21, 0.5)) == 1
+
+
+class SilentHost:
+    """A head's node whose hops and tracker never answer: it only records what it sends."""
+
+    endpoint, key = "inproc://h", ""
+
+    def __init__(self):
+        self.to_client: list = []
+        self.asked: list = []
+
+    def reply(self, identity, message) -> None:
+        self.to_client.append(message)
+
+    def to_tracker(self, message) -> bool:
+        self.asked.append(message)
+        return True  # sent; the tracker dies before it answers
+
+    def forward(self, hop, message, tensor) -> None:
+        pass
+
+    def control(self, hop, message) -> None:
+        pass
+
+
+def test_a_failover_whose_route_request_is_lost_stays_on_its_route_and_asks_again(split):
+    _, _, tok, route = split
+    host = SilentHost()
+    head = Head(HeadConfig(), host, "h", Model("tiny", 6, tok, frozenset()), Counter())
+    head.generate(b"client", Generate(route=route, request_id="r1", prompt="the quick brown fox", max_tokens=4))
+    rs, now = head.sessions["r1"], time.monotonic()
+    head.lost({"inproc://t"}, now)
+
+    def asked() -> list:
+        return [m for m in host.asked if isinstance(m, RouteRequest)]
+
+    assert rs.awaiting_route and len(asked()) == 1
+    head.tick(now + TRACKER_SILENCE / 2)
+    assert rs.awaiting_route  # the tracker may still answer
+    head.tick(now + TRACKER_SILENCE)
+    assert not rs.awaiting_route and not rs.finished and "t" not in rs.excluded  # waits for t, asks again later
+    head.route_answer(Route("tiny", route))  # the lost answer, late: nothing waits on it any more
+    assert head.sessions["r1"] is rs and not rs.finished
+    head.lost({"inproc://t"}, rs.replan_after)
+    assert rs.awaiting_route and len(asked()) == 2
+
+
+def test_a_route_through_a_failed_hop_is_not_taken_and_fails_nothing(split):
+    rs, _, _ = new_session(split)
+    route = split[3]
+    rs.start()
+    rs.begin_failover({"t"})
+    assert rs.reroute(route) == [] and not rs.finished  # an answer meant for another request
+    assert rs.route == route and not rs.awaiting_route and rs.replan_after > time.monotonic()

@@ -95,12 +95,15 @@ class AsyncClient(ClientCore):
                             yield event
                 return
             except HeadDied as died:
-                exclude = self._around(died, stream)
-                try:
-                    hops = await self.route(args.model, exclude)
-                except FabricError as exc:
-                    raise stranded(died, exc) from None
-                self._go_on(stream, died, hops)
+                self._go_on(stream, died, await self._route_around(args.model, died, stream))
+
+    async def _route_around(self, model: str, died: HeadDied, stream: Continuation) -> tuple[p.Hop, ...]:
+        for exclude in self._around(died, stream):
+            try:
+                return await self.route(model, exclude)
+            except FabricError as exc:
+                why = exc
+        raise stranded(died, why) from None
 
     async def _attempt(self, msg: p.Generate) -> AsyncIterator[p.Event]:
         poller = zmq.asyncio.Poller()

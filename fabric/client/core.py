@@ -288,9 +288,9 @@ class ClientCore:
         self.routes.learn_plans(body)
         return body
 
-    def _around(self, died: HeadDied, stream: Continuation) -> tuple[str, ...]:
-        """The heads ``stream`` goes around after ``died`` (see ``Continuation.around``); the
-        dead one is remembered as dead."""
+    def _around(self, died: HeadDied, stream: Continuation) -> list[tuple[str, ...]]:
+        """The heads ``stream`` goes around after ``died``, best first (see ``Continuation.around``);
+        the dead one is remembered as dead."""
         self.routes.died(died.head.node)
         return stream.around(died)
 
@@ -370,13 +370,15 @@ class Continuation:
         self.ids.extend(event.token_ids)
         return True
 
-    def around(self, died: HeadDied) -> tuple[str, ...]:
-        """The heads to go around after ``died``; ``died`` itself when the request cannot go on
-        (a route the caller chose, or too many heads lost)."""
+    def around(self, died: HeadDied) -> list[tuple[str, ...]]:
+        """The heads to go around after ``died``, best first: every head this request lost, then
+        only the one just lost (an earlier one may be back, restarted under its name). Raises
+        ``died`` itself when the request cannot go on (a route the caller chose, or too many
+        heads lost)."""
         if self.fixed_route or len(self.lost) >= MAX_HANDOVERS:
             raise died
         self.lost.append(died.head.node)
-        return tuple(self.lost)
+        return [tuple(self.lost)] + ([(died.head.node,)] if len(self.lost) > 1 else [])
 
     def go_on(self, died: HeadDied, route: tuple[p.Hop, ...]) -> None:
         """Send the request to ``route``'s head next, after the tokens so far."""

@@ -108,12 +108,15 @@ class Client(ClientCore):
                             yield event
                 return
             except HeadDied as died:
-                exclude = self._around(died, stream)
-                try:
-                    route = self.route(model, exclude)
-                except FabricError as exc:
-                    raise stranded(died, exc) from None
-                self._go_on(stream, died, route)
+                self._go_on(stream, died, self._route_around(model, died, stream))
+
+    def _route_around(self, model: str, died: HeadDied, stream: Continuation) -> tuple[p.Hop, ...]:
+        for exclude in self._around(died, stream):
+            try:
+                return self.route(model, exclude)
+            except FabricError as exc:
+                why = exc
+        raise stranded(died, why) from None
 
     def _attempt(self, msg: p.Generate) -> Iterator[p.Event]:
         poller = zmq.Poller()

@@ -170,6 +170,10 @@ class KVStore:
             del self._sessions[s]
         return stale
 
+    def active(self, now: float, within: float) -> int:
+        """Live sessions used in the last ``within`` seconds (the others' heads went quiet)."""
+        return sum(1 for kv in list(self._sessions.values()) if now - kv.last_used <= within)
+
     def nbytes(self) -> int:
         return sum(kv.nbytes() for kv in list(self._sessions.values()))
 

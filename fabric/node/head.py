@@ -18,7 +18,7 @@ from typing import Protocol
 
 from ..net.liveness import splice
 from ..wire import protocol as p
-from ..wire.liveness import LINK_GRACE, PEER_SILENCE, PING_INTERVAL
+from ..wire.liveness import LINK_GRACE, PEER_SILENCE, PING_INTERVAL, TRACKER_SILENCE
 from .audit import AuditConfig, Auditor
 from .prefixes import PrefixIndex
 from .route_session import RequestError, RouteSession, Transport, encode_prompt
@@ -70,7 +70,8 @@ class Head:
         self.counters = counters  # the node's: failovers are counted here
         self.sessions: dict[str, RouteSession] = {}  # requests this node heads
         self.clients: dict[str, bytes] = {}  # request id -> client identity on the ROUTER
-        self.pending_routes: deque[str] = deque()  # sessions awaiting a failover route, in request order
+        # (session, asked at) of failovers awaiting the tracker's route, in request order
+        self.pending_routes: deque[tuple[str, float]] = deque()
         # steps re-run on replicas (fabric/node/audit.py); it is the RouteSessions' transport
         self.auditor = Auditor(audit, host, node_id, model.model_id, model.fingerprint, counters,
                                release=lambda token: self.deliver(token.session, token), route_around=self.route_around)
@@ -147,7 +148,8 @@ class Head:
         self._emit(rs, events)
 
     def tick(self, now: float) -> None:
-        """Re-send steps that timed out."""
+        """Re-send steps that timed out; give up on route requests the tracker never answered."""
+        self._expire_route_requests(now)
         for rs in list(self.sessions.values()):
             self._emit(rs, rs.check_timeout(now, self.config.hop_timeout))
         self.auditor.tick(now)
@@ -202,14 +204,25 @@ class Head:
             rs.keep_route(lost, now)  # nobody to ask for another route: wait for them to come back
             return
         self.counters["failovers"] += 1
-        self.pending_routes.append(rs.session)
+        self.pending_routes.append((rs.session, now))
+
+    def _expire_route_requests(self, now: float) -> None:
+        """A route request unanswered for TRACKER_SILENCE was lost with its tracker (killed, or
+        restarted without it): its session stays on its route and asks again after a back-off,
+        as when no route avoids the lost hops. Answers pair with requests in order, so only
+        the oldest expire."""
+        while self.pending_routes and now - self.pending_routes[0][1] >= TRACKER_SILENCE:
+            rs = self.sessions.get(self.pending_routes.popleft()[0])
+            if rs is not None and rs.awaiting_route:
+                log.warning("session %s: the tracker did not answer its route request", rs.session)
+                rs.keep_route(rs.lost, now)
 
     def route_answer(self, msg: p.Route | p.Error) -> None:
         """The tracker's answer to the oldest failover request."""
         if not self.pending_routes:
             return
-        rs = self.sessions.get(self.pending_routes.popleft())
-        if rs is None:
+        rs = self.sessions.get(self.pending_routes.popleft()[0])
+        if rs is None or not rs.awaiting_route:
             return
         if isinstance(msg, p.Route):
             self._emit(rs, rs.reroute(splice(rs.route[0], msg.hops)))

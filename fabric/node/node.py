@@ -30,6 +30,7 @@ from ..net.liveness import PeerLiveness
 from ..net.relay import RelayedPeer
 from ..net.security import serve_securely, start_authenticator
 from ..wire import protocol as p
+from ..wire.liveness import PEER_SILENCE
 from . import telemetry
 from .config import NodeConfig
 from .head import Head, Model
@@ -115,8 +116,11 @@ class Node:
             self.close()
 
     def _left(self) -> bool:
-        """Leave politely: tell the tracker once, then True when the sessions served ended."""
-        now, serving = time.monotonic(), len(self.kv) + len(self.scheduler) + len(self.head or ())
+        """Leave politely: tell the tracker once, then True when the sessions served ended.
+        A session unused for PEER_SILENCE has lost its head (a live one steps far more often):
+        it does not hold the leave."""
+        now = time.monotonic()
+        serving = self.kv.active(now, PEER_SILENCE) + len(self.scheduler) + len(self.head or ())
         if self.departure.begin(now, serving):
             self.links.leave()
         return self.departure.over(now, serving)

@@ -320,7 +320,10 @@ class RouteSession:
         if self.finished:
             return []
         if route[0] != self.route[0] or any(h.node in self.excluded for h in route):
-            return self.fail(ErrorCode.HOP_FAILED, "no route avoids the failed hops")
+            # not an answer to this session's request (one lost with a tracker put answers out
+            # of step): stay, and ask again after the back-off
+            self.keep_route(self.lost, time.monotonic())
+            return []
         self._tell_route(Cancel)  # live hops of the old route free their KV; dead ones never hear
         self.route, self.awaiting_route = route, False
         self.failovers += 1
