@@ -270,7 +270,7 @@ def main() -> int:
     s = summary(outcomes, refs, stops, before, after, ledger)
     report(s, args)
     if args.json:
-        args.json.write_text(json.dumps({"args": vars(args) | {"json": str(args.json)}, **s,
+        args.json.write_text(json.dumps({"args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}, **s,
                                          "outcomes": [asdict(o) | {"ids": len(o.ids)} for o in outcomes]}, indent=1))
     return 0 if s["failed"] == 0 and s["identical"] == s["done"] else 1
 
