@@ -6,7 +6,8 @@
                           [--quant-default] [--json OUT] [--logs DIR]
 
 Starts, as real processes driven by the CLI, a tracker (with its ledger), two heads holding
-the first half of the layers and two tails holding the second half, in exact mode
+the first half of the layers and two tails holding the second half (heartbeats at the
+default interval), in exact mode
 (``--dtype float32 --quant none``; ``--quant-default`` keeps the model's default mode). It
 computes the reference answer of each prompt on the healthy swarm, then runs ``--clients``
 threads, each streaming greedy requests through ``fabric.Client`` for ``--minutes``. Every
@@ -44,6 +45,7 @@ if str(REPO) not in sys.path:
 from fabric import Client, FabricError  # noqa: E402
 from fabric.compute.models import load_config, resolve  # noqa: E402
 from fabric.node.leave import DRAIN_TIMEOUT  # noqa: E402
+from fabric.wire.liveness import HEARTBEAT_INTERVAL  # noqa: E402
 from tests.cluster import ProcessCluster  # noqa: E402
 
 PROMPTS = ["Tell me a short story about a lighthouse keeper.", "What is the capital of France?",
@@ -242,7 +244,7 @@ def main() -> int:
         parser.error("--targets takes tail, head and tracker, comma separated")
     extra = () if args.quant_default else ("--dtype", "float32", "--quant", "none")
     with tempfile.TemporaryDirectory() as tmp:
-        cluster = ProcessCluster(Path(tmp), Path(tmp) / "cache", heartbeat=0.5)
+        cluster = ProcessCluster(Path(tmp), Path(tmp) / "cache", heartbeat=HEARTBEAT_INTERVAL)  # as a user runs it
         swarm = Swarm(cluster, args.model, load_config(resolve(args.model)).num_hidden_layers, extra)
         try:
             for name in (*HEADS, *TAILS):
@@ -270,8 +272,9 @@ def main() -> int:
     s = summary(outcomes, refs, stops, before, after, ledger)
     report(s, args)
     if args.json:
-        args.json.write_text(json.dumps({"args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}, **s,
-                                         "outcomes": [asdict(o) | {"ids": len(o.ids)} for o in outcomes]}, indent=1))
+        given = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
+        args.json.write_text(json.dumps({"args": given, **s, "outcomes": [asdict(o) | {"ids": len(o.ids)}
+                                                                          for o in outcomes]}, indent=1))
     return 0 if s["failed"] == 0 and s["identical"] == s["done"] else 1
 
 

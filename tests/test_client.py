@@ -10,6 +10,7 @@ import zmq
 
 from fabric import AsyncClient, Client, FabricError
 from fabric.wire import protocol as p
+from tests.support import wait_for
 
 
 class SlowTracker:
@@ -76,3 +77,79 @@ def test_bad_arguments_are_refused_before_any_socket():
             client.generate("m", route=hop)
         with pytest.raises(FabricError, match="max_tokens"):
             client.generate("m", prompt="x", max_tokens=0, route=hop)
+
+
+class ScriptedSwarm:
+    """A tracker and two heads on loopback: head a takes a GENERATE and then says nothing;
+    head b streams ``tokens`` and a done. The tracker routes to a unless a is excluded."""
+
+    def __init__(self, tokens: tuple[int, ...]):
+        self.tokens = tokens
+        self.stop = threading.Event()
+        self.seen: dict[str, list] = {"tracker": [], "a": [], "b": []}
+        ctx = zmq.Context.instance()
+        self.socks = {}
+        for name in self.seen:
+            sock = ctx.socket(zmq.ROUTER)
+            sock.setsockopt(zmq.LINGER, 0)
+            self.socks[name] = (sock, f"tcp://127.0.0.1:{sock.bind_to_random_port('tcp://127.0.0.1')}")
+        self.endpoint = self.socks["tracker"][1]
+        self.hops = {n: p.Hop(n, self.socks[n][1], 0, 1) for n in ("a", "b")}
+        self.thread = threading.Thread(target=self.run, daemon=True)
+        self.thread.start()
+
+    def run(self) -> None:
+        poller = zmq.Poller()
+        for sock, _ in self.socks.values():
+            poller.register(sock, zmq.POLLIN)
+        while not self.stop.is_set():
+            for name, (sock, _) in self.socks.items():
+                if not dict(poller.poll(20)).get(sock):
+                    continue
+                identity, *frames = sock.recv_multipart()
+                msg, _ = p.decode(frames)
+                self.seen[name].append(msg)
+                for reply in self.answer(name, msg):
+                    sock.send_multipart([identity, *p.encode(reply)])
+        for sock, _ in self.socks.values():
+            sock.close()
+
+    def answer(self, name: str, msg) -> list:
+        if name == "tracker":
+            return [p.Route(msg.model, (self.hops["b" if "a" in msg.exclude else "a"],))]
+        if name == "a" or not isinstance(msg, p.Generate):
+            return []  # a hangs
+        rid = msg.request_id
+        return [p.Event(rid, "start", route=msg.route, seed=9),
+                *(p.Event(rid, "token", text=str(t), token_ids=(t,)) for t in self.tokens),
+                p.Event(rid, "done", finish_reason="length", completion_tokens=len(self.tokens))]
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join(5)
+
+
+def test_a_silent_head_hands_the_request_to_another():
+    swarm = ScriptedSwarm((4, 5, 6))
+    try:
+        with Client(swarm.endpoint, timeout=0.5) as client:
+            events = list(client.generate("m", prompt="x", max_tokens=3))
+        assert [t for e in events for t in e.token_ids] == [4, 5, 6] and events[-1].event == "done"
+        assert wait_for(lambda: len(swarm.seen["a"]) == 2, 5)
+        generate, cancel = swarm.seen["a"]  # the silent head was told to drop the request
+        assert isinstance(cancel, p.Cancel) and cancel.session == generate.request_id
+        (moved,) = swarm.seen["b"]
+        assert moved.request_id == generate.request_id and moved.resume == ()
+        assert swarm.seen["tracker"][-1].exclude == ("a",)
+    finally:
+        swarm.close()
+
+
+def test_a_silent_head_on_a_route_the_caller_chose_is_an_error():
+    swarm = ScriptedSwarm(())
+    try:
+        with Client(swarm.endpoint, timeout=0.3) as client:
+            with pytest.raises(FabricError, match="the head a at .* went silent"):
+                list(client.generate("m", prompt="x", max_tokens=3, route=(swarm.hops["a"],)))
+    finally:
+        swarm.close()

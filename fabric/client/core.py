@@ -48,6 +48,15 @@ class HeadDied(FabricError):
         self.head = head
 
 
+class HeadSilent(HeadDied):
+    """The head sent nothing for the client's whole timeout (hung, or cut off): the request
+    goes on at another head, as after a death; the silent one is told to cancel it."""
+
+    def __init__(self, head: p.Hop):
+        FabricError.__init__(self, p.ErrorCode.HOP_FAILED, f"the head {head.node} at {head.endpoint} went silent")
+        self.head = head
+
+
 class HeadLeaving(HeadDied):
     """The head refused the request because it is leaving the swarm: go to another."""
 
@@ -412,7 +421,7 @@ class HeadLink:
         if self.monitor in ready and self.sock not in ready:
             raise HeadDied(self.msg.route[0])
         if not ready:
-            raise FabricError(p.ErrorCode.HOP_FAILED, f"head {self.msg.route[0].endpoint} went silent")
+            raise HeadSilent(self.msg.route[0])
 
     def take(self, frames) -> p.Event:
         """The head's next event (an error raises as a FabricError; a leaving head's refusal

@@ -5,13 +5,14 @@ A share ``audit_rate`` of the requests a head takes is audited: such a request s
 position 0 (never from kept KV: a replica could not hold that KV), and its first step, as
 well as that share of later steps at position 0 (re-prefills), names one of the route's
 other hops in the FORWARD (``audit``). That hop sends back its input and output
-(AUDIT_TAP, fabric/node/taps.py); the step's TOKEN is held meanwhile. The head asks the tracker for replicas of those layers (REPLICAS_REQUEST),
-sends the input to one (AUDIT), and compares its output with the suspect's
-(fabric/node/verdicts.py). They agree: the TOKEN goes on. They differ: a second replica
-settles it, and the node the other two contradict is convicted: the head tells the tracker
-(VERDICT), which drops it from plans, and moves its own sessions off it; the held TOKEN of a
-convicted suspect is dropped and the step re-runs on a route without it. With no second
-replica, or three different outputs, the mismatch is reported and nobody is excluded.
+(AUDIT_TAP, fabric/node/taps.py); the step's TOKEN is held meanwhile. The head asks the
+tracker for replicas of those layers (REPLICAS_REQUEST), sends the input to one (AUDIT),
+and compares its output with the suspect's (fabric/node/verdicts.py). They agree: the TOKEN
+goes on. They differ: a second replica settles it, and the node the other two contradict is
+convicted: the head tells the tracker (VERDICT), which drops it from plans, and moves its own
+sessions off it; the held TOKEN of a convicted suspect is dropped and the step re-runs on a
+route without it. With no second replica, or three different outputs, the mismatch is
+reported and nobody is excluded.
 
 Decode steps (which need a past KV no replica holds) are never audited. No sockets here:
 the auditor is the RouteSessions' transport and sends through the node.
