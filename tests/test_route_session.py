@@ -19,8 +19,8 @@ from fabric.compute.sampling import sample
 from fabric.node.head import Head, HeadConfig, Model
 from fabric.node.route_session import Detokenizer, RouteSession, eos_ids
 from fabric.wire.liveness import TRACKER_SILENCE
-from fabric.wire.protocol import (CacheMiss, Cancel, Close, EventKind, Forward, Generate, Hop, Progress, Route,
-                                   RouteRequest, Token)
+from fabric.wire.protocol import (CacheMiss, Cancel, Close, Error, ErrorCode, EventKind, Forward, Generate, Hop,
+                                   Progress, Route, RouteRequest, Token)
 from fabric.wire.shard import Shard
 from tests.tiny_models import reference_greedy
 
@@ -244,18 +244,26 @@ class SilentHost:
         pass
 
 
-def test_a_failover_whose_route_request_is_lost_stays_on_its_route_and_asks_again(split):
+def asked(host: SilentHost) -> list[RouteRequest]:
+    return [m for m in host.asked if isinstance(m, RouteRequest)]
+
+
+def silent_head(split) -> tuple[SilentHost, Head, RouteSession]:
+    """A head whose request r1 runs on ``split``'s route h -> t, with nothing answering."""
     _, _, tok, route = split
     host = SilentHost()
     head = Head(HeadConfig(), host, "h", Model("tiny", 6, tok, frozenset()), Counter())
     head.generate(b"client", Generate(route=route, request_id="r1", prompt="the quick brown fox", max_tokens=4))
-    rs, now = head.sessions["r1"], time.monotonic()
+    return host, head, head.sessions["r1"]
+
+
+def test_a_failover_whose_route_request_is_lost_stays_on_its_route_and_asks_again(split):
+    route = split[3]
+    host, head, rs = silent_head(split)
+    now = time.monotonic()
     head.lost({"inproc://t"}, now)
 
-    def asked() -> list:
-        return [m for m in host.asked if isinstance(m, RouteRequest)]
-
-    assert rs.awaiting_route and len(asked()) == 1
+    assert rs.awaiting_route and len(asked(host)) == 1
     head.tick(now + TRACKER_SILENCE / 2)
     assert rs.awaiting_route  # the tracker may still answer
     head.tick(now + TRACKER_SILENCE)
@@ -263,7 +271,7 @@ def test_a_failover_whose_route_request_is_lost_stays_on_its_route_and_asks_agai
     head.route_answer(Route("tiny", route))  # the lost answer, late: nothing waits on it any more
     assert head.sessions["r1"] is rs and not rs.finished
     head.lost({"inproc://t"}, rs.replan_after)
-    assert rs.awaiting_route and len(asked()) == 2
+    assert rs.awaiting_route and len(asked(host)) == 2
 
 
 def test_a_route_through_a_failed_hop_is_not_taken_and_fails_nothing(split):
@@ -273,3 +281,23 @@ def test_a_route_through_a_failed_hop_is_not_taken_and_fails_nothing(split):
     rs.begin_failover({"t"})
     assert rs.reroute(route) == [] and not rs.finished  # an answer meant for another request
     assert rs.route == route and not rs.awaiting_route and rs.replan_after > time.monotonic()
+
+
+def test_no_route_around_every_lost_hop_asks_again_around_fewer(split):
+    """A request that lost tail t0 earlier and now loses t: the tracker knows no route around
+    both, so the head asks around t alone, then around nobody; a route back to t's dead
+    endpoint is not taken, one to t restarted at another endpoint is."""
+    route = split[3]
+    host, head, rs = silent_head(split)
+    rs.excluded.add("t0")
+    head.lost({"inproc://t"}, time.monotonic())
+    no_route = Error(ErrorCode.NO_ROUTE, "layers 3-5 are not served")
+    for exclude in (("t", "t0"), ("t",), ()):
+        assert asked(host)[-1].exclude == exclude and rs.awaiting_route
+        head.route_answer(no_route if exclude else Route("tiny", route))  # t still listed, at its dead endpoint
+    assert not rs.awaiting_route and rs.route == route and not rs.finished  # waits for t to come back
+    head.lost({"inproc://t"}, rs.replan_after)
+    head.route_answer(no_route)
+    back = Hop("t", "inproc://t-restarted", 3, 5)
+    head.route_answer(Route("tiny", (route[0], back)))
+    assert rs.route == (route[0], back) and not rs.awaiting_route and not rs.finished

@@ -200,11 +200,17 @@ class Head:
 
     def _failover(self, rs: RouteSession, lost: set[str], now: float) -> None:
         rs.begin_failover(lost)
+        if self._ask_route(rs, now):
+            self.counters["failovers"] += 1
+
+    def _ask_route(self, rs: RouteSession, now: float) -> bool:
+        """Ask the tracker for a route around ``rs.excluded``; False when there is no tracker
+        to ask (then ``rs`` stays on its route and waits for the lost hops to come back)."""
         if not self.host.to_tracker(p.RouteRequest(self.model.model_id, tuple(sorted(rs.excluded)))):
-            rs.keep_route(lost, now)  # nobody to ask for another route: wait for them to come back
-            return
-        self.counters["failovers"] += 1
+            rs.keep_route(rs.lost, now)
+            return False
         self.pending_routes.append((rs.session, now))
+        return True
 
     def _expire_route_requests(self, now: float) -> None:
         """A route request unanswered for TRACKER_SILENCE was lost with its tracker (killed, or
@@ -226,5 +232,7 @@ class Head:
             return
         if isinstance(msg, p.Route):
             self._emit(rs, rs.reroute(splice(rs.route[0], msg.hops)))
+        elif rs.widen():  # nodes lost earlier, or the lost ones themselves, may be back
+            self._ask_route(rs, time.monotonic())
         else:  # nothing else serves those layers: wait for the lost hops to come back
             rs.keep_route(rs.lost, time.monotonic())

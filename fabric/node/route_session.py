@@ -315,11 +315,25 @@ class RouteSession:
         log.warning("session %s: no route avoids %s; waiting for it to come back", self.session,
                     ", ".join(sorted(lost)))
 
+    def widen(self) -> bool:
+        """No route avoids the excluded nodes: exclude fewer, and ask again. Nodes lost earlier
+        in this request may be back (restarted under their names), and so may the ones lost
+        now, at another endpoint (``reroute`` refuses their dead ones). False when nothing is
+        excluded any more."""
+        if self.excluded - self.lost:
+            self.excluded = set(self.lost)
+        elif self.excluded:
+            self.excluded = set()
+        else:
+            return False
+        return True
+
     def reroute(self, route: tuple[Hop, ...]) -> list[Event]:
         """Continue on ``route`` (same head): free the old hops, re-prefill the history."""
         if self.finished:
             return []
-        if route[0] != self.route[0] or any(h.node in self.excluded for h in route):
+        dead = {h.endpoint for h in self.route if h.node in self.lost}
+        if route[0] != self.route[0] or any(h.node in self.excluded or h.endpoint in dead for h in route):
             # not an answer to this session's request (one lost with a tracker put answers out
             # of step): stay, and ask again after the back-off
             self.keep_route(self.lost, time.monotonic())
