@@ -41,6 +41,16 @@ def test_a_resent_report_never_bills_twice(ledger):
     assert ledger.totals()[BILLED]["requests"] == 1
 
 
+def test_a_request_that_failed_at_one_head_and_ended_at_another_is_billed_as_it_ended(ledger):
+    ledger.record(report(out=17, reason="error"))
+    entry, new = ledger.record(report(out=40, reason="length", route=ONE))  # it went on at another head
+    assert new and ledger.get("r1") == entry and entry.completion_tokens == 40 and entry.head_node == "full"
+    assert not ledger.record(report(out=40, reason="error"))[1]  # the ended record stays
+    assert not ledger.record(report(out=41, reason="stop"))[1]
+    assert set(ledger.usage_by_node()) == {"full"} and ledger.usage_by_node()["full"]["completion_tokens"] == 40
+    assert ledger.totals()[BILLED]["requests"] == 1
+
+
 def test_usage_per_key_and_per_serving_node(ledger):
     ledger.record(report("r1"))
     ledger.record(report("r2", out=10, route=ONE, key="sk-bob"))

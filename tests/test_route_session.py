@@ -6,6 +6,7 @@ cancellation and cleanup.
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections import Counter
 
@@ -301,3 +302,12 @@ def test_no_route_around_every_lost_hop_asks_again_around_fewer(split):
     back = Hop("t", "inproc://t-restarted", 3, 5)
     head.route_answer(Route("tiny", (route[0], back)))
     assert rs.route == (route[0], back) and not rs.awaiting_route and not rs.finished
+
+
+def test_only_a_hop_of_the_route_that_leaves_is_gone_around(split):
+    host, head, rs = silent_head(split)
+    leaving = Error(ErrorCode.LEAVING, "leaving the swarm", session="r1", step=rs.step, node="elsewhere")
+    head.deliver("r1", leaving)  # a node off this route (a replica asked for something else)
+    assert not rs.awaiting_route and asked(host) == [] and not rs.finished
+    head.deliver("r1", dataclasses.replace(leaving, node="t"))
+    assert rs.awaiting_route and asked(host)[-1].exclude == ("t",)

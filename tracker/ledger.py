@@ -189,7 +189,7 @@ class Ledger:
                 f"INSERT OR IGNORE INTO completions ({_COLUMNS}) VALUES "
                 f"({', '.join('?' * len(LedgerEntry.__dataclass_fields__))})",
                 tuple(getattr(entry, f) for f in LedgerEntry.__dataclass_fields__))
-            if cur.rowcount == 0:
+            if cur.rowcount == 0 and not self._supersede(entry):
                 log.info("report %s was already recorded; not billed again", report.request_id)
                 return self.get(report.request_id), False
             self._db.executemany(
@@ -197,6 +197,20 @@ class Ledger:
                 [(report.request_id, h.node, h.start_layer, h.end_layer) for h in report.route]
                 or [(report.request_id, report.node_id, 0, 0)])
         return entry, True
+
+    def _supersede(self, entry: LedgerEntry) -> bool:
+        """A request recorded as failed that then ended well at another head (the client went
+        on there after its first head stopped answering) is billed as it ended, once."""
+        if entry.finish_reason == "error":
+            return False
+        cur = self._db.execute(
+            f"UPDATE completions SET ({_COLUMNS}) = ({', '.join('?' * len(LedgerEntry.__dataclass_fields__))}) "
+            "WHERE request_id = ? AND finish_reason = 'error'",
+            (*(getattr(entry, f) for f in LedgerEntry.__dataclass_fields__), entry.request_id))
+        if cur.rowcount:
+            log.info("report %s replaces its failed attempt's", entry.request_id)
+            self._db.execute("DELETE FROM served WHERE request_id = ?", (entry.request_id,))  # the route it ended on
+        return bool(cur.rowcount)
 
     def get(self, request_id: str) -> LedgerEntry | None:
         row = self._db.execute(f"SELECT {_COLUMNS} FROM completions WHERE request_id = ?",

@@ -138,7 +138,8 @@ class Head:
                     self.prefixes.discard(rs.reused.session)  # a hop dropped it: do not offer it again
                 events = rs.on_cache_miss(msg)
             case p.Error(code=p.ErrorCode.LEAVING, node=str() as node) if msg.step == rs.step:
-                if not rs.awaiting_route:  # the hop leaves the swarm: go around it, as around a dead one
+                # a hop of the route leaves the swarm: go around it, as around a dead one
+                if not rs.awaiting_route and any(h.node == node for h in rs.route[1:]):
                     self._failover(rs, {node}, time.monotonic())
                 return
             case p.Progress():
