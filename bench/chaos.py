@@ -52,6 +52,7 @@ PROMPTS = ["Tell me a short story about a lighthouse keeper.", "What is the capi
            "Write a haiku about autumn rain.", "Explain what a CPU cache is, in two sentences.",
            "List three uses of copper.", "Why is the sky blue?"]
 HEADS, TAILS = ("head1", "head2"), ("tail1", "tail2")
+SLOW = 5.0  # a stream that waited this long for a token keeps its events in the --json output
 
 
 @dataclass
@@ -63,6 +64,8 @@ class Outcome:
     error: str = ""
     worst_gap: float = 0.0
     prompt_tokens: int = 0
+    events: list[tuple[float, str, str]] = field(default_factory=list)  # (seconds in, kind, head) of each event
+    started: str = field(default_factory=lambda: time.strftime("%H:%M:%S"))  # wall clock, as in the logs
 
 
 @dataclass
@@ -99,6 +102,8 @@ def stream(client: Client, swarm: Swarm, prompt: int, tokens: int) -> Outcome:
         for event in client.generate(swarm.model_id, messages=[{"role": "user", "content": PROMPTS[prompt]}],
                                      max_tokens=tokens):
             out.request_id = event.request_id
+            out.events.append((round(time.monotonic() - out.at, 2), str(event.event),
+                               event.route[0].node if event.route else ""))
             if event.token_ids:
                 now = time.monotonic()
                 out.worst_gap = max(out.worst_gap, now - last) if last is not None else 0.0
@@ -153,6 +158,10 @@ def chaos(swarm: Swarm, targets: list[str], interval: float, down: float, deadli
         swarm.start(victim)
         back = swarm.serving()
         log[-1] |= {"serving_again_s": round(time.monotonic() - started, 1), "recovered": back}
+
+
+def note(what: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {what}", flush=True)
 
 
 def rss(cluster: ProcessCluster) -> dict[str, tuple[int, int]]:
@@ -252,15 +261,17 @@ def main() -> int:
             if not swarm.serving(300):
                 raise SystemExit("the swarm did not come up:\n" + cluster.logs())
             refs = references(swarm, args.tokens)
+            note("references taken; the load starts")
             before, stops = rss(cluster), []
             deadline = time.monotonic() + args.minutes * 60
             killer = threading.Thread(target=chaos, args=(swarm, targets, args.interval, args.down, deadline,
                                                           args.seed, stops), daemon=True)
             killer.start()
             outcomes = load(swarm, args.clients, args.tokens, deadline, args.seed)
+            note(f"load ended ({len(outcomes)} requests)")
             killer.join()
             after = rss(cluster)
-            swarm.serving()
+            note("the swarm serves again" if swarm.serving() else "the swarm did NOT serve again")
             time.sleep(2.0)  # the heads' final reports reach a restarted tracker
             ledger = ledger_check(Path(tmp) / "ledger.sqlite3", [o for o in outcomes if not o.error])
         finally:
@@ -273,8 +284,8 @@ def main() -> int:
     report(s, args)
     if args.json:
         given = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
-        args.json.write_text(json.dumps({"args": given, **s, "outcomes": [asdict(o) | {"ids": len(o.ids)}
-                                                                          for o in outcomes]}, indent=1))
+        rows = [asdict(o) | {"ids": len(o.ids), "events": o.events if o.worst_gap > SLOW else []} for o in outcomes]
+        args.json.write_text(json.dumps({"args": given, **s, "outcomes": rows}, indent=1))
     return 0 if s["failed"] == 0 and s["identical"] == s["done"] else 1
 
 

@@ -242,6 +242,27 @@ def test_a_decode_batch_waits_a_little_for_sessions_due_here():
     assert late.wait(10.0 + GATHER_PER_DECODE * 0.04) == 0  # waited long enough: run without "b"
 
 
+def test_a_session_that_does_not_come_back_is_waited_for_once():
+    """A stream whose head is failing over (or gone) decoded here lately but sends nothing:
+    the node waits for it once, then not again until it decodes here again. Waiting each
+    time would stretch every other stream's cycle, and with it the wait (a stall that fed
+    itself to 0.1 tok/s under chaos)."""
+    s = scheduler([work("a", 40, 1)], ["a", "gone"], decode_s=0.04, cycle_s=0.1, locked=True)
+    s.last_decode = {"a": 9.9, "gone": 9.95}
+    assert s.wait(10.0) == pytest.approx(0.1)
+    assert s.wait(10.1) == 0 and "gone" not in s.last_decode
+    s.ran(s.next_batch(), started=10.1, elapsed=0.04)
+    s.push(work("a", 41, 1))
+    assert s.wait(10.2) == 0  # nothing due is missing now: run at once
+
+
+def test_one_stall_moves_the_learnt_cycle_by_two_cycles_at_most():
+    s = scheduler(live=["a"], cycle_s=0.1)
+    s.last_decode = {"a": 1.0}
+    s.ran([work("a", 10, 1)], started=31.0, elapsed=0.05)  # 30 s since its last step here
+    assert s.cycle_s == pytest.approx(0.1 + 0.2 * (0.2 - 0.1))
+
+
 def test_nothing_waits_for_sessions_gone_quiet_freed_or_beside_a_prefill():
     stale = scheduler([work("a", 40, 1)], ["a", "b"], decode_s=0.04, cycle_s=0.1)
     stale.last_decode = {"a": 9.9, "b": 9.0}  # "b" last decoded 10 cycles ago

@@ -33,6 +33,7 @@ MIN_SLICE_S = 0.02  # ...and at least this long (alone: a slice reads all the we
 IDLE_SLICE_S = 0.25  # ...and with no stream decoding here, this long
 GATHER_PER_DECODE = 1.0  # a decode batch waits at most this many passes' time for sessions still due
 RECENT_CYCLES = 3.0  # a session is due here while its last decode step is this many of its cycles old
+MAX_CYCLE_JUMP = 2.0  # one gap between a session's decode steps counts as this many cycles at most
 WAITING_REPORT_S = 0.5  # how often a node tells heads that their sessions' hops wait in its queue
 
 
@@ -183,6 +184,8 @@ class HopScheduler:
         left = self.gather_since + limit - now
         if left <= 0:
             self.gather_since = None
+            for session in due:  # waited a whole limit for them: not due until they decode here again
+                self.last_decode.pop(session, None)
             return 0.0
         return left
 
@@ -314,8 +317,9 @@ class HopScheduler:
             self.pass_s = _average(self.pass_s, elapsed)
             for work in batch:
                 last = self.last_decode.get(work.session)
-                if last is not None:
-                    self.cycle_s = _average(self.cycle_s, started - last)
+                if last is not None:  # a stall (a failover, a queue elsewhere) weighs as two cycles at most
+                    gap = started - last if self.cycle_s is None else min(started - last, MAX_CYCLE_JUMP * self.cycle_s)
+                    self.cycle_s = _average(self.cycle_s, gap)
                 self.last_decode[work.session] = started
         elif len(batch) == 1:  # a batch of prompts says nothing about one slice's cost
             self.steer_slices(batch[0], elapsed)
