@@ -43,6 +43,16 @@ def test_splice_keeps_the_head_and_continues_after_it():
     assert splice(head, (head, Hop("y", "tcp://y", 15, 29))) == (head, Hop("y", "tcp://y", 15, 29))
 
 
+def test_splice_never_puts_the_head_on_its_route_twice():
+    """The head ran layers 0-7 beside b (8-14), now gone; the plan has the head's node whole:
+    the head's hop takes 0-14 (one KV per session per node), not 0-7 then 8-14."""
+    head = Hop("h", "tcp://h", 0, 7)
+    whole = splice(head, (Hop("h", "tcp://h", 0, 14), Hop("t", "tcp://t", 15, 29)))
+    assert whole == (Hop("h", "tcp://h", 0, 14), Hop("t", "tcp://t", 15, 29))
+    around = splice(head, (Hop("a", "tcp://a", 0, 5), Hop("h", "tcp://h", 6, 14), Hop("t", "tcp://t", 15, 29)))
+    assert around == (Hop("h", "tcp://h", 0, 14), Hop("t", "tcp://t", 15, 29))
+
+
 def test_round_trips_skip_the_handshake_damp_stalls_and_smooth():
     from fabric.net.liveness import RttTable
 

@@ -17,6 +17,7 @@ from fabric.compute.executor import CacheMissError, ShardExecutor
 from fabric.compute.kv import KVStore
 from fabric.compute.models import load_shard, load_tokenizer, resolve
 from fabric.compute.sampling import sample
+from fabric.net.liveness import splice
 from fabric.node.head import Head, HeadConfig, Model
 from fabric.node.route_session import Detokenizer, RouteSession, eos_ids
 from fabric.wire.liveness import TRACKER_SILENCE
@@ -311,3 +312,27 @@ def test_only_a_hop_of_the_route_that_leaves_is_gone_around(split):
     assert not rs.awaiting_route and asked(host) == [] and not rs.finished
     head.deliver("r1", dataclasses.replace(leaving, node="t"))
     assert rs.awaiting_route and asked(host)[-1].exclude == ("t",)
+
+
+def test_a_failover_that_gives_the_head_more_layers_keeps_the_tokens(split):
+    """The head ran layers 0-1 beside a node now gone (2-2); the route around it gives the
+    head its whole shard (0-2, see splice): the session re-prefills on the longer head hop
+    and the greedy tokens stay transformers'."""
+    model_dir, executors, tok, route = split
+    executors["gone"] = ShardExecutor(load_shard(resolve(str(model_dir)), Shard(0, 2, 6), progress=False), KVStore())
+    request = Generate(request_id="r1", route=(Hop("h", "inproc://h", 0, 1), Hop("gone", "inproc://g", 2, 2),
+                                               route[1]), prompt="the quick brown fox", max_tokens=12)
+    ids = tok(request.prompt)["input_ids"]
+    transport = LocalTransport(executors)
+    rs = RouteSession(request, ids, tokenizer=tok, eos=frozenset(), reply_to="inproc://h", transport=transport,
+                      seed=7)
+    events, steps = rs.start(), 0
+    while transport.replies and not rs.finished:
+        events += rs.on_token(transport.replies.pop(0))
+        steps += 1
+        if steps == 4:
+            rs.begin_failover({"gone"})
+            events += rs.reroute(splice(rs.route[0], route))
+            assert rs.route == route and transport.sent[-1].pos == 0 and transport.sent[-1].end_layer == 2
+    tokens = [t for e in events if e.event == "token" for t in e.token_ids]
+    assert tokens == reference_greedy(model_dir, ids, 12) and events[-1].event == "done"

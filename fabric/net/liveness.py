@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from ..wire.protocol import MAX_RTT_MS, MAX_RTT_PEERS, Hop
 
@@ -123,7 +123,12 @@ class RttTable:
 
 def splice(head: Hop, plan: tuple[Hop, ...]) -> tuple[Hop, ...]:
     """A route that keeps ``head`` (this node, layers 0..e) and continues along ``plan``
-    from layer e+1. ``plan`` covers every layer contiguously, so some hop holds e+1."""
+    from layer e+1. ``plan`` covers every layer contiguously, so some hop holds e+1. Where
+    the plan gives this node itself more layers (its first hop ran only part of its shard,
+    beside another node now gone), the head's hop takes them: a node is on a route once,
+    since it keeps one KV per session."""
+    own = [h.end_layer for h in plan if h.node == head.node]
+    head = replace(head, end_layer=max([head.end_layer, *own]))
     route = [head]
     for hop in plan:
         if hop.end_layer <= head.end_layer:

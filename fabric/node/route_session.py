@@ -333,7 +333,8 @@ class RouteSession:
         if self.finished:
             return []
         dead = {h.endpoint for h in self.route if h.node in self.lost}
-        if route[0] != self.route[0] or any(h.node in self.excluded or h.endpoint in dead for h in route):
+        same_head = route[0].endpoint == self.route[0].endpoint and route[0].start_layer == 0
+        if not same_head or any(h.node in self.excluded or h.endpoint in dead for h in route):
             # not an answer to this session's request (one lost with a tracker put answers out
             # of step): stay, and ask again after the back-off
             self.keep_route(self.lost, time.monotonic())
