@@ -21,8 +21,21 @@ from fabric.net.liveness import splice
 from fabric.node.head import Head, HeadConfig, Model
 from fabric.node.route_session import Detokenizer, RouteSession, eos_ids
 from fabric.wire.liveness import TRACKER_SILENCE
-from fabric.wire.protocol import (CacheMiss, Cancel, Close, Error, ErrorCode, EventKind, Forward, Generate, Hop,
-                                   Progress, Route, RouteRequest, Token)
+from fabric.wire.protocol import (
+    CacheMiss,
+    Cancel,
+    Close,
+    Error,
+    ErrorCode,
+    EventKind,
+    Forward,
+    Generate,
+    Hop,
+    Progress,
+    Route,
+    RouteRequest,
+    Token,
+)
 from fabric.wire.shard import Shard
 from tests.tiny_models import reference_greedy
 

@@ -335,8 +335,9 @@ class RouteSession:
         dead = {h.endpoint for h in self.route if h.node in self.lost}
         same_head = route[0].endpoint == self.route[0].endpoint and route[0].start_layer == 0
         if not same_head or any(h.node in self.excluded or h.endpoint in dead for h in route):
-            # not an answer to this session's request (one lost with a tracker put answers out
-            # of step): stay, and ask again after the back-off
+            # a route back through a lost hop's dead endpoint (the tracker still lists it), or
+            # not this session's answer (one lost with a tracker put answers out of step):
+            # stay, and ask again after the back-off
             self.keep_route(self.lost, time.monotonic())
             return []
         self._tell_route(Cancel)  # live hops of the old route free their KV; dead ones never hear
