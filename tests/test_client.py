@@ -148,7 +148,7 @@ def test_a_silent_head_hands_the_request_to_another():
 def test_a_silent_head_on_a_route_the_caller_chose_is_an_error():
     swarm = ScriptedSwarm(())
     try:
-        with Client(swarm.endpoint, timeout=0.3) as client, pytest.raises(FabricError, match="head a at .* went silent"):
+        with Client(swarm.endpoint, timeout=0.3) as client, pytest.raises(FabricError, match="head a .* silent"):
             list(client.generate("m", prompt="x", max_tokens=3, route=(swarm.hops["a"],)))
     finally:
         swarm.close()
