@@ -8,6 +8,7 @@ from fabric.node.scheduler import (
     GATHER_PER_DECODE,
     IDLE_SLICE_S,
     MIN_SLICE_TOKENS,
+    RECENT_CYCLES,
     RIDE_PER_DECODE,
     WAITING_REPORT_S,
     WHOLE_PREFILL_TOKENS,
@@ -254,6 +255,24 @@ def test_a_session_that_does_not_come_back_is_waited_for_once():
     s.ran(s.next_batch(), started=10.1, elapsed=0.04)
     s.push(work("a", 41, 1))
     assert s.wait(10.2) == 0  # nothing due is missing now: run at once
+
+
+def test_after_a_merge_wait_in_vain_decode_batches_wait_only_a_pass_for_a_while():
+    """Two groups of streams, each queued at the node the other waits on (after a failover):
+    a cycle-long wait for the other group runs out, then for RECENT_CYCLES cycles a batch
+    waits only a pass's time, so the two nodes do not wait on each other at every token."""
+    s = scheduler([work("a", 40, 1)], ["a", "b"], decode_s=0.04, cycle_s=0.5, locked=True)
+    s.last_decode = {"a": 9.9, "b": 9.95}
+    assert s.wait(10.0) == pytest.approx(0.5)
+    assert s.wait(10.5) == 0  # in vain: "b" stayed queued elsewhere
+    s.ran(s.next_batch(), started=10.5, elapsed=0.04)
+    s.last_decode["b"] = 10.6  # "b" came back and ran here alone; "a" is queued again
+    s.push(work("a", 41, 1))
+    assert s.wait(10.7) == pytest.approx(GATHER_PER_DECODE * 0.04)  # a pass's time, not a cycle
+    assert s.wait(10.7 + GATHER_PER_DECODE * 0.04) == 0
+    later = 10.5 + RECENT_CYCLES * 0.5
+    s.last_decode["b"] = later - 0.4  # "b" ran here again meanwhile
+    assert s.wait(later) == pytest.approx(s.cycle_s)  # later, merging is tried again
 
 
 def test_one_stall_moves_the_learnt_cycle_by_two_cycles_at_most():

@@ -120,6 +120,7 @@ class HopScheduler:
         self.cycle_s: float | None = None  # seconds between a session's decode steps here (moving average)
         self.last_decode: dict[str, float] = {}  # session -> when its last decode step ran here
         self.gather_since: float | None = None  # when a decode batch began waiting for sessions still due
+        self.merge_after = float("-inf")  # no cycle-long wait before this (one waited in vain lately)
         # prefill tokens per slice, steered so a slice takes its target time: riding a decode
         # batch (the time it adds), alone beside streams, alone with none
         self.slice_tokens = {mode: float(FIRST_SLICE_TOKENS) for mode in ("ride", "busy", "idle")}
@@ -167,7 +168,10 @@ class HopScheduler:
         so the node waits (at most one of their cycles) for them to come back first. A prefill
         that can ride the decode batch waits with it: it goes in the same pass. Under a shared
         lock a decode batch too waits up to one cycle: the streams' other hops run meanwhile,
-        and streams that fell into two groups (a long pass, a prompt arriving) merge again."""
+        and streams that fell into two groups (a long pass, a prompt arriving) merge again.
+        When such a wait runs out without them, each group may be queued at the node the
+        other waits on: for RECENT_CYCLES cycles the batch waits only a pass's time, or the
+        two nodes would wait on each other at every token."""
         decode = self._first(decode=True)
         gather = decode is not None and (all(w.decode for w in self.queue) or self._rides(decode))
         yield_to_decode = self.ran_prefill and self.shared_lock
@@ -179,13 +183,16 @@ class HopScheduler:
         if self.gather_since is None:
             self.gather_since = now
         limit = GATHER_PER_DECODE * (self.pass_s or 0.0) if gather else (self.cycle_s or 0.0)
-        if gather and self.shared_lock:
+        merging = gather and self.shared_lock and now >= self.merge_after
+        if merging:
             limit = max(limit, self.cycle_s or 0.0)
         left = self.gather_since + limit - now
         if left <= 0:
             self.gather_since = None
             for session in due:  # waited a whole limit for them: not due until they decode here again
                 self.last_decode.pop(session, None)
+            if merging:  # two groups that wait on each other at two nodes: stop trying to merge a while
+                self.merge_after = now + RECENT_CYCLES * (self.cycle_s or 0.0)
             return 0.0
         return left
 
