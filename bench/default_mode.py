@@ -31,7 +31,6 @@ same in exact mode.
 from __future__ import annotations
 
 import argparse
-import signal
 import statistics
 import subprocess
 import sys
@@ -50,6 +49,7 @@ from fabric_bench import LoadMeter  # noqa: E402
 import psutil
 
 from fabric import Client, FabricError
+from fabric.cli import stop_processes
 from fabric.compute.models import default_cache_root, load_config, pick_quant, resolve
 
 EXACT = ("--quant", "none", "--dtype", "float32")
@@ -129,10 +129,7 @@ def run_speed(args) -> dict:
                       for i in range(args.rounds)]
         finally:
             for procs, _ in clusters.values():
-                for proc in procs:
-                    proc.send_signal(signal.SIGINT)
-                for proc in procs:
-                    proc.wait(30)
+                stop_processes(procs, grace=30)
     return {"rounds": rounds, "agreement": agreement(rounds[0]["ids"]["default"], rounds[0]["ids"]["exact"])}
 
 

@@ -36,7 +36,6 @@ part: decode tok/s of the nodes' defaults, a GGUF on its own grid, against ``--q
 from __future__ import annotations
 
 import argparse
-import signal
 import statistics
 import subprocess
 import sys
@@ -52,6 +51,7 @@ from concurrency import add_device_args, device_args, start_cluster  # noqa: E40
 from default_mode import report_speed, run_speed  # noqa: E402
 
 from fabric import Client
+from fabric.cli import stop_processes
 from fabric.compute.models import load_tokenizer, resolve
 
 HANDBOOK = [
@@ -209,10 +209,7 @@ def chats(args) -> None:
             report(args, rounds, {name: kv_counters(tracker) for name, tracker in trackers.items()})
         finally:
             for procs, _ in clusters.values():
-                for proc in procs:
-                    proc.send_signal(signal.SIGINT)
-                for proc in procs:
-                    proc.wait(30)
+                stop_processes(procs, grace=30)
 
 
 if __name__ == "__main__":

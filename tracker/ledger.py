@@ -147,6 +147,11 @@ class LedgerEntry:
 
 
 _COLUMNS = ", ".join(LedgerEntry.__dataclass_fields__)
+_VALUES = ", ".join("?" * len(LedgerEntry.__dataclass_fields__))  # one placeholder per column
+
+
+def _row(entry: LedgerEntry) -> tuple:
+    return tuple(getattr(entry, f) for f in LedgerEntry.__dataclass_fields__)
 
 
 class Ledger:
@@ -186,9 +191,7 @@ class Ledger:
             hops=len(report.route), status=verdict.status, reason=verdict.reason)
         with self._db:
             cur = self._db.execute(
-                f"INSERT OR IGNORE INTO completions ({_COLUMNS}) VALUES "
-                f"({', '.join('?' * len(LedgerEntry.__dataclass_fields__))})",
-                tuple(getattr(entry, f) for f in LedgerEntry.__dataclass_fields__))
+                f"INSERT OR IGNORE INTO completions ({_COLUMNS}) VALUES ({_VALUES})", _row(entry))
             if cur.rowcount == 0 and not self._supersede(entry):
                 log.info("report %s was already recorded; not billed again", report.request_id)
                 return self.get(report.request_id), False
@@ -204,9 +207,8 @@ class Ledger:
         if entry.finish_reason == "error":
             return False
         cur = self._db.execute(
-            f"UPDATE completions SET ({_COLUMNS}) = ({', '.join('?' * len(LedgerEntry.__dataclass_fields__))}) "
-            "WHERE request_id = ? AND finish_reason = 'error'",
-            (*(getattr(entry, f) for f in LedgerEntry.__dataclass_fields__), entry.request_id))
+            f"UPDATE completions SET ({_COLUMNS}) = ({_VALUES}) WHERE request_id = ? AND finish_reason = 'error'",
+            (*_row(entry), entry.request_id))
         if cur.rowcount:
             log.info("report %s replaces its failed attempt's", entry.request_id)
             self._db.execute("DELETE FROM served WHERE request_id = ?", (entry.request_id,))  # the route it ended on
