@@ -91,7 +91,7 @@ class HFWorker:
         import torch
         from transformers import AutoModelForCausalLM
 
-        from fabric.compute.quant import load_quantized_reference
+        from fabric.compute.reference import load_quantized_reference
 
         self.torch = torch
         directory, gguf = str(source.directory), source.gguf_file
@@ -132,7 +132,8 @@ class FloorWorker:
     def __init__(self, source, tokenizer, eos, kind: str):
         import torch
 
-        from fabric.compute.quant import Int8Linear, load_quantized_reference
+        from fabric.compute.quant import Int8Linear
+        from fabric.compute.reference import load_quantized_reference
 
         self.torch = torch
         model = load_quantized_reference(str(source.directory), gguf_file=source.gguf_file, scheme="int8")

@@ -122,11 +122,12 @@ def _keys_flag(p: argparse.ArgumentParser) -> None:
 
 
 def _quant_flag(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--quant", default="auto", choices=["auto", "none", "int8", "int4"],
+    p.add_argument("--quant", default="auto", choices=["auto", "none", "int8", "int4", "gguf"],
                    help="weight-only quantized layers, computed in bfloat16 on the CPU. auto (default): a GGUF on "
-                        "its own grid, Q4_0/Q4_1 layers on the int4 kernels and Q8_0 on int8 (other weights, other "
-                        "types, a GPU: none); none: every layer in --dtype (with --dtype float32: exact, the tokens "
-                        "of transformers in float32)")
+                        "its own grid (gguf: Q4_0/Q4_1/Q4_K layers on the int4 kernels with the file's codes, "
+                        "Q5_*/Q6_K/Q8_0 re-rounded onto int8, float16 in bfloat16; a float32 file, other weights, "
+                        "a GPU: none); none: every layer in --dtype (with --dtype float32: exact, the tokens "
+                        "of transformers in float32); int8, int4: every linear onto that kernel")
 
 
 def _metrics_flag(p: argparse.ArgumentParser) -> None:
@@ -669,7 +670,8 @@ def _layers_that_fit(model_config, dtype, memory_gib: float, quant: str | None =
     from .compute.models import layer_bytes
     from .compute.quant import quantized_layer_bytes
 
-    held = quantized_layer_bytes(model_config, quant) if quant else layer_bytes(model_config, dtype)
+    held = quantized_layer_bytes(model_config, "int8" if quant == "gguf" else quant) if quant else layer_bytes(
+        model_config, dtype)  # gguf: int8 bounds its mix from above (Q4_* take less)
     fit = int(memory_gib * (1 << 30) // held)
     if fit < 1:
         raise ValueError(f"--memory {memory_gib} GiB does not hold even one layer of this model")

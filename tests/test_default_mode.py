@@ -29,7 +29,8 @@ from fabric.compute.models import (
     pick_quant,
     resolve,
 )
-from fabric.compute.quant import Int4Linear, load_quantized_reference
+from fabric.compute.quant import Int4Linear
+from fabric.compute.reference import load_quantized_reference
 from fabric.wire.shard import Shard
 from tests.support import free_port
 from tests.test_processes import token_ids
@@ -58,9 +59,11 @@ def test_the_scheme_follows_the_layers_tensor_types():
     assert scheme_of(["Q4_1", "F32"])[0] == "int4"
     assert scheme_of(["Q4_0", "Q4_1"])[0] == "int4"
     assert scheme_of(["Q8_0", "F32"])[0] == "int8"
-    assert scheme_of(["Q4_0", "Q8_0"]) == (None, "its layers are Q4_0/Q8_0, which no kernel here holds on their own grid")
-    assert scheme_of(["F16"])[0] is None and scheme_of(["Q4_K", "Q6_K"])[0] is None
+    assert scheme_of(["Q4_0", "Q8_0"]) == ("gguf", "its layers are Q4_0/Q8_0: each type on its own kernel")
+    assert scheme_of(["F16"])[0] == "gguf" and scheme_of(["Q4_K", "Q6_K"])[0] == "gguf"
+    assert scheme_of(["Q2_K", "IQ4_XS"])[0] == "gguf"  # loaded, in bfloat16
     assert scheme_of(["F32"]) == (None, "its layers are float32")
+    assert scheme_of(["Q4_K", "MXFP4"])[0] is None  # a type not known here: every layer in --dtype
 
 
 def tiny_gguf(path, layer_type: str, embed_type: str = "Q8_0"):
@@ -82,7 +85,7 @@ def tiny_gguf(path, layer_type: str, embed_type: str = "Q8_0"):
 
 
 @pytest.mark.parametrize("layer_type,expected", [("Q4_0", "int4"), ("Q4_1", "int4"), ("Q8_0", "int8"),
-                                                 ("F16", None)])
+                                                 ("F16", "gguf")])
 def test_auto_is_the_files_own_grid(tmp_path, layer_type, expected):
     source = tiny_gguf(tmp_path / f"tiny-{layer_type}.gguf", layer_type)
     # the header read without torch agrees with gguf's own reader
@@ -140,10 +143,9 @@ def test_a_q4_1_layer_runs_on_the_files_own_codes_steps_and_minima(xdg_cache):
     source, cache = need_model(), xdg_cache / "meshnet"
     int4 = load_shard(source, Shard(0, 0, 30), quant="int4", progress=False, cache_root=cache)
     exact = load_shard(source, Shard(0, 0, 30), progress=False, cache_root=cache)  # float32, dequantized
-    infos, mm = models._gguf_tensors(source, cache)
+    tensors = models._gguf_tensors(source, cache)
     for name, gguf_name in (("mlp.up_proj", "ffn_up"), ("self_attn.q_proj", "attn_q")):
-        info = next(t for t in infos if t.name == f"blk.0.{gguf_name}.weight")
-        raw = np.frombuffer(mm, dtype=info.dtype, count=math.prod(info.shape), offset=info.offset).reshape(info.shape)
+        raw = tensors.raw(tensors.find(f"blk.0.{gguf_name}.weight"))
         step, minimum = (torch.from_numpy(a) for a in block_params(raw, "Q4_1"))
         nibbles = torch.from_numpy(raw.reshape(raw.shape[0], -1, 20)[..., 4:].astype(np.int32))  # (rows, blocks, 16)
         codes = torch.cat([nibbles & 15, nibbles >> 4], -1).reshape(raw.shape[0], -1)  # llama.cpp's order

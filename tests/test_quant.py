@@ -16,12 +16,12 @@ from fabric.compute.models import load_config, load_shard, resolve
 from fabric.compute.quant import (
     Int4Linear,
     Int8Linear,
-    load_quantized_reference,
     quantize,
     quantize_modules,
     quantize_weight,
     quantized_layer_bytes,
 )
+from fabric.compute.reference import load_quantized_reference
 from fabric.wire.shard import Shard, even_split
 from tests.tiny_models import reference_greedy
 

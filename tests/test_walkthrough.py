@@ -141,7 +141,7 @@ def reference_reply(prompt: str, max_new_tokens: int = 256) -> str:
     from transformers import AutoTokenizer
 
     from fabric.compute.models import ALIASES, alias_path, pick_quant, resolve
-    from fabric.compute.quant import load_quantized_reference
+    from fabric.compute.reference import load_quantized_reference
 
     path = alias_path(ALIASES["smollm2-135m"])
     scheme, _ = pick_quant("auto", resolve("smollm2-135m"))

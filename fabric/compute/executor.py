@@ -9,6 +9,7 @@ layer 0. Sessions that decode together keep their KV as rows of one ``RowGroup``
 """
 from __future__ import annotations
 
+import inspect
 import logging
 from dataclasses import dataclass
 
@@ -63,6 +64,8 @@ class ShardExecutor(HopKV):
         super().__init__(config, kv, list(types) if types else [
             "sliding_attention" if sliding else "full_attention"] * config.num_hidden_layers)
         self.w = weights
+        self._rotary_per_kind = "layer_type" in inspect.signature(weights.rotary.forward).parameters
+        self._softcap = getattr(config, "final_logit_softcapping", None)
 
     @property
     def hidden_size(self) -> int:
@@ -130,19 +133,32 @@ class ShardExecutor(HopKV):
     def _layers(self, hidden: torch.Tensor, position_ids: torch.Tensor, masks, cache, start: int,
                 end: int) -> torch.Tensor:
         """Layers start..end over ``hidden`` (b, q, hidden); ``masks`` one per layer kind, or one for all."""
-        position_embeddings = self.w.rotary(hidden, position_ids)
+        position_embeddings = self._rotary(hidden, position_ids, start, end)
         for i in range(start, end + 1):
-            mask = masks[self.layer_types[i]] if isinstance(masks, dict) else masks
+            kind = self.layer_types[i]
+            mask = masks[kind] if isinstance(masks, dict) else masks
             hidden = self.w.layers[i](hidden, attention_mask=mask, position_ids=position_ids, cache=cache,
-                                      use_cache=True, position_embeddings=position_embeddings)
+                                      use_cache=True, position_embeddings=position_embeddings[kind])
         return hidden
+
+    def _rotary(self, hidden: torch.Tensor, position_ids: torch.Tensor, start: int, end: int) -> dict:
+        """{layer kind: (cos, sin)} for layers start..end: one table for all, or one per kind
+        where the family rotates local and global layers differently (Gemma 3)."""
+        kinds = {self.layer_types[i] for i in range(start, end + 1)}
+        if not self._rotary_per_kind:
+            table = self.w.rotary(hidden, position_ids)
+            return dict.fromkeys(kinds, table)
+        return {kind: self.w.rotary(hidden, position_ids, kind) for kind in kinds}
 
     def _result(self, hidden: torch.Tensor, end: int) -> list[StepResult]:
         """One StepResult per row of ``hidden`` (b, q, hidden): hidden states, or on the tail
         the logits of each row's last position."""
         if not self._tail(end):
             return [StepResult(hidden=h.unsqueeze(0), logits=None) for h in hidden]
-        logits = self.w.lm_head(self.w.norm(hidden[:, -1:, :]))[:, -1].float()  # (b, vocab)
+        logits = self.w.lm_head(self.w.norm(hidden[:, -1:, :]))[:, -1]  # (b, vocab)
+        if self._softcap:  # Gemma 2: cap * tanh(logits / cap), as its ForCausalLM does
+            logits = torch.tanh(logits / self._softcap) * self._softcap
+        logits = logits.float()
         return [StepResult(hidden=None, logits=row) for row in logits]
 
     @torch.inference_mode()

@@ -2,15 +2,22 @@
 
 llama.cpp stores a weight in blocks of 32 along the input. Q4_1 keeps a float16 step ``d``
 and minimum ``m`` per block, each weight ``m + q * d`` with q in 0..15; Q4_0 keeps ``d``
-alone, each weight ``(q - 8) * d``; Q8_0 keeps ``d`` and int8 codes, ``q * d``.
+alone, each weight ``(q - 8) * d``; Q8_0 keeps ``d`` and int8 codes, ``q * d``. Q4_K groups
+eight such 32-weight blocks into a super-block of 256 with a float16 ``d`` and ``dmin``, and
+gives each block 6-bit multipliers ``sc`` and ``m``: each weight ``d * sc * q - dmin * m``.
 
-- Q4_0 and Q4_1 are the int4 kernel's own shape (``fabric.compute.quant.Int4Linear``: 4-bit
-  codes, groups of 32, ``(q - 8) * scale + zero``): scale ``d`` and zero ``m + 8 d`` (Q4_0:
-  zero 0) with the file's codes. The one change is the kernel's bfloat16 scale and zero,
-  rounded from the file's float16 step and minimum (measured on SmolLM2-135M's Q4_1 layers:
-  at most 0.09 of a step, 0.012 on average; no code moves).
-- Q8_0 has no exact home: torch's int8 kernel keeps one scale per output row, not per block
-  of 32, so a Q8_0 weight is re-rounded onto its row's grid (``Int8Linear.from_linear``).
+- Q4_0, Q4_1 and Q4_K are the int4 kernel's own shape (``fabric.compute.quant.Int4Linear``:
+  4-bit codes, groups of 32, ``(q - 8) * scale + zero``): scale the block's step (``d``, or
+  Q4_K's ``d * sc``) and zero its minimum + 8 steps, with the file's codes. The one change
+  is the kernel's bfloat16 scale and zero, rounded from the file's step and minimum
+  (measured on SmolLM2-135M's Q4_1 layers: at most 0.09 of a step, 0.012 on average; no
+  code moves).
+- Q5_0, Q5_1, Q5_K, Q6_K and Q8_0 have no exact home: torch's int8 kernel keeps one scale
+  per output row, not per block of 32, so their weights are re-rounded onto their row's
+  int8 grid (``Int8Linear.from_linear``): 255 levels a row, finer than the file's 32 or 64
+  a block unless a block's range is far below its row's.
+- Float tensors (F32, F16, BF16), and the types no kernel here holds (Q2_K, Q3_K, the IQ
+  types), keep their float form (:data:`KEEP`): bfloat16 in the default mode.
 
 :func:`grid_of` recovers a linear's grid from its dequantized float32 weight after
 transformers' tensor processor has reordered its rows (llama.cpp permutes Q and K), by
@@ -25,7 +32,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-BLOCK = 32  # weights per llama.cpp block of Q4_0, Q4_1 and Q8_0
+BLOCK = 32  # weights per llama.cpp block of Q4_0, Q4_1 and Q8_0 (and per Q4_K sub-block)
+SUPER = 256  # weights per K-quant super-block
+KEEP = "keep"  # a linear that stays in its float form (the model's dtype)
+GRID_TYPES = ("Q4_0", "Q4_1", "Q4_K")  # on the int4 kernel with the file's own codes
+INT8_TYPES = ("Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0")  # re-rounded onto the int8 kernel's rows
+FLOAT_TYPES = ("F32", "F16", "BF16")
 
 
 @dataclass(frozen=True)
@@ -43,8 +55,10 @@ class FileGrid:
 
 
 def block_params(raw: np.ndarray, type_name: str) -> tuple[np.ndarray, np.ndarray] | None:
-    """(step, minimum), each (rows, blocks) float32, of a Q4_0 or Q4_1 tensor's raw bytes
-    (rows, bytes per row); None for any other type."""
+    """(step, minimum), each (rows, blocks of 32) float32, of a Q4_0, Q4_1 or Q4_K tensor's
+    raw bytes (rows, bytes per row); None for any other type."""
+    if type_name == "Q4_K":
+        return _q4_k_params(raw)
     if type_name not in ("Q4_0", "Q4_1"):
         return None
     size = 2 + (2 if type_name == "Q4_1" else 0) + BLOCK // 2  # float16 d, (float16 m,) 32 four-bit codes
@@ -57,9 +71,47 @@ def block_params(raw: np.ndarray, type_name: str) -> tuple[np.ndarray, np.ndarra
     return step, minimum
 
 
+def _q4_k_params(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K's (step, minimum) per 32-weight block: ``d * sc`` and ``-dmin * m``, computed in
+    float32 as llama.cpp (and gguf-py's dequantize) compute them."""
+    blocks = np.ascontiguousarray(raw).reshape(raw.shape[0], -1, 144)  # (rows, supers, d dmin scales[12] qs[128])
+    d = blocks[..., 0:2].copy().view(np.float16).astype(np.float32)  # (rows, supers, 1)
+    dmin = blocks[..., 2:4].copy().view(np.float16).astype(np.float32)
+    sc, m = _scale_min_k4(blocks[..., 4:16])  # (rows, supers, 8) each
+    step = (d * sc.astype(np.float32)).reshape(raw.shape[0], -1)
+    minimum = -(dmin * m.astype(np.float32)).reshape(raw.shape[0], -1)
+    return step, minimum
+
+
+def _scale_min_k4(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """llama.cpp's ``get_scale_min_k4`` for all 8 blocks: 12 bytes -> eight 6-bit scales and mins."""
+    s = scales.astype(np.uint8)
+    lo, hi = s[..., 0:4], s[..., 4:8]
+    tail = s[..., 8:12]
+    sc = np.concatenate([lo & 63, (tail & 0xF) | ((lo >> 6) << 4)], axis=-1)
+    m = np.concatenate([hi & 63, (tail >> 4) | ((hi >> 6) << 4)], axis=-1)
+    return sc, m
+
+
+def placement_of(weight: np.ndarray | None, raw: np.ndarray, type_name: str, scheme: str,
+                 process: Callable[[np.ndarray], np.ndarray | None] | None) -> FileGrid | str | None:
+    """Where a linear stored as ``type_name`` goes under ``scheme``: its :class:`FileGrid`
+    (the int4 kernel with the file's codes), :data:`KEEP` (its float form), or None (the
+    scheme's own kernel: int8 under ``gguf`` and ``int8``, a fitted int4 grid under ``int4``).
+
+    ``gguf`` is each type on its own kernel (module docstring); ``int4`` keeps a 4-bit file
+    grid and fits the rest; ``int8`` re-rounds everything. ``weight`` None: the type alone
+    decides (no grid is taken)."""
+    if scheme == "gguf" and type_name not in GRID_TYPES + INT8_TYPES:
+        return KEEP
+    if scheme not in ("gguf", "int4") or type_name not in GRID_TYPES or weight is None:
+        return None
+    return grid_of(weight, raw, type_name, process)
+
+
 def grid_of(weight: np.ndarray, raw: np.ndarray, type_name: str,
             process: Callable[[np.ndarray], np.ndarray | None]) -> FileGrid | None:
-    """The grid of a Q4_0 / Q4_1 linear whose processed float32 weight is ``weight`` (out, in).
+    """The grid of a Q4_0 / Q4_1 / Q4_K linear whose processed float32 weight is ``weight`` (out, in).
 
     ``process`` is transformers' tensor processor for this tensor (a function of an array
     shaped as the file's dequantized tensor, returning it as the model holds it). None when

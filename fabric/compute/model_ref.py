@@ -121,8 +121,13 @@ def default_cache_root() -> Path:
 
 
 _LAYER_RE = re.compile(r"(?:^|\.)(?:layers|blk)\.(\d+)\.")  # a decoder layer's tensor, HF or GGUF naming
-SCHEME_OF_TYPE = {"Q4_0": "int4", "Q4_1": "int4", "Q8_0": "int8"}  # a GGUF tensor type -> the kernels that hold it
+SCHEME_OF_TYPE = {"Q4_0": "int4", "Q4_1": "int4", "Q8_0": "int8"}  # files of one type: one kernel holds them all
 UNQUANTIZED = {"F32"}  # small tensors llama.cpp keeps in float32 (norms, routers): no say in the choice
+# each on its own kernel under "gguf" (fabric.compute.gguf_grid): Q4_* on int4 with the file's codes, the rest int8
+OWN_GRID_TYPES = {"Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0"}
+FLOAT16_TYPES = {"F16", "BF16"}  # bfloat16 under "gguf"
+LOW_BIT_TYPES = {"Q2_K", "Q3_K", "IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ4_NL",
+                 "IQ4_XS", "TQ1_0", "TQ2_0"}  # loaded, dequantized to bfloat16 under "gguf" (one warning)
 
 
 def pick_quant(quant: str | None, source: ModelSource | None, device: str = "cpu") -> tuple[str | None, str]:
@@ -142,15 +147,18 @@ def pick_quant(quant: str | None, source: ModelSource | None, device: str = "cpu
 
 def scheme_of(types) -> tuple[str | None, str]:
     """The weight-only scheme that holds decoder-layer weights of these GGUF tensor types on
-    their own grid, and why (for the log): int4 for Q4_0/Q4_1, int8 for Q8_0, None for a mix
-    or any other type (float16, the K-quants...)."""
+    their own grid, and why (for the log): int4 for Q4_0/Q4_1, int8 for Q8_0, ``gguf`` (each
+    type on its own kernel) for a mix, the K-quants, Q5_*, float16; None for float32."""
     kinds = sorted(set(types) - UNQUANTIZED)
     schemes = {SCHEME_OF_TYPE.get(k) for k in kinds}
     if len(schemes) == 1 and None not in schemes:
         return schemes.pop(), f"its layers are {'/'.join(kinds)}"
     if not kinds:
         return None, "its layers are float32"
-    return None, f"its layers are {'/'.join(kinds)}, which no kernel here holds on their own grid"
+    unknown = sorted(set(kinds) - OWN_GRID_TYPES - FLOAT16_TYPES - LOW_BIT_TYPES)
+    if unknown:
+        return None, f"its layers are {'/'.join(kinds)}; no kernel here holds {'/'.join(unknown)}"
+    return "gguf", f"its layers are {'/'.join(kinds)}: each type on its own kernel"
 
 
 _FIXED = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}  # GGUF value type -> bytes

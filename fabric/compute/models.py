@@ -31,7 +31,20 @@ import torch
 from torch import nn
 
 from ..wire.shard import Shard
-from .gguf_grid import FileGrid, grid_of
+from .gguf_grid import FileGrid
+from .gguf_load import (
+    EMBED_TENSOR,
+    OUTPUT_TENSOR,
+    TENSOR_INDEX,
+    Converter,
+    GGUFEmbedding,
+    GGUFTensors,
+    groups,
+    head_rows,
+    layer_of,
+    tensor_index,
+    wanted,
+)
 from .model_ref import (  # noqa: F401  (re-exported: callers import model references from here too)
     _LAYER_RE,
     ALIASES,
@@ -41,9 +54,11 @@ from .model_ref import (  # noqa: F401  (re-exported: callers import model refer
     ModelError,
     ModelSource,
     alias_path,
+    LOW_BIT_TYPES,
     default_cache_root,
     default_data_root,
     default_models_root,
+    gguf_tensor_types,
     is_repo_id,
     pick_quant,
     pulled_path,
@@ -84,7 +99,7 @@ def _metadata_dir(source: ModelSource, cache_root: Path | None) -> tuple[Path, s
         tmp = Path(tempfile.mkdtemp(dir=_mkdir(target.parent)))
         AutoConfig.from_pretrained(source.directory, gguf_file=source.gguf_file).save_pretrained(tmp)
         AutoTokenizer.from_pretrained(source.directory, gguf_file=source.gguf_file).save_pretrained(tmp)
-        (tmp / TENSOR_INDEX).write_text(json.dumps(_gguf_tensor_index(source.path)))
+        (tmp / TENSOR_INDEX).write_text(json.dumps(tensor_index(source.path)))
         try:
             tmp.rename(target)
         except OSError:  # another process finished first
@@ -138,19 +153,20 @@ def fingerprint(source: ModelSource, config, quant: str | None = None) -> str:
     return h.hexdigest()[:32] + _quant_suffix(quant)
 
 
-def file_grids(source: ModelSource, cache_root: Path | None = None) -> dict[str, FileGrid]:
-    """Every Q4_0 / Q4_1 linear's own grid in a GGUF file, by parameter name (for a
-    single-process reference computing as ``load_shard(quant="int4")`` does)."""
+def file_placement(source: ModelSource, scheme: str, cache_root: Path | None = None) -> dict[str, FileGrid | str]:
+    """Every linear's place on the kernels under ``scheme`` in a GGUF file, by parameter name
+    (for a single-process reference computing as ``load_shard(quant=scheme)`` does)."""
     from transformers import AutoModelForCausalLM
 
     config = load_config(source, cache_root)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
-    grids: dict[str, FileGrid] = {}
     n = config.num_hidden_layers
-    _gguf_state(_gguf_tensors(source, cache_root), model, config, Shard(0, n - 1, n),
-                bool(getattr(config, "tie_word_embeddings", False)), progress=False, grids=grids)
-    return grids
+    tensors, converter = _gguf_tensors(source, cache_root), Converter(model, config)
+    placement: dict[str, FileGrid | str] = {}
+    for _, infos in groups(tensors.infos, Shard(0, n - 1, n), tied=True, skip=set()):
+        placement.update(converter.state(tensors, infos, scheme)[1])
+    return placement
 
 
 def _quant_suffix(quant: str | None) -> str:
@@ -237,8 +253,9 @@ def load_shard(source: ModelSource, shard: Shard, *, dtype: torch.dtype = torch.
                quant: str | None = None) -> ShardWeights:
     """Load only ``shard``'s weights of ``source`` onto ``device`` in ``dtype``.
 
-    ``quant="int8"`` or ``"int4"`` (see ``fabric.compute.quant``; CPU only) loads in bfloat16 whatever
-    ``dtype`` says, then quantizes the decoder layers' linears and the lm_head, one by one.
+    ``quant`` ("int8", "int4" or "gguf": see ``fabric.compute.quant``; CPU only) loads in
+    bfloat16 whatever ``dtype`` says and puts the decoder layers' linears and the lm_head on
+    the weight-only kernels, a layer at a time as they load.
     """
     from transformers import AutoModelForCausalLM
 
@@ -255,36 +272,72 @@ def load_shard(source: ModelSource, shard: Shard, *, dtype: torch.dtype = torch.
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     tied = bool(getattr(config, "tie_word_embeddings", False))
-    lazy_embed, grids = None, {} if quant == "int4" else None  # int4: a Q4_0 / Q4_1 file's linears keep their grid
     if source.kind == "gguf":
-        tensors = _gguf_tensors(source, cache_root)
-        if shard.is_first and not shard.is_last:
-            lazy_embed = GGUFEmbedding.from_tensors(*tensors, model, config)
-        state = _gguf_state(tensors, model, config, shard, tied, progress, skip_embed=lazy_embed is not None,
-                            grids=grids)
+        lazy_embed, lm_head = _load_gguf(source, cache_root, model, config, shard, tied, dtype, quant, progress)
     else:
-        state = _safetensors_state(source, shard, tied)
-    _prune(model, shard, keep_embed=(shard.is_first and lazy_embed is None) or (shard.is_last and tied))
-    _load_into(model, state, dtype)
-    weights = _shard_weights(model, shard, lazy_embed, tied, dtype, device)
-    if quant is not None:  # --quant: see fabric/compute/quant.py
+        lazy_embed, lm_head = None, None
+        _prune(model, shard, keep_embed=shard.is_first or (shard.is_last and tied))
+        _load_into(model, _safetensors_state(source, shard, tied), dtype)
+    if lm_head is not None:
+        model.lm_head = lm_head
+    weights = _shard_weights(model, shard, lazy_embed, tied and lm_head is None, dtype, device)
+    if quant is not None and source.kind != "gguf":  # --quant: see fabric/compute/quant.py
         from .quant import quantize
 
-        on_grid = grid_modules(model, grids or {})
-        del state, model, grids  # the float checkpoint tensors, before quantizing
-        quantize(weights, quant, on_grid)
+        del model
+        quantize(weights, quant)
     return weights
+
+
+def _load_gguf(source: ModelSource, cache_root: Path | None, model, config, shard: Shard, tied: bool,
+               dtype: torch.dtype, quant: str | None, progress: bool) -> tuple[nn.Module | None, nn.Module | None]:
+    """Load ``shard`` of a GGUF file into ``model`` a layer at a time, each layer's linears put
+    on ``quant``'s kernels before the next is read. Returns (lazy embedding, lm_head): a head
+    keeps its embedding in the file (where the model's embedding is a lookup), and under
+    ``quant`` the lm_head is built from the file's rows in slices; None where the model's
+    own modules hold them."""
+    from tqdm import tqdm
+
+    from .quant import quantize_modules, release_freed_memory
+
+    tensors = _gguf_tensors(source, cache_root)
+    lazy_embed = GGUFEmbedding.from_tensors(tensors, model, config) if shard.is_first else None
+    head_info = None
+    if quant is not None and shard.is_last:
+        head_info = tensors.find(OUTPUT_TENSOR) or (tensors.find(EMBED_TENSOR) if tied else None)
+    if lazy_embed is not None and tied and shard.is_last and head_info is None:
+        lazy_embed = None  # the lm_head shares the loaded embedding
+    skip = {EMBED_TENSOR} if lazy_embed is not None or (head_info is not None and not shard.is_first) else set()
+    skip |= {head_info.name} if head_info is not None else set()
+    _prune(model, shard, keep_embed=(shard.is_first and lazy_embed is None)
+           or (shard.is_last and tied and head_info is None))
+    converter = Converter(model, config)
+    parts = list(groups(tensors.infos, shard, tied, skip))
+    for layer, infos in tqdm(parts, desc=f"loading layers {shard}", unit="part", disable=not progress):
+        state, placement = converter.state(tensors, infos, quant)
+        _load_into(model, state, dtype, expected=set(state))
+        del state
+        if quant is not None and layer is not None:
+            quantize_modules([model.model.layers[layer]], None, quant, grid_modules(model, placement))
+        release_freed_memory()  # each layer's float copies, before the next: the peak stays one layer's
+    lm_head = head_rows(tensors, head_info, quant, dtype) if head_info is not None else None
+    del converter, tensors
+    release_freed_memory()
+    _warn_kept(source, shard, quant)
+    return lazy_embed, lm_head
 
 
 def grid_modules(model: nn.Module, grids: dict[str, FileGrid]) -> dict[nn.Module, FileGrid]:
     """{linear: its file grid} for ``grids`` named by parameter (``model.layers.0.mlp.up_proj.weight``)."""
+    from .gguf_grid import KEEP
+
     found = {}
     for name, grid in grids.items():
         try:
             module = model.get_submodule(name.removesuffix(".weight"))
         except AttributeError:
             continue
-        if isinstance(module, nn.Linear) and tuple(module.weight.shape) == tuple(grid.codes.shape):
+        if isinstance(module, nn.Linear) and (grid == KEEP or tuple(module.weight.shape) == tuple(grid.codes.shape)):
             found[module] = grid
     return found
 
@@ -311,6 +364,8 @@ def _shard_weights(model, shard: Shard, lazy_embed, tied: bool, dtype: torch.dty
         if module is not None:
             module.to(device=device, dtype=dtype).eval().requires_grad_(False)
     weights.rotary.to(device=device)
+    if weights.embed is not None:
+        _rebuild_meta_buffers(weights.embed)
     _check_materialized(weights)
     return weights
 
@@ -327,14 +382,7 @@ def _prune(model, shard: Shard, keep_embed: bool) -> None:
         model.lm_head = None
 
 
-def _wanted(name: str, shard: Shard, tied: bool) -> bool:
-    """Is checkpoint tensor ``name`` (HF or GGUF naming) part of this shard?"""
-    m = _LAYER_RE.search(name)
-    if m:
-        return shard.start <= int(m.group(1)) <= shard.end
-    if "embed_tokens" in name or name.startswith("token_embd"):
-        return shard.is_first or (shard.is_last and tied)
-    return shard.is_last  # final norm, lm_head / output
+_wanted = wanted  # the shard's tensors, by checkpoint name (model_store reads it)
 
 
 def _safetensors_state(source: ModelSource, shard: Shard, tied: bool) -> dict:
@@ -349,136 +397,26 @@ def _safetensors_state(source: ModelSource, shard: Shard, tied: bool) -> dict:
     return state
 
 
-TENSOR_INDEX = "gguf-tensors.json"
-
-
-@dataclass(frozen=True)
-class GGUFTensorInfo:
-    name: str
-    tensor_type: int  # GGMLQuantizationType value
-    offset: int  # absolute byte offset of the data in the file
-    dtype: str  # numpy dtype of the raw data (uint8 for quantized blocks)
-    shape: tuple[int, ...]  # numpy shape of the raw data, as GGUFReader gives it
-
-
-def _gguf_tensor_index(path: Path) -> list[dict]:
-    """Tensor table of a GGUF file (GGUFReader parses every metadata field: seconds)."""
-    from gguf import GGUFReader
-
-    return [dataclasses.asdict(GGUFTensorInfo(t.name, int(t.tensor_type), int(t.data_offset),
-                                              t.data.dtype.str, tuple(t.data.shape)))
-            for t in GGUFReader(str(path)).tensors]
-
-
-def _gguf_tensors(source: ModelSource, cache_root: Path | None) -> tuple[list[GGUFTensorInfo], np.ndarray]:
+def _gguf_tensors(source: ModelSource, cache_root: Path | None) -> GGUFTensors:
     directory, _ = _metadata_dir(source, cache_root)
-    index = directory / TENSOR_INDEX
-    raw = json.loads(index.read_text()) if index.is_file() else _gguf_tensor_index(source.path)
-    infos = [GGUFTensorInfo(**{**r, "shape": tuple(r["shape"])}) for r in raw]
-    return infos, np.memmap(source.path, dtype=np.uint8, mode="r")
+    return GGUFTensors.open(source.path, directory / TENSOR_INDEX)
 
 
-def _gguf_state(tensors: tuple[list[GGUFTensorInfo], np.ndarray], model, config, shard: Shard, tied: bool,
-                progress: bool, skip_embed: bool = False, grids: dict[str, FileGrid] | None = None) -> dict:
-    """The shard's tensors of a GGUF file, dequantized to float32 and named as the model names
-    them; with ``grids``, also each Q4_0 / Q4_1 linear's own grid, by the same names."""
-    from gguf import GGMLQuantizationType, dequantize
-    from tqdm import tqdm
-    from transformers.modeling_gguf_pytorch_utils import (
-        TENSOR_PROCESSORS,
-        TensorProcessor,
-        get_gguf_hf_weights_map,
-    )
-
-    infos, mm = tensors
-    arch = GGUF_ARCH.get(config.model_type, config.model_type)
-    processor = TENSOR_PROCESSORS.get(arch, TensorProcessor)(config=config.to_dict())
-    # The library recurses into every submodule, rebuilding its name table each time
-    # (seconds); one flat pass over the full model's parameter names maps the same.
-    keys = model.state_dict()
-    flat = SimpleNamespace(config=config, state_dict=lambda: keys, named_children=lambda: [])
-    name_map = get_gguf_hf_weights_map(flat, processor)
-    state: dict = {}
-    parsed = {"config": config.to_dict(), "tensors": state}  # MoE processors write fused experts here
-    wanted = [t for t in infos if _wanted(t.name, shard, tied) and not (skip_embed and t.name == EMBED_TENSOR)]
-    for t in tqdm(wanted, desc=f"loading layers {shard}", unit="tensor", disable=not progress):
-        data = np.frombuffer(mm, dtype=t.dtype, count=math.prod(t.shape), offset=t.offset).reshape(t.shape)
-        kind = GGMLQuantizationType(t.tensor_type)
-        result = processor.process(weights=dequantize(data, kind), name=t.name,
-                                   tensor_key_mapping=name_map, parsed_parameters=parsed)
-        if result.name not in name_map:
-            continue
-        weight = np.array(result.weights)
-        state[name_map[result.name]] = torch.from_numpy(weight)
-        if grids is not None:  # --quant int4 on a Q4_0 / Q4_1 file: keep the file's codes, steps and minima
-            grid = grid_of(weight, data, kind.name, lambda a, name=t.name: _processed(processor, a, name, name_map,
-                                                                                      config))
-            if grid is not None:
-                grids[name_map[result.name]] = grid
-    return state
+def _warn_kept(source: ModelSource, shard: Shard, quant: str | None) -> None:
+    """One warning line where the shard's layers hold types no kernel here runs on their grid."""
+    if quant != "gguf":
+        return
+    types = {kind for name, (kind, dims) in gguf_tensor_types(source.path).items()
+             if dims == 2 and (layer := layer_of(name)) is not None and shard.start <= layer <= shard.end}
+    kept = sorted(types & set(LOW_BIT_TYPES))
+    if kept:
+        log.warning("%s: layers %s hold %s, which no kernel here runs on its own grid: dequantized to bfloat16 "
+                    "(more memory than the file)", source.path.name, shard, "/".join(kept))
 
 
-def _processed(processor, array: np.ndarray, name: str, name_map: dict, config) -> np.ndarray | None:
-    """``array`` (shaped as GGUF tensor ``name`` dequantized) as transformers' processor
-    hands that tensor to the model (rows reordered where llama.cpp permuted them)."""
-    scratch = {"config": config.to_dict(), "tensors": {}}
-    result = processor.process(weights=array, name=name, tensor_key_mapping=name_map, parsed_parameters=scratch)
-    return None if result.weights is None else np.asarray(result.weights)
-
-
-EMBED_TENSOR = "token_embd.weight"  # the token embedding's name in a GGUF file
-
-
-class GGUFEmbedding(nn.Module):
-    """A token embedding kept as the GGUF file stores it (memory-mapped, quantized blocks),
-    dequantizing only the rows looked up. The rows equal those of the whole dequantized
-    matrix bit for bit (llama.cpp's blocks never span two rows), so a head holds a few
-    looked-up rows instead of vocab x hidden floats (SmolLM2-135M: 108 MiB)."""
-
-    def __init__(self, raw: np.ndarray, tensor_type: int, hidden: int):
-        super().__init__()
-        self.raw, self.tensor_type, self.hidden = raw, tensor_type, hidden
-        self.device, self.dtype = torch.device("cpu"), torch.float32  # as ``to`` sets them
-
-    @classmethod
-    def from_tensors(cls, infos: list[GGUFTensorInfo], mm: np.ndarray, model, config) -> "GGUFEmbedding | None":
-        """The lazy embedding of a GGUF file's tensors (``_gguf_tensors``), or None where the
-        plain one must load: a model whose embedding module is not a plain lookup, or whose
-        embedding is not one row of blocks per token."""
-        if type(model.model.embed_tokens) is not nn.Embedding:
-            return None
-        info = next((t for t in infos if t.name == EMBED_TENSOR), None)
-        if info is None:
-            return None
-        # a map of its own bytes alone: the file's map (and the layer pages read through it) goes after loading
-        raw = np.memmap(mm.filename, dtype=info.dtype, mode="r", offset=info.offset, shape=info.shape)
-        embed = cls(raw, info.tensor_type, config.hidden_size)
-        if embed.rows(np.arange(min(4, raw.shape[0]))).shape != (min(4, raw.shape[0]), config.hidden_size):
-            return None  # not one row of blocks per token: load it whole
-        return embed
-
-    def rows(self, ids: np.ndarray) -> np.ndarray:
-        from gguf import GGMLQuantizationType, dequantize
-
-        return dequantize(np.ascontiguousarray(self.raw[ids]), GGMLQuantizationType(self.tensor_type))
-
-    def to(self, *args, **kwargs):
-        """As ``nn.Module.to``: the rows looked up come out on this device and in this dtype."""
-        device, dtype, _, _ = torch._C._nn._parse_to(*args, **kwargs)  # the parser nn.Module.to uses
-        self.device, self.dtype = device or self.device, dtype or self.dtype
-        return self
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        flat = ids.reshape(-1).cpu().numpy()
-        weights = torch.from_numpy(np.array(self.rows(flat), dtype=np.float32))
-        return weights.reshape(*ids.shape, self.hidden).to(device=self.device, dtype=self.dtype)
-
-
-# transformers model_type -> llama.cpp architecture name, where they differ
-GGUF_ARCH = {"qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe", "mistral": "llama"}
-
-
-def _load_into(model, state: dict, dtype: torch.dtype) -> None:
+def _load_into(model, state: dict, dtype: torch.dtype, expected: set[str] | None = None) -> None:
+    """Load ``state`` into ``model`` in ``dtype``; every tensor the shard needs must be there
+    (``expected``: only these, for a part of the shard)."""
     from transformers.conversion_mapping import get_model_conversion_mapping
     from transformers.core_model_loading import convert_and_load_state_dict_in_model
     from transformers.modeling_utils import LoadStateDictConfig
@@ -487,9 +425,18 @@ def _load_into(model, state: dict, dtype: torch.dtype) -> None:
     info, _ = convert_and_load_state_dict_in_model(model, state, config)
     if info.conversion_errors:
         raise ModelError(f"could not convert weights: {info.conversion_errors}")
-    missing = {k for k in info.missing_keys if not k.startswith("lm_head.")}
+    missing = {k for k in info.missing_keys if not k.startswith("lm_head.") and (expected is None or k in expected)}
     if missing:
         raise ModelError(f"checkpoint lacks tensors this shard needs: {sorted(missing)[:5]}")
+
+
+def _rebuild_meta_buffers(embed: nn.Module) -> None:
+    """A scaled embedding's scale is a buffer no checkpoint holds (Gemma's sqrt(hidden)): it
+    stayed on the meta device, so make it again from the number the module keeps."""
+    buffer = getattr(embed, "embed_scale", None)
+    if isinstance(buffer, torch.Tensor) and buffer.is_meta and hasattr(embed, "scalar_embed_scale"):
+        weight = embed.weight
+        embed.embed_scale = torch.tensor(embed.scalar_embed_scale, device=weight.device).to(weight.dtype)
 
 
 def _check_materialized(weights: ShardWeights) -> None:

@@ -68,8 +68,8 @@ from torch import nn
 if TYPE_CHECKING:
     from .gguf_grid import FileGrid
 
-SCHEMES = ("int8", "int4")
-LM_HEAD_SCHEME = {"int4": "int8"}  # the lm_head's scheme under each scheme (default: the same)
+SCHEMES = ("int8", "int4", "gguf")  # gguf: each GGUF tensor type on its own kernel (fabric.compute.gguf_grid)
+LM_HEAD_SCHEME = {"int4": "int8", "gguf": "int8"}  # the lm_head's scheme under each scheme (default: the same)
 INT4_GROUP = 32  # llama.cpp's Q4_0 / Q4_1 block: a Q4_1 GGUF's weights fit it again
 
 
@@ -195,15 +195,21 @@ def int4_fits(linear: nn.Linear, group_size: int = INT4_GROUP) -> bool:
     return in_f % group_size == 0 and out_f % 16 == 0
 
 
-def _quantize_linear(linear: nn.Linear, scheme: str, grid: FileGrid | None = None) -> nn.Module:
-    if scheme == "int4" and grid is not None and int4_fits(linear):
+def _quantize_linear(linear: nn.Linear, scheme: str, grid: FileGrid | str | None = None) -> nn.Module:
+    """``linear`` on ``scheme``'s kernel; ``grid`` is its place from the file
+    (``fabric.compute.gguf_grid.placement_of``): a FileGrid, KEEP (stays as it is) or None."""
+    from .gguf_grid import KEEP
+
+    if grid == KEEP:
+        return linear
+    if scheme in ("int4", "gguf") and grid is not None and int4_fits(linear):
         return Int4Linear.from_grid(grid, linear.bias)
     if scheme == "int4" and int4_fits(linear):
         return Int4Linear.from_linear(linear)
-    return Int8Linear.from_linear(linear)  # int8, or an int4 shape the kernel cannot take
+    return Int8Linear.from_linear(linear)  # int8, gguf's re-rounded types, or an int4 shape the kernel cannot take
 
 
-def _swap_linears(module: nn.Module, scheme: str, grids: Mapping[nn.Module, FileGrid]) -> int:
+def _swap_linears(module: nn.Module, scheme: str, grids: Mapping[nn.Module, FileGrid | str]) -> int:
     """Replace every nn.Linear below ``module`` (one at a time); how many were replaced."""
     count = 0
     for name, child in list(module.named_children()):
@@ -218,7 +224,8 @@ def _swap_linears(module: nn.Module, scheme: str, grids: Mapping[nn.Module, File
 
 @torch.no_grad()
 def quantize_modules(layers: Iterable[nn.Module], lm_head: nn.Module | None = None, scheme: str = "int8",
-                     grids: Mapping[nn.Module, FileGrid] | None = None) -> tuple[list[nn.Module], nn.Module | None]:
+                     grids: Mapping[nn.Module, FileGrid | str] | None = None
+                     ) -> tuple[list[nn.Module], nn.Module | None]:
     """Quantize decoder layers (in place, one by one) and an lm_head (returned new).
 
     ``grids``: linears whose weights a GGUF stores on a 4-bit grid (``fabric.compute.gguf_grid``);
@@ -236,12 +243,12 @@ def quantize_modules(layers: Iterable[nn.Module], lm_head: nn.Module | None = No
     head = None
     if lm_head is not None:
         # under int4 the lm_head stays int8 (LM_HEAD_SCHEME): measured, see the module docstring
-        head = (_quantize_linear(lm_head, LM_HEAD_SCHEME.get(scheme, scheme)) if isinstance(lm_head, nn.Linear)
-                else lm_head)
+        head = (_quantize_linear(lm_head, LM_HEAD_SCHEME.get(scheme, scheme), (grids or {}).get(lm_head))
+                if isinstance(lm_head, nn.Linear) else lm_head)
     return out, head
 
 
-def quantize(module, scheme: str = "int8", grids: Mapping[nn.Module, FileGrid] | None = None):
+def quantize(module, scheme: str = "int8", grids: Mapping[nn.Module, FileGrid | str] | None = None):
     """Quantize ``module`` in place and return it.
 
     ``module`` is a ``fabric.compute.models.ShardWeights`` (its decoder layers and lm_head), or a
@@ -313,21 +320,3 @@ def release_freed_memory() -> None:
             libc.malloc_trim(0)
     except OSError:  # not glibc: nothing to do
         pass
-
-
-def load_quantized_reference(directory, *, gguf_file: str | None = None, scheme: str = "int8", cache_root=None):
-    """Single-process reference: ``AutoModelForCausalLM`` in bfloat16, quantized like a shard
-    (a GGUF's Q4_0 / Q4_1 linears on their own grid under int4, as ``load_shard`` puts them)."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=gguf_file, dtype=torch.bfloat16)
-    grids = {}
-    if gguf_file and scheme == "int4":  # a Q4_0 / Q4_1 file's linears keep their own grid, as in a shard
-        from pathlib import Path
-
-        from .models import ModelSource, file_grids, grid_modules
-
-        path = Path(directory) / gguf_file
-        grids = grid_modules(model, file_grids(ModelSource("gguf", path, path.stem), cache_root))
-    return quantize(model.eval(), scheme, grids)
-

@@ -1,0 +1,271 @@
+"""Read a shard's tensors out of a GGUF file, a layer at a time.
+
+The file is memory-mapped; only the shard's tensors are read, and each decoder layer is
+dequantized, named and reordered (transformers' own name map and tensor processors, which
+undo llama.cpp's Q/K permutation), loaded, and put on its kernels before the next layer is
+read. So a node never holds more than one layer in float32, whatever the file's size.
+
+Where a tensor's GGUF type has a grid of its own (``fabric.compute.gguf_grid``), the loader
+keeps it: each layer's linears go onto the kernel that holds their type
+(``fabric.compute.quant``). The lm_head is built from the file's rows in slices, and the
+token embedding of a head stays in the file (:class:`GGUFEmbedding`), dequantizing just the
+rows it looks up.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import torch
+from torch import nn
+
+from ..wire.shard import Shard
+from .gguf_grid import KEEP, FileGrid, placement_of
+from .model_ref import _LAYER_RE, ModelError
+
+log = logging.getLogger(__name__)
+
+TENSOR_INDEX = "gguf-tensors.json"  # the tensor table, cached beside the parsed metadata
+EMBED_TENSOR = "token_embd.weight"  # the token embedding's name in a GGUF file
+OUTPUT_TENSOR = "output.weight"  # the lm_head's, where it is not tied to the embedding
+ROWS_PER_SLICE = 4096  # rows of the lm_head dequantized at a time
+
+# transformers model_type -> llama.cpp architecture name, where they differ
+GGUF_ARCH = {"qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe", "mistral": "llama", "gemma3_text": "gemma3"}
+
+
+@dataclass(frozen=True)
+class GGUFTensorInfo:
+    name: str
+    tensor_type: int  # GGMLQuantizationType value
+    offset: int  # absolute byte offset of the data in the file
+    dtype: str  # numpy dtype of the raw data (uint8 for quantized blocks)
+    shape: tuple[int, ...]  # numpy shape of the raw data, as GGUFReader gives it
+
+    @property
+    def type_name(self) -> str:
+        from gguf import GGMLQuantizationType
+
+        return GGMLQuantizationType(self.tensor_type).name
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * np.dtype(self.dtype).itemsize
+
+
+def tensor_index(path: Path) -> list[dict]:
+    """Tensor table of a GGUF file (GGUFReader parses every metadata field: seconds)."""
+    from gguf import GGUFReader
+
+    try:
+        reader = GGUFReader(str(path))
+    except (ValueError, OSError, IndexError) as exc:  # truncated, or not GGUF at all
+        raise ModelError(f"{path.name}: cannot read its tensor table ({exc}); the file may be truncated") from None
+    return [dataclasses.asdict(GGUFTensorInfo(t.name, int(t.tensor_type), int(t.data_offset),
+                                              t.data.dtype.str, tuple(t.data.shape)))
+            for t in reader.tensors]
+
+
+@dataclass
+class GGUFTensors:
+    """A GGUF file's tensor table and a read-only map of its bytes."""
+
+    path: Path
+    infos: list[GGUFTensorInfo]
+    mm: np.ndarray  # the whole file, memory-mapped
+
+    @classmethod
+    def open(cls, path: Path, index: Path | None = None) -> GGUFTensors:
+        raw = json.loads(index.read_text()) if index is not None and index.is_file() else tensor_index(path)
+        infos = [GGUFTensorInfo(**{**r, "shape": tuple(r["shape"])}) for r in raw]
+        mm = np.memmap(path, dtype=np.uint8, mode="r")
+        short = [t.name for t in infos if t.offset + t.nbytes > mm.shape[0]]
+        if short:
+            raise ModelError(f"{path.name} is truncated: it ends before the data of {short[0]} "
+                             f"({len(short)} tensors missing); download it again")
+        return cls(path, infos, mm)
+
+    def find(self, name: str) -> GGUFTensorInfo | None:
+        return next((t for t in self.infos if t.name == name), None)
+
+    def raw(self, info: GGUFTensorInfo) -> np.ndarray:
+        """The tensor's bytes as the file stores them (a view into the map)."""
+        return np.frombuffer(self.mm, dtype=info.dtype, count=math.prod(info.shape),
+                             offset=info.offset).reshape(info.shape)
+
+    def own_map(self, info: GGUFTensorInfo) -> np.ndarray:
+        """A map of this tensor's bytes alone, which outlives the file's map."""
+        return np.memmap(self.path, dtype=info.dtype, mode="r", offset=info.offset, shape=info.shape)
+
+
+def dequantize(raw: np.ndarray, tensor_type: int) -> np.ndarray:
+    """float32 of raw GGUF data of ``tensor_type`` (one tensor or some of its rows)."""
+    from gguf import GGMLQuantizationType, quants
+
+    try:
+        return quants.dequantize(raw, GGMLQuantizationType(tensor_type))
+    except NotImplementedError:
+        raise ModelError(f"GGUF type {GGMLQuantizationType(tensor_type).name} cannot be read by this gguf "
+                         f"package; upgrade it (pip install -U gguf)") from None
+
+
+def wanted(name: str, shard: Shard, tied: bool) -> bool:
+    """Is checkpoint tensor ``name`` (HF or GGUF naming) part of this shard?"""
+    m = _LAYER_RE.search(name)
+    if m:
+        return shard.start <= int(m.group(1)) <= shard.end
+    if "embed_tokens" in name or name.startswith("token_embd"):
+        return shard.is_first or (shard.is_last and tied)
+    return shard.is_last  # final norm, lm_head / output
+
+
+def layer_of(name: str) -> int | None:
+    m = _LAYER_RE.search(name)
+    return int(m.group(1)) if m else None
+
+
+class Converter:
+    """transformers' view of a GGUF file's tensors for one model: the tensor name map and the
+    family's tensor processor (which reorders llama.cpp's Q/K rows, or shifts Gemma's norms)."""
+
+    def __init__(self, model: nn.Module, config):
+        from transformers.modeling_gguf_pytorch_utils import (
+            TENSOR_PROCESSORS,
+            TensorProcessor,
+            get_gguf_hf_weights_map,
+        )
+
+        self.config = config
+        arch = GGUF_ARCH.get(config.model_type, config.model_type)
+        self.processor = TENSOR_PROCESSORS.get(arch, TensorProcessor)(config=config.to_dict())
+        # The library recurses into every submodule, rebuilding its name table each time
+        # (seconds); one flat pass over the full model's parameter names maps the same.
+        keys = model.state_dict()
+        flat = SimpleNamespace(config=config, state_dict=lambda: keys, named_children=lambda: [])
+        self.name_map = get_gguf_hf_weights_map(flat, self.processor, model_type=arch)
+
+    def state(self, tensors: GGUFTensors, infos: list[GGUFTensorInfo], scheme: str | None) -> tuple[dict, dict]:
+        """(state, placement) of ``infos``: float32 torch tensors named as the model names them
+        (MoE processors fuse experts into it), and under ``scheme`` each linear's place on the
+        kernels (:func:`fabric.compute.gguf_grid.placement_of`), by parameter name."""
+        state: dict = {}
+        placement: dict[str, FileGrid | str] = {}
+        parsed = {"config": self.config.to_dict(), "tensors": state}
+        for t in infos:
+            data = tensors.raw(t)
+            result = self.processor.process(weights=dequantize(data, t.tensor_type), name=t.name,
+                                            tensor_key_mapping=self.name_map, parsed_parameters=parsed)
+            if result.name not in self.name_map:
+                continue  # fused into ``state`` by the processor, or not a parameter of this model
+            weight = np.array(result.weights)
+            name = self.name_map[result.name]
+            state[name] = torch.from_numpy(weight)
+            if scheme is not None:
+                place = placement_of(weight, data, t.type_name, scheme,
+                                     lambda a, n=t.name: self._processed(a, n))
+                if place is not None:
+                    placement[name] = place
+        return state, placement
+
+    def _processed(self, array: np.ndarray, name: str) -> np.ndarray | None:
+        """``array`` (shaped as GGUF tensor ``name`` dequantized) as the processor hands that
+        tensor to the model (rows reordered where llama.cpp permuted them)."""
+        scratch = {"config": self.config.to_dict(), "tensors": {}}
+        result = self.processor.process(weights=array, name=name, tensor_key_mapping=self.name_map,
+                                        parsed_parameters=scratch)
+        return None if result.weights is None else np.asarray(result.weights)
+
+
+def groups(infos: list[GGUFTensorInfo], shard: Shard, tied: bool,
+           skip: set[str]) -> Iterator[tuple[int | None, list[GGUFTensorInfo]]]:
+    """The shard's tensors, a group at a time: those outside the layers (None), then each layer's."""
+    chosen = [t for t in infos if wanted(t.name, shard, tied) and t.name not in skip]
+    yield None, [t for t in chosen if layer_of(t.name) is None]
+    for i in range(shard.start, shard.end + 1):
+        yield i, [t for t in chosen if layer_of(t.name) == i]
+
+
+def head_rows(tensors: GGUFTensors, info: GGUFTensorInfo, scheme: str, dtype: torch.dtype) -> nn.Module:
+    """The lm_head of tensor ``info`` (vocab, hidden), built ROWS_PER_SLICE rows at a time, so
+    that the float32 copy never exists whole: int8 with one scale per row (each row's scale
+    is its own, so slices give what the whole would), or a plain linear in ``dtype`` where
+    the type keeps its float form (:data:`fabric.compute.gguf_grid.KEEP`)."""
+    from .quant import Int8Linear, quantize_weight
+
+    raw = tensors.raw(info)
+    vocab = raw.shape[0]
+    keep = placement_of(None, raw, info.type_name, scheme, None) == KEEP
+    weight = scales = None
+    for at in range(0, vocab, ROWS_PER_SLICE):
+        block = torch.from_numpy(dequantize(raw[at:at + ROWS_PER_SLICE], info.tensor_type))  # (rows, hidden)
+        block = block.to(dtype if keep else torch.bfloat16)  # as a bfloat16 model holds it, before int8
+        if weight is None:
+            hidden = block.shape[1]
+            weight = torch.empty((vocab, hidden), dtype=dtype if keep else torch.int8)
+            scales = None if keep else torch.empty(vocab, dtype=torch.bfloat16)
+        if keep:
+            weight[at:at + len(block)] = block
+        else:
+            weight[at:at + len(block)], scales[at:at + len(block)] = quantize_weight(block)
+    if keep:
+        linear = nn.Linear(hidden, vocab, bias=False, device="meta")
+        linear.weight = nn.Parameter(weight, requires_grad=False)
+        return linear
+    return Int8Linear(weight, scales)
+
+
+class GGUFEmbedding(nn.Module):
+    """A token embedding kept as the GGUF file stores it (memory-mapped, quantized blocks),
+    dequantizing only the rows looked up. The rows equal those of the whole dequantized
+    matrix bit for bit (llama.cpp's blocks never span two rows), so a head holds a few
+    looked-up rows instead of vocab x hidden floats (SmolLM2-135M: 108 MiB). ``scale``
+    multiplies them as the family's own embedding does (Gemma: sqrt(hidden), in the
+    model's dtype)."""
+
+    def __init__(self, raw: np.ndarray, tensor_type: int, hidden: int, scale: float | None = None):
+        super().__init__()
+        self.raw, self.tensor_type, self.hidden, self.scale = raw, tensor_type, hidden, scale
+        self.device, self.dtype = torch.device("cpu"), torch.float32  # as ``to`` sets them
+
+    @classmethod
+    def from_tensors(cls, tensors: GGUFTensors, model, config) -> GGUFEmbedding | None:
+        """The lazy embedding of a GGUF file, or None where the plain one must load: an
+        embedding module that is not a lookup (scaled or not), or whose rows are not one
+        row of blocks per token."""
+        module = model.model.embed_tokens
+        scale = getattr(module, "scalar_embed_scale", None)
+        if not isinstance(module, nn.Embedding) or (type(module) is not nn.Embedding and scale is None):
+            return None
+        info = tensors.find(EMBED_TENSOR)
+        if info is None:
+            return None
+        # a map of its own bytes alone: the file's map (and the layer pages read through it) goes after loading
+        raw = tensors.own_map(info)
+        embed = cls(raw, info.tensor_type, config.hidden_size, scale)
+        if embed.rows(np.arange(min(4, raw.shape[0]))).shape != (min(4, raw.shape[0]), config.hidden_size):
+            return None  # not one row of blocks per token: load it whole
+        return embed
+
+    def rows(self, ids: np.ndarray) -> np.ndarray:
+        return dequantize(np.ascontiguousarray(self.raw[ids]), self.tensor_type)
+
+    def to(self, *args, **kwargs):
+        """As ``nn.Module.to``: the rows looked up come out on this device and in this dtype."""
+        device, dtype, _, _ = torch._C._nn._parse_to(*args, **kwargs)  # the parser nn.Module.to uses
+        self.device, self.dtype = device or self.device, dtype or self.dtype
+        return self
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        flat = ids.reshape(-1).cpu().numpy()
+        weights = torch.from_numpy(np.array(self.rows(flat), dtype=np.float32))
+        out = weights.reshape(*ids.shape, self.hidden).to(device=self.device, dtype=self.dtype)
+        if self.scale is not None:  # as Gemma's scaled embedding: its scale in the weights' dtype
+            out = out * torch.tensor(self.scale, dtype=torch.float32).to(self.dtype)
+        return out
