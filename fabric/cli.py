@@ -585,6 +585,7 @@ def cmd_node(args) -> int:
     _grouped_kv_attention()
     import torch
 
+    from .compute.model_ref import ModelError
     from .node import Node
 
     _check_device(args.device, args.quant)
@@ -596,8 +597,12 @@ def cmd_node(args) -> int:
     stop, leave = threading.Event(), threading.Event()  # Ctrl-C stops now; SIGTERM leaves politely, twice stops
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     signal.signal(signal.SIGTERM, lambda *_: stop.set() if leave.is_set() else leave.set())
-    with _listening("--bind"):
-        node = Node(config)
+    try:
+        with _listening("--bind"):
+            node = Node(config)
+    except ModelError as exc:  # the weights did not load (fabric.compute.models.load_shard)
+        name = config.source.path.name
+        raise CommandError(str(exc) if name in str(exc) else f"{name}: {exc}", 1) from None
     _serve_metrics(args, node.metrics)
     node.run(stop, leave)
     log.info("node stopped")
@@ -608,6 +613,7 @@ def _node_config(args, security):
     """The NodeConfig for ``meshnet node``'s flags: the model's config is read, its weights are not."""
     import torch
 
+    from .compute.gguf_info import check_reference
     from .compute.models import (
         ModelError,
         default_cache_root,
@@ -619,6 +625,10 @@ def _node_config(args, security):
     from .node import NodeConfig, stable_node_id
     from .wire.shard import parse_layers
 
+    try:
+        check_reference(args.model)  # a GGUF file no node can run: one line naming it, before anything is logged
+    except ModelError as exc:
+        raise CommandError(str(exc)) from None
     dtype = torch.bfloat16 if args.dtype == "bfloat16" else torch.float32
     quant = _picked_quant(args.quant, args.model, args.device)
     quant = None if quant == "none" else quant

@@ -6,17 +6,30 @@ holds. A ``GrowingLayer`` keeps its positions in a buffer with room to spare and
 new ones in place; ``keys`` and ``values`` are views of the filled part, so everything
 that reads a ``DynamicLayer`` (masks, attention, ``crop``) reads it unchanged. The buffer
 is reallocated only when full, half as large again, so a session's appends copy each
-position a bounded number of times over its life. Sliding-window layers keep their own
-class (their window already bounds them). This module imports transformers: the executor
-imports it where it builds caches.
+position a bounded number of times over its life.
+
+A sliding-window layer's queries see only the last ``window`` positions, their own
+included. A ``WindowLayer`` keeps the last ``window - 1 + SLACK`` positions: what the next
+query needs, and SLACK more so that the KV of an ended session can serve a later request
+that shares a prefix a little shorter than all of it (a follow-up turn that tokenizes the
+last few tokens of the previous answer differently). It appends in place into a buffer
+with ROOM positions to spare and shifts its positions to the buffer's front once the room
+is used, so a session's memory for the layer stays under ``window - 1 + SLACK + ROOM``
+positions however long it runs. It reports the same mask sizes as transformers'
+``DynamicSlidingWindowLayer`` and hands the attention the same keys, so the masks and the
+results are those of a cold run. This module imports transformers: the executor imports it
+where it builds caches.
 """
 from __future__ import annotations
 
 import torch
 from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer
+from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
 from .kv import room
+
+SLACK = 64  # positions a sliding-window layer keeps beyond what its next query needs: the most a reuse cuts back
+ROOM = 64  # positions of room a sliding-window layer's buffer has beyond those it keeps
 
 
 class GrowingLayer(DynamicLayer):
@@ -65,16 +78,129 @@ class GrowingLayer(DynamicLayer):
         return self._keys.numel() * self._keys.element_size() + self._values.numel() * self._values.element_size()
 
 
+class WindowLayer(DynamicSlidingWindowLayer):
+    """A sliding-window layer's KV, (batch, kv_heads, positions, head_dim): its last
+    ``keep`` positions, ``first`` the absolute position of the first of them, appended in
+    place. ``cumulative_length`` (``get_seq_length``) counts every position the session has
+    seen, as in transformers' sliding layer; the kept ones are ``first..cumulative_length - 1``."""
+
+    def __init__(self, sliding_window: int, **kwargs):
+        super().__init__(sliding_window=sliding_window)
+        self.keep = sliding_window - 1 + SLACK  # positions kept at most
+        self.first = 0
+        self._keys: torch.Tensor | None = None  # the buffer; ``keys`` is its filled part
+        self._values: torch.Tensor | None = None
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args,
+               **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append key_states, value_states (batch, kv_heads, q, head_dim); returns what the
+        q queries attend to: the last ``window - 1`` positions before them (fewer at the start)
+        and theirs, the keys ``get_mask_sizes`` announced to the mask."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        n, q = self.cumulative_length - self.first, key_states.shape[-2]
+        seen = min(self.cumulative_length, self.sliding_window - 1)  # kept positions the queries see (<= n)
+        self.cumulative_length += q
+        if self._keys is not None and n + q <= self._keys.shape[-2]:  # room left: in place
+            self._keys[:, :, n:n + q] = key_states
+            self._values[:, :, n:n + q] = value_states
+            self._fill(n + q)
+            return self._keys[:, :, n - seen:n + q], self._values[:, :, n - seen:n + q]
+        keys, values = key_states, value_states  # (batch, kv_heads, n + q, head_dim) once the kept join
+        if n:
+            keys, values = torch.cat([self.keys, key_states], dim=-2), torch.cat([self.values, value_states], dim=-2)
+        self._hold(keys, values, room(n + q, 0 if self._keys is None else self._keys.shape[-2]))
+        return keys[:, :, n - seen:], values[:, :, n - seen:]
+
+    def _hold(self, keys: torch.Tensor, values: torch.Tensor, size: int) -> None:
+        """Keep the last ``keep`` of ``keys``, ``values`` (the positions up to
+        ``cumulative_length``) in a new buffer of ``size`` positions, ROOM beyond ``keep`` at most."""
+        kept = min(keys.shape[-2], self.keep)
+        size = max(kept, min(size, self.keep + ROOM))
+        self._keys = keys.new_empty((*keys.shape[:2], size, keys.shape[-1]))
+        self._values = values.new_empty((*values.shape[:2], size, values.shape[-1]))
+        self._keys[:, :, :kept] = keys[:, :, keys.shape[-2] - kept:]
+        self._values[:, :, :kept] = values[:, :, values.shape[-2] - kept:]
+        self.first = self.cumulative_length - kept
+        self._fill(kept)
+
+    def _fill(self, n: int) -> None:
+        self.keys, self.values = self._keys[:, :, :n], self._values[:, :, :n]
+
+    def serves(self, pos: int) -> bool:
+        """A session continuing at ``pos`` (<= cumulative_length) finds here every position its
+        next query sees: pos - window + 1 .. pos - 1."""
+        return self.first <= max(0, pos - self.sliding_window + 1) and pos <= self.cumulative_length
+
+    def prefix(self, pos: int) -> "WindowLayer":
+        """A new layer holding copies of the kept positions before ``pos`` (``serves(pos)`` true),
+        as a session that ran ``pos`` positions would hold them."""
+        out = WindowLayer(self.sliding_window)
+        if pos:
+            start = max(self.first, pos - self.keep) - self.first
+            stop = pos - self.first
+            out.lazy_initialization(self.keys, self.values)
+            out.cumulative_length = pos
+            out._hold(self.keys[:, :, start:stop], self.values[:, :, start:stop], stop - start)  # copied
+        return out
+
+    def trim(self) -> None:
+        """Give back the room to spare: the buffer becomes exactly the last ``keep`` positions."""
+        n = self.cumulative_length - self.first
+        if self._keys is not None and self._keys.shape[-2] != min(n, self.keep):
+            self._hold(self.keys, self.values, 0)
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise NotImplementedError("a WindowLayer is cut with prefix(), not cropped")
+
+    def reset(self) -> None:
+        self._keys = self._values = None
+        self.first = 0
+        super().reset()
+        self.cumulative_length = 0
+
+    def nbytes(self) -> int:
+        """Bytes this layer holds, room to spare included."""
+        if self._keys is None:
+            return 0
+        return self._keys.numel() * self._keys.element_size() + self._values.numel() * self._values.element_size()
+
+
 def new_cache(config) -> DynamicCache:
-    """A DynamicCache for ``config``'s layers whose full-attention layers grow in place."""
+    """A DynamicCache for ``config``'s layers: full-attention layers grow in place,
+    sliding-window ones keep a bounded tail of their positions."""
     cache = DynamicCache(config=config)
-    cache.layers = [GrowingLayer() if type(layer) is DynamicLayer else layer for layer in cache.layers]
+    cache.layers = [_own(layer) for layer in cache.layers]
     return cache
 
 
+def _own(layer):
+    if type(layer) is DynamicLayer:
+        return GrowingLayer()
+    if type(layer) is DynamicSlidingWindowLayer:
+        return WindowLayer(layer.sliding_window)
+    return layer
+
+
 def trim(cache) -> None:
-    """Give back every growing layer's room to spare (a cache kept, not appended to)."""
+    """Give back every layer's room to spare (a cache kept, not appended to)."""
     for layer in getattr(cache, "layers", ()):
-        if isinstance(layer, GrowingLayer):
+        if isinstance(layer, (GrowingLayer, WindowLayer)):
             layer.trim()
 
+
+def prefix(cache, config, start: int, end: int, pos: int) -> DynamicCache | None:
+    """A new cache (``new_cache(config)``) holding copies of what ``cache``'s layers start..end
+    held after their first ``pos`` positions; None where a sliding-window layer no longer
+    holds a position the next query would see (it keeps its window and SLACK more)."""
+    layers = cache.layers
+    if not all(layers[i].serves(pos) for i in range(start, end + 1) if isinstance(layers[i], WindowLayer)):
+        return None
+    out = new_cache(config)
+    for i in range(start, end + 1):
+        layer = layers[i]
+        if isinstance(layer, WindowLayer):
+            out.layers[i] = layer.prefix(pos)
+        else:
+            out.update(layer.keys[:, :, :pos], layer.values[:, :, :pos], i)  # copied: (1, kv_heads, pos, head_dim)
+    return out

@@ -93,18 +93,18 @@ def _scale_min_k4(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return sc, m
 
 
-def placement_of(weight: np.ndarray | None, raw: np.ndarray, type_name: str, scheme: str,
-                 process: Callable[[np.ndarray], np.ndarray | None] | None) -> FileGrid | str | None:
+def placement_of(weight: np.ndarray, raw: np.ndarray, type_name: str, scheme: str,
+                 process: Callable[[np.ndarray], np.ndarray | None]) -> FileGrid | str | None:
     """Where a linear stored as ``type_name`` goes under ``scheme``: its :class:`FileGrid`
     (the int4 kernel with the file's codes), :data:`KEEP` (its float form), or None (the
     scheme's own kernel: int8 under ``gguf`` and ``int8``, a fitted int4 grid under ``int4``).
 
     ``gguf`` is each type on its own kernel (module docstring); ``int4`` keeps a 4-bit file
-    grid and fits the rest; ``int8`` re-rounds everything. ``weight`` None: the type alone
-    decides (no grid is taken)."""
+    grid and fits the rest; ``int8`` re-rounds everything. The lm_head is int8 under every
+    scheme (``fabric.compute.quant.LM_HEAD_SCHEME``)."""
     if scheme == "gguf" and type_name not in GRID_TYPES + INT8_TYPES:
         return KEEP
-    if scheme not in ("gguf", "int4") or type_name not in GRID_TYPES or weight is None:
+    if scheme not in ("gguf", "int4") or type_name not in GRID_TYPES:
         return None
     return grid_of(weight, raw, type_name, process)
 

@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from ..wire.shard import Shard
-from .gguf_grid import KEEP, FileGrid, placement_of
+from .gguf_grid import FileGrid, placement_of
 from .model_ref import _LAYER_RE, ModelError
 
 log = logging.getLogger(__name__)
@@ -192,32 +192,23 @@ def groups(infos: list[GGUFTensorInfo], shard: Shard, tied: bool,
         yield i, [t for t in chosen if layer_of(t.name) == i]
 
 
-def head_rows(tensors: GGUFTensors, info: GGUFTensorInfo, scheme: str, dtype: torch.dtype) -> nn.Module:
-    """The lm_head of tensor ``info`` (vocab, hidden), built ROWS_PER_SLICE rows at a time, so
-    that the float32 copy never exists whole: int8 with one scale per row (each row's scale
-    is its own, so slices give what the whole would), or a plain linear in ``dtype`` where
-    the type keeps its float form (:data:`fabric.compute.gguf_grid.KEEP`)."""
+def head_rows(tensors: GGUFTensors, info: GGUFTensorInfo) -> nn.Module:
+    """The int8 lm_head of tensor ``info`` (vocab, hidden), as every scheme holds it
+    (``fabric.compute.quant.LM_HEAD_SCHEME``), built ROWS_PER_SLICE rows at a time so that the
+    float32 copy never exists whole: each row's scale is its own, so slices give what the
+    whole would."""
     from .quant import Int8Linear, quantize_weight
 
     raw = tensors.raw(info)
     vocab = raw.shape[0]
-    keep = placement_of(None, raw, info.type_name, scheme, None) == KEEP
     weight = scales = None
     for at in range(0, vocab, ROWS_PER_SLICE):
         block = torch.from_numpy(dequantize(raw[at:at + ROWS_PER_SLICE], info.tensor_type))  # (rows, hidden)
-        block = block.to(dtype if keep else torch.bfloat16)  # as a bfloat16 model holds it, before int8
+        block = block.to(torch.bfloat16)  # as a bfloat16 model holds it, before int8
         if weight is None:
-            hidden = block.shape[1]
-            weight = torch.empty((vocab, hidden), dtype=dtype if keep else torch.int8)
-            scales = None if keep else torch.empty(vocab, dtype=torch.bfloat16)
-        if keep:
-            weight[at:at + len(block)] = block
-        else:
-            weight[at:at + len(block)], scales[at:at + len(block)] = quantize_weight(block)
-    if keep:
-        linear = nn.Linear(hidden, vocab, bias=False, device="meta")
-        linear.weight = nn.Parameter(weight, requires_grad=False)
-        return linear
+            weight = torch.empty((vocab, block.shape[1]), dtype=torch.int8)
+            scales = torch.empty(vocab, dtype=torch.bfloat16)
+        weight[at:at + len(block)], scales[at:at + len(block)] = quantize_weight(block)
     return Int8Linear(weight, scales)
 
 

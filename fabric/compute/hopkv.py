@@ -12,6 +12,8 @@ import torch
 from .kv import KVStore, SessionKV
 from .rows import RowGroup
 
+REUSABLE_KINDS = ("full_attention", "sliding_attention")  # layer kinds whose kept KV can serve a later prefix
+
 
 class CacheMissError(Exception):
     """The session's KV is not here (evicted, restarted, or a different layer span)."""
@@ -74,9 +76,9 @@ class HopKV:
         return new_cache(self.config)
 
     def reusable(self, start: int, end: int) -> bool:
-        """A session's KV over start..end can be cut to a prefix: full attention everywhere
-        (a sliding window layer's cache has already dropped its oldest positions)."""
-        return self.batchable(start, end)
+        """A session's KV over start..end can serve a later request's prefix: attention layers,
+        full or sliding-window (those keep their window and a little more: fabric/compute/cache.py)."""
+        return all(self.layer_types[i] in REUSABLE_KINDS for i in range(start, end + 1))
 
     @torch.inference_mode()
     def retain(self, session: str) -> list[str]:
@@ -98,17 +100,18 @@ class HopKV:
         """Start ``session`` with the first ``pos`` positions of the KV kept for ``reuse``: the
         entry itself when it holds exactly pos (the new session continues all of it), else a
         copy of its prefix, the entry staying for others. CacheMissError when no entry holds
-        that much over this span."""
+        that much over this span, or whose sliding-window layers kept too little before pos
+        (they keep their window and cache.SLACK more: a prefix may stop at most that short)."""
         retained = self.kv.retained
         old = retained.peek(reuse)
-        if old is None or old.length < pos or (old.start, old.end) != (start, end):
+        cache = None
+        if old is not None and old.length >= pos and (old.start, old.end) == (start, end):
+            cache = old.cache if old.length == pos else self._prefix(old.cache, start, end, pos)
+        if cache is None:
             retained.stats["misses"] += 1
             raise CacheMissError(0)
-        if old.length == pos:
+        if cache is old.cache:
             retained.pop(reuse)
-            cache = old.cache
-        else:
-            cache = self._prefix(old.cache, start, end, pos)
         kv = SessionKV(cache=cache, start=start, end=end, length=pos)
         self._put(session, kv)
         retained.stats["hits"] += 1
@@ -116,12 +119,11 @@ class HopKV:
         return kv
 
     def _prefix(self, cache, start: int, end: int, n: int):
-        """A new cache holding copies of the first ``n`` positions of ``cache``'s layers start..end."""
-        out = self._new_cache()
-        for i in range(start, end + 1):
-            layer = cache.layers[i]
-            out.update(layer.keys[:, :, :n], layer.values[:, :, :n], i)  # copied: (1, kv_heads, n, head_dim)
-        return out
+        """A new cache holding copies of the first ``n`` positions of ``cache``'s layers
+        start..end (a sliding-window layer's last ones of them); None where they are gone."""
+        from .cache import prefix
+
+        return prefix(cache, self.config, start, end, n)
 
     @torch.inference_mode()
     def forget(self, session: str) -> None:

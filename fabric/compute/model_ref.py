@@ -168,28 +168,48 @@ _STRING, _ARRAY = 8, 9
 def gguf_tensor_types(path: Path) -> dict[str, tuple[str, int]]:
     """{tensor name: (GGML type name, number of dimensions)} from a GGUF file's header. The
     metadata values (a tokenizer's vocabulary...) are stepped over, not decoded: a fraction
-    of a second where ``gguf.GGUFReader`` takes seconds."""
-    from gguf import GGMLQuantizationType  # numpy only
-
+    of a second where ``gguf.GGUFReader`` takes seconds. A file that is empty, not GGUF, or
+    cut inside its header is a ModelError naming it."""
+    if path.stat().st_size == 0:
+        raise ModelError(f"{path} is empty, not a GGUF file; download it again")
     with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
         if m[:4] != b"GGUF":
             raise ModelError(f"{path} is not a GGUF file")
-        version, n_tensors, n_kv = struct.unpack_from("<IQQ", m, 4)
-        if version < 2:
-            raise ModelError(f"{path} is GGUF version {version}; convert it again with a current llama.cpp")
-        at = 24
-        for _ in range(n_kv):
-            at = _skip_value(m, at, _STRING)  # the key
-            at = _skip_value(m, at + 4, struct.unpack_from("<I", m, at)[0])
-        types = {}
-        for _ in range(n_tensors):
-            (size,) = struct.unpack_from("<Q", m, at)
-            name = m[at + 8:at + 8 + size].decode()
-            (dims,) = struct.unpack_from("<I", m, at + 8 + size)
-            at += 12 + size + 8 * dims
-            types[name] = (GGMLQuantizationType(struct.unpack_from("<I", m, at)[0]).name, dims)
-            at += 12  # the type, then the data's offset
-        return types
+        try:
+            return _tensor_types(m)
+        except struct.error:  # a read past the end
+            raise ModelError(f"{path.name} is truncated: it ends inside its header, at byte {len(m)}; "
+                             f"download it again") from None
+        except UnicodeDecodeError:
+            raise ModelError(f"{path.name} is damaged: a name in its header is not UTF-8; download it again") from None
+        except ModelError as exc:
+            raise ModelError(f"{path.name}: {exc}") from None
+
+
+def _tensor_types(m: mmap.mmap) -> dict[str, tuple[str, int]]:
+    from gguf import GGMLQuantizationType  # numpy only
+
+    version, n_tensors, n_kv = struct.unpack_from("<IQQ", m, 4)
+    if version < 2:
+        raise ModelError(f"GGUF version {version}; convert it again with a current llama.cpp")
+    at = 24
+    for _ in range(n_kv):
+        at = _skip_value(m, at, _STRING)  # the key
+        at = _skip_value(m, at + 4, struct.unpack_from("<I", m, at)[0])
+    types = {}
+    for _ in range(n_tensors):
+        (size,) = struct.unpack_from("<Q", m, at)
+        name = m[at + 8:at + 8 + size].decode()
+        (dims,) = struct.unpack_from("<I", m, at + 8 + size)
+        at += 12 + size + 8 * dims
+        (kind,) = struct.unpack_from("<I", m, at)
+        try:
+            types[name] = (GGMLQuantizationType(kind).name, dims)
+        except ValueError:
+            raise ModelError(f"tensor {name} has GGML type {kind}, which this gguf package does not know; "
+                             f"upgrade it (pip install -U gguf)") from None
+        at += 12  # the type, then the data's offset
+    return types
 
 
 def _skip_value(m: mmap.mmap, at: int, kind: int) -> int:

@@ -385,10 +385,15 @@ def _layers_text(entry: dict) -> str:
 def add_parsers(sub) -> None:
     """``meshnet models`` and ``meshnet pull`` (nothing heavy is imported to build them)."""
     aliases = "such as smollm2-135m; `meshnet models` lists them"
-    p = sub.add_parser("models", help="list the models on this machine: aliases and pulled repositories",
+    p = sub.add_parser("models", help="list the models on this machine, or show what a GGUF file holds",
                        description="List the model aliases (such as smollm2-135m): whether each is installed "
                                    "and where, and the Hugging Face repositories `meshnet pull` fetched, with "
-                                   "their sizes and the layers they hold. Any of them can be passed to --model.")
+                                   "their sizes and the layers they hold. Any of them can be passed to --model. "
+                                   "Given a .gguf FILE, show what it holds, read off its header: architecture, "
+                                   "layers, hidden size, vocabulary, chat template, its tensor types and the bytes "
+                                   "of each layer; status 1 (and one error line) where no node can run it.")
+    p.add_argument("file", nargs="?", default=None, metavar="FILE",
+                   help="a .gguf file (or an alias) to describe instead of listing (default: list them all)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=cmd_models)
 
@@ -408,6 +413,10 @@ def add_parsers(sub) -> None:
 
 
 def cmd_models(args) -> int:
+    if args.file:  # read off the file's header: no torch
+        from .gguf_info import cmd_file
+
+        return cmd_file(args.file, args.json)
     from .models import default_models_root
 
     inv = inventory(default_models_root())

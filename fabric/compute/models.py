@@ -64,6 +64,7 @@ from .model_ref import (  # noqa: F401  (re-exported: callers import model refer
     pulled_path,
     resolve,
 )
+from .templates import fill_template
 
 log = logging.getLogger(__name__)
 
@@ -120,10 +121,16 @@ def load_config(source: ModelSource, cache_root: Path | None = None):
 
 
 def load_tokenizer(source: ModelSource, cache_root: Path | None = None):
+    """The model's tokenizer; one whose file has no chat template gets its family's (or one
+    that refuses chats with a line naming /v1/completions): see ``fabric.compute.templates``."""
     from transformers import AutoTokenizer
 
     directory, gguf_file = _metadata_dir(source, cache_root)
-    return AutoTokenizer.from_pretrained(directory, gguf_file=gguf_file)
+    tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=gguf_file)
+    if tokenizer.chat_template is None:
+        model_type = load_config(source, cache_root).model_type
+        fill_template(tokenizer, model_type, source.path.name, source.model_id)
+    return tokenizer
 
 
 def fingerprint(source: ModelSource, config, quant: str | None = None) -> str:
@@ -317,10 +324,11 @@ def _load_gguf(source: ModelSource, cache_root: Path | None, model, config, shar
         state, placement = converter.state(tensors, infos, quant)
         _load_into(model, state, dtype, expected=set(state))
         del state
-        if quant is not None and layer is not None:
-            quantize_modules([model.model.layers[layer]], None, quant, grid_modules(model, placement))
+        if quant is not None and layer is not None:  # in bfloat16 first, as a bfloat16 model quantizes
+            block = model.model.layers[layer].to(dtype)
+            quantize_modules([block], None, quant, grid_modules(model, placement))
         release_freed_memory()  # each layer's float copies, before the next: the peak stays one layer's
-    lm_head = head_rows(tensors, head_info, quant, dtype) if head_info is not None else None
+    lm_head = head_rows(tensors, head_info) if head_info is not None else None
     del converter, tensors
     release_freed_memory()
     _warn_kept(source, shard, quant)

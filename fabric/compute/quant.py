@@ -243,8 +243,8 @@ def quantize_modules(layers: Iterable[nn.Module], lm_head: nn.Module | None = No
     head = None
     if lm_head is not None:
         # under int4 the lm_head stays int8 (LM_HEAD_SCHEME): measured, see the module docstring
-        head = (_quantize_linear(lm_head, LM_HEAD_SCHEME.get(scheme, scheme), (grids or {}).get(lm_head))
-                if isinstance(lm_head, nn.Linear) else lm_head)
+        head = (_quantize_linear(lm_head, LM_HEAD_SCHEME.get(scheme, scheme)) if isinstance(lm_head, nn.Linear)
+                else lm_head)
     return out, head
 
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
+from jinja2.exceptions import TemplateError
 
 from ..wire.protocol import (
     CacheMiss,
@@ -99,8 +100,7 @@ class Detokenizer:
 def encode_prompt(tokenizer, request: Generate, max_prompt_tokens: int) -> list[int]:
     """Token ids of the request's prompt; the chat template applies to ``messages``."""
     if request.messages is not None:
-        ids = tokenizer.apply_chat_template(list(request.messages), add_generation_prompt=True, tokenize=True,
-                                            return_dict=False)
+        ids = _chat_ids(tokenizer, list(request.messages))
     else:
         ids = tokenizer(request.prompt, add_special_tokens=True)["input_ids"]
     ids = list(ids)
@@ -110,6 +110,21 @@ def encode_prompt(tokenizer, request: Generate, max_prompt_tokens: int) -> list[
         raise RequestError(ErrorCode.PROMPT_TOO_LONG,
                            f"prompt has {len(ids)} tokens; this route takes at most {max_prompt_tokens}")
     return ids
+
+
+def _chat_ids(tokenizer, messages: list) -> list[int]:
+    """The chat template's token ids. A template that refuses the messages with its own words
+    (``raise_exception``: roles out of turn, or a model whose chats no template formats, see
+    fabric.compute.templates) refuses the request; a broken template is the node's error."""
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise RequestError(ErrorCode.BAD_REQUEST, "this model has no chat template; send raw prompts to "
+                                                  "/v1/completions (prompt= in the Python client)")
+    try:
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+    except TemplateError as exc:
+        if type(exc) is not TemplateError:  # a syntax error, an undefined name: the template's fault
+            raise
+        raise RequestError(ErrorCode.BAD_REQUEST, str(exc)) from None
 
 
 @dataclass

@@ -1,0 +1,131 @@
+"""Every family and every common GGUF type, split over nodes' shards, against transformers.
+
+Tiny random models are written as GGUF files (tests/gguf_models.py) in each family and
+tensor type, then:
+
+- exact mode (``--quant none``, float32): two shards chained in process give the greedy
+  tokens of transformers' own float32 load of the same file, prefilled in chunks as a head
+  slices a prompt (a float32 comparison in another order: the reference's tokens must lead
+  clearly, tests/tiny_models.py);
+- the default mode (``--quant auto``, each type on its own kernel): the split gives the
+  tokens of one transformers process holding the very same quantized weights, prefilled in
+  the same chunks (bfloat16 runs compare only when they compute in the same order), and
+  each type sits on the kernel the README says;
+- memory: a shard's weights against its share of the file, by type.
+"""
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+
+from fabric.compute.gguf_grid import GRID_TYPES, INT8_TYPES
+from fabric.compute.gguf_load import EMBED_TENSOR, GGUFTensors, wanted
+from fabric.compute.model_ref import pick_quant
+from fabric.compute.models import load_shard, resolve
+from fabric.wire.shard import Shard
+from tests.gguf_models import FAMILIES_GGUF, TYPES, q4_k_m_mix, write_gguf
+from tests.test_quant import reference_tokens, split_tokens
+from tests.tiny_models import assert_clear_lead
+
+PROMPT = [1, 5, 17, 33, 60, 8, 101, 44, 9, 250, 12, 7, 77, 140, 3, 61, 99, 18, 230, 45]  # past gemma's window of 8
+SPARE_PROMPTS = ([1, 40, 2, 90, 31, 7, 200, 15, 66, 4, 18, 130, 57, 9, 211, 3, 8, 150, 27, 72],
+                 [1, 300, 22, 6, 48, 190, 11, 85, 2, 61, 240, 36, 5, 170, 13, 99, 42, 7, 260, 30])
+NEW_TOKENS = 8
+CHUNK = 6  # prefill slices, as a head cuts a long prompt
+DEFAULT_TYPES = ("Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q5_K", "Q6_K", "Q8_0", "F16", "Q2_K", "IQ4_XS", "mix")
+# a shard's weights in memory against its share of the file, at most (README, "Which GGUF types run how")
+MEMORY_CEILING = {"Q4_0": 1.25, "Q4_1": 1.25, "Q4_K": 1.25, "Q6_K": 1.25, "Q8_0": 1.0, "mix": 1.25, "F16": 1.0,
+                  "Q5_0": 1.5, "Q5_1": 1.5, "Q5_K": 1.5}
+
+
+@pytest.fixture(scope="module")
+def gguf_file(tmp_path_factory):
+    made: dict[tuple[str, str], Path] = {}
+
+    def make(family: str, kind: str) -> Path:
+        if (family, kind) not in made:
+            directory = tmp_path_factory.mktemp(f"{family}-{kind}")
+            made[family, kind] = write_gguf(family, directory, q4_k_m_mix if kind == "mix" else kind)
+        return made[family, kind]
+    return make
+
+
+def float32_greedy(path: Path, n: int) -> tuple[list[int], list[int]]:
+    """(prompt, greedy tokens) of transformers' own float32 load of the file: the first of the
+    prompts whose every token leads clearly (a near-tie is refused, never compared)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+    for prompt in (PROMPT, *SPARE_PROMPTS):
+        ids = torch.tensor([prompt])
+        out = model.generate(ids, max_new_tokens=n, do_sample=False, attention_mask=torch.ones_like(ids),
+                             eos_token_id=None, pad_token_id=0, output_scores=True, return_dict_in_generate=True)
+        try:
+            assert_clear_lead(torch.stack(out.scores)[:, 0])
+        except AssertionError:
+            continue
+        return prompt, out.sequences[0, len(prompt):].tolist()
+    pytest.fail(f"every prompt meets a near-tie on {path}: add another prompt")
+
+
+@pytest.mark.parametrize("kind", TYPES)
+@pytest.mark.parametrize("family", FAMILIES_GGUF)
+def test_exact_split_gives_transformers_float32_tokens(gguf_file, family, kind):
+    path = gguf_file(family, kind)
+    prompt, expected = float32_greedy(path, NEW_TOKENS)
+    assert split_tokens(path, 2, prompt, NEW_TOKENS, chunk=CHUNK, scheme=None) == expected
+
+
+DEFAULT_CASES = ([(family, kind) for family in ("llama", "gemma3") for kind in DEFAULT_TYPES]
+                 + [(family, kind) for family in FAMILIES_GGUF if family not in ("llama", "gemma3")
+                    for kind in ("Q4_0", "Q5_K", "mix")])
+
+
+@pytest.mark.parametrize("family,kind", DEFAULT_CASES)
+def test_default_split_gives_the_single_process_tokens_on_the_same_kernels(gguf_file, family, kind):
+    path = gguf_file(family, kind)
+    scheme, why = pick_quant("auto", resolve(str(path)))
+    assert scheme is not None, why
+    expected = reference_tokens(path.parent, PROMPT, NEW_TOKENS, scheme, chunk=CHUNK, gguf_file=path.name)
+    assert split_tokens(path, 2, PROMPT, NEW_TOKENS, chunk=CHUNK, scheme=scheme) == expected
+
+
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_K", "Q5_K", "Q6_K", "Q8_0", "F16", "Q3_K", "mix"])
+def test_each_type_sits_on_its_own_kernel(gguf_file, kind):
+    """Q4_* on int4 with the file's codes, Q5_*/Q6_K/Q8_0 on int8, the rest in bfloat16."""
+    path = gguf_file("llama", kind)
+    source = resolve(str(path))
+    scheme, _ = pick_quant("auto", source)
+    weights = load_shard(source, Shard(0, 3, 4), quant=scheme, progress=False)
+    kernels = Counter(type(m).__name__ for layer in weights.layers.values() for m in layer.modules()
+                      if "Linear" in type(m).__name__)
+    types = {"mix": ("Q4_K", "Q6_K")}.get(kind, (kind,))
+    want = set()
+    for t in types:
+        want.add("Int4Linear" if t in GRID_TYPES else "Int8Linear" if t in INT8_TYPES else "Linear")
+    assert set(kernels) == want, kernels
+    if "Linear" in want:
+        assert all(m.weight.dtype == torch.bfloat16 for layer in weights.layers.values() for m in layer.modules()
+                   if type(m) is torch.nn.Linear)
+
+
+def _share_of_file(path: Path, shard: Shard, tied: bool, lazy_embed: bool) -> int:
+    """Bytes of the file's tensors a shard holds in memory (a lazily read embedding stays in the file)."""
+    tensors = GGUFTensors.open(path)
+    return sum(t.nbytes for t in tensors.infos if wanted(t.name, shard, tied)
+               and not (lazy_embed and t.name == EMBED_TENSOR and not (shard.is_last and tied)))
+
+
+@pytest.mark.parametrize("kind", sorted(MEMORY_CEILING))
+def test_a_shards_weights_stay_near_its_share_of_the_file(gguf_file, kind):
+    path = gguf_file("llama", kind)
+    source = resolve(str(path))
+    scheme, _ = pick_quant("auto", source)
+    for shard in (Shard(0, 1, 4), Shard(2, 3, 4)):
+        weights = load_shard(source, shard, quant=scheme, progress=False)
+        lazy = shard.is_first and type(weights.embed).__name__ == "GGUFEmbedding"
+        ratio = weights.parameter_bytes() / _share_of_file(path, shard, tied=False, lazy_embed=lazy)
+        assert ratio <= MEMORY_CEILING[kind], f"{kind} {shard}: {ratio:.2f}x the file"
