@@ -129,3 +129,46 @@ def test_a_shards_weights_stay_near_its_share_of_the_file(gguf_file, kind):
         lazy = shard.is_first and type(weights.embed).__name__ == "GGUFEmbedding"
         ratio = weights.parameter_bytes() / _share_of_file(path, shard, tied=False, lazy_embed=lazy)
         assert ratio <= MEMORY_CEILING[kind], f"{kind} {shard}: {ratio:.2f}x the file"
+
+
+# --------------------------------------------------------------------------- real node processes
+
+RAW_PROMPT = "the quick brown fox jumps over the lazy dog"  # words the tiny tokenizer knows
+
+
+def _prompt_ids(path: Path, cache: Path) -> list[int]:
+    """The ids a head makes of RAW_PROMPT (a raw prompt, as /v1/completions sends it)."""
+    from fabric.compute.models import load_tokenizer
+
+    return load_tokenizer(resolve(str(path)), cache)(RAW_PROMPT, add_special_tokens=True)["input_ids"]
+
+
+def test_a_k_quant_gemma3_file_splits_over_two_node_processes(process_cluster, gguf_file):
+    """`meshnet node` twice on a Q4_K/Q6_K Gemma 3 file: exact mode gives transformers' float32
+    greedy tokens; the default mode runs each type on its kernel (fingerprint ``:gguf``) and answers."""
+    from tests.test_processes import token_ids
+
+    path = gguf_file("gemma3", "mix")
+    ids = _prompt_ids(path, process_cluster.cache / "meshnet")
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+    prompt = torch.tensor([ids])
+    out = model.generate(prompt, max_new_tokens=10, do_sample=False, attention_mask=torch.ones_like(prompt),
+                         eos_token_id=None, pad_token_id=0, output_scores=True, return_dict_in_generate=True)
+    assert_clear_lead(torch.stack(out.scores)[:, 0])
+    want = out.sequences[0, len(ids):].tolist()
+    for mode, extra in (("exact", ("--quant", "none", "--dtype", "float32")), ("default", ())):
+        names = (f"{mode}-head", f"{mode}-tail")
+        process_cluster.start_node(names[0], str(path), "0-2", None, "--model-id", mode, *extra)
+        process_cluster.start_node(names[1], str(path), "3-5", None, "--model-id", mode, *extra)
+        status = process_cluster.wait_nodes(list(names), mode)
+        prints = {n["fingerprint"] for n in status["nodes"] if n["id"] in names}
+        assert len(prints) == 1 and prints.pop().endswith(":gguf" if mode == "default" else "")
+        with process_cluster.client() as client:
+            events = list(client.generate(mode, prompt=RAW_PROMPT, max_tokens=10, ignore_eos=True))
+        got = token_ids(events)
+        if mode == "exact":
+            assert got == want, process_cluster.logs()
+        else:
+            assert len(got) == 10, process_cluster.logs()

@@ -99,13 +99,37 @@ def _metadata_dir(source: ModelSource, cache_root: Path | None) -> tuple[Path, s
         log.info("parsing GGUF metadata of %s once (cached in %s)", source.path.name, target)
         tmp = Path(tempfile.mkdtemp(dir=_mkdir(target.parent)))
         AutoConfig.from_pretrained(source.directory, gguf_file=source.gguf_file).save_pretrained(tmp)
-        AutoTokenizer.from_pretrained(source.directory, gguf_file=source.gguf_file).save_pretrained(tmp)
+        _cache_tokenizer(AutoTokenizer.from_pretrained(source.directory, gguf_file=source.gguf_file), tmp)
         (tmp / TENSOR_INDEX).write_text(json.dumps(tensor_index(source.path)))
         try:
             tmp.rename(target)
         except OSError:  # another process finished first
             shutil.rmtree(tmp, ignore_errors=True)
     return target, None
+
+
+TOKENIZER_FROM_FILE = "tokenizer-from-gguf"  # marker: the saved tokenizer did not encode as the file's own
+
+
+def _cache_tokenizer(tokenizer, target: Path) -> None:
+    """Save ``tokenizer`` into ``target`` if it loads back encoding as it does; otherwise leave
+    a marker, and every load reads the tokenizer from the GGUF file itself (seconds, but right)."""
+    from transformers import AutoTokenizer
+
+    probe = "Hello, world! 123 <s> the quick brown fox"
+    try:
+        want = tokenizer(probe)["input_ids"]
+    except Exception:  # noqa: BLE001 -- a tokenizer that cannot encode this text is checked at use
+        want = None
+    tokenizer.save_pretrained(target)
+    try:
+        same = AutoTokenizer.from_pretrained(target)(probe)["input_ids"] == want
+    except Exception:  # noqa: BLE001 -- transformers raises many types for a tokenizer it cannot rebuild
+        same = False
+    if not same:
+        log.info("the tokenizer saved from %s does not load back the same: it is read from the file each time",
+                 target.name)
+        (target / TOKENIZER_FROM_FILE).touch()
 
 
 def _mkdir(path: Path) -> Path:
@@ -126,6 +150,8 @@ def load_tokenizer(source: ModelSource, cache_root: Path | None = None):
     from transformers import AutoTokenizer
 
     directory, gguf_file = _metadata_dir(source, cache_root)
+    if (directory / TOKENIZER_FROM_FILE).exists():
+        directory, gguf_file = source.directory, source.gguf_file
     tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=gguf_file)
     if tokenizer.chat_template is None:
         model_type = load_config(source, cache_root).model_type
