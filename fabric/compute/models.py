@@ -394,12 +394,12 @@ def _shard_weights(model, shard: Shard, lazy_embed, tied: bool, dtype: torch.dty
         norm=inner.norm if shard.is_last else None, lm_head=lm_head,
         rotary=rotary, dtype=dtype, device=torch.device(device),
     )
+    if weights.embed is not None:
+        _rebuild_meta_buffers(weights.embed)  # before ``to``: a meta tensor cannot be copied
     for module in (weights.embed, weights.norm, weights.lm_head, *weights.layers.values()):
         if module is not None:
             module.to(device=device, dtype=dtype).eval().requires_grad_(False)
     weights.rotary.to(device=device)
-    if weights.embed is not None:
-        _rebuild_meta_buffers(weights.embed)
     _check_materialized(weights)
     return weights
 
@@ -469,8 +469,7 @@ def _rebuild_meta_buffers(embed: nn.Module) -> None:
     stayed on the meta device, so make it again from the number the module keeps."""
     buffer = getattr(embed, "embed_scale", None)
     if isinstance(buffer, torch.Tensor) and buffer.is_meta and hasattr(embed, "scalar_embed_scale"):
-        weight = embed.weight
-        embed.embed_scale = torch.tensor(embed.scalar_embed_scale, device=weight.device).to(weight.dtype)
+        embed.embed_scale = torch.tensor(embed.scalar_embed_scale, device=embed.weight.device)
 
 
 def _check_materialized(weights: ShardWeights) -> None:
