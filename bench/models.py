@@ -41,7 +41,9 @@ from fabric_bench import memory  # noqa: E402
 MIB = 2**20
 # llama-arch shapes: hidden, layers, intermediate, heads, kv heads (head_dim hidden / heads)
 SHAPES = {"1.7b": (2048, 24, 8192, 32, 32), "1b": (2048, 16, 8192, 32, 8)}
-GEMMA3_270M = dict(hidden=640, layers=18, intermediate=2048, heads=4, kv_heads=1, head_dim=256, window=512)
+GEMMA3_270M = dict(hidden=640, layers=18, intermediate=2048, heads=4, kv_heads=1, head_dim=256, window=512,
+                   vocab=262144)  # Gemma 3 270M's shape: its vocabulary is most of its weights
+SMOLLM_VOCAB = 49152
 FLOOR = """
 import psutil, torch, transformers
 import fabric.node, fabric.cli
@@ -69,10 +71,11 @@ def tensor_shapes(shape: str) -> tuple[str, dict, list[tuple[str, tuple[int, ...
         arch = "gemma3"
     else:
         hidden, layers, inter, heads, kv = SHAPES[shape]
-        d = dict(hidden=hidden, layers=layers, intermediate=inter, heads=heads, kv_heads=kv, head_dim=hidden // heads)
+        d = dict(hidden=hidden, layers=layers, intermediate=inter, heads=heads, kv_heads=kv, head_dim=hidden // heads,
+                 vocab=SMOLLM_VOCAB)
         arch = "llama"
     h, hd = d["hidden"], d["head_dim"]
-    names = [("token_embd.weight", (49152, h))]
+    names = [("token_embd.weight", (d["vocab"], h))]
     for i in range(d["layers"]):
         blk = f"blk.{i}."
         names += [(blk + "attn_norm.weight", (h,)), (blk + "attn_q.weight", (d["heads"] * hd, h)),
@@ -110,14 +113,20 @@ def write_file(path: Path, shape: str, seed: int = 0) -> Path:
     writer.add_rope_dimension_count(d["head_dim"])
     writer.add_rope_freq_base(10000.0)
     writer.add_layer_norm_rms_eps(1e-6)
-    writer.add_vocab_size(49152)
+    writer.add_vocab_size(d["vocab"])
     if arch == "gemma3":
         writer.add_sliding_window(d["window"])
     smollm = GGUFReader(str(alias_path(ALIASES["smollm2-135m"])))
+    pad = d["vocab"] - SMOLLM_VOCAB  # SmolLM2's tokenizer, its vocabulary padded as llama.cpp pads one
     for key, field in smollm.fields.items():
         if key.startswith("tokenizer."):
+            value = field.contents()
+            if key == "tokenizer.ggml.tokens":
+                value = value + [f"[PAD{i}]" for i in range(SMOLLM_VOCAB, d["vocab"])]
+            elif key == "tokenizer.ggml.token_type":
+                value = value + [5] * pad  # unused
             sub = field.types[1] if field.types[0] == GGUFValueType.ARRAY else None
-            writer.add_key_value(key, field.contents(), field.types[0], sub)
+            writer.add_key_value(key, value, field.types[0], sub)
     kinds = {name: "F32" if len(shp) == 1 else mix(name, shp[-1]) for name, shp in names}
     for name, shp in names:
         if kinds[name] == "F32":

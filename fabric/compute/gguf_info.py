@@ -29,8 +29,8 @@ from ..flags import error_line
 from .model_ref import _LAYER_RE, ModelError, resolve, scheme_of
 from .templates import choose
 
-# llama.cpp architectures meshnet runs (tests/gguf_models.py writes each), and the model_type
-# transformers makes of them. transformers reads more (mamba, t5, ...): meshnet's nodes do not run those.
+# llama.cpp architectures meshnet runs (the test suite runs each end to end: tests/gguf_models.py), and
+# the model_type transformers makes of them. transformers reads more (mamba, t5, ...); meshnet does not run them.
 RUNS = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3moe": "qwen3_moe", "phi3": "phi3",
         "gemma2": "gemma2", "gemma3": "gemma3_text"}
 EMBED_TENSOR, OUTPUT_TENSOR = "token_embd.weight", "output.weight"
@@ -219,13 +219,14 @@ def type_problems(types: dict[str, str]) -> list[str]:
     version = metadata.version("gguf")
     found = []
     for kind, names in sorted(by_type.items()):
-        which = names[0] if len(names) == 1 else f"{names[0]} and {len(names) - 1} more"
+        one = len(names) == 1
+        which = f"tensor {names[0]}" if one else f"{names[0]} and {len(names) - 1} more tensors"
         if kind.startswith("type "):
-            found.append(f"{which} have GGML {kind}, which gguf {version} does not know; upgrade it "
-                         f"(pip install -U gguf)")
+            found.append(f"{which} {'has' if one else 'have'} GGML {kind}, which gguf {version} does not know; "
+                         f"upgrade it (pip install -U gguf)")
         elif not dequantizable(kind):
-            found.append(f"{which} are {kind}, which gguf {version} cannot dequantize, so no node can load them; "
-                         f"requantize the file to another type (llama-quantize)")
+            found.append(f"{which} {'is' if one else 'are'} {kind}, which gguf {version} cannot dequantize, so no "
+                         f"node can load {'it' if one else 'them'}; requantize the file (llama-quantize)")
     return found
 
 

@@ -17,6 +17,7 @@ import dataclasses
 import json
 import logging
 import math
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -75,33 +76,55 @@ def tensor_index(path: Path) -> list[dict]:
 
 @dataclass
 class GGUFTensors:
-    """A GGUF file's tensor table and a read-only map of its bytes."""
+    """A GGUF file's tensor table, and its tensors' bytes read on demand.
+
+    Bytes are read with ``pread`` into buffers of this process, not through a map of the
+    file: a map would count every page read in the node's resident memory until it closed,
+    so a node's peak while loading would hold the file's share twice (its pages, then the
+    weights made of them)."""
 
     path: Path
     infos: list[GGUFTensorInfo]
-    mm: np.ndarray  # the whole file, memory-mapped
+    fd: int  # the file, open for reading
 
     @classmethod
     def open(cls, path: Path, index: Path | None = None) -> GGUFTensors:
         raw = json.loads(index.read_text()) if index is not None and index.is_file() else tensor_index(path)
         infos = [GGUFTensorInfo(**{**r, "shape": tuple(r["shape"])}) for r in raw]
-        mm = np.memmap(path, dtype=np.uint8, mode="r")
-        short = [t.name for t in infos if t.offset + t.nbytes > mm.shape[0]]
+        size = path.stat().st_size
+        short = [t.name for t in infos if t.offset + t.nbytes > size]
         if short:
             raise ModelError(f"{path.name} is truncated: it ends before the data of {short[0]} "
                              f"({len(short)} tensors missing); download it again")
-        return cls(path, infos, mm)
+        return cls(path, infos, os.open(path, os.O_RDONLY))
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+    def __del__(self) -> None:
+        self.close()
 
     def find(self, name: str) -> GGUFTensorInfo | None:
         return next((t for t in self.infos if t.name == name), None)
 
-    def raw(self, info: GGUFTensorInfo) -> np.ndarray:
-        """The tensor's bytes as the file stores them (a view into the map)."""
-        return np.frombuffer(self.mm, dtype=info.dtype, count=math.prod(info.shape),
-                             offset=info.offset).reshape(info.shape)
+    def raw(self, info: GGUFTensorInfo, rows: slice = slice(None)) -> np.ndarray:
+        """The tensor's bytes as the file stores them (its first axis cut to ``rows``)."""
+        first, stop, _ = rows.indices(info.shape[0])
+        row_bytes = info.nbytes // info.shape[0]
+        out = np.empty((max(stop - first, 0), *info.shape[1:]), dtype=info.dtype)
+        view = memoryview(out.reshape(-1).view(np.uint8))
+        at, offset = 0, info.offset + first * row_bytes
+        while at < len(view):
+            n = os.preadv(self.fd, [view[at:]], offset + at)
+            if n <= 0:
+                raise ModelError(f"{self.path.name} ended while reading {info.name}; the file may be truncated")
+            at += n
+        return out
 
     def own_map(self, info: GGUFTensorInfo) -> np.ndarray:
-        """A map of this tensor's bytes alone, which outlives the file's map."""
+        """A read-only map of this tensor's bytes alone (a head's embedding: its rows are read as looked up)."""
         return np.memmap(self.path, dtype=info.dtype, mode="r", offset=info.offset, shape=info.shape)
 
 
@@ -199,11 +222,11 @@ def head_rows(tensors: GGUFTensors, info: GGUFTensorInfo) -> nn.Module:
     whole would."""
     from .quant import Int8Linear, quantize_weight
 
-    raw = tensors.raw(info)
-    vocab = raw.shape[0]
+    vocab = info.shape[0]
     weight = scales = None
     for at in range(0, vocab, ROWS_PER_SLICE):
-        block = torch.from_numpy(dequantize(raw[at:at + ROWS_PER_SLICE], info.tensor_type))  # (rows, hidden)
+        raw = tensors.raw(info, slice(at, at + ROWS_PER_SLICE))
+        block = torch.from_numpy(dequantize(raw, info.tensor_type))  # (rows, hidden)
         block = block.to(torch.bfloat16)  # as a bfloat16 model holds it, before int8
         if weight is None:
             weight = torch.empty((vocab, block.shape[1]), dtype=torch.int8)
@@ -237,8 +260,7 @@ class GGUFEmbedding(nn.Module):
         info = tensors.find(EMBED_TENSOR)
         if info is None:
             return None
-        # a map of its own bytes alone: the file's map (and the layer pages read through it) goes after loading
-        raw = tensors.own_map(info)
+        raw = tensors.own_map(info)  # a map of its bytes alone: pages come in as rows are looked up
         embed = cls(raw, info.tensor_type, config.hidden_size, scale)
         if embed.rows(np.arange(min(4, raw.shape[0]))).shape != (min(4, raw.shape[0]), config.hidden_size):
             return None  # not one row of blocks per token: load it whole

@@ -202,7 +202,7 @@ def _tensor_types(m: mmap.mmap) -> dict[str, tuple[str, int]]:
         name = m[at + 8:at + 8 + size].decode()
         (dims,) = struct.unpack_from("<I", m, at + 8 + size)
         at += 12 + size + 8 * dims
-        (kind,) = struct.unpack_from("<I", m, at)
+        kind, _ = struct.unpack_from("<IQ", m, at)  # the type, then the data's offset (read: a cut file ends here)
         try:
             types[name] = (GGMLQuantizationType(kind).name, dims)
         except ValueError:

@@ -112,24 +112,36 @@ TOKENIZER_FROM_FILE = "tokenizer-from-gguf"  # marker: the saved tokenizer did n
 
 
 def _cache_tokenizer(tokenizer, target: Path) -> None:
-    """Save ``tokenizer`` into ``target`` if it loads back encoding as it does; otherwise leave
-    a marker, and every load reads the tokenizer from the GGUF file itself (seconds, but right)."""
-    from transformers import AutoTokenizer
-
-    probe = "Hello, world! 123 <s> the quick brown fox"
+    """Save ``tokenizer`` into ``target`` so that it loads back encoding as it does. A family's
+    own class may rebuild the pipeline its way on loading (a GGUF's Gemma vocabulary of another
+    kind, say): then the files are marked for the generic fast class, which reads
+    ``tokenizer.json`` as it is. Where even that differs, a marker makes every load read the
+    tokenizer from the GGUF file itself (seconds, but right)."""
+    probe = "Hello, world! 123 <s> the quick brown fox\n\tnaïve 東京"
     try:
         want = tokenizer(probe)["input_ids"]
     except Exception:  # noqa: BLE001 -- a tokenizer that cannot encode this text is checked at use
         want = None
     tokenizer.save_pretrained(target)
+    if _loads_back(target, probe, want):
+        return
+    settings = target / "tokenizer_config.json"
+    config = json.loads(settings.read_text())
+    settings.write_text(json.dumps({**config, "tokenizer_class": "PreTrainedTokenizerFast"}, indent=2))
+    if _loads_back(target, probe, want):
+        return
+    log.info("the tokenizer saved from %s does not load back the same: it is read from the file each time",
+             target.name)
+    (target / TOKENIZER_FROM_FILE).touch()
+
+
+def _loads_back(target: Path, probe: str, want: list[int] | None) -> bool:
+    from transformers import AutoTokenizer
+
     try:
-        same = AutoTokenizer.from_pretrained(target)(probe)["input_ids"] == want
+        return AutoTokenizer.from_pretrained(target)(probe)["input_ids"] == want
     except Exception:  # noqa: BLE001 -- transformers raises many types for a tokenizer it cannot rebuild
-        same = False
-    if not same:
-        log.info("the tokenizer saved from %s does not load back the same: it is read from the file each time",
-                 target.name)
-        (target / TOKENIZER_FROM_FILE).touch()
+        return False
 
 
 def _mkdir(path: Path) -> Path:
