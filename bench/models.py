@@ -9,9 +9,10 @@ the embedding; llama.cpp's fallbacks where a row is not a multiple of 256: Q5_0 
 Q8_0 for Q6_K) with SmolLM2's tokenizer, then for each node count starts a tracker and that
 many ``meshnet node`` processes (the default mode, ``--quant auto``) and reports:
 
-- load time (spawn to routable) and each node's RSS after one greedy generation, against its
-  share of the file and against the runtime floor (a process that imported what a node
-  imports and built the model on the meta device: no weights);
+- load time (spawn to routable) and each node's RSS after one greedy generation, above a bare
+  node's (a process that imported what a node imports and built the model on the meta
+  device, no weights; for the head, which tokenizes, its tokenizer loaded too) against its
+  share of the file;
 - decode tokens/s of one stream (first token to last, ``--tokens`` tokens, ignore_eos);
 - llama.cpp's (llama-cpp-python, one process, the same thread count: the machine's cores)
   decode tokens/s and RSS on the same file, where it is installed.
@@ -47,11 +48,13 @@ SMOLLM_VOCAB = 49152
 FLOOR = """
 import psutil, torch, transformers
 import fabric.node, fabric.cli
-from fabric.compute.models import load_config, resolve
+from fabric.compute.models import load_config, load_tokenizer, resolve
 from transformers import AutoModelForCausalLM
 with torch.device("meta"):
     AutoModelForCausalLM.from_config(load_config(resolve({path!r})))
-print(psutil.Process().memory_info().rss)
+tail = psutil.Process().memory_info().rss
+tokenizer = load_tokenizer(resolve({path!r}))
+print(tail, psutil.Process().memory_info().rss)
 """
 
 
@@ -94,13 +97,38 @@ def write_file(path: Path, shape: str, seed: int = 0) -> Path:
     """A synthetic GGUF of ``shape`` (random weights, the mix above, SmolLM2's tokenizer),
     written a tensor at a time."""
     import gguf
-    from gguf import GGUFReader, GGUFValueType
 
-    from fabric.compute.models import ALIASES, alias_path
     from tests.gguf_models import encode
 
     arch, d, names = tensor_shapes(shape)
     writer = gguf.GGUFWriter(path, arch)
+    _metadata(writer, arch, d, shape)
+    kinds = {name: "F32" if len(shp) == 1 else mix(name, shp[-1]) for name, shp in names}
+    for name, shp in names:
+        if kinds[name] == "F32":
+            writer.add_tensor_info(name, shp, np.dtype(np.float32), 4 * int(np.prod(shp)))
+        else:
+            qtype = gguf.GGMLQuantizationType[kinds[name]]
+            byte_shape = gguf.quant_shape_to_byte_shape(shp, qtype)
+            writer.add_tensor_info(name, byte_shape, np.dtype(np.uint8), int(np.prod(byte_shape)), qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    rng = np.random.default_rng(seed)
+    for name, shp in names:
+        values = (np.ones(shp, np.float32) if len(shp) == 1 else
+                  rng.standard_normal(shp, dtype=np.float32) * np.float32(0.02))
+        writer.write_tensor_data(encode(values, kinds[name]))
+    writer.close()
+    return path
+
+
+def _metadata(writer, arch: str, d: dict, shape: str) -> None:
+    """The model's numbers, and SmolLM2's tokenizer (its vocabulary padded to ``d["vocab"]``)."""
+    from gguf import GGUFReader, GGUFValueType
+
+    from fabric.compute.models import ALIASES, alias_path
+
     writer.add_name(f"synthetic-{shape}")
     writer.add_block_count(d["layers"])
     writer.add_context_length(8192)
@@ -127,31 +155,15 @@ def write_file(path: Path, shape: str, seed: int = 0) -> Path:
                 value = value + [5] * pad  # unused
             sub = field.types[1] if field.types[0] == GGUFValueType.ARRAY else None
             writer.add_key_value(key, value, field.types[0], sub)
-    kinds = {name: "F32" if len(shp) == 1 else mix(name, shp[-1]) for name, shp in names}
-    for name, shp in names:
-        if kinds[name] == "F32":
-            writer.add_tensor_info(name, shp, np.dtype(np.float32), 4 * int(np.prod(shp)))
-        else:
-            qtype = gguf.GGMLQuantizationType[kinds[name]]
-            byte_shape = gguf.quant_shape_to_byte_shape(shp, qtype)
-            writer.add_tensor_info(name, byte_shape, np.dtype(np.uint8), int(np.prod(byte_shape)), qtype)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_ti_data_to_file()
-    rng = np.random.default_rng(seed)
-    for name, shp in names:
-        values = (np.ones(shp, np.float32) if len(shp) == 1 else
-                  rng.standard_normal(shp, dtype=np.float32) * np.float32(0.02))
-        writer.write_tensor_data(encode(values, kinds[name]))
-    writer.close()
-    return path
 
 
-def runtime_floor(path: Path) -> int:
-    """RSS of a process that imported what a node imports and built the model on the meta device."""
+def runtime_floor(path: Path) -> tuple[int, int]:
+    """RSS of a bare node, a process that imported what a node imports and built the model on
+    the meta device (no weights): (a tail's, a head's, which holds the tokenizer too)."""
     out = subprocess.run([sys.executable, "-c", FLOOR.format(path=str(path))], cwd=REPO, capture_output=True,
                          text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(REPO)})
-    return int(out.stdout.strip().splitlines()[-1])
+    tail, head = out.stdout.strip().splitlines()[-1].split()
+    return int(tail), int(head)
 
 
 def shares(path: Path, nodes: int) -> list[int]:
@@ -224,18 +236,18 @@ def cpu_features() -> str:
     return ", ".join(f for f in wanted if f in flags) or "none of AVX2/AVX-512"
 
 
-def report(path: Path, runs: list[dict], floor: int, ref: dict | None) -> None:
+def report(path: Path, runs: list[dict], floor: tuple[int, int], ref: dict | None) -> None:
     size = path.stat().st_size
-    print(f"file {path.name}: {size / MIB:.0f} MiB; runtime floor {floor / MIB:.0f} MiB; CPU: {cpu_features()}; "
-          f"{os.cpu_count()} cores")
+    print(f"file {path.name}: {size / MIB:.0f} MiB; bare node {floor[0] / MIB:.0f} MiB (a head, with its "
+          f"tokenizer: {floor[1] / MIB:.0f}); CPU: {cpu_features()}; {os.cpu_count()} cores")
     single = next((r for r in runs if r["nodes"] == 1), None)
     for r in runs:
         share = shares(path, r["nodes"])
-        above = [(rss - floor) / s for rss, s in zip(r["rss"], share)]
+        above = [(rss - floor[1 if i == 0 else 0]) / s for i, (rss, s) in enumerate(zip(r["rss"], share))]
         print(f"{r['nodes']} node(s): load {r['load_s']:.1f} s, {r['tok_s']:.1f} tok/s"
               + (f" ({r['tok_s'] / ref['tok_s']:.2f}x llama.cpp)" if ref else "")
               + f"; RSS {', '.join(f'{x / MIB:.0f}' for x in r['rss'])} MiB"
-              + f"; above the floor {', '.join(f'{a:.2f}' for a in above)}x its share of the file"
+              + f"; above a bare node {', '.join(f'{a:.2f}' for a in above)}x its share of the file"
               + (f"; max node {max(r['rss']) / max(single['rss']):.2f}x the single node" if single else ""))
     if ref:
         print(f"llama.cpp: {ref['tok_s']:.1f} tok/s, RSS {ref['rss'] / MIB:.0f} MiB (the file mapped)")

@@ -22,6 +22,7 @@ import logging
 import math
 import shutil
 import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
@@ -358,7 +359,8 @@ def _load_gguf(source: ModelSource, cache_root: Path | None, model, config, shar
            or (shard.is_last and tied and head_info is None))
     converter = Converter(model, config)
     parts = list(groups(tensors.infos, shard, tied, skip))
-    for layer, infos in tqdm(parts, desc=f"loading layers {shard}", unit="part", disable=not progress):
+    for layer, infos in tqdm(_quietly(parts), desc=f"loading layers {shard}", unit="part", total=len(parts),
+                             disable=not progress):
         state, placement = converter.state(tensors, infos, quant)
         _load_into(model, state, dtype, expected=set(state))
         del state
@@ -441,6 +443,19 @@ def _safetensors_state(source: ModelSource, shard: Shard, tied: bool) -> dict:
             if _wanted(key, shard, tied):
                 state[key] = handle.get_slice(key)
     return state
+
+
+def _quietly(items: list) -> Iterator:
+    """``items``, with transformers' own progress bar off meanwhile (it would draw one per part)."""
+    from transformers.utils import logging as hf_logging
+
+    was_on = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield from items
+    finally:
+        if was_on:
+            hf_logging.enable_progress_bar()
 
 
 def _gguf_tensors(source: ModelSource, cache_root: Path | None) -> GGUFTensors:
