@@ -11,6 +11,7 @@ of crossing a socket. The tracker and relay are the ``Links``.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import logging
 import threading
 import time
@@ -23,6 +24,7 @@ from ..compute.compute_lock import ComputeLock
 from ..compute.executor import CacheMissError, ShardExecutor, StepResult
 from ..compute.kv import KVStore, default_budget
 from ..compute.models import fingerprint, load_shard, load_tokenizer
+from ..compute.quant import release_freed_memory
 from ..compute.sampling import sample
 from ..compute.tensors import TORCH_DTYPES, from_wire, to_wire
 from ..metrics import Sample
@@ -84,6 +86,8 @@ class Node:
         self.head = self._head(weights.config) if config.shard.is_first else None
         self.departure = Departure(config.node_id, config.drain_timeout)  # a polite leave, once asked
         self.ready = threading.Event()
+        gc.collect()
+        release_freed_memory()  # what loading, the tokenizer and the benchmark left behind goes back to the OS
 
     def _head(self, model_config) -> Head:
         tokenizer = load_tokenizer(self.config.source, self.config.cache_root)
