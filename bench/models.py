@@ -15,7 +15,8 @@ many ``meshnet node`` processes (the default mode, ``--quant auto``) and reports
   share of the file;
 - decode tokens/s of one stream (first token to last, ``--tokens`` tokens, ignore_eos);
 - llama.cpp's (llama-cpp-python, one process, the same thread count: the machine's cores)
-  decode tokens/s and RSS on the same file, where it is installed.
+  decode tokens/s and RSS on the same file, where it is installed, measured before and after
+  meshnet's runs (ratios are against their mean).
 
 Speed depends on shapes, not values: random weights decode as fast as real ones. The
 ratios printed are against numbers measured in the same run.
@@ -223,6 +224,14 @@ print(len(stamps), (len(stamps) - 1) / (stamps[-1] - stamps[0]), psutil.Process(
     return {"tokens": int(n), "tok_s": float(tps), "rss": int(rss)}
 
 
+def _mean(before: dict | None, after: dict | None) -> dict | None:
+    """llama.cpp's figures measured before and after meshnet's, averaged (each printed)."""
+    if before is None or after is None:
+        return before or after
+    print(f"llama.cpp: {before['tok_s']:.1f} tok/s before meshnet's runs, {after['tok_s']:.1f} after")
+    return {"tok_s": (before["tok_s"] + after["tok_s"]) / 2, "rss": max(before["rss"], after["rss"])}
+
+
 def cpu_features() -> str:
     flags = set()
     try:
@@ -272,9 +281,10 @@ def main() -> int:
                 write_file(path, args.shape)
                 print(f"wrote {path} in {time.monotonic() - began:.0f} s")
         floor = runtime_floor(path)
+        before = None if args.no_llama_cpp else llama_cpp(path, args.tokens)
         runs = [run_split(path, int(n), args.tokens) for n in args.nodes.split(",")]
-        ref = None if args.no_llama_cpp else llama_cpp(path, args.tokens)
-        report(path, runs, floor, ref)
+        after = None if before is None else llama_cpp(path, args.tokens)  # before and after: the machine drifts
+        report(path, runs, floor, _mean(before, after))
     return 0
 
 
