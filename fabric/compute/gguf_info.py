@@ -16,6 +16,7 @@ import json
 import math
 import mmap
 import struct
+import sys
 from collections import Counter, defaultdict
 from dataclasses import dataclass
 from functools import cache
@@ -25,7 +26,6 @@ from pathlib import Path
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants  # numpy only, no torch
 
-from ..flags import error_line
 from .model_ref import _LAYER_RE, ModelError, resolve, scheme_of
 from .templates import choose
 
@@ -338,25 +338,30 @@ def _tensor_text(label: str, t: dict | None) -> str:
     return f"{label:<10} {t['name']}  {t['type']}  {shape}  {size}"
 
 
+def _error_line(message: str) -> None:
+    """One line of stderr, as every meshnet command refuses (fabric.flags; compute stays below the CLI)."""
+    print(f"meshnet: error: {message}", file=sys.stderr, flush=True)
+
+
 def cmd_file(ref: str, as_json: bool) -> int:
     """``meshnet models FILE``: print what the GGUF file (or alias) holds; status 1 where no
     node can run it (one error line says why), 2 where it is no GGUF reference."""
     try:
         source = resolve(ref)
     except ModelError as exc:
-        error_line(str(exc))
+        _error_line(str(exc))
         return 2
     if source.kind != "gguf":
-        error_line(f"{ref} is a Hugging Face directory; `meshnet models FILE` reads .gguf files")
+        _error_line(f"{ref} is a Hugging Face directory; `meshnet models FILE` reads .gguf files")
         return 2
     try:
         info = describe(source.path)
     except ModelError as exc:
-        error_line(str(exc))
+        _error_line(str(exc))
         return 1
     print(json.dumps(info, indent=2) if as_json else format_description(info))
     if info["problems"]:
-        error_line(f"{source.path.name}: {'; '.join(info['problems'])}")
+        _error_line(f"{source.path.name}: {'; '.join(info['problems'])}")
         return 1
     return 0
 
