@@ -353,10 +353,12 @@ def _load_gguf(source: ModelSource, cache_root: Path | None, model, config, shar
         head_info = tensors.find(OUTPUT_TENSOR) or (tensors.find(EMBED_TENSOR) if tied else None)
     if lazy_embed is not None and tied and shard.is_last and head_info is None:
         lazy_embed = None  # the lm_head shares the loaded embedding
-    skip = {EMBED_TENSOR} if lazy_embed is not None or (head_info is not None and not shard.is_first) else set()
-    skip |= {head_info.name} if head_info is not None else set()
-    _prune(model, shard, keep_embed=(shard.is_first and lazy_embed is None)
-           or (shard.is_last and tied and head_info is None))
+    # the embedding module loads where a head looks rows up in it, or a tied lm_head shares it
+    embed_module = (shard.is_first and lazy_embed is None) or (shard.is_last and tied and head_info is None)
+    skip = set() if embed_module else {EMBED_TENSOR}
+    if head_info is not None and head_info.name != EMBED_TENSOR:
+        skip.add(head_info.name)  # the untied lm_head: head_rows builds it
+    _prune(model, shard, keep_embed=embed_module)
     converter = Converter(model, config)
     parts = list(groups(tensors.infos, shard, tied, skip))
     for layer, infos in tqdm(_quietly(parts), desc=f"loading layers {shard}", unit="part", total=len(parts),
