@@ -21,9 +21,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from fabric.compute.gguf_grid import GRID_TYPES, INT8_TYPES
 from fabric.compute.gguf_load import EMBED_TENSOR, GGUFTensors, wanted
-from fabric.compute.model_ref import pick_quant
+from fabric.compute.model_ref import GRID_TYPES, INT8_TYPES, pick_quant
 from fabric.compute.models import load_shard, resolve
 from fabric.wire.shard import Shard
 from tests.gguf_models import FAMILIES_GGUF, TYPES, q4_k_m_mix, write_gguf

@@ -32,12 +32,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from .model_ref import GRID_TYPES, OWN_GRID_TYPES
+
 BLOCK = 32  # weights per llama.cpp block of Q4_0, Q4_1 and Q8_0 (and per Q4_K sub-block)
-SUPER = 256  # weights per K-quant super-block
 KEEP = "keep"  # a linear that stays in its float form (the model's dtype)
-GRID_TYPES = ("Q4_0", "Q4_1", "Q4_K")  # on the int4 kernel with the file's own codes
-INT8_TYPES = ("Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0")  # re-rounded onto the int8 kernel's rows
-FLOAT_TYPES = ("F32", "F16", "BF16")
 
 
 @dataclass(frozen=True)
@@ -102,7 +100,7 @@ def placement_of(weight: np.ndarray, raw: np.ndarray, type_name: str, scheme: st
     ``gguf`` is each type on its own kernel (module docstring); ``int4`` keeps a 4-bit file
     grid and fits the rest; ``int8`` re-rounds everything. The lm_head is int8 under every
     scheme (``fabric.compute.quant.LM_HEAD_SCHEME``)."""
-    if scheme == "gguf" and type_name not in GRID_TYPES + INT8_TYPES:
+    if scheme == "gguf" and type_name not in OWN_GRID_TYPES:
         return KEEP
     if scheme not in ("gguf", "int4") or type_name not in GRID_TYPES:
         return None

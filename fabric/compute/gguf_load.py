@@ -1,6 +1,6 @@
 """Read a shard's tensors out of a GGUF file, a layer at a time.
 
-The file is memory-mapped; only the shard's tensors are read, and each decoder layer is
+Only the shard's tensors are read (``pread``, see :class:`GGUFTensors`), and each decoder layer is
 dequantized, named and reordered (transformers' own name map and tensor processors, which
 undo llama.cpp's Q/K permutation), loaded, and put on its kernels before the next layer is
 read. So a node never holds more than one layer in float32, whatever the file's size.
@@ -236,7 +236,7 @@ def head_rows(tensors: GGUFTensors, info: GGUFTensorInfo) -> nn.Module:
 
 
 class GGUFEmbedding(nn.Module):
-    """A token embedding kept as the GGUF file stores it (memory-mapped, quantized blocks),
+    """A token embedding kept as the GGUF file stores it (a map of its quantized blocks),
     dequantizing only the rows looked up. The rows equal those of the whole dequantized
     matrix bit for bit (llama.cpp's blocks never span two rows), so a head holds a few
     looked-up rows instead of vocab x hidden floats (SmolLM2-135M: 108 MiB). ``scale``

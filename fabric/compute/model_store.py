@@ -54,10 +54,10 @@ def shard_files(weight_map: dict[str, str], start: int, end: int, num_layers: in
     final norm and lm_head, or the embeddings again when ``tied``).
     """
     from ..wire.shard import Shard
-    from .models import _wanted
+    from .models import wanted
 
     shard = Shard(start, end, num_layers)
-    return sorted({file for tensor, file in weight_map.items() if _wanted(tensor, shard, tied)})
+    return sorted({file for tensor, file in weight_map.items() if wanted(tensor, shard, tied)})
 
 
 def layers_held(weight_map: dict[str, str], present: set[str], num_layers: int) -> list[tuple[int, int]]:

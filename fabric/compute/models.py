@@ -15,19 +15,15 @@ embedding as the GGUF stores it and dequantizes just the rows it looks up
 """
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import logging
-import math
 import shutil
 import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from types import SimpleNamespace
 
-import numpy as np
 import torch
 from torch import nn
 
@@ -50,16 +46,15 @@ from .model_ref import (  # noqa: F401  (re-exported: callers import model refer
     _LAYER_RE,
     ALIASES,
     DEFAULT_MODEL,
+    LOW_BIT_TYPES,
     PULL_MANIFEST,
     Alias,
     ModelError,
     ModelSource,
     alias_path,
-    LOW_BIT_TYPES,
     default_cache_root,
     default_data_root,
     default_models_root,
-    gguf_tensor_types,
     is_repo_id,
     pick_quant,
     pulled_path,
@@ -371,9 +366,9 @@ def _load_gguf(source: ModelSource, cache_root: Path | None, model, config, shar
             quantize_modules([block], None, quant, grid_modules(model, placement))
         release_freed_memory()  # each layer's float copies, before the next: the peak stays one layer's
     lm_head = head_rows(tensors, head_info) if head_info is not None else None
+    _warn_kept(tensors, shard, quant)
     del converter, tensors
     release_freed_memory()
-    _warn_kept(source, shard, quant)
     return lazy_embed, lm_head
 
 
@@ -432,9 +427,6 @@ def _prune(model, shard: Shard, keep_embed: bool) -> None:
         model.lm_head = None
 
 
-_wanted = wanted  # the shard's tensors, by checkpoint name (model_store reads it)
-
-
 def _safetensors_state(source: ModelSource, shard: Shard, tied: bool) -> dict:
     from safetensors import safe_open
 
@@ -442,7 +434,7 @@ def _safetensors_state(source: ModelSource, shard: Shard, tied: bool) -> dict:
     for f in sorted(source.path.glob("*.safetensors")):
         handle = safe_open(str(f), framework="pt")  # memory-mapped; slices read lazily
         for key in handle.keys():
-            if _wanted(key, shard, tied):
+            if wanted(key, shard, tied):
                 state[key] = handle.get_slice(key)
     return state
 
@@ -465,16 +457,16 @@ def _gguf_tensors(source: ModelSource, cache_root: Path | None) -> GGUFTensors:
     return GGUFTensors.open(source.path, directory / TENSOR_INDEX)
 
 
-def _warn_kept(source: ModelSource, shard: Shard, quant: str | None) -> None:
+def _warn_kept(tensors: GGUFTensors, shard: Shard, quant: str | None) -> None:
     """One warning line where the shard's layers hold types no kernel here runs on their grid."""
     if quant != "gguf":
         return
-    types = {kind for name, (kind, dims) in gguf_tensor_types(source.path).items()
-             if dims == 2 and (layer := layer_of(name)) is not None and shard.start <= layer <= shard.end}
-    kept = sorted(types & set(LOW_BIT_TYPES))
+    types = {t.type_name for t in tensors.infos
+             if len(t.shape) == 2 and (layer := layer_of(t.name)) is not None and shard.start <= layer <= shard.end}
+    kept = sorted(types & LOW_BIT_TYPES)
     if kept:
         log.warning("%s: layers %s hold %s, which no kernel here runs on its own grid: dequantized to bfloat16 "
-                    "(more memory than the file)", source.path.name, shard, "/".join(kept))
+                    "(more memory than the file)", tensors.path.name, shard, "/".join(kept))
 
 
 def _load_into(model, state: dict, dtype: torch.dtype, expected: set[str] | None = None) -> None:
