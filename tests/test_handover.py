@@ -51,7 +51,7 @@ def _session(split, *, resume=(), sampling=p.Sampling(), drawn=7, max_tokens=16,
                          sampling=sampling, resume=tuple(resume))
     transport = LocalTransport(executors)
     rs = RouteSession(request, tok(PROMPT)["input_ids"], tokenizer=tok, eos=eos, reply_to="inproc://h",
-                      transport=transport, seed=drawn)
+                      transport=transport, seed=drawn, session=request.request_id)
     return rs, transport
 
 
@@ -346,7 +346,7 @@ def test_kill_9_of_the_head_mid_stream_costs_the_stream_nothing(process_cluster,
     assert (_tokens(events), _text(events)) == (expected, _text(unbroken))
     assert victim not in cluster.procs and events[-1].route[0].node != victim  # it went on at the other head
     assert (events[-1].prompt_tokens, events[-1].completion_tokens) == (unbroken[-1].prompt_tokens, len(expected))
-    # no hop of the dead head's route keeps the session: the client cancelled it on those the new route skips
+    # no hop of the dead head's route keeps the session: each freed it when its link to the head went down
     wait_sessions_zero([cluster.node_endpoints[n] for n in ("h1", "h2", "t1", "t2") if n in cluster.procs], timeout=5)
     _restart(cluster, model, victim)
     hot = dict(temperature=0.7, top_k=2, ignore_eos=True)  # no seed: the first head draws one

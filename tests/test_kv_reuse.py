@@ -146,7 +146,7 @@ def test_prefix_index_matches_the_longest_start_on_the_same_route():
     assert index.match(list(range(3)) + [8] * 9, ROUTE) is None  # too short a match
     assert index.match(list(range(20)), ROUTE) == Reuse("a", 19)  # one token is always computed
     assert index.match(list(range(20)) + [1, 2], ROUTE) == Reuse("a", 20)  # all of it: "a" leaves
-    assert index.match(list(range(20)) + [1, 2], ROUTE, session="b") is None  # a request id used again
+    assert index.match(list(range(20)) + [1, 2], ROUTE, tenant="other key") is None  # another tenant's
     assert index.match(list(range(20)) + [1, 2], ROUTE) == Reuse("b", 10)
     index.discard("b")
     assert len(index) == 0 and index.match(list(range(20)), ROUTE) is None
@@ -219,7 +219,7 @@ def test_a_route_session_sends_only_the_rest_and_knows_what_the_hops_hold(tiny_m
     def session(name: str, ids: list[int], max_tokens: int = 6) -> RouteSession:
         request = p.Generate(request_id=name, route=route, prompt="x", max_tokens=max_tokens, ignore_eos=True)
         return RouteSession(request, ids, tokenizer=load_tokenizer_for(model), eos=frozenset(), reply_to="inproc://c",
-                            transport=transport, seed=0)
+                            transport=transport, seed=0, session=name)
 
     first = session("r1", PROMPT)
     drive(first, transport, stop_after=3)  # cancelled: the hops hold one step more than the head heard of

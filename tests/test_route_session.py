@@ -86,7 +86,7 @@ def new_session(split, max_tokens=16, stop=(), eos=frozenset(), ignore_eos=False
     ids = tok(request.prompt)["input_ids"]
     transport = LocalTransport(executors)
     rs = RouteSession(request, ids, tokenizer=tok, eos=eos, reply_to="inproc://h",
-                      transport=transport, seed=7)
+                      transport=transport, seed=7, session=request.request_id)
     return rs, transport, ids
 
 
@@ -269,7 +269,7 @@ def silent_head(split) -> tuple[SilentHost, Head, RouteSession]:
     host = SilentHost()
     head = Head(HeadConfig(), host, "h", Model("tiny", 6, tok, frozenset()), Counter())
     head.generate(b"client", Generate(route=route, request_id="r1", prompt="the quick brown fox", max_tokens=4))
-    return host, head, head.sessions["r1"]
+    return host, head, head.request(b"client", "r1")
 
 
 def test_a_failover_whose_route_request_is_lost_stays_on_its_route_and_asks_again(split):
@@ -284,7 +284,7 @@ def test_a_failover_whose_route_request_is_lost_stays_on_its_route_and_asks_agai
     head.tick(now + TRACKER_SILENCE)
     assert not rs.awaiting_route and not rs.finished and "t" not in rs.excluded  # waits for t, asks again later
     head.route_answer(Route("tiny", route))  # the lost answer, late: nothing waits on it any more
-    assert head.sessions["r1"] is rs and not rs.finished
+    assert head.request(b"client", "r1") is rs and not rs.finished
     head.lost({"inproc://t"}, rs.replan_after)
     assert rs.awaiting_route and len(asked(host)) == 2
 
@@ -320,10 +320,10 @@ def test_no_route_around_every_lost_hop_asks_again_around_fewer(split):
 
 def test_only_a_hop_of_the_route_that_leaves_is_gone_around(split):
     host, head, rs = silent_head(split)
-    leaving = Error(ErrorCode.LEAVING, "leaving the swarm", session="r1", step=rs.step, node="elsewhere")
-    head.deliver("r1", leaving)  # a node off this route (a replica asked for something else)
+    leaving = Error(ErrorCode.LEAVING, "leaving the swarm", session=rs.session, step=rs.step, node="elsewhere")
+    head.deliver(rs.session, leaving)  # a node off this route (a replica asked for something else)
     assert not rs.awaiting_route and asked(host) == [] and not rs.finished
-    head.deliver("r1", dataclasses.replace(leaving, node="t"))
+    head.deliver(rs.session, dataclasses.replace(leaving, node="t"))
     assert rs.awaiting_route and asked(host)[-1].exclude == ("t",)
 
 
@@ -338,7 +338,7 @@ def test_a_failover_that_gives_the_head_more_layers_keeps_the_tokens(split):
     ids = tok(request.prompt)["input_ids"]
     transport = LocalTransport(executors)
     rs = RouteSession(request, ids, tokenizer=tok, eos=frozenset(), reply_to="inproc://h", transport=transport,
-                      seed=7)
+                      seed=7, session=request.request_id)
     events, steps = rs.start(), 0
     while transport.replies and not rs.finished:
         events += rs.on_token(transport.replies.pop(0))

@@ -304,30 +304,10 @@ class ClientCore:
         return stream.around(died)
 
     def _go_on(self, stream: Continuation, died: HeadDied, route: tuple[p.Hop, ...]) -> None:
-        """``stream`` goes on at ``route``'s head. The hops of the dead head's route that the new
-        route does not use are told to free the session: no head will, and their KV would stay
-        until their idle timeout. (A hop on both routes starts the session afresh instead.)"""
-        old = stream.msg.route
+        """``stream`` goes on at ``route``'s head. The hops of the dead head's route free its
+        session at their idle timeout: only the connection that opened a session may end it
+        (fabric/node/owners.py), and that one died with the head."""
         stream.go_on(died, route)
-        on_route = {h.endpoint for h in route}
-        for hop in old[1:]:
-            if hop.endpoint not in on_route:
-                self._tell(hop, p.Cancel(stream.msg.request_id))
-
-    def _tell(self, hop: p.Hop, message: p.Message) -> None:
-        """Send ``message`` to ``hop`` without waiting (a blocking socket of its own, which its
-        context goes on delivering for a moment after it is closed)."""
-        try:
-            sock = _dealer(zmq.Context.instance(), hop.endpoint, self.security, hop.key)
-        except FabricError as exc:
-            log.debug("cannot tell %s: %s", hop.node, exc)
-            return
-        try:
-            sock.send_multipart(p.encode(message), zmq.NOBLOCK)
-        except zmq.Again:
-            log.debug("could not tell %s %s", hop.node, type(message).__name__)
-        finally:
-            sock.close(linger=1000)
 
 
 def status_body(reply: p.Message) -> dict:

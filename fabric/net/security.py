@@ -13,6 +13,7 @@ allow-list, a node's from the route plan, which carries each hop's key).
 """
 from __future__ import annotations
 
+import secrets
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -143,6 +144,10 @@ def _dealer(ctx: zmq.Context, security: Security | None, server_key: str | bytes
             sndhwm: int | None) -> zmq.Socket:
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
+    # A routing id of its own, unguessable and kept across reconnects: the ROUTER it dials
+    # binds the sessions this socket opens to it (fabric/node/owners.py). libzmq's own ids
+    # count up from a predictable start, and change when the link drops.
+    sock.setsockopt(zmq.ROUTING_ID, routing_id())
     if sndhwm is not None:
         sock.setsockopt(zmq.SNDHWM, sndhwm)
     try:
@@ -151,6 +156,11 @@ def _dealer(ctx: zmq.Context, security: Security | None, server_key: str | bytes
         sock.close(linger=0)
         raise
     return sock
+
+
+def routing_id() -> bytes:
+    """16 random bytes behind a marker byte (ids that start with a zero byte are libzmq's own)."""
+    return b"m" + secrets.token_bytes(16)
 
 
 def peer_key(frame: zmq.Frame) -> str | None:

@@ -21,7 +21,7 @@ from ..wire import protocol as p
 from ..wire.liveness import LINK_GRACE, PEER_SILENCE, PING_INTERVAL, TRACKER_SILENCE
 from .audit import AuditConfig, Auditor
 from .prefixes import PrefixIndex
-from .route_session import RequestError, RouteSession, Transport, encode_prompt
+from .route_session import RequestError, RouteSession, Transport, encode_prompt, new_session_id
 
 log = logging.getLogger(__name__)
 
@@ -68,8 +68,9 @@ class Head:
         self.node_id = node_id
         self.model = model
         self.counters = counters  # the node's: failovers are counted here
-        self.sessions: dict[str, RouteSession] = {}  # requests this node heads
-        self.clients: dict[str, bytes] = {}  # request id -> client identity on the ROUTER
+        self.sessions: dict[str, RouteSession] = {}  # session id (secret: see new_session_id) -> request this node heads
+        self.clients: dict[str, bytes] = {}  # session id -> the identity of the client's connection on the ROUTER
+        self.requests: dict[tuple[bytes, str], str] = {}  # (client identity, its request id) -> session id
         # (session, asked at) of failovers awaiting the tracker's route, in request order
         self.pending_routes: deque[tuple[str, float]] = deque()
         # steps re-run on replicas (fabric/node/audit.py); it is the RouteSessions' transport
@@ -86,7 +87,7 @@ class Head:
         last = self.model.num_layers - 1
         if req.route[0].endpoint != self.host.endpoint:
             raise p.ProtocolError("this node is not the head of that route", p.ErrorCode.BAD_REQUEST)
-        if req.request_id in self.sessions:
+        if (identity, req.request_id) in self.requests:
             raise p.ProtocolError("request id already in flight", p.ErrorCode.BAD_REQUEST)
         if req.route[-1].end_layer != last:
             raise p.ProtocolError(f"the route ends at layer {req.route[-1].end_layer}, not at the last layer "
@@ -100,13 +101,14 @@ class Head:
             return
         rs = RouteSession(req, prompt, tokenizer=self.model.tokenizer, eos=self.model.eos,
                           reply_to=self.host.endpoint, reply_key=self.host.key, transport=self.auditor,
-                          seed=secrets.randbits(62), wire_dtype=self.config.wire_dtype)
-        self.sessions[req.request_id] = rs
-        self.clients[req.request_id] = identity
+                          seed=secrets.randbits(62), wire_dtype=self.config.wire_dtype, session=new_session_id())
+        self.sessions[rs.session] = rs
+        self.clients[rs.session] = identity
+        self.requests[(identity, req.request_id)] = rs.session
         if req.resume:
             log.warning("request %s: taking it over after %d tokens (its head died)", req.request_id, len(req.resume))
-        audited = self.auditor.draw(req.request_id)  # then it starts afresh: no replica holds kept KV
-        reused = None if audited else self.prefixes.match(prompt + list(req.resume), req.route, req.request_id)
+        audited = self.auditor.draw(rs.session)  # then it starts afresh: no replica holds kept KV
+        reused = None if audited else self.prefixes.match(prompt + list(req.resume), req.route, tenant_of(req))
         self._emit(rs, rs.start(reused))
 
     def _check_resume(self, req: p.Generate) -> None:
@@ -115,9 +117,14 @@ class Head:
             raise RequestError(p.ErrorCode.BAD_REQUEST,
                                f"resume holds a token id beyond the vocabulary ({self.model.vocab_size})")
 
-    def cancel(self, session: str) -> bool:
-        """Cancel a request this node heads; False when it heads no such request."""
-        rs = self.sessions.get(session)
+    def request(self, identity: bytes, request_id: str) -> RouteSession | None:
+        """The request ``request_id`` of the client on ``identity``, while this node heads it."""
+        return self.sessions.get(self.requests.get((identity, request_id), ""))
+
+    def cancel(self, identity: bytes, request_id: str) -> bool:
+        """The client on ``identity`` cancels its request ``request_id``; False when this node
+        heads no such request of that connection's (another client's is not its to end)."""
+        rs = self.request(identity, request_id)
         if rs is None:
             return False
         self._emit(rs, rs.cancel())
@@ -162,10 +169,10 @@ class Head:
                 self.host.reply(identity, event)
         if rs.finished:
             self.sessions.pop(rs.session, None)
-            self.clients.pop(rs.session, None)
+            self.requests.pop((self.clients.pop(rs.session, b""), rs.request.request_id), None)
             self.auditor.forget(rs.session)
             if rs.finished != "error":  # the hops keep its KV (CLOSE, CANCEL): later requests may start from it
-                self.prefixes.add(rs.session, rs.held_ids, rs.route)
+                self.prefixes.add(rs.session, rs.held_ids, rs.route, tenant_of(rs.request))
             self._report(rs)
         elif time.monotonic() - rs.reported_at >= self.config.progress_interval:
             self._report(rs)  # progress for every request, streamed or not
@@ -173,7 +180,7 @@ class Head:
     def _report(self, rs: RouteSession) -> None:
         rs.reported_at = time.monotonic()
         self.host.to_tracker(p.Report(
-            request_id=rs.session, node_id=self.node_id, model=self.model.model_id, route=rs.route,
+            request_id=rs.request_id, node_id=self.node_id, model=self.model.model_id, route=rs.route,
             prompt_tokens=rs.prompt_tokens, completion_tokens=len(rs.generated), elapsed=rs.elapsed,
             final=rs.finished is not None, finish_reason=rs.finished, api_key=rs.request.api_key,
             max_tokens=rs.request.max_tokens, prefilled=rs.prefilled, prefill_tokens=rs.prefill.total,
@@ -232,8 +239,26 @@ class Head:
         if rs is None or not rs.awaiting_route:
             return
         if isinstance(msg, p.Route):
+            self._rekey(rs)
             self._emit(rs, rs.reroute(splice(rs.route[0], msg.hops)))
         elif rs.widen():  # nodes lost earlier, or the lost ones themselves, may be back
             self._ask_route(rs, time.monotonic())
         else:  # nothing else serves those layers: wait for the lost hops to come back
             rs.keep_route(rs.lost, time.monotonic())
+
+    def _rekey(self, rs: RouteSession) -> None:
+        """``rs`` moves to a new route under a new session id: hops of the old route (one of
+        them dead, or convicted by an audit) can no longer name it, and each hop of the new
+        one opens it afresh from its new upstream (fabric/node/owners.py)."""
+        old, rs.session = rs.session, new_session_id()
+        self.sessions[rs.session] = self.sessions.pop(old)
+        self.clients[rs.session] = self.clients.pop(old)
+        self.requests[(self.clients[rs.session], rs.request.request_id)] = rs.session
+        self.auditor.forget(old)
+
+
+def tenant_of(req: p.Generate) -> str:
+    """Whose kept KV a request may start from: the same API key and cache salt only. A match
+    of kept KV shortens the time to the first token, which would tell one tenant what another
+    asked."""
+    return f"{req.api_key or ''}\n{req.cache_salt}"

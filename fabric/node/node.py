@@ -39,6 +39,7 @@ from .head import Head, Model
 from .hops import HopRunner, check_forward
 from .leave import Departure
 from .links import Links
+from .owners import SELF, Owners
 from .peers import Peers
 from .prefixes import MAX_PREFIXES, PrefixIndex
 from .route_session import eos_ids
@@ -85,6 +86,7 @@ class Node:
         self.links = Links(config.link, self.ctx, config.security, self.poller, config.node_id, self)
         self.head = self._head(weights.config) if config.shard.is_first else None
         self.departure = Departure(config.node_id, config.drain_timeout)  # a polite leave, once asked
+        self.owners = Owners()  # the connection each session here was opened by
         self.ready = threading.Event()
         gc.collect()
         release_freed_memory()  # what loading, the tokenizer and the benchmark left behind goes back to the OS
@@ -163,11 +165,23 @@ class Node:
             self._drop_session(session)  # its KV is gone already: the batch group and gathering forget it too
             log.info("freed idle session %s", session)
         self.scheduler.forget_freed()
+        queued = {w.session for w in self.scheduler.queue}
+        self.owners.prune(now, lambda s: s in self.kv or s in self.kv.retained or s in queued)
+        self._free_orphans(now)
         for work in self.scheduler.waiting(now):  # hops waiting their turn here: their heads hear they are not lost
             self._progress(work.msg, work.msg.pos)
         if self.head is not None:
             self.head.tick(now)
             self._watch_routes(now)
+
+    def _free_orphans(self, now: float) -> None:
+        """Free the sessions (live or kept) of heads whose link from here went down and stayed
+        down: no one is left who may end them."""
+        dead = self.peers.liveness.dead(self.owners.heads() - {self.endpoint}, now)
+        for session in self.owners.orphans(dead) if dead else ():
+            self._drop_session(session)
+            self.kv.retained.pop(session)
+            log.info("freed session %s: its head at %s is gone", session, ", ".join(dead))
 
     def _watch_routes(self, now: float) -> None:
         """Ping the hops active requests depend on; re-plan around the ones that died."""
@@ -196,7 +210,7 @@ class Node:
     def _dispatch(self, identity: bytes, msg: p.Message, buffers: list) -> None:
         match msg:
             case p.Forward():
-                self._accept_forward(msg, from_wire(msg.tensors[0], buffers[0]))
+                self._accept_forward(identity, msg, from_wire(msg.tensors[0], buffers[0]))
             case p.Token() | p.Progress() | p.CacheMiss():
                 self._to_head(msg.session, msg)
             case p.Error(session=str() as session):
@@ -208,7 +222,7 @@ class Node:
             case p.Generate():
                 raise p.ProtocolError("this node is not the head of that route", p.ErrorCode.BAD_REQUEST)
             case p.Cancel() | p.Close():
-                self._end(msg)
+                self._end(identity, msg)
             case p.Audit():
                 self.send_tensors(msg.reply_to, msg.reply_key, *self.taps.replay(msg, from_wire(msg.tensors[0],
                                                                                                 buffers[0])))
@@ -221,8 +235,15 @@ class Node:
             case _:
                 raise p.ProtocolError(f"a node does not accept {type(msg).__name__}", p.ErrorCode.BAD_REQUEST)
 
-    def _accept_forward(self, msg: p.Forward, tensor: torch.Tensor) -> None:
+    def _accept_forward(self, identity: bytes, msg: p.Forward, tensor: torch.Tensor) -> None:
         check_forward(msg, tensor, self.config.shard, self.executor.hidden_size)
+        opens = msg.pos == 0 or bool(msg.reuse)
+        if not (self.owners.open(msg.session, identity, msg.reuse, head=msg.reply_to) if opens
+                else self.owners.steers(msg.session, identity)):
+            raise p.ProtocolError("that session (or the kept KV it names) belongs to another connection",
+                                  p.ErrorCode.BAD_REQUEST)
+        if opens:
+            self.peers.dial(msg.reply_to, msg.reply_key)  # its link tells when the head dies (``_free_orphans``)
         if self.departure.refuses(msg, msg.session in self.kv):
             self._send(msg.reply_to, msg.reply_key, self.departure.refusal(msg.session, msg.step))
             return
@@ -237,11 +258,16 @@ class Node:
         if self.head is not None:
             self.head.deliver(session, msg)
 
-    def _end(self, msg: p.Cancel | p.Close) -> None:
-        """A client cancels a request this node heads, or a session ends along its route."""
-        heads = isinstance(msg, p.Cancel) and self.head is not None and self.head.cancel(msg.session)
-        if not heads:
+    def _end(self, identity: bytes, msg: p.Cancel | p.Close) -> None:
+        """A client cancels a request this node heads (its own: ``session`` is its request id),
+        or a session ends along its route: acted on only from the connection that opened it."""
+        if isinstance(msg, p.Cancel) and self.head is not None and self.head.cancel(identity, msg.session):
+            return
+        if self.owners.steers(msg.session, identity, strict=True):
             self._free(msg)
+        else:
+            self.counters["rejected_frames"] += 1
+            log.info("ignored a %s for a session %r does not steer", type(msg).__name__.upper(), identity)
 
     def _free(self, msg: p.Cancel | p.Close) -> None:
         """End the session here (its KV kept for reuse while the budget allows, its queued work
@@ -306,6 +332,8 @@ class Node:
 
     def forward(self, hop: p.Hop, message: p.Forward, tensor: torch.Tensor) -> None:
         if hop.endpoint == self.endpoint:
+            if message.pos == 0 or message.reuse:
+                self.owners.open(message.session, SELF, head=self.endpoint)
             self.scheduler.push(Work(message, tensor))
             return
         if message.wire_dtype and tensor.is_floating_point():

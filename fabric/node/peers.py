@@ -51,6 +51,13 @@ class Peers:
             self.counters["dropped_frames"] += 1
             log.warning("cannot send to %r: %s", endpoint, exc)
 
+    def dial(self, endpoint: str, key: str) -> None:
+        """Open the link to ``endpoint`` now (its monitor says when the peer dies), if none is."""
+        try:
+            self._sock(endpoint, key)
+        except (zmq.ZMQError, SecurityError) as exc:
+            log.warning("cannot dial %r: %s", endpoint, exc)
+
     def _sock(self, endpoint: str, key: str) -> zmq.Socket:
         sock = self.socks.get(endpoint)
         if sock is None:

@@ -48,29 +48,30 @@ class PrefixIndex:
     def __init__(self, max_entries: int = MAX_PREFIXES, min_tokens: int = MIN_REUSE_TOKENS):
         self.max_entries = max_entries
         self.min_tokens = min_tokens
-        self._entries: OrderedDict[str, tuple[tuple[int, ...], tuple[Hop, ...]]] = OrderedDict()
+        # session -> (ids its hops hold, its route, its tenant)
+        self._entries: OrderedDict[str, tuple[tuple[int, ...], tuple[Hop, ...], str]] = OrderedDict()
 
     def __len__(self) -> int:
         return len(self._entries)
 
-    def add(self, session: str, ids: list[int], route: tuple[Hop, ...]) -> None:
-        """``session`` ended and every hop of ``route`` keeps KV for ``ids``."""
+    def add(self, session: str, ids: list[int], route: tuple[Hop, ...], tenant: str = "") -> None:
+        """``session`` of ``tenant`` ended and every hop of ``route`` keeps KV for ``ids``."""
         if self.max_entries <= 0 or len(ids) < self.min_tokens:
             return
         self._entries.pop(session, None)
-        self._entries[session] = (tuple(ids), tuple(route))
+        self._entries[session] = (tuple(ids), tuple(route), tenant)
         while len(self._entries) > self.max_entries:
             self._entries.popitem(last=False)
 
-    def match(self, ids: list[int], route: tuple[Hop, ...], session: str = "") -> Reuse | None:
-        """The longest kept start of ``ids`` on exactly these hops, for the request
-        ``session`` (never its own earlier KV: a request id used again), leaving at least
-        one token to compute (the tail needs one for logits). A match that takes all of an
-        entry leaves the index: the hops hand that KV itself to the new session."""
+    def match(self, ids: list[int], route: tuple[Hop, ...], tenant: str = "") -> Reuse | None:
+        """The longest kept start of ``ids`` on exactly these hops that ``tenant`` left (a
+        fast first token would tell one tenant what another asked), leaving at least one
+        token to compute (the tail needs one for logits). A match that takes all of an entry
+        leaves the index: the hops hand that KV itself to the new session."""
         best: Reuse | None = None
         ids, key = tuple(ids), tuple(route)
-        for name, (held, hops) in self._entries.items():
-            if hops != key or name == session:
+        for name, (held, hops, owner) in self._entries.items():
+            if hops != key or owner != tenant:
                 continue
             n = min(common_prefix(held, ids), len(ids) - 1)
             if n >= self.min_tokens and (best is None or n > best.tokens):

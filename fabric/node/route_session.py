@@ -10,6 +10,7 @@ every hop to free the session's KV. It never touches a socket: it talks through 
 from __future__ import annotations
 
 import logging
+import secrets
 import time
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -161,13 +162,22 @@ def _as_list(value) -> list:
     return value if isinstance(value, list) else [value]
 
 
+def new_session_id() -> str:
+    """A session's id on the hops: 128 random bits. It is never published (the client and
+    the tracker know the request by other names), so a stranger cannot name the session, and
+    knowing it is not enough to steer it (fabric/node/owners.py)."""
+    return secrets.token_hex(16)
+
+
 class RouteSession:
     """The head's state machine for one request. Feed it messages; it returns events."""
 
     def __init__(self, request: Generate, prompt_ids: list[int], *, tokenizer, eos: frozenset[int],
-                 reply_to: str, transport: Transport, seed: int, reply_key: str = "", wire_dtype: str = ""):
+                 reply_to: str, transport: Transport, seed: int, reply_key: str = "", wire_dtype: str = "",
+                 session: str = ""):
         self.request = request
-        self.session = request.request_id
+        self.session = session or new_session_id()  # the hops' name for it: a secret of the head and the route
+        self.request_id = request.request_id  # the client's name for it, in its events
         self.route = request.route
         self.history = list(prompt_ids)  # prompt + every generated token fed so far
         self.prompt_tokens = len(prompt_ids)
@@ -207,7 +217,7 @@ class RouteSession:
         """Send the prompt (after the resumed tokens, when a head that died streamed some);
         with ``reuse``, only what follows the ended session's kept KV."""
         self.reused = reuse
-        start = [Event(self.session, EventKind.START, route=self.route, prompt_tokens=self.prompt_tokens,
+        start = [Event(self.request_id, EventKind.START, route=self.route, prompt_tokens=self.prompt_tokens,
                        seed=self.sampling.seed)]
         if ended := self._resume(self.request.resume):
             return start + ended
@@ -302,7 +312,7 @@ class RouteSession:
         if self.prefilled <= before and now - self.told_at < every:
             return []
         self.told_at = now
-        return [Event(self.session, EventKind.PROGRESS, prompt_tokens=self.prompt_tokens,
+        return [Event(self.request_id, EventKind.PROGRESS, prompt_tokens=self.prompt_tokens,
                       completion_tokens=len(self.generated), prefilled=self.prefilled,
                       prefill_tokens=self.prefill.total)]
 
@@ -375,7 +385,7 @@ class RouteSession:
             return []
         self.finished = "error"
         self._tell_route(Cancel)
-        return [Event(self.session, EventKind.ERROR, text=message, error_code=code, finish_reason=FinishReason.ERROR,
+        return [Event(self.request_id, EventKind.ERROR, text=message, error_code=code, finish_reason=FinishReason.ERROR,
                       prompt_tokens=self.prompt_tokens, completion_tokens=len(self.generated))]
 
     # -- internals ----------------------------------------------------------------------
@@ -405,11 +415,11 @@ class RouteSession:
         self.transport.control(self.route[0], kind(session=self.session, route=self.route[1:]))
 
     def _token_event(self, token: int | None, text: str) -> Event:
-        return Event(self.session, EventKind.TOKEN, text=text, token_ids=() if token is None else (token,),
+        return Event(self.request_id, EventKind.TOKEN, text=text, token_ids=() if token is None else (token,),
                      completion_tokens=len(self.generated))
 
     def _done(self, reason: str) -> Event:
-        return Event(self.session, EventKind.DONE, finish_reason=reason, prompt_tokens=self.prompt_tokens,
+        return Event(self.request_id, EventKind.DONE, finish_reason=reason, prompt_tokens=self.prompt_tokens,
                      completion_tokens=len(self.generated), route=self.route)
 
     @property

@@ -50,6 +50,7 @@ MAX_STOP = 4  # stop strings (OpenAI's limit)
 MAX_MODEL_CHARS = 256
 MAX_RESUME = MAX_LIST  # token ids a resumed GENERATE carries (at most its max_tokens, too)
 MAX_TOKEN_ID = (1 << 31) - 1
+MAX_SALT = 256  # characters of a cache_salt or an api_key
 
 # dtype name -> item size in bytes. The receiver refuses anything else.
 DTYPE_SIZES = {"float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4}
@@ -355,6 +356,8 @@ class Generate(Message):
     ignore_eos: bool = False  # generate max_tokens even past an end-of-sequence token (benchmarks)
     # token ids a head that died had streamed: this head takes them as its own and goes on after them
     resume: tuple[int, ...] = ()
+    # prefix reuse is kept apart per (api_key, cache_salt): a request starts only from KV its own tenant left
+    cache_salt: str = ""
 
     def validate(self) -> None:
         if (self.messages is None) == (self.prompt is None):
@@ -369,6 +372,8 @@ class Generate(Message):
         if not resume_ok or not all(0 <= t <= MAX_TOKEN_ID for t in self.resume):
             raise ProtocolError("resume carries at most max_tokens token ids, each in [0, 2**31)",
                                 ErrorCode.BAD_REQUEST)
+        if len(self.cache_salt) > MAX_SALT or len(self.api_key or "") > MAX_SALT:
+            raise ProtocolError(f"cache_salt and api_key take at most {MAX_SALT} characters", ErrorCode.BAD_REQUEST)
         for m in self.messages or ():
             if not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
                 raise ProtocolError("each message needs string role and content", ErrorCode.BAD_REQUEST)
