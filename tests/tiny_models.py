@@ -37,7 +37,7 @@ FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "mistral")
 MIN_LEAD = 5e-4  # float32 logits: a greedy token's least lead over the runner-up (see above)
 
 _COMMON = dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=6,
-               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=8192,
                bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=False)
 
 CHAT_TEMPLATE = (

@@ -40,6 +40,7 @@ class GenerationRequest:
     stream: bool
     include_usage: bool  # stream_options.include_usage: a last chunk carries usage
     ignore_eos: bool = False  # keep generating past end-of-sequence tokens (as vLLM's extension; benchmarks)
+    fit_context: bool = False  # max_tokens was not given: the default, or what the model's context leaves
 
     def generate_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for ``client.generate(model, ...)``."""
@@ -47,7 +48,8 @@ class GenerationRequest:
         if self.messages is not None:
             messages = [{"role": m.role, "content": m.content} for m in self.messages]
         return {"messages": messages, "prompt": self.prompt, "max_tokens": self.max_tokens,
-                "stop": self.stop, "sampling": self.sampling, "ignore_eos": self.ignore_eos}
+                "stop": self.stop, "sampling": self.sampling, "ignore_eos": self.ignore_eos,
+                "fit_context": self.fit_context}
 
 
 # --------------------------------------------------------------------------- entry points
@@ -72,9 +74,9 @@ def parse_chat(body: dict[str, Any], config: WebUIConfig) -> GenerationRequest:
     _check_prompt_length(chars, config, "messages")
     max_tokens = _integer(body, "max_completion_tokens", None, 1, config.max_tokens_limit)
     if max_tokens is None:
-        max_tokens = _integer(body, "max_tokens", config.default_max_tokens, 1, config.max_tokens_limit)
-    return GenerationRequest(messages=messages, prompt=None, max_tokens=max_tokens,
-                             **_common(body, config))
+        max_tokens = _integer(body, "max_tokens", None, 1, config.max_tokens_limit)
+    return GenerationRequest(messages=messages, prompt=None, max_tokens=max_tokens or config.default_max_tokens,
+                             fit_context=max_tokens is None, **_common(body, config))
 
 
 def parse_completion(body: dict[str, Any], config: WebUIConfig) -> GenerationRequest:
@@ -83,9 +85,9 @@ def parse_completion(body: dict[str, Any], config: WebUIConfig) -> GenerationReq
         raise ApiError.invalid("prompt is required", "prompt")
     prompt = _text(prompt, "prompt")
     _check_prompt_length(len(prompt), config, "prompt")
-    max_tokens = _integer(body, "max_tokens", config.default_max_tokens, 1, config.max_tokens_limit)
-    return GenerationRequest(messages=None, prompt=prompt, max_tokens=max_tokens,
-                             **_common(body, config))
+    max_tokens = _integer(body, "max_tokens", None, 1, config.max_tokens_limit)
+    return GenerationRequest(messages=None, prompt=prompt, max_tokens=max_tokens or config.default_max_tokens,
+                             fit_context=max_tokens is None, **_common(body, config))
 
 
 # --------------------------------------------------------------------------- fields

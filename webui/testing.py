@@ -48,6 +48,7 @@ class GenerateCall:
     request_id: str | None
     api_key: str | None
     ignore_eos: bool = False
+    fit_context: bool = False
 
 
 class FakeStream:
@@ -126,8 +127,10 @@ class FakeClient:
 
     def generate(self, model: str, *, messages: list[dict] | None = None, prompt: str | None = None,
                  max_tokens: int = 256, stop: tuple[str, ...] = (), sampling: Sampling = Sampling(),
-                 request_id: str | None = None, api_key: str | None = None, ignore_eos: bool = False) -> FakeStream:
-        call = GenerateCall(model, messages, prompt, max_tokens, stop, sampling, request_id, api_key, ignore_eos)
+                 request_id: str | None = None, api_key: str | None = None, ignore_eos: bool = False,
+                 fit_context: bool = False) -> FakeStream:
+        call = GenerateCall(model, messages, prompt, max_tokens, stop, sampling, request_id, api_key, ignore_eos,
+                            fit_context)
         self.calls.append(call)
         script = self.script
         if all(m["id"] != model for m in self.model_list):

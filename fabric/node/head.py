@@ -9,6 +9,7 @@ No sockets here: the node passes frames in and sends what comes out through ``He
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import secrets
 import time
@@ -56,6 +57,7 @@ class Model:
     tokenizer: object
     eos: frozenset[int]
     vocab_size: int = 0  # token ids are below this (0: unchecked)
+    context: int = 0  # positions the model takes: prompt plus max_tokens fit in it (0: unchecked)
     fingerprint: str = ""  # the weights' digest: audits re-run hops on nodes with the same
 
 
@@ -95,6 +97,7 @@ class Head:
         try:
             prompt = encode_prompt(self.model.tokenizer, req, self.config.max_prompt_tokens)
             self._check_resume(req)
+            req = self._fit(req, len(prompt))
         except RequestError as exc:
             self.host.reply(identity, p.Event(req.request_id, p.EventKind.ERROR, text=str(exc),
                                               error_code=exc.code, finish_reason=p.FinishReason.ERROR))
@@ -120,6 +123,18 @@ class Head:
     def request(self, identity: bytes, request_id: str) -> RouteSession | None:
         """The request ``request_id`` of the client on ``identity``, while this node heads it."""
         return self.sessions.get(self.requests.get((identity, request_id), ""))
+
+    def _fit(self, req: p.Generate, prompt: int) -> p.Generate:
+        """``req`` with a prompt of ``prompt`` tokens, its max_tokens fitted to the model's
+        context: lowered when it asked to be (``fit_context``), else refused."""
+        room = self.model.context - prompt
+        if not self.model.context or req.max_tokens <= room:
+            return req
+        if req.fit_context and room >= max(1, len(req.resume)):
+            return dataclasses.replace(req, max_tokens=room)
+        raise RequestError(p.ErrorCode.BAD_REQUEST,
+                           f"the prompt's {prompt} tokens plus max_tokens {req.max_tokens} exceed this model's "
+                           f"context of {self.model.context} tokens: ask for at most {max(room, 0)}")
 
     def cancel(self, identity: bytes, request_id: str) -> bool:
         """The client on ``identity`` cancels its request ``request_id``; False when this node

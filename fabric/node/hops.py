@@ -22,8 +22,12 @@ log = logging.getLogger(__name__)
 SLOW_HOP_S = 5.0  # a hop this long is logged: it stalls every session queued behind it
 
 
-def check_forward(msg: p.Forward, tensor: torch.Tensor, shard: Shard, hidden_size: int) -> None:
-    """ProtocolError unless ``shard`` can run ``msg``'s layers on ``tensor`` and pass them on."""
+def check_forward(msg: p.Forward, tensor: torch.Tensor, shard: Shard, hidden_size: int, context: int = 0) -> None:
+    """ProtocolError unless ``shard`` can run ``msg``'s layers on ``tensor`` and pass them on,
+    within the model's ``context`` (positions; 0: unchecked)."""
+    if context and msg.pos + (tensor.shape[1] if tensor.dim() > 1 else 0) > context:
+        raise p.ProtocolError(f"positions {msg.pos}+{tensor.shape[1]} go past the model's context of {context}",
+                              p.ErrorCode.BAD_REQUEST)
     if not shard.covers(msg.start_layer, msg.end_layer):
         raise p.ProtocolError(f"layers {msg.start_layer}-{msg.end_layer} are not on this node "
                               f"(it holds {shard})", p.ErrorCode.BAD_REQUEST)

@@ -62,6 +62,7 @@ class Node:
         self.kv = KVStore(config.kv_idle_timeout, retain_bytes=budget)
         self.executor = ShardExecutor(weights, self.kv)
         self.fingerprint = fingerprint(config.source, weights.config, config.quant)
+        self.context = getattr(weights.config, "max_position_embeddings", 0) or 0  # positions a session may reach
         # hops, cache misses, failovers, errors: for /metrics and tests. Every key exists from
         # the start, so another thread can copy the counter while this one updates it.
         self.counters: Counter[str] = Counter({k: 0 for k in COUNTERS})
@@ -95,6 +96,7 @@ class Node:
         tokenizer = load_tokenizer(self.config.source, self.config.cache_root)
         model = Model(self.config.source.model_id, self.config.shard.num_layers, tokenizer,
                       eos_ids(tokenizer, model_config), vocab_size=getattr(model_config, "vocab_size", 0) or 0,
+                      context=getattr(model_config, "max_position_embeddings", 0) or 0,
                       fingerprint=self.fingerprint)
         # a node that keeps no KV of ended requests offers none to reuse either
         prefixes = PrefixIndex(max_entries=0 if self.kv.retained.budget <= 0 else MAX_PREFIXES)
@@ -236,7 +238,7 @@ class Node:
                 raise p.ProtocolError(f"a node does not accept {type(msg).__name__}", p.ErrorCode.BAD_REQUEST)
 
     def _accept_forward(self, identity: bytes, msg: p.Forward, tensor: torch.Tensor) -> None:
-        check_forward(msg, tensor, self.config.shard, self.executor.hidden_size)
+        check_forward(msg, tensor, self.config.shard, self.executor.hidden_size, self.context)
         opens = msg.pos == 0 or bool(msg.reuse)
         if not (self.owners.open(msg.session, identity, msg.reuse, head=msg.reply_to) if opens
                 else self.owners.steers(msg.session, identity)):

@@ -358,6 +358,7 @@ class Generate(Message):
     resume: tuple[int, ...] = ()
     # prefix reuse is kept apart per (api_key, cache_salt): a request starts only from KV its own tenant left
     cache_salt: str = ""
+    fit_context: bool = False  # max_tokens is a ceiling: the head lowers it to what the model's context leaves
 
     def validate(self) -> None:
         if (self.messages is None) == (self.prompt is None):
