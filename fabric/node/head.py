@@ -45,6 +45,7 @@ class HeadHost(Transport, Protocol):
     key: str  # the CURVE key hops answer it with ("" in plaintext)
 
     def reply(self, identity: bytes, message: p.Message) -> None: ...
+    def busy(self) -> bool: ...  # no room for one more session (this node's own hop of it)
     def to_tracker(self, message: p.Message) -> bool: ...  # False: this node has no tracker
 
 
@@ -91,6 +92,8 @@ class Head:
             raise p.ProtocolError("this node is not the head of that route", p.ErrorCode.BAD_REQUEST)
         if (identity, req.request_id) in self.requests:
             raise p.ProtocolError("request id already in flight", p.ErrorCode.BAD_REQUEST)
+        if self.host.busy():
+            raise p.ProtocolError("node is at its session or queue limit", p.ErrorCode.BUSY)
         if req.route[-1].end_layer != last:
             raise p.ProtocolError(f"the route ends at layer {req.route[-1].end_layer}, not at the last layer "
                                   f"{last}", p.ErrorCode.BAD_REQUEST)
@@ -144,6 +147,14 @@ class Head:
             return False
         self._emit(rs, rs.cancel())
         return True
+
+    def clients_gone(self, identities: set[bytes]) -> None:
+        """The connections of ``identities`` closed: the requests they opened stop (cancelled,
+        their KV kept for reuse), as if each client had sent CANCEL."""
+        for session, identity in list(self.clients.items()):
+            if identity in identities and (rs := self.sessions.get(session)) is not None:
+                log.info("request %s: its client is gone; cancelling it", rs.request_id)
+                self._emit(rs, rs.cancel())
 
     def deliver(self, session: str, msg: p.Token | p.Progress | p.CacheMiss | p.Error) -> None:
         """A reply from the route: the tail's token, a hop's prefill progress, cache miss or error."""

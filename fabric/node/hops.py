@@ -22,9 +22,12 @@ log = logging.getLogger(__name__)
 SLOW_HOP_S = 5.0  # a hop this long is logged: it stalls every session queued behind it
 
 
-def check_forward(msg: p.Forward, tensor: torch.Tensor, shard: Shard, hidden_size: int, context: int = 0) -> None:
+def check_forward(msg: p.Forward, tensor: torch.Tensor, shard: Shard, hidden_size: int, context: int = 0,
+                  vocab: int = 0) -> None:
     """ProtocolError unless ``shard`` can run ``msg``'s layers on ``tensor`` and pass them on,
-    within the model's ``context`` (positions; 0: unchecked)."""
+    within the model's ``context`` (positions; 0: unchecked); token ids, for the first layer,
+    within its ``vocab`` (checked here: a bad id inside a batched pass would fail every
+    session of the batch)."""
     if context and msg.pos + (tensor.shape[1] if tensor.dim() > 1 else 0) > context:
         raise p.ProtocolError(f"positions {msg.pos}+{tensor.shape[1]} go past the model's context of {context}",
                               p.ErrorCode.BAD_REQUEST)
@@ -37,6 +40,9 @@ def check_forward(msg: p.Forward, tensor: torch.Tensor, shard: Shard, hidden_siz
         raise p.ProtocolError("the route does not reach the last layer", p.ErrorCode.BAD_REQUEST)
     if msg.start_layer > 0 and tensor.shape[-1] != hidden_size:
         raise p.ProtocolError(f"hidden size {tensor.shape[-1]} != {hidden_size}")
+    if msg.start_layer == 0 and (tensor.is_floating_point() or tensor.dim() != 2 or tensor.numel() == 0
+                                 or (vocab and not 0 <= int(tensor.min()) <= int(tensor.max()) < vocab)):
+        raise p.ProtocolError(f"layer 0 takes a (1, n) tensor of token ids in [0, {vocab})", p.ErrorCode.BAD_REQUEST)
 
 
 class HopRunner:

@@ -32,7 +32,7 @@ from ..net.liveness import PeerLiveness
 from ..net.relay import RelayedPeer
 from ..net.security import serve_securely, start_authenticator
 from ..wire import protocol as p
-from ..wire.liveness import PEER_SILENCE
+from ..wire.liveness import PEER_SILENCE, PING_INTERVAL
 from . import telemetry
 from .config import NodeConfig
 from .head import Head, Model
@@ -49,6 +49,8 @@ from .telemetry import COUNTERS
 
 log = logging.getLogger(__name__)
 
+MAX_QUEUED_PER_SESSION = 4  # queued hops a node takes, per session it may hold: more is refused (BUSY)
+
 
 class Node:
     def __init__(self, config: NodeConfig, ctx: zmq.Context | None = None):
@@ -63,6 +65,7 @@ class Node:
         self.executor = ShardExecutor(weights, self.kv)
         self.fingerprint = fingerprint(config.source, weights.config, config.quant)
         self.context = getattr(weights.config, "max_position_embeddings", 0) or 0  # positions a session may reach
+        self.vocab = getattr(weights.config, "vocab_size", 0) or 0  # token ids are below this
         # hops, cache misses, failovers, errors: for /metrics and tests. Every key exists from
         # the start, so another thread can copy the counter while this one updates it.
         self.counters: Counter[str] = Counter({k: 0 for k in COUNTERS})
@@ -77,7 +80,13 @@ class Node:
         self.router = self.ctx.socket(zmq.ROUTER)
         serve_securely(self.router, config.security)
         self.router.setsockopt(zmq.LINGER, 0)
-        self.router.setsockopt(zmq.ROUTER_MANDATORY, 0)
+        # a reply to a connection that closed fails (EHOSTUNREACH) instead of vanishing: that
+        # client is gone, and the requests it opened stop (``_periodic``); ZeroMQ's heartbeat
+        # closes a connection whose far end went silent without closing it
+        self.router.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self.router.setsockopt(zmq.HEARTBEAT_IVL, int(PING_INTERVAL * 1000))
+        self.router.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(PEER_SILENCE * 1000))
+        self._gone: set[bytes] = set()  # identities whose connection closed, for the head
         self.router.bind(config.bind)
         self.endpoint = config.advertise or self.router.getsockopt(zmq.LAST_ENDPOINT).decode()
         self.poller = zmq.Poller()
@@ -173,6 +182,8 @@ class Node:
         for work in self.scheduler.waiting(now):  # hops waiting their turn here: their heads hear they are not lost
             self._progress(work.msg, work.msg.pos)
         if self.head is not None:
+            gone, self._gone = self._gone, set()
+            self.head.clients_gone(gone)
             self.head.tick(now)
             self._watch_routes(now)
 
@@ -238,7 +249,7 @@ class Node:
                 raise p.ProtocolError(f"a node does not accept {type(msg).__name__}", p.ErrorCode.BAD_REQUEST)
 
     def _accept_forward(self, identity: bytes, msg: p.Forward, tensor: torch.Tensor) -> None:
-        check_forward(msg, tensor, self.config.shard, self.executor.hidden_size, self.context)
+        check_forward(msg, tensor, self.config.shard, self.executor.hidden_size, self.context, self.vocab)
         opens = msg.pos == 0 or bool(msg.reuse)
         if not (self.owners.open(msg.session, identity, msg.reuse, head=msg.reply_to) if opens
                 else self.owners.steers(msg.session, identity)):
@@ -249,12 +260,23 @@ class Node:
         if self.departure.refuses(msg, msg.session in self.kv):
             self._send(msg.reply_to, msg.reply_key, self.departure.refusal(msg.session, msg.step))
             return
-        if (msg.pos == 0 or msg.reuse) and msg.session not in self.kv and len(self.kv) >= self.config.max_sessions:
-            self._send(msg.reply_to, msg.reply_key, p.Error(p.ErrorCode.BUSY, "node is at its session limit",
+        if self.busy(msg.session if opens else None):
+            self._send(msg.reply_to, msg.reply_key, p.Error(p.ErrorCode.BUSY, "node is at its session or queue limit",
                                                             session=msg.session, step=msg.step,
                                                             node=self.config.node_id))
             return
         self.scheduler.push(Work(msg, tensor))
+
+    def busy(self, opening: str | None = "") -> bool:
+        """No room for a hop: the queue is full, or (a session ``opening`` here that holds
+        nothing yet; "": a new one) the sessions holding KV here and those whose first hop
+        waits in the queue reach the session limit."""
+        if len(self.scheduler) >= MAX_QUEUED_PER_SESSION * self.config.max_sessions:
+            return True
+        if opening is None or opening in self.kv:
+            return False
+        waiting = {w.session for w in self.scheduler.queue} - set(self.kv.sessions()) - {opening}
+        return len(self.kv) + len(waiting) >= self.config.max_sessions
 
     def _to_head(self, session: str, msg: p.Token | p.Progress | p.CacheMiss | p.Error) -> None:
         if self.head is not None:
@@ -376,6 +398,10 @@ class Node:
                 self.router.send_multipart([identity, *p.encode(message)], flags=zmq.NOBLOCK)
             except zmq.Again:
                 log.warning("client %r is not reading; dropped an event", identity)
+            except zmq.ZMQError as exc:
+                if exc.errno != zmq.EHOSTUNREACH:
+                    raise
+                self._gone.add(identity)
 
     def to_tracker(self, message: p.Message) -> bool:
         return self.links.send(message)
