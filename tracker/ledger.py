@@ -14,7 +14,6 @@ API keys are stored as ``key_id(api_key)`` (a truncated SHA-256), never in clear
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -24,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping
 
+from fabric.wire import protocol
 from fabric.wire.protocol import ErrorCode, ProtocolError, Report
 
 log = logging.getLogger(__name__)
@@ -67,11 +67,7 @@ def default_ledger_path(environ: Mapping[str, str] = os.environ) -> Path:
     return Path(base) / "meshnet" / "ledger.sqlite3"
 
 
-def key_id(api_key: str | None) -> str | None:
-    """The stored identity of an API key (the key itself is never written)."""
-    if not api_key:
-        return None
-    return "sha256:" + hashlib.sha256(api_key.encode()).hexdigest()[:16]
+key_id = protocol.key_id  # the stored identity of an API key (clients send only this; the key is never written)
 
 
 @dataclass(frozen=True)

@@ -101,7 +101,7 @@ class GenerateArgs:
         chosen = {name: value for name, value in fields.items() if value is not None}
         args = cls(model, _messages(messages), prompt, max_tokens, _stops(stop),
                    dataclasses.replace(sampling or p.Sampling(), **chosen), request_id or uuid.uuid4().hex,
-                   api_key, ignore_eos, bool(fit_context))
+                   p.key_id(api_key), ignore_eos, bool(fit_context))
         args.message(_ANY_ROUTE)
         return args
 

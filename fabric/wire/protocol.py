@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
 import math
 import types
 import typing
@@ -340,6 +341,20 @@ class Pong(Message):
     sessions: int = 0
 
 
+def key_id(api_key: str | None) -> str | None:
+    """What travels and is stored of an API key: a truncated SHA-256 of it (an id is its own
+    id). Clients send only this (fabric/client/core.py), so no head, tracker or ledger ever
+    holds a key that would let it spend a tenant's quota elsewhere."""
+    if not api_key:
+        return None
+    if api_key.startswith(KEY_ID_PREFIX) and len(api_key) == len(KEY_ID_PREFIX) + 16:
+        return api_key
+    return KEY_ID_PREFIX + hashlib.sha256(api_key.encode()).hexdigest()[:16]
+
+
+KEY_ID_PREFIX = "sha256:"
+
+
 @dataclass(frozen=True)
 class Generate(Message):
     """Client -> head: generate for ``messages`` (chat) or ``prompt`` (raw) along ``route``."""
@@ -352,7 +367,7 @@ class Generate(Message):
     max_tokens: int = 256
     stop: tuple[str, ...] = ()
     sampling: Sampling = Sampling()
-    api_key: str | None = None  # who to bill; reported to the tracker, never checked here
+    api_key: str | None = None  # who to bill: the key's id (``key_id``), never the key; reported to the tracker
     ignore_eos: bool = False  # generate max_tokens even past an end-of-sequence token (benchmarks)
     # token ids a head that died had streamed: this head takes them as its own and goes on after them
     resume: tuple[int, ...] = ()
