@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import zmq
 
-from fabric.wire.protocol import Ack, Error, Hop, Leave, Report, RouteRequest, encode
+from fabric.wire.protocol import Ack, Error, Hop, Leave, Report, RouteRequest, StatusRequest, encode
 from tests.support import FakeClock
 from tests.test_tracker_service import Running, register, report
 from tracker.ledger import Ledger
@@ -131,6 +131,7 @@ def test_weights_differ_warnings_are_kept_for_live_fingerprints_only(secured):
     call(tracker, register("a", 0, 14, fingerprint="f0"), "A" * 40)
     for i in range(300):  # one member re-registers under ever new fingerprints
         assert isinstance(call(tracker, register("b", 15, 29, fingerprint=f"f{i + 1}"), "B" * 40), Ack)
+        assert "weights_differ" in call(tracker, StatusRequest(), "B" * 40).body  # plans published, warnings logged
     assert len(tracker._differ_warned) == 1
 
 

@@ -100,6 +100,7 @@ class TrackerConfig:
     heartbeat_interval: float = HEARTBEAT_INTERVAL  # seconds between a node's heartbeats
     expiry_missed: int = HEARTBEAT_LIVENESS  # missed heartbeats after which a node is dropped
     stats_interval: float = 2.0  # seconds between publications on the stats topic
+    plans_interval: float = 0.5  # least seconds between two publications on the plans topic
     event_ring: int = 200  # console events kept in memory
     max_routes: int = 3  # ranked routes per model in plans and status
     stats_window: int = 64  # samples kept per rolling statistic
@@ -141,6 +142,9 @@ class Tracker:
         self._plans_version = -1
         self._differ_warned: set[tuple[str, frozenset[str]]] = set()  # (model, fingerprints) logged once
         self._next_stats = 0.0
+        self._next_plans = 0.0  # monotonic time before which plans are not published again
+        self._probes: dict[str, tuple[Hop, ...]] = {}  # node id -> its probe list, for one registry version
+        self._probes_version = -1
         self._node_keys: dict[str, str] = {}  # registered node id -> the CURVE key it registered with
         self._departed_keys: OrderedDict[str, str] = OrderedDict()  # the same for departed ids (MAX_DEPARTED_KEYS)
         self._allowed: set[str] | None = None  # allow-listed public keys (secured), read on first use
@@ -219,6 +223,7 @@ class Tracker:
         self._expire()
         self._reach_results()
         now = time.monotonic()
+        self._publish_plans(now)
         if now >= self._next_stats:
             self._next_stats = now + self.config.stats_interval
             self._publish(TOPIC_STATS, {"ts": time.time(), "stats": self.stats.snapshot(),
@@ -226,16 +231,25 @@ class Tracker:
                                         "usage": usage(self._ledger)})
 
     def _expire(self) -> None:
+        """Drop nodes that stopped heartbeating (cheap: handlers call it before they answer)."""
         for node in self.registry.expire():
             self._forget(node.node_id)
             self._emit(self.events.add("error", f"node {node.node_id} expired (missed heartbeats)",
                                        node=node.node_id, model=node.model, code="expired"))
-        if self.registry.version != self._plans_version:
-            self._plans_version = self.registry.version
-            plans = self._plans()
-            self._warn_weights_differ(plans)
-            self._publish(TOPIC_PLANS, {"ts": time.time(), "version": self._plans_version,
-                                        **self._plans_view(plans)})
+
+    def _publish_plans(self, now: float | None = None) -> None:
+        """Publish every model's plans if the topology changed, at most every ``plans_interval``
+        (``now`` None: at once). Planning every model costs tens of ms in a swarm of a
+        thousand; replanning on each REGISTER or first heartbeat of a joining crowd would
+        starve the requests behind them."""
+        if self.registry.version == self._plans_version or (now is not None and now < self._next_plans):
+            return
+        if now is not None:
+            self._next_plans = now + self.config.plans_interval
+        self._plans_version = self.registry.version
+        plans = self._plans()
+        self._warn_weights_differ(plans)
+        self._publish(TOPIC_PLANS, {"ts": time.time(), "version": self._plans_version, **self._plans_view(plans)})
 
     def _forget(self, node_id: str) -> None:
         """Drop what the tracker keeps per node once it expired or left: its measurements,
@@ -316,6 +330,7 @@ class Tracker:
                 return self.reports.handle(message, self._ledger, peer)
             case StatusRequest():
                 self._expire()
+                self._publish_plans()  # what status shows, the feed shows
                 return Status(body=self.status_body())
             case AssignRequest():
                 return self._on_assign(message)
@@ -343,7 +358,7 @@ class Tracker:
             self._reach.check(node.node_id, node.endpoint, node.public_key)
         if old is not None and old.fingerprint != node.fingerprint:
             self.stats.forget_node(node.node_id)
-        self._expire()  # publishes plans if the topology changed
+        self._expire()  # the loop publishes the plans with it
         return Ack(detail=f"registered {node.node_id} layers {node.start_layer}-{node.end_layer}")
 
     def _hop_key(self, msg: Register, peer: str) -> str:
@@ -381,7 +396,7 @@ class Tracker:
         log.info("node %s left", node.node_id)
         self._emit(self.events.add("left", f"node {node.node_id} left", node=node.node_id, model=node.model,
                                    code="left"))
-        self._expire()  # publishes the plans without it
+        self._expire()  # the loop publishes the plans without it
         return Ack(detail="left")
 
     def _reach_results(self) -> None:
@@ -395,12 +410,18 @@ class Tracker:
     def _probes_for(self, node: NodeInfo) -> tuple[Hop, ...]:
         """The peers a node could hand off to or from in a route (shards that touch or
         overlap its own, and head <-> tail for the token's return): it keeps measuring its
-        round trips to them."""
-        peers = [n for n in self.registry.snapshot() if n.node_id != node.node_id and n.model == node.model
-                 and n.fingerprint == node.fingerprint and n.num_layers == node.num_layers
-                 and _neighbours(node, n)]
-        return tuple(Hop(n.node_id, n.endpoint, n.start_layer, n.end_layer, key=n.public_key)
-                     for n in peers[:MAX_PROBE_PEERS])
+        round trips to them. Kept per node until the topology changes: every heartbeat asks."""
+        if self._probes_version != self.registry.version:
+            self._probes.clear()
+            self._probes_version = self.registry.version
+        probes = self._probes.get(node.node_id)
+        if probes is None:
+            peers = [n for n in self.registry.snapshot() if n.node_id != node.node_id and n.model == node.model
+                     and n.fingerprint == node.fingerprint and n.num_layers == node.num_layers
+                     and _neighbours(node, n)]
+            probes = self._probes[node.node_id] = tuple(
+                Hop(n.node_id, n.endpoint, n.start_layer, n.end_layer, key=n.public_key) for n in peers[:MAX_PROBE_PEERS])
+        return probes
 
     def _on_route_request(self, msg: RouteRequest) -> Message:
         self._expire()
