@@ -100,7 +100,7 @@ class TrackerConfig:
     heartbeat_interval: float = HEARTBEAT_INTERVAL  # seconds between a node's heartbeats
     expiry_missed: int = HEARTBEAT_LIVENESS  # missed heartbeats after which a node is dropped
     stats_interval: float = 2.0  # seconds between publications on the stats topic
-    plans_interval: float = 0.5  # least seconds between two publications on the plans topic
+    plans_interval: float = 0.5  # least seconds between two publications on the plans topic (a quarter heartbeat if less)
     event_ring: int = 200  # console events kept in memory
     max_routes: int = 3  # ranked routes per model in plans and status
     stats_window: int = 64  # samples kept per rolling statistic
@@ -245,7 +245,7 @@ class Tracker:
         if self.registry.version == self._plans_version or (now is not None and now < self._next_plans):
             return
         if now is not None:
-            self._next_plans = now + self.config.plans_interval
+            self._next_plans = now + min(self.config.plans_interval, self.config.heartbeat_interval / 4)
         self._plans_version = self.registry.version
         plans = self._plans()
         self._warn_weights_differ(plans)
