@@ -231,8 +231,8 @@ def main() -> None:
         args.part = args.simulate
         simulate(args)
         return
-    flags = sorted({f for line in open("/proc/cpuinfo") for f in line.split()
-                    if f in ("avx2", "avx512f", "avx512_vnni", "avx512_bf16")}) if os.path.exists("/proc/cpuinfo") else []
+    cpuinfo = Path("/proc/cpuinfo").read_text().split() if os.path.exists("/proc/cpuinfo") else []
+    flags = sorted({f for f in cpuinfo if f in ("avx2", "avx512f", "avx512_vnni", "avx512_bf16")})
     print(f"cpu: {os.cpu_count()} cores, {' '.join(flags) or 'no avx2'}")
     bench_planner(args)
     if not args.no_tracker:

@@ -8,7 +8,7 @@ import zmq
 
 from fabric.wire.protocol import Ack, Error, Hop, Leave, Report, RouteRequest, StatusRequest, encode
 from tests.support import FakeClock
-from tests.test_tracker_service import Running, register, report
+from tests.test_tracker_service import Running, register
 from tracker.ledger import Ledger
 from tracker.reach import MAX_PENDING_CHECKS, ReachChecker
 from tracker.registry import MAX_MODEL_LAYERS
