@@ -366,3 +366,27 @@ def test_random_topologies_with_measured_links_and_relays_are_optimal(seed):
         assert plan.routes == ()
     else:
         assert plan.best.seconds_per_token == pytest.approx(optimum)
+
+
+def test_a_thousand_nodes_over_two_hundred_layers_plan_valid_routes():
+    """The scale the tracker must plan at (bench/swarm_scale.py times it): every route
+    covers every layer contiguously, inside each node's shard, no node twice."""
+    from dataclasses import replace
+
+    rng = random.Random(7)
+    num_layers = 200
+    nodes = []
+    for i in range(1000):
+        width = rng.randint(5, 40)
+        start = min(i * 5, num_layers - width) if i < 40 else rng.randrange(num_layers - width + 1)
+        nodes.append(node(f"n{i:04d}", start, start + width - 1, rng.uniform(200.0, 4000.0), layers=num_layers,
+                          sessions=rng.choice([0, 0, 1])))
+    ids = [n.node_id for n in nodes]
+    nodes = [replace(n, rtts={p: rng.uniform(0.2, 80.0) for p in rng.sample(ids, 32) if p != n.node_id})
+             for n in nodes]
+    plan = plan_routes(nodes, "m", max_routes=3)
+    assert len(plan.routes) == 3 and plan.gaps == ()
+    assert_valid(plan, nodes, num_layers)
+    by_id = {n.node_id: n for n in nodes}
+    for route in plan.routes:
+        assert estimate_route(route.hops, by_id) == pytest.approx(route.seconds_per_token)

@@ -23,6 +23,8 @@ from fabric.wire import protocol as p
 
 log = logging.getLogger(__name__)
 
+MAX_PENDING_CHECKS = 1024  # checks queued or running; more are dropped (the node stays "not checked yet")
+
 
 @dataclass(frozen=True)
 class Check:
@@ -42,13 +44,27 @@ class ReachChecker:
     def __init__(self, ctx: zmq.Context, security: Security | None, timeout: float = 3.0):
         self.ctx, self.security, self.timeout = ctx, security, timeout
         self._jobs: queue.Queue[Check | None] = queue.Queue()
+        self._pending: set[Check] = set()  # queued or running: the same check is not queued twice
+        self._lock = threading.Lock()  # guards _pending (the service loop adds, the worker removes)
         self._results: deque[Result] = deque()
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._work, name="reach-checker", daemon=True)
         self._thread.start()
 
-    def check(self, node_id: str, endpoint: str, key: str = "") -> None:
-        self._jobs.put(Check(node_id, endpoint, key))
+    def check(self, node_id: str, endpoint: str, key: str = "") -> bool:
+        """Queue a check; False when the same one is already pending, or ``MAX_PENDING_CHECKS``
+        are (a member re-registering in a loop must not queue sockets without end)."""
+        job = Check(node_id, endpoint, key)
+        with self._lock:
+            if job in self._pending or len(self._pending) >= MAX_PENDING_CHECKS:
+                return False
+            self._pending.add(job)
+        self._jobs.put(job)
+        return True
+
+    def pending(self) -> int:
+        with self._lock:
+            return len(self._pending)
 
     def results(self) -> list[Result]:
         out = []
@@ -70,6 +86,8 @@ class ReachChecker:
                 return
             for check, ok in self._ping_all(batch):
                 self._results.append(Result(check.node_id, check.endpoint, ok))
+                with self._lock:
+                    self._pending.discard(check)
 
     def _ping_all(self, checks: list[Check]) -> list[tuple[Check, bool]]:
         socks: dict[zmq.Socket, Check] = {}

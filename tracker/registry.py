@@ -13,7 +13,6 @@ from typing import Callable
 
 from fabric.wire.liveness import HEARTBEAT_INTERVAL, HEARTBEAT_LIVENESS
 from fabric.wire.protocol import (
-    MAX_LAYERS,
     ErrorCode,
     Heartbeat,
     ProtocolError,
@@ -24,6 +23,14 @@ log = logging.getLogger(__name__)
 
 MAX_ID = 256  # longest node id, model id or fingerprint the tracker accepts
 MAX_ENDPOINT = 1024
+# Deepest model the tracker plans for. The deepest public decoder stacks have ~126 layers
+# (Llama 3.1 405B), so this is 8x headroom, while the wire's MAX_LAYERS (4096) would let one
+# REGISTER make every plan, coverage map and assignment of that model 4096 layers long.
+MAX_MODEL_LAYERS = 1024
+MAX_BENCHMARK = 1e7  # layer-steps/s: a 0.1 us layer step; a larger claim would win every plan on its word
+MAX_HARDWARE_KEYS = 16  # entries of REGISTER.hardware (nodes send 6); it is kept per node and shown in status
+MAX_HARDWARE_KEY = 64  # characters of a hardware key
+MAX_HARDWARE_TEXT = 256  # characters of a hardware value
 
 
 @dataclass(frozen=True)
@@ -80,14 +87,30 @@ def validate_register(msg: Register) -> None:
     if len(msg.relay) > MAX_ENDPOINT or len(msg.relay_key) > MAX_ID:
         raise ProtocolError(f"relay has at most {MAX_ENDPOINT} characters, relay_key at most {MAX_ID}",
                             ErrorCode.BAD_REQUEST)
-    if not 1 <= msg.num_layers <= MAX_LAYERS:
-        raise ProtocolError(f"num_layers must be in [1, {MAX_LAYERS}]", ErrorCode.BAD_REQUEST)
+    if not 1 <= msg.num_layers <= MAX_MODEL_LAYERS:
+        raise ProtocolError(f"num_layers {msg.num_layers} is not in [1, {MAX_MODEL_LAYERS}]", ErrorCode.BAD_REQUEST)
     if not 0 <= msg.start_layer <= msg.end_layer < msg.num_layers:
         raise ProtocolError(
             f"layers {msg.start_layer}-{msg.end_layer} are not inside 0-{msg.num_layers - 1}",
             ErrorCode.BAD_REQUEST)
-    if msg.benchmark < 0 or msg.max_sessions < 0:
-        raise ProtocolError("benchmark and max_sessions must be >= 0", ErrorCode.BAD_REQUEST)
+    if not 0 <= msg.benchmark <= MAX_BENCHMARK or msg.max_sessions < 0:
+        raise ProtocolError(f"benchmark must be in [0, {MAX_BENCHMARK:g}] and max_sessions >= 0",
+                            ErrorCode.BAD_REQUEST)
+    _check_hardware(msg.hardware)
+
+
+def _check_hardware(hardware: dict) -> None:
+    """A small flat map of short scalars: the tracker keeps it per node and every status shows it."""
+    if len(hardware) > MAX_HARDWARE_KEYS:
+        raise ProtocolError(f"hardware has at most {MAX_HARDWARE_KEYS} entries", ErrorCode.BAD_REQUEST)
+    for key, value in hardware.items():
+        if not isinstance(key, str) or not 1 <= len(key) <= MAX_HARDWARE_KEY:
+            raise ProtocolError(f"hardware keys are 1-{MAX_HARDWARE_KEY} characters", ErrorCode.BAD_REQUEST)
+        if isinstance(value, str) and len(value) > MAX_HARDWARE_TEXT:
+            raise ProtocolError(f"hardware[{key!r}] has more than {MAX_HARDWARE_TEXT} characters",
+                                ErrorCode.BAD_REQUEST)
+        if value is not None and not isinstance(value, (str, int, float)):
+            raise ProtocolError(f"hardware[{key!r}] must be a string or a number", ErrorCode.BAD_REQUEST)
 
 
 def validate_heartbeat(msg: Heartbeat) -> None:
@@ -110,6 +133,9 @@ class Registry:
         self.expiry_s = heartbeat_interval * expiry_missed
         self._clock = clock
         self._nodes: dict[str, NodeInfo] = {}
+        # fingerprint -> (its layer count, live nodes registered with it): the first node of a
+        # fingerprint sets the count, later ones must agree; dropped with its last node
+        self._layer_counts: dict[str, tuple[int, int]] = {}
         self.version = 0
         self.excluded: dict[str, str] = {}  # node id -> why an audit excluded it from plans (outlives its expiry)
 
@@ -117,13 +143,18 @@ class Registry:
         """Add or replace a node (load starts at zero). Validates first."""
         validate_register(msg)
         old = self._nodes.get(msg.node_id)
+        self._check_layer_count(msg, old)
         node = NodeInfo(
             node_id=msg.node_id, endpoint=msg.endpoint, model=msg.model,
             fingerprint=msg.fingerprint, num_layers=msg.num_layers,
             start_layer=msg.start_layer, end_layer=msg.end_layer,
             hardware=dict(msg.hardware), benchmark=msg.benchmark,
             max_sessions=msg.max_sessions, last_seen=self._clock(), public_key=public_key, relay=msg.relay)
+        if old is not None:
+            self._uncount(old)
         self._nodes[msg.node_id] = node
+        layers, holders = self._layer_counts.get(node.fingerprint, (node.num_layers, 0))
+        self._layer_counts[node.fingerprint] = (layers, holders + 1)
         if old is None or old.topology_key() != node.topology_key():
             self.version += 1
             log.info("node %s registered: %s layers %d-%d at %s", node.node_id, node.model,
@@ -157,6 +188,7 @@ class Registry:
         gone = [n for n in self._nodes.values() if n.last_seen < deadline]
         for node in gone:
             del self._nodes[node.node_id]
+            self._uncount(node)
             log.warning("node %s expired (no heartbeat for %.1fs)", node.node_id, self.expiry_s)
         if gone:
             self.version += 1
@@ -165,8 +197,27 @@ class Registry:
     def remove(self, node_id: str) -> NodeInfo | None:
         node = self._nodes.pop(node_id, None)
         if node is not None:
+            self._uncount(node)
             self.version += 1
         return node
+
+    def _check_layer_count(self, msg: Register, old: NodeInfo | None) -> None:
+        """Every node of one fingerprint (one config and set of weights) has the same layer
+        count: the first to register sets it, while any node of that fingerprint is live."""
+        layers, holders = self._layer_counts.get(msg.fingerprint, (msg.num_layers, 0))
+        if old is not None and old.fingerprint == msg.fingerprint and holders == 1:
+            return  # the only holder registers again
+        if layers != msg.num_layers:
+            raise ProtocolError(
+                f"num_layers {msg.num_layers} disagrees with the {layers} layers that the nodes of fingerprint "
+                f"{msg.fingerprint[:64]!r} registered with", ErrorCode.BAD_REQUEST)
+
+    def _uncount(self, node: NodeInfo) -> None:
+        layers, holders = self._layer_counts[node.fingerprint]
+        if holders > 1:
+            self._layer_counts[node.fingerprint] = (layers, holders - 1)
+        else:
+            del self._layer_counts[node.fingerprint]
 
     def exclude(self, node_id: str, reason: str) -> bool:
         """Leave ``node_id`` out of every plan from now on (an audit caught it lying); False if it was already."""

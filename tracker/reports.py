@@ -2,6 +2,7 @@
 ledger bills once and the statistics learn from. Every change is an event on the feed."""
 from __future__ import annotations
 
+import logging
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Callable
@@ -18,8 +19,10 @@ from .planner import (
     links_measured,
     route_link_seconds,
 )
-from .registry import Registry
+from .registry import NodeInfo, Registry
 from .stats import Completion, StatsStore, decode_timing
+
+log = logging.getLogger(__name__)
 
 MAX_INFLIGHT = 4096  # requests whose first progress report is remembered
 
@@ -54,9 +57,10 @@ class Reports:
     def __len__(self) -> int:
         return len(self._inflight)
 
-    def handle(self, msg: Report, ledger: Ledger) -> Message:
+    def handle(self, msg: Report, ledger: Ledger, sender: str = "") -> Message:
+        """Answer one report; ``sender`` is the key it came with (secured swarms; "" else)."""
         check_report(msg)
-        return self._on_completion(msg, ledger) if msg.final else self._on_progress(msg)
+        return self._on_completion(msg, ledger, sender) if msg.final else self._on_progress(msg)
 
     def _remember(self, request_id: str, node: str) -> None:
         self._inflight[request_id] = _Flight(node)
@@ -97,7 +101,7 @@ class Reports:
         timing = decode_timing(msg.completion_tokens, msg.elapsed, flight.first)
         return 1.0 / timing.seconds_per_token if timing else 0.0
 
-    def _on_completion(self, msg: Report, ledger: Ledger) -> Message:
+    def _on_completion(self, msg: Report, ledger: Ledger, sender: str = "") -> Message:
         flight = self._inflight.pop(msg.request_id, None)
         entry, new = ledger.record(msg)
         if not new:
@@ -105,7 +109,7 @@ class Reports:
         if _handed_over(msg, flight):  # the new head ended it before its first progress report
             self.emit(self._handover(msg, flight))
             flight = None  # the first progress was another head's
-        self._record_stats(msg, flight.first if flight else None)
+        self._record_stats(msg, flight.first if flight else None, sender)
         kind = "error" if msg.finish_reason == "error" else "complete"
         billing = entry.status + (f" ({entry.reason})" if entry.reason else "")
         self.emit(self.events.add(
@@ -117,10 +121,17 @@ class Reports:
             hops=[hop_dict(h) for h in msg.route]))
         return Ack(detail=billing, request_id=msg.request_id)
 
-    def _record_stats(self, msg: Report, first: tuple[int, float] | None) -> None:
+    def _record_stats(self, msg: Report, first: tuple[int, float] | None, sender: str = "") -> None:
         """Learn from the completion; after a handover, from the tokens of the last head only
-        (its ``elapsed`` counts from when it took over)."""
+        (its ``elapsed`` counts from when it took over). Only from a route this tracker can
+        vouch for (``untrusted``); one vote per reporter: its key where there are keys (one
+        key may register many node ids), else the head's node id."""
         nodes = {n.node_id: n for n in self.registry.snapshot(everyone=True)}
+        why = untrusted(msg, nodes)
+        if why:
+            log.info("statistics ignore request %s from %s: %s", msg.request_id[:64], msg.node_id[:64], why)
+            self.stats.refuse()
+            return
         rates, cost = self.stats.layer_rates(), self.cost
         first = (first[0] - msg.resumed, first[1]) if first else None
         self.stats.record(
@@ -129,4 +140,32 @@ class Reports:
             hop_weights=hop_weights(msg.route, nodes, rates, cost),
             link_s=route_link_seconds(msg.route, nodes, cost),
             predicted_s=estimate_route(msg.route, nodes, rates, cost),
-            min_compute_share=0.1 if links_measured(msg.route, nodes) else 0.5)
+            min_compute_share=0.1 if links_measured(msg.route, nodes) else 0.5,
+            head=sender or msg.node_id)
+
+
+def untrusted(msg: Report, nodes: dict[str, NodeInfo]) -> str:
+    """Why a completion's figures must not feed statistics; "" when they may.
+
+    The head must be a registered node serving the model (in a secured swarm the service
+    has checked that its node id belongs to the sender's key), and the route one the
+    planner could have given: every hop a registered node of the model, all with one
+    fingerprint, each inside its node's shard, together covering every layer. Otherwise
+    any head could create rows for nodes that never served it and steer the plans."""
+    head = nodes.get(msg.node_id)
+    if head is None or head.model != msg.model:
+        return f"the head is not a registered node serving {msg.model!r}"
+    if not msg.route:
+        return "no route"
+    first = nodes.get(msg.route[0].node)
+    for hop in msg.route:
+        node = nodes.get(hop.node)
+        if node is None or node.model != msg.model:
+            return f"hop {hop.node[:64]!r} is not a registered node serving {msg.model!r}"
+        if (node.fingerprint, node.num_layers) != (first.fingerprint, first.num_layers):
+            return "the route's nodes hold different weights"
+        if not node.start_layer <= hop.start_layer <= hop.end_layer <= node.end_layer:
+            return f"hop {hop.node[:64]!r} does not hold layers {hop.start_layer}-{hop.end_layer}"
+    if msg.route[-1].end_layer != first.num_layers - 1:
+        return f"the route ends at layer {msg.route[-1].end_layer}, not {first.num_layers - 1}"
+    return ""

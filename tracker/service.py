@@ -24,7 +24,7 @@ import logging
 import signal
 import threading
 import time
-from collections import Counter
+from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, NoReturn
@@ -37,7 +37,6 @@ from fabric.net.security import Security, peer_key, serve_securely, start_authen
 from fabric.wire.liveness import (DEFAULT_PUB, DEFAULT_TRACKER, HEARTBEAT_INTERVAL, HEARTBEAT_LIVENESS, TOPIC_EVENTS,
                                   TOPIC_PLANS, TOPIC_STATS)
 from fabric.wire.protocol import (
-    MAX_LAYERS,
     VERSION,
     Ack,
     Assign,
@@ -77,7 +76,7 @@ from .planner import (
     plan_routes,
 )
 from .reach import ReachChecker
-from .registry import NodeInfo, Registry
+from .registry import MAX_MODEL_LAYERS, NodeInfo, Registry
 from .reports import Reports
 from .stats import StatsStore, route_label
 from .views import node_rows, plans_view, usage
@@ -87,6 +86,10 @@ log = logging.getLogger(__name__)
 STATUS_EVENTS = 50  # recent events included in a Status body
 MAX_DRAIN = 100  # messages handled per poll wake-up before housekeeping runs
 MAX_PROBE_PEERS = 16  # peers a heartbeat's answer asks the node to measure round trips to
+# node ids of departed nodes (expired or left) whose key binding is kept, least recently
+# departed dropped first: a leaving head's last reports still go under its key, and nobody
+# takes the id over at once; beyond this many the id is free, as after a tracker restart
+MAX_DEPARTED_KEYS = 1024
 
 
 @dataclass(frozen=True)
@@ -97,6 +100,7 @@ class TrackerConfig:
     heartbeat_interval: float = HEARTBEAT_INTERVAL  # seconds between a node's heartbeats
     expiry_missed: int = HEARTBEAT_LIVENESS  # missed heartbeats after which a node is dropped
     stats_interval: float = 2.0  # seconds between publications on the stats topic
+    plans_interval: float = 0.5  # least seconds between two publications on the plans topic (a quarter heartbeat if less)
     event_ring: int = 200  # console events kept in memory
     max_routes: int = 3  # ranked routes per model in plans and status
     stats_window: int = 64  # samples kept per rolling statistic
@@ -138,7 +142,11 @@ class Tracker:
         self._plans_version = -1
         self._differ_warned: set[tuple[str, frozenset[str]]] = set()  # (model, fingerprints) logged once
         self._next_stats = 0.0
-        self._node_keys: dict[str, str] = {}  # node id -> the CURVE key that first registered it
+        self._next_plans = 0.0  # monotonic time before which plans are not published again
+        self._probes: dict[str, tuple[Hop, ...]] = {}  # node id -> its probe list, for one registry version
+        self._probes_version = -1
+        self._node_keys: dict[str, str] = {}  # registered node id -> the CURVE key it registered with
+        self._departed_keys: OrderedDict[str, str] = OrderedDict()  # the same for departed ids (MAX_DEPARTED_KEYS)
         self._allowed: set[str] | None = None  # allow-listed public keys (secured), read on first use
         self._reach: ReachChecker | None = None  # checks registered endpoints (while running)
         self.handled: Counter[str] = Counter({k.name.lower(): 0 for k in HANDLED})  # for /metrics
@@ -215,6 +223,7 @@ class Tracker:
         self._expire()
         self._reach_results()
         now = time.monotonic()
+        self._publish_plans(now)
         if now >= self._next_stats:
             self._next_stats = now + self.config.stats_interval
             self._publish(TOPIC_STATS, {"ts": time.time(), "stats": self.stats.snapshot(),
@@ -222,18 +231,42 @@ class Tracker:
                                         "usage": usage(self._ledger)})
 
     def _expire(self) -> None:
+        """Drop nodes that stopped heartbeating (cheap: handlers call it before they answer)."""
         for node in self.registry.expire():
+            self._forget(node.node_id)
             self._emit(self.events.add("error", f"node {node.node_id} expired (missed heartbeats)",
                                        node=node.node_id, model=node.model, code="expired"))
-        if self.registry.version != self._plans_version:
-            self._plans_version = self.registry.version
-            plans = self._plans()
-            self._warn_weights_differ(plans)
-            self._publish(TOPIC_PLANS, {"ts": time.time(), "version": self._plans_version,
-                                        **self._plans_view(plans)})
+
+    def _publish_plans(self, now: float | None = None) -> None:
+        """Publish every model's plans if the topology changed, at most every ``plans_interval``
+        (``now`` None: at once). Planning every model costs tens of ms in a swarm of a
+        thousand; replanning on each REGISTER or first heartbeat of a joining crowd would
+        starve the requests behind them."""
+        if self.registry.version == self._plans_version or (now is not None and now < self._next_plans):
+            return
+        if now is not None:
+            self._next_plans = now + min(self.config.plans_interval, self.config.heartbeat_interval / 4)
+        self._plans_version = self.registry.version
+        plans = self._plans()
+        self._warn_weights_differ(plans)
+        self._publish(TOPIC_PLANS, {"ts": time.time(), "version": self._plans_version, **self._plans_view(plans)})
+
+    def _forget(self, node_id: str) -> None:
+        """Drop what the tracker keeps per node once it expired or left: its measurements,
+        and its key binding, which moves to the bounded list of departed ids."""
+        self.stats.forget_node(node_id)
+        key = self._node_keys.pop(node_id, None)
+        if key is not None:
+            self._departed_keys.pop(node_id, None)
+            self._departed_keys[node_id] = key
+            while len(self._departed_keys) > MAX_DEPARTED_KEYS:
+                self._departed_keys.popitem(last=False)
 
     def _warn_weights_differ(self, plans: dict[str, Plan]) -> None:
-        """Log and publish, once per set of fingerprints, that nodes of one model never chain."""
+        """Log and publish, once per set of fingerprints, that nodes of one model never chain
+        (remembered while those fingerprints differ: the sets seen are the live ones)."""
+        live = {(m, frozenset(g.fingerprint for g in p.differ)) for m, p in plans.items() if len(p.differ) > 1}
+        self._differ_warned &= live
         for model, plan in plans.items():
             seen = frozenset(g.fingerprint for g in plan.differ)
             if len(seen) < 2 or (model, seen) in self._differ_warned:
@@ -273,15 +306,14 @@ class Tracker:
         return rows
 
     def _authorize(self, message: Message, peer: str | None) -> None:
-        """In a secured swarm a node id belongs to the key that first registered it:
-        no member can register, heartbeat or report as another."""
+        """In a secured swarm a node id belongs to the key that registered it (bound once the
+        registration is accepted, kept while the node is registered and a while after it
+        departs): no member can register, heartbeat or report as another."""
         if self.config.security is None or not isinstance(message, (Register, Heartbeat, Report, Leave, Verdict)):
             return
-        owner = self._node_keys.get(message.node_id)
+        owner = self._node_keys.get(message.node_id) or self._departed_keys.get(message.node_id)
         if owner is not None and owner != peer:
             raise ProtocolError(f"node id {message.node_id!r} belongs to another key", ErrorCode.BAD_REQUEST)
-        if isinstance(message, Register):
-            self._node_keys[message.node_id] = peer
 
     def handle(self, message: Message, peer: str = "") -> Message:
         """The reply to one decoded message; raises ProtocolError for a refusal."""
@@ -295,9 +327,10 @@ class Tracker:
             case RouteRequest():
                 return self._on_route_request(message)
             case Report():
-                return self.reports.handle(message, self._ledger)
+                return self.reports.handle(message, self._ledger, peer)
             case StatusRequest():
                 self._expire()
+                self._publish_plans()  # what status shows, the feed shows
                 return Status(body=self.status_body())
             case AssignRequest():
                 return self._on_assign(message)
@@ -318,11 +351,14 @@ class Tracker:
     def _on_register(self, msg: Register, peer: str = "") -> Message:
         old = self.registry.get(msg.node_id)
         node = self.registry.register(msg, self._hop_key(msg, peer))
+        if self.config.security is not None:
+            self._node_keys[node.node_id] = peer
+            self._departed_keys.pop(node.node_id, None)
         if self._reach is not None:
             self._reach.check(node.node_id, node.endpoint, node.public_key)
         if old is not None and old.fingerprint != node.fingerprint:
             self.stats.forget_node(node.node_id)
-        self._expire()  # publishes plans if the topology changed
+        self._expire()  # the loop publishes the plans with it
         return Ack(detail=f"registered {node.node_id} layers {node.start_layer}-{node.end_layer}")
 
     def _hop_key(self, msg: Register, peer: str) -> str:
@@ -356,10 +392,11 @@ class Tracker:
         node = self.registry.remove(msg.node_id)
         if node is None:
             return Ack(detail="unknown node")
+        self._forget(node.node_id)
         log.info("node %s left", node.node_id)
         self._emit(self.events.add("left", f"node {node.node_id} left", node=node.node_id, model=node.model,
                                    code="left"))
-        self._expire()  # publishes the plans without it
+        self._expire()  # the loop publishes the plans without it
         return Ack(detail="left")
 
     def _reach_results(self) -> None:
@@ -373,12 +410,18 @@ class Tracker:
     def _probes_for(self, node: NodeInfo) -> tuple[Hop, ...]:
         """The peers a node could hand off to or from in a route (shards that touch or
         overlap its own, and head <-> tail for the token's return): it keeps measuring its
-        round trips to them."""
-        peers = [n for n in self.registry.snapshot() if n.node_id != node.node_id and n.model == node.model
-                 and n.fingerprint == node.fingerprint and n.num_layers == node.num_layers
-                 and _neighbours(node, n)]
-        return tuple(Hop(n.node_id, n.endpoint, n.start_layer, n.end_layer, key=n.public_key)
-                     for n in peers[:MAX_PROBE_PEERS])
+        round trips to them. Kept per node until the topology changes: every heartbeat asks."""
+        if self._probes_version != self.registry.version:
+            self._probes.clear()
+            self._probes_version = self.registry.version
+        probes = self._probes.get(node.node_id)
+        if probes is None:
+            peers = [n for n in self.registry.snapshot() if n.node_id != node.node_id and n.model == node.model
+                     and n.fingerprint == node.fingerprint and n.num_layers == node.num_layers
+                     and _neighbours(node, n)]
+            probes = self._probes[node.node_id] = tuple(
+                Hop(n.node_id, n.endpoint, n.start_layer, n.end_layer, key=n.public_key) for n in peers[:MAX_PROBE_PEERS])
+        return probes
 
     def _on_route_request(self, msg: RouteRequest) -> Message:
         self._expire()
@@ -405,9 +448,9 @@ class Tracker:
         raise ProtocolError(text, code)
 
     def _on_assign(self, msg: AssignRequest) -> Message:
-        if not msg.model or not 1 <= msg.num_layers <= MAX_LAYERS or msg.max_layers < 0:
+        if not msg.model or not 1 <= msg.num_layers <= MAX_MODEL_LAYERS or msg.max_layers < 0:
             raise ProtocolError("assign needs a model, 1 <= num_layers <= "
-                                f"{MAX_LAYERS} and max_layers >= 0", ErrorCode.BAD_REQUEST)
+                                f"{MAX_MODEL_LAYERS} and max_layers >= 0", ErrorCode.BAD_REQUEST)
         start, end = assign_span(self.registry.snapshot(), msg.model, msg.num_layers, msg.max_layers)
         return Assign(start_layer=start, end_layer=end)
 
