@@ -214,8 +214,14 @@ def _report(node: str, **kw) -> p.Report:
 
 
 def _reports() -> tuple[Reports, list[dict]]:
+    """The tracker's reports part, with the nodes of ``_report``'s routes registered (statistics
+    learn only from routes of registered nodes)."""
     published: list[dict] = []
-    return Reports(Registry(), StatsStore(), EventRing(), CostModel(), published.append), published
+    registry = Registry()
+    for node, endpoint, start, end in (("a1", "tcp://127.0.0.1:11", 0, 2), ("a2", "tcp://127.0.0.1:12", 0, 2),
+                                       ("t", "tcp://127.0.0.1:19", 3, 5)):
+        registry.register(p.Register(node, endpoint, "m", "fp", 6, start, end))
+    return Reports(registry, StatsStore(), EventRing(), CostModel(), published.append), published
 
 
 def test_the_tracker_publishes_a_handover_and_bills_the_request_once():

@@ -19,10 +19,11 @@ TWO = (Hop("gpu", "tcp://g:1", 0, 21), Hop("cpu", "tcp://c:1", 22, 39))
 
 
 def report(rid: str = "r1", out: int = 50, route=TWO, reason: str | None = "stop",
-           key: str | None = "sk-alice", max_tokens: int = 256, prompt: int = 12) -> Report:
+           key: str | None = "sk-alice", max_tokens: int = 256, prompt: int = 12, ref: str = "",
+           resumed: int = 0) -> Report:
     return Report(request_id=rid, node_id=route[0].node if route else "head", model="m",
                   route=route, prompt_tokens=prompt, completion_tokens=out, elapsed=2.0,
-                  final=True, finish_reason=reason, api_key=key, max_tokens=max_tokens)
+                  final=True, finish_reason=reason, api_key=key, max_tokens=max_tokens, ref=ref, resumed=resumed)
 
 
 @pytest.fixture
@@ -42,13 +43,54 @@ def test_a_resent_report_never_bills_twice(ledger):
 
 
 def test_a_request_that_failed_at_one_head_and_ended_at_another_is_billed_as_it_ended(ledger):
-    ledger.record(report(out=17, reason="error"))
-    entry, new = ledger.record(report(out=40, reason="length", route=ONE))  # it went on at another head
-    assert new and ledger.get("r1") == entry and entry.completion_tokens == 40 and entry.head_node == "full"
-    assert not ledger.record(report(out=40, reason="error"))[1]  # the ended record stays
-    assert not ledger.record(report(out=41, reason="stop"))[1]
+    ledger.record(report(out=17, reason="error", ref="a"))
+    entry, new = ledger.record(report(out=40, reason="length", route=ONE, ref="b", resumed=17))  # it went on
+    assert new and ledger.get("b") == entry and entry.completion_tokens == 40 and entry.head_node == "full"
+    assert not ledger.record(report(out=40, reason="error", ref="a"))[1]  # each attempt is recorded once
+    assert not ledger.record(report(out=41, reason="stop", ref="b"))[1]
     assert set(ledger.usage_by_node()) == {"full"} and ledger.usage_by_node()["full"]["completion_tokens"] == 40
     assert ledger.totals()[BILLED]["requests"] == 1
+
+
+@pytest.mark.parametrize("continued_first", [False, True])
+def test_a_request_cancelled_at_one_head_and_continued_at_another_is_billed_once(ledger, continued_first):
+    """The first head's cancelled report (its client went on elsewhere) may come before or after
+    the report of the head that continued: either way only the continuation bills."""
+    first, going_on = report(out=9, reason="cancelled", ref="a"), report(out=30, route=ONE, ref="b", resumed=9)
+    for r in ([going_on, first] if continued_first else [first, going_on]):
+        ledger.record(r)
+    assert ledger.get("a").status == VOID and ledger.get("b").status == BILLED
+    assert ledger.usage_by_key()[key_id("sk-alice")]["completion_tokens"] == 30
+
+
+def test_a_request_id_used_again_is_billed_again(ledger):
+    """Rows are keyed by the id each head issues, not by the client's: a reused id bills each request."""
+    assert ledger.record(report(ref="a"))[1] and ledger.record(report(out=20, ref="b"))[1]
+    assert ledger.usage_by_key()[key_id("sk-alice")] == {"requests": 2, "prompt_tokens": 24, "completion_tokens": 70}
+    # a fresh request under the same id, cancelled, is billed too: only a continuation voids it
+    assert ledger.record(report(out=6, reason="cancelled", ref="c"))[0].status == BILLED
+
+
+def test_a_ledger_of_the_first_schema_is_migrated(tmp_path):
+    import sqlite3
+
+    path = tmp_path / "old.sqlite3"
+    db = sqlite3.connect(path)
+    # the tables as version 1 wrote them
+    db.executescript("""
+        CREATE TABLE completions (request_id TEXT PRIMARY KEY, recorded_at REAL NOT NULL, model TEXT NOT NULL,
+            head_node TEXT NOT NULL, api_key_id TEXT, prompt_tokens INTEGER NOT NULL,
+            completion_tokens INTEGER NOT NULL, max_tokens INTEGER NOT NULL, elapsed REAL NOT NULL,
+            finish_reason TEXT, route TEXT NOT NULL, hops INTEGER NOT NULL, status TEXT NOT NULL, reason TEXT NOT NULL);
+        CREATE TABLE served (request_id TEXT NOT NULL, node_id TEXT NOT NULL, start_layer INTEGER NOT NULL,
+            end_layer INTEGER NOT NULL, PRIMARY KEY (request_id, node_id, start_layer));
+        INSERT INTO completions VALUES ('old', 1.0, 'm', 'full', NULL, 3, 4, 8, 1.0, 'stop', '[]', 1, 'billed', '');
+        INSERT INTO served VALUES ('old', 'full', 0, 39);
+        PRAGMA user_version=1;""")
+    db.close()
+    with Ledger(path) as led:
+        assert led.get("old").request_id == "old" and led.usage_by_node()["full"]["completion_tokens"] == 4
+        assert led.record(report(ref="new"))[1]
 
 
 def test_usage_per_key_and_per_serving_node(ledger):

@@ -1,6 +1,11 @@
-"""The usage ledger: one SQLite row per completed request, keyed by request id.
+"""The usage ledger: one SQLite row per completed request, keyed by the id its head issued
+for it (REPORT's ``ref``: a client cannot choose it, so reusing a request id bills each
+request), with the client's request id beside it.
 
-A re-sent report finds its row and bills nothing twice. The billing guard decides, per
+A re-sent report finds its row and bills nothing twice. A request that went on at another
+head after its first one died or stopped answering (``resumed`` > 0) is billed once, in
+full, at the head that finished it: the cancelled or failed attempt it continued is void,
+whichever of the two reports arrives first. The billing guard decides, per
 completion, one of:
 
 - ``billed``: counted as usage;
@@ -14,6 +19,7 @@ API keys are stored as ``key_id(api_key)`` (a truncated SHA-256), never in clear
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -24,6 +30,8 @@ from pathlib import Path
 from typing import Mapping
 
 from fabric.wire import protocol
+
+from .ledger_schema import migrate
 from fabric.wire.protocol import ErrorCode, ProtocolError, Report
 
 log = logging.getLogger(__name__)
@@ -31,35 +39,7 @@ log = logging.getLogger(__name__)
 BILLED, HELD, VOID = "billed", "held", "void"
 SHORT_OUTPUT_TOKENS = 3  # at or below this, a multi-hop completion is held
 CANCELLED = ("cancel", "cancelled")
-SCHEMA_VERSION = 1
-
-_SCHEMA = """
-CREATE TABLE IF NOT EXISTS completions (
-    request_id TEXT PRIMARY KEY,
-    recorded_at REAL NOT NULL,
-    model TEXT NOT NULL,
-    head_node TEXT NOT NULL,
-    api_key_id TEXT,
-    prompt_tokens INTEGER NOT NULL,
-    completion_tokens INTEGER NOT NULL,
-    max_tokens INTEGER NOT NULL,
-    elapsed REAL NOT NULL,
-    finish_reason TEXT,
-    route TEXT NOT NULL,
-    hops INTEGER NOT NULL,
-    status TEXT NOT NULL CHECK (status IN ('billed', 'held', 'void')),
-    reason TEXT NOT NULL
-);
-CREATE TABLE IF NOT EXISTS served (
-    request_id TEXT NOT NULL REFERENCES completions(request_id),
-    node_id TEXT NOT NULL,
-    start_layer INTEGER NOT NULL,
-    end_layer INTEGER NOT NULL,
-    PRIMARY KEY (request_id, node_id, start_layer)
-);
-CREATE INDEX IF NOT EXISTS completions_key ON completions(api_key_id, status);
-"""
-
+SCHEMA_VERSION = 2  # 2: rows keyed by the head's attempt id (REPORT.ref), the client's request id beside it
 
 def default_ledger_path(environ: Mapping[str, str] = os.environ) -> Path:
     """``$XDG_DATA_HOME/meshnet/ledger.sqlite3``, else ``~/.local/share/meshnet/...``."""
@@ -104,6 +84,8 @@ def _check_text(value: str | None, name: str, limit: int = 256, optional: bool =
 def check_report(report: Report) -> None:
     """Reject reports the ledger cannot trust; raises ProtocolError(BAD_REQUEST)."""
     _check_text(report.request_id, "request_id")
+    if report.ref:
+        _check_text(report.ref, "ref", 64)
     _check_text(report.node_id, "node_id")
     _check_text(report.model, "model")
     _check_text(report.finish_reason, "finish_reason", 64, optional=True)
@@ -126,7 +108,8 @@ def check_report(report: Report) -> None:
 
 @dataclass(frozen=True)
 class LedgerEntry:
-    request_id: str
+    attempt: str  # the head's id for this attempt at the request (REPORT.ref; the request id from older heads)
+    request_id: str  # the client's
     recorded_at: float  # unix time
     model: str
     head_node: str
@@ -140,6 +123,7 @@ class LedgerEntry:
     hops: int
     status: str
     reason: str
+    resumed: int = 0  # of completion_tokens, those another head streamed before this one took over
 
 
 _COLUMNS = ", ".join(LedgerEntry.__dataclass_fields__)
@@ -161,8 +145,7 @@ class Ledger:
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=NORMAL")
         with self._db:
-            self._db.executescript(_SCHEMA)
-            self._db.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
+            migrate(self._db, SCHEMA_VERSION)
 
     def __enter__(self) -> Ledger:
         return self
@@ -176,43 +159,58 @@ class Ledger:
     def record(self, report: Report, now: float | None = None) -> tuple[LedgerEntry, bool]:
         """Record a final report once. Returns (entry, True) or (existing entry, False)."""
         check_report(report)
-        verdict = billing_verdict(report)
-        entry = LedgerEntry(
-            request_id=report.request_id, recorded_at=time.time() if now is None else now,
-            model=report.model, head_node=report.node_id, api_key_id=key_id(report.api_key),
-            prompt_tokens=report.prompt_tokens, completion_tokens=report.completion_tokens,
-            max_tokens=report.max_tokens, elapsed=report.elapsed,
-            finish_reason=report.finish_reason,
-            route=json.dumps([[h.node, h.start_layer, h.end_layer] for h in report.route]),
-            hops=len(report.route), status=verdict.status, reason=verdict.reason)
+        entry = self._entry(report, time.time() if now is None else now)
         with self._db:
+            if self._continued(entry):
+                entry = dataclasses.replace(entry, status=VOID, reason="the request went on at another head")
             cur = self._db.execute(
                 f"INSERT OR IGNORE INTO completions ({_COLUMNS}) VALUES ({_VALUES})", _row(entry))
-            if cur.rowcount == 0 and not self._supersede(entry):
-                log.info("report %s was already recorded; not billed again", report.request_id)
-                return self.get(report.request_id), False
+            if cur.rowcount == 0:
+                log.info("report %s was already recorded; not billed again", entry.attempt)
+                return self.get(entry.attempt), False
+            if entry.resumed:
+                self._void_attempts_before(entry)
             self._db.executemany(
                 "INSERT OR IGNORE INTO served VALUES (?, ?, ?, ?)",
-                [(report.request_id, h.node, h.start_layer, h.end_layer) for h in report.route]
-                or [(report.request_id, report.node_id, 0, 0)])
+                [(entry.attempt, h.node, h.start_layer, h.end_layer) for h in report.route]
+                or [(entry.attempt, report.node_id, 0, 0)])
         return entry, True
 
-    def _supersede(self, entry: LedgerEntry) -> bool:
-        """A request recorded as failed that then ended well at another head (the client went
-        on there after its first head stopped answering) is billed as it ended, once."""
-        if entry.finish_reason == "error":
-            return False
-        cur = self._db.execute(
-            f"UPDATE completions SET ({_COLUMNS}) = ({_VALUES}) WHERE request_id = ? AND finish_reason = 'error'",
-            (*_row(entry), entry.request_id))
-        if cur.rowcount:
-            log.info("report %s replaces its failed attempt's", entry.request_id)
-            self._db.execute("DELETE FROM served WHERE request_id = ?", (entry.request_id,))  # the route it ended on
-        return bool(cur.rowcount)
+    @staticmethod
+    def _entry(report: Report, now: float) -> LedgerEntry:
+        verdict = billing_verdict(report)
+        return LedgerEntry(
+            attempt=report.billing_id, request_id=report.request_id, recorded_at=now,
+            model=report.model, head_node=report.node_id, api_key_id=key_id(report.api_key),
+            prompt_tokens=report.prompt_tokens, completion_tokens=report.completion_tokens,
+            max_tokens=report.max_tokens, elapsed=report.elapsed, finish_reason=report.finish_reason,
+            route=json.dumps([[h.node, h.start_layer, h.end_layer] for h in report.route]),
+            hops=len(report.route), status=verdict.status, reason=verdict.reason, resumed=report.resumed)
 
-    def get(self, request_id: str) -> LedgerEntry | None:
-        row = self._db.execute(f"SELECT {_COLUMNS} FROM completions WHERE request_id = ?",
-                               (request_id,)).fetchone()
+    _SAME_REQUEST = "request_id = ? AND api_key_id IS ? AND attempt != ?"
+
+    def _continued(self, entry: LedgerEntry) -> bool:
+        """``entry`` ended (cancelled, failed) an attempt that another head already continued."""
+        if entry.resumed or entry.finish_reason not in (*CANCELLED, "error"):
+            return False
+        return self._db.execute(
+            f"SELECT 1 FROM completions WHERE {self._SAME_REQUEST} AND resumed >= ? AND resumed > 0",
+            (entry.request_id, entry.api_key_id, entry.attempt, entry.completion_tokens)).fetchone() is not None
+
+    def _void_attempts_before(self, entry: LedgerEntry) -> None:
+        """``entry`` went on after ``resumed`` tokens of an earlier attempt at the same request,
+        and bills them all: that attempt's own cancelled or failed report bills nothing."""
+        cur = self._db.execute(
+            f"UPDATE completions SET status = ?, reason = ? WHERE {self._SAME_REQUEST} "
+            "AND finish_reason IN (?, ?, 'error') AND completion_tokens <= ? AND status != ?",
+            (VOID, f"the request went on at {entry.head_node}", entry.request_id, entry.api_key_id, entry.attempt,
+             *CANCELLED, entry.resumed, VOID))
+        if cur.rowcount:
+            log.info("request %s went on at %s: its earlier attempt is void", entry.request_id, entry.head_node)
+
+    def get(self, attempt: str) -> LedgerEntry | None:
+        """The row of one attempt (a report's ``billing_id``)."""
+        row = self._db.execute(f"SELECT {_COLUMNS} FROM completions WHERE attempt = ?", (attempt,)).fetchone()
         return LedgerEntry(*row) if row else None
 
     def _usage(self, sql: str, status: str) -> dict[str, dict]:
@@ -231,8 +229,8 @@ class Ledger:
         """Tokens in/out per serving node (every node on the request's route)."""
         return self._usage(
             "SELECT node_id, COUNT(*), SUM(prompt_tokens), SUM(completion_tokens) FROM "
-            "(SELECT DISTINCT s.node_id, c.request_id, c.prompt_tokens, c.completion_tokens "
-            " FROM served s JOIN completions c USING (request_id) WHERE c.status = ?) "
+            "(SELECT DISTINCT s.node_id, c.attempt, c.prompt_tokens, c.completion_tokens "
+            " FROM served s JOIN completions c USING (attempt) WHERE c.status = ?) "
             "GROUP BY 1 ORDER BY 1", status)
 
     def held(self, limit: int = 50) -> list[LedgerEntry]:

@@ -105,7 +105,7 @@ class Reports:
         flight = self._inflight.pop(msg.request_id, None)
         entry, new = ledger.record(msg)
         if not new:
-            return Ack(detail=f"already recorded: {entry.status}", request_id=msg.request_id)
+            return Ack(detail=f"already recorded: {entry.status}", request_id=msg.billing_id)
         if _handed_over(msg, flight):  # the new head ended it before its first progress report
             self.emit(self._handover(msg, flight))
             flight = None  # the first progress was another head's
@@ -119,7 +119,7 @@ class Reports:
             completion_tokens=msg.completion_tokens, duration=msg.elapsed,
             finish_reason=msg.finish_reason, billing=entry.status, billing_reason=entry.reason,
             hops=[hop_dict(h) for h in msg.route]))
-        return Ack(detail=billing, request_id=msg.request_id)
+        return Ack(detail=billing, request_id=msg.billing_id)
 
     def _record_stats(self, msg: Report, first: tuple[int, float] | None, sender: str = "") -> None:
         """Learn from the completion; after a handover, from the tokens of the last head only

@@ -108,8 +108,8 @@ class TrackerLink:
     # -- usage the tracker has not taken ---------------------------------------------------
 
     def _keep(self, report: p.Report) -> None:
-        self.unacked[report.request_id] = [report, self._clock(), 0]
-        self.unacked.move_to_end(report.request_id)
+        self.unacked[report.billing_id] = [report, self._clock(), 0]
+        self.unacked.move_to_end(report.billing_id)
         if len(self.unacked) > MAX_UNACKED:
             lost, _ = self.unacked.popitem(last=False)
             log.warning("the tracker at %s has not taken %d reports: giving up the usage of request %s",

@@ -210,7 +210,7 @@ class Head:
             prompt_tokens=rs.prompt_tokens, completion_tokens=len(rs.generated), elapsed=rs.elapsed,
             final=rs.finished is not None, finish_reason=rs.finished, api_key=rs.request.api_key,
             max_tokens=rs.request.max_tokens, prefilled=rs.prefilled, prefill_tokens=rs.prefill.total,
-            resumed=rs.resumed))
+            resumed=rs.resumed, ref=rs.ref))
 
     # -- failover -----------------------------------------------------------------------
 

@@ -178,6 +178,7 @@ class RouteSession:
         self.request = request
         self.session = session or new_session_id()  # the hops' name for it: a secret of the head and the route
         self.request_id = request.request_id  # the client's name for it, in its events
+        self.ref = secrets.token_hex(8)  # this head's name for it, in its reports: what the ledger bills by
         self.route = request.route
         self.history = list(prompt_ids)  # prompt + every generated token fed so far
         self.prompt_tokens = len(prompt_ids)

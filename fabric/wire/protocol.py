@@ -499,6 +499,12 @@ class Report(Message):
     prefilled: int = 0  # as EVENT's: how far the running prefill has come (0 with prefill_tokens 0: none runs)
     prefill_tokens: int = 0
     resumed: int = 0  # of completion_tokens, those a head that died streamed before this one took over
+    ref: str = ""  # the head's own id for this attempt at the request: the ledger's key ("": request_id)
+
+    @property
+    def billing_id(self) -> str:
+        """What the ledger keys this report by: the head's ``ref``, else (an older head) the request id."""
+        return self.ref or self.request_id
 
 
 @dataclass(frozen=True)
