@@ -98,8 +98,17 @@ class Detokenizer:
         return out
 
 
+MAX_CHARS_PER_TOKEN = 16  # a prompt longer than this many characters per allowed token is refused untokenized
+
+
 def encode_prompt(tokenizer, request: Generate, max_prompt_tokens: int) -> list[int]:
-    """Token ids of the request's prompt; the chat template applies to ``messages``."""
+    """Token ids of the request's prompt; the chat template applies to ``messages``. A prompt
+    far too long to fit is refused before tokenizing: tokenizing a megabyte would stall the
+    node's loop for every session it serves."""
+    chars = len(request.prompt or "") + sum(len(str(m.get("content", ""))) for m in request.messages or ())
+    if chars > max_prompt_tokens * MAX_CHARS_PER_TOKEN:
+        raise RequestError(ErrorCode.PROMPT_TOO_LONG, f"prompt has {chars} characters; this route takes at most "
+                                                      f"{max_prompt_tokens} tokens")
     if request.messages is not None:
         ids = _chat_ids(tokenizer, list(request.messages))
     else:

@@ -160,6 +160,17 @@ def resume_flood(rogue: Rogue, cmd: dict) -> dict:
     return {"answers": answers, "won": any(a.get("event") == "start" for a in answers)}
 
 
+def megabyte_prompt(rogue: Rogue, cmd: dict) -> dict:
+    """A prompt of a megabyte, which the head would have to tokenize in its loop to refuse."""
+    _, hops = rogue.victim()
+    rogue.send(hops[0].endpoint, p.Generate(request_id=new_id(), route=tuple(hops), prompt="lorem ipsum " * 87_000,
+                                            max_tokens=2))
+    answers = rogue.listen(1.0)
+    refused = any(a.get("error_code") == p.ErrorCode.PROMPT_TOO_LONG and "characters" in a.get("text", "")
+                  for a in answers)
+    return {"answers": answers, "won": not refused}
+
+
 def forward_past_context(rogue: Rogue, cmd: dict) -> dict:
     _, hops = rogue.victim()
     for i in range(len(hops)):
@@ -192,5 +203,5 @@ def cross_tenant_prefix(rogue: Rogue, cmd: dict) -> dict:
 ATTACKS = {f.__name__: f for f in (
     cancel_feed_key_head, cancel_feed_key_hops, close_feed_key_hops, token_feed_key, error_feed_key,
     generate_same_id, cancel_leaked_hops, close_leaked_hops, forward_pos0_leaked, forward_step_leaked,
-    reuse_kept, bad_token_id, oversized_generate, resume_flood, forward_past_context, session_flood,
+    reuse_kept, bad_token_id, oversized_generate, resume_flood, megabyte_prompt, forward_past_context, session_flood,
     cross_tenant_prefix)}

@@ -101,7 +101,7 @@ def _with_tensors(message: p.Message, specs: tuple) -> p.Message:
 
 
 def _summary(msg: p.Message) -> dict:
-    fields = ("code", "message", "session", "event", "request_id", "token", "error_code", "finish_reason")
+    fields = ("code", "message", "text", "session", "event", "request_id", "token", "error_code", "finish_reason")
     return {f: getattr(msg, f) for f in fields if isinstance(getattr(msg, f, None), (str, int))}
 
 
