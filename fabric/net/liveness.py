@@ -52,6 +52,12 @@ class PeerLiveness:
                 if now - self._down_since.get(e, now) > self.grace
                 or now - self._last_seen.get(e, now) > self.silence}
 
+    def down(self, endpoints, now: float | None = None) -> set[str]:
+        """Those of ``endpoints`` whose link went down and stayed down past the grace (their
+        process closed its sockets or died), silence aside."""
+        now = time.monotonic() if now is None else now
+        return {e for e in endpoints if now - self._down_since.get(e, now) > self.grace}
+
     def forget(self, keep) -> None:
         """Stop watching peers not in ``keep`` (no active route uses them)."""
         keep = set(keep)

@@ -189,8 +189,9 @@ class Node:
 
     def _free_orphans(self, now: float) -> None:
         """Free the sessions (live or kept) of heads whose link from here went down and stayed
-        down: no one is left who may end them."""
-        dead = self.peers.liveness.dead(self.owners.heads() - {self.endpoint}, now)
+        down: no one is left who may end them. (A head that is only slow to answer keeps them:
+        its next step would find them gone and prefill again.)"""
+        dead = self.peers.liveness.down(self.owners.heads() - {self.endpoint}, now)
         for session in self.owners.orphans(dead) if dead else ():
             self._drop_session(session)
             self.kv.retained.pop(session)
