@@ -144,14 +144,15 @@ class ProcessCluster:
                     "--db", str(self.tmp / "ledger.sqlite3"), "--heartbeat", str(self.heartbeat))
 
     def start_node(self, name: str, model: str, layers: str | None, port: int | None = None, *extra: str,
-                   liar: bool = False) -> str:
+                   liar: bool | str = False) -> str:
         """Start a node; ``layers`` None lets the tracker assign them (pass --memory in extra);
-        ``liar``: one whose every output is wrong (tests/liar_node.py)."""
+        ``liar``: one whose every output is wrong, or "decode": only its decode steps' (tests/liar_node.py)."""
         endpoint = f"tcp://127.0.0.1:{port or free_port()}"
         self._spawn(name, "node", "--model", model, *(["--layers", layers, "--node-id", name] if layers else []),
                     "--tracker", self.endpoint, "--bind", endpoint, "--threads", "1", "--no-progress",
                     "--heartbeat", str(self.heartbeat), *extra,
-                    entry=(str(ROOT / "tests" / "liar_node.py"),) if liar else ("-m", "fabric.cli"))
+                    entry=(str(ROOT / "tests" / "liar_node.py"), "--lie", "all" if liar is True else liar)
+                    if liar else ("-m", "fabric.cli"))
         self.node_endpoints[name] = endpoint
         return endpoint
 

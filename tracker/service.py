@@ -275,11 +275,14 @@ class Tracker:
     def _authorize(self, message: Message, peer: str | None) -> None:
         """In a secured swarm a node id belongs to the key that first registered it:
         no member can register, heartbeat or report as another."""
-        if self.config.security is None or not isinstance(message, (Register, Heartbeat, Report, Leave, Verdict)):
+        bound = (Register, Heartbeat, Report, Leave, Verdict, ReplicasRequest)
+        if self.config.security is None or not isinstance(message, bound):
             return
         owner = self._node_keys.get(message.node_id)
         if owner is not None and owner != peer:
             raise ProtocolError(f"node id {message.node_id!r} belongs to another key", ErrorCode.BAD_REQUEST)
+        if owner is None and isinstance(message, (Verdict, ReplicasRequest)):  # audits are by registered heads
+            raise ProtocolError(f"node id {message.node_id!r} is not registered", ErrorCode.BAD_REQUEST)
         if isinstance(message, Register):
             self._node_keys[message.node_id] = peer
 
