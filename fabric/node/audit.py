@@ -237,11 +237,8 @@ class Auditor:
         if verdict.outcome != Outcome.PASS and rerun.answers:
             rerun.mismatch = verdict
         match verdict.outcome:
-            case Outcome.PASS if rerun.tail:
-                self._end(rerun, "passed")
-            case Outcome.PASS:
-                rerun.next_stage(rerun.outputs[0])
-                self._ask_tracker(rerun)
+            case Outcome.PASS | Outcome.ODD_REPLICA:
+                self._passed(rerun, verdict)
             case Outcome.ASK if rerun.untried:
                 self._ask(rerun, rerun.untried.pop(0))
             case Outcome.ASK | Outcome.UNSETTLED if rerun.mismatch is not None:
@@ -252,6 +249,22 @@ class Auditor:
                 self._end(rerun, "skipped")
             case Outcome.LIAR:
                 self._convict(rerun, verdict)
+
+    def _passed(self, rerun: Rerun, verdict: Judgement) -> None:
+        """The hop agrees with a replica: on to the next hop, with that replica's output as its input."""
+        agreed = 0
+        if verdict.outcome == Outcome.ODD_REPLICA:  # the first replica disagrees with two: reported, not convicted
+            hop = rerun.hop
+            log.warning("audit of %s on layers %d-%d: replica %s disagrees with it and with %s (%s)", hop.node,
+                        hop.start_layer, hop.end_layer, verdict.liar, verdict.witnesses[0], verdict.detail)
+            self.host.to_tracker(p.Verdict(self.node_id, self.model, verdict.liar, hop.start_layer, hop.end_layer,
+                                           witnesses=verdict.witnesses, detail=verdict.detail[:1024]))
+            agreed = 1
+        if rerun.tail:
+            self._end(rerun, "passed")
+        else:
+            rerun.next_stage(rerun.outputs[agreed])
+            self._ask_tracker(rerun)
 
     def _ask(self, rerun: Rerun, replica: p.Hop) -> None:
         audit = rerun.new_id()  # one per replica: only it receives it

@@ -18,7 +18,8 @@ distribution could honestly go either way).
 
 ``judge`` settles by majority: the suspect agrees with the first replica (pass); else a
 second replica sides with one of them; two replicas that agree with each other and not with
-the suspect convict it; anything else convicts nobody.
+the suspect convict it; a second replica that sides with the suspect passes it (the first
+replica's mismatch is reported); anything else convicts nobody.
 """
 from __future__ import annotations
 
@@ -113,14 +114,16 @@ class Outcome(StrEnum):
     PASS = "pass"  # the suspect agrees with a replica
     ASK = "ask"  # the suspect and a replica disagree: another replica settles it
     LIAR = "liar"  # two replicas agree with each other against the suspect
+    ODD_REPLICA = "odd_replica"  # the second replica sides with the suspect against the first: it passes
     UNSETTLED = "unsettled"  # a disagreement that no pair of replicas settles
 
 
 @dataclass(frozen=True)
 class Judgement:
     outcome: Outcome
-    liar: str = ""  # LIAR: the suspect
-    witnesses: tuple[str, ...] = ()  # LIAR: the two replicas that agree; UNSETTLED: the replicas that disagreed
+    liar: str = ""  # LIAR: the suspect; ODD_REPLICA: the first replica
+    # LIAR: the two replicas that agree; UNSETTLED: the replicas that disagreed; ODD_REPLICA: the second replica
+    witnesses: tuple[str, ...] = ()
     detail: str = ""
 
 
@@ -139,6 +142,9 @@ def judge(suspect: Claim, replicas: list[Claim], more: bool, tolerance: float = 
         return Judgement(Outcome.ASK if more else Outcome.UNSETTLED, witnesses=(first.node,), detail=detail)
     second = replicas[1]
     against = disagreement(suspect, second, tolerance, greedy)
-    if against and not disagreement(second, first, tolerance, greedy=False):
+    odd = disagreement(second, first, tolerance, greedy=False)
+    if against and not odd:
         return Judgement(Outcome.LIAR, suspect.node, (first.node, second.node), detail)
+    if not against and odd:  # one replica's word against two outputs: nobody is convicted, the hop passes
+        return Judgement(Outcome.ODD_REPLICA, first.node, (second.node,), odd)
     return Judgement(Outcome.UNSETTLED, witnesses=(first.node, second.node), detail=detail)
