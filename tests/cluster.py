@@ -59,9 +59,8 @@ class ThreadCluster:
         self.threads.append(t)
 
     def add_node(self, model_dir: Path, start: int, end: int, num_layers: int, node_id: str, **kw) -> Node:
-        """A node in a thread. Its head audits no request unless ``audit_rate`` says so: an
-        audited prompt is never served from kept KV, so a random 5% would make reuse (and
-        any count of hops) a matter of chance."""
+        """A node in a thread. Its head audits no request unless ``audit_rate`` says so: a
+        random 5% of requests replayed on replicas would make any count of hops a matter of chance."""
         kw.setdefault("audit_rate", 0.0)
         config = NodeConfig.build(resolve(str(model_dir)), Shard(start, end, num_layers), tracker=self.endpoint,
                             node_id=node_id, progress=False, heartbeat_interval=self.heartbeat, **kw)
