@@ -122,7 +122,7 @@ class Registry:
         self._clock = clock
         self._nodes: dict[str, NodeInfo] = {}
         self.version = 0
-        self.exclusions: dict[str, Exclusion] = {}  # node id -> an audit's exclusion (outlives its expiry, not its term)
+        self.exclusions: dict[str, Exclusion] = {}  # node id -> an audit's exclusion (outlives expiry, not its term)
 
     def register(self, msg: Register, public_key: str = "") -> NodeInfo:
         """Add or replace a node (load starts at zero). Validates first."""
