@@ -58,7 +58,7 @@ FLOAT_DTYPES = ("float32", "float16", "bfloat16")  # hidden states and logits
 MAX_ID = 256  # longest session, audit, node or model id in the audit messages
 TAP_ID_CHARS = 32  # a session's tap id (FORWARD.audit): secrets.token_hex(16), unguessable
 SKETCH_DIM = 32  # numbers per position in an AUDIT_TAP's sketches (fabric/node/verdicts.py: ``sketch``)
-MAX_AUDIT_LOGITS = 32  # positions whose logits one AUDIT_RESULT of a tail's layers carries
+MAX_AUDIT_LOGITS = 8  # positions whose logits one AUDIT_RESULT of a tail's layers carries (a replay's window)
 
 
 class ErrorCode:
