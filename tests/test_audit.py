@@ -63,6 +63,15 @@ def test_judge_needs_two_replicas_that_agree(seeds, more, outcome, liar, witness
     assert (verdict.outcome, verdict.liar, verdict.witnesses) == (outcome, liar, witnesses)
 
 
+def test_a_mismatch_just_over_the_tolerance_is_reported_not_convicted():
+    x = torch.stack([logits(0), logits(1)])  # (positions, vocab)
+    nudged = x.clone()
+    nudged[1] += 0.15 * x[1].norm() / x.shape[1] ** 0.5 * torch.randn(x.shape[1], generator=torch.Generator().manual_seed(5))
+    suspect, r1, r2 = Claim("s", sketch(nudged), (4, 5)), Claim("r1", sketch(x), (4, 5)), Claim("r2", sketch(x), (4, 5))
+    assert disagreement(suspect, r1)  # over the tolerance of 0.1...
+    assert judge(suspect, [r1, r2], more=False).outcome == Outcome.UNSETTLED  # ...but not three times over
+
+
 def test_a_tails_token_must_be_the_one_the_replicas_logits_clearly_give():
     rows = torch.stack([logits(0), logits(1)])
     best = [int(r.argmax()) for r in rows]

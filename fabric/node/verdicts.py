@@ -18,8 +18,11 @@ distribution could honestly go either way).
 
 ``judge`` settles by majority: the suspect agrees with the first replica (pass); else a
 second replica sides with one of them; two replicas that agree with each other and not with
-the suspect convict it; a second replica that sides with the suspect passes it (the first
-replica's mismatch is reported); anything else convicts nobody.
+the suspect by more than CONVICT_FACTOR tolerances at a position (or on a token) convict
+it; a second replica that sides with the suspect passes it (the first replica's mismatch is
+reported); anything else convicts nobody. The margin is measured: SmolLM2's default mode
+once put an honest tail 0.105 from its replay at one position of eight, over a tolerance
+of 0.1 (a liar's rows are 1 to 2 away); reported, never convicted.
 """
 from __future__ import annotations
 
@@ -35,6 +38,7 @@ from ..wire.protocol import SKETCH_DIM
 
 SKETCH_SEED = 0x5EED  # the count sketch's buckets and signs: the same on every node, for every width
 TOKEN_GAP = 1.0  # a tail's token is wrong when it trails the replicas' choice by this many standard deviations
+CONVICT_FACTOR = 3.0  # a conviction needs a row this many tolerances away: between 1 and 3, a mismatch is reported
 
 
 @functools.lru_cache(maxsize=8)
@@ -143,7 +147,8 @@ def judge(suspect: Claim, replicas: list[Claim], more: bool, tolerance: float = 
     second = replicas[1]
     against = disagreement(suspect, second, tolerance, greedy)
     odd = disagreement(second, first, tolerance, greedy=False)
-    if against and not odd:
+    far = all(disagreement(suspect, r, CONVICT_FACTOR * tolerance, greedy) for r in (first, second))
+    if against and not odd and far:
         return Judgement(Outcome.LIAR, suspect.node, (first.node, second.node), detail)
     if not against and odd:  # one replica's word against two outputs: nobody is convicted, the hop passes
         return Judgement(Outcome.ODD_REPLICA, first.node, (second.node,), odd)
