@@ -2,7 +2,7 @@
 """What audits cost and what they catch, on real processes.
 
     python bench/audit.py [--model smollm2-135m] [--rounds 3] [--clients 4] [--requests 3]
-                          [--tokens 32] [--trials 3] [--max-requests 80] [--no-noise]
+                          [--tokens 32] [--trials 3] [--max-requests 80] [--lies all,decode] [--no-noise]
 
 Starts a tracker, three heads holding the first half of the layers, identical but for
 ``--audit-rate`` (0, the default 0.05, and 1), and two tails holding the second half (one
@@ -16,15 +16,20 @@ prompt). Reported per head: aggregate tokens/s, and the CPU seconds this process
 swarm (its children) spent per token: the throughput of a saturated swarm is inversely
 proportional to that, and it is far less disturbed than tokens/s by other tenants of a
 shared machine. The cost of an audit rate is its extra CPU per token over the head that
-audits nothing (median of the rounds' ratios; target at the default rate: at most 5%). The
-default rate audits few requests per round, so ``rate x the cost of auditing every request``
-is given too: the sharper estimate.
+audits nothing (median of the rounds' ratios; target at the default rate: at most 5%): at a
+rate above 0 every hop sketches every step for its head (AUDIT_TAP), and a share ``rate``
+of the requests is replayed on replicas after it ends. The default rate replays few
+requests per round, so ``the taps' cost + rate x the replays' cost`` is given too, the
+replays' cost being what auditing every request costs beyond the taps (taps alone are
+measured by a fourth head whose rate is tiny: it sketches every step and replays almost
+nothing).
 
-Detection: a lying tail (tests/liar_node.py) joins; requests go through it from one head
-until the tracker excludes it, ``--trials`` times per audit rate (a fresh liar each time).
-Reported: how many requests it served until it was caught (expected 1/rate: each prefill is
-audited with that probability, on the route's only other hop), and how many of its answers
-differed from an honest tail's.
+Detection: a lying tail (tests/liar_node.py) joins, for each mode of ``--lies`` (``all``:
+every step wrong; ``decode``: only decode steps, its prefills honest); requests go through
+it from one head until the tracker excludes it, ``--trials`` times per audit rate and mode
+(a fresh liar each time). Reported: how many requests it served until it was caught
+(expected 1/rate: each request is replayed with that probability, every hop at once), and
+how many of its answers differed from an honest tail's.
 
 Noise: how far apart honest outputs of one audited step can be. Layers 1 to the last, run on
 the same 200 positions of seeded hidden states, in each mode (float32; bfloat16; int8 and
@@ -56,7 +61,8 @@ from fabric.wire.protocol import Hop  # noqa: E402
 from tests.cluster import ProcessCluster, node_counters  # noqa: E402
 from tests.support import at_once, free_port, wait_for  # noqa: E402
 
-RATES = {"off": 0.0, "default": AUDIT_RATE, "all": 1.0}
+RATES = {"off": 0.0, "taps": 1e-9, "default": AUDIT_RATE, "all": 1.0}
+DETECT_TOKENS = 12  # tokens per request through a liar: a prefill and eleven decode steps
 TOPICS = ["lighthouses", "rivers", "prime numbers", "volcanoes", "bees", "glaciers", "comets", "forests", "deserts",
           "clocks", "bridges", "whales"]
 
@@ -147,30 +153,34 @@ def cost_rounds(swarm: Swarm, prompts: Prompts, args) -> dict[str, list[tuple[fl
 
 
 def detection_trial(swarm: Swarm, prompts: Prompts, head: str, liar: str, limit: int, tokens: int) -> tuple[int, int]:
-    """(requests through ``liar`` until the tracker excluded it, how many of those answers were wrong)."""
+    """(requests through ``liar`` until the tracker excluded it, how many of those answers were wrong).
+    A replay runs after its request ends: each request waits a moment for one to convict."""
     wrong = 0
     for n in range(1, limit + 1):
         messages = prompts.next()
         got = swarm.ask(swarm.route(head, liar), messages, tokens)
         wrong += got != swarm.ask(swarm.route("head-off", "tail1"), messages, tokens)
-        if wait_for(lambda: swarm.excluded(liar), 2.0 if n == 1 else 0.5, 0.1):
+        if wait_for(lambda: swarm.excluded(liar), 3.0 if n == 1 else 1.0, 0.1):
             return n, wrong
     return limit + 1, wrong
 
 
-def detection(swarm: Swarm, prompts: Prompts, args) -> dict[str, list[tuple[int, int]]]:
-    found: dict[str, list[tuple[int, int]]] = {"default": [], "all": []}
+def detection(swarm: Swarm, prompts: Prompts, args) -> dict[tuple[str, str], list[tuple[int, int]]]:
+    found: dict[tuple[str, str], list[tuple[int, int]]] = {}
     trial = itertools.count(1)
-    for name in found:
-        for _ in range(args.trials):
-            liar = f"liar{next(trial)}"
-            swarm.cluster.start_node(liar, swarm.model, f"{swarm.half}-{swarm.layers - 1}", liar=True)
-            swarm.refresh([liar])
-            found[name].append(detection_trial(swarm, prompts, f"head-{name}", liar, args.max_requests, 8))
-            swarm.cluster.kill(liar)
-            caught, wrong = found[name][-1]
-            print(f"  --audit-rate {RATES[name]:g}: {liar} {caught_after(caught, args.max_requests)}, "
-                  f"{wrong} answer(s) through it wrong", flush=True)
+    for lie in args.lies.split(","):
+        for name in ("default", "all"):
+            found[(name, lie)] = []
+            for _ in range(args.trials):
+                liar = f"liar{next(trial)}"
+                swarm.cluster.start_node(liar, swarm.model, f"{swarm.half}-{swarm.layers - 1}", liar=lie)
+                swarm.refresh([liar])
+                found[(name, lie)].append(detection_trial(swarm, prompts, f"head-{name}", liar, args.max_requests,
+                                                          DETECT_TOKENS))
+                swarm.cluster.kill(liar)
+                caught, wrong = found[(name, lie)][-1]
+                print(f"  --audit-rate {RATES[name]:g}, lying on {lie} steps: {liar} "
+                      f"{caught_after(caught, args.max_requests)}, {wrong} answer(s) through it wrong", flush=True)
     return found
 
 
@@ -221,27 +231,31 @@ def caught_after(requests: int, limit: int) -> str:
     return f"caught at request {requests} through it" if requests <= limit else f"not caught in {limit} requests"
 
 
-def report(args, rows: dict[str, list[tuple[float, float]]], found: dict[str, list[tuple[int, int]]]) -> bool:
+def report(args, rows: dict[str, list[tuple[float, float]]],
+           found: dict[tuple[str, str], list[tuple[int, int]]]) -> bool:
     print(f"\naudits on {args.model}: {args.clients} clients x {args.requests} requests x {args.tokens} tokens "
           f"per head and round, {args.rounds} interleaved rounds")
     cost = {}
-    for name in ("default", "all"):
+    for name in ("taps", "default", "all"):
         speed = [a[0] / b[0] for a, b in zip(rows[name], rows["off"])]
         work = [a[1] / b[1] for a, b in zip(rows[name], rows["off"])]
         cost[name] = statistics.median(work) - 1
         print(f"  --audit-rate {RATES[name]:g} vs 0: CPU per token {1 + cost[name]:.3f}x (rounds "
               f"{', '.join(f'{x:.3f}' for x in work)}): cost {100 * cost[name]:.1f}%; tokens/s "
               f"{statistics.median(speed):.3f}x (rounds {', '.join(f'{x:.2f}' for x in speed)})")
-    scaled = AUDIT_RATE * cost["all"]
+    taps = max(cost["taps"], 0.0)
+    scaled = taps + AUDIT_RATE * (cost["all"] - taps)
     ok = cost["default"] <= 0.05 and scaled <= 0.05
-    print(f"  cost at the default rate {AUDIT_RATE:g}: measured {100 * cost['default']:.1f}%, {AUDIT_RATE:g} x the "
-          f"cost of auditing every request {100 * scaled:.1f}%; target <= 5%: {'PASS' if ok else 'MISS'}")
-    for name, trials in found.items():
+    print(f"  cost at the default rate {AUDIT_RATE:g}: measured {100 * cost['default']:.1f}%; the taps "
+          f"{100 * taps:.1f}% + {AUDIT_RATE:g} x the replays of every request {100 * (cost['all'] - taps):.1f}% = "
+          f"{100 * scaled:.1f}%; target <= 5%: {'PASS' if ok else 'MISS'}")
+    for (name, lie), trials in found.items():
         if trials:
             caught = [c for c, _ in trials]
-            print(f"  detection at --audit-rate {RATES[name]:g} (expected after {1 / RATES[name]:.0f} requests through "
-                  f"the liar): {'; '.join(caught_after(c, args.max_requests) for c in caught)}; wrong answers "
-                  f"through it meanwhile: {', '.join(str(w) for _, w in trials)}")
+            when = "; ".join(caught_after(c, args.max_requests) for c in caught)
+            print(f"  detection at --audit-rate {RATES[name]:g} of a liar on {lie} steps (expected after "
+                  f"{1 / RATES[name]:.0f} requests through it): {when}; wrong answers through it meanwhile: "
+                  f"{', '.join(str(w) for _, w in trials)}")
     return ok
 
 
@@ -254,6 +268,7 @@ def main() -> int:
     parser.add_argument("--tokens", type=int, default=32)
     parser.add_argument("--trials", type=int, default=3, help="liars caught per audit rate (0: no detection part)")
     parser.add_argument("--max-requests", type=int, default=80, help="requests through a liar before a trial stops")
+    parser.add_argument("--lies", default="all,decode", help="how the liars lie: every step (all), decode steps only")
     parser.add_argument("--no-noise", action="store_true", help="skip the measure of honest outputs' noise")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:

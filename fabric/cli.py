@@ -474,13 +474,14 @@ def _node_timing_flags(p: argparse.ArgumentParser) -> None:
 def _node_audit_flags(p: argparse.ArgumentParser) -> None:
     """How often the requests a node heads are checked on replicas, and how strictly."""
     p.add_argument("--audit-rate", type=share, default=AUDIT_RATE, metavar="SHARE",
-                   help="share of the requests this node heads whose prefill is re-run, on one hop, by replicas "
-                        "holding the same layers, to catch a node that returns wrong results (such a request "
-                        "starts without kept KV); 0: never (default %(default)s)")
+                   help="share of the requests this node heads whose steps, prompt and decode steps alike, "
+                        "replicas holding the same layers re-run after the request ends, to catch a node that "
+                        "returns wrong results; hops sketch every step of every request for it. 0: never, and no "
+                        "sketches (default %(default)s)")
     p.add_argument("--audit-tolerance", type=non_negative, default=AUDIT_TOLERANCE, metavar="REL",
-                   help="relative distance allowed between an audited hop's output and a replica's unless both "
-                        "compute in float32, unquantized, with the same CPU kernels and threads: those must agree "
-                        "bit for bit (default %(default)s)")
+                   help="relative distance allowed, at any position, between the sketch of a hop's output and "
+                        "of a replica's re-run of it (a replay runs a stretch in one pass where the hop ran it "
+                        "step by step: never bit for bit) (default %(default)s)")
 
 
 def _node_relay_flags(p: argparse.ArgumentParser) -> None:

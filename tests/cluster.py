@@ -59,9 +59,8 @@ class ThreadCluster:
         self.threads.append(t)
 
     def add_node(self, model_dir: Path, start: int, end: int, num_layers: int, node_id: str, **kw) -> Node:
-        """A node in a thread. Its head audits no request unless ``audit_rate`` says so: an
-        audited prompt is never served from kept KV, so a random 5% would make reuse (and
-        any count of hops) a matter of chance."""
+        """A node in a thread. Its head audits no request unless ``audit_rate`` says so: a
+        random 5% of requests replayed on replicas would make any count of hops a matter of chance."""
         kw.setdefault("audit_rate", 0.0)
         config = NodeConfig.build(resolve(str(model_dir)), Shard(start, end, num_layers), tracker=self.endpoint,
                             node_id=node_id, progress=False, heartbeat_interval=self.heartbeat, **kw)
@@ -144,14 +143,15 @@ class ProcessCluster:
                     "--db", str(self.tmp / "ledger.sqlite3"), "--heartbeat", str(self.heartbeat))
 
     def start_node(self, name: str, model: str, layers: str | None, port: int | None = None, *extra: str,
-                   liar: bool = False) -> str:
+                   liar: bool | str = False) -> str:
         """Start a node; ``layers`` None lets the tracker assign them (pass --memory in extra);
-        ``liar``: one whose every output is wrong (tests/liar_node.py)."""
+        ``liar``: one whose every output is wrong, or "decode": only its decode steps' (tests/liar_node.py)."""
         endpoint = f"tcp://127.0.0.1:{port or free_port()}"
         self._spawn(name, "node", "--model", model, *(["--layers", layers, "--node-id", name] if layers else []),
                     "--tracker", self.endpoint, "--bind", endpoint, "--threads", "1", "--no-progress",
                     "--heartbeat", str(self.heartbeat), *extra,
-                    entry=(str(ROOT / "tests" / "liar_node.py"),) if liar else ("-m", "fabric.cli"))
+                    entry=(str(ROOT / "tests" / "liar_node.py"), "--lie", "all" if liar is True else liar)
+                    if liar else ("-m", "fabric.cli"))
         self.node_endpoints[name] = endpoint
         return endpoint
 

@@ -1,11 +1,14 @@
-"""A node that lies, for tests and benchmarks only: ``meshnet`` with every hop's output wrong.
+"""A node that lies, for tests and benchmarks only: ``meshnet`` with wrong hop outputs.
 
-    python tests/liar_node.py [meshnet flags] node --model ... --layers ...
+    python tests/liar_node.py [--lie all|decode] [meshnet flags] node --model ... --layers ...
 
-It patches the shard executor before the command starts, so that each result is taken from
+It patches the shard executor before the command starts, so that a result is taken from
 hidden states reversed along the hidden dimension: it speaks the protocol, registers the
 honest fingerprint, and returns plausible-looking but wrong hidden states and logits, as a
-node with other weights, bad hardware or a bug would. No production flag does this.
+node with other weights, bad hardware or a bug would. ``--lie all`` (the default) lies on
+every step; ``--lie decode`` only on decode steps (one position per row: its prefills are
+honest), as a node would that counts on audits checking prompts only. No production flag
+does this.
 """
 from __future__ import annotations
 
@@ -13,6 +16,7 @@ import sys
 
 from fabric.compute.executor import ShardExecutor
 
+MODES = ("all", "decode")
 _honest_result = ShardExecutor._result
 
 
@@ -20,9 +24,28 @@ def _lying_result(self, hidden, end):
     return _honest_result(self, hidden.flip(-1), end)  # (b, q, hidden), reversed: wrong, same shape and scale
 
 
-ShardExecutor._result = _lying_result
+def _decode_lying_result(self, hidden, end):
+    if hidden.shape[1] != 1:  # a prompt or a chunk of one (q > 1): honest
+        return _honest_result(self, hidden, end)
+    return _lying_result(self, hidden, end)  # decode steps: (b, 1, hidden), each row one session's step
+
+
+def lie(mode: str = "all") -> None:
+    """Make every ShardExecutor of this process lie (``mode``: "all" steps or "decode" steps only)."""
+    if mode not in MODES:
+        raise SystemExit(f"--lie takes one of {', '.join(MODES)}, not {mode!r}")
+    ShardExecutor._result = _lying_result if mode == "all" else _decode_lying_result
+
 
 if __name__ == "__main__":
+    args = sys.argv[1:]
+    mode = "all"
+    if args[:1] == ["--lie"] and len(args) > 1:
+        mode, args = args[1], args[2:]
+    lie(mode)
+    sys.argv[1:] = args
     from fabric.cli import main
 
     sys.exit(main())
+else:
+    lie()  # imported (bench/audit.py's noise measure): every step lies, as before

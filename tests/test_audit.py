@@ -1,9 +1,8 @@
-"""Audits without sockets: the comparison and the majority (verdicts), the head's auditor as
-a state machine over a recording host, the hop's taps and replays on a real shard, and the
-tracker's replicas and verdicts."""
+"""Audits without sockets: sketches and the majority (verdicts), the head's auditor as a state
+machine over a recording host, the hop's taps and replays on a real shard, and the tracker's
+replicas, listings and verdicts."""
 from __future__ import annotations
 
-import math
 import random
 from collections import Counter
 
@@ -15,76 +14,76 @@ from fabric.compute.executor import ShardExecutor
 from fabric.compute.kv import KVStore
 from fabric.compute.models import load_shard, resolve
 from fabric.node.audit import AuditConfig, Auditor
-from fabric.node.scheduler import HopScheduler, SchedulerConfig, Work
-from fabric.node.hops import HopRunner
+from fabric.node.scheduler import HopScheduler, Replay, SchedulerConfig, Work
 from fabric.node.taps import Taps, kernels
-from fabric.node.verdicts import Claim, Outcome, agree, distance, judge
+from fabric.node.verdicts import Claim, Outcome, disagreement, distance, judge, sketch
 from fabric.wire import protocol as p
 from fabric.wire.shard import Shard
 
-K = "torch 2 cpu AVX2 threads 1"  # one exact-mode arithmetic
-HEAD = p.Hop("head", "tcp://head", 0, 2)
-TAIL = p.Hop("tail", "tcp://tail", 3, 5)
-R1, R2, R3 = (p.Hop(f"r{i}", f"tcp://r{i}", 3, 5) for i in (1, 2, 3))
+HEAD = p.Hop("head", "tcp://head", 0, 2, key="K-head")
+TAIL = p.Hop("tail", "tcp://tail", 3, 5, key="K-tail")
+R1, R2, R3 = (p.Hop(f"r{i}", f"tcp://r{i}", 3, 5, key=f"K-r{i}") for i in (1, 2, 3))
+VOCAB, HIDDEN = 40, 8
+PROMPT = [5, 6, 7, 8]
 
 
-def hidden(seed: int = 0, size: int = 8) -> torch.Tensor:
-    return torch.randn(1, 3, size, generator=torch.Generator().manual_seed(seed))  # (1, q, hidden)
+def logits(seed: int) -> torch.Tensor:
+    return torch.randn(VOCAB, generator=torch.Generator().manual_seed(seed))  # (vocab,)
 
 
 # --------------------------------------------------------------------------- verdicts
 
 
-def test_same_exact_kernels_must_be_bit_equal():
-    x = hidden()
-    nudged = x.clone()
-    nudged[0, 0, 0] = torch.nextafter(x[0, 0, 0], torch.tensor(math.inf))  # one ulp
-    assert agree(Claim("a", x, K), Claim("b", x.clone(), K))
-    assert not agree(Claim("a", x, K), Claim("b", nudged, K))
-    # other kernels, or no exact mode: rounding passes within the tolerance
-    assert agree(Claim("a", x, K), Claim("b", nudged, K + " avx512"))
-    assert agree(Claim("a", x, ""), Claim("b", nudged, ""))
-    assert agree(Claim("a", x.bfloat16(), K), Claim("b", nudged.bfloat16(), K))  # exact mode is float32 only
+def test_a_sketch_keeps_distances_roughly_and_a_reversed_output_far():
+    x = torch.randn(50, 576, generator=torch.Generator().manual_seed(0))  # (positions, hidden)
+    noisy = x + 0.03 * x.norm(dim=1, keepdim=True) / 24 * torch.randn(50, 576)  # ~3% relative noise a row
+    assert sketch(x).shape == (50, p.SKETCH_DIM) and torch.equal(sketch(x), sketch(x.clone()))
+    honest = [distance(a, b) for a, b in zip(sketch(noisy), sketch(x))]
+    lying = [distance(a, b) for a, b in zip(sketch(x.flip(-1)), sketch(x))]
+    assert max(honest) < 0.1 < min(lying), (max(honest), min(lying))
 
 
-def test_the_tolerance_is_a_relative_distance():
-    x = hidden()
-    assert distance(x, x) == 0.0
-    assert distance(x * 1.01, x) == pytest.approx(0.01, rel=1e-6)
-    assert agree(Claim("a", x * 1.01, ""), Claim("b", x, ""), tolerance=0.02)
-    assert not agree(Claim("a", x * 1.05, ""), Claim("b", x, ""), tolerance=0.02)
-    assert not agree(Claim("a", x.flip(-1), ""), Claim("b", x, ""), tolerance=0.02)
+def _claim(node, seeds, positions=(4, 5), tokens=(), with_logits=False):
+    rows = torch.stack([logits(s) for s in seeds])  # (n, vocab)
+    return Claim(node, sketch(rows), tuple(positions), tokens=tuple(tokens), logits=rows if with_logits else None)
 
 
-@pytest.mark.parametrize("other", [torch.full((1, 3, 8), math.nan), torch.zeros(1, 3, 9), torch.zeros(24)])
-def test_not_finite_or_another_shape_never_agrees(other):
-    x = hidden()
-    assert distance(other, x) == math.inf
-    assert not agree(Claim("a", other, ""), Claim("b", x, ""), tolerance=1e9)
-
-
-def test_an_inconsistent_claim_agrees_with_nothing():
-    x = hidden()
-    assert not agree(Claim("a", x, K, consistent=False), Claim("b", x, K))
-
-
-def _claims(*tensors):
-    return [Claim(n, t, K) for n, t in zip(("s", "r1", "r2"), tensors)]
-
-
-@pytest.mark.parametrize("outputs,more,outcome,liar,witnesses", [
-    ((0,), True, Outcome.ASK, "", ()),
-    ((0, 0), False, Outcome.PASS, "", ()),
-    ((1, 0), True, Outcome.ASK, "", ("r1",)),
-    ((1, 0), False, Outcome.UNSETTLED, "", ("r1",)),
-    ((1, 0, 0), False, Outcome.LIAR, "s", ("r1", "r2")),  # the suspect lied
-    ((0, 1, 0), False, Outcome.LIAR, "r1", ("s", "r2")),  # the first replica lied
-    ((0, 1, 2), False, Outcome.UNSETTLED, "", ("r1", "r2")),  # three different outputs
+@pytest.mark.parametrize("seeds,more,outcome,liar,witnesses", [
+    (((0, 1),), True, Outcome.ASK, "", ()),
+    (((0, 1), (0, 1)), False, Outcome.PASS, "", ()),
+    (((0, 9), (0, 1)), True, Outcome.ASK, "", ("r1",)),
+    (((0, 9), (0, 1)), False, Outcome.UNSETTLED, "", ("r1",)),
+    (((0, 9), (0, 1), (0, 1)), False, Outcome.LIAR, "s", ("r1", "r2")),  # the second position lied
+    (((0, 1), (0, 9), (0, 1)), False, Outcome.ODD_REPLICA, "r1", ("r2",)),  # a replica lied: nobody convicted
+    (((0, 1), (0, 9), (7, 8)), False, Outcome.UNSETTLED, "", ("r1", "r2")),  # three different outputs
 ])
-def test_judge(outputs, more, outcome, liar, witnesses):
-    suspect, *replicas = _claims(*(hidden(seed) for seed in outputs))
+def test_judge_needs_two_replicas_that_agree(seeds, more, outcome, liar, witnesses):
+    suspect, *replicas = [_claim(n, s) for n, s in zip(("s", "r1", "r2"), seeds)]
     verdict = judge(suspect, replicas, more)
     assert (verdict.outcome, verdict.liar, verdict.witnesses) == (outcome, liar, witnesses)
+
+
+def test_a_mismatch_just_over_the_tolerance_is_reported_not_convicted():
+    x = torch.stack([logits(0), logits(1)])  # (positions, vocab)
+    nudged = x.clone()
+    nudged[1] += 0.15 * x[1].norm() / x.shape[1] ** 0.5 * torch.randn(x.shape[1], generator=torch.Generator().manual_seed(5))
+    suspect, r1, r2 = Claim("s", sketch(nudged), (4, 5)), Claim("r1", sketch(x), (4, 5)), Claim("r2", sketch(x), (4, 5))
+    assert disagreement(suspect, r1)  # over the tolerance of 0.1...
+    assert judge(suspect, [r1, r2], more=False).outcome == Outcome.UNSETTLED  # ...but not three times over
+
+
+def test_a_tails_token_must_be_the_one_the_replicas_logits_clearly_give():
+    rows = torch.stack([logits(0), logits(1)])
+    best = [int(r.argmax()) for r in rows]
+    replica = Claim("r1", sketch(rows), (4, 5), logits=rows)
+    assert disagreement(Claim("t", sketch(rows), (4, 5), tokens=tuple(best)), replica) == ""
+    worst = int(rows[1].argmin())
+    assert "token" in disagreement(Claim("t", sketch(rows), (4, 5), tokens=(best[0], worst)), replica)
+    assert disagreement(Claim("t", sketch(rows), (4, 5), tokens=(best[0], worst)), replica, greedy=False) == ""
+    tie = rows.clone()
+    tie[1, worst] = tie[1, best[1]] - 1e-4  # a near-tie: either token is honest
+    near = Claim("r1", sketch(tie), (4, 5), logits=tie)
+    assert disagreement(Claim("t", sketch(tie), (4, 5), tokens=(best[0], worst)), near) == ""
 
 
 # --------------------------------------------------------------------------- the head's auditor
@@ -93,9 +92,10 @@ def test_judge(outputs, more, outcome, liar, witnesses):
 class Host:
     """The node as the auditor sees it, recording what goes out."""
 
-    endpoint, key = "tcp://head", ""
+    endpoint = "tcp://head"
 
-    def __init__(self):
+    def __init__(self, key: str = ""):
+        self.key = key
         self.forwarded, self.sent, self.tracker = [], [], []
         self.has_tracker = True
 
@@ -114,199 +114,231 @@ class Host:
 
 
 class Rig:
-    def __init__(self, rate: float = 1.0, route: tuple[p.Hop, ...] = (HEAD, TAIL)):
-        self.host, self.released, self.around = Host(), [], []
-        self.counters = Counter()
-        self.auditor = Auditor(AuditConfig(audit_rate=rate, audit_timeout=10.0), self.host, "head", "tiny", "fp",
-                               self.counters, self.released.append, self.around.append, rng=random.Random(0))
-        self.route = route
+    """One request through HEAD and ``route``'s hops: its steps, the hops' taps, the replay."""
 
-    def send(self, pos: int = 0, reuse: str = "", step: int = 0, draw: bool = True) -> p.Forward:
-        if step == 0 and draw:
-            self.auditor.draw("s")  # the head draws each new request
-        msg = p.Forward(session="s", step=step, pos=pos, start_layer=0, end_layer=2, route=self.route[1:],
-                        reply_to="tcp://head", reuse=reuse)
-        self.auditor.forward(self.route[0], msg, torch.zeros(1, 3, dtype=torch.int64))
+    def __init__(self, rate: float = 1.0, route: tuple[p.Hop, ...] = (HEAD, TAIL), key: str = "",
+                 session: str = "s"):
+        self.host, self.around, self.counters = Host(key), [], Counter()
+        self.auditor = Auditor(AuditConfig(audit_rate=rate, audit_timeout=10.0), self.host, "head", "tiny", "fp",
+                               self.counters, self.around.append, rng=random.Random(0))
+        self.route, self.session = route, session
+        self.drawn = self.auditor.draw(session, PROMPT)
+
+    @property
+    def tap(self) -> str:
+        return self.host.forwarded[-1].audit
+
+    def step(self, step: int, ids: list[int], pos: int) -> p.Forward:
+        msg = p.Forward(session=self.session, step=step, pos=pos, start_layer=0, end_layer=2,
+                        route=self.route[1:], reply_to="tcp://head")
+        self.auditor.forward(self.route[0], msg, torch.tensor([ids]))
         return self.host.forwarded[-1]
 
-    def tap(self, output: torch.Tensor, node: str = "tail", kernels: str = K, step: int = 0, more: bool = False):
-        tap = p.AuditTap("s", step, node, 3, 5, kernels=kernels, more=more)
-        self.auditor.received(tap, [hidden(99), output])
+    def tail_tap(self, step: int, pos: int, q: int, seed: int, token: int | None = None, tap: str | None = None,
+                 sender: str = "", hop: p.Hop = TAIL):
+        out = sketch(logits(seed))  # (1, SKETCH_DIM)
+        token = int(logits(seed).argmax()) if token is None else token
+        msg = p.AuditTap(tap or self.tap, self.session, step, pos, hop.start_layer, hop.end_layer, token=token)
+        self.auditor.received(msg, [sketch(torch.ones(q, HIDDEN) * (pos + 1)), out], sender)
 
-    def replicas(self, *hops: p.Hop):
+    def serve(self, seeds: list[int], **tap):
+        """The prefill (its logits from seeds[0]) and a decode step for each further seed."""
+        self.step(0, PROMPT, 0)
+        self.tail_tap(0, 0, len(PROMPT), seeds[0], **tap)
+        for i, seed in enumerate(seeds[1:], 1):
+            pos = len(PROMPT) + i - 1
+            self.step(i, [9], pos)
+            self.tail_tap(i, pos, 1, seed, **tap)
+
+    def end(self):
+        self.auditor.ended(self.session)
+
+    def own_layers(self, n: int | None = None):
+        """This head's own re-run (stage 0) answers: hidden states of the replayed positions."""
+        endpoint, msg, (ids,) = self.host.sent[-1]
+        assert endpoint == "tcp://head" and msg.start_layer == 0 and ids.dtype == torch.int64
+        self.result(msg.audit, torch.zeros(1, ids.shape[1], HIDDEN), sender=self.host.key)
+
+    def replicas(self, *hops: p.Hop, suspect_key: str = ""):
         ask = self.host.tracker[-1]
-        assert isinstance(ask, p.ReplicasRequest) and ask.exclude == ("head", "tail")
-        self.auditor.replicas(p.Replicas(ask.audit, hops))
+        assert isinstance(ask, p.ReplicasRequest) and ask.node_id == "head" and ask.suspect == self.route[1].node
+        self.auditor.replicas(p.Replicas(ask.audit, hops, suspect_key=suspect_key))
 
-    def answer(self, node: str, output: torch.Tensor | None, kernels: str = K):
-        audit = self.host.sent[-1][1].audit
-        self.auditor.received(p.AuditResult(audit, node, kernels=kernels, error="" if output is not None else "no"),
-                              [] if output is None else [output])
+    def answer(self, seeds: list[int] | None, sender: str | None = None):
+        """The last asked replica answers with the logits of seeds (None: an error)."""
+        endpoint, msg, _ = self.host.sent[-1]
+        hop = next(h for h in (R1, R2, R3) if h.endpoint == endpoint)
+        output = None if seeds is None else torch.stack([logits(s) for s in seeds])  # positions logits_from..
+        self.result(msg.audit, output, sender=hop.key if sender is None else sender)
 
-    def token(self, token: int = 7, step: int = 0) -> bool:
-        return self.auditor.hold(p.Token("s", step, token, 3))
+    def result(self, audit: str, output: torch.Tensor | None, sender: str = ""):
+        msg = p.AuditResult(audit, error="" if output is not None else "no")
+        self.auditor.received(msg, [] if output is None else [output], sender)
 
     @property
     def asked(self) -> list[str]:
-        return [endpoint for endpoint, msg, _ in self.host.sent if isinstance(msg, p.Audit)]
+        return [endpoint for endpoint, msg, _ in self.host.sent if isinstance(msg, p.Audit) and msg.start_layer]
 
     @property
     def verdicts(self) -> list[p.Verdict]:
         return [m for m in self.host.tracker if isinstance(m, p.Verdict)]
 
 
-def test_only_prefills_past_the_head_are_audited():
+HONEST = [10, 11, 12, 13]  # the tail's logits at the prompt's last position and three decode steps
+
+
+def test_every_forward_carries_a_tap_id_and_audited_ones_look_the_same():
+    audited, other = Rig(rate=1.0), Rig(rate=1.0, session="x")
+    other.auditor.kept.clear()  # as if not drawn
+    a, b = audited.step(0, PROMPT, 0), other.step(0, PROMPT, 0)
+    assert len(a.audit) == len(b.audit) == 32 and a.audit != b.audit
+    assert a == p.Forward(**{**vars(b), "session": a.session, "audit": a.audit})  # nothing else tells them apart
+    assert audited.step(1, [9], 4).audit == a.audit  # every step of a session: its one tap id
+    assert Rig(rate=0.0).step(0, PROMPT, 0).audit == ""  # a head that audits nothing asks for no taps
+
+
+def test_the_rate_is_the_share_of_requests_kept():
+    rig = Rig(rate=0.25)
+    drawn = 0
+    for i in range(4000):
+        drawn += rig.auditor.draw(f"s{i}", PROMPT)
+        rig.auditor.ended(f"s{i}")  # nothing ran: nothing to replay
+    assert 0.22 < drawn / 4000 < 0.28 and len(rig.auditor.kept) <= 1 and set(rig.auditor.tap_ids) == {"s"}
+
+
+def _replay(rig: Rig, first: list[int], second: list[int] | None = None, *replicas: p.Hop):
+    rig.end()
+    rig.own_layers()
+    rig.replicas(*(replicas or (R1, R2, R3)))
+    rig.answer(first)
+    if second is not None:
+        rig.answer(second)
+
+
+def test_a_tail_lying_on_decode_steps_only_is_convicted_by_two_replicas():
     rig = Rig()
-    assert rig.send().audit == TAIL.start_layer
-    assert rig.send(pos=5, step=1).audit == -1  # a decode step needs a past KV no replica holds
-    assert rig.send(pos=5, reuse="old", step=2).audit == -1  # a step from kept KV, likewise
-    assert Rig(route=(HEAD,)).send().audit == -1  # nothing but the head itself
-    assert Rig(rate=0.0).send().audit == -1
-    assert Rig().send(draw=False).audit == -1  # a request the head did not draw (it may start from kept KV)
-    assert rig.send(step=3).audit == TAIL.start_layer  # a re-prefill: drawn again, at the rate
-
-
-def test_the_rate_is_the_share_of_prefills_audited_and_the_hop_is_drawn():
-    mid = p.Hop("mid", "tcp://mid", 3, 4)
-    rig = Rig(rate=0.25, route=(HEAD, mid, p.Hop("tail", "tcp://tail", 5, 5)))
-    marks = [rig.send(step=i).audit for i in range(4000)]
-    assert 0.22 < sum(m != -1 for m in marks) / 4000 < 0.28
-    assert {m for m in marks if m != -1} == {3, 5}
-
-
-def test_a_passing_audit_holds_the_token_until_the_replica_agrees():
-    rig = Rig()
-    rig.send()
-    rig.tap(hidden(1))
-    assert rig.token()  # held
-    rig.replicas(R1, R2)
-    assert rig.asked == ["tcp://r1"] and torch.equal(rig.host.sent[-1][2][0], hidden(99))  # the suspect's input
-    assert rig.released == []
-    rig.answer("r1", hidden(1).clone())
-    assert [t.token for t in rig.released] == [7] and rig.verdicts == [] and rig.around == []
-    assert rig.counters["audits_passed"] == 1
-    assert not rig.token()  # the audit is over: tokens pass
-
-
-def test_a_suspect_two_replicas_contradict_is_convicted_and_its_token_dropped():
-    rig = Rig()
-    rig.send()
-    rig.token()
-    rig.tap(hidden(1).flip(-1))
-    rig.replicas(R1, R2, R3)
-    rig.answer("r1", hidden(1))
+    rig.serve([10, 91, 92, 93])  # honest prefill logits, decode steps' wrong
+    _replay(rig, HONEST, HONEST)
     assert rig.asked == ["tcp://r1", "tcp://r2"]
-    rig.answer("r2", hidden(1))
     (verdict,) = rig.verdicts
     assert (verdict.suspect, verdict.witnesses, verdict.settled) == ("tail", ("r1", "r2"), True)
-    assert rig.around == ["tail"] and rig.released == [] and rig.auditor.convicted == {"tail"}
-    assert rig.counters["audits_convicted"] == 1
+    assert "position 5" in verdict.detail or "positions apart" in verdict.detail
+    assert rig.around == ["tail"] and rig.auditor.convicted == {"tail"} and rig.counters["audits_convicted"] == 1
 
 
-def test_a_lying_replica_is_convicted_and_the_token_goes_on():
+def test_an_honest_tail_passes_on_one_replica():
     rig = Rig()
-    rig.send()
-    rig.token()
-    rig.tap(hidden(1))
-    rig.replicas(R1, R2)
-    rig.answer("r1", hidden(2))
-    rig.answer("r2", hidden(1))
-    (verdict,) = rig.verdicts
-    assert (verdict.suspect, verdict.witnesses) == ("r1", ("tail", "r2"))
-    assert rig.around == ["r1"] and len(rig.released) == 1
+    rig.serve(HONEST)
+    _replay(rig, HONEST)
+    assert rig.asked == ["tcp://r1"] and rig.verdicts == [] and rig.counters["audits_passed"] == 1
+    assert rig.auditor.kept == {} and rig.auditor.reruns == {}
 
 
-def test_with_one_replica_a_mismatch_is_reported_and_nobody_excluded():
+def test_a_wrong_token_from_honest_logits_is_caught():
     rig = Rig()
-    rig.send()
-    rig.token()
-    rig.tap(hidden(1))
-    rig.replicas(R1)
-    rig.answer("r1", hidden(2))
-    (verdict,) = rig.verdicts
-    assert (verdict.suspect, verdict.settled, verdict.witnesses) == ("tail", False, ("r1",))
-    assert rig.around == [] and len(rig.released) == 1 and rig.counters["audits_unsettled"] == 1
+    rig.serve([10], token=int(logits(10).argmin()))
+    _replay(rig, [10], [10])
+    assert rig.verdicts[0].settled and "token" in rig.verdicts[0].detail
 
 
-def test_a_replica_that_cannot_compute_is_passed_over():
+@pytest.mark.parametrize("how", ["one replica", "a lying replica", "three outputs"])
+def test_nobody_is_convicted_without_two_agreeing_replicas(how):
     rig = Rig()
-    rig.send()
-    rig.token()
-    rig.tap(hidden(1))
-    rig.replicas(R1, R2)
-    rig.answer("r1", None)
-    assert rig.asked == ["tcp://r1", "tcp://r2"]
-    rig.answer("r2", hidden(1))
-    assert len(rig.released) == 1 and rig.counters["audits_passed"] == 1
-
-
-def test_the_tails_token_must_follow_from_its_own_logits():
-    logits = torch.linspace(-1, 1, 320)  # greedy: token 319
-    rig = Rig()
-    rig.send()
-    rig.tap(logits)
-    rig.replicas(R1, R2)
-    rig.answer("r1", logits.clone())
-    assert rig.released == [] and rig.asked == ["tcp://r1"]  # the tail's claim waits for its token
-    rig.token(token=5)  # honest logits, another token sent
-    rig.answer("r2", logits.clone())
-    assert rig.verdicts[0].suspect == "tail" and rig.released == []
-
-    honest = Rig()
-    honest.send()
-    honest.tap(logits)
-    honest.replicas(R1)
-    honest.answer("r1", logits.clone())
-    honest.token(token=319)
-    assert len(honest.released) == 1 and honest.verdicts == []
-
-
-def test_a_tapped_prefill_chunk_is_compared_without_the_token():
-    logits = torch.linspace(-1, 1, 320)
-    rig = Rig()
-    rig.send()
-    rig.tap(logits, more=True)  # the first slice of a long prompt: its logits are not the token's
-    rig.replicas(R1)
-    rig.answer("r1", logits.clone())
-    assert rig.counters["audits_passed"] == 1 and not rig.token(token=5)
-
-
-@pytest.mark.parametrize("how", ["no tracker", "no replica", "timeout", "stale tap"])
-def test_an_audit_that_cannot_finish_lets_the_token_go(how):
-    rig = Rig()
-    rig.send()
-    rig.token()
-    if how == "no tracker":
-        rig.host.has_tracker = False
-        rig.tap(hidden(1))
-    elif how == "no replica":
-        rig.tap(hidden(1))
-        rig.replicas()
+    rig.serve([10, 91, 92, 93] if how != "a lying replica" else HONEST)
+    if how == "one replica":
+        _replay(rig, HONEST, None, R1)
+    elif how == "a lying replica":
+        _replay(rig, [10, 71, 72, 73], HONEST)  # r1 lies; the tail and r2 agree
     else:
-        if how == "stale tap":
-            rig.tap(hidden(1), node="other")
-            rig.tap(hidden(1), step=3)
-            assert rig.released == []
-        rig.auditor.tick(float("inf"))
-    assert len(rig.released) == 1 and rig.counters["audits_skipped"] == 1 and rig.verdicts == []
+        _replay(rig, HONEST, [10, 61, 62, 63])
+    (verdict,) = rig.verdicts
+    assert not verdict.settled and rig.around == [] and rig.auditor.convicted == set()
+    if how == "a lying replica":  # the tail passes; r1's mismatch is reported, against r1
+        assert (verdict.suspect, verdict.witnesses) == ("r1", ("r2",)) and rig.counters["audits_passed"] == 1
+    else:
+        assert verdict.suspect == "tail" and rig.counters["audits_unsettled"] == 1
 
 
-def test_a_mismatch_still_open_at_the_timeout_is_reported():
+def test_forged_taps_are_ignored_and_the_first_tap_of_a_step_counts():
     rig = Rig()
-    rig.send()
-    rig.token()
-    rig.tap(hidden(1))
+    rig.step(0, PROMPT, 0)
+    rig.tail_tap(0, 0, len(PROMPT), 91, tap="0" * 32)  # a stranger's guess at the tap id: dropped
+    rig.tail_tap(0, 0, len(PROMPT), 10)  # the tail's own
+    rig.tail_tap(0, 0, len(PROMPT), 91)  # a second tap of the same step: ignored
+    for i, seed in enumerate(HONEST[1:], 1):
+        rig.step(i, [9], 3 + i)
+        rig.tail_tap(i, 3 + i, 1, seed)
+    _replay(rig, HONEST)
+    assert rig.verdicts == [] and rig.counters["audits_passed"] == 1
+    assert rig.counters["audit_frames_ignored"] == 2
+
+
+def test_forged_results_are_ignored_and_each_replica_has_its_own_id():
+    rig = Rig()
+    rig.serve([10, 91, 92, 93])
+    rig.end()
+    rig.own_layers()
     rig.replicas(R1, R2)
-    rig.answer("r1", hidden(2))
-    rig.auditor.tick(float("inf"))  # r2 never answered
-    assert rig.verdicts[0].settled is False and len(rig.released) == 1
+    first = rig.host.sent[-1][1].audit
+    rig.result("f" * 32, torch.stack([logits(s) for s in [10, 91, 92, 93]]))  # an id nobody was sent
+    rig.answer(HONEST)
+    rig.result(first, torch.stack([logits(s) for s in [10, 91, 92, 93]]))  # r1's id once more: spent
+    second = rig.host.sent[-1][1].audit
+    assert second != first and len(second) == 32
+    rig.answer(HONEST)
+    assert rig.verdicts[0].settled and rig.verdicts[0].witnesses == ("r1", "r2")
+    assert rig.counters["audit_frames_ignored"] == 2
 
 
-def test_an_ended_session_forgets_its_audits():
+def test_in_a_curve_swarm_keys_decide_who_answered():
+    rig = Rig(key="K-head")
+    rig.serve([10, 91, 92, 93], sender="K-tail")
+    rig.end()
+    rig.own_layers()
+    rig.replicas(R1, R2, suspect_key="K-tail")
+    rig.answer(HONEST, sender="K-stranger")  # r1's id, from another key: ignored
+    assert rig.counters["audit_frames_ignored"] == 1 and rig.asked == ["tcp://r1"]
+    rig.answer(HONEST)
+    rig.answer(HONEST)
+    assert rig.verdicts[0].settled
+
+    forged = Rig(key="K-head")
+    forged.serve([10, 91, 92, 93], sender="K-liar")  # taps of the tail's span from a key not the tail's
+    forged.end()
+    forged.own_layers()
+    forged.replicas(R1, R2, suspect_key="K-tail")
+    assert forged.verdicts == [] and forged.asked == [] and forged.counters["audits_skipped"] == 1
+
+
+def test_a_hop_whose_input_already_differs_is_not_judged():
+    mid, tail = p.Hop("mid", "tcp://mid", 3, 4), p.Hop("tail", "tcp://tail", 5, 5)
+    rig = Rig(route=(HEAD, mid, tail))
+    rig.step(0, PROMPT, 0)
+    out = torch.zeros(len(PROMPT), HIDDEN)
+    rig.auditor.received(p.AuditTap(rig.tap, "s", 0, 0, 3, 4), [sketch(torch.zeros(4, HIDDEN)), sketch(out)])
+    rig.tail_tap(0, 0, len(PROMPT), 91, hop=tail)  # its input sketch: not what mid's layers give (zeros)
+    rig.end()
+    rig.own_layers()
+    ask = rig.host.tracker[-1]
+    m1 = p.Hop("m1", "tcp://r1", 3, 4, key="K-r1")
+    rig.auditor.replicas(p.Replicas(ask.audit, (m1,)))
+    rig.result(rig.host.sent[-1][1].audit, torch.zeros(1, len(PROMPT), HIDDEN))  # mid agrees with its replica
+    (verdict,) = rig.verdicts
+    assert verdict.suspect == "tail" and not verdict.settled and "received other hidden states" in verdict.detail
+    assert rig.around == []
+
+
+def test_a_replay_that_hears_nothing_gives_up():
     rig = Rig()
-    rig.send()
-    rig.auditor.forget("s")
-    assert not rig.token() and rig.auditor.pending == {}
+    rig.serve([10, 91, 92, 93])
+    _replay(rig, HONEST)  # r1 disagrees; r2 never answers
+    rig.auditor.tick(float("inf"))
+    assert rig.verdicts[0].settled is False and rig.around == []
+    quiet = Rig()
+    quiet.serve(HONEST)
+    quiet.end()
+    quiet.auditor.tick(float("inf"))
+    assert quiet.counters["audits_skipped"] == 1 and quiet.auditor.kept == {}
 
 
 # --------------------------------------------------------------------------- the hop's side
@@ -317,61 +349,75 @@ def tail(tiny_models) -> ShardExecutor:
     return ShardExecutor(load_shard(resolve(str(tiny_models("llama"))), Shard(3, 5, 6), progress=False), KVStore())
 
 
-def _forward(audit: int, pos: int = 0, more: bool = False, start: int = 3, end: int = 5) -> p.Forward:
-    return p.Forward(session="s", step=0, pos=pos, start_layer=start, end_layer=end, route=(), reply_to="tcp://head",
-                     audit=audit, more=more)
+def _forward(pos: int, tap: str = "t" * 32) -> p.Forward:
+    return p.Forward(session="s", step=pos, pos=pos, start_layer=3, end_layer=5, route=(), reply_to="tcp://head",
+                     audit=tap)
 
 
-def test_a_replica_reruns_a_tapped_hop_bit_for_bit(tail):
+def _decode(executor: ShardExecutor, taps: Taps, x: torch.Tensor, prompt: int) -> list:
+    """A prefill of ``prompt`` positions then decode steps, as a tail runs them: its taps."""
+    out = [taps.tap(Work(_forward(0), x[:, :prompt]), executor.run("s", 3, 5, x[:, :prompt], 0))]
+    for pos in range(prompt, x.shape[1]):
+        out.append(taps.tap(Work(_forward(pos), x[:, pos:pos + 1]), executor.run("s", 3, 5, x[:, pos:pos + 1], pos)))
+    return out
+
+
+def test_a_replay_in_one_pass_agrees_with_the_steps_a_tail_ran_one_by_one(tail):
     taps = Taps(tail, ComputeLock(None), "tail", kernels("cpu", torch.float32, None), Counter())
-    x = hidden(size=64)  # (1, q, hidden) of the tiny model
-    work = Work(_forward(3), x)
-    result = tail.run("s", 3, 5, x, 0)  # the hop, as the node runs a tapped step: alone
-    tap, (inputs, output) = taps.tap(work, result)
-    assert (tap.session, tap.node, tap.kernels) == ("s", "tail", taps.kernels) and inputs is x
-    assert output.shape == (320,)  # the tail's logits
-    answer, (replayed,) = taps.replay(p.Audit("a1", 3, 5, "tcp://head"), inputs)
-    assert answer.error == "" and torch.equal(replayed, output)
-    assert "audit:a1" not in tail.kv  # the replica's session is gone
+    x = torch.randn(1, 9, 64, generator=torch.Generator().manual_seed(3))  # (1, positions, hidden)
+    tapped = _decode(tail, taps, x, prompt=5)
+    assert [len(t[1]) for t in tapped] == [2] * 5 and all(t[0].token >= 0 for t in tapped)
+    answer, (replayed,) = taps.replay(Replay(p.Audit("a1", 3, 5, "tcp://head", logits_from=4), x[:, :9]))
+    assert answer.error == "" and replayed.shape == (5, 320)  # positions 4..8: the prompt's last, four decode steps
+    honest = Claim("tail", torch.cat([t[1][1] for t in tapped]), (4, 5, 6, 7, 8), tokens=tuple(t[0].token
+                                                                                                for t in tapped))
+    replica = Claim("r1", sketch(replayed), (4, 5, 6, 7, 8), logits=replayed)
+    assert disagreement(honest, replica) == "" and "audit:a1" not in tail.kv
+    import tests.liar_node as liar  # every executor lies from here on: put the honest one back after
+
+    try:
+        liar.lie("decode")
+        lying = _decode(tail, taps, x, prompt=5)
+    finally:
+        ShardExecutor._result = liar._honest_result
+    assert torch.equal(lying[0][1][1], tapped[0][1][1])  # its prefill: honest
+    claim = Claim("tail", torch.cat([t[1][1] for t in lying]), (4, 5, 6, 7, 8), tokens=())
+    assert "positions apart" in disagreement(claim, replica)
 
 
-def test_a_tapped_chunk_on_the_tail_is_run_with_its_logits_and_a_replay_it_cannot_run_is_an_error(tail):
-    lock = ComputeLock(None)
-    taps = Taps(tail, lock, "tail", "", Counter())
-    x = hidden(size=64)
-    (result,), _, _ = HopRunner(tail, lock, Counter()).run([Work(_forward(3, more=True), x)])
-    tap, (_, output) = taps.tap(Work(_forward(3, more=True), x), result)
-    assert tap.more and output.shape == (320,)  # the chunk's last position: a replica computes the same
-    assert torch.equal(taps.replay(p.Audit("a3", 3, 5, "tcp://head"), x)[1][0], output)
-    (plain,), _, _ = HopRunner(tail, lock, Counter()).run([Work(_forward(-1, more=True), x)])
-    assert plain.logits is None  # an untapped chunk skips the tail's norm and lm_head
-    answer, tensors = taps.replay(p.Audit("a2", 1, 5, "tcp://head"), x)
+def test_a_replay_it_cannot_run_is_an_error(tail):
+    taps = Taps(tail, ComputeLock(None), "tail", "", Counter())
+    answer, tensors = taps.replay(Replay(p.Audit("a2", 1, 5, "tcp://head"), torch.zeros(1, 3, 64)))
     assert "outside this node's shard" in answer.error and tensors == []
 
 
 def test_kernels_name_exact_mode_only():
     assert kernels("cpu", torch.float32, None).startswith(f"torch {torch.__version__} cpu ")
     assert kernels("cpu", torch.bfloat16, None) == kernels("cpu", torch.float32, "int8") == ""
-    assert kernels("cuda", torch.float32, None) == ""
 
 
-def test_a_tapped_prompt_runs_alone():
-    sched = HopScheduler(SchedulerConfig(), live=set())
-    for session, audit in (("a", -1), ("b", 3), ("c", -1)):
-        sched.push(Work(p.Forward(session=session, step=0, pos=0, start_layer=3, end_layer=5, route=(),
-                                  reply_to="h", audit=audit), torch.zeros(1, 4, 8)))
-    assert [[w.session for w in sched.next_batch()] for _ in range(2)] == [["a", "c"], ["b"]]
-    assert Work(_forward(3, pos=4), hidden()).tapped is False  # only a step at position 0 is tapped
-    assert Work(_forward(4), hidden()).tapped is False  # another hop is audited
+def test_replays_take_turns_with_decode_batches_in_the_scheduler():
+    sched = HopScheduler(SchedulerConfig(), live={"d"})
+    replay = Replay(p.Audit("a", 3, 5, "h"), torch.zeros(1, 40, 8))
+    assert sched.push_replay(replay) and len(sched) == 1
+    decode = p.Forward(session="d", step=1, pos=9, start_layer=3, end_layer=5, route=(), reply_to="h")
+    sched.push(Work(decode, torch.zeros(1, 1, 8)))
+    sched.ran_prefill = True  # a prompt just ran: the decode batch goes first
+    assert [w.session for w in sched.next_batch()] == ["d"]
+    sched.push(Work(decode, torch.zeros(1, 1, 8)))
+    assert sched.next_batch() == [replay]  # then the replay, before the next decode batch
+    assert [w.session for w in sched.next_batch()] == ["d"]
+    assert all(sched.push_replay(replay) for _ in range(8)) and not sched.push_replay(replay)  # bounded
 
 
 # --------------------------------------------------------------------------- the tracker's side
 
 
-def _tracker():
+def _tracker(clock=None):
     from tracker.service import Tracker, TrackerConfig
 
-    tracker = Tracker(TrackerConfig(bind="tcp://127.0.0.1:*", pub="tcp://127.0.0.1:*", db=":memory:"))
+    tracker = Tracker(TrackerConfig(bind="tcp://127.0.0.1:*", pub="tcp://127.0.0.1:*", db=":memory:"),
+                      **({"clock": clock} if clock else {}))
     for node, start, end, fp in (("head", 0, 2, "fp"), ("t1", 3, 5, "fp"), ("t2", 3, 5, "fp"), ("full", 0, 5, "fp"),
                                  ("other", 3, 5, "fp2"), ("liar", 3, 5, "fp")):
         tracker.handle(p.Register(node_id=node, endpoint=f"tcp://{node}", model="tiny", fingerprint=fp,
@@ -380,51 +426,65 @@ def _tracker():
     return tracker
 
 
+def _ask(tracker, head="head", suspect="liar"):
+    return tracker.handle(p.ReplicasRequest("a1", "tiny", "fp", 3, 5, exclude=(suspect, head), node_id=head,
+                                            suspect=suspect))
+
+
 def test_the_tracker_names_replicas_of_the_same_weights_least_loaded_first():
     tracker = _tracker()
-    answer = tracker.handle(p.ReplicasRequest("a1", "tiny", "fp", 3, 5, exclude=("liar", "head")))
+    answer = _ask(tracker)
     assert answer.audit == "a1" and [h.node for h in answer.hops] == ["full", "t2", "t1"]
     assert {(h.start_layer, h.end_layer) for h in answer.hops} == {(3, 5)}
-    assert tracker.handle(p.ReplicasRequest("a2", "tiny", "fp", 1, 5)).hops[0].node == "full"
+    assert tracker.audits.listed("head", "liar") == {"full", "t2", "t1"}
+    assert tracker.audits.listed("head", "t1") == set() and tracker.audits.listed("full", "liar") == set()
 
 
-def test_a_settled_verdict_excludes_the_liar_from_plans_replicas_and_routes():
-    tracker = _tracker()
+def test_a_settled_verdict_excludes_the_liar_for_a_term_and_a_second_confirms_it():
+    now = [0.0]
+    tracker = _tracker(clock=lambda: now[0])
+    tracker.audits.clock = lambda: now[0]
+    _ask(tracker)
     verdict = p.Verdict("head", "tiny", "liar", 3, 5, witnesses=("t1", "t2"), settled=True, detail="1.04")
     assert tracker.handle(verdict).detail == "excluded"
-    assert tracker.handle(verdict).detail == "already excluded"
     status = tracker.status_body()
     rows = {n["id"]: n for n in status["nodes"]}
-    assert "wrong results" in rows["liar"]["excluded"] and rows["t1"]["excluded"] == ""
-    from fabric.cli import format_status
-
-    shown = {line.split()[0]: line for line in format_status(status).splitlines() if line[:1].isalnum()}
-    assert "EXCLUDED" in shown["liar"] and "EXCLUDED" not in shown["t1"]  # what `meshnet status` prints
+    assert "wrong results" in rows["liar"]["excluded"] and "t1 and t2" in rows["liar"]["excluded"]
+    assert rows["t1"]["excluded"] == ""
     assert all(h["node"] != "liar" for route in status["plans"]["tiny"] for h in route["hops"])
-    assert "liar" not in {h.node for h in tracker.handle(p.ReplicasRequest("a3", "tiny", "fp", 3, 5)).hops}
-    with pytest.raises(p.ProtocolError, match="no route for"):  # the liar is no way round them
-        tracker.handle(p.RouteRequest("tiny", exclude=("full", "t1", "t2")))
+    assert "liar" not in {h.node for h in _ask(tracker, suspect="t1").hops}
     (event,) = [e for e in status["events"] if e["kind"] == "audit"]
     assert (event["node"], event["code"], event["by"], event["witnesses"]) == ("liar", "liar", "head", ["t1", "t2"])
+    assert event["lapses_in"] == 3600
+    now[0] = 3000.0
+    assert tracker.handle(verdict).detail == "confirmed"  # its term starts again
+    now[0] = 6000.0
+    assert tracker.registry.excluded_for("liar") > 0
+    for n in ("head", "t1", "t2", "full", "liar"):
+        tracker.handle(p.Heartbeat(n))
+    now[0] = 6700.0  # no verdict for an hour: it lapses
+    for n in ("head", "t1", "t2", "full", "liar"):
+        tracker.handle(p.Heartbeat(n))
+    tracker.registry.expire()
+    assert tracker.registry.excluded == {} and "liar" in {n.node_id for n in tracker.registry.snapshot()}
 
 
-def test_an_unsettled_verdict_is_an_event_only_and_strangers_are_refused():
+@pytest.mark.parametrize("who,witnesses,match", [
+    ("stranger", ("t1", "t2"), "not registered"),  # no head of this swarm
+    ("full", ("t1", "t2"), "named no replica"),  # a head the tracker gave no replicas for that suspect
+    ("head", ("t1", "other"), "named no replica other"),  # a witness the tracker never named to it
+])
+def test_a_verdict_without_an_audit_behind_it_is_refused(who, witnesses, match):
+    tracker = _tracker()
+    _ask(tracker)
+    with pytest.raises(p.ProtocolError, match=match):
+        tracker.handle(p.Verdict(who, "tiny", "liar", 3, 5, witnesses=witnesses, settled=True))
+    assert tracker.registry.excluded == {}
+
+
+def test_an_unsettled_verdict_is_an_event_only():
     tracker = _tracker()
     assert tracker.handle(p.Verdict("head", "tiny", "t1", 3, 5, witnesses=("t2",))).detail == "reported"
     status = tracker.status_body()
     assert not any(n["excluded"] for n in status["nodes"])
     assert [e["code"] for e in status["events"] if e["kind"] == "audit"] == ["audit_mismatch"]
-    with pytest.raises(p.ProtocolError, match="not registered"):
-        tracker.handle(p.Verdict("stranger", "tiny", "t1", 3, 5, witnesses=("t2", "full"), settled=True))
-
-
-def test_a_tapped_prompt_does_not_ride_decode_steps_and_still_gets_its_turn():
-    sched = HopScheduler(SchedulerConfig(), live=set())
-    for session, pos, audit in (("d", 9, -1), ("t", 0, 3)):
-        sched.push(Work(p.Forward(session=session, step=0, pos=pos, start_layer=3, end_layer=5, route=(),
-                                  reply_to="h", audit=audit), torch.zeros(1, 1 if pos else 4, 8)))
-    sched.ran_prefill = True  # a prompt just ran: decode steps go next, and an untapped prompt would ride them
-    assert [w.session for w in sched.next_batch()] == ["d"]  # the tapped prompt rides nothing
-    sched.push(Work(p.Forward(session="d", step=1, pos=10, start_layer=3, end_layer=5, route=(), reply_to="h"),
-                    torch.zeros(1, 1, 8)))
-    assert [w.session for w in sched.next_batch()] == ["t"]  # and takes its turn between decode batches

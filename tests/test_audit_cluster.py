@@ -1,23 +1,28 @@
-"""A node that returns wrong results is caught by audits and excluded, and no answer is wrong.
+"""A node that returns wrong results is caught by audits and excluded, and nobody else is.
 
 Real processes: a tracker, two heads (layers 0-2) and three tails (3-5), one of which lies
-(tests/liar_node.py: every output it computes is wrong). One head audits every prefill
-(``--audit-rate 1``), the other none. What is guaranteed, and checked here: a request whose
-prefill is audited on the lying hop streams no token of it (the token is held until the
-audit ends; the step re-runs on a route without the liar), and once convicted the liar is
-in no plan. A head that audits nothing lets the liar's wrong answer through.
+(tests/liar_node.py): on decode steps only (its prefills honest, so an audit of prompts alone
+never sees it), or on every step. One head audits every request (``--audit-rate 1``), the
+other none. A rogue process meanwhile sends forged AUDIT_TAP and AUDIT_RESULT frames to the
+auditing head and a forged VERDICT against an honest tail to the tracker, over real sockets.
+What is checked: the liar is convicted by two honest replicas that agree, published with its
+evidence and left out of every plan; the rogue's frames change nothing; honest streams are
+token for token what a single process computes, audits on or off.
 """
 from __future__ import annotations
 
 import msgpack
+import pytest
+import torch
 import zmq
 
 from fabric.compute.models import load_tokenizer, resolve
+from fabric.compute.tensors import to_wire
+from fabric.wire import protocol as p
 from fabric.wire.liveness import TOPIC_EVENTS
 from fabric.wire.protocol import Hop
 from tests.cluster import node_counters
 from tests.support import at_once, free_port
-from tests.tiny_models import reference_greedy
 
 TOKENS = 24
 PROMPTS = ["hello world, how are you today?", "the quick brown fox", "tell me about lighthouses",
@@ -29,6 +34,8 @@ def chat(content: str) -> list[dict]:
 
 
 def references(model) -> dict[str, list[int]]:
+    from tests.tiny_models import reference_greedy
+
     tok = load_tokenizer(resolve(str(model)))
     ids = {c: list(tok.apply_chat_template(chat(c), add_generation_prompt=True, tokenize=True, return_dict=False))
            for c in PROMPTS}
@@ -53,7 +60,32 @@ def audit_events(sub: zmq.Socket, timeout: float = 10.0) -> list[dict]:
     return found
 
 
-def test_a_lying_tail_is_excluded_and_every_answer_stays_correct(process_cluster, tiny_models, ctx):
+def forge(ctx: zmq.Context, head: str, tracker: str, model: str) -> p.Message:
+    """A rogue's frames: taps and results nobody asked for, to the head; a verdict against t1 by
+    an audit that never ran, to the tracker (its answer is returned)."""
+    rogue = ctx.socket(zmq.DEALER)
+    rogue.linger = 0
+    rogue.connect(head)
+    (inp, inp_buf), (out, out_buf) = to_wire(torch.ones(3, p.SKETCH_DIM)), to_wire(torch.ones(1, p.SKETCH_DIM))
+    logits, logits_buf = to_wire(torch.ones(1, 320))  # (n, vocab)
+    for n in range(5):
+        tap = p.AuditTap(f"{n:032x}", f"rogue-{n}", 0, 0, 3, 5, token=1, tensors=(inp, out))
+        rogue.send_multipart(p.encode(tap, [inp_buf, out_buf]))
+        rogue.send_multipart(p.encode(p.AuditResult(f"{n:032x}", tensors=(logits,)), [logits_buf]))
+    rogue.close(linger=5000)  # the frames go out before the socket does
+    liar = ctx.socket(zmq.DEALER)
+    liar.linger = 0
+    liar.connect(tracker)
+    liar.send_multipart([b"", *p.encode(p.Verdict("head", model, "t1", 3, 5, witnesses=("t2", "liar"),
+                                                  settled=True, detail="made up"))])
+    assert liar.poll(10_000), "the tracker did not answer"
+    answer, _ = p.decode(p.split_envelope(liar.recv_multipart())[1])
+    liar.close()
+    return answer
+
+
+@pytest.mark.parametrize("lie", ["decode", "all"])
+def test_a_lying_tail_is_excluded_and_nobody_else(process_cluster, tiny_models, ctx, lie):
     model = tiny_models("llama")
     expected = references(model)
     metrics = free_port()
@@ -61,7 +93,7 @@ def test_a_lying_tail_is_excluded_and_every_answer_stays_correct(process_cluster
     process_cluster.start_node("trusting", str(model), "0-2", None, "--audit-rate", "0")
     for name in ("t1", "t2"):
         process_cluster.start_node(name, str(model), "3-5")
-    process_cluster.start_node("liar", str(model), "3-5", liar=True)
+    process_cluster.start_node("liar", str(model), "3-5", liar=lie)
     status = process_cluster.wait_nodes(["head", "trusting", "t1", "t2", "liar"], model.name)
     nodes = {n["id"]: n for n in status["nodes"]}
 
@@ -71,31 +103,36 @@ def test_a_lying_tail_is_excluded_and_every_answer_stays_correct(process_cluster
     sub = ctx.socket(zmq.SUB)
     sub.setsockopt(zmq.SUBSCRIBE, TOPIC_EVENTS)
     sub.connect(process_cluster.pub)
+    refused = forge(ctx, nodes["head"]["endpoint"], process_cluster.endpoint, model.name)
+    assert isinstance(refused, p.Error) and "named no replica" in refused.message, refused
+
     first = PROMPTS[0]
     # the liar lies: through a head that audits nothing, its answer is wrong (so this test can fail)
     assert generate(process_cluster, model, first, through("trusting", "liar")) != expected[first]
+    # honest streams through the auditing head are unchanged by the taps every step sends
+    assert generate(process_cluster, model, PROMPTS[1], through("head", "t1")) == expected[PROMPTS[1]]
 
-    # through the auditing head, three streams at once on the liar: every answer is right
-    answers = at_once(lambda i: generate(process_cluster, model, PROMPTS[i], through("head", "liar")), 3)
-    assert answers == {i: expected[PROMPTS[i]] for i in range(3)}
-
+    # three streams at once through the auditing head and the liar: their replays convict it
+    at_once(lambda i: generate(process_cluster, model, PROMPTS[i], through("head", "liar")), 3)
     events = audit_events(sub)
-    assert events and all(e["node"] == "liar" and e["code"] == "liar" for e in events), events
-    assert set(events[0]["witnesses"]) == {"t1", "t2"} and events[0]["by"] == "head"
+    assert events and all(e["node"] == "liar" for e in events), events  # as a replica too, only it is named
+    convictions = [e for e in events if e["code"] == "liar"]
+    assert convictions and set(convictions[0]["witnesses"]) == {"t1", "t2"} and convictions[0]["by"] == "head"
+    assert convictions[0]["lapses_in"] > 0 and "positions apart" in convictions[0]["detail"]
     with process_cluster.client() as client:
         status = client.status()
     rows = {n["id"]: n for n in status["nodes"]}
-    assert rows["liar"]["excluded"] and not any(rows[n]["excluded"] for n in ("head", "trusting", "t1", "t2"))
+    assert "t1 and t2" in rows["liar"]["excluded"] or "t2 and t1" in rows["liar"]["excluded"]
+    assert not any(rows[n]["excluded"] for n in ("head", "trusting", "t1", "t2"))
     planned = {h["node"] for plan in status["plans"][model.name] for h in plan["hops"]}
     assert "liar" not in planned and {"t1", "t2"} & planned
 
-    # every later request, routed by the tracker through either head, is right and never meets the liar
+    # every later request, routed by the tracker or through the auditing head, is right and never meets the liar
     def planned_answer(i: int) -> list[int]:
-        return generate(process_cluster, model, PROMPTS[i % len(PROMPTS)])
+        return generate(process_cluster, model, PROMPTS[i % len(PROMPTS)], None if i < 2 else through("head", "t2"))
 
     assert at_once(planned_answer, 4) == {i: expected[PROMPTS[i]] for i in range(4)}
-    assert audit_events(sub, timeout=2.0) == []  # honest tails pass their audits: no mismatch, no verdict
-    counts = node_counters(metrics, "audits")
+    assert audit_events(sub, timeout=3.0) == []  # honest tails pass their replays: no mismatch, no verdict
+    counts = node_counters(metrics, "audit")
     assert counts["audits_convicted"] >= 1 and counts["audits_passed"] >= 1, counts
-    assert counts["audits_unsettled"] == 0, counts
-
+    assert counts["audits_unsettled"] == 0 and counts["audit_frames_ignored"] >= 10, counts

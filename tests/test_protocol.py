@@ -73,31 +73,44 @@ def _forward_reuse() -> tuple[p.Forward, list]:
                      reply_to=HEAD.endpoint, reuse="s1", tensors=(spec,)), [buf]
 
 
+TAP_ID = "5f" * 16  # a session's tap id, as a head draws it
+
+
+def _sketch(rows: int) -> tuple:
+    return to_wire(torch.linspace(-1, 1, rows * p.SKETCH_DIM).reshape(rows, p.SKETCH_DIM))
+
+
 def _audit_tap(tail: bool = False) -> tuple[p.AuditTap, list]:
-    spec_in, buf_in = _hidden(3)
-    spec_out, buf_out = (to_wire(torch.linspace(-3, 3, 320)) if tail  # logits (vocab,)
-                         else _hidden(3, dtype=torch.bfloat16))
-    return p.AuditTap("s1", 0, "b", 3, 5, kernels="torch 2 cpu AVX2 threads 1" if tail else "", more=not tail,
+    spec_in, buf_in = _sketch(3)
+    spec_out, buf_out = _sketch(1 if tail else 3)  # a tail's logits: one row; hidden states: one a position
+    return p.AuditTap(TAP_ID, "s1", 0, 0, 3, 5, token=42 if tail else -1,
                       tensors=(spec_in, spec_out)), [buf_in, buf_out]
 
 
 def _audit() -> tuple[p.Audit, list]:
     spec, buf = _hidden(3)
-    return p.Audit("a1f3", 3, 5, HEAD.endpoint, reply_key="k" * 40, tensors=(spec,)), [buf]
+    return p.Audit("a1f3" * 8, 3, 5, HEAD.endpoint, reply_key="k" * 40, tensors=(spec,)), [buf]
 
 
 def _audit_result() -> tuple[p.AuditResult, list]:
     spec, buf = _hidden(3)
-    return p.AuditResult("a1f3", "c", kernels="torch 2 cpu AVX2 threads 1", tensors=(spec,)), [buf]
+    return p.AuditResult("a1f3" * 8, tensors=(spec,)), [buf]
 
 
 def _audit_samples() -> list[tuple[p.Message, list]]:
+    chunk_in, chunk_buf = _sketch(5)
+    ids, ids_buf = _ids(1, 5, 7)
+    logits, logits_buf = to_wire(torch.linspace(-3, 3, 2 * 320).reshape(2, 320))  # (n, vocab)
     return [
         _audit_tap(), _audit_tap(tail=True),
+        (p.AuditTap(TAP_ID, "s1", 0, 40, 3, 5, tensors=(chunk_in,)), [chunk_buf]),  # a tail's chunk: no output
         _audit(), _audit_result(),
-        (p.AuditResult("a1f3", "c", error="layers 3-5 are outside this node's shard 0-2"), []),
-        (p.ReplicasRequest("a1f3", "tiny", "f00d", 3, 5, exclude=("a", "b")), []),
-        (p.Replicas("a1f3", ROUTE[:1]), []),
+        (p.Audit("b" * 32, 0, 2, HEAD.endpoint, tensors=(ids,)), [ids_buf]),  # the head's own layers on token ids
+        (p.Audit("c" * 32, 3, 5, HEAD.endpoint, logits_from=1, tensors=(_hidden(3)[0],)), [_hidden(3)[1]]),
+        (p.AuditResult("c" * 32, tensors=(logits,)), [logits_buf]),
+        (p.AuditResult("a1f3", error="layers 3-5 are outside this node's shard 0-2"), []),
+        (p.ReplicasRequest("a1f3", "tiny", "f00d", 3, 5, exclude=("a", "b"), node_id="a", suspect="b"), []),
+        (p.Replicas("a1f3", ROUTE[:1], suspect_key="k" * 40), []),
         (p.Replicas("a1f3"), []),
         (p.Verdict("a", "tiny", "b", 3, 5, witnesses=("c", "d"), settled=True, detail="b vs c: 1.04"), []),
         (p.Verdict("a", "tiny", "b", 3, 5, witnesses=("c",)), []),
@@ -546,8 +559,7 @@ FORWARD_CASES = {
     "reuse at pos 0": (FWD, [_set("reuse", "s0")], "reuse needs pos > 0"),
     "reuse of itself": (FWD_H, [_set("reuse", "s1")], "another session's id"),
     "hidden states for layer 3 as ids": (FWD, [_set("start_layer", 1)], "float hidden states"),
-    "audit of the head's layer 0": (FWD, [_set("audit", 0)], "audit must be -1 or a layer"),
-    "audit past the layers": (FWD, [_set("audit", p.MAX_LAYERS)], "audit must be -1 or a layer"),
+    "tap id too long": (FWD, [_set("audit", "a" * (p.MAX_ID + 1))], "audit has at most"),
 }
 
 
@@ -555,16 +567,22 @@ TAP, TAP_TAIL, AUDIT, AUDIT_RESULT = _audit_tap(), _audit_tap(tail=True), _audit
 VERDICT = (p.Verdict("a", "tiny", "b", 3, 5, witnesses=("c", "d"), settled=True), [])
 AUDIT_CASES = {
     "tap of layer 0": (TAP, _set("start_layer", 0), "0 < start <= end"),
-    "tap with one tensor": ((dataclasses.replace(TAP[0], tensors=TAP[0].tensors[:1]), TAP[1][:1]), lambda h: None,
-                            "two tensors"),
-    "tap input of ids": (TAP, _set("tensors.0.dtype", "int32"), "float hidden states"),
-    "tap output of 2 dims": (TAP_TAIL, _set("tensors.1.shape", [4, 80]), "float hidden states"),
+    "tap with three tensors": ((dataclasses.replace(TAP[0], tensors=TAP[0].tensors * 3), TAP[1] * 3),
+                               lambda h: None, "input's sketch"),
+    "tail tap without logits": ((dataclasses.replace(TAP_TAIL[0], tensors=TAP_TAIL[0].tensors[:1]), TAP_TAIL[1][:1]),
+                                lambda h: None, "a token comes with"),
+    "tap input of ids": (TAP, _set("tensors.0.dtype", "int32"), "float32 sketch"),
+    "tap sketch too wide": (TAP, _set("tensors.0.shape", [1, 3 * p.SKETCH_DIM]), "float32 sketch"),
+    "tap output rows unlike the input's": (TAP_TAIL, _set("token", -1), "float32 sketch"),
+    "empty tap id": (TAP, _set("tap", ""), "1-256 characters"),
     "empty tap session": (TAP, _set("session", ""), "1-256 characters"),
-    "audit of layer 0": (AUDIT, _set("start_layer", 0), "0 < start <= end"),
+    "audit of layer 0 on hidden states": (AUDIT, _set("start_layer", 0), "int64 token ids"),
+    "audit logits from past the input": (AUDIT, _set("logits_from", 3), "logits_from must be"),
     "audit input of batch 2": (AUDIT, _set("tensors.0.shape", [2, 3, 4]), "shape \\(1, q, hidden\\)"),
     "empty audit id": (AUDIT, _set("audit", ""), "1-256 characters"),
     "result with an error and a tensor": (AUDIT_RESULT, _set("error", "busy"), "one tensor, or none"),
-    "result node too long": (AUDIT_RESULT, _set("node", "n" * 257), "1-256 characters"),
+    "result of too many logit rows": ((dataclasses.replace(AUDIT_RESULT[0], tensors=(_hidden(33, 2)[0],)),
+                                       [_hidden(33, 2)[1]]), _set("tensors.0.shape", [33, 2]), "or logits"),
     "settled with one witness": (VERDICT, _set("witnesses", ["c"]), "at least two witnesses"),
     "settled with one witness twice": (VERDICT, _set("witnesses", ["c", "c"]), "at least two witnesses"),
     "suspect witnesses": (VERDICT, _set("witnesses", ["b", "c"]), "cannot witness against itself"),

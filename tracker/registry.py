@@ -32,6 +32,18 @@ MAX_HARDWARE_KEYS = 16  # entries of REGISTER.hardware (nodes send 6); it is kep
 MAX_HARDWARE_KEY = 64  # characters of a hardware key
 MAX_HARDWARE_TEXT = 256  # characters of a hardware value
 
+EXCLUSION_S = 3600.0  # an audit's exclusion lapses after this unless another settled verdict confirms it
+MAX_EXCLUDED = 4096  # exclusions kept at once (ids need not be registered: the bound is a bound)
+
+
+@dataclass(frozen=True)
+class Exclusion:
+    """Why and until when an audit left a node out of plans."""
+
+    reason: str  # the verdict, its witnesses and the distance measured, in words
+    until: float  # registry clock: it lapses then
+    confirmations: int = 1  # settled verdicts that excluded or confirmed it
+
 
 @dataclass(frozen=True)
 class NodeInfo:
@@ -137,7 +149,7 @@ class Registry:
         # fingerprint sets the count, later ones must agree; dropped with its last node
         self._layer_counts: dict[str, tuple[int, int]] = {}
         self.version = 0
-        self.excluded: dict[str, str] = {}  # node id -> why an audit excluded it from plans (outlives its expiry)
+        self.exclusions: dict[str, Exclusion] = {}  # node id -> an audit's exclusion (outlives expiry, not its term)
 
     def register(self, msg: Register, public_key: str = "") -> NodeInfo:
         """Add or replace a node (load starts at zero). Validates first."""
@@ -183,7 +195,8 @@ class Registry:
         return node
 
     def expire(self) -> list[NodeInfo]:
-        """Drop nodes that missed ``expiry_missed`` heartbeats; returns them."""
+        """Drop nodes that missed ``expiry_missed`` heartbeats (returns them), and exclusions whose term ended."""
+        self._lapse()
         deadline = self._clock() - self.expiry_s
         gone = [n for n in self._nodes.values() if n.last_seen < deadline]
         for node in gone:
@@ -219,13 +232,34 @@ class Registry:
         else:
             del self._layer_counts[node.fingerprint]
 
-    def exclude(self, node_id: str, reason: str) -> bool:
-        """Leave ``node_id`` out of every plan from now on (an audit caught it lying); False if it was already."""
-        if node_id in self.excluded:
-            return False
-        self.excluded[node_id] = reason
-        self.version += 1
-        return True
+    def exclude(self, node_id: str, reason: str, term: float = EXCLUSION_S) -> Exclusion:
+        """Leave ``node_id`` out of every plan for ``term`` seconds from now (an audit caught it
+        lying); an exclusion in force is confirmed: its term starts again."""
+        old = self.exclusions.pop(node_id, None)
+        if old is None and len(self.exclusions) >= MAX_EXCLUDED:
+            self.exclusions.pop(min(self.exclusions, key=lambda n: self.exclusions[n].until))
+        self.exclusions[node_id] = new = Exclusion(reason, self._clock() + term, old.confirmations + 1 if old else 1)
+        if old is None:
+            self.version += 1
+        return new
+
+    @property
+    def excluded(self) -> dict[str, str]:
+        """Node id -> why an audit excluded it, for the exclusions in force."""
+        now = self._clock()
+        return {n: e.reason for n, e in self.exclusions.items() if e.until > now}
+
+    def excluded_for(self, node_id: str) -> float:
+        """Seconds ``node_id`` stays excluded (0: it is not)."""
+        exclusion = self.exclusions.get(node_id)
+        return max(0.0, exclusion.until - self._clock()) if exclusion else 0.0
+
+    def _lapse(self) -> None:
+        now = self._clock()
+        for node_id in [n for n, e in self.exclusions.items() if e.until <= now]:
+            log.warning("node %s: its exclusion by an audit lapsed (not confirmed within its term)", node_id)
+            del self.exclusions[node_id]
+            self.version += 1
 
     def get(self, node_id: str) -> NodeInfo | None:
         return self._nodes.get(node_id)
@@ -233,7 +267,8 @@ class Registry:
     def snapshot(self, everyone: bool = False) -> tuple[NodeInfo, ...]:
         """An immutable view, ordered by node id: the nodes plans may use, or with ``everyone``
         also those audits excluded."""
-        return tuple(self._nodes[k] for k in sorted(self._nodes) if everyone or k not in self.excluded)
+        excluded = () if everyone else self.excluded
+        return tuple(self._nodes[k] for k in sorted(self._nodes) if everyone or k not in excluded)
 
     def models(self) -> list[str]:
         return sorted({n.model for n in self._nodes.values()})

@@ -308,12 +308,15 @@ class Tracker:
     def _authorize(self, message: Message, peer: str | None) -> None:
         """In a secured swarm a node id belongs to the key that registered it (bound once the
         registration is accepted, kept while the node is registered and a while after it
-        departs): no member can register, heartbeat or report as another."""
-        if self.config.security is None or not isinstance(message, (Register, Heartbeat, Report, Leave, Verdict)):
+        departs): no member can register, heartbeat, report or audit as another."""
+        bound = (Register, Heartbeat, Report, Leave, Verdict, ReplicasRequest)
+        if self.config.security is None or not isinstance(message, bound):
             return
         owner = self._node_keys.get(message.node_id) or self._departed_keys.get(message.node_id)
         if owner is not None and owner != peer:
             raise ProtocolError(f"node id {message.node_id!r} belongs to another key", ErrorCode.BAD_REQUEST)
+        if owner is None and isinstance(message, (Verdict, ReplicasRequest)):  # audits are by registered heads
+            raise ProtocolError(f"node id {message.node_id!r} is not registered", ErrorCode.BAD_REQUEST)
 
     def handle(self, message: Message, peer: str = "") -> Message:
         """The reply to one decoded message; raises ProtocolError for a refusal."""

@@ -101,12 +101,28 @@ class ShardExecutor(HopKV):
         """``run`` once the session's KV is found."""
         if kv.group is not None and step.inputs.shape[1] == 1 and (logits or not self._tail(step.end)):
             return self._group_pass([step], [kv])[0]  # a decode step of a row of the group: there, in place
+        return self._chunk_done(kv, step, self._pass(kv, step), logits)
+
+    def _pass(self, kv: SessionKV, step: Step) -> torch.Tensor:
+        """Layers over ``step``'s positions on the session's own cache: their output (1, q, hidden)."""
         self._ungroup(kv)  # several positions run on the session's own cache
         hidden = self._embed(step.start, step.inputs)  # (1, q, hidden)
         position_ids = torch.arange(step.pos, step.pos + step.inputs.shape[1], device=self.w.device)[None]  # (1, q)
         masks = self._masks(kv, hidden, position_ids, step.start, step.end)
-        hidden = self._layers(hidden, position_ids, masks, kv.cache, step.start, step.end)
-        return self._chunk_done(kv, step, hidden, logits)
+        return self._layers(hidden, position_ids, masks, kv.cache, step.start, step.end)
+
+    @torch.inference_mode()
+    def replay(self, session: str, start: int, end: int, inputs: torch.Tensor, logits_from: int = -1) -> torch.Tensor:
+        """An audit's re-run (fabric/node/taps.py): layers start..end on ``inputs`` from position 0
+        for ``session`` (the caller drops it), and the output of every position: hidden states
+        (1, q, hidden), or on the tail the logits of positions logits_from.. ((n, vocab); -1: the last)."""
+        self.check_span(start, end)
+        step = Step(session, start, end, inputs, 0)
+        hidden = self._pass(self._chunk_kv(step, ""), step)  # (1, q, hidden)
+        if not self._tail(end):
+            return hidden
+        rows = hidden[0, logits_from if logits_from >= 0 else -1:, :].unsqueeze(1)  # (n, 1, hidden): one row each
+        return torch.stack([r.logits for r in self._result(rows, end)])  # (n, vocab)
 
     def _chunk_kv(self, step: Step, reuse: str) -> SessionKV:
         self.check_span(step.start, step.end)

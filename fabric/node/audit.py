@@ -1,21 +1,41 @@
-"""The head's side of audits: pick steps to check, re-run them on replicas, report liars.
+"""The head's side of audits: every step sketched, a share of sessions replayed on replicas.
 
-Hidden states flow hop to hop, so a head never sees what a later hop received or computed.
-A share ``audit_rate`` of the requests a head takes is audited: such a request starts at
-position 0 (never from kept KV: a replica could not hold that KV), and its first step, as
-well as that share of later steps at position 0 (re-prefills), names one of the route's
-other hops in the FORWARD (``audit``). That hop sends back its input and output
-(AUDIT_TAP, fabric/node/taps.py); the step's TOKEN is held meanwhile. The head asks the
-tracker for replicas of those layers (REPLICAS_REQUEST), sends the input to one (AUDIT),
-and compares its output with the suspect's (fabric/node/verdicts.py). They agree: the TOKEN
-goes on. They differ: a second replica settles it, and the node the other two contradict is
-convicted: the head tells the tracker (VERDICT), which drops it from plans, and moves its own
-sessions off it; the held TOKEN of a convicted suspect is dropped and the step re-runs on a
-route without it. With no second replica, or three different outputs, the mismatch is
-reported and nobody is excluded.
+Hidden states flow hop to hop, so a head never sees what a later hop received or computed;
+and a hop that knew when it is checked could be honest only then. So nothing marks an
+audited step. A head with ``audit_rate`` > 0 gives every request it heads a secret tap id
+(32 hex digits, ``secrets.token_hex(16)``) and puts it in every FORWARD of that request;
+every hop past the head answers every step with an AUDIT_TAP echoing it: count sketches of
+its input and output rows, SKETCH_DIM numbers a position (fabric/node/verdicts.py), and on
+the tail the token it sampled (fabric/node/taps.py). Prefill, decode step, chunk, batch:
+every step of every request looks the same to a hop, and costs it one small frame.
 
-Decode steps (which need a past KV no replica holds) are never audited. No sockets here:
-the auditor is the RouteSessions' transport and sends through the node.
+The head draws a share ``audit_rate`` of its requests when they start, tells nobody, and
+keeps the taps of those alone (fabric/node/rerun.py: ``Claims``), dropping the rest on
+arrival. When such a request ends it replays a stretch of it (``Rerun``): its own layers on
+the token ids it sent (it trusts itself), then, hop by hop, the previous stage's output to a
+replica of the next hop's layers (REPLICAS_REQUEST, AUDIT) in one pass, and compares the
+replica's output with what the hop said at every position it computed: decode steps as
+well as the prompt. On the tail, a random window of at most MAX_AUDIT_LOGITS positions
+that produced tokens, logits and tokens. They agree: the replica's output feeds the next
+stage. They differ: a second replica is asked; two replicas that agree with each other and
+contradict the hop convict it: a settled VERDICT naming them goes to the tracker (which
+checks it handed those replicas to this head), and the head moves its sessions off the
+liar. Anything else (one replica, three outputs, a later hop whose input already differs
+from the replay's) is reported unsettled and convicts nobody.
+
+Nobody can answer for another: a tap counts only with the session's tap id, which only
+the route's hops receive, and only the first tap of a step and position counts; an
+AUDIT_RESULT only with the unguessable id sent to that one replica (each replica its own),
+once. In a CURVE swarm each must also come with the key the tracker lists for that node
+(REPLICAS' ``suspect_key`` and hop keys): a hop's taps from another key void its check.
+
+The price: a tap per step per hop (SKETCH_DIM float32 numbers a position: 128 bytes on a
+decode step, a few hundred bytes of sketching work), and per audited request about one
+prefill of its stretch on every layer (two where a hop disagrees). The request whose
+replay convicts a liar was already answered by it: an audit cannot hold a token without
+showing which step it checks.
+
+No sockets here: the auditor is the RouteSessions' transport and sends through the node.
 """
 from __future__ import annotations
 
@@ -25,244 +45,290 @@ import random
 import secrets
 import time
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Protocol
 
 import torch
 
-from ..compute.sampling import sample
 from ..wire import protocol as p
 from ..wire.liveness import AUDIT_RATE
+from .rerun import Claims, Rerun, replica_claim
 from .route_session import Transport
-from .verdicts import DEFAULT_TOLERANCE, Claim, Judgement, Outcome, judge
+from .verdicts import DEFAULT_TOLERANCE, Judgement, Outcome, judge, row_distances, sketch
 
 log = logging.getLogger(__name__)
+
+MAX_KEPT = 64  # sessions whose taps a head keeps at once (drawn, running or being replayed); more are not drawn
+MAX_RERUNS = 8  # replays in flight at once; a session that ends beyond that is not replayed
 
 
 @dataclass(frozen=True)
 class AuditConfig:
-    audit_rate: float = AUDIT_RATE  # share of requests (and of re-prefills) whose prefill one hop re-runs
-    audit_tolerance: float = DEFAULT_TOLERANCE  # relative distance allowed between outputs not bit-exact by rule
-    audit_timeout: float = 15.0  # seconds an audit waits for its tap, the tracker or a replica before it gives up
+    audit_rate: float = AUDIT_RATE  # share of requests whose steps replicas re-run after they end
+    audit_tolerance: float = DEFAULT_TOLERANCE  # relative distance allowed between a hop's and a replica's outputs
+    audit_timeout: float = 15.0  # seconds a replay waits for the tracker or a replica before it gives up
 
 
 class AuditHost(Transport, Protocol):
     endpoint: str  # where replicas answer this head
-    key: str
+    key: str  # this node's CURVE key ("" in plaintext): a secured head checks its peers' keys
 
     def send_tensors(self, endpoint: str, key: str, message: p.Message, tensors: list[torch.Tensor]) -> None: ...
     def to_tracker(self, message: p.Message) -> bool: ...
 
 
-@dataclass
-class Pending:
-    """One audit of one step of one session."""
-
-    id: str
-    session: str
-    step: int
-    target: p.Hop  # the audited hop: the suspect
-    sampling: p.Sampling  # how the tail picks the step's token (checked against its logits)
-    moved: float  # when the audit last moved on (begun, tapped, answered); it gives up a timeout after
-    inputs: torch.Tensor | None = None  # what the suspect received, (1, q, hidden)
-    suspect: Claim | None = None  # what it said it computed
-    token: p.Token | None = None  # the step's TOKEN, held until the audit ends
-    untried: list[p.Hop] | None = None  # replicas not asked yet; None: the tracker has not answered
-    asked: list[str] = field(default_factory=list)  # replicas asked, in order
-    answered: set[str] = field(default_factory=set)
-    claims: list[Claim] = field(default_factory=list)  # the replicas' outputs, in the order asked
-    whole: bool = True  # the tap covers the whole step, not only its first prefill chunk
-
-    @property
-    def sampled(self) -> bool:
-        """The suspect is the tail and its tapped logits are the ones it sampled the step's token from."""
-        return self.suspect is not None and self.suspect.output.dim() == 1 and self.whole  # logits (vocab,)
-
-
 class Auditor:
     def __init__(self, config: AuditConfig, host: AuditHost, node_id: str, model: str, fingerprint: str,
-                 counters: Counter, release: Callable[[p.Token], None], route_around: Callable[[str], None],
-                 rng: random.Random | None = None):
+                 counters: Counter, route_around: Callable[[str], None], rng: random.Random | None = None):
         self.config = config
         self.host = host
         self.node_id, self.model, self.fingerprint = node_id, model, fingerprint
         self.counters = counters  # the node's: audits and their outcomes are counted here
-        self.release = release  # hands a held TOKEN back to the head
         self.route_around = route_around  # moves the head's sessions off a convicted node
         self.rng = rng or random.Random(secrets.randbits(64))
-        self.pending: dict[str, Pending] = {}  # audit id -> its state
-        self.steps: dict[tuple[str, int], str] = {}  # (session, step) -> audit id
+        self.tap_ids: dict[str, str] = {}  # session -> its tap id (every request this head heads)
+        self.open_taps: set[str] = set()  # ...the same ids, to look a tap up by
+        self.kept: dict[str, Claims] = {}  # tap id -> the claims of a drawn session
+        self.reruns: dict[str, Rerun] = {}  # an open AUDIT's or REPLICAS_REQUEST's id -> its replay
         self.convicted: set[str] = set()  # nodes this head found lying
-        self.drawn: set[str] = set()  # requests to audit whose first step has not gone out yet
 
-    def draw(self, session: str) -> bool:
-        """Whether to audit the new request ``session``: then it must start at position 0."""
-        if self.config.audit_rate > 0 and self.rng.random() < self.config.audit_rate:
-            self.drawn.add(session)
-            return True
-        return False
+    def draw(self, session: str, ids: list[int]) -> bool:
+        """A new request ``session`` whose prompt is ``ids``: give it a tap id, and whether it is audited."""
+        if self.config.audit_rate <= 0:
+            return False
+        self.tap_ids[session] = tap = secrets.token_hex(16)
+        self.open_taps.add(tap)
+        if len(self.kept) >= MAX_KEPT or self.rng.random() >= self.config.audit_rate:
+            return False
+        self.kept[tap] = Claims(session, list(ids))
+        self.counters["audits"] += 1
+        return True
 
-    # -- the RouteSessions' transport: mark a step for audit on its way out -------------
+    # -- the RouteSessions' transport: every FORWARD carries its session's tap id ---------
 
     def forward(self, hop: p.Hop, message: p.Forward, tensor: torch.Tensor) -> None:
-        if self._draw(message):
-            target = self.rng.choice(message.route)
-            message = dataclasses.replace(message, audit=target.start_layer)
-            audit = Pending(secrets.token_hex(8), message.session, message.step, target, message.sampling,
-                            time.monotonic())
-            self.pending[audit.id] = audit
-            self.steps[(audit.session, audit.step)] = audit.id
-            self.counters["audits"] += 1
+        tap = self.tap_ids.get(message.session, "")
+        if tap:
+            message = dataclasses.replace(message, audit=tap)
+            if tap in self.kept and message.start_layer == 0:
+                self.kept[tap].sent((hop, *message.route), message, tensor)
         self.host.forward(hop, message, tensor)
 
     def control(self, hop: p.Hop, message: p.Cancel | p.Close) -> None:
         self.host.control(hop, message)
 
-    def _draw(self, m: p.Forward) -> bool:
-        """A step that starts the session on every hop (position 0, no kept KV), past this head: a drawn
-        request's first step, or a later one (a re-prefill) drawn now."""
-        first = m.session in self.drawn and m.step == 0
-        self.drawn.discard(m.session)
-        if m.start_layer != 0 or m.pos != 0 or m.reuse or not m.route:
-            return False
-        return first or (m.step > 0 and self.config.audit_rate > 0 and self.rng.random() < self.config.audit_rate)
+    def ended(self, session: str) -> None:
+        """The request ended: replay a stretch of it if it was drawn."""
+        tap = self.tap_ids.pop(session, "")
+        self.open_taps.discard(tap)
+        claims = self.kept.get(tap)
+        if claims is None:
+            return
+        n, window = claims.stretch(self.rng)
+        if n == 0 or len(claims.route) < 2 or len({id(r) for r in self.reruns.values()}) >= MAX_RERUNS:
+            self.kept.pop(tap)
+            self.counters["audits_skipped"] += 1
+            return
+        rerun = Rerun(claims, n, window, time.monotonic(), tap=tap,
+                      input=torch.tensor([claims.ids[:n]], dtype=torch.int64))  # (1, n)
+        self._ask(rerun, claims.route[0])  # stage 0: this node's own layers, through its own scheduler
+
+    def moved(self, old: str, new: str) -> None:
+        """A request went to a new route under a new session id: what was kept of it is dropped
+        (the new route prefills it all again), and it goes on under a new tap id, which the
+        hops of the old route never saw."""
+        tap = self.tap_ids.pop(old, "")
+        if not tap:
+            return
+        self.open_taps.discard(tap)
+        self.kept.pop(tap, None)
+        self.tap_ids[new] = fresh = secrets.token_hex(16)
+        self.open_taps.add(fresh)
 
     # -- what comes back ----------------------------------------------------------------
 
-    def hold(self, token: p.Token) -> bool:
-        """Keep an audited step's TOKEN until its audit ends (then ``release`` gives it back)."""
-        audit = self._of(token.session, token.step)
-        if audit is None:
-            return False
-        audit.token = token
-        self._advance(audit)
+    def received(self, msg: p.AuditTap | p.AuditResult, tensors: list[torch.Tensor], sender: str = "") -> None:
+        """A tap or a replica's result, with the CURVE key it came with ("" in plaintext)."""
+        taken = self._tap(msg, tensors, sender) if isinstance(msg, p.AuditTap) else self._result(msg, tensors, sender)
+        if not taken:
+            self.counters["audit_frames_ignored"] += 1
+
+    def _tap(self, msg: p.AuditTap, tensors: list[torch.Tensor], sender: str) -> bool:
+        claims = self.kept.get(msg.tap)
+        if claims is None:
+            return msg.tap in self.open_taps  # a session not drawn: dropped, as meant
+        return claims.session == msg.session and claims.take(msg, tensors, sender)
+
+    def _result(self, msg: p.AuditResult, tensors: list[torch.Tensor], sender: str) -> bool:
+        rerun = self.reruns.get(msg.audit)
+        hop = rerun.asked.get(msg.audit) if rerun is not None else None
+        if hop is None or (self.host.key and sender != hop.key):
+            return False  # not an answer to an AUDIT of ours, or not from the node we asked
+        del self.reruns[msg.audit], rerun.asked[msg.audit]
+        rerun.moved = time.monotonic()
+        if msg.error or not tensors:
+            log.warning("node %s could not re-run layers %d-%d: %s", hop.node, hop.start_layer, hop.end_layer,
+                        msg.error)
+            if rerun.stage == 0:
+                self._end(rerun, "skipped")
+            else:
+                self._advance(rerun)
+            return True
+        if rerun.stage == 0:  # this node's own layers: the input of the first hop past it
+            rerun.next_stage(tensors[0])
+            self._ask_tracker(rerun)
+        else:
+            self._answer(rerun, hop, tensors[0])
         return True
 
-    def received(self, msg: p.AuditTap | p.AuditResult, tensors: list[torch.Tensor]) -> None:
-        if isinstance(msg, p.AuditTap):
-            self._tapped(msg, tensors)
-        else:
-            self._result(msg, tensors)
-
-    def _tapped(self, msg: p.AuditTap, tensors: list[torch.Tensor]) -> None:
-        audit = self._of(msg.session, msg.step)
-        if audit is None or msg.node != audit.target.node or audit.suspect is not None:
-            return  # a stale step, or a hop this audit did not name
-        audit.moved = time.monotonic()
-        audit.inputs = tensors[0]
-        audit.suspect = Claim(msg.node, tensors[1], msg.kernels)
-        audit.whole = not msg.more
-        exclude = tuple(sorted({msg.node, self.node_id, *self.convicted}))
-        if not self.host.to_tracker(p.ReplicasRequest(audit.id, self.model, self.fingerprint, msg.start_layer,
-                                                      msg.end_layer, exclude)):
-            self._end(audit, "skipped")  # no tracker, nobody to ask who holds those layers
-
     def replicas(self, msg: p.Replicas) -> None:
-        """The tracker's answer: who else holds the suspect's layers with the same weights."""
-        audit = self.pending.get(msg.audit)
-        if audit is None or audit.untried is not None:
+        """The tracker's answer: who else holds the stage's layers with the same weights."""
+        rerun = self.reruns.pop(msg.audit, None)
+        if rerun is None or rerun.request != msg.audit or rerun.untried is not None:
             return
-        audit.moved = time.monotonic()
-        audit.untried = [h for h in msg.hops if h.node not in (audit.target.node, self.node_id, *self.convicted)]
-        self._advance(audit)
-
-    def _result(self, msg: p.AuditResult, tensors: list[torch.Tensor]) -> None:
-        audit = self.pending.get(msg.audit)
-        if audit is None or msg.node not in audit.asked or msg.node in audit.answered:
+        rerun.moved = time.monotonic()
+        hop = rerun.hop
+        if self.host.key and rerun.claims.keys.get(hop.start_layer, msg.suspect_key) != msg.suspect_key:
+            log.warning("taps of layers %d-%d came with a key the tracker does not list for %s: not judged",
+                        hop.start_layer, hop.end_layer, hop.node)
+            self._end(rerun, "skipped")
             return
-        audit.answered.add(msg.node)
-        audit.moved = time.monotonic()
-        if msg.error:
-            log.warning("replica %s could not re-run audit %s: %s", msg.node, msg.audit, msg.error)
-        else:
-            audit.claims.append(Claim(msg.node, tensors[0], msg.kernels))
-        self._advance(audit)
+        skip = {hop.node, self.node_id, *self.convicted}
+        rerun.untried = [h for h in msg.hops if h.node not in skip]
+        self._advance(rerun)
 
-    # -- deciding -----------------------------------------------------------------------
+    # -- deciding, stage by stage -------------------------------------------------------
 
-    def _advance(self, audit: Pending) -> None:
-        """Take the audit as far as what has arrived allows."""
-        if audit.suspect is None or audit.untried is None or len(audit.answered) < len(audit.asked):
-            return  # waiting for the tap, the tracker or a replica
-        if audit.sampled and audit.token is None:  # the tail's claim includes the token it sent: judge with it
-            if not audit.asked and audit.untried:
-                self._ask(audit, audit.untried.pop(0))  # meanwhile a replica computes
+    def _ask_tracker(self, rerun: Rerun) -> None:
+        hop = rerun.hop
+        if not rerun.claims.rows.get(hop.start_layer):
+            log.warning("audit of session %s: %s sent no sketch of layers %d-%d", rerun.claims.session, hop.node,
+                        hop.start_layer, hop.end_layer)
+            self._report(rerun, Judgement(Outcome.UNSETTLED, detail=f"{hop.node} sent no sketch of its steps"))
             return
-        suspect = audit.suspect
-        if audit.sampled:
-            consistent = sample(suspect.output, audit.sampling, audit.token.pos) == audit.token.token
-            suspect = dataclasses.replace(suspect, consistent=consistent)
-        verdict = judge(suspect, audit.claims, more=bool(audit.untried), tolerance=self.config.audit_tolerance)
+        if rerun.stage > 1 and self._input_differs(rerun):
+            return
+        rerun.request = rerun.new_id()
+        self.reruns[rerun.request] = rerun
+        exclude = tuple(sorted({hop.node, self.node_id, *self.convicted}))
+        if not self.host.to_tracker(p.ReplicasRequest(rerun.request, self.model, self.fingerprint, hop.start_layer,
+                                                      hop.end_layer, exclude, node_id=self.node_id,
+                                                      suspect=hop.node)):
+            self._end(rerun, "skipped")  # no tracker, nobody to ask who holds those layers
+
+    def _input_differs(self, rerun: Rerun) -> bool:
+        """A hop past the first is judged on the replay's input only if it says it received that:
+        else the stretch already differed upstream (a hop that passed on other than it sketched,
+        or this one misreporting), which nobody can settle. Reported, and the replay ends."""
+        hop, before = rerun.hop, rerun.claims.route[rerun.stage - 1]
+        positions, rows = rerun.claims.inputs(hop, rerun.n)
+        if not positions:
+            return False
+        far = [d for d in row_distances(rows, sketch(rerun.input[0, list(positions)]))
+               if not d <= self.config.audit_tolerance]
+        if not far:
+            return False
+        detail = (f"{hop.node} received other hidden states than {before.node}'s layers give at {len(far)} of "
+                  f"{len(positions)} positions (relative distance up to {max(far):.3g})")
+        self._report(rerun, Judgement(Outcome.UNSETTLED, witnesses=(before.node,), detail=detail))
+        return True
+
+    def _answer(self, rerun: Rerun, replica: p.Hop, output: torch.Tensor) -> None:
+        suspect = rerun.claims.claim(rerun.hop, rerun.n, rerun.window)
+        rerun.answers.append(replica_claim(replica.node, output, suspect.positions, rerun.window))
+        rerun.outputs.append(output)
+        self._advance(rerun)
+
+    def _advance(self, rerun: Rerun) -> None:
+        """Take the stage as far as what has arrived allows."""
+        if rerun.untried is None or rerun.asked:
+            return  # waiting for the tracker or a replica
+        suspect = rerun.claims.claim(rerun.hop, rerun.n, rerun.window)
+        verdict = judge(suspect, rerun.answers, more=bool(rerun.untried), tolerance=self.config.audit_tolerance,
+                        greedy=rerun.claims.sampling.temperature == 0)
+        if verdict.outcome != Outcome.PASS and rerun.answers:
+            rerun.mismatch = verdict
         match verdict.outcome:
-            case Outcome.PASS:
-                self._end(audit, "passed")
-            case Outcome.ASK if audit.untried:
-                self._ask(audit, audit.untried.pop(0))
-            case Outcome.ASK:
-                log.info("audit of %s skipped: no replica holds layers %d-%d", audit.target.node,
-                         audit.target.start_layer, audit.target.end_layer)
-                self._end(audit, "skipped")
+            case Outcome.PASS | Outcome.ODD_REPLICA:
+                self._passed(rerun, verdict)
+            case Outcome.ASK if rerun.untried:
+                self._ask(rerun, rerun.untried.pop(0))
+            case Outcome.ASK | Outcome.UNSETTLED if rerun.mismatch is not None:
+                self._report(rerun, rerun.mismatch)
+            case Outcome.ASK | Outcome.UNSETTLED:
+                log.info("audit of %s skipped: no replica holds layers %d-%d", rerun.hop.node, rerun.hop.start_layer,
+                         rerun.hop.end_layer)
+                self._end(rerun, "skipped")
             case Outcome.LIAR:
-                self._convict(audit, verdict)
-            case Outcome.UNSETTLED:
-                self._unsettled(audit, verdict)
+                self._convict(rerun, verdict)
 
-    def _ask(self, audit: Pending, replica: p.Hop) -> None:
-        audit.asked.append(replica.node)
-        msg = p.Audit(audit.id, audit.target.start_layer, audit.target.end_layer, self.host.endpoint,
-                      reply_key=self.host.key)
-        self.host.send_tensors(replica.endpoint, replica.key, msg, [audit.inputs])
+    def _passed(self, rerun: Rerun, verdict: Judgement) -> None:
+        """The hop agrees with a replica: on to the next hop, with that replica's output as its input."""
+        agreed = 0
+        if verdict.outcome == Outcome.ODD_REPLICA:  # the first replica disagrees with two: reported, not convicted
+            hop = rerun.hop
+            log.warning("audit of %s on layers %d-%d: replica %s disagrees with it and with %s (%s)", hop.node,
+                        hop.start_layer, hop.end_layer, verdict.liar, verdict.witnesses[0], verdict.detail)
+            self.host.to_tracker(p.Verdict(self.node_id, self.model, verdict.liar, hop.start_layer, hop.end_layer,
+                                           witnesses=verdict.witnesses, detail=verdict.detail[:1024]))
+            agreed = 1
+        if rerun.tail:
+            self._end(rerun, "passed")
+        else:
+            rerun.next_stage(rerun.outputs[agreed])
+            self._ask_tracker(rerun)
 
-    def _convict(self, audit: Pending, verdict: Judgement) -> None:
-        liar = verdict.liar
-        self.convicted.add(liar)
+    def _ask(self, rerun: Rerun, replica: p.Hop) -> None:
+        audit = rerun.new_id()  # one per replica: only it receives it
+        rerun.asked[audit] = replica
+        self.reruns[audit] = rerun
+        logits_from = rerun.window if rerun.tail else -1
+        msg = p.Audit(audit, replica.start_layer, replica.end_layer, self.host.endpoint, reply_key=self.host.key,
+                      logits_from=logits_from)
+        self.host.send_tensors(replica.endpoint, replica.key, msg, [rerun.input])
+
+    def _convict(self, rerun: Rerun, verdict: Judgement) -> None:
+        hop = rerun.hop
+        self.convicted.add(verdict.liar)
         log.warning("node %s returned wrong results for layers %d-%d: %s agree with each other, not with it (%s); "
-                    "excluding it", liar, audit.target.start_layer, audit.target.end_layer,
-                    " and ".join(verdict.witnesses), verdict.detail)
-        self._verdict(audit, liar, verdict, settled=True)
-        self._end(audit, "convicted", release=liar != audit.target.node)  # a lying suspect's token is dropped
-        self.route_around(liar)  # the session re-runs its step on a route without it
+                    "excluding it", verdict.liar, hop.start_layer, hop.end_layer, " and ".join(verdict.witnesses),
+                    verdict.detail)
+        self._verdict(rerun, verdict, settled=True)
+        self._end(rerun, "convicted")
+        self.route_around(verdict.liar)
 
-    def _unsettled(self, audit: Pending, verdict: Judgement) -> None:
-        log.warning("audit of %s on layers %d-%d: a mismatch no majority settles (%s); nobody is excluded",
-                    audit.target.node, audit.target.start_layer, audit.target.end_layer, verdict.detail)
-        self._verdict(audit, audit.target.node, verdict, settled=False)
-        self._end(audit, "unsettled")
+    def _report(self, rerun: Rerun, verdict: Judgement) -> None:
+        hop = rerun.hop
+        log.warning("audit of %s on layers %d-%d: a mismatch nothing settles (%s); nobody is excluded", hop.node,
+                    hop.start_layer, hop.end_layer, verdict.detail)
+        self._verdict(rerun, dataclasses.replace(verdict, liar=hop.node), settled=False)
+        self._end(rerun, "unsettled")
 
-    def _verdict(self, audit: Pending, suspect: str, verdict: Judgement, settled: bool) -> None:
-        self.host.to_tracker(p.Verdict(self.node_id, self.model, suspect, audit.target.start_layer,
-                                       audit.target.end_layer, witnesses=verdict.witnesses, settled=settled,
-                                       detail=verdict.detail[:1024]))
+    def _verdict(self, rerun: Rerun, verdict: Judgement, settled: bool) -> None:
+        hop = rerun.hop
+        witnesses = tuple(w for w in verdict.witnesses if w not in (hop.node, self.node_id))
+        self.host.to_tracker(p.Verdict(self.node_id, self.model, hop.node, hop.start_layer, hop.end_layer,
+                                       witnesses=witnesses, settled=settled, detail=verdict.detail[:1024]))
 
-    def _end(self, audit: Pending, outcome: str, release: bool = True) -> None:
-        self.pending.pop(audit.id, None)
-        self.steps.pop((audit.session, audit.step), None)
+    def _end(self, rerun: Rerun, outcome: str) -> None:
+        for key in [k for k, r in self.reruns.items() if r is rerun]:
+            del self.reruns[key]
+        self.kept.pop(rerun.tap, None)
         self.counters[f"audits_{outcome}"] += 1
-        if release and audit.token is not None:
-            self.release(audit.token)
 
-    # -- time and endings ---------------------------------------------------------------
+    # -- time ---------------------------------------------------------------------------
 
     def tick(self, now: float) -> None:
-        """Give up audits that waited the timeout (for a tap, the tracker or a replica); a mismatch
-        seen by then is reported unsettled."""
-        for audit in [a for a in self.pending.values() if now - a.moved >= self.config.audit_timeout]:
-            verdict = (judge(audit.suspect, audit.claims, more=False, tolerance=self.config.audit_tolerance)
-                       if audit.suspect is not None and audit.claims else None)
-            if verdict is not None and verdict.outcome == Outcome.UNSETTLED:
-                self._unsettled(audit, verdict)
+        """Give up replays that waited the timeout for the tracker or a replica (a mismatch
+        seen by then is reported unsettled); forget drawn sessions that never ended here."""
+        stale = {id(r): r for r in self.reruns.values() if now - r.moved >= self.config.audit_timeout}
+        for rerun in stale.values():
+            if rerun.mismatch is not None:
+                self._report(rerun, rerun.mismatch)
             else:
-                log.info("audit of %s for session %s given up: no answer for %.0f s", audit.target.node,
-                         audit.session, now - audit.moved)
-                self._end(audit, "skipped")
-
-    def forget(self, session: str) -> None:
-        """The session ended: its audits are moot."""
-        self.drawn.discard(session)
-        for audit in [a for a in self.pending.values() if a.session == session]:
-            self.pending.pop(audit.id)
-            self.steps.pop((audit.session, audit.step), None)
-
-    def _of(self, session: str, step: int) -> Pending | None:
-        audit_id = self.steps.get((session, step))
-        return None if audit_id is None else self.pending.get(audit_id)
+                log.info("audit of session %s given up at %s: no answer for %.0f s", rerun.claims.session,
+                         rerun.hop.node, now - rerun.moved)
+                self._end(rerun, "skipped")
+        live = self.open_taps | {r.tap for r in self.reruns.values()}
+        for tap in [t for t in self.kept if t not in live]:
+            del self.kept[tap]

@@ -78,7 +78,7 @@ class Head:
         self.pending_routes: deque[tuple[str, float]] = deque()
         # steps re-run on replicas (fabric/node/audit.py); it is the RouteSessions' transport
         self.auditor = Auditor(audit, host, node_id, model.model_id, model.fingerprint, counters,
-                               release=lambda token: self.deliver(token.session, token), route_around=self.route_around)
+                               route_around=self.route_around)
 
     def __len__(self) -> int:
         return len(self.sessions)
@@ -113,8 +113,8 @@ class Head:
         self.requests[(identity, req.request_id)] = rs.session
         if req.resume:
             log.warning("request %s: taking it over after %d tokens (its head died)", req.request_id, len(req.resume))
-        audited = self.auditor.draw(rs.session)  # then it starts afresh: no replica holds kept KV
-        reused = None if audited else self.prefixes.match(prompt + list(req.resume), req.route, tenant_of(req))
+        self.auditor.draw(rs.session, prompt + list(req.resume))  # audited or not, it looks the same
+        reused = self.prefixes.match(prompt + list(req.resume), req.route, tenant_of(req))
         self._emit(rs, rs.start(reused))
 
     def _check_resume(self, req: p.Generate) -> None:
@@ -162,8 +162,6 @@ class Head:
         if rs is None:
             return  # a late reply for a request that already ended
         match msg:
-            case p.Token() if self.auditor.hold(msg):
-                return  # an audited step: its token goes on once the audit ends
             case p.Token():
                 events = rs.on_token(msg)
             case p.CacheMiss():
@@ -196,7 +194,7 @@ class Head:
         if rs.finished:
             self.sessions.pop(rs.session, None)
             self.requests.pop((self.clients.pop(rs.session, b""), rs.request.request_id), None)
-            self.auditor.forget(rs.session)
+            self.auditor.ended(rs.session)
             if rs.finished != "error":  # the hops keep its KV (CLOSE, CANCEL): later requests may start from it
                 self.prefixes.add(rs.session, rs.held_ids, rs.route, tenant_of(rs.request))
             self._report(rs)
@@ -280,7 +278,7 @@ class Head:
         self.sessions[rs.session] = self.sessions.pop(old)
         self.clients[rs.session] = self.clients.pop(old)
         self.requests[(self.clients[rs.session], rs.request.request_id)] = rs.session
-        self.auditor.forget(old)
+        self.auditor.moved(old, rs.session)
 
 
 def tenant_of(req: p.Generate) -> str:

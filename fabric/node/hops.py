@@ -72,7 +72,7 @@ class HopRunner:
             msg = batch[0].msg
             try:
                 return [self.executor.run(msg.session, msg.start_layer, msg.end_layer, batch[0].tensor, msg.pos,
-                                          logits=not msg.more or batch[0].tapped, reuse=msg.reuse)]
+                                          logits=not msg.more, reuse=msg.reuse)]
             except Exception as exc:  # CacheMissError included: the node answers per session
                 return [exc]
         steps = [Step(w.session, w.msg.start_layer, w.msg.end_layer, w.tensor, w.msg.pos) for w in batch]

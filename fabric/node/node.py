@@ -30,7 +30,7 @@ from ..compute.tensors import TORCH_DTYPES, from_wire, to_wire
 from ..metrics import Sample
 from ..net.liveness import PeerLiveness
 from ..net.relay import RelayedPeer
-from ..net.security import serve_securely, start_authenticator
+from ..net.security import peer_key, serve_securely, start_authenticator
 from ..wire import protocol as p
 from ..wire.liveness import PEER_SILENCE, PING_INTERVAL
 from . import telemetry
@@ -43,7 +43,7 @@ from .owners import SELF, Owners
 from .peers import Peers
 from .prefixes import MAX_PREFIXES, PrefixIndex
 from .route_session import eos_ids
-from .scheduler import HopScheduler, Work
+from .scheduler import HopScheduler, Replay, Work
 from .taps import Taps, kernels
 from .telemetry import COUNTERS
 
@@ -211,6 +211,9 @@ class Node:
         """Frames a client or peer sent to this node (on the ROUTER or through the relay)."""
         try:
             msg, buffers = p.decode(frames, self.config.max_frame_bytes)
+            if isinstance(msg, (p.AuditTap, p.AuditResult)):  # whose it is: the transport says, not the frame
+                self._audit_answer(msg, buffers, self._sender(frames))
+                return
             self._dispatch(identity, msg, buffers)
         except p.ProtocolError as exc:
             self.counters["rejected_frames"] += 1
@@ -237,17 +240,31 @@ class Node:
                 raise p.ProtocolError("this node is not the head of that route", p.ErrorCode.BAD_REQUEST)
             case p.Cancel() | p.Close():
                 self._end(identity, msg)
+            case p.Audit() if not self.scheduler.push_replay(Replay(msg, from_wire(msg.tensors[0], buffers[0]))):
+                self._send(msg.reply_to, msg.reply_key, p.AuditResult(msg.audit, error="busy: audits queued here"))
             case p.Audit():
-                self.send_tensors(msg.reply_to, msg.reply_key, *self.taps.replay(msg, from_wire(msg.tensors[0],
-                                                                                                buffers[0])))
-            case p.AuditTap() | p.AuditResult() if self.head is not None:
-                self.head.auditor.received(msg, [from_wire(s, b) for s, b in zip(msg.tensors, buffers)])
+                pass  # queued: it runs between hops (_run)
+            case p.AuditTap() | p.AuditResult():  # sent by this very node to itself (``_send``)
+                self._audit_answer(msg, buffers, self.key)
             case p.Ping():
                 self.reply(identity, p.Pong(msg.nonce, node=self.config.node_id, sessions=len(self.kv)))
             case p.Error() | p.Pong() | p.Ack():
                 log.debug("ignoring %s", type(msg).__name__)
             case _:
                 raise p.ProtocolError(f"a node does not accept {type(msg).__name__}", p.ErrorCode.BAD_REQUEST)
+
+    def _audit_answer(self, msg: p.AuditTap | p.AuditResult, buffers: list, sender: str) -> None:
+        """A hop's tap or a replica's result: the head's auditor decides whether it asked for it."""
+        if self.head is not None:
+            self.head.auditor.received(msg, [from_wire(s, b) for s, b in zip(msg.tensors, buffers)], sender)
+
+    def _sender(self, frames: list) -> str:
+        """The CURVE key the frames came with: this node's own when it sent them to itself; "" in plaintext."""
+        if self.config.security is None:
+            return ""
+        if not isinstance(frames[-1], zmq.Frame):
+            return self.key  # in-process: from this very node
+        return peer_key(frames[-1]) or ""
 
     def _accept_forward(self, identity: bytes, msg: p.Forward, tensor: torch.Tensor) -> None:
         check_forward(msg, tensor, self.config.shard, self.executor.hidden_size, self.context, self.vocab)
@@ -312,7 +329,10 @@ class Node:
 
     # -- running hops -------------------------------------------------------------------
 
-    def _run(self, batch: list[Work]) -> None:
+    def _run(self, batch: list[Work] | list[Replay]) -> None:
+        if isinstance(batch[0], Replay):  # an audit's re-run for a head
+            self.send_tensors(batch[0].msg.reply_to, batch[0].msg.reply_key, *self.taps.replay(batch[0]))
+            return
         results, started, elapsed = self.hops.run(batch)
         self.scheduler.ran(batch, started, elapsed)
         for work, result in zip(batch, results):
@@ -327,9 +347,8 @@ class Node:
         piece of a long prefill (all but the tail's last, which its TOKEN answers), PROGRESS to the
         head too: however long the prompt, the head hears it move."""
         msg = work.msg
-        if work.tapped and isinstance(result, StepResult):  # the head audits this step: it hears what ran here
+        if msg.audit and msg.start_layer and isinstance(result, StepResult):  # every step past the head: its sketch
             self.send_tensors(msg.reply_to, msg.reply_key, *self.taps.tap(work, result))
-            result = StepResult(result.hidden, None if msg.more else result.logits)  # a chunk's logits: tap only
         if (msg.more or msg.pos and not work.decode) and isinstance(result, StepResult) and result.logits is None:
             self._progress(msg, msg.pos + work.tokens)
         if isinstance(result, CacheMissError):

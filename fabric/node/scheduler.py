@@ -11,7 +11,8 @@ for both, so the slice costs only its own tokens), sized to add about RIDE_PER_D
 a decode batch's time to that pass. A slice that cannot ride (other layers, or a model
 whose layers cannot batch) takes turns with the decode batches instead. A decode batch
 waits a little for the sessions due here, which pulls them into step so that they then
-arrive together.
+arrive together. An audit's replay for another head (``Replay``) takes its turn like a
+prompt that cannot ride: when nothing else waits, or after a decode batch.
 """
 from __future__ import annotations
 
@@ -65,22 +66,15 @@ class Work:
 
     @property
     def short_prompt(self) -> bool:
-        """A whole prompt short enough to run unsliced (and so with other such prompts; not a
-        tapped one: a replica re-runs it alone, and must compute it in the same order)."""
-        return self.msg.pos == 0 and not self.msg.more and self.tokens < WHOLE_PREFILL_TOKENS and not self.tapped
-
-    @property
-    def tapped(self) -> bool:
-        """This hop reports the step to its head for an audit (fabric/node/taps.py): the FORWARD
-        names this hop, and the step starts the session here at position 0."""
-        return self.msg.audit == self.msg.start_layer and self.msg.pos == 0 and not self.msg.reuse
+        """A whole prompt short enough to run unsliced (and so with other such prompts)."""
+        return self.msg.pos == 0 and not self.msg.more and self.tokens < WHOLE_PREFILL_TOKENS
 
     @property
     def short_chunk(self) -> bool:
         """The last or only piece of a prompt (a whole short prompt, what follows kept KV, a
         long prompt's last slice), short enough to run unsliced: one forward pass takes
-        several such pieces, and they ride in decode batches together (not a tapped one: it runs alone)."""
-        return not self.decode and not self.msg.more and self.tokens < WHOLE_PREFILL_TOKENS and not self.tapped
+        several such pieces, and they ride in decode batches together."""
+        return not self.decode and not self.msg.more and self.tokens < WHOLE_PREFILL_TOKENS
 
     def cut(self, n: int) -> tuple["Work", "Work"]:
         """The first ``n`` tokens as a chunk that more follow, and the rest (which continues
@@ -88,6 +82,17 @@ class Work:
         msg = self.msg
         return (Work(dataclasses.replace(msg, more=True), self.tensor[:, :n]),
                 Work(dataclasses.replace(msg, pos=msg.pos + n, reuse=""), self.tensor[:, n:]))
+
+
+@dataclass
+class Replay:
+    """An AUDIT to run for a head (fabric/node/taps.py): its message and input, validated."""
+
+    msg: Any  # a p.Audit
+    tensor: Any  # token ids (1, q) or hidden states (1, q, hidden)
+
+
+MAX_REPLAYS = 8  # audits queued here at once; more are refused (the head asks another replica)
 
 
 @dataclass(frozen=True)
@@ -113,6 +118,7 @@ class HopScheduler:
         self.batchable = batchable
         self.shared_lock = shared_lock
         self.queue: deque[Work] = deque()
+        self.replays: deque[Replay] = deque()  # audits' re-runs for heads, each one pass of its own
         self.ran_prefill = False  # the last pass moved a prefill on (alone or riding): decode steps go next
         self.decode_batch_s: float | None = None  # seconds per decode batch here (moving average)
         self.pass_s: float | None = None  # ...and per pass with decode steps, a slice riding or not
@@ -127,10 +133,17 @@ class HopScheduler:
         self.waiting_at = float("-inf")  # when ``waiting`` last named the queued sessions
 
     def __len__(self) -> int:
-        return len(self.queue)
+        return len(self.queue) + len(self.replays)
 
     def push(self, work: Work) -> None:
         self.queue.append(work)
+
+    def push_replay(self, replay: Replay) -> bool:
+        """Queue an audit's replay; False when MAX_REPLAYS wait already."""
+        if len(self.replays) >= MAX_REPLAYS:
+            return False
+        self.replays.append(replay)
+        return True
 
     def drop(self, session: str) -> None:
         """Forget ``session``: its queued hops and its decode rhythm."""
@@ -208,7 +221,11 @@ class HopScheduler:
         with a slice of a queued prompt riding along (one pass for both: the slice costs
         only its own tokens); else a prompt's slice alone, or short whole prompts together
         (one forward pass for many sessions). A prompt that cannot ride takes turns with
-        the decode batches, so neither kind stalls the other by more than one pass."""
+        the decode batches, so neither kind stalls the other by more than one pass. A queued
+        replay runs alone, when nothing else waits or after a decode batch."""
+        if self.replays and (not self.queue or not self.ran_prefill):
+            self.ran_prefill = True
+            return [self.replays.popleft()]
         first = self.take(decode=self.ran_prefill or self._rides(self._first(decode=True)))
         if first.decode:
             batch = self._batch(first)
@@ -248,7 +265,7 @@ class HopScheduler:
     def _rides(self, decode: Work | None) -> bool:
         """A queued prompt can ride a decode batch that starts with ``decode``."""
         prompt = self._first(decode=False)
-        return (decode is not None and prompt is not None and not prompt.tapped and prompt.span == decode.span
+        return (decode is not None and prompt is not None and prompt.span == decode.span
                 and prompt.session != decode.session and self.batchable(*decode.span))
 
     def _riders(self, batch: list[Work]) -> list[Work]:
@@ -256,7 +273,7 @@ class HopScheduler:
         queued prompt over the same layers, or, where that is a short chunk, it and the other
         short chunks queued (at most PREFILL_BATCH_TOKENS in all)."""
         prompt = self._first(decode=False)
-        if prompt is None or prompt.tapped or prompt.span != batch[0].span or not self.batchable(*prompt.span) \
+        if prompt is None or prompt.span != batch[0].span or not self.batchable(*prompt.span) \
                 or any(w.session == prompt.session for w in batch):
             return []
         self.queue.remove(prompt)

@@ -1,13 +1,16 @@
-"""The hop's side of audits: report an audited step to the head, re-run one for another head.
+"""The hop's side of audits: sketch every step for the head, re-run a stretch for another head.
 
-A head audits a step that starts a session at position 0 by naming one hop in the FORWARD
-(``audit``: that hop's first layer). That hop runs the step as usual, alone (``Work.tapped``
-keeps it out of batches, so a replica computes it in the same order), passes its output on,
-and sends the head an AUDIT_TAP with the input it received and the output it computed: of
-the step, or of its first prefill chunk when the node cuts a long prompt into slices (the
-tail then computes that chunk's logits for the tap alone). The
-head then sends the input to replicas holding the same layers as an AUDIT; a replica runs it
-in a session of its own from position 0, frees it at once, and answers AUDIT_RESULT.
+A head that audits sets ``audit`` (a secret tap id of the session) on every FORWARD of every
+request it heads, audited or not. Every hop past the head answers each step it runs, as
+usual and in whatever batch the scheduler put it, with an AUDIT_TAP to ``reply_to``: the tap
+id, the step's positions, count sketches (fabric/node/verdicts.py) of its input and output
+rows, and on the tail the token it sampled. So every step looks the same to a hop; the head
+alone knows which sessions it will replay.
+
+A replay is an AUDIT: run layers start..end on the given input from position 0 in a session
+of its own, free it, answer AUDIT_RESULT with the output of every position (a tail's span:
+the logits of the positions asked). Replays queue in the node's scheduler like hops
+(``Replay``), and run between them under the compute lock.
 No sockets here: the node sends what these return.
 """
 from __future__ import annotations
@@ -19,15 +22,17 @@ import torch
 
 from ..compute.compute_lock import ComputeLock
 from ..compute.executor import ShardExecutor, StepResult
+from ..compute.sampling import sample
 from ..wire import protocol as p
-from .scheduler import Work
+from .scheduler import Replay, Work
+from .verdicts import sketch
 
 log = logging.getLogger(__name__)
 
+
 def kernels(device: str, dtype: torch.dtype, quant: str | None) -> str:
     """What decides the bits of this node's output in exact mode (float32, unquantized, CPU):
-    two nodes with the same string compute a step bit for bit alike. "" otherwise: compared
-    within a tolerance."""
+    two nodes with the same string compute a step bit for bit alike. "" otherwise."""
     if dtype != torch.float32 or quant or device != "cpu":
         return ""
     return f"torch {torch.__version__} cpu {torch.backends.cpu.get_cpu_capability()} threads {torch.get_num_threads()}"
@@ -42,30 +47,34 @@ class Taps:
         self.counters = counters  # the node's: taps and replays are counted here
 
     def tap(self, work: Work, result: StepResult) -> tuple[p.AuditTap, list[torch.Tensor]]:
-        """The AUDIT_TAP for a tapped hop that ran (a tapped chunk on the tail ran with logits):
-        its input and output, hidden states or the tail's logits."""
+        """The AUDIT_TAP of a step that ran: sketches of its input rows (q, SKETCH_DIM) and of its
+        output (q rows of hidden states, or the tail's logits: one row, with the token sampled)."""
         msg = work.msg
         self.counters["audit_taps"] += 1
-        output = result.logits if result.logits is not None else result.hidden
-        tap = p.AuditTap(msg.session, msg.step, self.node_id, msg.start_layer, msg.end_layer, kernels=self.kernels,
-                         more=msg.more)
-        return tap, [work.tensor, output]  # (1, q, hidden) in; (1, q, hidden) or (vocab,) out
+        tensors = [sketch(work.tensor)]  # (q, SKETCH_DIM)
+        token = -1
+        if result.logits is not None:
+            token = sample(result.logits, msg.sampling, msg.pos + work.tokens)
+            tensors.append(sketch(result.logits))  # (1, SKETCH_DIM)
+        elif result.hidden is not None:
+            tensors.append(sketch(result.hidden))  # (q, SKETCH_DIM)
+        tap = p.AuditTap(msg.audit, msg.session, msg.step, msg.pos, msg.start_layer, msg.end_layer, token=token)
+        return tap, tensors
 
-    def replay(self, msg: p.Audit, inputs: torch.Tensor) -> tuple[p.AuditResult, list[torch.Tensor]]:
-        """Run an AUDIT: layers start..end on ``inputs`` (1, q, hidden) from position 0, in a
-        session that exists only for this call."""
+    def replay(self, job: Replay) -> tuple[p.AuditResult, list[torch.Tensor]]:
+        """Run a queued AUDIT: layers start..end on its input from position 0, in a session that
+        exists only for this call."""
+        msg: p.Audit = job.msg
         session = f"audit:{msg.audit}"
         self.counters["audit_replays"] += 1
         try:
             with self.lock:
-                result = self.executor.run(session, msg.start_layer, msg.end_layer, inputs, 0)
+                output = self.executor.replay(session, msg.start_layer, msg.end_layer, job.tensor, msg.logits_from)
                 self.executor.finish()
         except Exception as exc:  # layers not held here, a shape the model refuses: the head asks another
             log.warning("could not re-run layers %d-%d for audit %s: %s", msg.start_layer, msg.end_layer,
                         msg.audit, exc)
-            error = f"{type(exc).__name__}: {exc}"[:1024]
-            return p.AuditResult(msg.audit, self.node_id, kernels=self.kernels, error=error), []
+            return p.AuditResult(msg.audit, error=f"{type(exc).__name__}: {exc}"[:1024]), []
         finally:
             self.executor.kv.drop(session)
-        output = result.logits if result.logits is not None else result.hidden
-        return p.AuditResult(msg.audit, self.node_id, kernels=self.kernels), [output]
+        return p.AuditResult(msg.audit), [output]

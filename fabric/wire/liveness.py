@@ -13,7 +13,7 @@ PING_INTERVAL = 0.25  # a head pings the hops of its active routes this often
 PEER_SILENCE = 10.0  # a hop that answers nothing this long is dead (hung, unreachable)
 LINK_GRACE = 0.25  # a hop whose TCP link stays down this long is dead (its process died)
 
-AUDIT_RATE = 0.05  # share of a head's requests whose prefill, on one hop, replicas re-run
-AUDIT_TOLERANCE = 0.1  # relative distance allowed between an audit's outputs not bit-exact by rule
+AUDIT_RATE = 0.05  # share of a head's requests whose steps replicas re-run after they end
+AUDIT_TOLERANCE = 0.1  # relative distance allowed between a hop's and a replica's output at any position
 
 TOPIC_PLANS, TOPIC_STATS, TOPIC_EVENTS = b"plans", b"stats", b"events"  # the tracker's PUB topics

@@ -58,6 +58,9 @@ DTYPE_SIZES = {"float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4
 WIRE_DTYPES = {"", "float32", "float16", "bfloat16"}  # hidden states on the wire; "": the compute dtype
 FLOAT_DTYPES = ("float32", "float16", "bfloat16")  # hidden states and logits
 MAX_ID = 256  # longest session, audit, node or model id in the audit messages
+TAP_ID_CHARS = 32  # a session's tap id (FORWARD.audit): secrets.token_hex(16), unguessable
+SKETCH_DIM = 32  # numbers per position in an AUDIT_TAP's sketches (fabric/node/verdicts.py: ``sketch``)
+MAX_AUDIT_LOGITS = 8  # positions whose logits one AUDIT_RESULT of a tail's layers carries (a replay's window)
 
 
 class ErrorCode:
@@ -230,13 +233,13 @@ class Forward(Message):
     more: bool = False  # a prefill chunk that more chunks follow: the tail fills its KV, answers nothing
     wire_dtype: str = ""  # dtype of hidden states sent on from here; "": each node's compute dtype
     reuse: str = ""  # an ended session whose kept KV holds positions 0..pos-1: start from it; "": none
-    audit: int = -1  # the first layer of the hop that reports this step to the head (AUDIT_TAP); -1: none
+    audit: str = ""  # the session's tap id: every hop past the head answers each step with an AUDIT_TAP; "": none
 
     def validate(self) -> None:
         if not 0 <= self.start_layer <= self.end_layer < MAX_LAYERS:
             raise ProtocolError(f"layers {self.start_layer}-{self.end_layer} out of range")
-        if self.audit != -1 and not 0 < self.audit < MAX_LAYERS:
-            raise ProtocolError("audit must be -1 or a layer in [1, 4096)")
+        if len(self.audit) > MAX_ID:
+            raise ProtocolError(f"audit has at most {MAX_ID} characters")
         if self.pos < 0 or self.step < 0:
             raise ProtocolError("pos and step must be >= 0")
         if self.reuse and (self.pos == 0 or self.reuse == self.session):
@@ -610,86 +613,107 @@ def _check_hidden(spec: TensorSpec, what: str) -> None:
         raise ProtocolError(f"{what} is float hidden states of shape (1, q, hidden)")
 
 
-def _check_output(spec: TensorSpec, what: str) -> None:
-    """A hop's output: hidden states (1, q, hidden), or the tail's logits (vocab,)."""
-    if len(spec.shape) == 1 and spec.dtype in FLOAT_DTYPES and spec.shape[0] >= 1:
-        return
-    _check_hidden(spec, what)
+def _check_sketch(spec: TensorSpec, rows: int, what: str) -> None:
+    if spec.dtype != "float32" or tuple(spec.shape) != (rows, SKETCH_DIM):
+        raise ProtocolError(f"{what} is a float32 sketch of shape ({rows}, {SKETCH_DIM})")
 
 
 @dataclass(frozen=True)
 class AuditTap(Message):
-    """Hop -> head: the hop that a FORWARD's ``audit`` names ran that step from position 0.
-    Buffer 0 is the input it received, buffer 1 its output: hidden states, or on the tail the
-    logits of the last position (vocab,) float32."""
+    """Hop -> head, after every step a FORWARD with an ``audit`` tap id asked of it: sketches
+    of what it received and computed (the head keeps those of the sessions it audits, and
+    drops the rest). Buffer 0 sketches the input, one row per position pos..pos+q-1; buffer 1
+    the output: one row per position (hidden states), or one row of the logits of the last
+    position on the tail; none on the tail for a prefill chunk that more follow. Who sent it
+    is the transport's word (the tap id, and in a CURVE swarm the sender's key), never a field."""
 
     KIND: ClassVar[Kind] = Kind.AUDIT_TAP
+    tap: str  # the FORWARD's ``audit``, echoed: it answers that session's head and nobody else
     session: str
     step: int
-    node: str
+    pos: int  # the position of the input's first row
     start_layer: int
     end_layer: int
-    kernels: str = ""  # its exact-mode arithmetic (float32, unquantized): torch, device, CPU, threads; "": none
-    more: bool = False  # the tap covers the step's first prefill chunk only (its logits are not the token's)
+    token: int = -1  # on the tail, the token it sampled from the logits it sketched; -1: none
 
     def validate(self) -> None:
+        _check_id(self.tap, "tap")
         _check_id(self.session, "session")
-        _check_id(self.node, "node")
         _check_span(self.start_layer, self.end_layer)
-        if len(self.kernels) > MAX_ID:
-            raise ProtocolError(f"kernels has at most {MAX_ID} characters")
-        if self.step < 0:
-            raise ProtocolError("step must be >= 0")
-        if len(self.tensors) != 2:
-            raise ProtocolError("AUDIT_TAP carries two tensors: the input and the output")
-        _check_hidden(self.tensors[0], "AUDIT_TAP's input")
-        _check_output(self.tensors[1], "AUDIT_TAP's output")
+        if self.step < 0 or self.pos < 0 or not -1 <= self.token <= MAX_TOKEN_ID:
+            raise ProtocolError("step and pos must be >= 0 and token a token id or -1")
+        if len(self.tensors) not in (1, 2):
+            raise ProtocolError("AUDIT_TAP carries the input's sketch and, but for a tail's chunk, the output's")
+        q = self.tensors[0].shape[0] if self.tensors[0].shape else 0
+        if not 1 <= q <= MAX_LIST:
+            raise ProtocolError(f"AUDIT_TAP sketches 1-{MAX_LIST} positions")
+        _check_sketch(self.tensors[0], q, "AUDIT_TAP's input")
+        if len(self.tensors) == 2:
+            _check_sketch(self.tensors[1], 1 if self.token >= 0 else q, "AUDIT_TAP's output")
+        elif self.token >= 0:
+            raise ProtocolError("a token comes with the sketch of the logits it was sampled from")
 
 
 @dataclass(frozen=True)
 class Audit(Message):
-    """Head -> a replica holding the layers: run start_layer..end_layer on buffer 0 (hidden
-    states, (1, q, hidden)) from position 0 in a session of its own, then answer AUDIT_RESULT."""
+    """Head -> a node holding the layers (a replica, or the head itself for its own span):
+    run start_layer..end_layer on buffer 0 from position 0 in a session of its own, then
+    answer AUDIT_RESULT ``audit`` at ``reply_to``. Buffer 0 is token ids (1, q) int64 at
+    layer 0, else hidden states (1, q, hidden). On a span that ends at the model's last
+    layer the answer is the logits of positions logits_from..q-1 (the last one with -1)."""
 
     KIND: ClassVar[Kind] = Kind.AUDIT
-    audit: str
+    audit: str  # unguessable, one per replica asked: only the answer that echoes it counts
     start_layer: int
     end_layer: int
     reply_to: str
     reply_key: str = ""  # the head's CURVE public key when the swarm is secured
+    logits_from: int = -1  # a tail's span: the first position whose logits the answer carries; -1: the last
 
     def validate(self) -> None:
         _check_id(self.audit, "audit")
-        _check_span(self.start_layer, self.end_layer)
+        if not 0 <= self.start_layer <= self.end_layer < MAX_LAYERS:
+            raise ProtocolError(f"audited layers {self.start_layer}-{self.end_layer} out of range")
         if len(self.tensors) != 1:
             raise ProtocolError("AUDIT carries exactly one tensor: the input")
-        _check_hidden(self.tensors[0], "AUDIT's input")
+        spec = self.tensors[0]
+        if self.start_layer == 0:
+            if spec.dtype != "int64" or len(spec.shape) != 2 or spec.shape[0] != 1 or spec.shape[1] < 1:
+                raise ProtocolError("AUDIT from layer 0 carries int64 token ids of shape (1, q)")
+        else:
+            _check_hidden(spec, "AUDIT's input")
+        q = spec.shape[1]
+        if self.logits_from != -1 and not (0 <= self.logits_from < q and q - self.logits_from <= MAX_AUDIT_LOGITS):
+            raise ProtocolError(f"logits_from must be -1 or one of the last {MAX_AUDIT_LOGITS} of the q positions")
 
 
 @dataclass(frozen=True)
 class AuditResult(Message):
-    """Replica -> head: the output of an AUDIT (buffer 0, as AUDIT_TAP's output), or ``error``."""
+    """Node -> head: the output of AUDIT ``audit`` (buffer 0: hidden states (1, q, hidden), or
+    logits (n, vocab) of a tail's span), or ``error``. Who computed it is the transport's word."""
 
     KIND: ClassVar[Kind] = Kind.AUDIT_RESULT
     audit: str
-    node: str
-    kernels: str = ""  # as AUDIT_TAP's
-    error: str = ""  # why the replica computed nothing; "": one tensor follows
+    error: str = ""  # why the node computed nothing; "": one tensor follows
 
     def validate(self) -> None:
         _check_id(self.audit, "audit")
-        _check_id(self.node, "node")
-        if len(self.kernels) > MAX_ID or len(self.error) > 1024:
-            raise ProtocolError(f"kernels has at most {MAX_ID} characters and error at most 1024")
+        if len(self.error) > 1024:
+            raise ProtocolError("error has at most 1024 characters")
         if len(self.tensors) != (0 if self.error else 1):
             raise ProtocolError("AUDIT_RESULT carries one tensor, or none with an error")
         if self.tensors:
-            _check_output(self.tensors[0], "AUDIT_RESULT's output")
+            spec = self.tensors[0]
+            logits = len(spec.shape) == 2 and spec.dtype in FLOAT_DTYPES and 1 <= spec.shape[0] <= MAX_AUDIT_LOGITS
+            if not logits:
+                _check_hidden(spec, "AUDIT_RESULT's output (or logits (n, vocab))")
 
 
 @dataclass(frozen=True)
 class ReplicasRequest(Message):
-    """Head -> tracker: which nodes could re-run layers start..end of ``model`` with these weights."""
+    """Head -> tracker: which nodes could re-run layers start..end of ``model`` with these
+    weights, instead of ``suspect``. The tracker remembers whom it named to which head: a
+    VERDICT may only cite those."""
 
     KIND: ClassVar[Kind] = Kind.REPLICAS_REQUEST
     audit: str
@@ -698,12 +722,16 @@ class ReplicasRequest(Message):
     start_layer: int
     end_layer: int
     exclude: tuple[str, ...] = ()
+    node_id: str = ""  # the asking head (in a secured swarm, bound to the key it registered with)
+    suspect: str = ""  # the node whose work is checked; the answer gives the key the tracker lists for it
 
     def validate(self) -> None:
         _check_id(self.audit, "audit")
         _check_id(self.model, "model")
         _check_id(self.fingerprint, "fingerprint")
         _check_span(self.start_layer, self.end_layer)
+        if len(self.node_id) > MAX_ID or len(self.suspect) > MAX_ID or len(self.exclude) > MAX_PROBES:
+            raise ProtocolError(f"node_id and suspect have at most {MAX_ID} characters, exclude {MAX_PROBES} ids")
 
 
 @dataclass(frozen=True)
@@ -713,6 +741,7 @@ class Replicas(Message):
     KIND: ClassVar[Kind] = Kind.REPLICAS
     audit: str
     hops: tuple[Hop, ...] = ()
+    suspect_key: str = ""  # the CURVE key the tracker lists for the suspect ("" in plaintext, or unknown)
 
 
 @dataclass(frozen=True)
@@ -725,7 +754,7 @@ class Verdict(Message):
     suspect: str
     start_layer: int
     end_layer: int
-    witnesses: tuple[str, ...] = ()  # nodes whose outputs agree with each other and not with the suspect's
+    witnesses: tuple[str, ...] = ()  # settled: two replicas the tracker named to this head, agreeing against it
     settled: bool = False  # True: two agree against the suspect, exclude it; False: a mismatch nobody settled
     detail: str = ""  # how far apart the outputs were
 
