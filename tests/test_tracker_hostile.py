@@ -12,7 +12,8 @@ from tests.test_tracker_service import Running, register
 from tracker.ledger import Ledger
 from tracker.reach import MAX_PENDING_CHECKS, ReachChecker
 from tracker.registry import MAX_MODEL_LAYERS
-from tracker.service import MAX_DEPARTED_KEYS, Tracker, TrackerConfig
+from tracker.keys import MAX_DEPARTED_KEYS
+from tracker.service import Tracker, TrackerConfig
 from tracker.stats import MAX_HEADS_PER_ROW, MAX_STAT_ROWS, Completion, StatsStore
 
 
@@ -103,8 +104,8 @@ def test_key_bindings_and_stats_go_when_nodes_expire_or_leave(secured):
     assert tracker.stats.rows() > 0
     clock.now += 10.0
     call(tracker, register("last", 0, 29), "k" * 40)  # the others expire meanwhile
-    assert set(tracker._node_keys) == {"last"}
-    assert len(tracker._departed_keys) == MAX_DEPARTED_KEYS
+    assert set(tracker.keys.nodes) == {"last"}
+    assert len(tracker.keys.departed) == MAX_DEPARTED_KEYS
     assert tracker.stats.rows() == 0 and tracker.stats.layer_rates() == {}
 
 
@@ -113,7 +114,7 @@ def test_refused_registrations_bind_no_id(secured):
     for i in range(500):
         reply = call(tracker, register(f"n{i}", 0, 29, num_layers=4096), "E" * 40)
         assert isinstance(reply, Error) and reply.code == "bad_request"
-    assert tracker._node_keys == {} and not tracker._departed_keys
+    assert tracker.keys.nodes == {} and not tracker.keys.departed
     assert isinstance(call(tracker, register("n1", 0, 29), "H" * 40), Ack)  # the id is free for its real node
 
 

@@ -24,7 +24,7 @@ import logging
 import signal
 import threading
 import time
-from collections import Counter, OrderedDict
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, NoReturn
@@ -75,6 +75,7 @@ from .planner import (
     plan_all,
     plan_routes,
 )
+from .keys import KeyBook
 from .reach import ReachChecker
 from .registry import MAX_MODEL_LAYERS, NodeInfo, Registry
 from .reports import Reports
@@ -86,10 +87,6 @@ log = logging.getLogger(__name__)
 STATUS_EVENTS = 50  # recent events included in a Status body
 MAX_DRAIN = 100  # messages handled per poll wake-up before housekeeping runs
 MAX_PROBE_PEERS = 16  # peers a heartbeat's answer asks the node to measure round trips to
-# node ids of departed nodes (expired or left) whose key binding is kept, least recently
-# departed dropped first: a leaving head's last reports still go under its key, and nobody
-# takes the id over at once; beyond this many the id is free, as after a tracker restart
-MAX_DEPARTED_KEYS = 1024
 
 
 @dataclass(frozen=True)
@@ -145,9 +142,7 @@ class Tracker:
         self._next_plans = 0.0  # monotonic time before which plans are not published again
         self._probes: dict[str, tuple[Hop, ...]] = {}  # node id -> its probe list, for one registry version
         self._probes_version = -1
-        self._node_keys: dict[str, str] = {}  # registered node id -> the CURVE key it registered with
-        self._departed_keys: OrderedDict[str, str] = OrderedDict()  # the same for departed ids (MAX_DEPARTED_KEYS)
-        self._allowed: set[str] | None = None  # allow-listed public keys (secured), read on first use
+        self.keys = KeyBook(config.security)  # which key each node id belongs to (secured swarms)
         self._reach: ReachChecker | None = None  # checks registered endpoints (while running)
         self.handled: Counter[str] = Counter({k.name.lower(): 0 for k in HANDLED})  # for /metrics
 
@@ -255,12 +250,7 @@ class Tracker:
         """Drop what the tracker keeps per node once it expired or left: its measurements,
         and its key binding, which moves to the bounded list of departed ids."""
         self.stats.forget_node(node_id)
-        key = self._node_keys.pop(node_id, None)
-        if key is not None:
-            self._departed_keys.pop(node_id, None)
-            self._departed_keys[node_id] = key
-            while len(self._departed_keys) > MAX_DEPARTED_KEYS:
-                self._departed_keys.popitem(last=False)
+        self.keys.departs(node_id)
 
     def _warn_weights_differ(self, plans: dict[str, Plan]) -> None:
         """Log and publish, once per set of fingerprints, that nodes of one model never chain
@@ -286,7 +276,7 @@ class Tracker:
             return frames[:1], Error(code=exc.code, message=str(exc))
         try:
             message, _ = decode(body, max_buffer_bytes=0)
-            self._authorize(message, peer)
+            self.keys.authorize(message, peer)
             return envelope, self.handle(message, peer or "")
         except ProtocolError as exc:
             return envelope, Error(code=exc.code, message=str(exc))
@@ -304,19 +294,6 @@ class Tracker:
         rows += [Sample("tracker_messages_total", "messages handled, by kind", count, "counter", {"kind": kind})
                  for kind, count in self.handled.copy().items()]
         return rows
-
-    def _authorize(self, message: Message, peer: str | None) -> None:
-        """In a secured swarm a node id belongs to the key that registered it (bound once the
-        registration is accepted, kept while the node is registered and a while after it
-        departs): no member can register, heartbeat, report or audit as another."""
-        bound = (Register, Heartbeat, Report, Leave, Verdict, ReplicasRequest)
-        if self.config.security is None or not isinstance(message, bound):
-            return
-        owner = self._node_keys.get(message.node_id) or self._departed_keys.get(message.node_id)
-        if owner is not None and owner != peer:
-            raise ProtocolError(f"node id {message.node_id!r} belongs to another key", ErrorCode.BAD_REQUEST)
-        if owner is None and isinstance(message, (Verdict, ReplicasRequest)):  # audits are by registered heads
-            raise ProtocolError(f"node id {message.node_id!r} is not registered", ErrorCode.BAD_REQUEST)
 
     def handle(self, message: Message, peer: str = "") -> Message:
         """The reply to one decoded message; raises ProtocolError for a refusal."""
@@ -353,35 +330,14 @@ class Tracker:
 
     def _on_register(self, msg: Register, peer: str = "") -> Message:
         old = self.registry.get(msg.node_id)
-        node = self.registry.register(msg, self._hop_key(msg, peer))
-        if self.config.security is not None:
-            self._node_keys[node.node_id] = peer
-            self._departed_keys.pop(node.node_id, None)
+        node = self.registry.register(msg, self.keys.hop_key(msg, peer))
+        self.keys.registered(node.node_id, peer)
         if self._reach is not None:
             self._reach.check(node.node_id, node.endpoint, node.public_key)
         if old is not None and old.fingerprint != node.fingerprint:
             self.stats.forget_node(node.node_id)
         self._expire()  # the loop publishes the plans with it
         return Ack(detail=f"registered {node.node_id} layers {node.start_layer}-{node.end_layer}")
-
-    def _hop_key(self, msg: Register, peer: str) -> str:
-        """The key peers dial a node with: its own, or its relay's when it is relayed (that key
-        must be on the tracker's allow-list: the relay is a member of the swarm)."""
-        if self.config.security is None or not msg.relay:
-            return peer
-        if not msg.relay_key:
-            raise ProtocolError("a relayed node in a secured swarm must name its relay's key", ErrorCode.BAD_REQUEST)
-        if msg.relay_key not in self._allowed_keys():
-            raise ProtocolError("the relay's key is not on the tracker's allow-list", ErrorCode.BAD_REQUEST)
-        return msg.relay_key
-
-    def _allowed_keys(self) -> set[str]:
-        import zmq.auth
-
-        if self._allowed is None:  # read once, like the ZAP handler's allow-list
-            keys = zmq.auth.load_certificates(str(self.config.security.allowed))
-            self._allowed = {k.decode() for k in keys}
-        return self._allowed
 
     def _on_heartbeat(self, msg: Heartbeat) -> Message:
         node = self.registry.heartbeat(msg)
