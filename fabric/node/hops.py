@@ -45,10 +45,27 @@ class HopRunner:
         self.lock = lock
         self.counters = counters  # the node's: hops, batches, chunks and seconds are counted here
 
+    def ready(self) -> bool:
+        """Whether this node may compute now, never blocking: True when it holds the compute
+        lock (``done()`` lets it go). While another node on this machine holds it, a thread
+        waits for it and the lock's ``fileno()`` wakes the loop once it is ours; until then
+        the loop goes on answering pings and heartbeats."""
+        asked = self.lock.pending
+        if self.lock.request():
+            return True
+        if not asked:
+            self.counters["lock_waits"] += 1
+        return False
+
+    def done(self) -> None:
+        """Let the compute lock ``ready()`` took go."""
+        self.lock.release()
+
     def run(self, batch: list[Work]) -> tuple[list[StepResult | Exception], float, float]:
         """Run ``batch`` (one hop; decode steps over the same layers, perhaps with prompts'
         chunks riding last; or short chunks of prompts); returns a result per hop, when it
-        began and how long it took (perf_counter)."""
+        began and how long it took (perf_counter). Between ``ready()`` and ``done()`` the
+        lock is held already; otherwise ``run`` blocks until it is."""
         with self.lock:
             started = time.perf_counter()
             try:

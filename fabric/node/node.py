@@ -108,20 +108,42 @@ class Node:
     def run(self, stop: threading.Event, leave: threading.Event | None = None) -> None:
         """Serve until ``stop`` is set, or after ``leave`` is set, until the sessions served end."""
         self.poller.register(self.router, zmq.POLLIN)
+        lock = self._lock.fileno()  # readable when the compute lock, waited for off this thread, is ours
+        if lock is not None:
+            self.poller.register(lock, zmq.POLLIN)
         self.links.open(stop)
         log.info("node %s serving layers %s of %s at %s", self.config.node_id, self.config.shard,
                  self.config.source.model_id, self.endpoint)
         self.ready.set()
         try:
             while not stop.is_set() and not (leave is not None and leave.is_set() and self._left()):
-                wait = self.scheduler.wait(time.monotonic()) if len(self.scheduler) else 0.05
-                for sock, _ in self.poller.poll(int(wait * 1000)):
-                    self._drain(sock)
-                if len(self.scheduler) and self.scheduler.wait(time.monotonic()) == 0:
-                    self._run(self.scheduler.next_batch())
+                for sock, _ in self.poller.poll(int(self._wait() * 1000)):
+                    if sock != lock:  # the lock's wake-up is read when the batch runs
+                        self._drain(sock)
+                self._compute()
                 self._periodic()
         finally:
             self.close()
+
+    def _wait(self) -> float:
+        """Seconds to poll for: until the queued work is due, else 50 ms (a compute lock
+        granted meanwhile ends the poll at once)."""
+        if not len(self.scheduler) or self._lock.pending:
+            return 0.05
+        return self.scheduler.wait(time.monotonic())
+
+    def _compute(self) -> None:
+        """Run the next batch when it is due and the compute lock is ours. The lock is never
+        waited for here: until another node of this machine lets it go, this loop goes on
+        serving, and the batch is picked once the lock is granted (from what is queued then)."""
+        due = len(self.scheduler) and self.scheduler.wait(time.monotonic()) == 0
+        if not (due or self._lock.pending) or not self.hops.ready():
+            return
+        try:
+            if len(self.scheduler):  # its sessions may have ended while the lock was awaited
+                self._run(self.scheduler.next_batch())
+        finally:
+            self.hops.done()
 
     def _left(self) -> bool:
         """Leave politely: tell the tracker once, then True when the sessions served ended.
