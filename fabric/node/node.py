@@ -197,6 +197,12 @@ class Node:
         if self.head is not None:
             self.head.tick(now)
             self._watch_routes(now)
+        self.peers.prune(now, self._needed_peers)
+
+    def _needed_peers(self) -> set[str]:
+        """Endpoints this node keeps its links to however idle: the heads of its sessions (a
+        link going down frees their sessions, ``_free_orphans``) and the hops of the routes it heads."""
+        return self.owners.heads() | (self.head.watched().keys() if self.head is not None else set())
 
     def _free_orphans(self, now: float) -> None:
         """Free the sessions (live or kept) of heads whose link from here went down and stayed
