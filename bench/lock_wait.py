@@ -5,12 +5,13 @@
 
 1. Per hop, the lock free (one node alone on its machine, the common case). A loop shaped
    like the node's: a ROUTER polled beside the lock's wake-up fd, one small frame in, the
-   lock taken and let go around an empty "hop", one frame out, from a DEALER in a thread
-   of this process that sends the next frame when the answer comes. Variants, interleaved
-   per round: no lock at all; the old path (a blocking ``flock`` on the loop); the new one
-   (``ComputeLock.request()``, which tries ``flock`` without blocking, and ``release()``,
-   the fd polled). Prints the median microseconds per hop of each and the lock's share
-   (variant minus no lock), and the lock's calls alone in a tight loop.
+   lock taken and let go around an empty "hop", one frame out, to a DEALER in a thread of
+   this process that times each round trip and sends the next frame when the answer comes.
+   Variants, taking turns in small blocks: no lock at all; the old path (a blocking
+   ``flock`` on the loop); the new one (``ComputeLock.request()``, which tries ``flock``
+   without blocking, and ``release()``, the fd polled). Prints the median round trip of
+   each and the lock's share (variant minus no lock), and the lock's calls alone in a
+   tight loop (the steadiest figure on a busy machine).
 2. Hand-off, the lock held by another process (a neighbour's pass). A child process takes
    the lock, holds it ``--hold-ms``, notes the time (CLOCK_MONOTONIC, shared by processes)
    and lets it go; this process waits meanwhile, the old way (blocked in ``flock``) or the
@@ -40,6 +41,7 @@ if str(REPO) not in sys.path:
 from fabric.compute.compute_lock import ComputeLock  # noqa: E402
 
 FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16")
+BLOCKS = 20  # a round's hops per variant are split in this many blocks, the variants taking turns
 
 
 class OldLock:
@@ -58,21 +60,25 @@ class OldLock:
         os.close(self.fd)
 
 
-def _client(endpoint: str, hops: int, go: threading.Event) -> None:
-    """Send a frame, wait for its answer, ``hops`` times (a hidden state's size, 2304 B)."""
+def _client(endpoint: str, hops: int, go: threading.Event, times: list[float]) -> None:
+    """Send a frame, wait for its answer, ``hops`` times (a hidden state's size, 2304 B);
+    each round trip's microseconds go to ``times``."""
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(endpoint)
     payload = bytes(2304)
+    clock = time.perf_counter_ns
     go.wait()
     for _ in range(hops):
+        t = clock()
         sock.send(payload)
         sock.recv()
+        times.append((clock() - t) / 1e3)
     sock.close()
 
 
-def loop_round(variant: str, path: str, hops: int) -> float:
-    """Microseconds per hop through a node-shaped loop with ``variant``'s lock."""
+def loop_block(variant: str, path: str, hops: int) -> list[float]:
+    """Round trips (us) of ``hops`` hops through a node-shaped loop with ``variant``'s lock."""
     ctx = zmq.Context.instance()
     router = ctx.socket(zmq.ROUTER)
     router.setsockopt(zmq.LINGER, 0)
@@ -82,30 +88,27 @@ def loop_round(variant: str, path: str, hops: int) -> float:
     old, new = (OldLock(path), None) if variant == "old" else (None, ComputeLock(path) if variant == "new" else None)
     if new is not None:
         poller.register(new.fileno(), zmq.POLLIN)
-    go = threading.Event()
-    client = threading.Thread(target=_client, args=(endpoint, hops, go))
+    go, times = threading.Event(), []
+    client = threading.Thread(target=_client, args=(endpoint, hops, go, times))
     client.start()
     go.set()
-    started = time.perf_counter()
     for _ in range(hops):
         poller.poll(1000)
         identity, frame = router.recv_multipart()
         if old is not None:
             old.take()
-        elif new is not None and not new.request():
-            raise RuntimeError("the lock is taken: nothing else may use it during the bench")
-        if old is not None:
             old.release()
         elif new is not None:
+            if not new.request():
+                raise RuntimeError("the lock is taken: nothing else may use it during the bench")
             new.release()
         router.send_multipart([identity, frame])
-    elapsed = time.perf_counter() - started
     client.join()
     router.close()
     for lock in (old, new):
         if lock is not None:
             lock.close()
-    return elapsed / hops * 1e6
+    return times[len(times) // 10:]  # the first tenth warms the connection up
 
 
 def calls_alone(path: str, n: int) -> dict[str, float]:
@@ -220,17 +223,22 @@ def main() -> int:
         return 0
     with tempfile.TemporaryDirectory(prefix="lock-wait-") as tmp:
         path = str(Path(tmp) / "compute.lock")
-        per_hop: dict[str, list[float]] = {"none": [], "old": [], "new": []}
-        for r in range(args.rounds):  # rotating order: drift hits every variant alike
-            for variant in list(per_hop)[r % 3:] + list(per_hop)[:r % 3]:
-                per_hop[variant].append(loop_round(variant, path, args.hops))
+        per_hop: dict[str, list[float]] = {"none": [], "old": [], "new": []}  # us per round trip
+        blocks: dict[str, list[float]] = {v: [] for v in per_hop}  # each block's median
+        for b in range(args.rounds * BLOCKS):  # small blocks in rotating order: drift hits every variant alike
+            for variant in list(per_hop)[b % 3:] + list(per_hop)[:b % 3]:
+                times = loop_block(variant, path, args.hops // BLOCKS)
+                per_hop[variant] += times
+                blocks[variant].append(statistics.median(times))
         alone = [calls_alone(path, args.hops) for _ in range(args.rounds)]
         handed = handoffs(path, args.handoffs, args.hold_ms)
     med = {v: statistics.median(xs) for v, xs in per_hop.items()}
-    print(f"per hop, lock free ({args.rounds} rounds x {args.hops} hops, median us per hop):")
+    print(f"per hop, lock free ({args.rounds} x {args.hops} round trips per variant, in blocks of "
+          f"{args.hops // BLOCKS}; median us per round trip):")
     for v in per_hop:
         share = "" if v == "none" else f"   lock's share {med[v] - med['none']:+.2f} us"
-        print(f"  {v:<5} {med[v]:8.2f}{share}   rounds: " + " ".join(f"{x:.1f}" for x in per_hop[v]))
+        spread = statistics.quantiles(blocks[v], n=4)
+        print(f"  {v:<5} {med[v]:8.2f}{share}   block medians: quartiles {spread[0]:.1f} / {spread[2]:.1f}")
     print(f"  new - old: {med['new'] - med['old']:+.2f} us per hop ({med['new'] / med['old']:.3f}x the old loop)")
     for way in ("old", "new"):
         print(f"  lock calls alone, {way}: {statistics.median(a[way] for a in alone):.2f} us per take + release")
