@@ -15,7 +15,7 @@ from ..compute.compute_lock import ComputeLock
 from ..compute.executor import Chunk, ShardExecutor, Step, StepResult
 from ..wire import protocol as p
 from ..wire.shard import Shard
-from .scheduler import Work
+from .scheduler import HopScheduler, Work
 
 log = logging.getLogger(__name__)
 
@@ -45,12 +45,22 @@ class HopRunner:
         self.lock = lock
         self.counters = counters  # the node's: hops, batches, chunks and seconds are counted here
 
-    def ready(self) -> bool:
-        """Whether this node may compute now, never blocking: True when it holds the compute
-        lock (``done()`` lets it go). While another node on this machine holds it, a thread
-        waits for it and the lock's ``fileno()`` wakes the loop once it is ours; until then
-        the loop goes on answering pings and heartbeats."""
+    def wait(self, scheduler: HopScheduler) -> float:
+        """Seconds the loop may poll for: until the queued work is due, else 50 ms (a compute
+        lock granted meanwhile ends the poll at once: its ``fileno()`` is polled)."""
+        if not len(scheduler) or self.lock.pending:
+            return 0.05
+        return scheduler.wait(time.monotonic())
+
+    def ready(self, scheduler: HopScheduler) -> bool:
+        """Whether a batch may run now, never blocking: one is due (or the compute lock was
+        awaited for one) and this node holds the lock (``done()`` lets it go). While another
+        node of this machine holds it, a thread waits for it and the loop goes on answering
+        pings and heartbeats; the batch is picked once the lock is granted, from what is
+        queued then."""
         asked = self.lock.pending
+        if not asked and not (len(scheduler) and scheduler.wait(time.monotonic()) == 0):
+            return False
         if self.lock.request():
             return True
         if not asked:

@@ -117,33 +117,18 @@ class Node:
         self.ready.set()
         try:
             while not stop.is_set() and not (leave is not None and leave.is_set() and self._left()):
-                for sock, _ in self.poller.poll(int(self._wait() * 1000)):
+                for sock, _ in self.poller.poll(int(self.hops.wait(self.scheduler) * 1000)):
                     if sock != lock:  # the lock's wake-up is read when the batch runs
                         self._drain(sock)
-                self._compute()
+                if self.hops.ready(self.scheduler):  # never waits for the lock: see HopRunner.ready
+                    try:
+                        if len(self.scheduler):  # its sessions may have ended while the lock was awaited
+                            self._run(self.scheduler.next_batch())
+                    finally:
+                        self.hops.done()
                 self._periodic()
         finally:
             self.close()
-
-    def _wait(self) -> float:
-        """Seconds to poll for: until the queued work is due, else 50 ms (a compute lock
-        granted meanwhile ends the poll at once)."""
-        if not len(self.scheduler) or self._lock.pending:
-            return 0.05
-        return self.scheduler.wait(time.monotonic())
-
-    def _compute(self) -> None:
-        """Run the next batch when it is due and the compute lock is ours. The lock is never
-        waited for here: until another node of this machine lets it go, this loop goes on
-        serving, and the batch is picked once the lock is granted (from what is queued then)."""
-        due = len(self.scheduler) and self.scheduler.wait(time.monotonic()) == 0
-        if not (due or self._lock.pending) or not self.hops.ready():
-            return
-        try:
-            if len(self.scheduler):  # its sessions may have ended while the lock was awaited
-                self._run(self.scheduler.next_batch())
-        finally:
-            self.hops.done()
 
     def _left(self) -> bool:
         """Leave politely: tell the tracker once, then True when the sessions served ended.
@@ -197,12 +182,8 @@ class Node:
         if self.head is not None:
             self.head.tick(now)
             self._watch_routes(now)
-        self.peers.prune(now, self._needed_peers)
-
-    def _needed_peers(self) -> set[str]:
-        """Endpoints this node keeps its links to however idle: the heads of its sessions (a
-        link going down frees their sessions, ``_free_orphans``) and the hops of the routes it heads."""
-        return self.owners.heads() | (self.head.watched().keys() if self.head is not None else set())
+        # links kept however idle: to the heads of sessions here (``_free_orphans``), to the hops of routes headed here
+        self.peers.prune(now, lambda: self.owners.heads() | (self.head.watched().keys() if self.head else set()))
 
     def _free_orphans(self, now: float) -> None:
         """Free the sessions (live or kept) of heads whose link from here went down and stayed
