@@ -184,7 +184,6 @@ def test_a_node_flooded_with_reply_to_endpoints_keeps_its_fds_bounded_and_serves
     assert max(seen) - before <= FDS_PER_LINK * (MAX_PEERS + MAX_CLOSING), (before, seen)
     counters = node_counters(metrics)  # each endpoint was dialed and later closed, or refused
     assert counters["closed_peers"] + counters["refused_peers"] >= FLOOD - MAX_PEERS, counters
-    assert counters["audit_replays"] == FLOOD // 2, counters
     assert during and all(tokens == expected for tokens in during)
     assert generate() == expected
     assert process_cluster.procs["b"].poll() is None
