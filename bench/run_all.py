@@ -50,6 +50,8 @@ SCRIPTS = {
                          ["--prompts", "786,3200", "--node-args", "", "--node-args", "--compute-lock none"]),
     "load": (["--clients", "8", "--seconds", "30"], ["--clients", "4", "--seconds", "10"]),
     "omp_wait": ([], ["--rounds", "1"]),
+    # the compute lock waited for off the node's loop: its cost per hop and per hand-off against the blocking path
+    "lock_wait": ([], ["--rounds", "2", "--handoffs", "100"]),
     "memory": (["--large"], ["--large"]),
     "netbed": (["--json", "OUT/netbed.json"], ["--reps", "2", "--only", "2ms", "--json", "OUT/netbed.json"]),
 }

@@ -3,18 +3,29 @@ same file, so two `meshnet node` processes started by hand take turns as `meshne
 from __future__ import annotations
 
 import os
+import select
 import stat
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
+import torch
+import zmq
 
 from fabric.cli import _compute_lock
 from fabric.compute.compute_lock import ComputeLock, LockDirError, default_path, private_dir
+from fabric.compute.models import resolve
+from fabric.compute.tensors import to_wire
 from fabric.flags import CommandError
+from fabric.node import Node, NodeConfig
+from fabric.wire import protocol as p
+from fabric.wire.shard import Shard
 from tests.test_fabric_equivalence import MESSAGES, prompt_ids
+from tests.cluster import ping
+from tests.support import wait_for
 from tests.tiny_models import reference_greedy
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -65,7 +76,8 @@ def _open_files(pid: int) -> set[str]:
 def test_two_standalone_nodes_take_turns_at_the_default_lock(process_cluster, tiny_models):
     """Two `meshnet node` processes with no --compute-lock on one host (one runtime
     directory) open the same default file, and while another process holds it exclusively
-    neither computes a step: the reply comes only once it is let go, and equals the reference."""
+    neither computes a step, yet both answer PINGs: the reply comes only once it is let go,
+    and equals the reference."""
     model = tiny_models("llama")
     expected = reference_greedy(model, prompt_ids(model), 12)
     process_cluster.split(model)
@@ -79,8 +91,114 @@ def test_two_standalone_nodes_take_turns_at_the_default_lock(process_cluster, ti
             t for e in client.generate(model.name, messages=MESSAGES, max_tokens=12) for t in e.token_ids))
         with gate:
             reader.start()
-            reader.join(1.5)
+            assert wait_for(lambda: _lock_waiters(lock) >= 1, 60), process_cluster.logs()
+            for name, endpoint in process_cluster.node_endpoints.items():
+                assert ping(endpoint, timeout=10) is not None, f"node {name} went silent waiting for the lock"
             assert reader.is_alive() and got == []  # the gate holds the lock: no node computes
         reader.join(60)
     gate.close()
     assert not reader.is_alive() and got == expected
+
+
+def _lock_waiters(path: Path) -> int:
+    """How many open files wait in ``flock`` for the file at ``path`` (``/proc/locks``
+    lists each blocked request as ``-> FLOCK ...``): what any process sees of a node stuck
+    behind the lock, whichever thread of it waits."""
+    inode = path.stat().st_ino
+    waiting = 0
+    for line in Path("/proc/locks").read_text().splitlines():
+        fields = line.split()
+        if "->" in fields and "FLOCK" in fields and any(f.rsplit(":", 1)[-1] == str(inode) for f in fields):
+            waiting += 1
+    return waiting
+
+
+def _receive(sock: zmq.Socket, kinds: tuple[type, ...], timeout: float) -> p.Message | None:
+    """The next frame on ``sock`` of one of ``kinds`` (others skipped), or None after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while sock.poll(max(0.0, deadline - time.monotonic()) * 1000):
+        frames = sock.recv_multipart()
+        msg = p.decode(p.split_envelope(frames)[1] if sock.type == zmq.ROUTER else frames)[0]
+        if isinstance(msg, kinds):
+            return msg
+    return None
+
+
+def test_a_node_waiting_for_the_lock_answers_pings_and_runs_the_hop_once_it_is_free(tmp_path, tiny_models, ctx):
+    """Another holder (an open file of its own, as a neighbour node's) keeps the compute lock
+    for several seconds while a FORWARD waits at the node: the node answers every PING over
+    its ROUTER all that while, and computes the hop, answering with its TOKEN, only once the
+    lock is let go."""
+    model = tiny_models("llama")
+    path = tmp_path / "compute.lock"
+    node = Node(NodeConfig.build(resolve(str(model)), Shard(0, 5, 6), tracker=None, progress=False,
+                                 node_id="lock-node", compute_lock=str(path)))
+    stop = threading.Event()
+    serving = threading.Thread(target=node.run, args=(stop,), daemon=True)
+    serving.start()
+    head = ctx.socket(zmq.ROUTER)  # stands in for the head: TOKEN and PROGRESS come here
+    reply_to = f"tcp://127.0.0.1:{head.bind_to_random_port('tcp://127.0.0.1')}"
+    peer = ctx.socket(zmq.DEALER)
+    try:
+        assert node.ready.wait(30)
+        peer.connect(node.endpoint)
+        spec, buf = to_wire(torch.tensor([prompt_ids(model)[:8]]))
+        forward = p.Forward(session="lock-test", step=0, pos=0, start_layer=0, end_layer=5, route=(),
+                            reply_to=reply_to, tensors=(spec,))
+        with ComputeLock(str(path)):
+            peer.send_multipart(p.encode(forward, [buf]))
+            assert wait_for(lambda: _lock_waiters(path) == 1, 30), "the hop never waited for the lock"
+            for nonce in range(1, 7):  # pings over ~3 s, each answered while the lock is held
+                peer.send_multipart(p.encode(p.Ping(nonce)))
+                pong = _receive(peer, (p.Pong,), 10.0)
+                assert pong is not None and pong.nonce == nonce, f"PING {nonce} was not answered"
+                assert _receive(head, (p.Token,), 0.5) is None, "the hop ran while another held the lock"
+            assert _lock_waiters(path) == 1
+        token = _receive(head, (p.Token,), 60.0)
+        assert token is not None and token.session == "lock-test" and token.pos == 8
+        assert _lock_waiters(path) == 0
+    finally:
+        stop.set()
+        serving.join(30)
+    assert not serving.is_alive()
+
+
+def _readable(fd: int, timeout: float) -> bool:
+    return bool(select.select([fd], [], [], timeout)[0])
+
+
+def test_a_request_is_granted_through_its_fd_once_the_holder_lets_go(tmp_path):
+    """``request`` never blocks: with the file free it holds it at once; while another open
+    file holds it, the waiter waits, and ``fileno()`` turns readable when the lock is ours.
+    A ``with`` meanwhile shares the grant: the file stays locked for the request."""
+    path = str(tmp_path / "compute.lock")
+    loop, other, third = ComputeLock(path), ComputeLock(path), ComputeLock(path)
+    assert loop.request() and not loop.pending
+    loop.release()
+    with other:
+        assert not loop.request() and loop.pending and not loop.request()
+        assert not _readable(loop.fileno(), 0.2)
+    assert _readable(loop.fileno(), 30)
+    with loop:  # nested in the grant: takes nothing more, lets nothing go
+        pass
+    assert not third.request()  # the waiter holds it for the loop
+    assert loop.request() and not loop.pending and not _readable(loop.fileno(), 0)
+    loop.release()
+    assert _readable(third.fileno(), 30) and third.request()
+    third.release()
+    for lock in (loop, other, third):
+        lock.close()
+
+
+def test_closing_a_lock_whose_waiter_is_blocked_frees_the_file_once_flock_returns(tmp_path):
+    path = str(tmp_path / "compute.lock")
+    loop, other = ComputeLock(path), ComputeLock(path)
+    with other:
+        assert not loop.request()
+        waiter = loop._waiter._thread
+        loop.close()  # the waiter is stuck in flock: it closes the file when that returns
+    waiter.join(30)
+    assert not waiter.is_alive()
+    assert other.request()  # the closed file no longer holds the lock
+    other.release()
+    other.close()

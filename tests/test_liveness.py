@@ -75,3 +75,29 @@ def test_round_trips_skip_the_handshake_damp_stalls_and_smooth():
     rtt.relinked("tcp://b:1")
     nonce = rtt.ping("tcp://b:1", now=101.0)
     assert rtt.pong("tcp://b:1", nonce, "b", now=101.2) is None  # a reconnect's handshake again
+
+
+def test_drop_forgets_every_trace_of_a_closed_link():
+    live = PeerLiveness(grace=0.25)
+    live.watch(["a", "b"], now=0.0)
+    live.link("a", up=False, now=1.0)
+    live.drop("a")
+    assert live.dead(["a"], now=100.0) == set()  # nothing known: not taken for dead, nor kept
+    assert live._last_seen.keys() == live._last_ping.keys() == {"b"} and live._down_since == {}
+
+
+def test_round_trips_keep_a_bounded_number_of_peers_whatever_they_call_themselves():
+    """A peer names itself in each PONG: one that answers with a new name every time must
+    not grow the table; endpoints go with their link (``drop``)."""
+    from fabric.net.liveness import RttTable
+
+    rtt = RttTable(max_nodes=8)
+    rtt._linked.add("tcp://liar:1")  # past the handshake: each PONG is a sample
+    for i in range(100):
+        nonce = rtt.ping("tcp://liar:1", now=float(i))
+        assert rtt.pong("tcp://liar:1", nonce, f"name-{i}", now=i + 0.01) == pytest.approx(10.0)
+    assert len(rtt._ms) == len(rtt._recent) == len(rtt._updated) == 8
+    assert set(rtt.snapshot(now=100.0)) == {f"name-{i}" for i in range(92, 100)}  # the freshest stay
+    rtt.ping("tcp://liar:1", now=101.0)
+    rtt.drop("tcp://liar:1")
+    assert rtt._sent == {} and rtt._linked == set()

@@ -6,6 +6,10 @@ at a time. Holding an exclusive ``flock`` on a shared file while running layers 
 node use every core in its turn. The kernel frees the lock when a process dies, so a killed
 node never blocks the others.
 
+Waiting for the lock must not silence a node: its loop answers pings and heartbeats, and
+a neighbour's long prefill can hold the lock for many seconds. So the loop asks without
+blocking (``ComputeLock.request``) and a thread of the lock's own waits in its stead.
+
 By default every node of one user on one device locks the same file (``default_path``), so
 nodes started one by one coordinate as ``meshnet up``'s do; ``--compute-lock`` names
 another file, or ``none``.
@@ -15,6 +19,7 @@ from __future__ import annotations
 import fcntl
 import os
 import stat
+import threading
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -49,27 +54,162 @@ def private_dir(path: Path) -> None:
 
 
 class ComputeLock:
-    """``with lock:`` holds the file lock at ``path``; with no path it does nothing."""
+    """The file lock at ``path``, held one of two ways; with no path it does nothing.
+
+    ``with lock:`` blocks until it is held (scripts, tests, an audit's replay). The node's
+    loop never blocks on it: ``request()`` takes it when it is free, else a waiter thread
+    blocks in ``flock`` in the loop's stead and makes ``fileno()`` readable once it holds
+    it, so the loop polls that fd beside its sockets and answers pings and heartbeats while
+    another node computes. ``flock`` locks belong to the open file, not a thread: the waiter
+    takes it, the loop uses and lets it go. Holds nest (a ``with`` inside a granted request
+    takes nothing more); the file is unlocked when the last one ends. One thread (the loop)
+    uses a lock; the waiter is its own.
+    """
 
     def __init__(self, path: str | None):
         self.path = path
         self._fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600) if path else None
+        self._waiter = _Waiter(self._fd) if self._fd is not None else None
+        self._holds = 0  # ``with`` blocks and the loop's request that hold (or await) the lock
+        self._held = False  # this open file holds the flock
+        self._asked = False  # the loop's request waits for the waiter
 
     @property
     def shared(self) -> bool:
         """Other nodes may wait for this lock: there is a file."""
         return self._fd is not None
 
-    def __enter__(self) -> "ComputeLock":
-        if self._fd is not None:
+    @property
+    def pending(self) -> bool:
+        """A request waits for the lock: ``fileno()`` turns readable when it is granted."""
+        return self._asked
+
+    def fileno(self) -> int | None:
+        """A file descriptor readable once a pending request is granted (None: no lock)."""
+        return self._waiter.fileno() if self._waiter is not None else None
+
+    def request(self) -> bool:
+        """Hold the lock without blocking: True when held now (free at once, or granted since
+        an earlier call), and ``release()`` is then due. False while another process holds
+        it: the waiter waits for it; call again once ``fileno()`` is readable."""
+        if self._fd is None:
+            return True
+        if self._asked:
+            if not self._waiter.take():
+                return False
+            self._asked, self._held = False, True
+            return True
+        self._holds += 1
+        if self._held or _try_lock(self._fd):
+            self._held = True
+            return True
+        self._asked = True
+        self._waiter.ask()
+        return False
+
+    def acquire(self) -> None:
+        """Hold the lock, blocking until it is free (or until a pending request is granted)."""
+        if self._fd is None:
+            return
+        self._holds += 1
+        if self._held:
+            return
+        if self._asked:
+            self._waiter.granted.wait()  # the request keeps its grant: ``request()`` still takes it
+        else:
             fcntl.flock(self._fd, fcntl.LOCK_EX)
+        self._held = True
+
+    def release(self) -> None:
+        """End one hold; the file is unlocked with the last."""
+        if self._fd is None:
+            return
+        self._holds -= 1
+        if self._holds == 0 and self._held:
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
+            self._held = False
+
+    def __enter__(self) -> "ComputeLock":
+        self.acquire()
         return self
 
     def __exit__(self, *exc) -> None:
-        if self._fd is not None:
-            fcntl.flock(self._fd, fcntl.LOCK_UN)
+        self.release()
 
     def close(self) -> None:
+        """Close the file (which unlocks it). A waiter still blocked in ``flock`` closes it
+        once that returns: a thread cannot be woken from ``flock``."""
         if self._fd is not None:
-            os.close(self._fd)
+            self._waiter.close()
             self._fd = None
+
+
+def _try_lock(fd: int) -> bool:
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    return True
+
+
+class _Waiter:
+    """A thread that blocks in ``flock`` for the loop and then writes a byte to a pipe the
+    loop polls. It owns the lock's fd and the pipe and closes them (``close``), at once or,
+    when blocked in ``flock``, as soon as that returns. Started at the first wait."""
+
+    def __init__(self, fd: int):
+        self.fd = fd
+        self._read, self._write = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self.granted = threading.Event()  # the waiter holds the lock for the loop
+        self._asked = threading.Event()
+        self._mutex = threading.Lock()  # guards the two flags below, and the wake-up byte with ``granted``
+        self._locking = False  # the thread is in flock: it closes the fds
+        self._closed = False
+        self._thread: threading.Thread | None = None
+
+    def fileno(self) -> int:
+        return self._read
+
+    def ask(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._serve, name="compute-lock-waiter", daemon=True)
+            self._thread.start()
+        self._asked.set()
+
+    def take(self) -> bool:
+        """Whether the lock was granted; if so, the wake-up byte is read and the grant used.
+        Once ``fileno()`` is readable this is true: the byte and the grant come together."""
+        with self._mutex:
+            if not self.granted.is_set():
+                return False
+            self.granted.clear()
+            os.read(self._read, 1)
+            return True
+
+    def _serve(self) -> None:
+        while True:
+            self._asked.wait()
+            self._asked.clear()
+            with self._mutex:
+                if self._closed:
+                    return
+                self._locking = True
+            fcntl.flock(self.fd, fcntl.LOCK_EX)
+            with self._mutex:
+                self._locking = False
+                if self._closed:
+                    self._close_fds()
+                    return
+                os.write(self._write, b"\0")
+                self.granted.set()
+
+    def close(self) -> None:
+        with self._mutex:
+            self._closed = True
+            if not self._locking:
+                self._close_fds()
+        self._asked.set()  # an idle thread ends
+
+    def _close_fds(self) -> None:
+        for fd in (self.fd, self._read, self._write):
+            os.close(fd)

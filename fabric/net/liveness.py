@@ -65,6 +65,11 @@ class PeerLiveness:
             for e in [e for e in d if e not in keep]:
                 del d[e]
 
+    def drop(self, endpoint: str) -> None:
+        """Forget all about ``endpoint``: this node closed its link there."""
+        for d in (self._last_seen, self._last_ping, self._down_since):
+            d.pop(endpoint, None)
+
 
 @dataclass
 class RttTable:
@@ -76,11 +81,15 @@ class RttTable:
     ZeroMQ handshakes. A peer answers PINGs between hops, so a sample can still include
     part of a hop's compute; each sample is first capped at twice the least of the peer's
     recent samples, then folded into an exponentially weighted moving average.
+
+    Node ids are what peers say in their PONGs: at most ``max_nodes`` are kept, the ones
+    sampled longest ago go first. Endpoints are forgotten with their link (``drop``).
     """
 
     alpha: float = 0.2  # weight of a new sample in the moving average
     max_age: float = 60.0  # a peer with no sample for this long is forgotten
     window: int = 16  # recent samples whose least bounds a new one
+    max_nodes: int = 2 * MAX_RTT_PEERS  # peer node ids kept (a heartbeat reports MAX_RTT_PEERS)
     _sent: dict[str, tuple[int, float]] = field(default_factory=dict)  # endpoint -> (nonce, when)
     _ms: dict[str, float] = field(default_factory=dict)  # peer node id -> smoothed ms
     _recent: dict[str, deque] = field(default_factory=dict)  # peer node id -> raw samples
@@ -105,6 +114,8 @@ class RttTable:
             return None
         now = time.monotonic() if now is None else now
         sample = min((now - sent[1]) * 1000.0, MAX_RTT_MS)
+        if node not in self._ms and len(self._ms) >= self.max_nodes:
+            self._forget_node(min(self._updated, key=self._updated.__getitem__))
         recent = self._recent.setdefault(node, deque(maxlen=self.window))
         recent.append(sample)
         bounded = min(sample, 2.0 * min(recent))
@@ -117,12 +128,20 @@ class RttTable:
         """The link to ``endpoint`` was (re)established: its next PONG is no sample."""
         self._linked.discard(endpoint)
 
+    def drop(self, endpoint: str) -> None:
+        """Forget the PING outstanding to ``endpoint`` and its link: this node closed it."""
+        self._sent.pop(endpoint, None)
+        self._linked.discard(endpoint)
+
+    def _forget_node(self, node: str) -> None:
+        for d in (self._ms, self._recent, self._updated):
+            d.pop(node, None)
+
     def snapshot(self, now: float | None = None) -> dict[str, float]:
         """Smoothed ms per peer node id (at most MAX_RTT_PEERS, freshest first)."""
         now = time.monotonic() if now is None else now
         for node in [n for n, t in self._updated.items() if now - t > self.max_age]:
-            for d in (self._ms, self._recent, self._updated):
-                d.pop(node, None)
+            self._forget_node(node)
         fresh = sorted(self._ms, key=lambda n: -self._updated[n])[:MAX_RTT_PEERS]
         return {n: round(self._ms[n], 3) for n in fresh}
 

@@ -15,7 +15,7 @@ from ..compute.compute_lock import ComputeLock
 from ..compute.executor import Chunk, ShardExecutor, Step, StepResult
 from ..wire import protocol as p
 from ..wire.shard import Shard
-from .scheduler import Work
+from .scheduler import HopScheduler, Work
 
 log = logging.getLogger(__name__)
 
@@ -51,10 +51,37 @@ class HopRunner:
         self.lock = lock
         self.counters = counters  # the node's: hops, batches, chunks and seconds are counted here
 
+    def wait(self, scheduler: HopScheduler) -> float:
+        """Seconds the loop may poll for: until the queued work is due, else 50 ms (a compute
+        lock granted meanwhile ends the poll at once: its ``fileno()`` is polled)."""
+        if not len(scheduler) or self.lock.pending:
+            return 0.05
+        return scheduler.wait(time.monotonic())
+
+    def ready(self, scheduler: HopScheduler) -> bool:
+        """Whether a batch may run now, never blocking: one is due (or the compute lock was
+        awaited for one) and this node holds the lock (``done()`` lets it go). While another
+        node of this machine holds it, a thread waits for it and the loop goes on answering
+        pings and heartbeats; the batch is picked once the lock is granted, from what is
+        queued then."""
+        asked = self.lock.pending
+        if not asked and not (len(scheduler) and scheduler.wait(time.monotonic()) == 0):
+            return False
+        if self.lock.request():
+            return True
+        if not asked:
+            self.counters["lock_waits"] += 1
+        return False
+
+    def done(self) -> None:
+        """Let the compute lock ``ready()`` took go."""
+        self.lock.release()
+
     def run(self, batch: list[Work]) -> tuple[list[StepResult | Exception], float, float]:
         """Run ``batch`` (one hop; decode steps over the same layers, perhaps with prompts'
         chunks riding last; or short chunks of prompts); returns a result per hop, when it
-        began and how long it took (perf_counter)."""
+        began and how long it took (perf_counter). Between ``ready()`` and ``done()`` the
+        lock is held already; otherwise ``run`` blocks until it is."""
         with self.lock:
             started = time.perf_counter()
             try:

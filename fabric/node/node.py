@@ -117,17 +117,24 @@ class Node:
     def run(self, stop: threading.Event, leave: threading.Event | None = None) -> None:
         """Serve until ``stop`` is set, or after ``leave`` is set, until the sessions served end."""
         self.poller.register(self.router, zmq.POLLIN)
+        lock = self._lock.fileno()  # readable when the compute lock, waited for off this thread, is ours
+        if lock is not None:
+            self.poller.register(lock, zmq.POLLIN)
         self.links.open(stop)
         log.info("node %s serving layers %s of %s at %s", self.config.node_id, self.config.shard,
                  self.config.source.model_id, self.endpoint)
         self.ready.set()
         try:
             while not stop.is_set() and not (leave is not None and leave.is_set() and self._left()):
-                wait = self.scheduler.wait(time.monotonic()) if len(self.scheduler) else 0.05
-                for sock, _ in self.poller.poll(int(wait * 1000)):
-                    self._drain(sock)
-                if len(self.scheduler) and self.scheduler.wait(time.monotonic()) == 0:
-                    self._run(self.scheduler.next_batch())
+                for sock, _ in self.poller.poll(int(self.hops.wait(self.scheduler) * 1000)):
+                    if sock != lock:  # the lock's wake-up is read when the batch runs
+                        self._drain(sock)
+                if self.hops.ready(self.scheduler):  # never waits for the lock: see HopRunner.ready
+                    try:
+                        if len(self.scheduler):  # its sessions may have ended while the lock was awaited
+                            self._run(self.scheduler.next_batch())
+                    finally:
+                        self.hops.done()
                 self._periodic()
         finally:
             self.close()
@@ -186,6 +193,8 @@ class Node:
             self.head.clients_gone(gone)
             self.head.tick(now)
             self._watch_routes(now)
+        # links kept however idle: to the heads of sessions here (``_free_orphans``), to the hops of routes headed here
+        self.peers.prune(now, lambda: self.owners.heads() | (self.head.watched().keys() if self.head else set()))
 
     def _free_orphans(self, now: float) -> None:
         """Free the sessions (live or kept) of heads whose link from here went down and stayed

@@ -4,11 +4,19 @@ Frames to other nodes leave here. Their PONGs and ERRORs come back on the same D
 and its monitor says when the TCP link drops (the peer's process died). From both, the
 peers part keeps who is alive (``PeerLiveness``) and the round trip to each
 (``RttTable``), which heartbeats carry to the tracker's planner.
+
+Endpoints come from what peers name (a FORWARD's ``reply_to`` and route), so the links are
+bounded: at most MAX_PEERS are open; one that nothing was sent through for PEER_IDLE_S
+and that no route, probe or session here needs is closed (``prune``); and a new one past
+the bound takes the place of the least recently used that none needs, or is refused (the
+frame dropped and counted), never the node's file descriptors.
 """
 from __future__ import annotations
 
 import logging
+import time
 from collections import Counter
+from typing import Callable
 
 import zmq
 import zmq.utils.monitor
@@ -20,64 +28,129 @@ from ..wire import protocol as p
 log = logging.getLogger(__name__)
 
 LINK_EVENTS = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
+MAX_PEERS = 128  # links open at once (a DEALER and its monitor: three ZeroMQ sockets, about four fds)
+MAX_CLOSING = MAX_PEERS // 4  # links let go in one turn of the loop, closed at its end (then dials are refused)
+PEER_IDLE_S = 60.0  # a link nothing was sent through this long, that nothing here needs, is closed
+PRUNE_EVERY_S = 5.0  # how often idle links are looked for
+REFUSALS_LOGGED_EVERY_S = 10.0  # refused dials are logged at most this often (a flood must not flood the log)
+
+
+class PeerLimitError(Exception):
+    """MAX_PEERS links are open and none may go now: no link to another endpoint."""
 
 
 class Peers:
     def __init__(self, ctx: zmq.Context, security: Security | None, poller: zmq.Poller, counters: Counter,
                  liveness: PeerLiveness, probe_interval: float):
         self.ctx, self.security, self.poller = ctx, security, poller
-        self.counters = counters  # the node's: frames dropped are counted here
+        self.counters = counters  # the node's: frames dropped, links refused and closed are counted here
         self.liveness = liveness
         self.rtt = RttTable()  # round trips to peers, reported in heartbeats for the planner
         self.probe_interval = probe_interval
         self.probes: dict[str, str] = {}  # endpoint -> key of peers the tracker asked us to measure
         self.socks: dict[str, zmq.Socket] = {}  # endpoint -> the DEALER that dials it
         self.endpoint_of: dict[zmq.Socket, str] = {}  # DEALER or its link monitor -> the peer endpoint
-        self.monitors: set[zmq.Socket] = set()
+        self.monitors: dict[str, zmq.Socket] = {}  # endpoint -> the link monitor of its DEALER
+        self._used: dict[str, float] = {}  # endpoint -> when a frame last left for it; least recent first
+        self._needed: set[str] = set()  # endpoints routes and sessions here needed at the last prune
+        self._closing: set[zmq.Socket] = set()  # let go this turn: a poll's answer may still name them
         self._next_probe = 0.0
+        self._pruned_at = float("-inf")
+        self._refused = 0  # dials refused since the last log line
+        self._refusal_logged_at = float("-inf")
 
     def __contains__(self, sock: zmq.Socket) -> bool:
         return sock in self.endpoint_of
 
-    def send(self, endpoint: str, key: str, frames: list, copy: bool = True) -> None:
+    def send(self, endpoint: str, key: str, frames: list, copy: bool = True, use: bool = True) -> None:
         """Send without ever blocking the loop: a full or bad peer loses the frame (the
-        head's timeout re-sends the step), not the node."""
+        head's timeout re-sends the step), not the node. ``use``: the frame keeps the link
+        open (a probe's PING does not)."""
         try:
-            self._sock(endpoint, key).send_multipart(frames, flags=zmq.NOBLOCK, copy=copy)
+            sock = self._sock(endpoint, key)
+            sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=copy)
         except zmq.Again:
             self.counters["dropped_frames"] += 1
             log.warning("peer %s is not draining its queue; dropped a frame", endpoint)
+        except PeerLimitError:
+            self.counters["dropped_frames"] += 1
         except (zmq.ZMQError, SecurityError) as exc:
             self.counters["dropped_frames"] += 1
             log.warning("cannot send to %r: %s", endpoint, exc)
+        else:
+            if use:
+                self._used.pop(endpoint, None)
+                self._used[endpoint] = time.monotonic()
 
     def dial(self, endpoint: str, key: str) -> None:
         """Open the link to ``endpoint`` now (its monitor says when the peer dies), if none is."""
         try:
             self._sock(endpoint, key)
+        except PeerLimitError:
+            pass
         except (zmq.ZMQError, SecurityError) as exc:
             log.warning("cannot dial %r: %s", endpoint, exc)
 
     def _sock(self, endpoint: str, key: str) -> zmq.Socket:
         sock = self.socks.get(endpoint)
         if sock is None:
+            if len(self.socks) >= MAX_PEERS and not self._make_room():
+                self._refuse(endpoint, f"{len(self.socks)} links open, {len(self._closing) // 2} closing, "
+                                       "none unneeded")
             # a monitor of its link: the link going down = the peer died
             sock, monitor = dial_watched(self.ctx, endpoint, self.security, key, LINK_EVENTS)
             self.socks[endpoint] = sock
+            self.monitors[endpoint] = monitor
             for s in (sock, monitor):  # pongs and errors come back on the DEALER
                 self.endpoint_of[s] = endpoint
                 self.poller.register(s, zmq.POLLIN)
-            self.monitors.add(monitor)
+            self._used[endpoint] = time.monotonic()
         return sock
 
+    def _make_room(self) -> bool:
+        """Let go of the least recently used link that nothing needs; False if none may go."""
+        if len(self._closing) >= 2 * MAX_CLOSING:
+            return False
+        needed = self._needed | self.probes.keys()
+        victim = next((e for e in self._used if e not in needed), None)
+        if victim is None:
+            return False
+        self._let_go(victim)
+        return True
+
+    def _refuse(self, endpoint: str, why: str) -> None:
+        self.counters["refused_peers"] += 1
+        self._refused += 1
+        now = time.monotonic()
+        if now - self._refusal_logged_at >= REFUSALS_LOGGED_EVERY_S:
+            log.warning("refused %d dial(s) (%s), the last to %r; their frames were dropped", self._refused, why,
+                        endpoint[:200])
+            self._refused, self._refusal_logged_at = 0, now
+        raise PeerLimitError(endpoint)
+
+    def _let_go(self, endpoint: str) -> None:
+        """Stop using the link to ``endpoint``: no frame leaves on it any more, its monitor is
+        stopped at once (see ``close``), the sockets are closed at the end of this turn
+        (``prune``), and what was known of the peer's liveness is forgotten."""
+        sock, monitor = self.socks.pop(endpoint), self.monitors.pop(endpoint)
+        sock.disable_monitor()
+        self._closing |= {sock, monitor}
+        self._used.pop(endpoint, None)
+        self.liveness.drop(endpoint)
+        self.rtt.drop(endpoint)
+        self.counters["closed_peers"] += 1
+        log.debug("closed the link to %s", endpoint)
+
     def ping(self, endpoint: str, key: str, now: float) -> None:
-        self.send(endpoint, key, p.encode(p.Ping(self.rtt.ping(endpoint, now))))
+        self.send(endpoint, key, p.encode(p.Ping(self.rtt.ping(endpoint, now))), use=False)
 
     def received(self, sock: zmq.Socket, frames: list) -> p.Error | None:
         """Frames read on one of our sockets: a link event, a PONG (the peer lives), or an
         ERROR about a session, which is returned for the head."""
         endpoint = self.endpoint_of[sock]
-        if sock in self.monitors:
+        if sock in self._closing:
+            return None
+        if self.monitors.get(endpoint) is sock:
             event = zmq.utils.monitor.parse_monitor_message([f.bytes for f in frames])["event"]
             self.liveness.link(endpoint, up=event != zmq.EVENT_DISCONNECTED)
             if event == zmq.EVENT_DISCONNECTED:
@@ -110,6 +183,23 @@ class Peers:
         for endpoint, key in {**dict.fromkeys(self.socks, ""), **self.probes}.items():
             self.ping(endpoint, key, now)
 
+    def prune(self, now: float, needed: Callable[[], set[str]]) -> None:
+        """Close the links let go this turn; every PRUNE_EVERY_S, let go of those nothing was
+        sent through for PEER_IDLE_S unless ``needed()`` (the heads of sessions here, the hops
+        of routes this node heads) or the tracker's probes name them. Call it where no poll's
+        answer is being read."""
+        if now - self._pruned_at >= PRUNE_EVERY_S:
+            self._pruned_at = now
+            self._needed = needed()
+            keep = self._needed | self.probes.keys()
+            for endpoint in [e for e, used in self._used.items() if now - used >= PEER_IDLE_S and e not in keep]:
+                self._let_go(endpoint)
+        for sock in self._closing:
+            self.poller.unregister(sock)
+            del self.endpoint_of[sock]
+            sock.close(linger=0)
+        self._closing.clear()
+
     def close(self) -> None:
         for sock in self.socks.values():
             # first stop each link monitor: an event for a monitor whose reader is gone blocks
@@ -120,3 +210,5 @@ class Peers:
         self.socks.clear()
         self.endpoint_of.clear()
         self.monitors.clear()
+        self._closing.clear()
+        self._used.clear()

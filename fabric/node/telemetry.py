@@ -20,6 +20,10 @@ COUNTERS = ("hop_seconds", "hops", "batched_hops", "prefill_chunks", "riding_chu
             "rejected_frames", "dropped_frames", "hop_errors", "audits", "audits_passed", "audits_convicted",
             "audits_unsettled", "audits_skipped", "audit_taps", "audit_replays", "audit_frames_ignored")
 
+# the loop's: hops that waited for the compute lock (another node of the machine computed), links to peers
+# refused (too many open, none unneeded) and closed (idle, or making room)
+COUNTERS += ("lock_waits", "refused_peers", "closed_peers")
+
 
 def registration(node: Node) -> p.Register:
     c, w = node.config, node.executor.w
