@@ -36,7 +36,7 @@ from ..wire.liveness import PEER_SILENCE, PING_INTERVAL
 from . import telemetry
 from .config import NodeConfig
 from .head import Head, Model
-from .hops import HopRunner, check_forward
+from .hops import HopRunner
 from .leave import Departure
 from .links import Links
 from .owners import SELF, Owners
@@ -44,15 +44,15 @@ from .peers import Peers
 from .prefixes import MAX_PREFIXES, PrefixIndex
 from .route_session import eos_ids
 from .scheduler import HopScheduler, Replay, Work
+from .session_control import SessionControl
 from .taps import Taps, kernels
 from .telemetry import COUNTERS
 
 log = logging.getLogger(__name__)
 
-MAX_QUEUED_PER_SESSION = 4  # queued hops a node takes, per session it may hold: more is refused (BUSY)
 
 
-class Node:
+class Node(SessionControl):
     def __init__(self, config: NodeConfig, ctx: zmq.Context | None = None):
         self.config = config
         # a secured node owns its context: one ZAP handler per context
@@ -196,16 +196,6 @@ class Node:
         # links kept however idle: to the heads of sessions here (``_free_orphans``), to the hops of routes headed here
         self.peers.prune(now, lambda: self.owners.heads() | (self.head.watched().keys() if self.head else set()))
 
-    def _free_orphans(self, now: float) -> None:
-        """Free the sessions (live or kept) of heads whose link from here went down and stayed
-        down: no one is left who may end them. (A head that is only slow to answer keeps them:
-        its next step would find them gone and prefill again.)"""
-        dead = self.peers.liveness.down(self.owners.heads() - {self.endpoint}, now)
-        for session in self.owners.orphans(dead) if dead else ():
-            self._drop_session(session)
-            self.kv.retained.pop(session)
-            log.info("freed session %s: its head at %s is gone", session, ", ".join(dead))
-
     def _watch_routes(self, now: float) -> None:
         """Ping the hops active requests depend on; re-plan around the ones that died."""
         for sock in list(self.peers.endpoint_of):
@@ -275,66 +265,9 @@ class Node:
             return self.key  # in-process: from this very node
         return peer_key(frames[-1]) or ""
 
-    def _accept_forward(self, identity: bytes, msg: p.Forward, tensor: torch.Tensor) -> None:
-        check_forward(msg, tensor, self.config.shard, self.executor.hidden_size, self.context, self.vocab)
-        opens = msg.pos == 0 or bool(msg.reuse)
-        if not (self.owners.open(msg.session, identity, msg.reuse, head=msg.reply_to) if opens
-                else self.owners.steers(msg.session, identity)):
-            raise p.ProtocolError("that session (or the kept KV it names) belongs to another connection",
-                                  p.ErrorCode.BAD_REQUEST)
-        if opens:
-            self.peers.dial(msg.reply_to, msg.reply_key)  # its link tells when the head dies (``_free_orphans``)
-        if self.departure.refuses(msg, msg.session in self.kv):
-            self._send(msg.reply_to, msg.reply_key, self.departure.refusal(msg.session, msg.step))
-            return
-        if self.busy(msg.session if opens else None):
-            self._send(msg.reply_to, msg.reply_key, p.Error(p.ErrorCode.BUSY, "node is at its session or queue limit",
-                                                            session=msg.session, step=msg.step,
-                                                            node=self.config.node_id))
-            return
-        self.scheduler.push(Work(msg, tensor))
-
-    def busy(self, opening: str | None = "") -> bool:
-        """No room for a hop: the queue is full, or (a session ``opening`` here that holds
-        nothing yet; "": a new one) the sessions holding KV here and those whose first hop
-        waits in the queue reach the session limit."""
-        if len(self.scheduler) >= MAX_QUEUED_PER_SESSION * self.config.max_sessions:
-            return True
-        if opening is None or opening in self.kv:
-            return False
-        waiting = {w.session for w in self.scheduler.queue} - set(self.kv.sessions()) - {opening}
-        return len(self.kv) + len(waiting) >= self.config.max_sessions
-
     def _to_head(self, session: str, msg: p.Token | p.Progress | p.CacheMiss | p.Error) -> None:
         if self.head is not None:
             self.head.deliver(session, msg)
-
-    def _end(self, identity: bytes, msg: p.Cancel | p.Close) -> None:
-        """A client cancels a request this node heads (its own: ``session`` is its request id),
-        or a session ends along its route: acted on only from the connection that opened it."""
-        if isinstance(msg, p.Cancel) and self.head is not None and self.head.cancel(identity, msg.session):
-            return
-        if self.owners.steers(msg.session, identity, strict=True):
-            self._free(msg)
-        else:
-            self.counters["rejected_frames"] += 1
-            log.info("ignored a %s for a session %r does not steer", type(msg).__name__.upper(), identity)
-
-    def _free(self, msg: p.Cancel | p.Close) -> None:
-        """End the session here (its KV kept for reuse while the budget allows, its queued work
-        dropped), then pass the message down the route."""
-        self.scheduler.drop(msg.session)
-        for evicted in self.executor.retain(msg.session):
-            log.debug("evicted the kept KV of session %s", evicted)
-        if msg.route:
-            nxt = msg.route[0]
-            self._send(nxt.endpoint, nxt.key, type(msg)(session=msg.session, route=msg.route[1:]))
-
-    def _drop_session(self, session: str) -> None:
-        """Forget ``session`` here: its KV, its row in the executor's batch, its queued hops."""
-        self.kv.drop(session)
-        self.executor.forget(session)
-        self.scheduler.drop(session)
 
     # -- running hops -------------------------------------------------------------------
 

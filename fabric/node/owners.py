@@ -35,10 +35,14 @@ class Owners:
     def __len__(self) -> int:
         return len(self._of)
 
+    def may_open(self, session: str, identity: bytes, reuse: str = "") -> bool:
+        """Whether ``identity`` may open ``session`` (a FORWARD at position 0, or from
+        ``reuse``'s kept KV): nobody else owns it, and ``reuse`` is nobody else's either."""
+        return self.steers(session, identity) and (not reuse or self.steers(reuse, identity, strict=True))
+
     def open(self, session: str, identity: bytes, reuse: str = "", head: str = "") -> bool:
-        """``identity`` opens ``session`` (a FORWARD at position 0, or from ``reuse``'s kept
-        KV): allowed when nobody else owns it, and ``reuse`` is nobody else's either."""
-        if not self.steers(session, identity) or (reuse and not self.steers(reuse, identity, strict=True)):
+        """``identity`` opens ``session``, where it may (``may_open``)."""
+        if not self.may_open(session, identity, reuse):
             return False
         self._of[session] = identity
         self._head[session] = head
@@ -50,6 +54,10 @@ class Owners:
         unless ``strict``."""
         owner = self._of.get(session)
         return owner == identity if owner is not None or strict else True
+
+    def known(self, session: str) -> bool:
+        """Whether ``session`` was opened here (and holds KV, kept KV or queued work still)."""
+        return session in self._of
 
     def release(self, session: str) -> None:
         self._of.pop(session, None)
