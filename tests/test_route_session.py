@@ -352,3 +352,23 @@ def test_a_failover_that_gives_the_head_more_layers_keeps_the_tokens(split):
             assert rs.route == route and transport.sent[-1].pos == 0 and transport.sent[-1].end_layer == 2
     tokens = [t for e in events if e.event == "token" for t in e.token_ids]
     assert tokens == reference_greedy(model_dir, ids, 12) and events[-1].event == "done"
+
+
+def test_prompt_plus_max_tokens_must_fit_the_context_unless_the_request_lets_the_head_fit_it(split):
+    """A request for more than the context leaves is refused with the numbers; one that says
+    ``fit_context`` gets what the context leaves; the same client may use one request id twice
+    only after the first ended, another client at once."""
+    _, _, tok, route = split
+    host = SilentHost()
+    head = Head(HeadConfig(), host, "h", Model("tiny", 6, tok, frozenset(), context=20), Counter())
+    prompt = "the quick brown fox"
+    n = len(tok(prompt)["input_ids"])
+    head.generate(b"a", Generate(route=route, request_id="r", prompt=prompt, max_tokens=21 - n))
+    (refusal,) = host.to_client
+    assert refusal.error_code == "bad_request" and f"context of 20 tokens: ask for at most {20 - n}" in refusal.text
+    head.generate(b"a", Generate(route=route, request_id="r", prompt=prompt, max_tokens=64, fit_context=True))
+    assert head.request(b"a", "r").request.max_tokens == 20 - n
+    head.generate(b"b", Generate(route=route, request_id="r", prompt=prompt, max_tokens=20 - n))
+    assert head.request(b"b", "r") is not head.request(b"a", "r")
+    assert head.request(b"b", "r").session != head.request(b"a", "r").session
+    assert head.cancel(b"b", "r") and head.request(b"a", "r") is not None  # b's cancel ends b's request only
