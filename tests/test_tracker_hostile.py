@@ -216,3 +216,23 @@ def test_stat_rows_and_heads_per_row_are_bounded():
     for i in range(MAX_HEADS_PER_ROW + 20):
         store.record(Completion("m", FULL("a"), 10, 1.0, "stop"), head=f"h{i}")
     assert len(store._layer_rate[("a", "m")].heads) == MAX_HEADS_PER_ROW
+
+
+def test_in_plaintext_only_the_heads_own_connection_may_audit_in_its_name(tracker, context):
+    """A stranger's DEALER sends REPLICAS_REQUEST and a settled VERDICT under a registered head's
+    id, citing the replicas it was told of: refused, and nobody is excluded. The head's own
+    connection (the one that registered it) is answered."""
+    from fabric.wire.protocol import Replicas, ReplicasRequest, Verdict
+    from tests.test_tracker_service import Peer
+
+    head = tracker.peer
+    for node_id, start, end in (("head", 0, 14), ("suspect", 15, 29), ("r1", 15, 29), ("r2", 15, 29)):
+        assert isinstance(head.call(register(node_id, start, end)), Ack)
+    rogue = Peer(context, tracker.tracker.endpoint)
+    ask = ReplicasRequest("a1", "m", "f", 15, 29, exclude=("head", "suspect"), node_id="head", suspect="suspect")
+    verdict = Verdict("head", "m", "suspect", 15, 29, witnesses=("r1", "r2"), settled=True)
+    for message in (ask, verdict):
+        reply = rogue.call(message)
+        assert isinstance(reply, Error) and "not registered on this connection" in reply.message
+    assert isinstance(head.call(ask), Replicas)  # the head itself asks, as its auditor does
+    assert all(not n["excluded"] for n in head.status()["nodes"])

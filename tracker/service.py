@@ -276,8 +276,9 @@ class Tracker:
             return frames[:1], Error(code=exc.code, message=str(exc))
         try:
             message, _ = decode(body, max_buffer_bytes=0)
-            self.keys.authorize(message, peer)
-            return envelope, self.handle(message, peer or "")
+            connection = bytes(envelope[0]) if envelope else b""
+            self.keys.authorize(message, peer, connection)
+            return envelope, self.handle(message, peer or "", connection)
         except ProtocolError as exc:
             return envelope, Error(code=exc.code, message=str(exc))
         except Exception:  # a bug here must not take the tracker down
@@ -295,13 +296,13 @@ class Tracker:
                  for kind, count in self.handled.copy().items()]
         return rows
 
-    def handle(self, message: Message, peer: str = "") -> Message:
+    def handle(self, message: Message, peer: str = "", connection: bytes = b"") -> Message:
         """The reply to one decoded message; raises ProtocolError for a refusal."""
         if message.KIND in HANDLED:
             self.handled[message.KIND.name.lower()] += 1
         match message:
             case Register():
-                return self._on_register(message, peer)
+                return self._on_register(message, peer, connection)
             case Heartbeat():
                 return self._on_heartbeat(message)
             case RouteRequest():
@@ -328,10 +329,10 @@ class Tracker:
 
     # ----------------------------------------------------------------- handlers
 
-    def _on_register(self, msg: Register, peer: str = "") -> Message:
+    def _on_register(self, msg: Register, peer: str = "", connection: bytes = b"") -> Message:
         old = self.registry.get(msg.node_id)
         node = self.registry.register(msg, self.keys.hop_key(msg, peer))
-        self.keys.registered(node.node_id, peer)
+        self.keys.registered(node.node_id, peer, connection)
         if self._reach is not None:
             self._reach.check(node.node_id, node.endpoint, node.public_key)
         if old is not None and old.fingerprint != node.fingerprint:
