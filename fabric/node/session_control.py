@@ -14,7 +14,7 @@ from .scheduler import Work
 
 log = logging.getLogger(__name__)
 
-MAX_QUEUED_PER_SESSION = 4  # queued hops a node takes per session (and in all, per session it may hold): more is BUSY
+MAX_QUEUED_STEPS = 2  # steps of one session queued at once (a step's prefill chunks count as one): more is BUSY
 
 
 class SessionControl:
@@ -34,7 +34,7 @@ class SessionControl:
         if self.departure.refuses(msg, msg.session in self.kv):
             self._send(msg.reply_to, msg.reply_key, self.departure.refusal(msg.session, msg.step))
             return
-        if self.busy(msg.session if opens else None, msg.session):
+        if self.busy(msg.session) if opens else self._crowds(msg, tensor.shape[1]):
             self._send(msg.reply_to, msg.reply_key, p.Error(p.ErrorCode.BUSY, "node is at its session or queue limit",
                                                             session=msg.session, step=msg.step,
                                                             node=self.config.node_id))
@@ -44,19 +44,25 @@ class SessionControl:
             self.peers.dial(msg.reply_to, msg.reply_key)  # its link tells when the head dies (``_free_orphans``)
         self.scheduler.push(Work(msg, tensor))
 
-    def busy(self, opening: str | None = "", session: str = "") -> bool:
-        """No room for a hop. A step of a session here: it already has its share of the queue
-        queued (others' floods never refuse it). A session ``opening`` here ("": a new one):
-        the queue is full, or the sessions holding KV here and those whose first hop waits in
-        the queue reach the session limit."""
-        if opening is None:
-            return sum(w.session == session for w in self.scheduler.queue) >= MAX_QUEUED_PER_SESSION
-        if len(self.scheduler) >= MAX_QUEUED_PER_SESSION * self.config.max_sessions:
-            return True
+    def busy(self, opening: str = "") -> bool:
+        """No room for a session ``opening`` here ("": a new one): the sessions holding KV
+        here and those whose first hop waits in the queue reach the session limit."""
         if opening in self.kv:
             return False
         waiting = {w.session for w in self.scheduler.queue} - set(self.kv.sessions()) - {opening}
         return len(self.kv) + len(waiting) >= self.config.max_sessions
+
+    def _crowds(self, msg: p.Forward, tokens: int) -> bool:
+        """``msg``, a step of a session here, would queue more than an honest session can: a
+        step beyond the next (the head sends one when the last one's token came), positions
+        already queued, or more positions than the model's context. So a session's queue costs
+        at most one context's prefill, and nobody's flood turns another's steps away."""
+        mine = [w for w in self.scheduler.queue if w.session == msg.session]
+        if not mine:
+            return False
+        steps = {w.msg.step for w in mine} | {msg.step}
+        start, end = min(w.msg.pos for w in mine), max(w.msg.pos + w.tokens for w in mine)
+        return len(steps) > MAX_QUEUED_STEPS or msg.pos < end or msg.pos + tokens - start > max(self.context, 1)
 
     def _end(self, identity: bytes, msg: p.Cancel | p.Close) -> None:
         """A client cancels a request this node heads (its own: ``session`` is its request id),
