@@ -95,7 +95,7 @@ class AsyncClient(ClientCore):
                             yield event
                 return
             except HeadDied as died:
-                self._go_on(stream, died, await self._route_around(args.model, died, stream))
+                stream.go_on(died, await self._route_around(args.model, died, stream))
 
     async def _route_around(self, model: str, died: HeadDied, stream: Continuation) -> tuple[p.Hop, ...]:
         for exclude in self._around(died, stream):

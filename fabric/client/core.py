@@ -305,12 +305,6 @@ class ClientCore:
         self.routes.died(died.head.node)
         return stream.around(died)
 
-    def _go_on(self, stream: Continuation, died: HeadDied, route: tuple[p.Hop, ...]) -> None:
-        """``stream`` goes on at ``route``'s head. The hops of the dead head's route free its
-        session at their idle timeout: only the connection that opened a session may end it
-        (fabric/node/owners.py), and that one died with the head."""
-        stream.go_on(died, route)
-
 
 def status_body(reply: p.Message) -> dict:
     if not isinstance(reply, p.Status):
@@ -372,7 +366,9 @@ class Continuation:
         return [tuple(self.lost)] + ([(died.head.node,)] if len(self.lost) > 1 else [])
 
     def go_on(self, died: HeadDied, route: tuple[p.Hop, ...]) -> None:
-        """Send the request to ``route``'s head next, after the tokens so far."""
+        """Send the request to ``route``'s head next, after the tokens so far. The hops of the
+        dead head's route free its session themselves: only the connection that opened a
+        session may end it (fabric/node/owners.py), and that one died with the head."""
         log.warning("%s after %d tokens; request %s goes on at %s", died.message, len(self.ids),
                     self.msg.request_id, route[0].node)
         self.msg = dataclasses.replace(self.msg, route=tuple(route), resume=tuple(self.ids))

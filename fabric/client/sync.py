@@ -111,7 +111,7 @@ class Client(ClientCore):
                             yield event
                 return
             except HeadDied as died:
-                self._go_on(stream, died, self._route_around(model, died, stream))
+                stream.go_on(died, self._route_around(model, died, stream))
 
     def _route_around(self, model: str, died: HeadDied, stream: Continuation) -> tuple[p.Hop, ...]:
         for exclude in self._around(died, stream):

@@ -107,7 +107,7 @@ class Head:
             return
         rs = RouteSession(req, prompt, tokenizer=self.model.tokenizer, eos=self.model.eos,
                           reply_to=self.host.endpoint, reply_key=self.host.key, transport=self.auditor,
-                          seed=secrets.randbits(62), wire_dtype=self.config.wire_dtype, session=new_session_id())
+                          seed=secrets.randbits(62), wire_dtype=self.config.wire_dtype)
         self.sessions[rs.session] = rs
         self.clients[rs.session] = identity
         self.requests[(identity, req.request_id)] = rs.session

@@ -51,7 +51,6 @@ from .telemetry import COUNTERS
 log = logging.getLogger(__name__)
 
 
-
 class Node(SessionControl):
     def __init__(self, config: NodeConfig, ctx: zmq.Context | None = None):
         self.config = config
@@ -104,8 +103,7 @@ class Node(SessionControl):
     def _head(self, model_config) -> Head:
         tokenizer = load_tokenizer(self.config.source, self.config.cache_root)
         model = Model(self.config.source.model_id, self.config.shard.num_layers, tokenizer,
-                      eos_ids(tokenizer, model_config), vocab_size=getattr(model_config, "vocab_size", 0) or 0,
-                      context=getattr(model_config, "max_position_embeddings", 0) or 0,
+                      eos_ids(tokenizer, model_config), vocab_size=self.vocab, context=self.context,
                       fingerprint=self.fingerprint)
         # a node that keeps no KV of ended requests offers none to reuse either
         prefixes = PrefixIndex(max_entries=0 if self.kv.retained.budget <= 0 else MAX_PREFIXES)
@@ -183,8 +181,8 @@ class Node(SessionControl):
             self._drop_session(session)  # its KV is gone already: the batch group and gathering forget it too
             log.info("freed idle session %s", session)
         self.scheduler.forget_freed()
-        queued = {w.session for w in self.scheduler.queue}
-        self.owners.prune(now, lambda s: s in self.kv or s in self.kv.retained or s in queued)
+        self.owners.prune(now, lambda: {*self.kv.sessions(), *self.kv.retained.sessions(),
+                                        *(w.session for w in self.scheduler.queue)})
         self._free_orphans(now)
         for work in self.scheduler.waiting(now):  # hops waiting their turn here: their heads hear they are not lost
             self._progress(work.msg, work.msg.pos)

@@ -19,7 +19,7 @@ until the idle timeout.
 """
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Collection
 
 SELF = b""  # frames this node gives itself (its head's first hop): a ROUTER never names a peer so
 
@@ -40,13 +40,10 @@ class Owners:
         ``reuse``'s kept KV): nobody else owns it, and ``reuse`` is nobody else's either."""
         return self.steers(session, identity) and (not reuse or self.steers(reuse, identity, strict=True))
 
-    def open(self, session: str, identity: bytes, reuse: str = "", head: str = "") -> bool:
-        """``identity`` opens ``session``, where it may (``may_open``)."""
-        if not self.may_open(session, identity, reuse):
-            return False
+    def open(self, session: str, identity: bytes, head: str = "") -> None:
+        """``identity`` opened ``session`` (its caller asked ``may_open``, or is this node)."""
         self._of[session] = identity
         self._head[session] = head
-        return True
 
     def steers(self, session: str, identity: bytes, strict: bool = False) -> bool:
         """Whether frames of ``session`` from ``identity`` are acted on: it opened the session,
@@ -74,11 +71,12 @@ class Owners:
             self.release(session)
         return gone
 
-    def prune(self, now: float, holds: Callable[[str], bool]) -> None:
-        """Forget the owners of sessions for which ``holds`` is false (no KV, kept KV or queued
-        work here any more), every PRUNE_EVERY_S."""
+    def prune(self, now: float, held: Callable[[], Collection[str]]) -> None:
+        """Forget, every PRUNE_EVERY_S, the owners of sessions not in ``held()`` (those with KV,
+        kept KV or queued work here)."""
         if now - self._pruned_at < PRUNE_EVERY_S:
             return
         self._pruned_at = now
-        self._of = {s: who for s, who in self._of.items() if holds(s)}
+        holds = held()
+        self._of = {s: who for s, who in self._of.items() if s in holds}
         self._head = {s: head for s, head in self._head.items() if s in self._of}

@@ -40,7 +40,7 @@ class SessionControl:
                                                             node=self.config.node_id))
             return
         if opens:
-            self.owners.open(msg.session, identity, msg.reuse, head=msg.reply_to)
+            self.owners.open(msg.session, identity, head=msg.reply_to)
             self.peers.dial(msg.reply_to, msg.reply_key)  # its link tells when the head dies (``_free_orphans``)
         self.scheduler.push(Work(msg, tensor))
 

@@ -16,6 +16,7 @@ model's hidden size), ``vocab`` and ``context``.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import secrets
 import sys
@@ -95,8 +96,6 @@ class Rogue:
 
 
 def _with_tensors(message: p.Message, specs: tuple) -> p.Message:
-    import dataclasses
-
     return dataclasses.replace(message, tensors=specs)
 
 
