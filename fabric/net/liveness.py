@@ -52,6 +52,11 @@ class PeerLiveness:
                 if now - self._down_since.get(e, now) > self.grace
                 or now - self._last_seen.get(e, now) > self.silence}
 
+    @property
+    def any_down(self) -> bool:
+        """Whether the link to some peer is down now."""
+        return bool(self._down_since)
+
     def down(self, endpoints, now: float | None = None) -> set[str]:
         """Those of ``endpoints`` whose link went down and stayed down past the grace (their
         process closed its sockets or died), silence aside."""

@@ -95,6 +95,8 @@ class SessionControl:
         """Free the sessions (live or kept) of heads whose link from here went down and stayed
         down: no one is left who may end them. (A head that is only slow to answer keeps them:
         its next step would find them gone and prefill again.)"""
+        if not self.peers.liveness.any_down:  # the loop's usual turn: nothing to look through
+            return
         dead = self.peers.liveness.down(self.owners.heads() - {self.endpoint}, now)
         for session in self.owners.orphans(dead) if dead else ():
             self._drop_session(session)
