@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from . import attention
 from .hopkv import CacheMissError, HopKV
 from .kv import KVStore, SessionKV
 from .models import ShardWeights
@@ -234,9 +235,13 @@ class ShardExecutor(HopKV):
     def run_prefills(self, steps: list[Step]) -> list[StepResult]:
         """One forward pass for whole prompts (pos 0) of different sessions over the same
         layers: left-padded into one batch, the padding masked out. The sessions join the
-        batch group, ready to decode together."""
+        batch group, ready to decode together. A shard that attends with
+        fabric/compute/attention.py runs them as chunks of one pass instead, each on a cache of
+        its own: padding would move its keys' columns, and with them the bits."""
         start, end = steps[0].start, steps[0].end
         assert all((s.start, s.end) == (start, end) and s.pos == 0 for s in steps) and self.batchable(start, end)
+        if self.w.config._attn_implementation == attention.NAME:  # left padding would move the keys' columns
+            return self.run_mixed([], [Chunk(step) for step in steps])
         lengths = [s.inputs.shape[1] for s in steps]
         longest = max(lengths)
         pads = [longest - n for n in lengths]
@@ -280,7 +285,7 @@ class ShardExecutor(HopKV):
         masked dummy. A session not in the group joins it first."""
         group, rows, lo, hi = self._rows(steps, kvs)
         hidden, position_ids = self._row_inputs(steps, rows, lo, hi)
-        cache = group.step_cache(lo, hi)  # first: it may pack the rows, which changes the mask
+        cache = group.step_cache(lo, hi)  # first: it may grow the buffers
         hidden = self._layers(hidden, position_ids, group.mask(lo, hi, hidden.dtype), cache, steps[0].start,
                               steps[0].end)
         self._advance(group, rows, kvs)

@@ -8,7 +8,7 @@ group, then each chunk's q tokens (a slice of a long prompt, or a few short whol
 Projections, norms and MLPs are per token and take the sequence as it is. Attention is
 not: the layers' cache and attention are swapped, for the pass, for ``ChunksAndRows``
 (each layer's new keys and values go to the group's rows and to each chunk's own cache)
-and ``attention`` (transformers' own SDPA attention, once over the rows as a decode batch
+and ``attention`` (the shard's own attention, SDPA or fabric/compute/attention.py, once over the rows as a decode batch
 and once over each chunk with its causal mask). Each part is computed as it is alone; only
 the sequence the projections see is longer.
 
@@ -17,12 +17,16 @@ This module imports transformers; the executor imports it for a mixed pass.
 from __future__ import annotations
 
 import contextlib
+from contextvars import ContextVar
 
 import torch
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+from . import attention as invariant
+
 NAME = "meshnet_rows_and_chunk"
+INNER: ContextVar = ContextVar("inner", default=sdpa_attention_forward)  # how each part attends
 
 
 class ChunksAndRows:
@@ -58,14 +62,15 @@ def attention(module, query: torch.Tensor, key, value, attention_mask, **kwargs)
     each chunk's; attention_mask: (the rows' mask, [(q, mask) of each chunk]). Returns (1,
     n + q..., heads, head_dim), as every attention function of transformers does."""
     rows_mask, chunks = attention_mask
+    inner = INNER.get()
     n = key[0].shape[0] if key[0] is not None else 0
     out = []
     if n:
         rows_q = query[0, :, :n, None].transpose(0, 1)  # (n, heads, 1, head_dim)
-        out.append(sdpa_attention_forward(module, rows_q, key[0], value[0], rows_mask, **kwargs)[0].transpose(0, 1))
+        out.append(inner(module, rows_q, key[0], value[0], rows_mask, **kwargs)[0].transpose(0, 1))
     at = n
     for k, v, (q, mask) in zip(key[1:], value[1:], chunks):
-        out.append(sdpa_attention_forward(module, query[:, :, at:at + q], k, v, mask, **kwargs)[0])
+        out.append(inner(module, query[:, :, at:at + q], k, v, mask, **kwargs)[0])
         at += q
     return torch.cat(out, dim=1), None
 
@@ -75,10 +80,13 @@ AttentionInterface.register(NAME, attention)
 
 @contextlib.contextmanager
 def rows_and_chunks(config):
-    """The layers built on ``config`` attend with ``attention`` meanwhile."""
+    """The layers built on ``config`` attend with ``attention`` meanwhile, each part as the
+    shard attends otherwise (fabric/compute/attention.py, or SDPA)."""
     before = config._attn_implementation
+    token = INNER.set(invariant.attention if before == invariant.NAME else sdpa_attention_forward)
     config._attn_implementation = NAME
     try:
         yield
     finally:
         config._attn_implementation = before
+        INNER.reset(token)

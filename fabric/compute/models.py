@@ -412,6 +412,10 @@ def _shard_weights(model, shard: Shard, lazy_embed, tied: bool, dtype: torch.dty
             module.to(device=device, dtype=dtype).eval().requires_grad_(False)
     weights.rotary.to(device=device)
     _check_materialized(weights)
+    from . import attention
+
+    if attention.use_invariant(weights.device, dtype):  # the same bits in any chunk or batch
+        config._attn_implementation = attention.NAME
     return weights
 
 

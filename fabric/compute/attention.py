@@ -1,0 +1,102 @@
+"""Attention whose result for a position does not depend on what it was computed beside. No sockets.
+
+torch's fused CPU attention (``scaled_dot_product_attention``) splits queries and keys
+into blocks whose sizes follow the call's shape, and rounds its partial results at each
+block: one position computed in a prefill chunk of 64, in a re-prefill, in a one-token
+step or in a decode batch of 8 comes out in different low bits. In bfloat16 those bits
+reach the logits and, now and then, another token: the text after a failover changed.
+
+``attention`` computes the same thing in three plain steps whose arithmetic for a query
+row depends only on that row, its keys and the head size:
+
+- scores: one matmul over the head size, queries of every head that shares a key head
+  packed as the rows (``MIN_ROWS`` at least, padded with zeros, so a one-token step runs
+  on the same kernel as a chunk: BLAS libraries take another kernel for one or two rows);
+- the softmax in float32, masked keys exactly 0;
+- values: one matmul over the keys, where a masked key adds an exact 0.
+
+So a query gives the same bits in a chunk of any size, in a batch of any size, with
+masked columns after its keys (the causal part of a chunk, a shorter row of a batch), on
+one CPU with one thread count: bit-equality across machines is not promised.
+(``tests/test_invariant.py`` holds it in the default mode, and holds that
+``scaled_dot_product_attention`` does not.)
+
+A shard in bfloat16 on a CPU attends with it (``use_invariant``); float32 (exact mode)
+and CUDA keep transformers' SDPA.
+"""
+from __future__ import annotations
+
+import torch
+from torch.nn import functional as F
+from transformers import AttentionInterface
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+NAME = "meshnet_invariant"
+MIN_ROWS = 16  # rows of a matmul come in multiples of this: a kernel takes another path for a few rows, or a ragged last block
+TILE = 256  # keys per matmul: a kernel blocks its reduction by the length it is given
+
+
+def attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+              attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
+              softcap: float | None = None, **kwargs) -> tuple[torch.Tensor, None]:
+    """query (b, heads, q, d); key and value (b, kv_heads, k, d); attention_mask boolean (True:
+    attend) or additive, (b or 1, 1, q, k), or None (causal, the queries the last q keys).
+    Returns (b, q, heads, d), as transformers' attention functions do."""
+    b, heads, q, d = query.shape
+    kv_heads, k = key.shape[1], key.shape[2]
+    groups = heads // kv_heads
+    rows = groups * q  # a key head's query heads, each q positions
+    packed = _at_least(query.reshape(b, kv_heads, rows, d), MIN_ROWS)
+    tiles = range(0, k, TILE)
+    scores = torch.cat([torch.matmul(packed, _tile(key, t).transpose(-1, -2)) for t in tiles], dim=-1)
+    scores = scores[:, :, :rows].float() * (scaling if scaling is not None else d ** -0.5)  # (b, kv_heads, rows, k+)
+    if softcap is not None:  # Gemma 2
+        scores = torch.tanh(scores / softcap) * softcap
+    keep = F.pad(_keep(attention_mask, q, k, query.device), (0, len(tiles) * TILE - k))  # (b or 1, 1, q, k+)
+    scores = scores.view(b, kv_heads, groups, q, -1).masked_fill_(~keep[:, :, None], float("-inf"))
+    top = scores.amax(-1, keepdim=True)
+    weights = torch.exp(scores - torch.where(top.isfinite(), top, 0.0))  # masked: exactly 0
+    sums = weights.view(*weights.shape[:-1], len(tiles), TILE).sum(-1)  # (..., tiles): each sum over TILE keys
+    probs = (weights / _in_order(sums.unbind(-1)).clamp_min(1e-30)[..., None]).to(value.dtype)
+    probs = _at_least(probs.view(b, kv_heads, rows, -1), MIN_ROWS)
+    out = _in_order([torch.matmul(probs[..., t:t + TILE], _tile(value, t)).float() for t in tiles])
+    return out[:, :, :rows].to(value.dtype).reshape(b, heads, q, d).transpose(1, 2).contiguous(), None
+
+
+def _at_least(x: torch.Tensor, rows: int) -> torch.Tensor:
+    """``x`` (..., n, cols) with zero rows added to make a multiple of ``rows``."""
+    extra = -x.shape[-2] % rows
+    return F.pad(x, (0, 0, 0, extra)) if extra else x
+
+
+def _tile(x: torch.Tensor, at: int) -> torch.Tensor:
+    """Keys or values at..at + TILE of ``x`` (b, kv_heads, k, d), zeros past the end."""
+    part = x[:, :, at:at + TILE]
+    return F.pad(part, (0, 0, 0, TILE - part.shape[2])) if part.shape[2] < TILE else part
+
+
+def _in_order(parts) -> torch.Tensor:
+    """The sum of ``parts``, added first to last: a tile past a query's keys adds an exact 0."""
+    total = None
+    for part in parts:
+        total = part if total is None else total + part
+    return total
+
+
+def _keep(mask: torch.Tensor | None, q: int, k: int, device) -> torch.Tensor:
+    """Which keys each query attends to, boolean (b or 1, 1, q, k)."""
+    if mask is None:
+        keys = torch.arange(k, device=device)
+        return (keys[None, :] <= keys[-q:, None])[None, None]  # causal; every key for a single query
+    if mask.dtype == torch.bool:
+        return mask[..., :k]
+    return mask[..., :k] > torch.finfo(mask.dtype).min / 2  # additive: 0 attend, the dtype's minimum not
+
+
+def use_invariant(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether a shard attends with ``attention``: bfloat16 or float16 on a CPU."""
+    return device.type == "cpu" and dtype in (torch.bfloat16, torch.float16)
+
+
+AttentionInterface.register(NAME, attention)
+ALL_MASK_ATTENTION_FUNCTIONS.register(NAME, sdpa_mask)
