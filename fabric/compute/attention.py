@@ -55,7 +55,7 @@ def attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     keep = F.pad(_keep(attention_mask, q, k, query.device), (0, len(tiles) * TILE - k))  # (b or 1, 1, q, k+)
     scores = scores.view(b, kv_heads, groups, q, -1).masked_fill_(~keep[:, :, None], float("-inf"))
     top = scores.amax(-1, keepdim=True)
-    weights = torch.exp(scores - torch.where(top.isfinite(), top, 0.0))  # masked: exactly 0
+    weights = torch.exp(scores - top.clamp_min(torch.finfo(torch.float32).min))  # masked: exactly 0
     sums = weights.view(*weights.shape[:-1], len(tiles), TILE).sum(-1)  # (..., tiles): each sum over TILE keys
     probs = (weights / _in_order(sums.unbind(-1)).clamp_min(1e-30)[..., None]).to(value.dtype)
     probs = _at_least(probs.view(b, kv_heads, rows, -1), MIN_ROWS)
