@@ -8,8 +8,8 @@ group, then each chunk's q tokens (a slice of a long prompt, or a few short whol
 Projections, norms and MLPs are per token and take the sequence as it is. Attention is
 not: the layers' cache and attention are swapped, for the pass, for ``ChunksAndRows``
 (each layer's new keys and values go to the group's rows and to each chunk's own cache)
-and ``attention`` (the shard's own attention, SDPA or fabric/compute/attention.py, once over the rows as a decode batch
-and once over each chunk with its causal mask). Each part is computed as it is alone; only
+and ``attention`` (the shard's own attention, SDPA or fabric/compute/attention.py, once
+over the rows as a decode batch and once over each chunk with its causal mask). Each part is computed as it is alone; only
 the sequence the projections see is longer.
 
 This module imports transformers; the executor imports it for a mixed pass.
