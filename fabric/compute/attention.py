@@ -9,11 +9,14 @@ reach the logits and, now and then, another token: the text after a failover cha
 ``attention`` computes the same thing in three plain steps whose arithmetic for a query
 row depends only on that row, its keys and the head size:
 
-- scores: one matmul over the head size, queries of every head that shares a key head
-  packed as the rows (``MIN_ROWS`` at least, padded with zeros, so a one-token step runs
-  on the same kernel as a chunk: BLAS libraries take another kernel for one or two rows);
-- the softmax in float32, masked keys exactly 0;
-- values: one matmul over the keys, where a masked key adds an exact 0.
+- scores: a matmul per tile of ``TILE`` keys (a kernel blocks its reduction by the length
+  it is given), the queries of every head that shares a key head packed as the rows, padded
+  with zeros to whole blocks of ``ROW_BLOCK`` (a kernel takes another path for one or two
+  rows, or for a ragged last block);
+- the softmax in float32: the maximum over every tile, each tile's sum, the tiles' sums
+  added in order; masked keys exactly 0;
+- values: a matmul per tile, the tiles added in order, where a tile past a query's keys
+  adds an exact 0.
 
 So a query gives the same bits in a chunk of any size, in a batch of any size, with
 masked columns after its keys (the causal part of a chunk, a shorter row of a batch), on
@@ -32,8 +35,8 @@ from transformers import AttentionInterface
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
 NAME = "meshnet_invariant"
-MIN_ROWS = 16  # rows of a matmul come in multiples of this: a kernel takes another path for a few rows, or a ragged last block
-TILE = 256  # keys per matmul: a kernel blocks its reduction by the length it is given
+ROW_BLOCK = 16  # the rows of a matmul come in whole blocks of this many
+TILE = 256  # keys per matmul
 
 
 def attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -46,7 +49,7 @@ def attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     kv_heads, k = key.shape[1], key.shape[2]
     groups = heads // kv_heads
     rows = groups * q  # a key head's query heads, each q positions
-    packed = _at_least(query.reshape(b, kv_heads, rows, d), MIN_ROWS)
+    packed = _whole_blocks(query.reshape(b, kv_heads, rows, d))
     tiles = range(0, k, TILE)
     scores = torch.cat([torch.matmul(packed, _tile(key, t).transpose(-1, -2)) for t in tiles], dim=-1)
     scores = scores[:, :, :rows].float() * (scaling if scaling is not None else d ** -0.5)  # (b, kv_heads, rows, k+)
@@ -58,14 +61,14 @@ def attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     weights = torch.exp(scores - top.clamp_min(torch.finfo(torch.float32).min))  # masked: exactly 0
     sums = weights.view(*weights.shape[:-1], len(tiles), TILE).sum(-1)  # (..., tiles): each sum over TILE keys
     probs = (weights / _in_order(sums.unbind(-1)).clamp_min(1e-30)[..., None]).to(value.dtype)
-    probs = _at_least(probs.view(b, kv_heads, rows, -1), MIN_ROWS)
+    probs = _whole_blocks(probs.view(b, kv_heads, rows, -1))
     out = _in_order([torch.matmul(probs[..., t:t + TILE], _tile(value, t)).float() for t in tiles])
     return out[:, :, :rows].to(value.dtype).reshape(b, heads, q, d).transpose(1, 2).contiguous(), None
 
 
-def _at_least(x: torch.Tensor, rows: int) -> torch.Tensor:
-    """``x`` (..., n, cols) with zero rows added to make a multiple of ``rows``."""
-    extra = -x.shape[-2] % rows
+def _whole_blocks(x: torch.Tensor) -> torch.Tensor:
+    """``x`` (..., n, cols) with zero rows added to make whole blocks of ``ROW_BLOCK``."""
+    extra = -x.shape[-2] % ROW_BLOCK
     return F.pad(x, (0, 0, 0, extra)) if extra else x
 
 
