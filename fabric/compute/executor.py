@@ -285,8 +285,8 @@ class ShardExecutor(HopKV):
         masked dummy. A session not in the group joins it first."""
         group, rows, lo, hi = self._rows(steps, kvs)
         hidden, position_ids = self._row_inputs(steps, rows, lo, hi)
-        cache = group.step_cache(lo, hi)  # first: it may grow the buffers
-        hidden = self._layers(hidden, position_ids, group.mask(lo, hi, hidden.dtype), cache, steps[0].start,
+        cache = group.step_cache(lo, hi)  # the buffers grow here if a row is full
+        hidden = self._layers(hidden, position_ids, cache.mask(hidden.dtype), cache, steps[0].start,
                               steps[0].end)
         self._advance(group, rows, kvs)
         return self._result(hidden[[r - lo for r in rows]], steps[0].end)
@@ -311,10 +311,11 @@ class ShardExecutor(HopKV):
             positions.append(torch.arange(pos, pos + q, device=self.w.device)[None])
             masks.append((q, self._masks(kv, parts[-1], positions[-1], start, end)["full_attention"]))
             sizes.append(q)
-        cache = ChunksAndRows(group.step_cache(lo, hi) if steps else None, [kv.cache for _, kv in chunks], sizes)
+        rows_cache = group.step_cache(lo, hi) if steps else None
+        cache = ChunksAndRows(rows_cache, [kv.cache for _, kv in chunks], sizes)
         with rows_and_chunks(self.w.config):
             hidden = self._layers(torch.cat(parts, dim=1), torch.cat(positions, dim=1),
-                                  (group.mask(lo, hi, self.w.dtype) if steps else None, masks), cache, start, end)
+                                  (rows_cache.mask(self.w.dtype) if steps else None, masks), cache, start, end)
         out = []
         if steps:
             self._advance(group, rows, kvs)

@@ -90,14 +90,6 @@ class RowGroup:
             self._rebuild(len(self.sessions), spare(longest))
         return RowsStep(self, lo, hi, self.lengths[lo:hi].clone())
 
-    def mask(self, lo: int, hi: int, dtype: torch.dtype) -> torch.Tensor:
-        """Additive mask (hi - lo, 1, 1, longest + 1) for one new position per row: a row sees
-        its own positions and its new one. Finite, not -inf, so no softmax row is all -inf."""
-        lengths = self.lengths[lo:hi]
-        keep = torch.arange(int(lengths.max()) + 1, device=lengths.device)[None, :] <= lengths[:, None]
-        return torch.zeros(keep.shape, dtype=dtype, device=keep.device).masked_fill(
-            ~keep, torch.finfo(dtype).min)[:, None, None]
-
     def advance(self, stepped: list[int]) -> None:
         """After a pass: each row in ``stepped`` holds its new position (a dummy does not)."""
         self.lengths[stepped] += 1
@@ -135,7 +127,8 @@ class RowGroup:
 
 class RowsStep:
     """What the layers of one pass over rows lo..hi see as their cache: ``update`` writes each
-    row's new position into the column after its last (``ends``) and returns rows lo..hi, in place."""
+    row's new position into the column after its last (``ends``) and returns rows lo..hi, in
+    place; ``mask`` is the pass's attention mask."""
 
     def __init__(self, group: RowGroup, lo: int, hi: int, ends: torch.Tensor):
         self.group, self.lo, self.hi, self.ends = group, lo, hi, ends
@@ -149,3 +142,10 @@ class RowsStep:
         keys[self.rows, :, self.ends] = key_states[:, :, 0]
         values[self.rows, :, self.ends] = value_states[:, :, 0]
         return keys[self.lo:self.hi, :, :self.width], values[self.lo:self.hi, :, :self.width]
+
+    def mask(self, dtype: torch.dtype) -> torch.Tensor:
+        """Additive mask (hi - lo, 1, 1, width) for one new position per row: a row sees its own
+        positions and its new one. Finite, not -inf, so no softmax row is all -inf."""
+        keep = torch.arange(self.width, device=self.ends.device)[None, :] <= self.ends[:, None]
+        return torch.zeros(keep.shape, dtype=dtype, device=keep.device).masked_fill(
+            ~keep, torch.finfo(dtype).min)[:, None, None]
