@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from fabric.compute import attention
+from fabric.compute import attention, native
 from fabric.compute.executor import Chunk, ShardExecutor, Step
 from fabric.compute.kv import KVStore
 from fabric.compute.models import ALIASES, alias_path, load_config, load_shard, resolve
@@ -140,6 +140,7 @@ def test_sdpa_attention_fails_the_same_check():
 
 
 KERNELS = {
+    "torch's operators, no C kernel": {"MESHNET_NATIVE": "0"},
     "oneDNN at AVX2": {"ONEDNN_MAX_CPU_ISA": "AVX2"},
     "oneDNN at AVX-512 without BF16": {"ONEDNN_MAX_CPU_ISA": "AVX512_CORE"},
     "torch's kernels at AVX2, no oneDNN": {"ATEN_CPU_CAPABILITY": "avx2", "MESHNET_TEST_NO_ONEDNN": "1"},
@@ -160,6 +161,16 @@ def test_the_same_bits_on_other_cpus_kernels(tiny_models, kernels):
 # --------------------------------------------------------------------------- the function itself
 
 
+@pytest.fixture(params=["C kernel", "torch's operators"])
+def path(request, monkeypatch):
+    """``attention`` by its C kernel, and by its torch path as where no compiler is at hand."""
+    if request.param == "C kernel":
+        assert native.library("attention") is not None, "the C kernel did not build (is there a C compiler?)"
+    else:
+        monkeypatch.setattr(native, "library", lambda name: None)
+    return request.param
+
+
 class _Module:
     num_key_value_groups = 2
 
@@ -177,7 +188,7 @@ def _exact(query, key, value, keep, scaling, softcap=None):
 
 @pytest.mark.parametrize("keys", [1, 40, 256, 300, 700])
 @pytest.mark.parametrize("mask", ["none", "bool", "additive"])
-def test_attention_computes_attention(keys, mask):
+def test_attention_computes_attention(path, keys, mask):
     torch.manual_seed(keys)
     q = min(keys, 9)
     query, key, value = (torch.randn(2, h, n, 32).bfloat16() for h, n in ((4, q), (2, keys), (2, keys)))
@@ -195,10 +206,36 @@ def test_attention_computes_attention(keys, mask):
         assert torch.allclose(out.double(), expected, atol=0.03, rtol=0.03)
 
 
-def test_a_query_with_every_key_masked_gives_zeros_not_nan():
+def test_a_query_with_every_key_masked_gives_zeros_not_nan(path):
     query, key, value = torch.randn(1, 2, 1, 16).bfloat16(), torch.randn(1, 1, 5, 16).bfloat16(), torch.randn(1, 1, 5, 16).bfloat16()
     out, _ = attention.attention(_Module, query, key, value, torch.zeros(1, 1, 1, 5, dtype=torch.bool))
     assert torch.equal(out, torch.zeros_like(out))
+
+
+@pytest.mark.parametrize("heads, kv_heads, d", [(9, 3, 64), (4, 4, 80), (8, 2, 72)])
+def test_a_query_gives_the_same_bits_alone_in_a_chunk_in_a_batch_on_any_thread_count(path, heads, kv_heads, d):
+    """The function itself, on head sizes that are and are not whole lanes of 16: each query of
+    a chunk of 40 at the end of 300 keys, computed alone (a one-token step) and beside two other
+    batch rows; the C kernel, on one thread and two as well."""
+    torch.manual_seed(d)
+    query = torch.randn(3, heads, 40, d).bfloat16()
+    key, value = torch.randn(3, kv_heads, 300, d).bfloat16(), torch.randn(3, kv_heads, 300, d).bfloat16()
+    chunk, _ = attention.attention(_Module, query, key, value, None)
+    if path == "C kernel":  # the torch path's matmuls may split their work by threads
+        other = 1 if torch.get_num_threads() > 1 else 2
+        assert torch.equal(_on_threads(other, attention.attention, _Module, query, key, value, None)[0], chunk)
+    alone = [attention.attention(_Module, query[:1, :, i:i + 1], key[:1, :, :261 + i], value[:1, :, :261 + i], None)[0]
+             for i in range(40)]
+    assert all(torch.equal(one[0, 0], chunk[0, i]) for i, one in enumerate(alone))
+
+
+def _on_threads(n: int, fn, *args):
+    threads = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        return fn(*args)
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_only_a_bfloat16_shard_on_a_cpu_attends_this_way():

@@ -6,8 +6,12 @@ block: one position computed in a prefill chunk of 64, in a re-prefill, in a one
 step or in a decode batch of 8 comes out in different low bits. In bfloat16 those bits
 reach the logits and, now and then, another token: the text after a failover changed.
 
-``attention`` computes the same thing in three plain steps whose arithmetic for a query
-row depends only on that row, its keys and the head size:
+``attention`` computes the same thing so that the arithmetic for a query row depends only on
+that row, its keys and the head size. Its main path is a C kernel
+(fabric/compute/kernels/attention.c, built on first use by ``fabric.compute.native``): every
+row runs the same loops in the same order, on any thread, so it holds for any thread count
+too, and it is faster than SDPA on a CPU (docs/BENCHMARKS.md). Where no C compiler is at
+hand, ``_tiled`` does it in torch's operators, more slowly:
 
 - scores: a matmul per tile of ``TILE`` keys (a kernel blocks its reduction by the length
   it is given), the queries of every head that shares a key head packed as the rows, padded
@@ -18,9 +22,9 @@ row depends only on that row, its keys and the head size:
 - values: a matmul per tile, the tiles added in order, where a tile past a query's keys
   adds an exact 0.
 
-So a query gives the same bits in a chunk of any size, in a batch of any size, with
+Either way a query gives the same bits in a chunk of any size, in a batch of any size, with
 masked columns after its keys (the causal part of a chunk, a shorter row of a batch), on
-one CPU with one thread count: bit-equality across machines is not promised.
+one CPU: bit-equality across machines, or between the two paths, is not promised.
 (``tests/test_invariant.py`` holds it in the default mode, and holds that
 ``scaled_dot_product_attention`` does not.)
 
@@ -29,10 +33,14 @@ and CUDA keep transformers' SDPA.
 """
 from __future__ import annotations
 
+import ctypes
+
 import torch
 from torch.nn import functional as F
 from transformers import AttentionInterface
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+from fabric.compute import native
 
 NAME = "meshnet_invariant"
 ROW_BLOCK = 16  # the rows of a matmul come in whole blocks of this many
@@ -45,6 +53,15 @@ def attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     """query (b, heads, q, d); key and value (b, kv_heads, k, d); attention_mask boolean (True:
     attend) or additive, (b or 1, 1, q, k), or None (causal, the queries the last q keys).
     Returns (b, q, heads, d), as transformers' attention functions do."""
+    kernel = native.library("attention")
+    if kernel is not None:
+        return _native(kernel, query, key, value, attention_mask, scaling, softcap), None
+    return _tiled(query, key, value, attention_mask, scaling, softcap), None
+
+
+def _tiled(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: torch.Tensor | None,
+           scaling: float | None, softcap: float | None) -> torch.Tensor:
+    """``attention`` in torch's own operators, where the C kernel cannot be built."""
     b, heads, q, d = query.shape
     kv_heads, k = key.shape[1], key.shape[2]
     groups = heads // kv_heads
@@ -63,7 +80,43 @@ def attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     probs = (weights / _in_order(sums.unbind(-1)).clamp_min(1e-30)[..., None]).to(value.dtype)
     probs = _whole_blocks(probs.view(b, kv_heads, rows, -1))
     out = _in_order([torch.matmul(probs[..., t:t + TILE], _tile(value, t)).float() for t in tiles])
-    return out[:, :, :rows].to(value.dtype).reshape(b, heads, q, d).transpose(1, 2).contiguous(), None
+    return out[:, :, :rows].to(value.dtype).reshape(b, heads, q, d).transpose(1, 2).contiguous()
+
+
+class _Job(ctypes.Structure):
+    """fabric/compute/kernels/attention.c's ``Job``."""
+    _fields_ = [("q", ctypes.c_void_p), ("k", ctypes.c_void_p), ("v", ctypes.c_void_p),
+                ("keep", ctypes.c_void_p), ("out", ctypes.c_void_p),
+                ("sq", ctypes.c_int64 * 3), ("sk", ctypes.c_int64 * 3), ("sv", ctypes.c_int64 * 3),
+                ("skeep", ctypes.c_int64 * 2),
+                ("b", ctypes.c_int), ("heads", ctypes.c_int), ("kv_heads", ctypes.c_int), ("nq", ctypes.c_int),
+                ("nk", ctypes.c_int), ("d", ctypes.c_int), ("fmt", ctypes.c_int),
+                ("scale", ctypes.c_float), ("softcap", ctypes.c_float)]
+
+
+_FORMATS = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
+
+
+def _native(kernel: ctypes.CDLL, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+            attention_mask: torch.Tensor | None, scaling: float | None, softcap: float | None) -> torch.Tensor:
+    """``attention`` by the C kernel: every row in one fixed order (fabric/compute/kernels/attention.c)."""
+    b, heads, q, d = query.shape
+    k = key.shape[2]
+    query, key, value = (x if x.stride(-1) == 1 else x.contiguous() for x in (query, key, value))
+    key, value = key.to(query.dtype), value.to(query.dtype)
+    keep = None
+    if attention_mask is not None:
+        keep = _keep(attention_mask, q, k, query.device)[:, 0]
+        keep = (keep if keep.stride(-1) == 1 else keep.contiguous()).expand(b if keep.shape[0] > 1 else 1, q, k)
+    out = torch.empty(b, q, heads, d, dtype=query.dtype)
+    job = _Job(query.data_ptr(), key.data_ptr(), value.data_ptr(), keep.data_ptr() if keep is not None else None,
+               out.data_ptr(), query.stride()[:3], key.stride()[:3], value.stride()[:3],
+               (keep.stride(0) if keep is not None and keep.shape[0] > 1 else 0, keep.stride(1) if keep is not None else 0),
+               b, heads, key.shape[1], q, k, d, _FORMATS[query.dtype],
+               scaling if scaling is not None else d ** -0.5, softcap or 0.0)
+    if kernel.meshnet_attention(ctypes.byref(job), torch.get_num_threads()):
+        raise MemoryError("attention: no memory for the scores")
+    return out
 
 
 def _whole_blocks(x: torch.Tensor) -> torch.Tensor:

@@ -412,10 +412,11 @@ def _shard_weights(model, shard: Shard, lazy_embed, tied: bool, dtype: torch.dty
             module.to(device=device, dtype=dtype).eval().requires_grad_(False)
     weights.rotary.to(device=device)
     _check_materialized(weights)
-    from . import attention
+    from . import attention, experts
 
     if attention.use_invariant(weights.device, dtype):  # the same bits in any chunk or batch
         config._attn_implementation = attention.NAME
+        config._experts_implementation = experts.NAME
     return weights
 
 

@@ -13,13 +13,15 @@ from .quant import quantize
 def load_quantized_reference(directory, *, gguf_file: str | None = None, scheme: str = "int8", cache_root=None):
     """``AutoModelForCausalLM`` in bfloat16, quantized as ``load_shard(quant=scheme)`` puts a
     shard: a GGUF's linears placed by their tensor types (``fabric.compute.gguf_grid``), attending
-    as a bfloat16 shard on a CPU does (``fabric.compute.attention``)."""
+    and running experts as a bfloat16 shard on a CPU does (``fabric.compute.attention``,
+    ``fabric.compute.experts``)."""
     from transformers import AutoModelForCausalLM
 
-    from . import attention
+    from . import attention, experts
 
     model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=gguf_file, dtype=torch.bfloat16,
-                                                 attn_implementation=attention.NAME)
+                                                 attn_implementation=attention.NAME,
+                                                 experts_implementation=experts.NAME)
     placement = {}
     if gguf_file and scheme in ("int4", "gguf"):  # a file's 4-bit grids (and, under gguf, its float types)
         path = Path(directory) / gguf_file

@@ -1,0 +1,324 @@
+/* Attention whose arithmetic for a query row depends only on that row, its keys and the head size.
+ *
+ * Every row is computed by the same loops in the same order, whichever chunk, batch or thread it
+ * came in:
+ *   - a score is the sum over the head, index by index in order, then scaled;
+ *   - the softmax is in float32: its sum runs in 16 lanes over keys in blocks of 16 and ends in
+ *     one fixed tree, where a masked key, or a key past the row's last, adds an exact 0;
+ *   - the values are added key by key, in order.
+ * So a position gives the same bits in a prefill chunk of any size, in a one-token step and in a
+ * decode batch of any size, for any thread count (fabric/compute/attention.py says why that
+ * matters; tests/test_invariant.py holds it).
+ *
+ * Rows are grouped to share each block of keys (transposed once, with shuffles) and each block of
+ * values; how many share it changes the speed, never a row's arithmetic. GCC's vector types
+ * carry the lanes, so the one source builds for AVX-512, AVX2 or SSE. Built once per machine by
+ * fabric/compute/native.py, without -ffast-math, so the compiler keeps the order written here.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define LANES 16
+#define ROWS 8 /* rows whose scores are summed together, one accumulator each */
+
+typedef float v16 __attribute__((vector_size(64)));
+typedef int32_t i16 __attribute__((vector_size(64)));
+
+enum { F_BF16 = 0, F_F16 = 1, F_F32 = 2 };
+
+typedef struct {
+    const void *q, *k, *v;          /* query (b, heads, q, d); key, value (b, kv_heads, keys, d) */
+    const uint8_t *keep;            /* (b or 1, q, keys), nonzero: attend; NULL: causal */
+    void *out;                      /* (b, q, heads, d), contiguous */
+    int64_t sq[3], sk[3], sv[3];    /* strides of b, head, position (the last dim is contiguous) */
+    int64_t skeep[2];               /* strides of b (0 where shared) and query row in keep */
+    int b, heads, kv_heads, nq, nk, d, fmt;
+    float scale, softcap;           /* softcap 0: none */
+} Job;
+
+typedef struct {  /* one work item: rows first..first + n of key head kvh in batch row b */
+    const Job *j;
+    int b, kvh, first, n, dp, stop, width;
+    float *qf, *qt, *kt, *vb, *s, *acc, *total;  /* qt: qf by blocks of ROWS rows, each (d, ROWS) */
+    int *ends;                      /* per row: one past its last key; then per block of ROWS rows */
+} Item;
+
+static inline v16 splat(float x) { return (v16){x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
+static inline v16 at16(const float *p) { v16 x; memcpy(&x, p, sizeof x); return x; }
+static inline void put16(float *p, v16 x) { memcpy(p, &x, sizeof x); }
+static inline v16 pick(i16 mask, v16 yes, v16 no) { return (v16)(((i16)yes & mask) | ((i16)no & ~mask)); }
+
+/* n values of `base` from `at` as float32 (every format here widens exactly), zeros up to `to`. */
+static void load(float *restrict dst, const void *base, int64_t at, int n, int to, int fmt) {
+    if (fmt == F_BF16) {
+        const uint16_t *src = (const uint16_t *)base + at;
+        for (int i = 0; i < n; i++) {
+            uint32_t bits = (uint32_t)src[i] << 16;
+            memcpy(dst + i, &bits, 4);
+        }
+    } else if (fmt == F_F16) {
+        const _Float16 *src = (const _Float16 *)base + at;
+        for (int i = 0; i < n; i++) dst[i] = (float)src[i];
+    } else {
+        memcpy(dst, (const float *)base + at, sizeof(float) * n);
+    }
+    memset(dst + n, 0, sizeof(float) * (to - n));
+}
+
+static void store(void *base, int64_t at, const float *src, int n, int fmt) {
+    for (int i = 0; i < n; i++) {
+        float x = src[i];
+        if (fmt == F_BF16) {
+            uint32_t bits;
+            memcpy(&bits, &x, 4);
+            if ((bits & 0x7fffffffu) > 0x7f800000u) bits |= 0x00400000u; /* NaN stays NaN */
+            else bits += 0x7fffu + ((bits >> 16) & 1u);                   /* round to nearest even */
+            ((uint16_t *)base)[at + i] = (uint16_t)(bits >> 16);
+        } else if (fmt == F_F16) {
+            ((_Float16 *)base)[at + i] = (_Float16)x;
+        } else {
+            ((float *)base)[at + i] = x;
+        }
+    }
+}
+
+/* exp(x) for x <= 0 (a score minus its row's maximum): 2^n * p(r), |r| <= ln2/2, within 2 ulp;
+ * exactly 0 below the float range, as for a masked key's -inf. */
+static inline v16 exp16(v16 x) {
+    i16 under = x < splat(-87.0f);
+    v16 v = pick(under, splat(-87.0f), x);
+    v16 n = (v * 1.44269504f + 12582912.0f) - 12582912.0f;
+    v16 r = (v - n * 0.693145752f) - n * 1.42860677e-06f;
+    v16 p = splat(1.98756912e-4f);
+    p = p * r + 1.39819994e-3f;
+    p = p * r + 8.33345205e-3f;
+    p = p * r + 4.16657962e-2f;
+    p = p * r + 1.66666657e-1f;
+    p = p * r + 5.0e-1f;
+    p = p * r * r + r + 1.0f;
+    v16 scale = (v16)((__builtin_convertvector(n, i16) + 127) << 23);
+    return pick(under, splat(0.0f), p * scale);
+}
+
+static inline float sum16(v16 x) {  /* one fixed tree */
+    float a[8], b[4];
+    for (int l = 0; l < 8; l++) a[l] = x[l] + x[l + 8];
+    for (int l = 0; l < 4; l++) b[l] = a[l] + a[l + 4];
+    return (b[0] + b[2]) + (b[1] + b[3]);
+}
+
+/* Rows r[0..15] become their transpose, in four stages of shuffles: at stage h, rows i and i + h
+ * swap their blocks of h columns. */
+static void transpose16(v16 *r) {
+    static const i16 lo[4] = {
+        {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23},
+        {0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27},
+        {0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29},
+        {0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30}};
+    static const i16 hi[4] = {
+        {8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31},
+        {4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31},
+        {2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31},
+        {1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31}};
+#pragma GCC unroll 4
+    for (int stage = 0; stage < 4; stage++) {
+        int h = 8 >> stage;
+#pragma GCC unroll 8
+        for (int pair = 0; pair < LANES / 2; pair++) {
+            int i = pair / h * 2 * h + pair % h;  /* the pair's first row: i & h == 0 */
+            v16 a = r[i], b = r[i + h];
+            r[i] = __builtin_shuffle(a, b, lo[stage]);
+            r[i + h] = __builtin_shuffle(a, b, hi[stage]);
+        }
+    }
+}
+
+static int row_end(const Job *j, int b, int qi) {
+    if (!j->keep) return j->nk - j->nq + qi + 1;
+    const uint8_t *m = j->keep + b * j->skeep[0] + qi * j->skeep[1];
+    int end = j->nk;
+    while (end > 0 && !m[end - 1]) end--;
+    return end;
+}
+
+/* One past the last key of rows row..row + n of the item. */
+static inline int span(const Item *it, int row, int n) {
+    int end = 0;
+    for (int r = row; r < row + n && r < it->n; r++) end = it->ends[r] > end ? it->ends[r] : end;
+    return end;
+}
+
+/* Keys at..at + 16 as it->kt (d, 16): float32, transposed, zeros past stop. it->vb holds them
+ * first, as rows. */
+static void keys_across(const Item *it, int at) {
+    const Job *j = it->j;
+    for (int l = 0; l < LANES; l++) {
+        if (at + l < it->stop)
+            load(it->vb + l * it->dp, j->k, it->b * j->sk[0] + it->kvh * j->sk[1] + (int64_t)(at + l) * j->sk[2],
+                 j->d, it->dp, j->fmt);
+        else
+            memset(it->vb + l * it->dp, 0, sizeof(float) * it->dp);
+    }
+    for (int c = 0; c < it->dp; c += LANES) {
+        v16 rows[LANES];
+        for (int l = 0; l < LANES; l++) rows[l] = at16(it->vb + l * it->dp + c);
+        transpose16(rows);
+        int n = j->d - c < LANES ? j->d - c : LANES;
+        for (int i = 0; i < n; i++) put16(it->kt + (c + i) * LANES, rows[i]);
+    }
+}
+
+/* The scores of rows row..row + ROWS (those past the item's last are zeros and not kept) against
+ * keys at..at + 16, masked to -inf. */
+static void block_scores(const Item *it, int row, int at) {
+    const Job *j = it->j;
+    if (at >= span(it, row, ROWS)) return;  /* past every one of the rows' keys: never read */
+    const float *q = it->qt + row * it->dp;  /* (d, ROWS) */
+    v16 acc[ROWS];
+    for (int r = 0; r < ROWS; r++) acc[r] = splat(0.0f);
+    for (int i = 0; i < j->d; i++) {
+        v16 k = at16(it->kt + i * LANES);
+        for (int r = 0; r < ROWS; r++) acc[r] += splat(q[i * ROWS + r]) * k;
+    }
+    i16 keys;
+    for (int l = 0; l < LANES; l++) keys[l] = at + l;
+    for (int r = 0; r < ROWS && row + r < it->n; r++) {
+        int qi = (it->first + row + r) / (j->heads / j->kv_heads);
+        v16 x = acc[r] * j->scale;
+        if (j->softcap > 0)
+            for (int l = 0; l < LANES; l++) x[l] = tanhf(x[l] / j->softcap) * j->softcap;
+        i16 on = keys < it->stop;
+        if (j->keep) {
+            const uint8_t *m = j->keep + it->b * j->skeep[0] + qi * j->skeep[1];
+            for (int l = 0; l < LANES; l++) on[l] = on[l] && m[at + l] ? -1 : 0;
+        } else {
+            on &= keys <= j->nk - j->nq + qi;
+        }
+        put16(it->s + (int64_t)(row + r) * it->width + at, pick(on, x, splat(-INFINITY)));
+    }
+}
+
+/* Each row's scores become weights exp(score - max), and total[] their sums. */
+static void weigh(const Item *it) {
+    for (int r = 0; r < it->n; r++) {
+        float *s = it->s + (int64_t)r * it->width;
+        int width = (span(it, r / ROWS * ROWS, ROWS) + LANES - 1) / LANES * LANES;
+        v16 top = splat(-INFINITY), sum = splat(0.0f);
+        for (int at = 0; at < width; at += LANES) {
+            v16 x = at16(s + at);
+            top = pick(x > top, x, top);
+        }
+        float m = -INFINITY;
+        for (int l = 0; l < LANES; l++) m = top[l] > m ? top[l] : m;
+        for (int at = 0; at < width; at += LANES) {  /* a row with no key to attend: zeros */
+            v16 w = m == -INFINITY ? splat(0.0f) : exp16(at16(s + at) - m);
+            put16(s + at, w);
+            sum += w;
+        }
+        it->total[r] = sum16(sum);
+    }
+}
+
+/* acc[row] += the weights of keys at..at + keys times their values, key by key; ROWS rows at a
+ * time share each load of a value (rows past the item's last have weights 0). */
+static inline void add_rows(const Item *it, int at, int keys) {
+    for (int r = 0; r < it->n; r += ROWS) {
+        if (at >= span(it, r, ROWS)) continue;  /* the rows' weights here are 0 */
+        const float *w = it->s + (int64_t)r * it->width + at;
+        float *out = it->acc + r * it->dp;
+        for (int c = 0; c < it->dp; c += LANES) {
+            v16 a[ROWS];
+            for (int k = 0; k < ROWS; k++) a[k] = at16(out + k * it->dp + c);
+            const float *v = it->vb + c;
+            for (int l = 0; l < keys; l++, v += it->dp) {
+                v16 x = at16(v);
+                for (int k = 0; k < ROWS; k++) a[k] += splat(w[k * it->width + l]) * x;
+            }
+            for (int k = 0; k < ROWS; k++) put16(out + k * it->dp + c, a[k]);
+        }
+    }
+}
+
+static void add_values(const Item *it, int at) {
+    const Job *j = it->j;
+    int keys = it->stop - at < LANES ? it->stop - at : LANES;
+    for (int l = 0; l < keys; l++)
+        load(it->vb + l * it->dp, j->v, it->b * j->sv[0] + it->kvh * j->sv[1] + (int64_t)(at + l) * j->sv[2],
+             j->d, it->dp, j->fmt);
+    if (keys == LANES) add_rows(it, at, LANES);  /* a constant count: the loop unrolls */
+    else add_rows(it, at, keys);
+}
+
+/* Row `row` of the item's key head: query head *h at position *qi (rows run position-major, so
+ * a block of rows ends where its last position's keys do). */
+static inline void row_at(const Item *it, int row, int *h, int *qi) {
+    int groups = it->j->heads / it->j->kv_heads;
+    *h = it->kvh * groups + (it->first + row) % groups;
+    *qi = (it->first + row) / groups;
+}
+
+static void run_item(Item *it) {
+    const Job *j = it->j;
+    it->stop = 0;
+    for (int r = 0, h, qi; r < it->n; r++) {
+        row_at(it, r, &h, &qi);
+        load(it->qf + r * it->dp, j->q, it->b * j->sq[0] + h * j->sq[1] + qi * j->sq[2], j->d, it->dp, j->fmt);
+        it->ends[r] = row_end(j, it->b, qi);
+        it->stop = it->ends[r] > it->stop ? it->ends[r] : it->stop;
+    }
+    int whole = (it->n + ROWS - 1) / ROWS * ROWS;  /* rows past the last: zeros, weighing nothing */
+    memset(it->qf + it->n * it->dp, 0, sizeof(float) * (whole - it->n) * it->dp);
+    for (int r = 0; r < whole; r++)
+        for (int i = 0; i < it->dp; i++) it->qt[(r / ROWS * it->dp + i) * ROWS + r % ROWS] = it->qf[r * it->dp + i];
+    it->width = (it->stop + LANES - 1) / LANES * LANES;
+    for (int at = 0; at < it->width; at += LANES) {
+        keys_across(it, at);
+        for (int row = 0; row < it->n; row += ROWS) block_scores(it, row, at);
+    }
+    weigh(it);
+    memset(it->s + (int64_t)it->n * it->width, 0, sizeof(float) * (whole - it->n) * it->width);
+    memset(it->acc, 0, sizeof(float) * whole * it->dp);
+    for (int at = 0; at < it->stop; at += LANES) add_values(it, at);
+    for (int r = 0, h, qi; r < it->n; r++) {
+        row_at(it, r, &h, &qi);
+        float inv = it->total[r] > 0 ? 1.0f / it->total[r] : 0.0f;
+        for (int c = 0; c < it->dp; c += LANES) put16(it->acc + r * it->dp + c, at16(it->acc + r * it->dp + c) * inv);
+        store(j->out, (((int64_t)it->b * j->nq + qi) * j->heads + h) * j->d, it->acc + r * it->dp, j->d, j->fmt);
+    }
+}
+
+/* Runs `job` on `threads` threads. Returns 0, or -1 where working memory could not be had. */
+int meshnet_attention(const Job *job, int threads) {
+    int rows = job->heads / job->kv_heads * job->nq, dp = (job->d + LANES - 1) / LANES * LANES;
+    int64_t heads = (int64_t)job->b * job->kv_heads;
+    int64_t splits = heads >= 2 * threads ? 1 : (2 * threads + heads - 1) / heads;
+    int per = ((rows + splits - 1) / splits + ROWS - 1) / ROWS * ROWS, parts = (rows + per - 1) / per;
+    int64_t width = (job->nk + LANES - 1) / LANES * LANES;
+    size_t floats = (size_t)per * dp * 3 + (size_t)dp * LANES * 2 + (size_t)per * width + 2 * (size_t)per;
+    int failed = 0;
+#pragma omp parallel num_threads(threads) reduction(|| : failed)
+    {
+        float *work = malloc(sizeof(float) * floats);
+        failed = work == NULL;
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t item = 0; item < heads * parts; item++) {
+            if (!work) continue;
+            Item it = {.j = job, .b = (int)(item / parts / job->kv_heads), .kvh = (int)(item / parts % job->kv_heads),
+                       .first = (int)(item % parts) * per, .dp = dp};
+            it.n = rows - it.first < per ? rows - it.first : per;
+            it.qf = work;
+            it.qt = it.qf + (size_t)per * dp;
+            it.acc = it.qt + (size_t)per * dp;
+            it.kt = it.acc + (size_t)per * dp;
+            it.vb = it.kt + (size_t)dp * LANES;
+            it.total = it.vb + (size_t)dp * LANES;
+            it.ends = (int *)(it.total + per);
+            it.s = it.total + 2 * per;
+            run_item(&it);
+        }
+        free(work);
+    }
+    return failed ? -1 : 0;
+}

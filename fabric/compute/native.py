@@ -1,0 +1,85 @@
+"""Small C kernels, built once per machine with its own instruction set and kept in the cache.
+
+A kernel here exists because torch has no operator that does the job with the arithmetic the
+job needs (fabric/compute/kernels/attention.c: the same bits for a position in any chunk or
+batch). It is compiled on first use with the C compiler the machine has (``cc``, or ``$CC``),
+``-O3 -march=native`` and OpenMP, and loaded with ctypes: no torch headers, so a build takes a
+second. The shared object is kept under the cache root, named by a digest of the source, the
+compiler, the flags and the CPU, so a CPU or compiler change builds anew and a home directory
+shared by two machines never loads the other's.
+
+Where there is no compiler, or ``MESHNET_NATIVE=0``, ``library`` returns None after one
+warning and the caller keeps its torch path.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+from fabric.compute.model_ref import default_cache_root
+
+log = logging.getLogger(__name__)
+SOURCES = Path(__file__).with_name("kernels")
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11"]
+BUILD_TIMEOUT_S = 120
+
+
+def enabled() -> bool:
+    """False where the user turned the kernels off (``MESHNET_NATIVE=0``)."""
+    return os.environ.get("MESHNET_NATIVE", "1").strip().lower() not in ("0", "off", "false", "no")
+
+
+@functools.cache
+def library(name: str) -> ctypes.CDLL | None:
+    """The built kernel ``kernels/<name>.c``, loaded; None where it cannot be had (warned once)."""
+    if not enabled():
+        return None
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if not compiler:
+        log.warning("no C compiler (cc): %s runs on torch's slower path", name)
+        return None
+    try:
+        return ctypes.CDLL(str(_built(name, compiler)))
+    except (OSError, subprocess.SubprocessError) as exc:
+        log.warning("could not build the %s kernel (%s): it runs on torch's slower path", name,
+                    str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__)
+        return None
+
+
+def _built(name: str, compiler: str) -> Path:
+    """The shared object for ``name``: the cached one, or one built now."""
+    source = SOURCES / f"{name}.c"
+    key = hashlib.sha256(source.read_bytes() + "\0".join([_version(compiler), *FLAGS, _cpu()]).encode())
+    target = default_cache_root() / "kernels" / f"{name}-{key.hexdigest()[:16]}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as scratch:  # concurrent builders never meet
+        built = Path(scratch) / target.name
+        done = subprocess.run([compiler, *FLAGS, "-o", str(built), str(source), "-lm"],
+                              capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
+        if done.returncode:
+            raise OSError(done.stderr or f"{compiler} exited {done.returncode}")
+        os.replace(built, target)
+    log.info("built the %s kernel: %s", name, target)
+    return target
+
+
+def _version(compiler: str) -> str:
+    return subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
+
+
+def _cpu() -> str:
+    """The CPU's model and flags: the instruction set -march=native builds for."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return os.uname().machine
+    return "\n".join(sorted({line for line in lines if line.startswith(("model name", "flags"))}))
