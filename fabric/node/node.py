@@ -378,11 +378,21 @@ class Node(SessionControl):
         self.peers.probes = peers
 
     def registration(self) -> p.Register:
-        return telemetry.registration(self)
+        relay, w = self.links.relay, self.executor.w
+        return telemetry.registration(telemetry.Identity(
+            self.config, self.endpoint, self.fingerprint, self.benchmark, w.dtype, w.parameter_bytes(),
+            relay.relay if relay else "", relay.front_key if relay else ""))
 
     def heartbeat(self) -> p.Heartbeat:
-        return telemetry.heartbeat(self)
+        return telemetry.heartbeat(self.current_load(), self.peers.rtt.snapshot(time.monotonic()))
 
     def metrics(self) -> list[Sample]:
         """Live numbers for /metrics; safe to call from another thread."""
-        return telemetry.metrics(self)
+        return telemetry.metrics(self.current_load())
+
+    def current_load(self) -> telemetry.Load:
+        """How busy this node is now, copied (so safe to take from another thread)."""
+        kept = self.kv.retained
+        return telemetry.Load(self.config.node_id, len(self.kv), self.kv.nbytes(), len(self.head or ()),
+                              len(self.scheduler), self.counters.copy(), kept.bytes, kept.budget, len(kept),
+                              kept.stats.copy())
