@@ -78,7 +78,7 @@ def measure(model: str, hops: list[ShardExecutor], lm, context: int, steps: int)
             theirs.append(t2 - t1)
     for name in names:
         for hop in hops:
-            hop.forget(name)
+            hop.free_row(name)
             hop.kv.drop(name)
     return statistics.median(ours), statistics.median(theirs)
 

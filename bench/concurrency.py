@@ -27,7 +27,6 @@ start from the KV that the previous wave's kept (only the last prompt token is c
 from __future__ import annotations
 
 import argparse
-import signal
 import subprocess
 import sys
 import tempfile
@@ -42,6 +41,7 @@ sys.path.insert(0, str(REPO))
 from fabric import Client
 from fabric.compute.models import resolve
 from fabric.wire.shard import even_split
+from fabric.cli.supervision import stop_processes
 from tests.cluster import free_port  # noqa: E402
 from tests.support import wait_for
 
@@ -181,10 +181,7 @@ def main() -> int:
                     row.update({n: wave(tracker, model_id, n, args.tokens)[0] for n in counts})
                 rounds.append({**row, "foreign": meter.foreign})
         finally:
-            for proc in procs:
-                proc.send_signal(signal.SIGINT)
-            for proc in procs:
-                proc.wait(30)
+            stop_processes(procs, grace=30)
     report(args, counts, rounds)
     return 0
 

@@ -49,7 +49,7 @@ from fabric_bench import LoadMeter  # noqa: E402
 import psutil
 
 from fabric import Client, FabricError
-from fabric.cli import stop_processes
+from fabric.cli.supervision import stop_processes
 from fabric.compute.models import default_cache_root, load_config, pick_quant, resolve
 
 EXACT = ("--quant", "none", "--dtype", "float32")

@@ -29,6 +29,7 @@ sys.path.insert(0, str(REPO))
 
 from fabric import Client
 from fabric.compute.models import load_config, resolve
+from fabric.cli.supervision import stop_processes
 from tests.cluster import free_port, wait_sessions_zero  # noqa: E402
 from tests.support import wait_for
 
@@ -74,10 +75,7 @@ class Cluster:
         proc.wait()
 
     def close(self) -> None:
-        for proc in self.procs.values():
-            proc.send_signal(signal.SIGINT)
-        for proc in self.procs.values():
-            proc.wait(30)
+        stop_processes(list(self.procs.values()), grace=30)
 
 
 def stream(cluster: Cluster, tokens: int, kill_after: int | None, victim: str = "tail") -> tuple[list[int], list]:

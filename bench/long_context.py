@@ -51,7 +51,7 @@ from concurrency import add_device_args, device_args, start_cluster  # noqa: E40
 from default_mode import report_speed, run_speed  # noqa: E402
 
 from fabric import Client
-from fabric.cli import stop_processes
+from fabric.cli.supervision import stop_processes
 from fabric.compute.models import load_tokenizer, resolve
 
 HANDBOOK = [

@@ -18,7 +18,6 @@ temporary directory and removed after), computed in ``--dtype``.
 from __future__ import annotations
 
 import argparse
-import signal
 import subprocess
 import sys
 import tempfile
@@ -34,6 +33,7 @@ from fabric_bench import memory, runtime_floor  # noqa: E402
 from fabric import Client
 from fabric.compute.models import load_config, resolve
 from fabric.wire.shard import even_split
+from fabric.cli.supervision import stop_processes
 
 TARGET = 0.6
 MIB = 2**20
@@ -58,10 +58,7 @@ def measure(model: str, nodes: int, dtype: str, tokens: int) -> list[dict]:
                 row["gen"] = memory(p)
             return rows
         finally:
-            for proc in procs:
-                proc.send_signal(signal.SIGINT)
-            for proc in procs:
-                proc.wait(60)
+            stop_processes(procs, grace=60)
 
 
 LARGE = ("num_hidden_layers=24", "hidden_size=2048", "intermediate_size=8192", "num_attention_heads=32",

@@ -21,7 +21,6 @@ rounds' own ratios (the machine's speed moves between rounds).
 from __future__ import annotations
 
 import argparse
-import signal
 import statistics
 import sys
 import tempfile
@@ -37,6 +36,7 @@ from concurrency import PROMPTS, add_device_args, device_args, start_cluster  # 
 
 from fabric import Client
 from fabric.compute.models import resolve
+from fabric.cli.supervision import stop_processes
 
 
 def long_prompt(model: str, tokens: int) -> str:
@@ -119,10 +119,7 @@ def one_cluster(args, prompt: str, node_args: tuple[str, ...]) -> dict:
         try:
             return run(tracker, resolve(args.model).model_id, args.streams, prompt, args.decode_tokens)
         finally:
-            for proc in procs:
-                proc.send_signal(signal.SIGINT)
-            for proc in procs:
-                proc.wait(30)
+            stop_processes(procs, grace=30)
 
 
 def report(args, rounds: list[dict]) -> None:

@@ -41,8 +41,8 @@ import zmq  # noqa: E402
 
 from fabric.wire import protocol as p  # noqa: E402
 from tests.support import free_port, wait_for  # noqa: E402
+from tracker.node_records import NodeInfo  # noqa: E402
 from tracker.planner import plan_all, plan_routes  # noqa: E402
-from tracker.registry import NodeInfo  # noqa: E402
 
 MODEL, FINGERPRINT = "swarm-model", "5ca1ab1e:bench"
 

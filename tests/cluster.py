@@ -16,6 +16,7 @@ from fabric.compute.models import resolve
 from fabric.node import Node, NodeConfig
 from fabric.wire import protocol as p
 from fabric.wire.shard import Shard
+from fabric.cli.supervision import stop_processes
 from tests.support import at_once, free_port, wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -211,15 +212,7 @@ class ProcessCluster:
         return "\n".join(f"== {f.name}\n{f.read_text()[-3000:]}" for f in sorted(self.tmp.glob("*.log")))
 
     def close(self) -> None:
-        for proc in self.procs.values():
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGINT)
-        for proc in self.procs.values():
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        stop_processes(list(self.procs.values()))
         self.procs.clear()
 
 

@@ -83,7 +83,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
 
-from fabric.cli import stop_processes
+from fabric.cli.supervision import stop_processes
 
 ROOT = Path(__file__).resolve().parent.parent
 LOCKS = Path("/run/meshnet-netbed")  # one lock file per live bed, held by its owner

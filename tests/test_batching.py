@@ -87,7 +87,7 @@ def test_batch_groups_keep_every_session_exact_as_members_come_and_go(tiny_model
     assert ex.group is group and [t.data_ptr() for t in (*group.keys.values(), *group.values.values())] == buffers
     assert all(ex.kv.get(f"s{i}").cache is None and ex.kv.get(f"s{i}").group is group for i in range(3))
     ex.kv.drop("s1")  # closed while a row of the group: its row is freed, the others stay
-    ex.forget("s1")
+    ex.free_row("s1")
     assert group.members() == ["s0", "s2"] and ex.kv.get("s0").group is group
     run.prefill(1)  # then it starts over with a fresh prefill
     run.prefill(3)  # a newcomer joins
@@ -112,7 +112,7 @@ def test_rows_packed_and_grown_under_churn_stay_exact(tiny_models, monkeypatch):
         run.step(members)
     assert len(ex.group.sessions) == 4
     ex.kv.drop("s3")  # the one row without holes goes: the rest are mostly holes, packed when next full
-    ex.forget("s3")
+    ex.free_row("s3")
     run.prefill(3)
     expected[3] = greedy_alone(ex, "again", PROMPTS[3], 16)
     # two positions at once: the session leaves its row for a cache of its own, then rejoins

@@ -69,7 +69,7 @@ def test_up_refuses_ports_another_cluster_holds_before_starting_anything():
 
 
 def test_up_deals_its_nodes_out_over_the_gpus_only_for_plain_cuda():
-    from fabric.cli import node_devices
+    from fabric.cli.up_command import node_devices
 
     assert node_devices("cpu", 2, 0) == ["cpu", "cpu"]
     assert node_devices("cuda", 3, 2) == ["cuda:0", "cuda:1", "cuda:0"]

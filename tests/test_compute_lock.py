@@ -15,7 +15,7 @@ import pytest
 import torch
 import zmq
 
-from fabric.cli import _compute_lock
+from fabric.cli.node_command import _compute_lock
 from fabric.compute.compute_lock import ComputeLock, LockDirError, default_path, private_dir
 from fabric.compute.models import resolve
 from fabric.compute.tensors import to_wire

@@ -8,7 +8,6 @@ default mode's split gives the tokens of one transformers process computing the 
 """
 from __future__ import annotations
 
-import math
 
 import numpy as np
 import pytest
@@ -18,6 +17,7 @@ from gguf.quants import dequantize, quantize
 from torch import nn
 
 from fabric import cli
+from fabric.cli import node_command, torch_env, up_command
 from fabric.compute import models
 from fabric.compute.gguf_grid import block_params, grid_of
 from fabric.compute.model_ref import gguf_tensor_types, scheme_of
@@ -105,12 +105,12 @@ def test_a_weight_only_node_lets_its_openmp_workers_sleep(monkeypatch):
     """Decided before torch loads (libgomp reads it once): the weight-only kernels' many short
     parallel regions collapse under a short spin on a busy machine; float layers keep it."""
     for weight_only, expected in ((True, {"OMP_WAIT_POLICY": "PASSIVE"}), (False, {"GOMP_SPINCOUNT": "10000"})):
-        monkeypatch.setattr(cli.os, "environ", {})
-        cli._omp_workers_nap(weight_only)
-        assert cli.os.environ == expected
-    monkeypatch.setattr(cli.os, "environ", {"GOMP_SPINCOUNT": "5"})  # the user's choice wins
-    cli._omp_workers_nap(True)
-    assert cli.os.environ == {"GOMP_SPINCOUNT": "5"}
+        monkeypatch.setattr(torch_env.os, "environ", {})
+        torch_env.omp_workers_nap(weight_only)
+        assert torch_env.os.environ == expected
+    monkeypatch.setattr(torch_env.os, "environ", {"GOMP_SPINCOUNT": "5"})  # the user's choice wins
+    torch_env.omp_workers_nap(True)
+    assert torch_env.os.environ == {"GOMP_SPINCOUNT": "5"}
 
 
 # --------------------------------------------------------------------------- the grid itself
@@ -170,12 +170,12 @@ def test_node_and_up_pick_the_files_grid_by_default(xdg_cache, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(xdg_cache))
     parser = cli.build_parser()
     node = ["node", "--model", MODEL, "--layers", "0-14"]
-    config = cli._node_config(parser.parse_args(node), None)
+    config = node_command._node_config(parser.parse_args(node), None)
     assert (config.quant, config.dtype) == ("int4", torch.bfloat16)
-    config = cli._node_config(parser.parse_args([*node, "--quant", "none", "--dtype", "float32"]), None)
+    config = node_command._node_config(parser.parse_args([*node, "--quant", "none", "--dtype", "float32"]), None)
     assert (config.quant, config.dtype) == (None, torch.float32)
     started = []
-    monkeypatch.setattr(cli, "supervise", lambda commands, **_: started.append(commands) or 0)
+    monkeypatch.setattr(up_command, "supervise", lambda commands, **_: started.append(commands) or 0)
     ports = ["--tracker", f"tcp://127.0.0.1:{free_port()}", "--pub", f"tcp://127.0.0.1:{free_port()}",
              "--port", str(free_port())]
     for extra, quant in (((), "int4"), (("--quant", "none"), "none")):

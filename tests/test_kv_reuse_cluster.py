@@ -8,7 +8,7 @@ import threading
 
 import pytest
 
-from fabric.cli import format_status
+from fabric.cli.status_view import format_status
 from fabric.compute.models import load_tokenizer, resolve
 from fabric.node import Node, NodeConfig
 from fabric.node.prefixes import common_prefix

@@ -24,7 +24,7 @@ RULES = {
     "fabric.node": ({"fabric.wire", "fabric.compute", "fabric.net", "fabric.node", "fabric.metrics"}, {"quart"}),
     "fabric.client": ({"fabric.wire", "fabric.net", "fabric.client"}, HEAVY),
     "tracker": ({"fabric.wire", "fabric.net", "fabric.metrics", "tracker"}, HEAVY | {"quart"}),
-    "tracker.planner": ({"fabric.wire", "tracker.registry", "tracker.planner"}, SOCKETS | {"sqlite3", "threading"}),
+    "tracker.planner": ({"fabric.wire", "tracker.node_records", "tracker.planner"}, SOCKETS | {"sqlite3", "threading"}),
     "tracker.stats": ({"fabric.wire", "tracker.stats"}, SOCKETS | {"sqlite3", "threading"}),
     "tracker.views": ({"fabric.wire", "tracker"}, SOCKETS | {"sqlite3", "threading"}),
     "webui": ({"fabric", "fabric.wire", "fabric.net", "fabric.client", "fabric.metrics", "fabric.flags",

@@ -18,7 +18,7 @@ import torch
 import zmq
 
 from fabric.compute.tensors import to_wire
-from fabric.net.liveness import PeerLiveness
+from fabric.net.peer_liveness import PeerLiveness
 from fabric.node.peers import MAX_CLOSING, MAX_PEERS, PEER_IDLE_S, Peers
 from fabric.wire import protocol as p
 from tests.cluster import node_counters

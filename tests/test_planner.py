@@ -7,6 +7,7 @@ import random
 import pytest
 
 from fabric.wire.protocol import Hop
+from tracker.node_records import NodeInfo
 from tracker.planner import (
     CostModel,
     assign_span,
@@ -17,7 +18,6 @@ from tracker.planner import (
     plan_routes,
     route_link_seconds,
 )
-from tracker.registry import NodeInfo
 
 NO_LINK = CostModel(link_cost_s=0.0)
 

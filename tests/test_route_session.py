@@ -17,8 +17,8 @@ from fabric.compute.executor import CacheMissError, ShardExecutor
 from fabric.compute.kv import KVStore
 from fabric.compute.models import load_shard, load_tokenizer, resolve
 from fabric.compute.sampling import sample
-from fabric.net.liveness import splice
-from fabric.node.head import Head, HeadConfig, Model
+from fabric.net.peer_liveness import splice
+from fabric.node.head import Head, HeadConfig, ServedModel
 from fabric.node.route_session import Detokenizer, RouteSession, eos_ids
 from fabric.wire.liveness import TRACKER_SILENCE
 from fabric.wire.protocol import (
@@ -270,7 +270,7 @@ def silent_head(split) -> tuple[SilentHost, Head, RouteSession]:
     """A head whose request r1 runs on ``split``'s route h -> t, with nothing answering."""
     _, _, tok, route = split
     host = SilentHost()
-    head = Head(HeadConfig(), host, "h", Model("tiny", 6, tok, frozenset()), Counter())
+    head = Head(HeadConfig(), host, "h", ServedModel("tiny", 6, tok, frozenset()), Counter())
     head.generate(b"client", Generate(route=route, request_id="r1", prompt="the quick brown fox", max_tokens=4))
     return host, head, head.request(b"client", "r1")
 
@@ -360,7 +360,7 @@ def test_prompt_plus_max_tokens_must_fit_the_context_unless_the_request_lets_the
     only after the first ended, another client at once."""
     _, _, tok, route = split
     host = SilentHost()
-    head = Head(HeadConfig(), host, "h", Model("tiny", 6, tok, frozenset(), context=20), Counter())
+    head = Head(HeadConfig(), host, "h", ServedModel("tiny", 6, tok, frozenset(), context=20), Counter())
     prompt = "the quick brown fox"
     n = len(tok(prompt)["input_ids"])
     head.generate(b"a", Generate(route=route, request_id="r", prompt=prompt, max_tokens=21 - n))

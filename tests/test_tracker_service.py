@@ -15,7 +15,7 @@ import msgpack
 import pytest
 import zmq
 
-from fabric.cli import format_status
+from fabric.cli.status_view import format_status
 from fabric.wire.protocol import (
     MAGIC,
     Ack,

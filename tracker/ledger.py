@@ -51,21 +51,24 @@ key_id = protocol.key_id  # the stored identity of an API key (clients send only
 
 
 @dataclass(frozen=True)
-class Verdict:
+class BillingVerdict:
+    """What the billing guard decided about one final report (an audit's verdict on a node is
+    ``fabric.wire.protocol.Verdict``, another thing)."""
+
     status: str  # billed, held or void
     reason: str  # human-readable why
 
 
-def billing_verdict(report: Report) -> Verdict:
+def billing_verdict(report: Report) -> BillingVerdict:
     """The billing guard for one final report (pure)."""
     tokens, hops = report.completion_tokens, len(report.route)
     if report.finish_reason == "error":
-        return Verdict(VOID, "the request ended in an error")
+        return BillingVerdict(VOID, "the request ended in an error")
     if report.finish_reason in CANCELLED and tokens == 0:
-        return Verdict(VOID, "cancelled before the first token")
+        return BillingVerdict(VOID, "cancelled before the first token")
     if hops > 1 and tokens <= SHORT_OUTPUT_TOKENS and not _cut_by_client(report):
-        return Verdict(HELD, f"suspiciously short: {tokens} output tokens from a {hops}-hop route")
-    return Verdict(BILLED, "")
+        return BillingVerdict(HELD, f"suspiciously short: {tokens} output tokens from a {hops}-hop route")
+    return BillingVerdict(BILLED, "")
 
 
 def _cut_by_client(report: Report) -> bool:

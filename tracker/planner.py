@@ -49,7 +49,7 @@ from typing import Iterable, Mapping, Sequence
 
 from fabric.wire.protocol import Hop
 
-from .registry import NodeInfo
+from .node_records import NodeInfo
 
 Throughput = Mapping[tuple[str, str], float]  # (node_id, model) -> measured layer-steps/s
 

@@ -11,6 +11,7 @@ from fabric.wire.protocol import Ack, Message, Report
 
 from .events import EventRing
 from .ledger import Ledger, check_report
+from .node_records import NodeInfo
 from .planner import (
     CostModel,
     estimate_route,
@@ -19,7 +20,7 @@ from .planner import (
     links_measured,
     route_link_seconds,
 )
-from .registry import NodeInfo, Registry
+from .registry import Registry
 from .stats import Completion, StatsStore, decode_timing
 
 log = logging.getLogger(__name__)

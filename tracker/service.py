@@ -77,7 +77,8 @@ from .planner import (
 )
 from .keys import KeyBook
 from .reach import ReachChecker
-from .registry import MAX_MODEL_LAYERS, NodeInfo, Registry
+from .node_records import NodeInfo
+from .registry import MAX_MODEL_LAYERS, Registry
 from .reports import Reports
 from .stats import StatsStore, route_label
 from .views import node_rows, plans_view, usage

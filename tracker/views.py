@@ -3,8 +3,9 @@ dashboard and the PUB feed, built from snapshots (no sockets, no state of their 
 from __future__ import annotations
 
 from .ledger import Ledger
+from .node_records import NodeInfo
 from .planner import CostModel, Plan, hop_dict, layer_rate
-from .registry import NodeInfo, Registry
+from .registry import Registry
 from .stats import StatsStore
 
 

@@ -89,7 +89,7 @@ class HopKV:
 
         kv = self.kv.get(session)
         if kv is None or not self.reusable(kv.start, kv.end) or self.kv.retained.budget <= 0:
-            self.forget(session)
+            self.free_row(session)
             self.kv.drop(session)
             return []
         self._ungroup(kv)  # a row of the batch group comes out as a cache of its own
@@ -126,7 +126,7 @@ class HopKV:
         return prefix(cache, self.config, start, end, n)
 
     @torch.inference_mode()
-    def forget(self, session: str) -> None:
+    def free_row(self, session: str) -> None:
         """``session`` ended here: free its row of the batch group, if it has one."""
         row = self.group.row(session) if self.group is not None else None
         if row is not None:
@@ -136,7 +136,7 @@ class HopKV:
 
     def _put(self, session: str, kv: SessionKV) -> None:
         """``kv`` is ``session``'s from now on; a row its former KV held is freed."""
-        self.forget(session)
+        self.free_row(session)
         self.kv.put(session, kv)
 
     def _session_kv(self, session: str, start: int, end: int, pos: int) -> SessionKV:

@@ -12,36 +12,16 @@ CPU kernels with bfloat16 activations:
   shape (32 weights, a step and a minimum), so a Q4_0 / Q4_1 GGUF's linears take the file's
   own codes, steps and minima (``Int4Linear.from_grid``, ``fabric.compute.gguf_grid``; only
   the step and zero are rounded to bfloat16); other weights are fitted group by group
-  (``Int4Linear.from_linear``). The lm_head stays int8 under int4 (in SmolLM2's GGUF it is
-  the Q8_0 token embedding), and a linear the int4 kernel cannot take (out_features not a
+  (``Int4Linear.from_linear``). A linear the int4 kernel cannot take (out_features not a
   multiple of 16, in_features not whole groups) falls back to int8.
 
 Embeddings, norms, rotary embeddings, attention and the KV cache stay in bfloat16: a
-quantized shard is loaded with ``dtype=torch.bfloat16`` (``load_shard(quant=...)`` does it).
-
-Measured on the 2-core dev machine (torch 2.13 CPU; other tenants were busy most of the
-time, so the figures are CPU time or quiet runs; ``bench/quant_bench.py`` gives one run's):
-
-- the kernels have a fast path for bfloat16 activations only: float32 or float16
-  activations run 10-25x slower, so activations are bfloat16 (keeping the rest of the layer
-  in float32 and converting around each matmul was no faster);
-- ``_weight_int8pack_mm`` refuses non-contiguous weights (nothing to gain there); fusing
-  q/k/v or gate/up into one call was no faster (the kernel is throughput-bound per row);
-- SmolLM2-135M decode, one thread, CPU ms per token (ranges: how busy the neighbours were):
-  float32 70-80, bfloat16 80-95, int8 36-55, int4 26-35; of one int4 run's 32, the layers'
-  matmuls took ~15, the int8 lm_head (49152 x 576) ~6, and everything else (norms, rotary,
-  attention, cache, Python) ~10.5 -- a floor no weight format can lower;
-- weights stream from memory, so bytes per weight matter: int4 decoded ~1.4x faster than
-  int8 in the model, although on cache-resident single matrices it was only 10-20 % faster;
-- a second torch thread bought nothing at this model size (int4: ~26 ms/token with one
-  thread, ~28 with two, quiet), and with a busy neighbour two OpenMP threads collapse
-  (spinning on a descheduled peer: 200-900 ms/token where one thread stayed at 40-55);
-  ``OMP_WAIT_POLICY=PASSIVE`` kept two threads at ~30-50 ms/token under the same load;
-- greedy agreement with float32 on the three bench prompts (tokens before the first
-  difference, of 64): bfloat16 29/28/64, int8 13/28/6, int4 29/49/6 -- int4 at 32-wide
-  groups (the Q4_1 GGUF's own grid) holds as well as plain bfloat16; int8 per channel
-  re-rounds that grid onto one scale per row. An int4 lm_head (from the Q8_0 embedding)
-  dropped to 15/0/0, so the lm_head stays int8 under int4 (``LM_HEAD_SCHEME``).
+quantized shard is loaded with ``dtype=torch.bfloat16`` (``load_shard(quant=...)`` does it),
+because torch's weight-only kernels are fast with bfloat16 activations only. The lm_head stays
+int8 under int4 (``LM_HEAD_SCHEME``; in SmolLM2's GGUF it is the Q8_0 token embedding) because
+an int4 one lost greedy agreement with float32 at once. The measurements behind these choices (activation dtypes, fused projections, threads,
+int8 against int4, agreement) are in docs/BENCHMARKS.md, "Quantized shards": figures belong
+with the commands that made them, not in the code they shaped.
 
 Memory: each linear is quantized as it is replaced, so the transient extra is one
 linear's float copy. What remains: ``fabric.compute.models.load_shard`` first builds the whole shard
@@ -242,7 +222,7 @@ def quantize_modules(layers: Iterable[nn.Module], lm_head: nn.Module | None = No
         out.append(layer)
     head = None
     if lm_head is not None:
-        # under int4 the lm_head stays int8 (LM_HEAD_SCHEME): measured, see the module docstring
+        # under int4 the lm_head stays int8 (LM_HEAD_SCHEME): measured, docs/BENCHMARKS.md
         head = (_quantize_linear(lm_head, LM_HEAD_SCHEME.get(scheme, scheme)) if isinstance(lm_head, nn.Linear)
                 else lm_head)
     return out, head

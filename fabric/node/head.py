@@ -17,7 +17,7 @@ from collections import Counter, deque
 from dataclasses import dataclass
 from typing import Protocol
 
-from ..net.liveness import splice
+from ..net.peer_liveness import splice
 from ..wire import protocol as p
 from ..wire.liveness import LINK_GRACE, PEER_SILENCE, PING_INTERVAL, TRACKER_SILENCE
 from .audit import AuditConfig, Auditor
@@ -50,7 +50,7 @@ class HeadHost(Transport, Protocol):
 
 
 @dataclass(frozen=True)
-class Model:
+class ServedModel:
     """The model a head serves: what it reports and how it reads prompts."""
 
     model_id: str
@@ -63,7 +63,7 @@ class Model:
 
 
 class Head:
-    def __init__(self, config: HeadConfig, host: HeadHost, node_id: str, model: Model, counters: Counter,
+    def __init__(self, config: HeadConfig, host: HeadHost, node_id: str, model: ServedModel, counters: Counter,
                  prefixes: PrefixIndex | None = None, audit: AuditConfig = AuditConfig(audit_rate=0.0)):
         self.config = config
         self.prefixes = prefixes if prefixes is not None else PrefixIndex()  # what ended requests left on hops

@@ -28,14 +28,14 @@ from ..compute.quant import release_freed_memory
 from ..compute.sampling import sample
 from ..compute.tensors import TORCH_DTYPES, from_wire, to_wire
 from ..metrics import Sample
-from ..net.liveness import PeerLiveness
+from ..net.peer_liveness import PeerLiveness
 from ..net.relay import RelayedPeer
 from ..net.security import peer_key, serve_securely, start_authenticator
 from ..wire import protocol as p
 from ..wire.liveness import PEER_SILENCE, PING_INTERVAL
 from . import telemetry
 from .config import NodeConfig
-from .head import Head, Model
+from .head import Head, ServedModel
 from .hops import HopRunner
 from .leave import Departure
 from .links import Links
@@ -102,7 +102,7 @@ class Node(SessionControl):
 
     def _head(self, model_config) -> Head:
         tokenizer = load_tokenizer(self.config.source, self.config.cache_root)
-        model = Model(self.config.source.model_id, self.config.shard.num_layers, tokenizer,
+        model = ServedModel(self.config.source.model_id, self.config.shard.num_layers, tokenizer,
                       eos_ids(tokenizer, model_config), vocab_size=self.vocab, context=self.context,
                       fingerprint=self.fingerprint)
         # a node that keeps no KV of ended requests offers none to reuse either
@@ -123,7 +123,7 @@ class Node(SessionControl):
                  self.config.source.model_id, self.endpoint)
         self.ready.set()
         try:
-            while not stop.is_set() and not (leave is not None and leave.is_set() and self._left()):
+            while not stop.is_set() and not (leave is not None and leave.is_set() and self._leave_and_drain()):
                 for sock, _ in self.poller.poll(int(self.hops.wait(self.scheduler) * 1000)):
                     if sock != lock:  # the lock's wake-up is read when the batch runs
                         self._drain(sock)
@@ -137,7 +137,7 @@ class Node(SessionControl):
         finally:
             self.close()
 
-    def _left(self) -> bool:
+    def _leave_and_drain(self) -> bool:
         """Leave politely: tell the tracker once, then True when the sessions served ended.
         A session unused for PEER_SILENCE has lost its head (a live one steps far more often):
         it does not hold the leave."""
@@ -378,11 +378,21 @@ class Node(SessionControl):
         self.peers.probes = peers
 
     def registration(self) -> p.Register:
-        return telemetry.registration(self)
+        relay, w = self.links.relay, self.executor.w
+        return telemetry.registration(telemetry.Identity(
+            self.config, self.endpoint, self.fingerprint, self.benchmark, w.dtype, w.parameter_bytes(),
+            relay.relay if relay else "", relay.front_key if relay else ""))
 
     def heartbeat(self) -> p.Heartbeat:
-        return telemetry.heartbeat(self)
+        return telemetry.heartbeat(self.current_load(), self.peers.rtt.snapshot(time.monotonic()))
 
     def metrics(self) -> list[Sample]:
         """Live numbers for /metrics; safe to call from another thread."""
-        return telemetry.metrics(self)
+        return telemetry.metrics(self.current_load())
+
+    def current_load(self) -> telemetry.Load:
+        """How busy this node is now, copied (so safe to take from another thread)."""
+        kept = self.kv.retained
+        return telemetry.Load(self.config.node_id, len(self.kv), self.kv.nbytes(), len(self.head or ()),
+                              len(self.scheduler), self.counters.copy(), kept.bytes, kept.budget, len(kept),
+                              kept.stats.copy())

@@ -21,7 +21,7 @@ from typing import Callable
 import zmq
 import zmq.utils.monitor
 
-from ..net.liveness import PeerLiveness, RttTable
+from ..net.peer_liveness import PeerLiveness, RttTable
 from ..net.security import Security, SecurityError, dial_watched
 from ..wire import protocol as p
 

@@ -88,7 +88,7 @@ class SessionControl:
     def _drop_session(self, session: str) -> None:
         """Forget ``session`` here: its KV, its row in the executor's batch, its queued hops."""
         self.kv.drop(session)
-        self.executor.forget(session)
+        self.executor.free_row(session)
         self.scheduler.drop(session)
 
     def _free_orphans(self, now: float) -> None:

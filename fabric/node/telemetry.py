@@ -1,19 +1,18 @@
 """What a node says about itself: its registration and heartbeats for the tracker, and its
-rows for /metrics. Read-only views of the node's parts; ``metrics`` is safe to call from
-another thread (counters are copied, every key exists from the start)."""
+rows for /metrics. Pure functions of snapshots the node takes (``Identity``, ``Load``), so this
+module never sees the node itself: the node imports it, not the other way round. ``Load`` holds
+copies, so ``metrics`` is safe to call from another thread (every counter exists from the start)."""
 from __future__ import annotations
 
 import os
-import time
-from typing import TYPE_CHECKING
+from collections.abc import Mapping
+from dataclasses import dataclass
 
 import torch
 
 from ..metrics import Sample
 from ..wire import protocol as p
-
-if TYPE_CHECKING:
-    from .node import Node
+from .config import NodeConfig
 
 # hops, cache misses, failovers, errors: for /metrics and tests
 COUNTERS = ("hop_seconds", "hops", "batched_hops", "prefill_chunks", "riding_chunks", "cache_miss", "failovers",
@@ -25,45 +24,71 @@ COUNTERS = ("hop_seconds", "hops", "batched_hops", "prefill_chunks", "riding_chu
 COUNTERS += ("lock_waits", "refused_peers", "closed_peers")
 
 
-def registration(node: Node) -> p.Register:
-    c, w = node.config, node.executor.w
-    relay = node.links.relay
+@dataclass(frozen=True)
+class Identity:
+    """What the node registers as: fixed once its weights load, but for the relay it is reached through."""
+    config: NodeConfig
+    endpoint: str  # where peers dial it (a relay's front when relayed)
+    fingerprint: str  # of its weights: nodes with different ones never chain
+    benchmark: float  # layer-steps per second measured at start
+    dtype: torch.dtype  # of its weights as loaded
+    shard_bytes: int  # bytes of its layers' parameters
+    relay: str = ""  # the relay's control endpoint when relayed, else ""
+    relay_key: str = ""  # the relay front's public key when relayed and secured, else ""
+
+
+@dataclass(frozen=True)
+class Load:
+    """How busy the node is at one moment; every field a copy."""
+    node_id: str
+    sessions: int  # sessions holding KV here
+    kv_bytes: int  # bytes of their KV
+    heads: int  # requests this node heads
+    queued: int  # hops waiting to run
+    counters: Mapping[str, float]  # COUNTERS, each present
+    kept_bytes: int  # bytes of ended sessions' KV kept for reuse
+    kept_budget: int  # most bytes of KV kept
+    kept_sessions: int  # ended sessions whose KV is kept
+    kept_stats: Mapping[str, int]  # hits, misses, reused_tokens, evictions
+
+
+def registration(me: Identity) -> p.Register:
+    c = me.config
     return p.Register(
-        node_id=c.node_id, endpoint=node.endpoint, model=c.source.model_id, fingerprint=node.fingerprint,
+        node_id=c.node_id, endpoint=me.endpoint, model=c.source.model_id, fingerprint=me.fingerprint,
         num_layers=c.shard.num_layers, start_layer=c.shard.start, end_layer=c.shard.end,
-        hardware={"device": c.device, "dtype": str(w.dtype).removeprefix("torch."), "quant": c.quant or "none",
-                  "threads": torch.get_num_threads(), "shard_bytes": w.parameter_bytes(),
+        hardware={"device": c.device, "dtype": str(me.dtype).removeprefix("torch."), "quant": c.quant or "none",
+                  "threads": torch.get_num_threads(), "shard_bytes": me.shard_bytes,
                   "memory_bytes": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")},
-        benchmark=node.benchmark, max_sessions=c.max_sessions, relay=relay.relay if relay else "",
-        relay_key=relay.front_key if relay else "")
+        benchmark=me.benchmark, max_sessions=c.max_sessions, relay=me.relay, relay_key=me.relay_key)
 
 
-def heartbeat(node: Node) -> p.Heartbeat:
-    kept = node.kv.retained
-    return p.Heartbeat(node.config.node_id, sessions=len(node.kv), queued=len(node.scheduler),
-                       rtts=node.peers.rtt.snapshot(time.monotonic()), kv_bytes=kept.bytes,
-                       kv_hits=kept.stats["hits"], kv_misses=kept.stats["misses"])
+def heartbeat(load: Load, rtts: dict) -> p.Heartbeat:
+    """``rtts``: the round trips to peers the node measured, as ``RttTable.snapshot`` gives them."""
+    return p.Heartbeat(load.node_id, sessions=load.sessions, queued=load.queued, rtts=rtts,
+                       kv_bytes=load.kept_bytes, kv_hits=load.kept_stats["hits"],
+                       kv_misses=load.kept_stats["misses"])
 
 
-def metrics(node: Node) -> list[Sample]:
-    c, labels = node.counters.copy(), {"node": node.config.node_id}
-    rows = [Sample("node_sessions", "sessions holding KV on this node", len(node.kv), labels=labels),
-            Sample("node_kv_bytes", "bytes of KV cache held", node.kv.nbytes(), labels=labels),
-            Sample("node_requests_in_flight", "requests this node heads", len(node.head or ()), labels=labels),
-            Sample("node_queued_hops", "hops waiting to run", len(node.scheduler), labels=labels),
+def metrics(load: Load) -> list[Sample]:
+    c, labels = load.counters, {"node": load.node_id}
+    rows = [Sample("node_sessions", "sessions holding KV on this node", load.sessions, labels=labels),
+            Sample("node_kv_bytes", "bytes of KV cache held", load.kv_bytes, labels=labels),
+            Sample("node_requests_in_flight", "requests this node heads", load.heads, labels=labels),
+            Sample("node_queued_hops", "hops waiting to run", load.queued, labels=labels),
             Sample("node_hop_seconds_total", "seconds spent running hops", c["hop_seconds"], "counter", labels)]
     for name in COUNTERS[1:]:
         rows.append(Sample(f"node_{name}_total", f"{name.replace('_', ' ')} on this node", c[name],
                            "counter", labels))
-    return rows + _kv_reuse_metrics(node, labels)
+    return rows + _kv_reuse_metrics(load, labels)
 
 
-def _kv_reuse_metrics(node: Node, labels: dict) -> list[Sample]:
-    kept = node.kv.retained
-    stats = kept.stats.copy()
-    return [Sample("node_kv_kept_bytes", "bytes of ended sessions' KV kept for reuse", kept.bytes, labels=labels),
-            Sample("node_kv_kept_budget_bytes", "most bytes of KV kept for reuse", kept.budget, labels=labels),
-            Sample("node_kv_kept_sessions", "ended sessions whose KV is kept", len(kept), labels=labels),
+def _kv_reuse_metrics(load: Load, labels: dict) -> list[Sample]:
+    stats = load.kept_stats
+    return [Sample("node_kv_kept_bytes", "bytes of ended sessions' KV kept for reuse", load.kept_bytes,
+                   labels=labels),
+            Sample("node_kv_kept_budget_bytes", "most bytes of KV kept for reuse", load.kept_budget, labels=labels),
+            Sample("node_kv_kept_sessions", "ended sessions whose KV is kept", load.kept_sessions, labels=labels),
             Sample("node_kv_reuse_hits_total", "requests that started from kept KV", stats["hits"], "counter",
                    labels),
             Sample("node_kv_reuse_misses_total", "requests that asked for kept KV no longer here",

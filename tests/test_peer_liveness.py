@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from fabric.net.liveness import PeerLiveness, splice
+from fabric.net.peer_liveness import PeerLiveness, splice
 from fabric.wire.protocol import Hop
 
 
@@ -54,7 +54,7 @@ def test_splice_never_puts_the_head_on_its_route_twice():
 
 
 def test_round_trips_skip_the_handshake_damp_stalls_and_smooth():
-    from fabric.net.liveness import RttTable
+    from fabric.net.peer_liveness import RttTable
 
     rtt = RttTable(alpha=0.5)
     nonce = rtt.ping("tcp://b:1", now=0.0)
@@ -89,7 +89,7 @@ def test_drop_forgets_every_trace_of_a_closed_link():
 def test_round_trips_keep_a_bounded_number_of_peers_whatever_they_call_themselves():
     """A peer names itself in each PONG: one that answers with a new name every time must
     not grow the table; endpoints go with their link (``drop``)."""
-    from fabric.net.liveness import RttTable
+    from fabric.net.peer_liveness import RttTable
 
     rtt = RttTable(max_nodes=8)
     rtt._linked.add("tcp://liar:1")  # past the handshake: each PONG is a sample

@@ -1,0 +1,249 @@
+"""``meshnet node``: its flags, resolved once into a NodeConfig, and the process that serves
+a range of a model's layers."""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import threading
+
+from ..compute.compute_lock import default_path as default_lock
+from ..flags import (
+    CommandError,
+    count,
+    endpoint,
+    non_negative,
+    positive_count,
+    seconds,
+    share,
+)
+from ..wire.liveness import AUDIT_RATE, AUDIT_TOLERANCE
+from .memory_plan import (
+    check_device_flags,
+    layers_that_fit,
+    picked_quant,
+    runs_weight_only,
+)
+from .options import (
+    device_flags,
+    load_security,
+    metrics_flag,
+    quant_flag,
+    serve_metrics,
+    tracker_flag,
+)
+from .ports import listening, refuse_ports_in_use
+from .torch_env import grouped_kv_attention, omp_workers_nap
+
+log = logging.getLogger("meshnet")
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("node", help="serve a range of a model's layers",
+                       description="Load a contiguous range of a model's layers and serve them on the fabric.")
+    p.add_argument("--model", required=True,
+                   help="a Hugging Face directory, a .gguf file, an alias such as smollm2-135m, or ORG/NAME "
+                        "fetched by `meshnet pull` (`meshnet models` lists them)")
+    p.add_argument("--model-id", default=None, help="id clients use for this model (default: alias or file name)")
+    p.add_argument("--layers", default=None, help="inclusive range such as 0-14 (default: ask the tracker)")
+    tracker_flag(p)
+    p.add_argument("--bind", default="tcp://127.0.0.1:0", type=endpoint, metavar="ENDPOINT",
+                   help="ROUTER endpoint; port 0 picks one (default %(default)s)")
+    p.add_argument("--advertise", default=None, type=endpoint, metavar="ENDPOINT",
+                   help="endpoint peers dial (default: the bound one)")
+    _node_relay_flags(p)
+    device_flags(p, "the")
+    quant_flag(p)
+    p.add_argument("--threads", type=count, default=0, help="torch threads, 0 for all cores (default %(default)s)")
+    p.add_argument("--compute-lock", default=None, metavar="FILE",
+                   help="nodes on one machine that lock the same file compute one at a time, each with every "
+                        "thread; `none`: compute whenever this node likes (default: one file per device for "
+                        f"this user, {default_lock('DEVICE', os.environ)}, so nodes started one by one on a "
+                        "machine take turns)")
+    p.add_argument("--max-sessions", type=positive_count, default=64, help="sessions this node keeps KV for")
+    p.add_argument("--kv-cache-gib", type=non_negative, default=None, metavar="GIB",
+                   help="GiB of ended requests' KV this node keeps, so that a later request sharing their start "
+                        "(a chat's earlier turns, a common system prompt) computes only the rest; the least "
+                        "recently used goes first; 0 keeps none (default: a tenth of the memory available at "
+                        "start, on the node's device)")
+    p.add_argument("--max-prompt-tokens", type=positive_count, default=4096, help="longest prompt the head accepts")
+    p.add_argument("--prefill-slice-ms", type=non_negative, default=0.0, metavar="MS",
+                   help="while other streams decode here, run a long prompt's prefill in slices that add about "
+                        "this many milliseconds to their decode steps (a slice rides in their forward pass); 0: as "
+                        "long as one decode step (default %(default)s)")
+    p.add_argument("--wire-dtype", default="", choices=["", "float32", "float16", "bfloat16"],
+                   help="dtype of hidden states between the hops of routes this node heads (default: each "
+                        "node's compute dtype; bfloat16 halves the bytes of a float32 route, not bit-exact)")
+    p.add_argument("--node-id", default=None,
+                   help="id in the swarm (default: made once and kept in a key file, so restarts keep it)")
+    p.add_argument("--memory", type=non_negative, default=0.0, metavar="GIB",
+                   help="GiB of weights this node may hold, 0 for no limit; instead of --layers: the tracker "
+                        "assigns a span that fits (default %(default)s)")
+    _node_timing_flags(p)
+    _node_audit_flags(p)
+    p.add_argument("--no-progress", action="store_true", help="no progress bar while loading")
+    metrics_flag(p)
+    p.set_defaults(func=cmd_node)
+
+
+def _node_timing_flags(p: argparse.ArgumentParser) -> None:
+    """How long a node waits: for a step's reply, between heartbeats, and when it leaves."""
+    p.add_argument("--hop-timeout", type=seconds, default=30.0, metavar="SECONDS",
+                   help="seconds the head waits for a step's reply before re-sending it (default %(default)s)")
+    p.add_argument("--heartbeat", type=seconds, default=1.0, metavar="SECONDS",
+                   help="seconds between heartbeats to the tracker (default %(default)s)")
+    p.add_argument("--drain-timeout", type=non_negative, default=30.0, metavar="SECONDS",
+                   help="on SIGTERM the node leaves politely: the tracker drops it from plans, it takes no new "
+                        "request, and it exits once the requests it serves end, or after this many seconds, "
+                        "when their heads move them to other nodes (default %(default)s; a second SIGTERM or "
+                        "Ctrl-C exits at once)")
+
+
+def _node_audit_flags(p: argparse.ArgumentParser) -> None:
+    """How often the requests a node heads are checked on replicas, and how strictly."""
+    p.add_argument("--audit-rate", type=share, default=AUDIT_RATE, metavar="SHARE",
+                   help="share of the requests this node heads whose steps, prompt and decode steps alike, "
+                        "replicas holding the same layers re-run after the request ends, to catch a node that "
+                        "returns wrong results; hops sketch every step of every request for it. 0: never, and no "
+                        "sketches (default %(default)s)")
+    p.add_argument("--audit-tolerance", type=non_negative, default=AUDIT_TOLERANCE, metavar="REL",
+                   help="relative distance allowed, at any position, between the sketch of a hop's output and "
+                        "of a replica's re-run of it (a replay runs a stretch in one pass where the hop ran it "
+                        "step by step: never bit for bit) (default %(default)s)")
+
+
+def _node_relay_flags(p: argparse.ArgumentParser) -> None:
+    """How a node that cannot accept inbound connections is reached."""
+    p.add_argument("--relay", default=None, type=endpoint, metavar="ENDPOINT",
+                   help="reach peers through this relay's control endpoint, for a node that cannot accept "
+                        "inbound connections; peers then dial the front the relay opens for it (default: none)")
+    p.add_argument("--relay-fallback", default=None, type=endpoint, metavar="ENDPOINT",
+                   help="serve directly, but switch to this relay if the tracker cannot reach the advertised "
+                        "endpoint, NAT (default: none)")
+    p.add_argument("--relay-key", default=None, metavar="KEY",
+                   help="the relay's public key, z85 text or a key file (default: DIR/allowed/relay.key, "
+                        "else the tracker's key); only with --keys")
+
+
+def _check_node_flags(args) -> None:
+    """Refuse, before anything loads, flags that would be ignored or a port that is taken."""
+    if args.memory and args.layers:
+        raise CommandError(f"--memory {args.memory:g} with --layers {args.layers}: --memory asks the tracker for "
+                           "a span that fits, --layers names the span; give one of them")
+    if args.relay_key and not args.keys:
+        raise CommandError(f"--relay-key {args.relay_key} without --keys: a relay key is only used in a secured "
+                           "swarm; add --keys DIR, or leave out --relay-key")
+    if args.relay_key and not (args.relay or args.relay_fallback):
+        raise CommandError(f"--relay-key {args.relay_key} without --relay or --relay-fallback: this node dials "
+                           "no relay; add one, or leave out --relay-key")
+    refuse_ports_in_use({"this node, --bind": args.bind}, "node")
+
+
+def cmd_node(args) -> int:
+    omp_workers_nap(weight_only=runs_weight_only(args))
+    grouped_kv_attention()
+    import torch
+
+    from ..compute.model_ref import ModelError
+    from ..node import Node
+
+    check_device_flags(args.device, args.quant)
+    _check_node_flags(args)
+    security = load_security(args)  # before any weights load: a key directory that cannot work says so now
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    config = _node_config(args, security)
+    stop, leave = threading.Event(), threading.Event()  # Ctrl-C stops now; SIGTERM leaves politely, twice stops
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    signal.signal(signal.SIGTERM, lambda *_: stop.set() if leave.is_set() else leave.set())
+    try:
+        with listening("--bind"):
+            node = Node(config)
+    except ModelError as exc:  # the weights did not load (fabric.compute.models.load_shard)
+        name = config.source.path.name
+        raise CommandError(str(exc) if name in str(exc) else f"{name}: {exc}", 1) from None
+    serve_metrics(args, node.metrics)
+    node.run(stop, leave)
+    log.info("node stopped")
+    return 0
+
+
+def _node_config(args, security):
+    """The NodeConfig for ``meshnet node``'s flags: the model's config is read, its weights are not."""
+    import torch
+
+    from ..compute.gguf_info import check_reference
+    from ..compute.models import (
+        ModelError,
+        default_cache_root,
+        default_data_root,
+        load_config,
+        resolve,
+    )
+    from ..net.security import relay_key
+    from ..node import NodeConfig, stable_node_id
+    from ..wire.shard import parse_layers
+
+    try:
+        check_reference(args.model)  # a GGUF file no node can run: one line naming it, before anything is logged
+    except ModelError as exc:
+        raise CommandError(str(exc)) from None
+    dtype = torch.bfloat16 if args.dtype == "bfloat16" else torch.float32
+    quant = picked_quant(args.quant, args.model, args.device)
+    quant = None if quant == "none" else quant
+    try:
+        source = resolve(args.model, args.model_id)
+        model_config = load_config(source, default_cache_root())
+        num_layers = model_config.num_hidden_layers
+        shard = (parse_layers(args.layers, num_layers) if args.layers
+                 else _assigned_shard(args.tracker, source.model_id, num_layers,
+                                      layers_that_fit(model_config, dtype, args.memory, quant), security))
+    except (ModelError, ValueError) as exc:
+        raise CommandError(str(exc)) from None
+    node_id = args.node_id or stable_node_id(default_data_root(), source.model_id, shard, args.bind)
+    return NodeConfig.build(source, shard, bind=args.bind, advertise=args.advertise,
+                      tracker=args.tracker, device=args.device,
+                      dtype=torch.bfloat16 if quant else dtype, node_id=node_id, quant=quant,
+                      max_sessions=args.max_sessions, max_prompt_tokens=args.max_prompt_tokens,
+                      kv_cache_bytes=None if args.kv_cache_gib is None else int(args.kv_cache_gib * (1 << 30)),
+                      prefill_slice=args.prefill_slice_ms / 1000, wire_dtype=args.wire_dtype,
+                      compute_lock=_compute_lock(args.compute_lock, args.device),
+                      hop_timeout=args.hop_timeout, heartbeat_interval=args.heartbeat,
+                      audit_rate=args.audit_rate, audit_tolerance=args.audit_tolerance,
+                      drain_timeout=args.drain_timeout,
+                      cache_root=default_cache_root(), progress=not args.no_progress,
+                      security=security, relay=args.relay, relay_fallback=args.relay_fallback,
+                      relay_key=relay_key(args.keys, args.relay_key) if args.keys else "")
+
+
+def _compute_lock(value: str | None, device: str) -> str | None:
+    """--compute-lock: a FILE, ``none``, or by default this user's file for ``device``."""
+    from ..compute.compute_lock import NO_LOCK, LockDirError, private_dir
+
+    if value == NO_LOCK:
+        return None
+    if value:
+        return value
+    path = default_lock(device, os.environ)
+    try:
+        private_dir(path)
+    except LockDirError as exc:
+        raise CommandError(f"{exc}; give --compute-lock FILE, or --compute-lock none", 1) from None
+    return str(path)
+
+
+def _assigned_shard(tracker: str, model_id: str, num_layers: int, max_layers: int, security=None):
+    from ..client import Client, FabricError
+    from ..wire import protocol as p
+    from ..wire.shard import Shard
+
+    with Client(tracker, timeout=10.0, security=security) as client:
+        try:
+            reply = client.ask(p.AssignRequest(model_id, num_layers, max_layers))
+        except FabricError as exc:
+            raise CommandError(f"no --layers given and the tracker could not assign any: {exc}", 1) from None
+    if not isinstance(reply, p.Assign):
+        raise CommandError(f"no --layers given and the tracker gave no layer assignment: {reply}", 1)
+    log.info("tracker assigned layers %d-%d", reply.start_layer, reply.end_layer)
+    return Shard(reply.start_layer, reply.end_layer, num_layers)

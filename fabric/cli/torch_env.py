@@ -1,0 +1,36 @@
+"""Environment that torch, OpenMP and transformers read once, at load: set before a node
+imports torch, and left alone when the user set it."""
+from __future__ import annotations
+
+import os
+
+
+def omp_workers_nap(weight_only: bool = False) -> None:
+    """Before torch loads: idle OpenMP workers spin only briefly (GOMP_SPINCOUNT=10000), then
+    sleep; on the weight-only kernels (``weight_only``) they sleep at once (OMP_WAIT_POLICY=PASSIVE).
+
+    libgomp's default spins ~300 000 times after every parallel region: nodes share hosts (with
+    each other, the web UI, anything) and that spinning takes the cores a busy node needs
+    (3-7x slower decode steps measured on a loaded 2-core machine). Sleeping at once
+    (OMP_WAIT_POLICY=PASSIVE) costs ~25% inside a float32 forward pass, whose regions follow each
+    other within microseconds; a short spin keeps most of that. The weight-only kernels split
+    even a small matrix over every thread, so a token is hundreds of short regions: on the
+    loaded 2-core machine a short spin there cost 118-144 CPU ms per int4 token against 20-22
+    sleeping at once (19 with one thread; SmolLM2-135M, two nodes). Either variable set wins.
+    """
+    if "OMP_WAIT_POLICY" not in os.environ and "GOMP_SPINCOUNT" not in os.environ:
+        if weight_only:
+            os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+        else:
+            os.environ["GOMP_SPINCOUNT"] = "10000"
+
+
+def grouped_kv_attention() -> None:
+    """Let torch's attention read grouped KV heads as they are.
+
+    For a query longer than one token with a mask, transformers expands the KV heads of
+    grouped-query models (``repeat_kv``) before calling SDPA on the CPU: a copy of the whole
+    cache per layer. A prefill slice late in a long prompt spent ~14 of its ~55 ms there.
+    SDPA's own ``enable_gqa`` gives the same numbers without the copy.
+    """
+    os.environ.setdefault("TRANSFORMERS_SDPA_FORCE_GQA", "1")

@@ -1,0 +1,113 @@
+"""``meshnet up``: a tracker, N nodes splitting the model's layers evenly, and the web UI, on
+this machine, supervised together."""
+from __future__ import annotations
+
+import functools
+import logging
+import sys
+import threading
+
+from ..flags import CommandError, count, endpoint, port, positive_count
+from ..wire.liveness import DEFAULT_PUB, DEFAULT_TRACKER
+from .memory_plan import check_device_flags, picked_quant
+from .options import device_flags, keys_flag, load_security, quant_flag
+from .ports import refuse_ports_in_use
+from .supervision import supervise
+
+log = logging.getLogger("meshnet")
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("up", help="start a whole local cluster: tracker, nodes and web UI",
+                       description="Start a tracker, N nodes splitting the model's layers evenly, and the web "
+                                   "UI, on this machine. Ctrl-C stops them all.")
+    p.add_argument("--model", default="smollm2-135m", help="model reference (default %(default)s)")
+    p.add_argument("--nodes", type=positive_count, default=2,
+                   help="how many nodes split the layers (default %(default)s)")
+    p.add_argument("--port", type=port, default=8000, help="web UI port (default %(default)s)")
+    p.add_argument("--host", default="127.0.0.1", help="web UI host (default %(default)s)")
+    p.add_argument("--tracker", default=DEFAULT_TRACKER, type=endpoint, metavar="ENDPOINT",
+                   help="tracker bind endpoint (default %(default)s)")
+    p.add_argument("--pub", default=DEFAULT_PUB, type=endpoint, metavar="ENDPOINT",
+                   help="tracker PUB endpoint (default %(default)s)")
+    device_flags(p, "each node's", "; plain cuda deals the nodes out over every GPU")
+    p.add_argument("--threads", type=count, default=0,
+                   help="torch threads per node, 0 for all cores; the nodes compute one at a time "
+                        "(default %(default)s)")
+    quant_flag(p)
+    keys_flag(p)
+    p.set_defaults(func=cmd_up)
+
+
+def _even_shards(model: str, nodes: int) -> list:
+    """``nodes`` shards splitting ``model``'s layers evenly; CommandError for an unknown model."""
+    from ..compute.models import ModelError, default_cache_root, load_config, resolve
+    from ..wire.shard import even_split
+
+    try:
+        num_layers = load_config(resolve(model), default_cache_root()).num_hidden_layers
+        return even_split(num_layers, nodes)
+    except (ModelError, ValueError) as exc:
+        raise CommandError(str(exc)) from None
+
+
+def cmd_up(args) -> int:
+    check_device_flags(args.device, args.quant)
+    # checked here, so a bad key directory fails before anything starts; up's tracker runs with DIR's key pair
+    security = load_security(args, f"{args.keys}/id.key (the key pair `meshnet up` runs its tracker with)")
+    shards = _even_shards(args.model, args.nodes)
+    refuse_ports_in_use({"the tracker, --tracker": args.tracker, "its feed, --pub": args.pub,
+                          "the web UI, --port": f"tcp://{args.host}:{args.port}"},
+                         "`meshnet up` (or a tracker or web UI)")
+    args.quant = picked_quant(args.quant, args.model, args.device)  # every node gets the one answer
+    threads = ["--threads", str(args.threads)] if args.threads else []
+    devices = node_devices(args.device, len(shards), _cuda_count(args.device))
+    log.info("starting a tracker, %d nodes (layers %s on %s; nodes of one device compute one at a time, "
+             "%s torch threads each) and the web UI; loading weights…", len(shards), ", ".join(map(str, shards)),
+             ", ".join(devices), args.threads or "all")
+    me = [sys.executable, "-m", "fabric.cli", "--log-level", args.log_level,
+          *(["--config", args.config] if args.config else [])]  # nodes read its [node] table too
+    keys = ["--keys", args.keys] if args.keys else []
+    # nodes on one device (this machine's cores, or one GPU) compute one at a time, each with all of it: every
+    # node locks its device's default compute lock, as nodes started by hand on this machine do
+    commands = [[*me, "tracker", "--bind", args.tracker, "--pub", args.pub, *keys]]
+    commands += [[*me, "node", "--model", args.model, "--layers", str(s), "--tracker", args.tracker, *threads,
+                  "--device", device, "--dtype", args.dtype, "--quant", args.quant, "--no-progress", *keys]
+                 for s, device in zip(shards, devices)]
+    commands.append([*me, "webui", "--tracker", args.tracker, "--pub", args.pub, "--host", args.host,
+                     "--port", str(args.port), *keys])
+    url = f"http://{args.host}:{args.port}"
+    return supervise(commands, announce=functools.partial(_announce_when_ready, args.tracker, len(shards), url,
+                                                          security))
+
+
+def node_devices(device: str, nodes: int, gpus: int) -> list[str]:
+    """The device of each of ``up``'s nodes: plain ``cuda`` on a machine with several GPUs
+    deals the nodes out over them in turn; anything else is every node's."""
+    if device != "cuda" or gpus < 2:
+        return [device] * nodes
+    return [f"cuda:{i % gpus}" for i in range(nodes)]
+
+
+def _cuda_count(device: str) -> int:
+    import torch
+
+    return torch.cuda.device_count() if device == "cuda" else 0
+
+
+def _announce_when_ready(tracker: str, nodes: int, url: str, security, stop: threading.Event, procs) -> None:
+    """Say where the dashboard is once ``nodes`` nodes serve a route (or stop when asked, or
+    when a process died: supervise reports that)."""
+    from ..client import Client, FabricError
+
+    with Client(tracker, timeout=2.0, security=security) as client:
+        while not stop.is_set() and all(p.poll() is None for p in procs):
+            try:
+                status = client.status()
+                if len(status.get("nodes", [])) >= nodes and any(status.get("plans", {}).values()):
+                    print(f"\nmeshnet is up: {nodes} nodes serving. Dashboard and API at {url}\n"
+                          f"Press Ctrl-C to stop.\n", flush=True)
+                    return
+            except FabricError:
+                pass
+            stop.wait(0.5)

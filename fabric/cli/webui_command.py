@@ -1,0 +1,49 @@
+"""``meshnet webui``: the dashboard and the OpenAI-compatible API."""
+from __future__ import annotations
+
+from ..flags import CommandError, endpoint, port
+from ..wire.liveness import DEFAULT_PUB
+from .options import load_security, tracker_flag
+from .ports import listening, refuse_ports_in_use
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("webui", help="serve the dashboard and the OpenAI-compatible API")
+    tracker_flag(p)
+    p.add_argument("--pub", default=DEFAULT_PUB, type=endpoint, metavar="ENDPOINT",
+                   help="tracker PUB endpoint for live events (default %(default)s)")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="interface the web server listens on; 0.0.0.0 for every one (default %(default)s)")
+    p.add_argument("--port", type=port, default=8000, help="port the web server listens on (default %(default)s)")
+    p.add_argument("--api-keys", default=None, metavar="FILE",
+                   help="file with one API key per line; requests must then carry one "
+                        "(default: no authentication)")
+    p.set_defaults(func=cmd_webui)
+
+
+def read_api_keys(path: str) -> frozenset[str]:
+    """The keys in ``path``, one a line (blank lines and # comments skipped); CommandError when
+    the file cannot be read or holds none, which would refuse every request."""
+    try:
+        with open(path) as fh:
+            keys = frozenset(line.strip() for line in fh if line.strip() and not line.strip().startswith("#"))
+    except (OSError, UnicodeDecodeError) as exc:
+        reason = getattr(exc, "strerror", None) or str(exc)
+        raise CommandError(f"--api-keys {path}: {reason}; give a file with one API key per line, or leave out "
+                           "--api-keys to serve without authentication") from None
+    if not keys:
+        raise CommandError(f"--api-keys {path} holds no keys, so every request would be refused; put one key per "
+                           "line, or leave out --api-keys to serve without authentication")
+    return keys
+
+
+def cmd_webui(args) -> int:
+    from webui.app import WebUIConfig, serve
+
+    keys = read_api_keys(args.api_keys) if args.api_keys else frozenset()
+    security = load_security(args)
+    refuse_ports_in_use({"the web UI, --port": f"tcp://{args.host}:{args.port}"}, "web UI")
+    with listening("--host or --port", f"{args.host}:{args.port}"):
+        serve(WebUIConfig(tracker=args.tracker, pub=args.pub, host=args.host, port=args.port, api_keys=keys,
+                          security=security))
+    return 0
