@@ -211,6 +211,21 @@ MALFORMED = {
     "GENERATE for a route this node does not head": (_raw(Kind.GENERATE, _generate_header()), BAD_REQUEST,
                                                      "not the head"),
     "a tracker message (ROUTE_REQUEST)": (_frames(p.RouteRequest("llama")), BAD_REQUEST, "does not accept"),
+    "FORWARD asking 21 logprobs": (_raw(Kind.FORWARD, {**msgpack.unpackb(FORWARD_IDS[2]), "logprobs": 21},
+                                        FORWARD_IDS[3]), BAD_FRAME, "logprobs must be in [-1, 20]"),
+    "GENERATE asking 21 logprobs": (_raw(Kind.GENERATE, _generate_header(logprobs=21)), BAD_REQUEST,
+                                    "logprobs must be in [-1, 20]"),
+    "TOKEN with 21 alternatives": (_raw(Kind.TOKEN, {"session": "s", "step": 0, "token": 1, "pos": 1, "logprob": -1.0,
+                                                     "top_ids": list(range(21)), "top_logprobs": [-1.0] * 21}),
+                                   BAD_FRAME, "at most 20"),
+    "TOKEN with unpaired alternatives": (_raw(Kind.TOKEN, {"session": "s", "step": 0, "token": 1, "pos": 1,
+                                                           "logprob": -1.0, "top_ids": [1, 2], "top_logprobs": [-1.0]}),
+                                         BAD_FRAME, "pair up"),
+    "TOKEN with a positive logprob": (_raw(Kind.TOKEN, {"session": "s", "step": 0, "token": 1, "pos": 1,
+                                                        "logprob": 3.0}), BAD_FRAME, "logprobs must be in"),
+    "EVENT with 21 alternatives": (_raw(Kind.EVENT, {"request_id": "r", "event": "token", "logprobs": [
+        {"token": 1, "text": "a", "logprob": -1.0, "top": [{"token": 1, "text": "a", "logprob": -1.0}] * 21}]}),
+        BAD_REQUEST, "at most 20"),
 }
 
 

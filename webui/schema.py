@@ -11,7 +11,15 @@ import json
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from fabric.wire.protocol import MAX_MODEL_CHARS, MAX_SEED, MAX_STOP, MAX_TEMPERATURE, MAX_TOP_K, Sampling
+from fabric.wire.protocol import (
+    MAX_MODEL_CHARS,
+    MAX_SEED,
+    MAX_STOP,
+    MAX_TEMPERATURE,
+    MAX_TOP_K,
+    MAX_TOP_LOGPROBS,
+    Sampling,
+)
 
 from .errors import ApiError
 
@@ -41,6 +49,7 @@ class GenerationRequest:
     include_usage: bool  # stream_options.include_usage: a last chunk carries usage
     ignore_eos: bool = False  # keep generating past end-of-sequence tokens (as vLLM's extension; benchmarks)
     fit_context: bool = False  # max_tokens was not given: the default, or what the model's context leaves
+    logprobs: int | None = None  # each token's logprob and this many alternatives; None: none asked
 
     def generate_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for ``client.generate(model, ...)``."""
@@ -49,7 +58,7 @@ class GenerationRequest:
             messages = [{"role": m.role, "content": m.content} for m in self.messages]
         return {"messages": messages, "prompt": self.prompt, "max_tokens": self.max_tokens,
                 "stop": self.stop, "sampling": self.sampling, "ignore_eos": self.ignore_eos,
-                "fit_context": self.fit_context}
+                "fit_context": self.fit_context, "logprobs": self.logprobs}
 
 
 # --------------------------------------------------------------------------- entry points
@@ -76,7 +85,7 @@ def parse_chat(body: dict[str, Any], config: WebUIConfig) -> GenerationRequest:
     if max_tokens is None:
         max_tokens = _integer(body, "max_tokens", None, 1, config.max_tokens_limit)
     return GenerationRequest(messages=messages, prompt=None, max_tokens=max_tokens or config.default_max_tokens,
-                             fit_context=max_tokens is None, **_common(body, config))
+                             fit_context=max_tokens is None, logprobs=_chat_logprobs(body), **_common(body, config))
 
 
 def parse_completion(body: dict[str, Any], config: WebUIConfig) -> GenerationRequest:
@@ -87,7 +96,8 @@ def parse_completion(body: dict[str, Any], config: WebUIConfig) -> GenerationReq
     _check_prompt_length(len(prompt), config, "prompt")
     max_tokens = _integer(body, "max_tokens", None, 1, config.max_tokens_limit)
     return GenerationRequest(messages=None, prompt=prompt, max_tokens=max_tokens or config.default_max_tokens,
-                             fit_context=max_tokens is None, **_common(body, config))
+                             fit_context=max_tokens is None, logprobs=_integer(body, "logprobs", None, 0, MAX_TOP_LOGPROBS),
+                             **_common(body, config))
 
 
 # --------------------------------------------------------------------------- fields
@@ -117,6 +127,16 @@ def _sampling(body: dict[str, Any], config: WebUIConfig) -> Sampling:
     top_k = _integer(body, "top_k", 0, 0, MAX_TOP_K)
     seed = _integer(body, "seed", None, 0, MAX_SEED)
     return Sampling(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+
+
+def _chat_logprobs(body: dict[str, Any]) -> int | None:
+    """Chat's ``logprobs`` (a boolean) and ``top_logprobs`` (0..20, only with logprobs) as one
+    number of alternatives; None: no logprobs."""
+    wanted = _boolean(body, "logprobs", False)
+    top = _integer(body, "top_logprobs", None, 0, MAX_TOP_LOGPROBS)
+    if top is not None and not wanted:
+        raise ApiError.invalid("top_logprobs is only allowed when logprobs is true", "top_logprobs")
+    return (top or 0) if wanted else None
 
 
 def _messages(value: Any) -> tuple[ChatMessage, ...]:

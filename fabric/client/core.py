@@ -88,11 +88,12 @@ class GenerateArgs:
     api_key: str | None
     ignore_eos: bool = False
     fit_context: bool = False
+    logprobs: int = -1  # token events carry logprobs with this many alternatives; -1: none
 
     @classmethod
     def of(cls, model: str, *, messages=None, prompt=None, max_tokens=256, stop=(), ignore_eos=False,
            sampling: p.Sampling | None = None, request_id=None, api_key=None, fit_context=False,
-           **fields) -> GenerateArgs:
+           logprobs=None, **fields) -> GenerateArgs:
         """The arguments of ``generate``; ``fields`` (temperature, top_k, top_p, seed) override
         ``sampling``'s, None keeping it. A wrong type or value is a FabricError (bad_request)
         naming the field, with the limits of ``protocol``, before any socket is used."""
@@ -101,7 +102,7 @@ class GenerateArgs:
         chosen = {name: value for name, value in fields.items() if value is not None}
         args = cls(model, _messages(messages), prompt, max_tokens, _stops(stop),
                    dataclasses.replace(sampling or p.Sampling(), **chosen), request_id or uuid.uuid4().hex,
-                   p.key_id(api_key), ignore_eos, bool(fit_context))
+                   p.key_id(api_key), ignore_eos, bool(fit_context), -1 if logprobs is None else logprobs)
         args.message(_ANY_ROUTE)
         return args
 
@@ -110,7 +111,7 @@ class GenerateArgs:
         return _as_the_head_reads(p.Generate(
             request_id=self.request_id, route=tuple(route), messages=self.messages, prompt=self.prompt,
             max_tokens=self.max_tokens, stop=self.stop, sampling=self.sampling, api_key=self.api_key,
-            ignore_eos=self.ignore_eos, fit_context=self.fit_context))
+            ignore_eos=self.ignore_eos, fit_context=self.fit_context, logprobs=self.logprobs))
 
 
 def _bad(message: str) -> FabricError:

@@ -39,6 +39,7 @@ from .head import Head, Model
 from .hops import HopRunner
 from .leave import Departure
 from .links import Links
+from .logprobs import LogprobAsks
 from .owners import SELF, Owners
 from .peers import Peers
 from .prefixes import MAX_PREFIXES, PrefixIndex
@@ -96,6 +97,7 @@ class Node(SessionControl):
         self.head = self._head(weights.config) if config.shard.is_first else None
         self.departure = Departure(config.node_id, config.drain_timeout)  # a polite leave, once asked
         self.owners = Owners()  # the connection each session here was opened by
+        self.asks = LogprobAsks()  # the sessions whose TOKENs carry logprobs (when this node is their tail)
         self.ready = threading.Event()
         gc.collect()
         release_freed_memory()  # what loading, the tokenizer and the benchmark left behind goes back to the OS
@@ -183,6 +185,7 @@ class Node(SessionControl):
         self.scheduler.forget_freed()
         self.owners.prune(now, lambda: {*self.kv.sessions(), *self.kv.retained.sessions(),
                                         *(w.session for w in self.scheduler.queue)})
+        self.asks.keep(self.owners.known)
         self._free_orphans(now)
         for work in self.scheduler.waiting(now):  # hops waiting their turn here: their heads hear they are not lost
             self._progress(work.msg, work.msg.pos)
@@ -287,6 +290,8 @@ class Node(SessionControl):
         piece of a long prefill (all but the tail's last, which its TOKEN answers), PROGRESS to the
         head too: however long the prompt, the head hears it move."""
         msg = work.msg
+        if not msg.route:  # the tail: what the session asked of its tokens
+            self.asks.note(msg)
         if msg.audit and msg.start_layer and isinstance(result, StepResult):  # every step past the head: its sketch
             self.send_tensors(msg.reply_to, msg.reply_key, *self.taps.tap(work, result))
         if (msg.more or msg.pos and not work.decode) and isinstance(result, StepResult) and result.logits is None:
@@ -303,8 +308,8 @@ class Node(SessionControl):
                 step=msg.step, node=self.config.node_id))
         elif result.logits is not None:  # the tail: layers end here
             pos = msg.pos + work.tokens
-            self._send(msg.reply_to, msg.reply_key, p.Token(msg.session, msg.step,
-                                                            sample(result.logits, msg.sampling, pos), pos))
+            token = sample(result.logits, msg.sampling, pos)
+            self._send(msg.reply_to, msg.reply_key, self.asks.token(msg, token, pos, result.logits))
         elif msg.route:
             nxt = msg.route[0]
             out = dataclasses.replace(msg, start_layer=nxt.start_layer, end_layer=nxt.end_layer, route=msg.route[1:],
