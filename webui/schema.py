@@ -1,9 +1,9 @@
 """Parse and validate OpenAI request bodies into frozen ``GenerationRequest`` records.
 
 Everything a client sends is checked here and refused with a 400 ``ApiError`` naming
-the offending ``param``; nothing past this module sees untyped JSON. Fields we do not
-implement (``user``, ``presence_penalty``, ``logprobs``, ...) are ignored, as OpenAI-
-compatible servers commonly do.
+the offending ``param``; nothing past this module sees untyped JSON. A field this server
+does not implement is refused, never ignored (``fields``: which are honoured, harmless or
+refused); so is a key of a message other than ``role``, ``content`` and ``name``.
 """
 from __future__ import annotations
 
@@ -22,11 +22,13 @@ from fabric.wire.protocol import (
 )
 
 from .errors import ApiError
+from .fields import CHAT, COMPLETIONS, check_fields
 
 if TYPE_CHECKING:
     from .config import WebUIConfig
 
 ROLES = ("system", "user", "assistant")
+MESSAGE_KEYS = ("role", "content", "name")  # name is accepted, and not passed on: chat templates rarely read it
 
 
 @dataclass(frozen=True)
@@ -78,6 +80,7 @@ def parse_json_object(raw: bytes) -> dict[str, Any]:
 
 
 def parse_chat(body: dict[str, Any], config: WebUIConfig) -> GenerationRequest:
+    check_fields(body, CHAT)
     messages = _messages(body.get("messages"))
     chars = sum(len(m.content) for m in messages)
     _check_prompt_length(chars, config, "messages")
@@ -90,8 +93,9 @@ def parse_chat(body: dict[str, Any], config: WebUIConfig) -> GenerationRequest:
 
 def parse_completion(body: dict[str, Any], config: WebUIConfig) -> GenerationRequest:
     prompt = body.get("prompt")
-    if prompt is None:
+    if prompt is None:  # before the fields: chat's messages sent here lack a prompt, first of all
         raise ApiError.invalid("prompt is required", "prompt")
+    check_fields(body, COMPLETIONS)
     prompt = _text(prompt, "prompt")
     _check_prompt_length(len(prompt), config, "prompt")
     max_tokens = _integer(body, "max_tokens", None, 1, config.max_tokens_limit)
@@ -154,6 +158,10 @@ def _message(item: Any, index: int) -> ChatMessage:
     role = item.get("role")
     if role not in ROLES:
         raise ApiError.invalid(f"{param}.role must be one of {', '.join(ROLES)}", f"{param}.role")
+    for key, value in item.items():
+        if key not in MESSAGE_KEYS and value is not None:
+            raise ApiError.invalid(f"{param}.{key!s:.64} is not supported in a message (only role, content "
+                                   "and name)", f"{param}.{key!s:.64}", "unsupported_parameter")
     content = item.get("content")
     if not isinstance(content, str):
         raise ApiError.invalid(f"{param}.content must be a string", f"{param}.content")
