@@ -25,15 +25,15 @@ TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "ob
 
 # field -> a value that asks for something this server does not do (chat)
 REFUSED_CHAT = {
-    "logit_bias": {"5": 10}, "presence_penalty": 0.5, "frequency_penalty": -0.5,
     "parallel_tool_calls": False, "tools": [TOOL], "tool_choice": "auto",
     "response_format": {"type": "json_object"}, "functions": [TOOL["function"]], "function_call": "auto",
     "modalities": ["text", "audio"], "audio": {"voice": "alloy", "format": "wav"},
     "prediction": {"type": "content", "content": "x"}, "reasoning_effort": "low", "verbosity": "low",
     "web_search_options": {}, "service_tier": "flex", "metadata": "not an object", "store": "yes",
 }
-REFUSED_COMPLETIONS = {"logit_bias": {"5": 10}, "presence_penalty": 1.0, "frequency_penalty": 0.1, "echo": True,
-                       "best_of": 2, "suffix": "the end", "user": 5}
+REFUSED_COMPLETIONS = {"echo": True, "best_of": 2, "suffix": "the end", "user": 5}
+# field -> a value out of its range (honoured fields check their values)
+OUT_OF_RANGE = {"presence_penalty": 2.5, "frequency_penalty": -3, "logit_bias": {"5": 101}}
 ACCEPTED_CHAT = {"user": "u-1", "metadata": {"k": "v"}, "store": False, "safety_identifier": "s", "n": 1,
                  "prompt_cache_key": "k", "logit_bias": {}, "presence_penalty": 0, "frequency_penalty": 0.0,
                  "response_format": {"type": "text"}, "tool_choice": "none", "service_tier": "auto",
@@ -69,6 +69,31 @@ async def test_chat_refuses_each_field_it_does_not_implement(sdk, field):
 async def test_completions_refuse_each_field_they_do_not_implement(sdk, field):
     call = sdk.completions.create(model=MODEL, prompt="hi", max_tokens=4, **{field: REFUSED_COMPLETIONS[field]})
     await _refused(call, field)
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("field", sorted(OUT_OF_RANGE))
+async def test_penalties_and_bias_out_of_range_are_refused(sdk, field):
+    await _refused(sdk.chat.completions.create(model=MODEL, messages=MESSAGES, **{field: OUT_OF_RANGE[field]}), field)
+    await _refused(sdk.completions.create(model=MODEL, prompt="hi", **{field: OUT_OF_RANGE[field]}), field)
+
+
+@pytest.mark.asyncio
+async def test_logit_bias_keys_must_be_token_ids(sdk):
+    for bias in ({"the": 1}, {"-1": 1}, {"7": 1, "07": 2}, {str(i): 1 for i in range(301)}, {"5": "high"}):
+        await _refused(sdk.chat.completions.create(model=MODEL, messages=MESSAGES, logit_bias=bias), "logit_bias")
+
+
+@pytest.mark.asyncio
+async def test_penalties_and_bias_reach_the_fabric():
+    fake = FakeClient()
+    app = create_app(WebUIConfig(pub=None), fake)
+    http = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://webui")
+    sdk = openai.AsyncOpenAI(base_url="http://webui/v1", api_key="unused", http_client=http, max_retries=0)
+    await sdk.chat.completions.create(model=MODEL, messages=MESSAGES, presence_penalty=0.5, frequency_penalty=-1,
+                                      logit_bias={"5": -100, "17": 3.5})
+    call = fake.calls[-1]
+    assert (call.presence_penalty, call.frequency_penalty, call.logit_bias) == (0.5, -1.0, {5: -100.0, 17: 3.5})
 
 
 @pytest.mark.asyncio

@@ -2,8 +2,8 @@
 
 A field is honoured (``schema`` parses it into the request), accepted as harmless (it asks
 for nothing the reply could show: ``user``, ``metadata``...), or refused with a 400
-``invalid_request_error`` naming it, unless its value asks for nothing (``n: 1``,
-``logit_bias: {}``, ``response_format: {"type": "text"}``). A field no row names is refused
+``invalid_request_error`` naming it, unless its value asks for nothing (``echo: false``,
+``best_of: 1``, ``response_format: {"type": "text"}``). A field no row names is refused
 too: a vendor extension this server does not implement (``min_p``, ``guided_json``...)
 would otherwise be dropped without a word, and the client would trust a reply that never
 applied it. README's table of request fields lists these rows (a test keeps them in step).
@@ -78,9 +78,9 @@ FIELDS: dict[str, Rule] = {
     "logprobs": _honoured(BOTH, "chat: true gives each token's logprob; completions: 0..20 alternatives too"),
     "top_logprobs": _honoured(CHAT_ONLY, "0..20 alternatives per token (needs logprobs: true)"),
     "ignore_eos": _honoured(BOTH, "vLLM's extension: generate max_tokens even past end-of-sequence (benchmarks)"),
-    "frequency_penalty": _only(BOTH, _is(0, 0.0), "0 only (no penalty)", "not supported; send 0 or leave it out"),
-    "presence_penalty": _only(BOTH, _is(0, 0.0), "0 only (no penalty)", "not supported; send 0 or leave it out"),
-    "logit_bias": _only(BOTH, _is({}), "{} only", "not supported; send {} or leave it out"),
+    "frequency_penalty": _honoured(BOTH, "-2..2: each token's logit falls by this times the times it was generated"),
+    "presence_penalty": _honoured(BOTH, "-2..2: each token generated already has its logit lowered by this"),
+    "logit_bias": _honoured(BOTH, "{token id: -100..100}, added to those tokens' logits (at most 300)"),
     "response_format": _only(CHAT_ONLY, _is({"type": "text"}), '{"type": "text"} only (plain text, the default)',
                              f"json_object and json_schema are {LATER}"),
     "tools": _only(CHAT_ONLY, _never, "refused", f"tools are {LATER}"),

@@ -12,11 +12,15 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from fabric.wire.protocol import (
+    MAX_BIAS,
+    MAX_LOGIT_BIAS,
     MAX_MODEL_CHARS,
+    MAX_PENALTY,
     MAX_SEED,
     MAX_STOP,
     MAX_TEMPERATURE,
     MAX_TOP_K,
+    MAX_TOKEN_ID,
     MAX_TOP_LOGPROBS,
     Sampling,
 )
@@ -52,6 +56,9 @@ class GenerationRequest:
     ignore_eos: bool = False  # keep generating past end-of-sequence tokens (as vLLM's extension; benchmarks)
     fit_context: bool = False  # max_tokens was not given: the default, or what the model's context leaves
     logprobs: int | None = None  # each token's logprob and this many alternatives; None: none asked
+    presence_penalty: float = 0.0  # OpenAI's, applied at the tail
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) pairs
 
     def generate_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for ``client.generate(model, ...)``."""
@@ -60,7 +67,9 @@ class GenerationRequest:
             messages = [{"role": m.role, "content": m.content} for m in self.messages]
         return {"messages": messages, "prompt": self.prompt, "max_tokens": self.max_tokens,
                 "stop": self.stop, "sampling": self.sampling, "ignore_eos": self.ignore_eos,
-                "fit_context": self.fit_context, "logprobs": self.logprobs}
+                "fit_context": self.fit_context, "logprobs": self.logprobs,
+                "presence_penalty": self.presence_penalty, "frequency_penalty": self.frequency_penalty,
+                "logit_bias": dict(self.logit_bias)}
 
 
 # --------------------------------------------------------------------------- entry points
@@ -99,9 +108,9 @@ def parse_completion(body: dict[str, Any], config: WebUIConfig) -> GenerationReq
     prompt = _text(prompt, "prompt")
     _check_prompt_length(len(prompt), config, "prompt")
     max_tokens = _integer(body, "max_tokens", None, 1, config.max_tokens_limit)
+    logprobs = _integer(body, "logprobs", None, 0, MAX_TOP_LOGPROBS)  # the legacy shape: an int
     return GenerationRequest(messages=None, prompt=prompt, max_tokens=max_tokens or config.default_max_tokens,
-                             fit_context=max_tokens is None, logprobs=_integer(body, "logprobs", None, 0, MAX_TOP_LOGPROBS),
-                             **_common(body, config))
+                             fit_context=max_tokens is None, logprobs=logprobs, **_common(body, config))
 
 
 # --------------------------------------------------------------------------- fields
@@ -122,7 +131,10 @@ def _common(body: dict[str, Any], config: WebUIConfig) -> dict[str, Any]:
     stream = _boolean(body, "stream", False)
     return {"model": model, "stop": _stop(body.get("stop")), "sampling": _sampling(body, config),
             "stream": stream, "include_usage": _include_usage(body.get("stream_options"), stream),
-            "ignore_eos": _boolean(body, "ignore_eos", False)}
+            "ignore_eos": _boolean(body, "ignore_eos", False),
+            "presence_penalty": _number(body, "presence_penalty", 0.0, -MAX_PENALTY, MAX_PENALTY),
+            "frequency_penalty": _number(body, "frequency_penalty", 0.0, -MAX_PENALTY, MAX_PENALTY),
+            "logit_bias": _logit_bias(body.get("logit_bias"))}
 
 
 def _sampling(body: dict[str, Any], config: WebUIConfig) -> Sampling:
@@ -141,6 +153,24 @@ def _chat_logprobs(body: dict[str, Any]) -> int | None:
     if top is not None and not wanted:
         raise ApiError.invalid("top_logprobs is only allowed when logprobs is true", "top_logprobs")
     return (top or 0) if wanted else None
+
+
+def _logit_bias(value: Any) -> tuple[tuple[int, float], ...]:
+    """OpenAI's logit_bias: an object from token ids (decimal strings) to biases in [-100, 100]."""
+    if value is None:
+        return ()
+    if not isinstance(value, dict) or len(value) > MAX_LOGIT_BIAS:
+        raise ApiError.invalid(f"logit_bias must be an object of at most {MAX_LOGIT_BIAS} token ids", "logit_bias")
+    pairs = []
+    for key, bias in value.items():
+        if not (key.isascii() and key.isdigit() and int(key) <= MAX_TOKEN_ID):
+            raise ApiError.invalid(f"logit_bias keys are token ids, not {key!r:.40}", "logit_bias")
+        if type(bias) not in (int, float) or not -MAX_BIAS <= bias <= MAX_BIAS:
+            raise ApiError.invalid(f"logit_bias values must be numbers in [-{MAX_BIAS:g}, {MAX_BIAS:g}]", "logit_bias")
+        pairs.append((int(key), float(bias)))
+    if len({t for t, _ in pairs}) != len(pairs):  # "7" and "07"
+        raise ApiError.invalid("logit_bias names a token id twice", "logit_bias")
+    return tuple(pairs)
 
 
 def _messages(value: Any) -> tuple[ChatMessage, ...]:

@@ -50,6 +50,9 @@ class GenerateCall:
     ignore_eos: bool = False
     fit_context: bool = False
     logprobs: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict = field(default_factory=dict)
 
 
 def fake_logprobs(i: int, text: str, top: int) -> TokenLogprobs:
@@ -138,9 +141,10 @@ class FakeClient:
     def generate(self, model: str, *, messages: list[dict] | None = None, prompt: str | None = None,
                  max_tokens: int = 256, stop: tuple[str, ...] = (), sampling: Sampling = Sampling(),
                  request_id: str | None = None, api_key: str | None = None, ignore_eos: bool = False,
-                 fit_context: bool = False, logprobs: int | None = None) -> FakeStream:
+                 fit_context: bool = False, logprobs: int | None = None, presence_penalty: float = 0.0,
+                 frequency_penalty: float = 0.0, logit_bias: dict | None = None) -> FakeStream:
         call = GenerateCall(model, messages, prompt, max_tokens, stop, sampling, request_id, api_key, ignore_eos,
-                            fit_context, logprobs)
+                            fit_context, logprobs, presence_penalty, frequency_penalty, dict(logit_bias or {}))
         self.calls.append(call)
         script = self.script
         if all(m["id"] != model for m in self.model_list):

@@ -9,6 +9,7 @@ every hop to free the session's KV. It never touches a socket: it talks through 
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import secrets
 import time
@@ -421,10 +422,13 @@ class RouteSession:
             self.held = 0  # the hops start the session over: nothing is known held until a TOKEN
         head = self.route[0]
         opens = pos == 0 or bool(reuse)  # the tail hears what the session asks once, on the steps that open it
+        penalties = self.request.penalties
+        if penalties is not None:  # counted from the tokens generated so far (a re-prefill's, a resumed request's)
+            penalties = dataclasses.replace(penalties, generated=tuple(self.generated))
         msg = Forward(session=self.session, step=self.step, pos=pos, start_layer=head.start_layer,
                       end_layer=head.end_layer, route=self.route[1:], reply_to=self.reply_to,
                       sampling=self.sampling, reply_key=self.reply_key, wire_dtype=self.wire_dtype, reuse=reuse,
-                      logprobs=self.request.logprobs if opens else -1)
+                      logprobs=self.request.logprobs if opens else -1, penalties=penalties if opens else None)
         self.transport.forward(head, msg, torch.tensor([ids], dtype=torch.int64))  # (1, q)
 
     def _finish(self, reason: str, tail: str = "") -> list[Event]:

@@ -54,6 +54,9 @@ MAX_TOKEN_ID = (1 << 31) - 1
 MAX_SALT = 256  # characters of a cache_salt or an api_key
 MAX_TOP_LOGPROBS = 20  # alternatives a token's logprobs list (OpenAI's top_logprobs limit)
 MIN_LOGPROB = -9999.0  # a logprob below this (-inf: a masked token) travels as this, as vLLM reports it
+MAX_PENALTY = 2.0  # presence and frequency penalties are in [-2, 2] (OpenAI's range)
+MAX_BIAS = 100.0  # a logit_bias value is in [-100, 100] (OpenAI's range)
+MAX_LOGIT_BIAS = 300  # token ids one logit_bias may name (OpenAI's limit)
 
 # dtype name -> item size in bytes. The receiver refuses anything else.
 DTYPE_SIZES = {"float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4}
@@ -200,6 +203,33 @@ class Sampling:
             raise ProtocolError("seed must be in [0, 2**63)", ErrorCode.BAD_REQUEST)
 
 
+@dataclass(frozen=True)
+class Penalties:
+    """OpenAI's presence and frequency penalties and logit_bias, which the tail applies to the
+    logits before it samples: ``logit[j] += bias[j] - frequency * count[j] - presence * (count[j]
+    > 0)``, ``count`` the times ``j`` was generated in this request (the prompt does not count)."""
+
+    presence: float = 0.0
+    frequency: float = 0.0
+    bias_ids: tuple[int, ...] = ()  # token ids whose logits move by bias_values
+    bias_values: tuple[float, ...] = ()
+    generated: tuple[int, ...] = ()  # FORWARD: the tokens generated before this opening step (a re-prefill's)
+
+    def validate(self) -> None:
+        if not (abs(self.presence) <= MAX_PENALTY and abs(self.frequency) <= MAX_PENALTY):
+            raise ProtocolError(f"presence and frequency penalties must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}]",
+                                ErrorCode.BAD_REQUEST)
+        if len(self.bias_ids) != len(self.bias_values) or len(self.bias_ids) > MAX_LOGIT_BIAS:
+            raise ProtocolError(f"bias_ids and bias_values pair up, at most {MAX_LOGIT_BIAS} of them",
+                                ErrorCode.BAD_REQUEST)
+        if len(set(self.bias_ids)) != len(self.bias_ids) or not all(abs(b) <= MAX_BIAS for b in self.bias_values):
+            raise ProtocolError(f"logit_bias names each token once, with a bias in [-{MAX_BIAS:g}, {MAX_BIAS:g}]",
+                                ErrorCode.BAD_REQUEST)
+        if len(self.generated) > MAX_RESUME or not all(0 <= t <= MAX_TOKEN_ID for t in (*self.bias_ids,
+                                                                                          *self.generated)):
+            raise ProtocolError("token ids must be in [0, 2**31)", ErrorCode.BAD_REQUEST)
+
+
 def _check_logprob(value: float, what: str) -> None:
     if not MIN_LOGPROB <= value <= 0.0:
         raise ProtocolError(f"{what} must be in [{MIN_LOGPROB:g}, 0]", ErrorCode.BAD_REQUEST)
@@ -256,7 +286,7 @@ class Forward(Message):
     """
 
     KIND: ClassVar[Kind] = Kind.FORWARD
-    SPARSE: ClassVar[frozenset[str]] = frozenset({"logprobs"})
+    SPARSE: ClassVar[frozenset[str]] = frozenset({"logprobs", "penalties"})
     session: str
     step: int
     pos: int
@@ -273,6 +303,8 @@ class Forward(Message):
     # on the steps that open the session (pos 0, or reuse): its TOKENs carry logprobs with this many
     # alternatives (0..MAX_TOP_LOGPROBS); -1: none, or (on other steps) as the opening step said
     logprobs: int = -1
+    # on the steps that open the session: what the tail applies to the logits before sampling; None: nothing
+    penalties: Penalties | None = None
 
     def validate(self) -> None:
         if not -1 <= self.logprobs <= MAX_TOP_LOGPROBS:
@@ -436,6 +468,7 @@ class Generate(Message):
     cache_salt: str = ""
     fit_context: bool = False  # max_tokens is a ceiling: the head lowers it to what the model's context leaves
     logprobs: int = -1  # token events carry logprobs with this many alternatives (0..MAX_TOP_LOGPROBS); -1: none
+    penalties: Penalties | None = None  # presence/frequency penalties and logit_bias (``generated`` empty)
 
     def validate(self) -> None:
         if not -1 <= self.logprobs <= MAX_TOP_LOGPROBS:
