@@ -46,7 +46,8 @@ class Taps:
         self.kernels = kernels
         self.counters = counters  # the node's: taps and replays are counted here
 
-    def tap(self, work: Work, result: StepResult, token: p.Token | None = None) -> tuple[p.AuditTap, list[torch.Tensor]]:
+    def tap(self, work: Work, result: StepResult,
+            token: p.Token | None = None) -> tuple[p.AuditTap, list[torch.Tensor]]:
         """The AUDIT_TAP of a step that ran: sketches of its input rows (q, SKETCH_DIM) and of its
         output (q rows of hidden states, or the tail's logits: one row, with ``token``, the TOKEN
         sampled from them)."""
