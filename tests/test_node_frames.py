@@ -211,6 +211,27 @@ MALFORMED = {
     "GENERATE for a route this node does not head": (_raw(Kind.GENERATE, _generate_header()), BAD_REQUEST,
                                                      "not the head"),
     "a tracker message (ROUTE_REQUEST)": (_frames(p.RouteRequest("llama")), BAD_REQUEST, "does not accept"),
+    "FORWARD asking 21 logprobs": (_raw(Kind.FORWARD, {**msgpack.unpackb(FORWARD_IDS[2]), "logprobs": 21},
+                                        FORWARD_IDS[3]), BAD_FRAME, "logprobs must be in [-1, 20]"),
+    "GENERATE asking 21 logprobs": (_raw(Kind.GENERATE, _generate_header(logprobs=21)), BAD_REQUEST,
+                                    "logprobs must be in [-1, 20]"),
+    "TOKEN with 21 alternatives": (_raw(Kind.TOKEN, {"session": "s", "step": 0, "token": 1, "pos": 1, "logprob": -1.0,
+                                                     "top_ids": list(range(21)), "top_logprobs": [-1.0] * 21}),
+                                   BAD_FRAME, "at most 20"),
+    "TOKEN with unpaired alternatives": (_raw(Kind.TOKEN, {"session": "s", "step": 0, "token": 1, "pos": 1,
+                                                           "logprob": -1.0, "top_ids": [1, 2], "top_logprobs": [-1.0]}),
+                                         BAD_FRAME, "pair up"),
+    "TOKEN with a positive logprob": (_raw(Kind.TOKEN, {"session": "s", "step": 0, "token": 1, "pos": 1,
+                                                        "logprob": 3.0}), BAD_FRAME, "logprobs must be in"),
+    "FORWARD with a bias of 101": (_raw(Kind.FORWARD, {**msgpack.unpackb(FORWARD_IDS[2]), "penalties": {
+        "bias_ids": [5], "bias_values": [101.0]}}, FORWARD_IDS[3]), BAD_REQUEST, "bias in [-100, 100]"),
+    "GENERATE biasing 301 tokens": (_raw(Kind.GENERATE, _generate_header(penalties={
+        "bias_ids": list(range(301)), "bias_values": [1.0] * 301})), BAD_REQUEST, "at most 300"),
+    "GENERATE with a presence penalty of 3": (_raw(Kind.GENERATE, _generate_header(penalties={"presence": 3.0})),
+                                              BAD_REQUEST, "penalties must be in [-2, 2]"),
+    "EVENT with 21 alternatives": (_raw(Kind.EVENT, {"request_id": "r", "event": "token", "logprobs": [
+        {"token": 1, "text": "a", "logprob": -1.0, "top": [{"token": 1, "text": "a", "logprob": -1.0}] * 21}]}),
+        BAD_REQUEST, "at most 20"),
 }
 
 

@@ -13,7 +13,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
-from fabric.wire.protocol import Event
+from fabric.wire.protocol import Event, TokenLogprobs
 
 from . import accounting as acct
 from .errors import api_error_from, from_fabric
@@ -24,12 +24,14 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class Completed:
-    """What a non-streamed response needs: the whole text and the usage."""
+    """What a non-streamed response needs: the whole text, the usage, and the tokens' logprobs
+    when the request asked for them."""
 
     text: str
     finish_reason: str
     prompt_tokens: int
     completion_tokens: int
+    logprobs: tuple[TokenLogprobs, ...] = ()
 
 
 class Generation:
@@ -131,11 +133,14 @@ class Generation:
 async def collect(generation: Generation) -> Completed:
     """Consume a whole generation for a non-streamed response; always closes it."""
     parts: list[str] = []
+    logprobs: list[TokenLogprobs] = []
     try:
         async for event in generation:
             if event.event == "token":
                 parts.append(event.text)
+                logprobs.extend(event.logprobs)
     finally:
         await generation.aclose()
     done = generation.done
-    return Completed("".join(parts), done.finish_reason or "stop", done.prompt_tokens, done.completion_tokens)
+    return Completed("".join(parts), done.finish_reason or "stop", done.prompt_tokens, done.completion_tokens,
+                     tuple(logprobs))

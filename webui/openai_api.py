@@ -89,13 +89,15 @@ async def retrieve_model(model_id: str) -> Response:
 @blueprint.post("/chat/completions")
 async def chat_completions() -> Response:
     req = parse_chat(parse_json_object(await request.get_data()), api_context().config)
-    return await respond(req, ChatFormat(f"chatcmpl-{uuid.uuid4().hex}", req.model, req.include_usage))
+    return await respond(req, ChatFormat(f"chatcmpl-{uuid.uuid4().hex}", req.model, req.include_usage,
+                                         req.logprobs is not None))
 
 
 @blueprint.post("/completions")
 async def completions() -> Response:
     req = parse_completion(parse_json_object(await request.get_data()), api_context().config)
-    return await respond(req, TextFormat(f"cmpl-{uuid.uuid4().hex}", req.model, req.include_usage))
+    return await respond(req, TextFormat(f"cmpl-{uuid.uuid4().hex}", req.model, req.include_usage,
+                                         req.logprobs is not None))
 
 
 async def respond(req: GenerationRequest, fmt: ResponseFormat) -> Response:
@@ -139,8 +141,8 @@ async def stream_events(generation: Generation, fmt: ResponseFormat) -> AsyncIte
         for chunk in fmt.opening():
             yield sse.event(chunk)
         async for event in generation:
-            if event.event == "token" and event.text:
-                yield sse.event(fmt.delta(event.text))
+            if event.event == "token" and (event.text or event.logprobs):
+                yield sse.event(fmt.delta(event.text, event.logprobs))
             elif event.event == "progress":  # a comment: OpenAI clients skip it, the dashboard shows it
                 yield sse.comment(progress_comment(event))
             elif event.event == "done":

@@ -1,9 +1,9 @@
 """Parse and validate OpenAI request bodies into frozen ``GenerationRequest`` records.
 
 Everything a client sends is checked here and refused with a 400 ``ApiError`` naming
-the offending ``param``; nothing past this module sees untyped JSON. Fields we do not
-implement (``user``, ``presence_penalty``, ``logprobs``, ...) are ignored, as OpenAI-
-compatible servers commonly do.
+the offending ``param``; nothing past this module sees untyped JSON. A field this server
+does not implement is refused, never ignored (``fields``: which are honoured, harmless or
+refused); so is a key of a message other than ``role``, ``content`` and ``name``.
 """
 from __future__ import annotations
 
@@ -11,14 +11,28 @@ import json
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from fabric.wire.protocol import MAX_MODEL_CHARS, MAX_SEED, MAX_STOP, MAX_TEMPERATURE, MAX_TOP_K, Sampling
+from fabric.wire.protocol import (
+    MAX_BIAS,
+    MAX_LOGIT_BIAS,
+    MAX_MODEL_CHARS,
+    MAX_PENALTY,
+    MAX_SEED,
+    MAX_STOP,
+    MAX_TEMPERATURE,
+    MAX_TOP_K,
+    MAX_TOKEN_ID,
+    MAX_TOP_LOGPROBS,
+    Sampling,
+)
 
 from .errors import ApiError
+from .fields import CHAT, COMPLETIONS, check_fields
 
 if TYPE_CHECKING:
     from .config import WebUIConfig
 
 ROLES = ("system", "user", "assistant")
+MESSAGE_KEYS = ("role", "content", "name")  # name is accepted, and not passed on: chat templates rarely read it
 
 
 @dataclass(frozen=True)
@@ -41,6 +55,10 @@ class GenerationRequest:
     include_usage: bool  # stream_options.include_usage: a last chunk carries usage
     ignore_eos: bool = False  # keep generating past end-of-sequence tokens (as vLLM's extension; benchmarks)
     fit_context: bool = False  # max_tokens was not given: the default, or what the model's context leaves
+    logprobs: int | None = None  # each token's logprob and this many alternatives; None: none asked
+    presence_penalty: float = 0.0  # OpenAI's, applied at the tail
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) pairs
 
     def generate_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for ``client.generate(model, ...)``."""
@@ -49,7 +67,9 @@ class GenerationRequest:
             messages = [{"role": m.role, "content": m.content} for m in self.messages]
         return {"messages": messages, "prompt": self.prompt, "max_tokens": self.max_tokens,
                 "stop": self.stop, "sampling": self.sampling, "ignore_eos": self.ignore_eos,
-                "fit_context": self.fit_context}
+                "fit_context": self.fit_context, "logprobs": self.logprobs,
+                "presence_penalty": self.presence_penalty, "frequency_penalty": self.frequency_penalty,
+                "logit_bias": dict(self.logit_bias)}
 
 
 # --------------------------------------------------------------------------- entry points
@@ -69,6 +89,7 @@ def parse_json_object(raw: bytes) -> dict[str, Any]:
 
 
 def parse_chat(body: dict[str, Any], config: WebUIConfig) -> GenerationRequest:
+    check_fields(body, CHAT)
     messages = _messages(body.get("messages"))
     chars = sum(len(m.content) for m in messages)
     _check_prompt_length(chars, config, "messages")
@@ -76,18 +97,20 @@ def parse_chat(body: dict[str, Any], config: WebUIConfig) -> GenerationRequest:
     if max_tokens is None:
         max_tokens = _integer(body, "max_tokens", None, 1, config.max_tokens_limit)
     return GenerationRequest(messages=messages, prompt=None, max_tokens=max_tokens or config.default_max_tokens,
-                             fit_context=max_tokens is None, **_common(body, config))
+                             fit_context=max_tokens is None, logprobs=_chat_logprobs(body), **_common(body, config))
 
 
 def parse_completion(body: dict[str, Any], config: WebUIConfig) -> GenerationRequest:
     prompt = body.get("prompt")
-    if prompt is None:
+    if prompt is None:  # before the fields: chat's messages sent here lack a prompt, first of all
         raise ApiError.invalid("prompt is required", "prompt")
+    check_fields(body, COMPLETIONS)
     prompt = _text(prompt, "prompt")
     _check_prompt_length(len(prompt), config, "prompt")
     max_tokens = _integer(body, "max_tokens", None, 1, config.max_tokens_limit)
+    logprobs = _integer(body, "logprobs", None, 0, MAX_TOP_LOGPROBS)  # the legacy shape: an int
     return GenerationRequest(messages=None, prompt=prompt, max_tokens=max_tokens or config.default_max_tokens,
-                             fit_context=max_tokens is None, **_common(body, config))
+                             fit_context=max_tokens is None, logprobs=logprobs, **_common(body, config))
 
 
 # --------------------------------------------------------------------------- fields
@@ -108,7 +131,10 @@ def _common(body: dict[str, Any], config: WebUIConfig) -> dict[str, Any]:
     stream = _boolean(body, "stream", False)
     return {"model": model, "stop": _stop(body.get("stop")), "sampling": _sampling(body, config),
             "stream": stream, "include_usage": _include_usage(body.get("stream_options"), stream),
-            "ignore_eos": _boolean(body, "ignore_eos", False)}
+            "ignore_eos": _boolean(body, "ignore_eos", False),
+            "presence_penalty": _number(body, "presence_penalty", 0.0, -MAX_PENALTY, MAX_PENALTY),
+            "frequency_penalty": _number(body, "frequency_penalty", 0.0, -MAX_PENALTY, MAX_PENALTY),
+            "logit_bias": _logit_bias(body.get("logit_bias"))}
 
 
 def _sampling(body: dict[str, Any], config: WebUIConfig) -> Sampling:
@@ -117,6 +143,34 @@ def _sampling(body: dict[str, Any], config: WebUIConfig) -> Sampling:
     top_k = _integer(body, "top_k", 0, 0, MAX_TOP_K)
     seed = _integer(body, "seed", None, 0, MAX_SEED)
     return Sampling(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+
+
+def _chat_logprobs(body: dict[str, Any]) -> int | None:
+    """Chat's ``logprobs`` (a boolean) and ``top_logprobs`` (0..20, only with logprobs) as one
+    number of alternatives; None: no logprobs."""
+    wanted = _boolean(body, "logprobs", False)
+    top = _integer(body, "top_logprobs", None, 0, MAX_TOP_LOGPROBS)
+    if top is not None and not wanted:
+        raise ApiError.invalid("top_logprobs is only allowed when logprobs is true", "top_logprobs")
+    return (top or 0) if wanted else None
+
+
+def _logit_bias(value: Any) -> tuple[tuple[int, float], ...]:
+    """OpenAI's logit_bias: an object from token ids (decimal strings) to biases in [-100, 100]."""
+    if value is None:
+        return ()
+    if not isinstance(value, dict) or len(value) > MAX_LOGIT_BIAS:
+        raise ApiError.invalid(f"logit_bias must be an object of at most {MAX_LOGIT_BIAS} token ids", "logit_bias")
+    pairs = []
+    for key, bias in value.items():
+        if not (key.isascii() and key.isdigit() and int(key) <= MAX_TOKEN_ID):
+            raise ApiError.invalid(f"logit_bias keys are token ids, not {key!r:.40}", "logit_bias")
+        if type(bias) not in (int, float) or not -MAX_BIAS <= bias <= MAX_BIAS:
+            raise ApiError.invalid(f"logit_bias values must be numbers in [-{MAX_BIAS:g}, {MAX_BIAS:g}]", "logit_bias")
+        pairs.append((int(key), float(bias)))
+    if len({t for t, _ in pairs}) != len(pairs):  # "7" and "07"
+        raise ApiError.invalid("logit_bias names a token id twice", "logit_bias")
+    return tuple(pairs)
 
 
 def _messages(value: Any) -> tuple[ChatMessage, ...]:
@@ -134,6 +188,10 @@ def _message(item: Any, index: int) -> ChatMessage:
     role = item.get("role")
     if role not in ROLES:
         raise ApiError.invalid(f"{param}.role must be one of {', '.join(ROLES)}", f"{param}.role")
+    for key, value in item.items():
+        if key not in MESSAGE_KEYS and value is not None:
+            raise ApiError.invalid(f"{param}.{key!s:.64} is not supported in a message (only role, content "
+                                   "and name)", f"{param}.{key!s:.64}", "unsupported_parameter")
     content = item.get("content")
     if not isinstance(content, str):
         raise ApiError.invalid(f"{param}.content must be a string", f"{param}.content")

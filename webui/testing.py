@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, field
 
-from fabric.wire.protocol import ErrorCode, Event, Hop, Sampling
+from fabric.wire.protocol import ErrorCode, Event, Hop, Logprob, Sampling, TokenLogprobs
 
 from fabric.client import FabricError
 
@@ -49,6 +49,18 @@ class GenerateCall:
     api_key: str | None
     ignore_eos: bool = False
     fit_context: bool = False
+    logprobs: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict = field(default_factory=dict)
+
+
+def fake_logprobs(i: int, text: str, top: int) -> TokenLogprobs:
+    """The fake's logprobs of its ``i``-th token: -0.5 * (i + 1), and ``top`` alternatives, the
+    token itself first, then ``alt0``, ``alt1``... one nat less likely each."""
+    lp = -0.5 * (i + 1)
+    alts = [Logprob(200 + j, f"alt{j}", lp - 1.0 - j) for j in range(max(top - 1, 0))]
+    return TokenLogprobs(100 + i, text, lp, tuple([Logprob(100 + i, text, lp), *alts][:top]))
 
 
 class FakeStream:
@@ -95,7 +107,8 @@ class FakeStream:
                 await asyncio.Event().wait()
             if script.error_after == i:
                 raise FakeFabricError(ErrorCode.HOP_FAILED, "fake hop failure")
-            yield Event(request_id=rid, event="token", text=text, token_ids=(100 + i,))
+            logprobs = () if self.call.logprobs is None else (fake_logprobs(i, text, self.call.logprobs),)
+            yield Event(request_id=rid, event="token", text=text, token_ids=(100 + i,), logprobs=logprobs)
         finish = "length" if len(script.tokens) > self.call.max_tokens else "stop"
         yield Event(request_id=rid, event="done", finish_reason=finish,
                     prompt_tokens=script.prompt_tokens, completion_tokens=len(tokens))
@@ -128,9 +141,10 @@ class FakeClient:
     def generate(self, model: str, *, messages: list[dict] | None = None, prompt: str | None = None,
                  max_tokens: int = 256, stop: tuple[str, ...] = (), sampling: Sampling = Sampling(),
                  request_id: str | None = None, api_key: str | None = None, ignore_eos: bool = False,
-                 fit_context: bool = False) -> FakeStream:
+                 fit_context: bool = False, logprobs: int | None = None, presence_penalty: float = 0.0,
+                 frequency_penalty: float = 0.0, logit_bias: dict | None = None) -> FakeStream:
         call = GenerateCall(model, messages, prompt, max_tokens, stop, sampling, request_id, api_key, ignore_eos,
-                            fit_context)
+                            fit_context, logprobs, presence_penalty, frequency_penalty, dict(logit_bias or {}))
         self.calls.append(call)
         script = self.script
         if all(m["id"] != model for m in self.model_list):

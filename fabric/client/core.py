@@ -88,10 +88,13 @@ class GenerateArgs:
     api_key: str | None
     ignore_eos: bool = False
     fit_context: bool = False
+    logprobs: int = -1  # token events carry logprobs with this many alternatives; -1: none
+    penalties: p.Penalties | None = None  # presence/frequency penalties and logit_bias; None: none
 
     @classmethod
     def of(cls, model: str, *, messages=None, prompt=None, max_tokens=256, stop=(), ignore_eos=False,
            sampling: p.Sampling | None = None, request_id=None, api_key=None, fit_context=False,
+           logprobs=None, presence_penalty=None, frequency_penalty=None, logit_bias=None,
            **fields) -> GenerateArgs:
         """The arguments of ``generate``; ``fields`` (temperature, top_k, top_p, seed) override
         ``sampling``'s, None keeping it. A wrong type or value is a FabricError (bad_request)
@@ -101,7 +104,8 @@ class GenerateArgs:
         chosen = {name: value for name, value in fields.items() if value is not None}
         args = cls(model, _messages(messages), prompt, max_tokens, _stops(stop),
                    dataclasses.replace(sampling or p.Sampling(), **chosen), request_id or uuid.uuid4().hex,
-                   p.key_id(api_key), ignore_eos, bool(fit_context))
+                   p.key_id(api_key), ignore_eos, bool(fit_context), -1 if logprobs is None else logprobs,
+                   penalties_of(presence_penalty, frequency_penalty, logit_bias))
         args.message(_ANY_ROUTE)
         return args
 
@@ -110,7 +114,19 @@ class GenerateArgs:
         return _as_the_head_reads(p.Generate(
             request_id=self.request_id, route=tuple(route), messages=self.messages, prompt=self.prompt,
             max_tokens=self.max_tokens, stop=self.stop, sampling=self.sampling, api_key=self.api_key,
-            ignore_eos=self.ignore_eos, fit_context=self.fit_context))
+            ignore_eos=self.ignore_eos, fit_context=self.fit_context, logprobs=self.logprobs,
+            penalties=self.penalties))
+
+
+def penalties_of(presence, frequency, logit_bias) -> p.Penalties | None:
+    """OpenAI's presence_penalty, frequency_penalty and logit_bias ({token id: bias}, ids as ints
+    or as the decimal strings JSON gives) as one ``Penalties``; None when they ask for nothing.
+    Ranges are checked where the head checks them (``_as_the_head_reads``)."""
+    bias = dict(logit_bias or {})
+    ids = tuple(int(k) if isinstance(k, str) and k.isdecimal() else k for k in bias)
+    if not presence and not frequency and not bias:
+        return None
+    return p.Penalties(presence or 0.0, frequency or 0.0, ids, tuple(bias.values()))
 
 
 def _bad(message: str) -> FabricError:

@@ -244,8 +244,9 @@ class Auditor:
         if rerun.untried is None or rerun.asked:
             return  # waiting for the tracker or a replica
         suspect = rerun.claims.claim(rerun.hop, rerun.n, rerun.window)
+        greedy = rerun.claims.sampling.temperature == 0 and not rerun.claims.penalized  # tokens the logits' argmax
         verdict = judge(suspect, rerun.answers, more=bool(rerun.untried), tolerance=self.config.audit_tolerance,
-                        greedy=rerun.claims.sampling.temperature == 0)
+                        greedy=greedy)
         if verdict.outcome != Outcome.PASS and rerun.answers:
             rerun.mismatch = verdict
         match verdict.outcome:

@@ -118,10 +118,12 @@ class Head:
         self._emit(rs, rs.start(reused))
 
     def _check_resume(self, req: p.Generate) -> None:
-        """Resumed token ids must be ids of this model's vocabulary."""
-        if self.model.vocab_size and any(t >= self.model.vocab_size for t in req.resume):
-            raise RequestError(p.ErrorCode.BAD_REQUEST,
-                               f"resume holds a token id beyond the vocabulary ({self.model.vocab_size})")
+        """Resumed token ids, and those logit_bias names, must be ids of this model's vocabulary."""
+        vocab = self.model.vocab_size
+        if vocab and any(t >= vocab for t in req.resume):
+            raise RequestError(p.ErrorCode.BAD_REQUEST, f"resume holds a token id beyond the vocabulary ({vocab})")
+        if vocab and req.penalties is not None and any(t >= vocab for t in req.penalties.bias_ids):
+            raise RequestError(p.ErrorCode.BAD_REQUEST, f"logit_bias names a token id beyond the vocabulary ({vocab})")
 
     def request(self, identity: bytes, request_id: str) -> RouteSession | None:
         """The request ``request_id`` of the client on ``identity``, while this node heads it."""

@@ -25,7 +25,6 @@ from ..compute.executor import CacheMissError, ShardExecutor, StepResult
 from ..compute.kv import KVStore, default_budget
 from ..compute.models import fingerprint, load_shard, load_tokenizer
 from ..compute.quant import release_freed_memory
-from ..compute.sampling import sample
 from ..compute.tensors import TORCH_DTYPES, from_wire, to_wire
 from ..metrics import Sample
 from ..net.peer_liveness import PeerLiveness
@@ -38,6 +37,7 @@ from .config import NodeConfig
 from .head import Head, ServedModel
 from .hops import HopRunner
 from .leave import Departure
+from .asks import SessionAsks
 from .links import Links
 from .owners import SELF, Owners
 from .peers import Peers
@@ -96,6 +96,7 @@ class Node(SessionControl):
         self.head = self._head(weights.config) if config.shard.is_first else None
         self.departure = Departure(config.node_id, config.drain_timeout)  # a polite leave, once asked
         self.owners = Owners()  # the connection each session here was opened by
+        self.asks = SessionAsks()  # what sessions ask of their tokens here (logprobs, penalties), as their tail
         self.ready = threading.Event()
         gc.collect()
         release_freed_memory()  # what loading, the tokenizer and the benchmark left behind goes back to the OS
@@ -183,6 +184,7 @@ class Node(SessionControl):
         self.scheduler.forget_freed()
         self.owners.prune(now, lambda: {*self.kv.sessions(), *self.kv.retained.sessions(),
                                         *(w.session for w in self.scheduler.queue)})
+        self.asks.keep(self.owners.known)
         self._free_orphans(now)
         for work in self.scheduler.waiting(now):  # hops waiting their turn here: their heads hear they are not lost
             self._progress(work.msg, work.msg.pos)
@@ -287,8 +289,13 @@ class Node(SessionControl):
         piece of a long prefill (all but the tail's last, which its TOKEN answers), PROGRESS to the
         head too: however long the prompt, the head hears it move."""
         msg = work.msg
+        token = None
+        if not msg.route:  # the tail: what the session asked of its tokens, and the token
+            self.asks.note(msg)
+            if isinstance(result, StepResult) and result.logits is not None:
+                token = self.asks.token(msg, msg.pos + work.tokens, result.logits)
         if msg.audit and msg.start_layer and isinstance(result, StepResult):  # every step past the head: its sketch
-            self.send_tensors(msg.reply_to, msg.reply_key, *self.taps.tap(work, result))
+            self.send_tensors(msg.reply_to, msg.reply_key, *self.taps.tap(work, result, token))
         if (msg.more or msg.pos and not work.decode) and isinstance(result, StepResult) and result.logits is None:
             self._progress(msg, msg.pos + work.tokens)
         if isinstance(result, CacheMissError):
@@ -301,10 +308,8 @@ class Node(SessionControl):
             self._send(msg.reply_to, msg.reply_key, p.Error(
                 p.ErrorCode.INTERNAL, f"{type(result).__name__}: {result}", session=msg.session,
                 step=msg.step, node=self.config.node_id))
-        elif result.logits is not None:  # the tail: layers end here
-            pos = msg.pos + work.tokens
-            self._send(msg.reply_to, msg.reply_key, p.Token(msg.session, msg.step,
-                                                            sample(result.logits, msg.sampling, pos), pos))
+        elif token is not None:  # the tail: layers end here
+            self._send(msg.reply_to, msg.reply_key, token)
         elif msg.route:
             nxt = msg.route[0]
             out = dataclasses.replace(msg, start_layer=nxt.start_layer, end_layer=nxt.end_layer, route=msg.route[1:],

@@ -9,6 +9,7 @@ every hop to free the session's KV. It never touches a socket: it talks through 
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import secrets
 import time
@@ -30,9 +31,11 @@ from ..wire.protocol import (
     Forward,
     Generate,
     Hop,
+    Logprob,
     Progress,
     Sampling,
     Token,
+    TokenLogprobs,
 )
 from .prefixes import Reuse
 
@@ -243,19 +246,28 @@ class RouteSession:
         self.told_at = time.monotonic()
         self.held = msg.pos  # the tail answered: every hop ran every position before this token's
         self.first_token_at = self.first_token_at or time.monotonic()
-        events = self._take(msg.token)
+        events = self._take(msg.token, self._logprobs(msg))
         if not self.finished:
             self._send([msg.token], pos=len(self.history) - 1)
         return events
 
-    def _take(self, token: int) -> list[Event]:
+    def _logprobs(self, msg: Token) -> TokenLogprobs | None:
+        """The logprobs of ``msg``'s token as the client reads them, if the request asked (and
+        the tail sent them): each token with its text, decoded alone."""
+        if self.request.logprobs < 0 or msg.logprob is None:
+            return None
+        decode = self.detok.tokenizer.decode
+        top = tuple(Logprob(t, decode([t]), lp) for t, lp in zip(msg.top_ids, msg.top_logprobs))
+        return TokenLogprobs(msg.token, decode([msg.token]), msg.logprob, top[:self.request.logprobs])
+
+    def _take(self, token: int, logprobs: TokenLogprobs | None = None) -> list[Event]:
         """Count ``token`` as generated: its text (stop strings held back), and the end when it
         is one (EOS, a stop string, max_tokens); else it joins the history, to be fed next."""
         self.generated.append(token)
         if token in self.eos and not self.request.ignore_eos:
-            return [self._token_event(token, self.detok.flush()), *self._finish(FinishReason.STOP)]
+            return [self._token_event(token, self.detok.flush(), logprobs), *self._finish(FinishReason.STOP)]
         text, stopped = self.detok.add(token)
-        events = [self._token_event(token, text)]
+        events = [self._token_event(token, text, logprobs)]
         if stopped:
             return events + self._finish(FinishReason.STOP)
         if len(self.generated) >= self.request.max_tokens:
@@ -409,9 +421,14 @@ class RouteSession:
         if pos == 0 or reuse:
             self.held = 0  # the hops start the session over: nothing is known held until a TOKEN
         head = self.route[0]
+        opens = pos == 0 or bool(reuse)  # the tail hears what the session asks once, on the steps that open it
+        penalties = self.request.penalties
+        if penalties is not None:  # counted from the tokens generated so far (a re-prefill's, a resumed request's)
+            penalties = dataclasses.replace(penalties, generated=tuple(self.generated))
         msg = Forward(session=self.session, step=self.step, pos=pos, start_layer=head.start_layer,
                       end_layer=head.end_layer, route=self.route[1:], reply_to=self.reply_to,
-                      sampling=self.sampling, reply_key=self.reply_key, wire_dtype=self.wire_dtype, reuse=reuse)
+                      sampling=self.sampling, reply_key=self.reply_key, wire_dtype=self.wire_dtype, reuse=reuse,
+                      logprobs=self.request.logprobs if opens else -1, penalties=penalties if opens else None)
         self.transport.forward(head, msg, torch.tensor([ids], dtype=torch.int64))  # (1, q)
 
     def _finish(self, reason: str, tail: str = "") -> list[Event]:
@@ -424,9 +441,9 @@ class RouteSession:
         # the first hop passes it along the rest of the route
         self.transport.control(self.route[0], kind(session=self.session, route=self.route[1:]))
 
-    def _token_event(self, token: int | None, text: str) -> Event:
+    def _token_event(self, token: int | None, text: str, logprobs: TokenLogprobs | None = None) -> Event:
         return Event(self.request_id, EventKind.TOKEN, text=text, token_ids=() if token is None else (token,),
-                     completion_tokens=len(self.generated))
+                     completion_tokens=len(self.generated), logprobs=() if logprobs is None else (logprobs,))
 
     def _done(self, reason: str) -> Event:
         return Event(self.request_id, EventKind.DONE, finish_reason=reason, prompt_tokens=self.prompt_tokens,

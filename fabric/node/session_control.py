@@ -79,6 +79,7 @@ class SessionControl:
         """End the session here (its KV kept for reuse while the budget allows, its queued work
         dropped), then pass the message down the route."""
         self.scheduler.drop(msg.session)
+        self.asks.forget(msg.session)
         for evicted in self.executor.retain(msg.session):
             log.debug("evicted the kept KV of session %s", evicted)
         if msg.route:
@@ -88,6 +89,7 @@ class SessionControl:
     def _drop_session(self, session: str) -> None:
         """Forget ``session`` here: its KV, its row in the executor's batch, its queued hops."""
         self.kv.drop(session)
+        self.asks.forget(session)
         self.executor.free_row(session)
         self.scheduler.drop(session)
 

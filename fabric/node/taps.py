@@ -46,19 +46,21 @@ class Taps:
         self.kernels = kernels
         self.counters = counters  # the node's: taps and replays are counted here
 
-    def tap(self, work: Work, result: StepResult) -> tuple[p.AuditTap, list[torch.Tensor]]:
+    def tap(self, work: Work, result: StepResult,
+            token: p.Token | None = None) -> tuple[p.AuditTap, list[torch.Tensor]]:
         """The AUDIT_TAP of a step that ran: sketches of its input rows (q, SKETCH_DIM) and of its
-        output (q rows of hidden states, or the tail's logits: one row, with the token sampled)."""
+        output (q rows of hidden states, or the tail's logits: one row, with ``token``, the TOKEN
+        sampled from them)."""
         msg = work.msg
         self.counters["audit_taps"] += 1
         tensors = [sketch(work.tensor)]  # (q, SKETCH_DIM)
-        token = -1
+        sampled = -1
         if result.logits is not None:
-            token = sample(result.logits, msg.sampling, msg.pos + work.tokens)
+            sampled = token.token if token is not None else sample(result.logits, msg.sampling, msg.pos + work.tokens)
             tensors.append(sketch(result.logits))  # (1, SKETCH_DIM)
         elif result.hidden is not None:
             tensors.append(sketch(result.hidden))  # (q, SKETCH_DIM)
-        tap = p.AuditTap(msg.audit, msg.session, msg.step, msg.pos, msg.start_layer, msg.end_layer, token=token)
+        tap = p.AuditTap(msg.audit, msg.session, msg.step, msg.pos, msg.start_layer, msg.end_layer, token=sampled)
         return tap, tensors
 
     def replay(self, job: Replay) -> tuple[p.AuditResult, list[torch.Tensor]]:

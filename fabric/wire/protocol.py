@@ -52,6 +52,11 @@ MAX_MODEL_CHARS = 256
 MAX_RESUME = MAX_LIST  # token ids a resumed GENERATE carries (at most its max_tokens, too)
 MAX_TOKEN_ID = (1 << 31) - 1
 MAX_SALT = 256  # characters of a cache_salt or an api_key
+MAX_TOP_LOGPROBS = 20  # alternatives a token's logprobs list (OpenAI's top_logprobs limit)
+MIN_LOGPROB = -9999.0  # a logprob below this (-inf: a masked token) travels as this, as vLLM reports it
+MAX_PENALTY = 2.0  # presence and frequency penalties are in [-2, 2] (OpenAI's range)
+MAX_BIAS = 100.0  # a logit_bias value is in [-100, 100] (OpenAI's range)
+MAX_LOGIT_BIAS = 300  # token ids one logit_bias may name (OpenAI's limit)
 
 # dtype name -> item size in bytes. The receiver refuses anything else.
 DTYPE_SIZES = {"float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4}
@@ -198,12 +203,72 @@ class Sampling:
             raise ProtocolError("seed must be in [0, 2**63)", ErrorCode.BAD_REQUEST)
 
 
+@dataclass(frozen=True)
+class Penalties:
+    """OpenAI's presence and frequency penalties and logit_bias, which the tail applies to the
+    logits before it samples: ``logit[j] += bias[j] - frequency * count[j] - presence * (count[j]
+    > 0)``, ``count`` the times ``j`` was generated in this request (the prompt does not count)."""
+
+    presence: float = 0.0
+    frequency: float = 0.0
+    bias_ids: tuple[int, ...] = ()  # token ids whose logits move by bias_values
+    bias_values: tuple[float, ...] = ()
+    generated: tuple[int, ...] = ()  # FORWARD: the tokens generated before this opening step (a re-prefill's)
+
+    def validate(self) -> None:
+        if not (abs(self.presence) <= MAX_PENALTY and abs(self.frequency) <= MAX_PENALTY):
+            raise ProtocolError(f"presence and frequency penalties must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}]",
+                                ErrorCode.BAD_REQUEST)
+        if len(self.bias_ids) != len(self.bias_values) or len(self.bias_ids) > MAX_LOGIT_BIAS:
+            raise ProtocolError(f"bias_ids and bias_values pair up, at most {MAX_LOGIT_BIAS} of them",
+                                ErrorCode.BAD_REQUEST)
+        if len(set(self.bias_ids)) != len(self.bias_ids) or not all(abs(b) <= MAX_BIAS for b in self.bias_values):
+            raise ProtocolError(f"logit_bias names each token once, with a bias in [-{MAX_BIAS:g}, {MAX_BIAS:g}]",
+                                ErrorCode.BAD_REQUEST)
+        if len(self.generated) > MAX_RESUME or not all(0 <= t <= MAX_TOKEN_ID for t in (*self.bias_ids,
+                                                                                          *self.generated)):
+            raise ProtocolError("token ids must be in [0, 2**31)", ErrorCode.BAD_REQUEST)
+
+
+def _check_logprob(value: float, what: str) -> None:
+    if not MIN_LOGPROB <= value <= 0.0:
+        raise ProtocolError(f"{what} must be in [{MIN_LOGPROB:g}, 0]", ErrorCode.BAD_REQUEST)
+
+
+@dataclass(frozen=True)
+class Logprob:
+    """A token's log-probability and its text: the token decoded alone (as vLLM reports it: a
+    piece of a multi-byte character decodes to U+FFFD)."""
+
+    token: int
+    text: str
+    logprob: float
+
+    def validate(self) -> None:
+        _check_logprob(self.logprob, "logprob")
+
+
+@dataclass(frozen=True)
+class TokenLogprobs(Logprob):
+    """A generated token's logprob, and the likeliest tokens at its position (``top``, likeliest first)."""
+
+    top: tuple[Logprob, ...] = ()
+
+    def validate(self) -> None:
+        _check_logprob(self.logprob, "logprob")
+        if len(self.top) > MAX_TOP_LOGPROBS:
+            raise ProtocolError(f"top lists at most {MAX_TOP_LOGPROBS} tokens", ErrorCode.BAD_REQUEST)
+
+
 # --------------------------------------------------------------------------- messages
 
 
 @dataclass(frozen=True)
 class Message:
     KIND: ClassVar[Kind]
+    # Fields left out of the header while they hold their default: a session that does not use
+    # them pays no byte for them on a frame sent every token (the receiver fills in the default).
+    SPARSE: ClassVar[frozenset[str]] = frozenset()
     # Tensor specs of the buffers that travel with the message (empty for most kinds).
     tensors: tuple[TensorSpec, ...] = field(default=(), kw_only=True)
 
@@ -221,6 +286,7 @@ class Forward(Message):
     """
 
     KIND: ClassVar[Kind] = Kind.FORWARD
+    SPARSE: ClassVar[frozenset[str]] = frozenset({"logprobs", "penalties"})
     session: str
     step: int
     pos: int
@@ -234,8 +300,15 @@ class Forward(Message):
     wire_dtype: str = ""  # dtype of hidden states sent on from here; "": each node's compute dtype
     reuse: str = ""  # an ended session whose kept KV holds positions 0..pos-1: start from it; "": none
     audit: str = ""  # the session's tap id: every hop past the head answers each step with an AUDIT_TAP; "": none
+    # on the steps that open the session (pos 0, or reuse): its TOKENs carry logprobs with this many
+    # alternatives (0..MAX_TOP_LOGPROBS); -1: none, or (on other steps) as the opening step said
+    logprobs: int = -1
+    # on the steps that open the session: what the tail applies to the logits before sampling; None: nothing
+    penalties: Penalties | None = None
 
     def validate(self) -> None:
+        if not -1 <= self.logprobs <= MAX_TOP_LOGPROBS:
+            raise ProtocolError(f"logprobs must be in [-1, {MAX_TOP_LOGPROBS}]")
         if not 0 <= self.start_layer <= self.end_layer < MAX_LAYERS:
             raise ProtocolError(f"layers {self.start_layer}-{self.end_layer} out of range")
         if len(self.audit) > MAX_ID:
@@ -268,10 +341,27 @@ class Token(Message):
     """The tail's sampled token for ``step``; ``pos`` is the position it will occupy."""
 
     KIND: ClassVar[Kind] = Kind.TOKEN
+    SPARSE: ClassVar[frozenset[str]] = frozenset({"logprob", "top_ids", "top_logprobs"})
     session: str
     step: int
     token: int
     pos: int
+    # only for a session that asked (FORWARD.logprobs >= 0): the log-softmax of the raw logits
+    # the token was sampled from, at ``token`` and at the likeliest ``top_ids``, likeliest first
+    logprob: float | None = None
+    top_ids: tuple[int, ...] = ()
+    top_logprobs: tuple[float, ...] = ()
+
+    def validate(self) -> None:
+        if self.logprob is None and self.top_ids:
+            raise ProtocolError("top_ids come with a logprob")
+        if len(self.top_ids) != len(self.top_logprobs) or len(self.top_ids) > MAX_TOP_LOGPROBS:
+            raise ProtocolError(f"top_ids and top_logprobs pair up, at most {MAX_TOP_LOGPROBS} of them")
+        if not all(0 <= t <= MAX_TOKEN_ID for t in (self.token, *self.top_ids)):
+            raise ProtocolError("token ids must be in [0, 2**31)")
+        lps = self.top_logprobs if self.logprob is None else (self.logprob, *self.top_logprobs)
+        if not all(MIN_LOGPROB <= lp <= 0.0 for lp in lps):
+            raise ProtocolError(f"logprobs must be in [{MIN_LOGPROB:g}, 0]")
 
 
 @dataclass(frozen=True)
@@ -377,8 +467,12 @@ class Generate(Message):
     # prefix reuse is kept apart per (api_key, cache_salt): a request starts only from KV its own tenant left
     cache_salt: str = ""
     fit_context: bool = False  # max_tokens is a ceiling: the head lowers it to what the model's context leaves
+    logprobs: int = -1  # token events carry logprobs with this many alternatives (0..MAX_TOP_LOGPROBS); -1: none
+    penalties: Penalties | None = None  # presence/frequency penalties and logit_bias (``generated`` empty)
 
     def validate(self) -> None:
+        if not -1 <= self.logprobs <= MAX_TOP_LOGPROBS:
+            raise ProtocolError(f"logprobs must be in [-1, {MAX_TOP_LOGPROBS}]", ErrorCode.BAD_REQUEST)
         if (self.messages is None) == (self.prompt is None):
             raise ProtocolError("GENERATE needs exactly one of messages or prompt", ErrorCode.BAD_REQUEST)
         if not self.route:
@@ -410,6 +504,7 @@ class Event(Message):
     """Head -> client. ``event`` is "start", "token", "progress", "done" or "error"."""
 
     KIND: ClassVar[Kind] = Kind.EVENT
+    SPARSE: ClassVar[frozenset[str]] = frozenset({"logprobs"})
     request_id: str
     event: str
     text: str = ""
@@ -422,6 +517,7 @@ class Event(Message):
     prefilled: int = 0  # progress: positions the route has prefilled, each hop weighed by its layers
     prefill_tokens: int = 0  # progress: positions the prefill reaches (the prompt; the history on a re-prefill)
     seed: int | None = None  # start: the sampling seed (the head draws one when the request names none)
+    logprobs: tuple[TokenLogprobs, ...] = ()  # token, when the request asked: one per id of token_ids
 
 
 @dataclass(frozen=True)
@@ -796,6 +892,9 @@ def encode(message: Message, buffers: Sequence[Any] = ()) -> list[Any]:
     if len(buffers) != len(message.tensors):
         raise ValueError("one buffer per tensor spec")
     header = _plain(message)
+    for name in message.SPARSE:
+        if getattr(message, name) == _defaults(type(message))[name]:
+            del header[name]
     header["tensors"] = [{"dtype": t.dtype, "shape": list(t.shape)} for t in message.tensors]
     return [MAGIC, bytes([message.KIND]), msgpack.packb(header, use_bin_type=True), *buffers]
 
@@ -870,6 +969,12 @@ def _tensor_specs(raw: Any, buffers: list[memoryview], max_buffer_bytes: int) ->
             raise ProtocolError(f"tensor spec says {t.nbytes} bytes but the buffer has {buf.nbytes}")
         specs.append(t)
     return tuple(specs)
+
+
+@functools.cache
+def _defaults(cls: type) -> dict[str, Any]:
+    """The default of each field of a message class that has one."""
+    return {f.name: f.default for f in dataclasses.fields(cls) if f.default is not dataclasses.MISSING}
 
 
 @functools.cache

@@ -1,0 +1,109 @@
+"""The tail's side of what a session asks of its tokens: logprobs, penalties, logit_bias.
+
+A session asks once, on the FORWARDs that open it (pos 0, or from kept KV: ``logprobs`` >= 0,
+``penalties``); every later step is as cheap as any other session's. So the tail remembers
+the ask per session, and forgets it with the session. A session that asked nothing costs one
+lookup in a map that is empty unless some session asked, and its TOKENs carry no logprob
+field at all (``Token.SPARSE``).
+
+Penalties and logit_bias change the logits the tail samples from (OpenAI's formula, as vLLM
+applies it: ``Penalties``); the counts start from the tokens the opening FORWARD lists (those
+generated before a re-prefill) and grow with each token sampled here. Logprobs are vLLM's
+default (``raw_logprobs``): the log-softmax of the raw logits, before penalties, bias,
+temperature, top-k or top-p. They describe the model, not the sampler, so greedy and sampled
+requests report the same numbers for the same position.
+No sockets here: the node sends the TOKEN this builds.
+"""
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+import torch
+
+from ..compute.sampling import sample
+from ..wire import protocol as p
+
+MAX_ASKING_SESSIONS = 4096  # sessions whose ask the tail keeps; beyond it the oldest is forgotten
+
+
+@dataclass
+class Ask:
+    """What one session asked, and (for penalties) the tokens generated so far."""
+
+    logprobs: int = -1  # alternatives its TOKENs list; -1: no logprobs
+    penalties: p.Penalties | None = None
+    counts: Counter = field(default_factory=Counter)  # token id -> times generated in this request
+
+    def adjust(self, logits: torch.Tensor) -> torch.Tensor:
+        """``logits`` (vocab,) with the bias added and the penalties taken off, as a float32 copy."""
+        pen = self.penalties
+        out = logits.float()  # (vocab,)
+        # numpy copies a CPU row on this thread; torch's clone would wake its thread pool for it (~20x slower here)
+        out = torch.from_numpy(out.numpy().copy()) if out.device.type == "cpu" else out.clone()
+        if self.counts and (pen.presence or pen.frequency):
+            ids = torch.tensor(list(self.counts), dtype=torch.int64, device=out.device)
+            counts = torch.tensor(list(self.counts.values()), dtype=torch.float32, device=out.device)
+            out.index_add_(0, ids, -(pen.frequency * counts + pen.presence))
+        if pen.bias_ids:
+            out.index_add_(0, torch.tensor(pen.bias_ids, device=out.device),
+                           torch.tensor(pen.bias_values, dtype=torch.float32, device=out.device))
+        return out
+
+
+class SessionAsks:
+    """Session id -> its ``Ask``. Entries are written only by the FORWARDs of a session this
+    node accepted (its owner's), and dropped when the session ends here, is dropped, or is no
+    longer known (``keep``)."""
+
+    def __init__(self, bound: int = MAX_ASKING_SESSIONS):
+        self._asks: dict[str, Ask] = {}
+        self.bound = bound
+
+    def __len__(self) -> int:
+        return len(self._asks)
+
+    def note(self, msg: p.Forward) -> None:
+        """Remember what ``msg``'s session asked: a step that says (the opening step, or a piece
+        this node cut it into), or one that opens the session and asks nothing (then nothing,
+        whatever an earlier session of that id asked)."""
+        if msg.logprobs >= 0 or msg.penalties is not None:
+            self._asks.pop(msg.session, None)
+            generated = msg.penalties.generated if msg.penalties is not None else ()
+            self._asks[msg.session] = Ask(msg.logprobs, msg.penalties, Counter(generated))
+            if len(self._asks) > self.bound:
+                del self._asks[next(iter(self._asks))]
+        elif self._asks and (msg.pos == 0 or msg.reuse):
+            self._asks.pop(msg.session, None)
+
+    def token(self, msg: p.Forward, pos: int, logits: torch.Tensor) -> p.Token:
+        """The TOKEN sampled from ``logits`` (vocab,) for position ``pos``, as the session asked."""
+        ask = self._asks.get(msg.session) if self._asks else None
+        if ask is None:
+            return p.Token(msg.session, msg.step, sample(logits, msg.sampling, pos), pos)
+        token = sample(ask.adjust(logits) if ask.penalties is not None else logits, msg.sampling, pos)
+        if ask.penalties is not None:
+            ask.counts[token] += 1
+        if ask.logprobs < 0:
+            return p.Token(msg.session, msg.step, token, pos)
+        logprob, top_ids, top_logprobs = logprobs_of(logits, token, ask.logprobs)
+        return p.Token(msg.session, msg.step, token, pos, logprob=logprob, top_ids=top_ids, top_logprobs=top_logprobs)
+
+    def forget(self, session: str) -> None:
+        if self._asks:
+            self._asks.pop(session, None)
+
+    def keep(self, known) -> None:
+        """Forget the asks of sessions for which ``known(session)`` is False (ended, evicted)."""
+        if self._asks:
+            self._asks = {s: ask for s, ask in self._asks.items() if known(s)}
+
+
+def logprobs_of(logits: torch.Tensor, token: int, top: int) -> tuple[float, tuple[int, ...], tuple[float, ...]]:
+    """The log-softmax of ``logits`` (vocab,) at ``token`` and at the ``top`` likeliest ids,
+    likeliest first, each clamped to MIN_LOGPROB (a masked logit's -inf)."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)  # (vocab,)
+    values, ids = torch.topk(logprobs, min(top, logprobs.shape[-1])) if top else (logprobs[:0], logprobs[:0])
+    clamp = lambda x: min(0.0, max(p.MIN_LOGPROB, float(x)))  # noqa: E731
+    return (clamp(logprobs[token]), tuple(int(i) for i in ids.tolist()),
+            tuple(clamp(v) for v in values.tolist()))

@@ -1,0 +1,124 @@
+"""Every request field the OpenAI endpoints know, and what each does: nothing is ignored.
+
+A field is honoured (``schema`` parses it into the request), accepted as harmless (it asks
+for nothing the reply could show: ``user``, ``metadata``...), or refused with a 400
+``invalid_request_error`` naming it, unless its value asks for nothing (``echo: false``,
+``best_of: 1``, ``response_format: {"type": "text"}``). A field no row names is refused
+too: a vendor extension this server does not implement (``min_p``, ``guided_json``...)
+would otherwise be dropped without a word, and the client would trust a reply that never
+applied it. README's table of request fields lists these rows (a test keeps them in step).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from .errors import ApiError
+
+CHAT = "chat"
+COMPLETIONS = "completions"
+BOTH = frozenset({CHAT, COMPLETIONS})
+PATHS = {CHAT: "/v1/chat/completions", COMPLETIONS: "/v1/completions"}
+
+
+@dataclass(frozen=True)
+class Rule:
+    """What one field does. ``allows`` None: any value goes on to ``schema`` (honoured) or is
+    accepted as it is; else only values it allows pass, and others get ``refusal``."""
+
+    endpoints: frozenset[str]
+    does: str  # what the field does here, as README's table says
+    allows: Callable[[Any], bool] | None = None
+    refusal: str = ""
+
+
+def _is(*values: Any) -> Callable[[Any], bool]:
+    """Exactly one of ``values``, type included (``true`` is not 1, ``1.0`` is not 1)."""
+    return lambda v: any(type(v) is type(w) and v == w for w in values)
+
+
+def _never(value: Any) -> bool:
+    return False
+
+
+def _honoured(endpoints: frozenset[str], does: str) -> Rule:
+    return Rule(endpoints, does)
+
+
+def _harmless(endpoints: frozenset[str], kind: type, does: str) -> Rule:
+    """Accepted whatever it says, once it has the type OpenAI gives it."""
+    return Rule(endpoints, does, lambda v: type(v) is kind, f"must be a {_JSON_TYPES[kind]}")
+
+
+_JSON_TYPES = {str: "string", dict: "JSON object", bool: "boolean"}
+
+
+def _only(endpoints: frozenset[str], allows: Callable[[Any], bool], does: str, refusal: str) -> Rule:
+    return Rule(endpoints, does, allows, refusal)
+
+
+CHAT_ONLY = frozenset({CHAT})
+COMPLETIONS_ONLY = frozenset({COMPLETIONS})
+LATER = "not supported yet: a later release adds structured output and tool calls"
+
+FIELDS: dict[str, Rule] = {
+    "model": _honoured(BOTH, "the model to run (one GET /v1/models lists)"),
+    "messages": _honoured(CHAT_ONLY, "the chat; roles system, user, assistant; content a string"),
+    "prompt": _honoured(COMPLETIONS_ONLY, "the raw prompt (one string)"),
+    "max_tokens": _honoured(BOTH, "tokens to generate at most; absent: the default, or what the context leaves"),
+    "max_completion_tokens": _honoured(CHAT_ONLY, "as max_tokens, and wins over it"),
+    "temperature": _honoured(BOTH, "0..2; 0 is greedy"),
+    "top_p": _honoured(BOTH, "nucleus cut, (0, 1]"),
+    "top_k": _honoured(BOTH, "vLLM's extension: sample from the k likeliest tokens; 0: all"),
+    "seed": _honoured(BOTH, "sampling depends only on (seed, position): the same seed, the same reply"),
+    "stop": _honoured(BOTH, "up to 4 strings; the reply ends before the first"),
+    "stream": _honoured(BOTH, "server-sent chunks ending in data: [DONE]"),
+    "stream_options": _honoured(BOTH, "include_usage: a last chunk carries the usage"),
+    "n": _honoured(BOTH, "1 only: another value is refused"),
+    "logprobs": _honoured(BOTH, "chat: true gives each token's logprob; completions: 0..20 alternatives too"),
+    "top_logprobs": _honoured(CHAT_ONLY, "0..20 alternatives per token (needs logprobs: true)"),
+    "ignore_eos": _honoured(BOTH, "vLLM's extension: generate max_tokens even past end-of-sequence (benchmarks)"),
+    "frequency_penalty": _honoured(BOTH, "-2..2: each token's logit falls by this times the times it was generated"),
+    "presence_penalty": _honoured(BOTH, "-2..2: each token generated already has its logit lowered by this"),
+    "logit_bias": _honoured(BOTH, "{token id: -100..100}, added to those tokens' logits (at most 300)"),
+    "response_format": _only(CHAT_ONLY, _is({"type": "text"}), '{"type": "text"} only (plain text, the default)',
+                             f"json_object and json_schema are {LATER}"),
+    "tools": _only(CHAT_ONLY, _never, "refused", f"tools are {LATER}"),
+    "tool_choice": _only(CHAT_ONLY, _is("none"), '"none" only (no tool is ever called)', f"tool calls are {LATER}"),
+    "parallel_tool_calls": _only(CHAT_ONLY, _never, "refused", f"tool calls are {LATER}"),
+    "functions": _only(CHAT_ONLY, _never, "refused", f"function calls are {LATER}"),
+    "function_call": _only(CHAT_ONLY, _is("none"), '"none" only', f"function calls are {LATER}"),
+    "modalities": _only(CHAT_ONLY, _is(["text"]), '["text"] only', "only text output is supported"),
+    "audio": _only(CHAT_ONLY, _never, "refused", "audio output is not supported"),
+    "prediction": _only(CHAT_ONLY, _never, "refused", "predicted outputs are not supported"),
+    "reasoning_effort": _only(CHAT_ONLY, _never, "refused",
+                              "not supported: the model's chat template decides how it reasons"),
+    "verbosity": _only(CHAT_ONLY, _never, "refused", "not supported"),
+    "web_search_options": _only(CHAT_ONLY, _never, "refused", "web search is not supported"),
+    "moderation": _only(CHAT_ONLY, _never, "refused", "moderation is not supported"),
+    "service_tier": _only(CHAT_ONLY, _is("auto", "default"), '"auto" or "default" (one tier)',
+                          'this server has one tier: send "auto" or "default"'),
+    "echo": _only(COMPLETIONS_ONLY, _is(False), "false only", "echoing the prompt is not supported"),
+    "best_of": _only(COMPLETIONS_ONLY, _is(1), "1 only", "only best_of=1 is supported"),
+    "suffix": _only(COMPLETIONS_ONLY, _is(""), '"" only', "suffixes (insertion) are not supported"),
+    "user": _harmless(BOTH, str, "accepted, no effect (an end-user id; usage is counted per API key)"),
+    "safety_identifier": _harmless(CHAT_ONLY, str, "accepted, no effect (as user)"),
+    "prompt_cache_key": _harmless(CHAT_ONLY, str, "accepted, no effect: prefix reuse is automatic, per API key"),
+    "prompt_cache_retention": _harmless(CHAT_ONLY, str,
+                                        "accepted, no effect: kept KV lives while the nodes' budget allows"),
+    "prompt_cache_options": _harmless(CHAT_ONLY, dict, "accepted, no effect (as prompt_cache_key)"),
+    "metadata": _harmless(CHAT_ONLY, dict, "accepted, no effect: nothing is stored"),
+    "store": _harmless(CHAT_ONLY, bool, "accepted, no effect: nothing is stored"),
+}
+
+
+def check_fields(body: dict[str, Any], endpoint: str) -> None:
+    """A 400 naming the first field of ``body`` that ``endpoint`` does not honour or accept
+    with the value given (null is absent, as everywhere in ``schema``)."""
+    for name, value in body.items():
+        rule = FIELDS.get(name)
+        if rule is None or endpoint not in rule.endpoints:
+            raise ApiError.invalid(f"{name!s:.64} is not a field {PATHS[endpoint]} supports", name[:64],
+                                   "unsupported_parameter")
+        if value is not None and rule.allows is not None and not rule.allows(value):
+            raise ApiError.invalid(f"{name}: {rule.refusal}", name, "unsupported_parameter")
