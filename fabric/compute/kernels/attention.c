@@ -22,6 +22,7 @@
 
 #define LANES 16
 #define ROWS 8 /* rows whose scores are summed together, one accumulator each */
+#define MAX_ROWS 64 /* rows of one work item: their scores stay in the cache */
 
 typedef float v16 __attribute__((vector_size(64)));
 typedef int32_t i16 __attribute__((vector_size(64)));
@@ -294,7 +295,9 @@ int meshnet_attention(const Job *job, int threads) {
     int rows = job->heads / job->kv_heads * job->nq, dp = (job->d + LANES - 1) / LANES * LANES;
     int64_t heads = (int64_t)job->b * job->kv_heads;
     int64_t splits = heads >= 2 * threads ? 1 : (2 * threads + heads - 1) / heads;
-    int per = ((rows + splits - 1) / splits + ROWS - 1) / ROWS * ROWS, parts = (rows + per - 1) / per;
+    int per = ((rows + splits - 1) / splits + ROWS - 1) / ROWS * ROWS;
+    per = per < MAX_ROWS ? per : MAX_ROWS;
+    int parts = (rows + per - 1) / per;
     int64_t width = (job->nk + LANES - 1) / LANES * LANES;
     size_t floats = (size_t)per * dp * 3 + (size_t)dp * LANES * 2 + (size_t)per * width + 2 * (size_t)per;
     int failed = 0;
