@@ -11,7 +11,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-from tests.test_layout import ROOT, modules
+from tests.test_layout import ROOT, import_base, modules
 
 
 def graph() -> dict[str, set[str]]:
@@ -23,16 +23,12 @@ def graph() -> dict[str, set[str]]:
 def imported(name: str, path: Path, known: set[str]) -> set[str]:
     """The modules of ``known`` that ``name`` names in its imports: ``from x import y`` names
     x.y when that is a module, else x (its ``__init__``, which defines y or re-exports it)."""
-    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     out = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
             out |= {a.name for a in node.names}
         elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                parts = package.split(".")[:len(package.split(".")) - node.level + 1]
-                base = ".".join(parts + ([node.module] if node.module else []))
+            base = import_base(name, path, node)
             modules_named = {f"{base}.{a.name}" for a in node.names} & known
             out |= modules_named if len(modules_named) == len(node.names) else modules_named | {base}
     return out & known

@@ -45,20 +45,24 @@ def modules() -> dict[str, Path]:
 def imports(name: str, path: Path) -> set[str]:
     """Absolute names of every module ``name`` imports (``from x import y`` gives x.y too,
     for y may be a module)."""
-    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     out = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
             out |= {a.name for a in node.names}
         elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                parts = package.split(".")
-                parts = parts[:len(parts) - node.level + 1]
-                base = ".".join(parts + ([node.module] if node.module else []))
+            base = import_base(name, path, node)
             out.add(base)
             out |= {f"{base}.{a.name}" for a in node.names}
     return out
+
+
+def import_base(name: str, path: Path, node: ast.ImportFrom) -> str:
+    """The absolute module ``from ... import`` names in module ``name``, a relative one resolved."""
+    if not node.level:
+        return node.module or ""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    parts = package.split(".")
+    return ".".join(parts[:len(parts) - node.level + 1] + ([node.module] if node.module else []))
 
 
 def rule_for(name: str):
