@@ -103,7 +103,8 @@ def _native(kernel: ctypes.CDLL, query: torch.Tensor, key: torch.Tensor, value: 
     b, heads, q, d = query.shape
     k = key.shape[2]
     query, key, value = (x if x.stride(-1) == 1 else x.contiguous() for x in (query, key, value))
-    key, value = key.to(query.dtype), value.to(query.dtype)
+    if key.dtype != query.dtype or value.dtype != query.dtype:  # a cast costs a dispatch even when a no-op
+        key, value = key.to(query.dtype), value.to(query.dtype)
     keep = None
     if attention_mask is not None:
         keep = _keep(attention_mask, q, k, query.device)[:, 0]
