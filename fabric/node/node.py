@@ -22,6 +22,7 @@ import zmq
 
 from ..compute.compute_lock import ComputeLock
 from ..compute.executor import CacheMissError, ShardExecutor, StepResult
+from ..compute.grammar import GrammarError, Grammars
 from ..compute.kv import KVStore, default_budget
 from ..compute.models import fingerprint, load_shard, load_tokenizer
 from ..compute.quant import release_freed_memory
@@ -96,10 +97,16 @@ class Node(SessionControl):
         self.head = self._head(weights.config) if config.shard.is_first else None
         self.departure = Departure(config.node_id, config.drain_timeout)  # a polite leave, once asked
         self.owners = Owners()  # the connection each session here was opened by
-        self.asks = SessionAsks()  # what sessions ask of their tokens here (logprobs, penalties), as their tail
+        # what sessions ask of their tokens here (logprobs, penalties, a grammar), as their tail
+        self.asks = SessionAsks(self._grammars(weights.config) if config.shard.is_last else None)
         self.ready = threading.Event()
         gc.collect()
         release_freed_memory()  # what loading, the tokenizer and the benchmark left behind goes back to the OS
+
+    def _grammars(self, model_config) -> Grammars:
+        """The tail's grammar compiler; it loads the tokenizer only when a session first asks."""
+        return Grammars(lambda: load_tokenizer(self.config.source, self.config.cache_root), self.vocab,
+                        lambda tokenizer: sorted(eos_ids(tokenizer, model_config)))
 
     def _head(self, model_config) -> Head:
         tokenizer = load_tokenizer(self.config.source, self.config.cache_root)
@@ -290,10 +297,13 @@ class Node(SessionControl):
         head too: however long the prompt, the head hears it move."""
         msg = work.msg
         token = None
-        if not msg.route:  # the tail: what the session asked of its tokens, and the token
-            self.asks.note(msg)
-            if isinstance(result, StepResult) and result.logits is not None:
-                token = self.asks.token(msg, msg.pos + work.tokens, result.logits)
+        if not msg.route and not isinstance(result, Exception):  # the tail: what the session asked, and the token
+            try:
+                self.asks.note(msg)
+                if isinstance(result, StepResult) and result.logits is not None:
+                    token = self.asks.token(msg, msg.pos + work.tokens, result.logits)
+            except GrammarError as exc:
+                result = exc
         if msg.audit and msg.start_layer and isinstance(result, StepResult):  # every step past the head: its sketch
             self.send_tensors(msg.reply_to, msg.reply_key, *self.taps.tap(work, result, token))
         if (msg.more or msg.pos and not work.decode) and isinstance(result, StepResult) and result.logits is None:
@@ -302,6 +312,11 @@ class Node(SessionControl):
             self.counters["cache_miss"] += 1
             self._send(msg.reply_to, msg.reply_key, p.CacheMiss(msg.session, msg.step, self.config.node_id,
                                                                  result.have))
+        elif isinstance(result, GrammarError):  # the request's fault, not the node's
+            self._drop_session(msg.session)
+            self._send(msg.reply_to, msg.reply_key, p.Error(
+                p.ErrorCode.BAD_REQUEST, f"grammar: {result}", session=msg.session, step=msg.step,
+                node=self.config.node_id))
         elif isinstance(result, Exception):
             self.counters["hop_errors"] += 1
             self._drop_session(msg.session)
