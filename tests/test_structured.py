@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import signal
 
 import pytest
 
@@ -182,3 +183,27 @@ async def _post(client, path: str, body: dict) -> tuple[str, str]:
             text += (choice["delta"].get("content") or "") if "delta" in choice else choice["text"]
             finish = choice["finish_reason"] or finish
     return text, finish
+
+
+def test_a_dead_tail_mid_object_still_yields_valid_json(process_cluster, tiny_models):
+    """kill -9 the tail a few tokens into the object: the head re-plans onto the other tail,
+    whose matcher starts from the tokens generated so far, and the reply is the one a route
+    without a failure gives (greedy)."""
+    model = tiny_models("llama")
+    process_cluster.start_node("head", str(model), "0-2")
+    process_cluster.start_node("tail1", str(model), "3-5")
+    process_cluster.start_node("tail2", str(model), "3-5")
+    process_cluster.wait_nodes(["head", "tail1", "tail2"], model.name)
+    with process_cluster.client() as client:
+        expected, _ = reply(client, model, messages=MESSAGES, response_format=JSON_SCHEMA)
+        text, victim, tokens = "", None, 0
+        for event in client.generate(model.name, messages=MESSAGES, max_tokens=MAX_TOKENS,
+                                     response_format=JSON_SCHEMA):
+            victim = event.route[-1].node if event.event == "start" else victim
+            text += event.text
+            tokens += len(event.token_ids)
+            if tokens == 5:
+                process_cluster.kill(victim, signal.SIGKILL)
+    assert victim in ("tail1", "tail2") and tokens > 5
+    valid(text)
+    assert text == expected
