@@ -34,10 +34,10 @@ from statistics import median
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from bench.concurrency import PROMPTS, add_device_args, device_args, start_cluster  # noqa: E402
-from fabric import Client  # noqa: E402
-from fabric.cli.supervision import stop_processes  # noqa: E402
-from fabric.compute.models import resolve  # noqa: E402
+from bench.concurrency import PROMPTS, add_device_args, device_args, start_cluster
+from fabric import Client
+from fabric.cli.supervision import stop_processes
+from fabric.compute.models import resolve
 
 ROW = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 24}, "age": {"type": "integer"},
                                         "city": {"type": "string", "maxLength": 24}},

@@ -307,7 +307,7 @@ def test_a_grammar_the_tail_cannot_compile_is_a_bad_request_for_that_session(nod
     dealer.send_multipart(p.encode(bad, bufs), copy=False)
     error = receive(router)
     assert isinstance(error, p.Error) and error.code == BAD_REQUEST and error.session == "bad-grammar", error
-    assert error.message.startswith("grammar:") and "regex" in error.message, error.message
+    assert error.message.startswith("GrammarError:") and "regex" in error.message, error.message
     assert wait_for(lambda: ping(dealer).sessions == before, 5)
     good = dataclasses.replace(msg, session="good-grammar", grammar=p.Grammar(p.GrammarKind.REGEX, "[0-9]+"))
     dealer.send_multipart(p.encode(good, bufs), copy=False)

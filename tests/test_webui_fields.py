@@ -5,6 +5,7 @@ The official openai SDK, unmodified, sends its requests to the web UI app in thi
 """
 from __future__ import annotations
 
+import json
 import re
 import typing
 from pathlib import Path
@@ -106,7 +107,7 @@ async def test_response_format_reaches_the_fabric_as_a_grammar():
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
     await sdk.chat.completions.create(model=MODEL, messages=MESSAGES, response_format={
         "type": "json_schema", "json_schema": {"name": "x", "schema": schema}})
-    assert fake.calls[-1].response_format == Grammar("json_schema", '{"type":"object","properties":{"a":{"type":"integer"}}}')
+    assert fake.calls[-1].response_format == Grammar("json_schema", json.dumps(schema, separators=(",", ":")))
     await sdk.chat.completions.create(model=MODEL, messages=MESSAGES, response_format={"type": "json_object"})
     assert fake.calls[-1].response_format == Grammar("json_object")
     await sdk.completions.create(model=MODEL, prompt="hi", extra_body={"guided_regex": "[0-9]+"})

@@ -16,7 +16,7 @@ import hashlib
 import json
 import threading
 from collections import OrderedDict
-from typing import Callable
+from collections.abc import Callable
 
 import llguidance
 import llguidance.hf

@@ -84,6 +84,16 @@ class SessionAsks:
         elif self._asks and (msg.pos == 0 or msg.reuse):
             self._asks.pop(msg.session, None)
 
+    def at_tail(self, msg: p.Forward, pos: int, result) -> p.Token | None:
+        """What the tail does with a step that ran (``result`` a StepResult): note what the
+        session asks, and the TOKEN sampled from its logits. None at any other hop, for a
+        failed step, and for a prefill chunk that more chunks follow (no logits)."""
+        if msg.route or isinstance(result, Exception):
+            return None
+        self.note(msg)
+        logits = getattr(result, "logits", None)
+        return None if logits is None else self.token(msg, pos, logits)
+
     def token(self, msg: p.Forward, pos: int, logits: torch.Tensor) -> p.Token:
         """The TOKEN sampled from ``logits`` (vocab,) for position ``pos``, as the session asked."""
         ask = self._asks.get(msg.session) if self._asks else None
