@@ -229,6 +229,13 @@ MALFORMED = {
         "bias_ids": list(range(301)), "bias_values": [1.0] * 301})), BAD_REQUEST, "at most 300"),
     "GENERATE with a presence penalty of 3": (_raw(Kind.GENERATE, _generate_header(penalties={"presence": 3.0})),
                                               BAD_REQUEST, "penalties must be in [-2, 2]"),
+    "FORWARD with a grammar of an unknown kind": (_raw(Kind.FORWARD, {**msgpack.unpackb(FORWARD_IDS[2]), "grammar": {
+        "kind": "xml", "source": "<a/>"}}, FORWARD_IDS[3]), BAD_REQUEST, "grammar kind must be one of"),
+    "FORWARD with a json_object grammar that has a source": (_raw(Kind.FORWARD, {
+        **msgpack.unpackb(FORWARD_IDS[2]), "grammar": {"kind": "json_object", "source": "{}"}}, FORWARD_IDS[3]),
+        BAD_REQUEST, "json_object has no source"),
+    "GENERATE with a schema over 64 KiB": (_raw(Kind.GENERATE, _generate_header(grammar={
+        "kind": "json_schema", "source": " " * (p.MAX_GRAMMAR + 1)})), BAD_REQUEST, "at most 65536 characters"),
     "EVENT with 21 alternatives": (_raw(Kind.EVENT, {"request_id": "r", "event": "token", "logprobs": [
         {"token": 1, "text": "a", "logprob": -1.0, "top": [{"token": 1, "text": "a", "logprob": -1.0}] * 21}]}),
         BAD_REQUEST, "at most 20"),
@@ -288,6 +295,25 @@ def test_forward_flow_to_reply_to(node, dealer, reply_router, tiny_llama):
 
     dealer.send_multipart(p.encode(p.Close("flow")))
     assert wait_for(lambda: ping(dealer).sessions == before, 5)
+
+
+def test_a_grammar_the_tail_cannot_compile_is_a_bad_request_for_that_session(node, dealer, reply_router):
+    """A peer that bypasses the head's check: the tail answers ERROR(bad_request) for the
+    session, drops it, and goes on serving (a sound constrained session right after)."""
+    router, reply_to = reply_router
+    before = ping(dealer).sessions
+    msg, bufs = _forward(0, NUM_LAYERS - 1, torch.tensor([[1, 5, 7]]), reply_to=reply_to, session="bad-grammar")
+    bad = dataclasses.replace(msg, grammar=p.Grammar(p.GrammarKind.REGEX, "[a-"))
+    dealer.send_multipart(p.encode(bad, bufs), copy=False)
+    error = receive(router)
+    assert isinstance(error, p.Error) and error.code == BAD_REQUEST and error.session == "bad-grammar", error
+    assert error.message.startswith("GrammarError:") and "regex" in error.message, error.message
+    assert wait_for(lambda: ping(dealer).sessions == before, 5)
+    good = dataclasses.replace(msg, session="good-grammar", grammar=p.Grammar(p.GrammarKind.REGEX, "[0-9]+"))
+    dealer.send_multipart(p.encode(good, bufs), copy=False)
+    token = receive(router)
+    assert isinstance(token, p.Token) and token.session == "good-grammar", token
+    dealer.send_multipart(p.encode(p.Close("good-grammar")))
 
 
 def _fields(message: p.Message) -> dict:

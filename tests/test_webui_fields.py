@@ -5,12 +5,14 @@ The official openai SDK, unmodified, sends its requests to the web UI app in thi
 """
 from __future__ import annotations
 
+import json
 import re
 import typing
 from pathlib import Path
 
 import pytest
 
+from fabric.wire.protocol import Grammar
 from webui import WebUIConfig, create_app
 from webui.fields import CHAT, COMPLETIONS, FIELDS
 from webui.testing import FakeClient
@@ -26,7 +28,7 @@ TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "ob
 # field -> a value that asks for something this server does not do (chat)
 REFUSED_CHAT = {
     "parallel_tool_calls": False, "tools": [TOOL], "tool_choice": "auto",
-    "response_format": {"type": "json_object"}, "functions": [TOOL["function"]], "function_call": "auto",
+    "functions": [TOOL["function"]], "function_call": "auto",
     "modalities": ["text", "audio"], "audio": {"voice": "alloy", "format": "wav"},
     "prediction": {"type": "content", "content": "x"}, "reasoning_effort": "low", "verbosity": "low",
     "web_search_options": {}, "service_tier": "flex", "metadata": "not an object", "store": "yes",
@@ -94,6 +96,41 @@ async def test_penalties_and_bias_reach_the_fabric():
                                       logit_bias={"5": -100, "17": 3.5})
     call = fake.calls[-1]
     assert (call.presence_penalty, call.frequency_penalty, call.logit_bias) == (0.5, -1.0, {5: -100.0, 17: 3.5})
+
+
+@pytest.mark.asyncio
+async def test_response_format_reaches_the_fabric_as_a_grammar():
+    fake = FakeClient()
+    app = create_app(WebUIConfig(pub=None), fake)
+    http = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://webui")
+    sdk = openai.AsyncOpenAI(base_url="http://webui/v1", api_key="unused", http_client=http, max_retries=0)
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    await sdk.chat.completions.create(model=MODEL, messages=MESSAGES, response_format={
+        "type": "json_schema", "json_schema": {"name": "x", "schema": schema}})
+    assert fake.calls[-1].response_format == Grammar("json_schema", json.dumps(schema, separators=(",", ":")))
+    await sdk.chat.completions.create(model=MODEL, messages=MESSAGES, response_format={"type": "json_object"})
+    assert fake.calls[-1].response_format == Grammar("json_object")
+    await sdk.completions.create(model=MODEL, prompt="hi", extra_body={"guided_regex": "[0-9]+"})
+    assert fake.calls[-1].response_format == Grammar("regex", "[0-9]+")
+    await sdk.chat.completions.create(model=MODEL, messages=MESSAGES, response_format={"type": "text"})
+    assert fake.calls[-1].response_format is None
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("fields, param", [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objectx"}}}},
+     "response_format"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": "not a schema"}}},
+     "response_format"),
+    ({"response_format": {"type": "xml"}}, "response_format"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "object", "description": "x" * (64 << 10)}}}}, "response_format"),
+    ({"guided_regex": "[a-"}, "guided_regex"),
+    ({"guided_grammar": "start: nowhere"}, "guided_grammar"),
+    ({"guided_regex": "a", "response_format": {"type": "json_object"}}, "guided_regex"),
+])
+async def test_a_grammar_that_cannot_be_enforced_is_refused(sdk, fields, param):
+    await _refused(sdk.chat.completions.create(model=MODEL, messages=MESSAGES, extra_body=fields), param)
 
 
 @pytest.mark.asyncio

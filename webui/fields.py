@@ -59,7 +59,7 @@ def _only(endpoints: frozenset[str], allows: Callable[[Any], bool], does: str, r
 
 CHAT_ONLY = frozenset({CHAT})
 COMPLETIONS_ONLY = frozenset({COMPLETIONS})
-LATER = "not supported yet: a later release adds structured output and tool calls"
+LATER = "not supported yet: a later release adds tool calls"
 
 FIELDS: dict[str, Rule] = {
     "model": _honoured(BOTH, "the model to run (one GET /v1/models lists)"),
@@ -81,8 +81,11 @@ FIELDS: dict[str, Rule] = {
     "frequency_penalty": _honoured(BOTH, "-2..2: each token's logit falls by this times the times it was generated"),
     "presence_penalty": _honoured(BOTH, "-2..2: each token generated already has its logit lowered by this"),
     "logit_bias": _honoured(BOTH, "{token id: -100..100}, added to those tokens' logits (at most 300)"),
-    "response_format": _only(CHAT_ONLY, _is({"type": "text"}), '{"type": "text"} only (plain text, the default)',
-                             f"json_object and json_schema are {LATER}"),
+    "response_format": _honoured(BOTH, '{"type": "text"} (the default), "json_object" or "json_schema" (its schema at '
+                                 "most 64 KiB): the tail masks every token the grammar forbids; the reply ends when "
+                                 "it is complete"),
+    "guided_regex": _honoured(BOTH, "vLLM's extension: the whole reply matches this regex"),
+    "guided_grammar": _honoured(BOTH, "vLLM's extension: the reply follows this Lark grammar (llguidance's syntax)"),
     "tools": _only(CHAT_ONLY, _never, "refused", f"tools are {LATER}"),
     "tool_choice": _only(CHAT_ONLY, _is("none"), '"none" only (no tool is ever called)', f"tool calls are {LATER}"),
     "parallel_tool_calls": _only(CHAT_ONLY, _never, "refused", f"tool calls are {LATER}"),

@@ -22,10 +22,12 @@ from fabric.wire.protocol import (
     MAX_TOP_K,
     MAX_TOKEN_ID,
     MAX_TOP_LOGPROBS,
+    Grammar,
     Sampling,
 )
 
 from .errors import ApiError
+from .grammar_fields import grammar
 from .fields import CHAT, COMPLETIONS, check_fields
 
 if TYPE_CHECKING:
@@ -59,6 +61,7 @@ class GenerationRequest:
     presence_penalty: float = 0.0  # OpenAI's, applied at the tail
     frequency_penalty: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) pairs
+    grammar: Grammar | None = None  # what the reply must match (response_format, guided_regex...); None: free
 
     def generate_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for ``client.generate(model, ...)``."""
@@ -69,7 +72,7 @@ class GenerationRequest:
                 "stop": self.stop, "sampling": self.sampling, "ignore_eos": self.ignore_eos,
                 "fit_context": self.fit_context, "logprobs": self.logprobs,
                 "presence_penalty": self.presence_penalty, "frequency_penalty": self.frequency_penalty,
-                "logit_bias": dict(self.logit_bias)}
+                "logit_bias": dict(self.logit_bias), "response_format": self.grammar}
 
 
 # --------------------------------------------------------------------------- entry points
@@ -134,7 +137,7 @@ def _common(body: dict[str, Any], config: WebUIConfig) -> dict[str, Any]:
             "ignore_eos": _boolean(body, "ignore_eos", False),
             "presence_penalty": _number(body, "presence_penalty", 0.0, -MAX_PENALTY, MAX_PENALTY),
             "frequency_penalty": _number(body, "frequency_penalty", 0.0, -MAX_PENALTY, MAX_PENALTY),
-            "logit_bias": _logit_bias(body.get("logit_bias"))}
+            "logit_bias": _logit_bias(body.get("logit_bias")), "grammar": grammar(body)}
 
 
 def _sampling(body: dict[str, Any], config: WebUIConfig) -> Sampling:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, field
 
-from fabric.wire.protocol import ErrorCode, Event, Hop, Logprob, Sampling, TokenLogprobs
+from fabric.wire.protocol import ErrorCode, Event, Grammar, Hop, Logprob, Sampling, TokenLogprobs
 
 from fabric.client import FabricError
 
@@ -53,6 +53,7 @@ class GenerateCall:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict = field(default_factory=dict)
+    response_format: Grammar | None = None
 
 
 def fake_logprobs(i: int, text: str, top: int) -> TokenLogprobs:
@@ -142,9 +143,11 @@ class FakeClient:
                  max_tokens: int = 256, stop: tuple[str, ...] = (), sampling: Sampling = Sampling(),
                  request_id: str | None = None, api_key: str | None = None, ignore_eos: bool = False,
                  fit_context: bool = False, logprobs: int | None = None, presence_penalty: float = 0.0,
-                 frequency_penalty: float = 0.0, logit_bias: dict | None = None) -> FakeStream:
+                 frequency_penalty: float = 0.0, logit_bias: dict | None = None,
+                 response_format: Grammar | None = None) -> FakeStream:
         call = GenerateCall(model, messages, prompt, max_tokens, stop, sampling, request_id, api_key, ignore_eos,
-                            fit_context, logprobs, presence_penalty, frequency_penalty, dict(logit_bias or {}))
+                            fit_context, logprobs, presence_penalty, frequency_penalty, dict(logit_bias or {}),
+                            response_format)
         self.calls.append(call)
         script = self.script
         if all(m["id"] != model for m in self.model_list):

@@ -6,6 +6,7 @@ sends, polls and receives this module asks for.
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import time
 import uuid
@@ -90,12 +91,13 @@ class GenerateArgs:
     fit_context: bool = False
     logprobs: int = -1  # token events carry logprobs with this many alternatives; -1: none
     penalties: p.Penalties | None = None  # presence/frequency penalties and logit_bias; None: none
+    grammar: p.Grammar | None = None  # what the reply must match (response_format); None: free text
 
     @classmethod
     def of(cls, model: str, *, messages=None, prompt=None, max_tokens=256, stop=(), ignore_eos=False,
            sampling: p.Sampling | None = None, request_id=None, api_key=None, fit_context=False,
            logprobs=None, presence_penalty=None, frequency_penalty=None, logit_bias=None,
-           **fields) -> GenerateArgs:
+           response_format=None, **fields) -> GenerateArgs:
         """The arguments of ``generate``; ``fields`` (temperature, top_k, top_p, seed) override
         ``sampling``'s, None keeping it. A wrong type or value is a FabricError (bad_request)
         naming the field, with the limits of ``protocol``, before any socket is used."""
@@ -105,7 +107,7 @@ class GenerateArgs:
         args = cls(model, _messages(messages), prompt, max_tokens, _stops(stop),
                    dataclasses.replace(sampling or p.Sampling(), **chosen), request_id or uuid.uuid4().hex,
                    p.key_id(api_key), ignore_eos, bool(fit_context), -1 if logprobs is None else logprobs,
-                   penalties_of(presence_penalty, frequency_penalty, logit_bias))
+                   penalties_of(presence_penalty, frequency_penalty, logit_bias), _grammar(response_format))
         args.message(_ANY_ROUTE)
         return args
 
@@ -115,7 +117,7 @@ class GenerateArgs:
             request_id=self.request_id, route=tuple(route), messages=self.messages, prompt=self.prompt,
             max_tokens=self.max_tokens, stop=self.stop, sampling=self.sampling, api_key=self.api_key,
             ignore_eos=self.ignore_eos, fit_context=self.fit_context, logprobs=self.logprobs,
-            penalties=self.penalties))
+            penalties=self.penalties, grammar=self.grammar))
 
 
 def penalties_of(presence, frequency, logit_bias) -> p.Penalties | None:
@@ -127,6 +129,37 @@ def penalties_of(presence, frequency, logit_bias) -> p.Penalties | None:
     if not presence and not frequency and not bias:
         return None
     return p.Penalties(presence or 0.0, frequency or 0.0, ids, tuple(bias.values()))
+
+
+def grammar_of(response_format) -> p.Grammar | None:
+    """OpenAI's ``response_format`` ({"type": "text"}, {"type": "json_object"} or {"type":
+    "json_schema", "json_schema": {"schema": {...}}}) as a ``Grammar``; a ``Grammar`` as it is.
+    ValueError says what is wrong; the schema itself is checked where the head checks it."""
+    if response_format is None or isinstance(response_format, p.Grammar):
+        return response_format
+    if not isinstance(response_format, dict):
+        raise ValueError("response_format must be an object")
+    kind = response_format.get("type")
+    if kind == "text":
+        return None
+    if kind == p.GrammarKind.JSON_OBJECT:
+        return p.Grammar(p.GrammarKind.JSON_OBJECT)
+    if kind != p.GrammarKind.JSON_SCHEMA:
+        raise ValueError('response_format type must be "text", "json_object" or "json_schema"')
+    spec = response_format.get("json_schema")
+    if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), (dict, bool)):
+        raise ValueError('response_format json_schema must be an object whose "schema" is a JSON schema')
+    source = json.dumps(spec.get("schema", {}), separators=(",", ":"))
+    if len(source) > p.MAX_GRAMMAR:
+        raise ValueError(f"response_format json_schema: the schema has more than {p.MAX_GRAMMAR} characters")
+    return p.Grammar(p.GrammarKind.JSON_SCHEMA, source)
+
+
+def _grammar(response_format) -> p.Grammar | None:
+    try:
+        return grammar_of(response_format)
+    except ValueError as exc:
+        raise _bad(str(exc)) from None
 
 
 def _bad(message: str) -> FabricError:

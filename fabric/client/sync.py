@@ -86,7 +86,8 @@ class Client(ClientCore):
                  sampling: p.Sampling | None = None, request_id: str | None = None,
                  api_key: str | None = None, route: tuple[p.Hop, ...] | None = None,
                  fit_context: bool = False, logprobs: int | None = None, presence_penalty: float | None = None,
-                 frequency_penalty: float | None = None, logit_bias: dict | None = None) -> Iterator[p.Event]:
+                 frequency_penalty: float | None = None, logit_bias: dict | None = None,
+                 response_format: dict | p.Grammar | None = None) -> Iterator[p.Event]:
         """Stream the events of one request: a chat (``messages``, OpenAI's role/content maps)
         or a raw ``prompt``. The sampling fields are OpenAI's (``top_k`` and ``ignore_eos`` as
         vLLM's): temperature 0 (the default) is greedy, ``top_k`` 0 and ``top_p`` 1 cut nothing,
@@ -98,13 +99,17 @@ class Client(ClientCore):
         log-probability under the model (the log-softmax of the raw logits it was sampled from)
         and that many likeliest alternatives (``protocol.TokenLogprobs``). ``presence_penalty``,
         ``frequency_penalty`` (-2..2) and ``logit_bias`` ({token id: -100..100}) are OpenAI's,
-        applied at the tail to the logits it samples from. A wrong value raises
+        applied at the tail to the logits it samples from. ``response_format`` is OpenAI's
+        ({"type": "json_object"}, {"type": "json_schema", "json_schema": {"schema": ...}}) or a
+        ``protocol.Grammar`` (a regex, a Lark grammar too): the tail masks every token it forbids,
+        and the reply ends when it is complete. A wrong value raises
         FabricError (``bad_request``) naming the field, and a model no route serves raises, both
         at the call."""
         args = GenerateArgs.of(model, messages=messages, prompt=prompt, max_tokens=max_tokens, stop=stop,
                                ignore_eos=ignore_eos, sampling=sampling, request_id=request_id, api_key=api_key,
                                fit_context=fit_context, logprobs=logprobs, presence_penalty=presence_penalty,
                                frequency_penalty=frequency_penalty, logit_bias=logit_bias,
+                               response_format=response_format,
                                temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
         return self._stream(model, args.message(route or self.route(model)), fixed_route=route is not None)
 

@@ -1,4 +1,4 @@
-"""The tail's side of what a session asks of its tokens: logprobs, penalties, logit_bias.
+"""The tail's side of what a session asks of its tokens: logprobs, penalties, logit_bias, a grammar.
 
 A session asks once, on the FORWARDs that open it (pos 0, or from kept KV: ``logprobs`` >= 0,
 ``penalties``); every later step is as cheap as any other session's. So the tail remembers
@@ -12,6 +12,9 @@ generated before a re-prefill) and grow with each token sampled here. Logprobs a
 default (``raw_logprobs``): the log-softmax of the raw logits, before penalties, bias,
 temperature, top-k or top-p. They describe the model, not the sampler, so greedy and sampled
 requests report the same numbers for the same position.
+A grammar (``response_format``) masks the logits last, after penalties and bias, so no
+sampler setting can pick a token it forbids; its matcher is rebuilt from the generated tokens
+the opening FORWARD lists (``Grammars.matcher``) and advanced with each token sampled here.
 No sockets here: the node sends the TOKEN this builds.
 """
 from __future__ import annotations
@@ -21,6 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..compute.grammar import GrammarError, Grammars, Matcher
 from ..compute.sampling import sample
 from ..wire import protocol as p
 
@@ -34,6 +38,7 @@ class Ask:
     logprobs: int = -1  # alternatives its TOKENs list; -1: no logprobs
     penalties: p.Penalties | None = None
     counts: Counter = field(default_factory=Counter)  # token id -> times generated in this request
+    matcher: Matcher | None = None  # the session's place in its grammar; None: free text
 
     def adjust(self, logits: torch.Tensor) -> torch.Tensor:
         """``logits`` (vocab,) with the bias added and the penalties taken off, as a float32 copy."""
@@ -56,8 +61,9 @@ class SessionAsks:
     node accepted (its owner's), and dropped when the session ends here, is dropped, or is no
     longer known (``keep``)."""
 
-    def __init__(self, bound: int = MAX_ASKING_SESSIONS):
+    def __init__(self, grammars: Grammars | None = None, bound: int = MAX_ASKING_SESSIONS):
         self._asks: dict[str, Ask] = {}
+        self.grammars = grammars  # compiles the grammars sessions ask for; None: none can be asked
         self.bound = bound
 
     def __len__(self) -> int:
@@ -66,28 +72,50 @@ class SessionAsks:
     def note(self, msg: p.Forward) -> None:
         """Remember what ``msg``'s session asked: a step that says (the opening step, or a piece
         this node cut it into), or one that opens the session and asks nothing (then nothing,
-        whatever an earlier session of that id asked)."""
-        if msg.logprobs >= 0 or msg.penalties is not None:
+        whatever an earlier session of that id asked). A grammar that does not compile, or that
+        the generated tokens break, raises GrammarError (the session gets a bad_request)."""
+        if msg.logprobs >= 0 or msg.penalties is not None or msg.grammar is not None:
             self._asks.pop(msg.session, None)
             generated = msg.penalties.generated if msg.penalties is not None else ()
-            self._asks[msg.session] = Ask(msg.logprobs, msg.penalties, Counter(generated))
+            matcher = self._matcher(msg.grammar) if msg.grammar is not None else None
+            self._asks[msg.session] = Ask(msg.logprobs, msg.penalties, Counter(generated), matcher)
             if len(self._asks) > self.bound:
                 del self._asks[next(iter(self._asks))]
         elif self._asks and (msg.pos == 0 or msg.reuse):
             self._asks.pop(msg.session, None)
+
+    def at_tail(self, msg: p.Forward, pos: int, result) -> p.Token | None:
+        """What the tail does with a step that ran (``result`` a StepResult): note what the
+        session asks, and the TOKEN sampled from its logits. None at any other hop, for a
+        failed step, and for a prefill chunk that more chunks follow (no logits)."""
+        if msg.route or isinstance(result, Exception):
+            return None
+        self.note(msg)
+        logits = getattr(result, "logits", None)
+        return None if logits is None else self.token(msg, pos, logits)
 
     def token(self, msg: p.Forward, pos: int, logits: torch.Tensor) -> p.Token:
         """The TOKEN sampled from ``logits`` (vocab,) for position ``pos``, as the session asked."""
         ask = self._asks.get(msg.session) if self._asks else None
         if ask is None:
             return p.Token(msg.session, msg.step, sample(logits, msg.sampling, pos), pos)
-        token = sample(ask.adjust(logits) if ask.penalties is not None else logits, msg.sampling, pos)
+        sampled = ask.adjust(logits) if ask.penalties is not None else logits
+        if ask.matcher is not None:
+            sampled = ask.matcher.mask(sampled, owned=ask.penalties is not None)
+        token = sample(sampled, msg.sampling, pos)
         if ask.penalties is not None:
             ask.counts[token] += 1
+        if ask.matcher is not None:
+            ask.matcher.advance(token)
         if ask.logprobs < 0:
             return p.Token(msg.session, msg.step, token, pos)
         logprob, top_ids, top_logprobs = logprobs_of(logits, token, ask.logprobs)
         return p.Token(msg.session, msg.step, token, pos, logprob=logprob, top_ids=top_ids, top_logprobs=top_logprobs)
+
+    def _matcher(self, grammar: p.Grammar) -> Matcher:
+        if self.grammars is None:
+            raise GrammarError("this node cannot apply grammars")
+        return self.grammars.matcher(grammar)
 
     def forget(self, session: str) -> None:
         if self._asks:

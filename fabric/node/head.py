@@ -17,6 +17,7 @@ from collections import Counter, deque
 from dataclasses import dataclass
 from typing import Protocol
 
+from ..compute.grammar import problem as grammar_problem
 from ..net.peer_liveness import splice
 from ..wire import protocol as p
 from ..wire.liveness import LINK_GRACE, PEER_SILENCE, PING_INTERVAL, TRACKER_SILENCE
@@ -100,6 +101,7 @@ class Head:
         try:
             prompt = encode_prompt(self.model.tokenizer, req, self.config.max_prompt_tokens)
             self._check_resume(req)
+            self._check_grammar(req)
             req = self._fit(req, len(prompt))
         except RequestError as exc:
             self.host.reply(identity, p.Event(req.request_id, p.EventKind.ERROR, text=str(exc),
@@ -124,6 +126,12 @@ class Head:
             raise RequestError(p.ErrorCode.BAD_REQUEST, f"resume holds a token id beyond the vocabulary ({vocab})")
         if vocab and req.penalties is not None and any(t >= vocab for t in req.penalties.bias_ids):
             raise RequestError(p.ErrorCode.BAD_REQUEST, f"logit_bias names a token id beyond the vocabulary ({vocab})")
+
+    @staticmethod
+    def _check_grammar(req: p.Generate) -> None:
+        """A grammar that does not compile is refused here, not two hops away at the tail."""
+        if req.grammar is not None and (wrong := grammar_problem(req.grammar)):
+            raise RequestError(p.ErrorCode.BAD_REQUEST, f"response_format: {wrong}"[:2000])
 
     def request(self, identity: bytes, request_id: str) -> RouteSession | None:
         """The request ``request_id`` of the client on ``identity``, while this node heads it."""

@@ -22,6 +22,7 @@ import zmq
 
 from ..compute.compute_lock import ComputeLock
 from ..compute.executor import CacheMissError, ShardExecutor, StepResult
+from ..compute.grammar import GrammarError, Grammars
 from ..compute.kv import KVStore, default_budget
 from ..compute.models import fingerprint, load_shard, load_tokenizer
 from ..compute.quant import release_freed_memory
@@ -96,7 +97,7 @@ class Node(SessionControl):
         self.head = self._head(weights.config) if config.shard.is_first else None
         self.departure = Departure(config.node_id, config.drain_timeout)  # a polite leave, once asked
         self.owners = Owners()  # the connection each session here was opened by
-        self.asks = SessionAsks()  # what sessions ask of their tokens here (logprobs, penalties), as their tail
+        self.asks = SessionAsks(tail_grammars(config, self.vocab, weights.config) if config.shard.is_last else None)
         self.ready = threading.Event()
         gc.collect()
         release_freed_memory()  # what loading, the tokenizer and the benchmark left behind goes back to the OS
@@ -289,11 +290,10 @@ class Node(SessionControl):
         piece of a long prefill (all but the tail's last, which its TOKEN answers), PROGRESS to the
         head too: however long the prompt, the head hears it move."""
         msg = work.msg
-        token = None
-        if not msg.route:  # the tail: what the session asked of its tokens, and the token
-            self.asks.note(msg)
-            if isinstance(result, StepResult) and result.logits is not None:
-                token = self.asks.token(msg, msg.pos + work.tokens, result.logits)
+        try:  # the tail: what the session asked of its tokens, and the token (None at other hops)
+            token = self.asks.at_tail(msg, msg.pos + work.tokens, result)
+        except GrammarError as exc:
+            token, result = None, exc
         if msg.audit and msg.start_layer and isinstance(result, StepResult):  # every step past the head: its sketch
             self.send_tensors(msg.reply_to, msg.reply_key, *self.taps.tap(work, result, token))
         if (msg.more or msg.pos and not work.decode) and isinstance(result, StepResult) and result.logits is None:
@@ -303,11 +303,11 @@ class Node(SessionControl):
             self._send(msg.reply_to, msg.reply_key, p.CacheMiss(msg.session, msg.step, self.config.node_id,
                                                                  result.have))
         elif isinstance(result, Exception):
-            self.counters["hop_errors"] += 1
+            code = p.ErrorCode.BAD_REQUEST if isinstance(result, GrammarError) else p.ErrorCode.INTERNAL
+            self.counters["hop_errors"] += code == p.ErrorCode.INTERNAL
             self._drop_session(msg.session)
-            self._send(msg.reply_to, msg.reply_key, p.Error(
-                p.ErrorCode.INTERNAL, f"{type(result).__name__}: {result}", session=msg.session,
-                step=msg.step, node=self.config.node_id))
+            self._send(msg.reply_to, msg.reply_key, p.Error(code, f"{type(result).__name__}: {result}",
+                                                            session=msg.session, step=msg.step, node=self.config.node_id))
         elif token is not None:  # the tail: layers end here
             self._send(msg.reply_to, msg.reply_key, token)
         elif msg.route:
@@ -401,3 +401,9 @@ class Node(SessionControl):
         return telemetry.Load(self.config.node_id, len(self.kv), self.kv.nbytes(), len(self.head or ()),
                               len(self.scheduler), self.counters.copy(), kept.bytes, kept.budget, len(kept),
                               kept.stats.copy())
+
+
+def tail_grammars(config: NodeConfig, vocab: int, model_config) -> Grammars:
+    """The tail's grammar compiler; it loads the tokenizer only when a session first asks."""
+    return Grammars(lambda: load_tokenizer(config.source, config.cache_root), vocab,
+                    lambda tokenizer: sorted(eos_ids(tokenizer, model_config)))

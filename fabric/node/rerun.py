@@ -42,7 +42,7 @@ class Claims:
     session: str
     ids: list[int]  # the token id at each position
     sampling: p.Sampling = p.Sampling()
-    penalized: bool = False  # penalties or logit_bias moved the logits the tail sampled from: not their argmax
+    penalized: bool = False  # penalties, logit_bias or a grammar moved the logits the tail sampled from: not their argmax
     route: tuple[p.Hop, ...] = ()  # the route the rows were computed on, the head's own hop first
     rows: dict[int, dict[int, Row]] = field(default_factory=dict)  # a hop's start_layer -> position -> row
     keys: dict[int, str] = field(default_factory=dict)  # a hop's start_layer -> the key its taps came with
@@ -56,7 +56,7 @@ class Claims:
             self.rows, self.keys, self.seen, self.size = {}, {}, set(), 0
         self.sampling = msg.sampling
         if msg.pos == 0 or msg.reuse:
-            self.penalized = msg.penalties is not None
+            self.penalized = msg.penalties is not None or msg.grammar is not None
         if msg.pos <= len(self.ids):
             self.ids[msg.pos:msg.pos + ids.shape[1]] = [int(t) for t in ids[0]]
 

@@ -57,6 +57,7 @@ MIN_LOGPROB = -9999.0  # a logprob below this (-inf: a masked token) travels as 
 MAX_PENALTY = 2.0  # presence and frequency penalties are in [-2, 2] (OpenAI's range)
 MAX_BIAS = 100.0  # a logit_bias value is in [-100, 100] (OpenAI's range)
 MAX_LOGIT_BIAS = 300  # token ids one logit_bias may name (OpenAI's limit)
+MAX_GRAMMAR = 64 << 10  # characters of a grammar's source (a JSON schema's text, a regex, a Lark grammar)
 
 # dtype name -> item size in bytes. The receiver refuses anything else.
 DTYPE_SIZES = {"float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4}
@@ -230,6 +231,35 @@ class Penalties:
             raise ProtocolError("token ids must be in [0, 2**31)", ErrorCode.BAD_REQUEST)
 
 
+class GrammarKind(StrEnum):
+    """What a ``Grammar``'s source is (``response_format``'s type, or vLLM's extension fields)."""
+
+    JSON_OBJECT = "json_object"  # any JSON object; source ""
+    JSON_SCHEMA = "json_schema"  # source: the schema, as JSON text
+    REGEX = "regex"  # source: the pattern the whole reply matches (vLLM's guided_regex)
+    LARK = "lark"  # source: a Lark grammar, as llguidance reads it (vLLM's guided_grammar)
+
+
+@dataclass(frozen=True)
+class Grammar:
+    """What the reply must match: the tail masks every token the grammar forbids before it
+    samples, and once the grammar is complete allows only end-of-sequence."""
+
+    kind: str
+    source: str = ""
+    generated: tuple[int, ...] = ()  # FORWARD: the tokens generated before this opening step (a re-prefill's)
+
+    def validate(self) -> None:
+        if self.kind not in tuple(GrammarKind):
+            raise ProtocolError(f"grammar kind must be one of {[k.value for k in GrammarKind]}", ErrorCode.BAD_REQUEST)
+        if len(self.source) > MAX_GRAMMAR:
+            raise ProtocolError(f"a grammar's source has at most {MAX_GRAMMAR} characters", ErrorCode.BAD_REQUEST)
+        if (self.kind == GrammarKind.JSON_OBJECT) != (not self.source):
+            raise ProtocolError("json_object has no source; every other grammar kind needs one", ErrorCode.BAD_REQUEST)
+        if len(self.generated) > MAX_RESUME or not all(0 <= t <= MAX_TOKEN_ID for t in self.generated):
+            raise ProtocolError("token ids must be in [0, 2**31)", ErrorCode.BAD_REQUEST)
+
+
 def _check_logprob(value: float, what: str) -> None:
     if not MIN_LOGPROB <= value <= 0.0:
         raise ProtocolError(f"{what} must be in [{MIN_LOGPROB:g}, 0]", ErrorCode.BAD_REQUEST)
@@ -286,7 +316,7 @@ class Forward(Message):
     """
 
     KIND: ClassVar[Kind] = Kind.FORWARD
-    SPARSE: ClassVar[frozenset[str]] = frozenset({"logprobs", "penalties"})
+    SPARSE: ClassVar[frozenset[str]] = frozenset({"logprobs", "penalties", "grammar"})
     session: str
     step: int
     pos: int
@@ -305,6 +335,8 @@ class Forward(Message):
     logprobs: int = -1
     # on the steps that open the session: what the tail applies to the logits before sampling; None: nothing
     penalties: Penalties | None = None
+    # on the steps that open the session: what the reply must match (``generated`` the tokens so far); None: free
+    grammar: Grammar | None = None
 
     def validate(self) -> None:
         if not -1 <= self.logprobs <= MAX_TOP_LOGPROBS:
@@ -469,6 +501,7 @@ class Generate(Message):
     fit_context: bool = False  # max_tokens is a ceiling: the head lowers it to what the model's context leaves
     logprobs: int = -1  # token events carry logprobs with this many alternatives (0..MAX_TOP_LOGPROBS); -1: none
     penalties: Penalties | None = None  # presence/frequency penalties and logit_bias (``generated`` empty)
+    grammar: Grammar | None = None  # what the reply must match (``generated`` empty); None: free text
 
     def validate(self) -> None:
         if not -1 <= self.logprobs <= MAX_TOP_LOGPROBS:
