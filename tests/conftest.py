@@ -58,3 +58,43 @@ def ctx():
     context = zmq.Context()
     yield context
     context.destroy(linger=0)
+
+
+@pytest.fixture
+def split(tiny_models):
+    """A tiny llama's two shard executors in this process, no sockets (tests/test_route_session.py
+    and tests/test_handover.py drive a RouteSession over them): (model dir, executors by node,
+    tokenizer, route). Modules that split over real nodes define a ``split`` of their own."""
+    from fabric.compute.executor import ShardExecutor
+    from fabric.compute.kv import KVStore
+    from fabric.compute.models import load_shard, load_tokenizer, resolve
+    from fabric.wire.protocol import Hop
+    from fabric.wire.shard import Shard
+
+    model_dir = tiny_models("llama")
+    source = resolve(str(model_dir))
+    executors = {name: ShardExecutor(load_shard(source, Shard(a, b, 6), progress=False), KVStore())
+                 for name, (a, b) in {"h": (0, 2), "t": (3, 5)}.items()}
+    route = (Hop("h", "inproc://h", 0, 2), Hop("t", "inproc://t", 3, 5))
+    return model_dir, executors, load_tokenizer(source), route
+
+
+@pytest.fixture
+def browser():
+    """Debian's chromium under Playwright, headless; skips (as an area, see the run's summary)
+    where either is missing."""
+    from tests.support.browser import CHROMIUM, CHROMIUM_ARGS, chromium_missing
+
+    if reason := chromium_missing():
+        pytest.skip(reason)
+    from playwright import sync_api
+
+    try:
+        with sync_api.sync_playwright() as playwright:
+            chromium = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)
+            yield chromium
+            chromium.close()
+    except sync_api.Error as exc:
+        if "Executable doesn't exist" in str(exc):
+            pytest.skip(f"chromium could not start: {exc}")
+        raise

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import re
 import threading
 import time
@@ -24,6 +23,7 @@ from pathlib import Path
 import pytest
 
 from tests.cluster import free_port, wait_sessions_zero
+from tests.support.browser import chromium_missing
 from webui import WebUIConfig
 from webui.app import serve_async
 from webui.testing import FakeClient
@@ -31,16 +31,11 @@ from webui.testing import FakeClient
 sync_api = pytest.importorskip("playwright.sync_api", exc_type=ImportError, reason="Playwright for Python is not installed "
                                "(pip install playwright; never run `playwright install`)")
 
-CHROMIUM = "/usr/bin/chromium"
-CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 SHOTS = Path(__file__).resolve().parent.parent / "artifacts" / "screenshots"
 REPLY = "#messages .msg.assistant >> nth=-1"
 WAIT_MS = 20_000  # Playwright's patience for one page change (a bound, not an assertion)
 
-pytestmark = pytest.mark.skipif(not (Path(CHROMIUM).is_file() and os.access(CHROMIUM, os.X_OK)),
-                                reason=f"Debian's chromium is not installed at {CHROMIUM} "
-                                       "(apt-get install -y chromium; scripts/install.sh --test does it)")
+pytestmark = pytest.mark.skipif(chromium_missing() is not None, reason=str(chromium_missing()))
 
 
 # --------------------------------------------------------------------------- fixtures
@@ -127,19 +122,6 @@ def _wait_listening(port: int, timeout: float = 20.0) -> None:
             if time.monotonic() > deadline:
                 raise
             time.sleep(0.05)
-
-
-@pytest.fixture
-def browser():
-    try:
-        with sync_api.sync_playwright() as playwright:
-            chromium = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)
-            yield chromium
-            chromium.close()
-    except sync_api.Error as exc:
-        if "Executable doesn't exist" in str(exc):
-            pytest.skip(f"chromium could not start: {exc}")
-        raise
 
 
 @pytest.fixture
