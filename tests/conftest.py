@@ -1,9 +1,12 @@
 from __future__ import annotations
 
+import os
+
 import pytest
 import zmq
 
 from tests.cluster import ProcessCluster, ThreadCluster
+from tests.support.areas import REQUIRE_ENV, skip_area, skipped_areas
 from tests.tiny_models import make_model
 
 
@@ -47,7 +50,7 @@ def netbed(tmp_path, xdg_cache):
     from tests.netbed import Netbed, unavailable
 
     if reason := unavailable():
-        pytest.skip(reason)
+        skip_area("namespaces", reason)
     with Netbed(tmp_path / "netbed", xdg_cache) as bed:
         yield bed
 
@@ -86,7 +89,7 @@ def browser():
     from tests.support.browser import CHROMIUM, CHROMIUM_ARGS, chromium_missing
 
     if reason := chromium_missing():
-        pytest.skip(reason)
+        skip_area("browser", reason)
     from playwright import sync_api
 
     try:
@@ -96,5 +99,31 @@ def browser():
             chromium.close()
     except sync_api.Error as exc:
         if "Executable doesn't exist" in str(exc):
-            pytest.skip(f"chromium could not start: {exc}")
+            skip_area("browser", f"chromium could not start: {exc}")
         raise
+
+
+# --------------------------------------------------------------------------- areas the run did not cover
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    """One loud line naming each area that skipped (tests/support/areas.py), so that a green
+    run on a machine without chromium, root or the model never passes for a full one."""
+    areas = skipped_areas(terminalreporter.stats.get("skipped", []))
+    if areas:
+        said = "; ".join(f"{area} ({why})" for area, why in sorted(areas.items()))
+        fails = " -- this run FAILS (MESHNET_REQUIRE_ALL_AREAS=1)" if _required() else ""
+        terminalreporter.write_line(f"AREAS NOT TESTED: {said}{fails}", red=True, bold=True)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_sessionfinish(session, exitstatus):
+    """Under MESHNET_REQUIRE_ALL_AREAS=1 (.ci/run) a skipped area fails an otherwise green run."""
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    if _required() and reporter is not None and exitstatus == pytest.ExitCode.OK:
+        if skipped_areas(reporter.stats.get("skipped", [])):
+            session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def _required() -> bool:
+    return os.environ.get(REQUIRE_ENV) == "1"

@@ -1,6 +1,6 @@
 """The dashboard in a real browser: Playwright for Python driving Debian's chromium, headless.
 
-The browser is never downloaded: the test uses /usr/bin/chromium (installed by
+The browser is never downloaded: the test uses the chromium on PATH, /usr/bin/chromium (installed by
 ``scripts/install.sh --test``) and skips with the reason when it or Playwright is missing.
 
 The main test runs a real cluster (tracker + 2 nodes of a tiny random llama, in threads)
@@ -23,19 +23,19 @@ from pathlib import Path
 import pytest
 
 from tests.cluster import free_port, wait_sessions_zero
+from tests.support.areas import skip_area
 from tests.support.browser import chromium_missing
 from webui import WebUIConfig
 from webui.app import serve_async
 from webui.testing import FakeClient
 
-sync_api = pytest.importorskip("playwright.sync_api", exc_type=ImportError, reason="Playwright for Python is not installed "
-                               "(pip install playwright; never run `playwright install`)")
+if _missing := chromium_missing():
+    skip_area("browser", _missing, module=True)
+from playwright import sync_api  # noqa: E402  (after the check that it is there)
 
 SHOTS = Path(__file__).resolve().parent.parent / "artifacts" / "screenshots"
 REPLY = "#messages .msg.assistant >> nth=-1"
 WAIT_MS = 20_000  # Playwright's patience for one page change (a bound, not an assertion)
-
-pytestmark = pytest.mark.skipif(chromium_missing() is not None, reason=str(chromium_missing()))
 
 
 # --------------------------------------------------------------------------- fixtures

