@@ -14,6 +14,8 @@ import time
 import pytest
 
 from fabric import Client
+from fabric.client import HeadDied, HeadGone, HeadLeaving
+from fabric.client.core import Continuation
 from fabric.compute.kv import KVStore, SessionKV
 from fabric.node.leave import Departure
 from fabric.wire import protocol as p
@@ -95,12 +97,33 @@ def test_clients_and_heads_go_around_a_leaving_node(thread_cluster, tiny_models)
     with FirstToTheLeaver(thread_cluster.endpoint, timeout=30) as client:
         events = list(client.generate(model.name, messages=MESSAGES, max_tokens=NEW_TOKENS))
         assert [t for e in events for t in e.token_ids] == expected
-        assert events[-1].route[0].node == "a2" and client.routes.dead == {"a1"}
+        assert events[-1].route[0].node == "a2"
+        assert (client.routes.leaving, client.routes.dead) == ({"a1"}, set())  # alive, only leaving
         events = list(client.generate(model.name, messages=MESSAGES, max_tokens=NEW_TOKENS,
                                       route=(hop["a2"], hop["b1"])))
     assert [t for e in events for t in e.token_ids] == expected
     assert [h.node for h in events[-1].route] == ["a2", "b2"]
     assert nodes["a2"].counters["failovers"] >= 1
+
+
+def test_a_leaving_head_is_booked_as_leaving_and_a_remembered_route_avoids_it():
+    """A refusal as leaving is a HeadGone (the request goes on elsewhere) but no HeadDied: the
+    client books the head as leaving, and only the tracker's next word about it forgets that."""
+    a1, a2, b = (p.Hop(n, f"tcp://127.0.0.1:{port}", s, e) for n, port, s, e in
+                 (("a1", 1, 0, 2), ("a2", 2, 0, 2), ("b", 3, 3, 5)))
+    gone = HeadLeaving(a1, "node a1 is leaving the swarm: use another node")
+    assert isinstance(gone, HeadGone) and not isinstance(gone, HeadDied) and gone.code == p.ErrorCode.LEAVING
+    with Client("tcp://127.0.0.1:1") as client:
+        client.routes.learn("m", (a2, b))
+        client.routes.learn("m", (a1, b))  # the best route now
+        stream = Continuation(p.Generate(request_id="r", route=(a1, b), prompt="hi"), fixed_route=False)
+        assert client._around(gone, stream) == [("a1",)]
+        assert (client.routes.leaving, client.routes.dead) == ({"a1"}, set())
+        assert client.routes.instead("m") == (a2, b)
+        client._around(HeadDied(a2), stream)
+        assert (client.routes.leaving, client.routes.dead) == ({"a1"}, {"a2"})
+        client.routes.learn("m", (a1, b))  # the tracker routes through a1 again: it stayed
+        assert client.routes.leaving == set() and client.routes.instead("m") == (a1, b)
 
 
 # --------------------------------------------------------------------------- real processes
