@@ -6,7 +6,7 @@ A script needs only what this module exports::
     with Client("tcp://127.0.0.1:5555") as client:
         print(client.chat("smollm2-135m", "Hi", temperature=0.7, seed=1))
 """
-from .client import AsyncClient, Client, FabricError, HeadDied
+from .client import AsyncClient, Client, FabricError, HeadDied, HeadGone
 from .wire.protocol import ErrorCode, Event, Sampling
 
-__all__ = ["AsyncClient", "Client", "ErrorCode", "Event", "FabricError", "HeadDied", "Sampling"]
+__all__ = ["AsyncClient", "Client", "ErrorCode", "Event", "FabricError", "HeadDied", "HeadGone", "Sampling"]

@@ -1,9 +1,12 @@
 from __future__ import annotations
 
+import os
+
 import pytest
 import zmq
 
 from tests.cluster import ProcessCluster, ThreadCluster
+from tests.support.areas import REQUIRE_ENV, skip_area, skipped_areas
 from tests.tiny_models import make_model
 
 
@@ -47,7 +50,7 @@ def netbed(tmp_path, xdg_cache):
     from tests.netbed import Netbed, unavailable
 
     if reason := unavailable():
-        pytest.skip(reason)
+        skip_area("namespaces", reason)
     with Netbed(tmp_path / "netbed", xdg_cache) as bed:
         yield bed
 
@@ -58,3 +61,69 @@ def ctx():
     context = zmq.Context()
     yield context
     context.destroy(linger=0)
+
+
+@pytest.fixture
+def split(tiny_models):
+    """A tiny llama's two shard executors in this process, no sockets (tests/test_route_session.py
+    and tests/test_handover.py drive a RouteSession over them): (model dir, executors by node,
+    tokenizer, route). Modules that split over real nodes define a ``split`` of their own."""
+    from fabric.compute.executor import ShardExecutor
+    from fabric.compute.kv import KVStore
+    from fabric.compute.models import load_shard, load_tokenizer, resolve
+    from fabric.wire.protocol import Hop
+    from fabric.wire.shard import Shard
+
+    model_dir = tiny_models("llama")
+    source = resolve(str(model_dir))
+    executors = {name: ShardExecutor(load_shard(source, Shard(a, b, 6), progress=False), KVStore())
+                 for name, (a, b) in {"h": (0, 2), "t": (3, 5)}.items()}
+    route = (Hop("h", "inproc://h", 0, 2), Hop("t", "inproc://t", 3, 5))
+    return model_dir, executors, load_tokenizer(source), route
+
+
+@pytest.fixture
+def browser():
+    """Debian's chromium under Playwright, headless; skips (as an area, see the run's summary)
+    where either is missing."""
+    from tests.support.browser import CHROMIUM, CHROMIUM_ARGS, chromium_missing
+
+    if reason := chromium_missing():
+        skip_area("browser", reason)
+    from playwright import sync_api
+
+    try:
+        with sync_api.sync_playwright() as playwright:
+            chromium = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)
+            yield chromium
+            chromium.close()
+    except sync_api.Error as exc:
+        if "Executable doesn't exist" in str(exc):
+            skip_area("browser", f"chromium could not start: {exc}")
+        raise
+
+
+# --------------------------------------------------------------------------- areas the run did not cover
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    """One loud line naming each area that skipped (tests/support/areas.py), so that a green
+    run on a machine without chromium, root or the model never passes for a full one."""
+    areas = skipped_areas(terminalreporter.stats.get("skipped", []))
+    if areas:
+        said = "; ".join(f"{area} ({why})" for area, why in sorted(areas.items()))
+        fails = " -- this run FAILS (MESHNET_REQUIRE_ALL_AREAS=1)" if _required() else ""
+        terminalreporter.write_line(f"AREAS NOT TESTED: {said}{fails}", red=True, bold=True)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_sessionfinish(session, exitstatus):
+    """Under MESHNET_REQUIRE_ALL_AREAS=1 (.ci/run) a skipped area fails an otherwise green run."""
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    if _required() and reporter is not None and exitstatus == pytest.ExitCode.OK:
+        if skipped_areas(reporter.stats.get("skipped", [])):
+            session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def _required() -> bool:
+    return os.environ.get(REQUIRE_ENV) == "1"

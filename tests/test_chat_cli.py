@@ -238,12 +238,12 @@ def test_ctrl_c_stops_a_reply_on_every_node_and_ctrl_d_exits(split, env, tmp_pat
     term.type("\x03")  # the nodes are stalled mid-reply: only Ctrl-C can end it now
     assert shown(full) not in ANSI.sub(b"", term.read_until(b">>> "))
     gate.open()
-    assert wait_sessions_zero(nodes, timeout=2.0) < 2.0
+    wait_sessions_zero(nodes, timeout=60.0)  # raises if a hop still holds the session
 
     def cancelled() -> bool:
         with cluster.client() as client:
             return any(e.get("finish_reason") == "cancelled" for e in client.status()["events"])
-    assert wait_for(cancelled, 5.0)
+    assert wait_for(cancelled, 60.0)  # the sessions ended by the cancel, not by running out
     later = direct(cluster, model, [user("hello world")], max_tokens=400)
     assert shown(later) + b"\r\n\r\n" in term.say("hello world")  # the stopped turn is forgotten
     term.type("\x04")

@@ -1,6 +1,6 @@
 """The dashboard in a real browser: Playwright for Python driving Debian's chromium, headless.
 
-The browser is never downloaded: the test uses /usr/bin/chromium (installed by
+The browser is never downloaded: the test uses the chromium on PATH, /usr/bin/chromium (installed by
 ``scripts/install.sh --test``) and skips with the reason when it or Playwright is missing.
 
 The main test runs a real cluster (tracker + 2 nodes of a tiny random llama, in threads)
@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import re
 import threading
 import time
@@ -24,23 +23,19 @@ from pathlib import Path
 import pytest
 
 from tests.cluster import free_port, wait_sessions_zero
+from tests.support.areas import skip_area
+from tests.support.browser import chromium_missing
 from webui import WebUIConfig
 from webui.app import serve_async
 from webui.testing import FakeClient
 
-sync_api = pytest.importorskip("playwright.sync_api", exc_type=ImportError, reason="Playwright for Python is not installed "
-                               "(pip install playwright; never run `playwright install`)")
+if _missing := chromium_missing():
+    skip_area("browser", _missing, module=True)
+from playwright import sync_api  # noqa: E402  (after the check that it is there)
 
-CHROMIUM = "/usr/bin/chromium"
-CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 SHOTS = Path(__file__).resolve().parent.parent / "artifacts" / "screenshots"
 REPLY = "#messages .msg.assistant >> nth=-1"
 WAIT_MS = 20_000  # Playwright's patience for one page change (a bound, not an assertion)
-
-pytestmark = pytest.mark.skipif(not (Path(CHROMIUM).is_file() and os.access(CHROMIUM, os.X_OK)),
-                                reason=f"Debian's chromium is not installed at {CHROMIUM} "
-                                       "(apt-get install -y chromium; scripts/install.sh --test does it)")
 
 
 # --------------------------------------------------------------------------- fixtures
@@ -127,19 +122,6 @@ def _wait_listening(port: int, timeout: float = 20.0) -> None:
             if time.monotonic() > deadline:
                 raise
             time.sleep(0.05)
-
-
-@pytest.fixture
-def browser():
-    try:
-        with sync_api.sync_playwright() as playwright:
-            chromium = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)
-            yield chromium
-            chromium.close()
-    except sync_api.Error as exc:
-        if "Executable doesn't exist" in str(exc):
-            pytest.skip(f"chromium could not start: {exc}")
-        raise
 
 
 @pytest.fixture

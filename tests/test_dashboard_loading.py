@@ -11,7 +11,7 @@ import re
 import pytest
 
 from tests.cluster import free_port
-from tests.test_dashboard_browser import REPLY, WAIT_MS, WebUIThread, browser, reply_text, shot  # noqa: F401
+from tests.test_dashboard_browser import WAIT_MS, WebUIThread, reply_text, shot
 from webui import WebUIConfig, create_app
 from webui.testing import FakeClient
 

@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import re
 
-from tests.test_dashboard_browser import WAIT_MS, browser, reply_text, set_settings, shot, swarm  # noqa: F401
+from tests.test_dashboard_browser import WAIT_MS, reply_text, set_settings, shot, swarm  # noqa: F401  (swarm is a fixture)
 
 PROMPT = " ".join(["the quick brown fox jumps over the lazy dog, meshnet splits a model across nodes."] * 12)
 
 
-def test_a_long_prompt_shows_its_prefill_in_the_bubble_and_on_the_call_wall(browser, swarm):  # noqa: F811
+def test_a_long_prompt_shows_its_prefill_in_the_bubble_and_on_the_call_wall(browser, swarm):  # noqa: F811  (swarm)
     cluster, model, gate, webui = swarm
     page = browser.new_page(viewport={"width": 1440, "height": 1000})
     page.goto(webui.url)

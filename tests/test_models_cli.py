@@ -29,6 +29,7 @@ from fabric.compute.models import (
 )
 from fabric.wire.shard import Shard
 from tests.cluster import ROOT, free_port
+from tests.support.areas import skip_area
 
 REPO = "test-org/tiny-sharded"
 
@@ -231,7 +232,7 @@ def test_a_gguf_head_keeps_the_embedding_quantized_and_looks_up_the_same_rows():
     from fabric.compute.models import GGUFEmbedding
 
     if alias_path(ALIASES["smollm2-135m"]) is None:
-        pytest.skip("smollm2-135m is not installed here")
+        skip_area("smollm2", "smollm2-135m is not installed here")
     source = resolve("smollm2-135m")
     full = load_shard(source, Shard(0, 29, 30), progress=False)  # its lm_head needs the embedding whole
     ids = torch.arange(full.config.vocab_size).reshape(4, -1)
@@ -248,7 +249,7 @@ def test_a_gguf_head_keeps_the_embedding_quantized_and_looks_up_the_same_rows():
 
 def test_pull_alias_installed_runs_nothing():
     if alias_path(ALIASES["smollm2-135m"]) is None:
-        pytest.skip("smollm2-135m is not installed here")
+        skip_area("smollm2", "smollm2-135m is not installed here")
     said: list[str] = []
 
     def run(_cmd):
@@ -312,7 +313,7 @@ def one_line_error(out: subprocess.CompletedProcess) -> str:
 
 def test_cli_pull_installed_alias_says_so(env):
     if alias_path(ALIASES["smollm2-135m"]) is None:
-        pytest.skip("smollm2-135m is not installed here")
+        skip_area("smollm2", "smollm2-135m is not installed here")
     out = meshnet("pull", "smollm2-135m", env=env)
     assert out.returncode == 0, out.stderr
     assert f"smollm2-135m is already installed: {alias_path(ALIASES['smollm2-135m'])}" in out.stdout

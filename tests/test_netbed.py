@@ -18,6 +18,7 @@ import pytest
 
 from tests import netbed
 from tests.delay_proxy import Delays
+from tests.support.areas import skip_area
 from tests.test_fabric_equivalence import MESSAGES, prompt_ids
 from tests.tiny_models import reference_greedy
 
@@ -32,7 +33,7 @@ def bed(tmp_path_factory, xdg_cache, tiny_models):
     """A tracker, a 3-hop route with a spare tail and a web UI, each on its own host;
     the test drives it from a client host."""
     if reason := netbed.unavailable():
-        pytest.skip(reason)
+        skip_area("namespaces", reason)
     model = tiny_models("llama")
     with netbed.Netbed(tmp_path_factory.mktemp("netbed"), xdg_cache) as bed:
         for host in ("tracker", *NODES, "client"):

@@ -352,29 +352,39 @@ def test_node_still_generates_after_garbage(node, dealer, tiny_llama):
 # which must survive.
 
 
+REFUSED, DROPPED = "rejected_frames", "dropped_frames"  # the counter each kind of failure moves
+
+
 def _crash_cases(endpoint: str) -> dict:
+    """case -> (frames, what must happen): REFUSED is an ERROR(bad_request) back to the
+    sender; DROPPED is a frame the node ran but could not pass on (nobody can be told)."""
     short = _forward(0, 2, IDS, reply_to=endpoint)  # ends before the last layer, no route after it
     bad_reply = _forward(0, NUM_LAYERS - 1, IDS, reply_to="not-an-endpoint")
     bad_hop = _forward(0, 2, IDS, route=(Hop("x", "bogus", 3, NUM_LAYERS - 1),), reply_to=endpoint)
     generate = p.Generate(request_id="short", route=(Hop("n", endpoint, 0, 2),), prompt="hi")
-    return {"forward with no route after a non-final span": p.encode(*short),
-            "forward whose reply_to is not an endpoint": p.encode(*bad_reply),
-            "forward whose next hop is not an endpoint": p.encode(*bad_hop),
-            "generate whose route stops before the last layer": p.encode(generate)}
+    return {"forward with no route after a non-final span": (p.encode(*short), REFUSED),
+            "forward whose reply_to is not an endpoint": (p.encode(*bad_reply), DROPPED),
+            "forward whose next hop is not an endpoint": (p.encode(*bad_hop), DROPPED),
+            "generate whose route stops before the last layer": (p.encode(generate), REFUSED)}
 
 
 @pytest.mark.parametrize("case", list(_crash_cases("tcp://127.0.0.1:1")))
 def test_valid_but_impossible_frames_do_not_kill_the_node(tiny_llama, case):
+    """The node refuses or drops the frame (its counter says which), answers nothing else to
+    the sender, and still answers PING."""
     victim = RunningNode(tiny_llama, "victim")
     sock = _dealer(victim.endpoint)
     try:
-        sock.send_multipart(_crash_cases(victim.endpoint)[case])
-        victim.thread.join(1.0)  # returns at once if the loop died
+        frames, outcome = _crash_cases(victim.endpoint)[case]
+        sock.send_multipart(frames)
+        counters = victim.node.counters
+        assert wait_for(lambda: counters[outcome] == 1, 10), dict(counters)
         assert victim.thread.is_alive(), "the node's loop died"
-        if sock.poll(1000):  # a route that stops early is refused up front
+        if outcome == REFUSED:  # a route that stops early is refused up front, to the sender
             reply = receive(sock)
             assert isinstance(reply, p.Error) and reply.code == BAD_REQUEST, reply
-        assert isinstance(ping(sock), p.Pong)
+        assert isinstance(ping(sock), p.Pong)  # and, for a dropped frame, the first thing the sender hears
+        assert counters[REFUSED] + counters[DROPPED] == 1, dict(counters)
     finally:
         sock.close(linger=0)
         victim.stop_event.set()

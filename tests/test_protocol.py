@@ -559,7 +559,10 @@ FORWARD_CASES = {
     "reuse at pos 0": (FWD, [_set("reuse", "s0")], "reuse needs pos > 0"),
     "reuse of itself": (FWD_H, [_set("reuse", "s1")], "another session's id"),
     "hidden states for layer 3 as ids": (FWD, [_set("start_layer", 1)], "float hidden states"),
-    "tap id too long": (FWD, [_set("audit", "a" * (p.MAX_ID + 1))], "audit has at most"),
+    "tap id too long": (FWD, [_set("audit", "a" * (p.MAX_ID + 1))], "audit and reuse have at most"),
+    "reuse id too long": (FWD_H, [_set("reuse", "r" * (p.MAX_ID + 1))], "audit and reuse have at most"),
+    "session id too long": (FWD, [_set("session", "s" * (p.MAX_ID + 1))], f"session must have 1-{p.MAX_ID}"),
+    "empty session id": (FWD, [_set("session", "")], f"session must have 1-{p.MAX_ID}"),
 }
 
 

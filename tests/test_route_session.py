@@ -15,7 +15,7 @@ import torch
 
 from fabric.compute.executor import CacheMissError, ShardExecutor
 from fabric.compute.kv import KVStore
-from fabric.compute.models import load_shard, load_tokenizer, resolve
+from fabric.compute.models import load_shard, resolve
 from fabric.compute.sampling import sample
 from fabric.net.peer_liveness import splice
 from fabric.node.head import Head, HeadConfig, ServedModel
@@ -66,17 +66,6 @@ class LocalTransport:
         self.controls.append(message)
         for h in (hop, *message.route):
             self.executors[h.node].kv.drop(message.session)
-
-
-@pytest.fixture
-def split(tiny_models):
-    model_dir = tiny_models("llama")
-    source = resolve(str(model_dir))
-    executors = {name: ShardExecutor(load_shard(source, Shard(a, b, 6), progress=False), KVStore())
-                 for name, (a, b) in {"h": (0, 2), "t": (3, 5)}.items()}
-    tok = load_tokenizer(source)
-    route = (Hop("h", "inproc://h", 0, 2), Hop("t", "inproc://t", 3, 5))
-    return model_dir, executors, tok, route
 
 
 def new_session(split, max_tokens=16, stop=(), eos=frozenset(), ignore_eos=False, prompt="the quick brown fox"):

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from tests import netbed
+from tests.support.areas import skip_area
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = {"A": "192.0.2.10", "B": "192.0.2.11"}  # the README's addresses for A and B
@@ -60,11 +61,11 @@ def test_the_readme_walkthrough_parses():
 @pytest.fixture
 def two_machines(tmp_path):
     if reason := netbed.unavailable():
-        pytest.skip(reason)
+        skip_area("namespaces", reason)
     from fabric.compute.models import ALIASES, alias_path
 
     if alias_path(ALIASES["smollm2-135m"]) is None:
-        pytest.skip("smollm2-135m is not installed (meshnet pull smollm2-135m)")
+        skip_area("smollm2", "smollm2-135m is not installed (meshnet pull smollm2-135m)")
     with netbed.Netbed(tmp_path / "bed", cache=None) as bed:  # each host parses the GGUF under its own HOME
         bed.add_host("a")
         bed.add_host("b", venv=True)

@@ -32,7 +32,7 @@ from typing import Mapping
 from fabric.wire import protocol
 
 from .ledger_schema import migrate
-from fabric.wire.protocol import ErrorCode, ProtocolError, Report
+from fabric.wire.protocol import ErrorCode, ProtocolError, Report, check_text
 
 log = logging.getLogger(__name__)
 
@@ -78,21 +78,15 @@ def _cut_by_client(report: Report) -> bool:
     return report.max_tokens <= 0 or report.completion_tokens >= report.max_tokens
 
 
-def _check_text(value: str | None, name: str, limit: int = 256, optional: bool = False) -> None:
-    if (value is None and optional) or (value is not None and 0 < len(value) <= limit):
-        return
-    raise ProtocolError(f"{name} must be 1-{limit} characters", ErrorCode.BAD_REQUEST)
-
-
 def check_report(report: Report) -> None:
     """Reject reports the ledger cannot trust; raises ProtocolError(BAD_REQUEST)."""
-    _check_text(report.request_id, "request_id")
+    check_text(report.request_id, "request_id", code=ErrorCode.BAD_REQUEST)
     if report.ref:
-        _check_text(report.ref, "ref", 64)
-    _check_text(report.node_id, "node_id")
-    _check_text(report.model, "model")
-    _check_text(report.finish_reason, "finish_reason", 64, optional=True)
-    _check_text(report.api_key, "api_key", 4096, optional=True)
+        check_text(report.ref, "ref", 64, code=ErrorCode.BAD_REQUEST)
+    check_text(report.node_id, "node_id", code=ErrorCode.BAD_REQUEST)
+    check_text(report.model, "model", code=ErrorCode.BAD_REQUEST)
+    check_text(report.finish_reason, "finish_reason", 64, optional=True, code=ErrorCode.BAD_REQUEST)
+    check_text(report.api_key, "api_key", 4096, optional=True, code=ErrorCode.BAD_REQUEST)
     counts = (report.prompt_tokens, report.completion_tokens, report.max_tokens, report.prefilled,
               report.prefill_tokens)
     if any(not 0 <= c < 1 << 31 for c in counts) or report.elapsed < 0:

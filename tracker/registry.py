@@ -13,18 +13,19 @@ from typing import Callable
 
 from fabric.wire.liveness import HEARTBEAT_INTERVAL, HEARTBEAT_LIVENESS
 from fabric.wire.protocol import (
+    MAX_ENDPOINT,
+    MAX_ID,
     ErrorCode,
     Heartbeat,
     ProtocolError,
     Register,
+    check_text,
 )
 
 from .node_records import NodeInfo
 
 log = logging.getLogger(__name__)
 
-MAX_ID = 256  # longest node id, model id or fingerprint the tracker accepts
-MAX_ENDPOINT = 1024
 # Deepest model the tracker plans for. The deepest public decoder stacks have ~126 layers
 # (Llama 3.1 405B), so this is 8x headroom, while the wire's MAX_LAYERS (4096) would let one
 # REGISTER make every plan, coverage map and assignment of that model 4096 layers long.
@@ -47,17 +48,12 @@ class Exclusion:
     confirmations: int = 1  # settled verdicts that excluded or confirmed it
 
 
-def _check_text(value: str, name: str, limit: int = MAX_ID) -> None:
-    if not value or len(value) > limit:
-        raise ProtocolError(f"{name} must be 1-{limit} characters", ErrorCode.BAD_REQUEST)
-
-
 def validate_register(msg: Register) -> None:
     """Reject registrations no route could use; raises ProtocolError(BAD_REQUEST)."""
-    _check_text(msg.node_id, "node_id")
-    _check_text(msg.model, "model")
-    _check_text(msg.fingerprint, "fingerprint")
-    _check_text(msg.endpoint, "endpoint", MAX_ENDPOINT)
+    check_text(msg.node_id, "node_id", code=ErrorCode.BAD_REQUEST)
+    check_text(msg.model, "model", code=ErrorCode.BAD_REQUEST)
+    check_text(msg.fingerprint, "fingerprint", code=ErrorCode.BAD_REQUEST)
+    check_text(msg.endpoint, "endpoint", MAX_ENDPOINT, code=ErrorCode.BAD_REQUEST)
     if len(msg.relay) > MAX_ENDPOINT or len(msg.relay_key) > MAX_ID:
         raise ProtocolError(f"relay has at most {MAX_ENDPOINT} characters, relay_key at most {MAX_ID}",
                             ErrorCode.BAD_REQUEST)
@@ -88,7 +84,7 @@ def _check_hardware(hardware: dict) -> None:
 
 
 def validate_heartbeat(msg: Heartbeat) -> None:
-    _check_text(msg.node_id, "node_id")
+    check_text(msg.node_id, "node_id", code=ErrorCode.BAD_REQUEST)
     if msg.sessions < 0 or msg.queued < 0:
         raise ProtocolError("sessions and queued must be >= 0", ErrorCode.BAD_REQUEST)
 

@@ -4,7 +4,7 @@
 over one core (``core.py``): what a request is, what answers mean, when to go again.
 """
 from .aio import AsyncClient
-from .core import FabricError, GenerateArgs, HeadDied
+from .core import FabricError, GenerateArgs, HeadDied, HeadGone, HeadLeaving
 from .sync import Client
 
-__all__ = ["AsyncClient", "Client", "FabricError", "GenerateArgs", "HeadDied"]
+__all__ = ["AsyncClient", "Client", "FabricError", "GenerateArgs", "HeadDied", "HeadGone", "HeadLeaving"]

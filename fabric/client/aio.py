@@ -21,7 +21,7 @@ from .core import (
     Continuation,
     FabricError,
     GenerateArgs,
-    HeadDied,
+    HeadGone,
     HeadLink,
     decode_reply,
     models_of,
@@ -94,10 +94,10 @@ class AsyncClient(ClientCore):
                         if stream.passes(event):
                             yield event
                 return
-            except HeadDied as died:
+            except HeadGone as died:
                 stream.go_on(died, await self._route_around(args.model, died, stream))
 
-    async def _route_around(self, model: str, died: HeadDied, stream: Continuation) -> tuple[p.Hop, ...]:
+    async def _route_around(self, model: str, died: HeadGone, stream: Continuation) -> tuple[p.Hop, ...]:
         for exclude in self._around(died, stream):
             try:
                 return await self.route(model, exclude)

@@ -41,12 +41,27 @@ def _tracker_silent(endpoint: str) -> FabricError:
                        f"tracker at {endpoint} did not answer (is it running? a secured swarm needs --keys)")
 
 
-class HeadDied(FabricError):
+class HeadGone(FabricError):
+    """The head can no longer carry the request, which goes on at another head (``Continuation``).
+    Callers that mean any such head catch this; each kind books its head in the client's
+    ``RouteBook`` as what it is (``book``)."""
+
+    def __init__(self, head: p.Hop, code: str, message: str):
+        super().__init__(code, message)
+        self.head = head
+
+    def book(self, routes: RouteBook) -> None:
+        raise NotImplementedError
+
+
+class HeadDied(HeadGone):
     """The connection to the head dropped: its process is gone."""
 
     def __init__(self, head: p.Hop):
-        super().__init__(p.ErrorCode.HOP_FAILED, f"the head {head.node} at {head.endpoint} died")
-        self.head = head
+        super().__init__(head, p.ErrorCode.HOP_FAILED, f"the head {head.node} at {head.endpoint} died")
+
+    def book(self, routes: RouteBook) -> None:
+        routes.died(self.head.node)
 
 
 class HeadSilent(HeadDied):
@@ -54,16 +69,18 @@ class HeadSilent(HeadDied):
     goes on at another head, as after a death; the silent one is told to cancel it."""
 
     def __init__(self, head: p.Hop):
-        FabricError.__init__(self, p.ErrorCode.HOP_FAILED, f"the head {head.node} at {head.endpoint} went silent")
-        self.head = head
+        HeadGone.__init__(self, head, p.ErrorCode.HOP_FAILED, f"the head {head.node} at {head.endpoint} went silent")
 
 
-class HeadLeaving(HeadDied):
-    """The head refused the request because it is leaving the swarm: go to another."""
+class HeadLeaving(HeadGone):
+    """The head refused the request because it is leaving the swarm: go to another. It is
+    alive and finishing what it serves, so it is booked as leaving, not as dead."""
 
     def __init__(self, head: p.Hop, message: str):
-        FabricError.__init__(self, p.ErrorCode.LEAVING, message)
-        self.head = head
+        super().__init__(head, p.ErrorCode.LEAVING, message)
+
+    def book(self, routes: RouteBook) -> None:
+        routes.left(self.head.node)
 
 
 # the link to the head dropped, or it refuses connections: its process is gone
@@ -348,11 +365,11 @@ class ClientCore:
         self.routes.learn_plans(body)
         return body
 
-    def _around(self, died: HeadDied, stream: Continuation) -> list[tuple[str, ...]]:
-        """The heads ``stream`` goes around after ``died``, best first (see ``Continuation.around``);
-        the dead one is remembered as dead."""
-        self.routes.died(died.head.node)
-        return stream.around(died)
+    def _around(self, gone: HeadGone, stream: Continuation) -> list[tuple[str, ...]]:
+        """The heads ``stream`` goes around after ``gone``, best first (see ``Continuation.around``);
+        the gone one is remembered as dead or as leaving."""
+        gone.book(self.routes)
+        return stream.around(gone)
 
 
 def status_body(reply: p.Message) -> dict:
@@ -364,7 +381,7 @@ def status_body(reply: p.Message) -> dict:
 MAX_HANDOVERS = 3  # heads one request may lose and still go on
 
 
-def stranded(died: HeadDied, why: FabricError) -> HeadDied:
+def stranded(died: HeadGone, why: FabricError) -> HeadGone:
     """``died``, saying why no other head took its request over."""
     died.message = f"{died.message}, and no other head could take the request over ({why})"
     died.args = (f"{died.code}: {died.message}",)
@@ -379,7 +396,7 @@ class Continuation:
     and the sampling seed the first head used (its start event names it). Sampling depends only
     on (seed, position), so the new head goes on as the first would have. The caller sees one
     start event, each token once and one end. The shells stream ``msg``, pass on the events
-    ``passes`` lets through, and after a HeadDied ask for a route around ``around``'s nodes.
+    ``passes`` lets through, and after a HeadGone ask for a route around ``around``'s nodes.
     """
 
     def __init__(self, msg: p.Generate, fixed_route: bool):
@@ -388,7 +405,7 @@ class Continuation:
         self.ids: list[int] = []  # the token ids streamed so far
         self.started = False  # a start event was passed on
         self.flushed = False  # the last flush of held-back text was passed on (only the end follows it)
-        self.lost: list[str] = []  # heads that died under this request
+        self.lost: list[str] = []  # heads that died or left under this request
 
     def passes(self, event: p.Event) -> bool:
         """Whether the caller sees ``event``: not a later head's start, nor a flush it had."""
@@ -404,7 +421,7 @@ class Continuation:
         self.ids.extend(event.token_ids)
         return True
 
-    def around(self, died: HeadDied) -> list[tuple[str, ...]]:
+    def around(self, died: HeadGone) -> list[tuple[str, ...]]:
         """The heads to go around after ``died``, best first: every head this request lost, then
         only the one just lost (an earlier one may be back, restarted under its name). Raises
         ``died`` itself when the request cannot go on (a route the caller chose, or too many
@@ -414,7 +431,7 @@ class Continuation:
         self.lost.append(died.head.node)
         return [tuple(self.lost)] + ([(died.head.node,)] if len(self.lost) > 1 else [])
 
-    def go_on(self, died: HeadDied, route: tuple[p.Hop, ...]) -> None:
+    def go_on(self, died: HeadGone, route: tuple[p.Hop, ...]) -> None:
         """Send the request to ``route``'s head next, after the tokens so far. The hops of the
         dead head's route free its session themselves: only the connection that opened a
         session may end it (fabric/node/owners.py), and that one died with the head."""

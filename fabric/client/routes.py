@@ -4,8 +4,8 @@ The tracker is never in the data path: a route, once known, works without it. A 
 remembers the last route the tracker gave it for each model, and any plans it is shown
 (the web UI feeds it every ``plans`` publication of the tracker's PUB, and each status
 body). When the tracker does not answer, a request goes on a remembered route that avoids
-the nodes the client saw die since; a fresh answer from the tracker replaces what was
-remembered, and forgets those deaths (the tracker knows better).
+the nodes the client saw die or leave since; a fresh answer from the tracker replaces what was
+remembered, and forgets those deaths and leaves (the tracker knows better).
 """
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ class RouteBook:
     def __init__(self) -> None:
         self._routes: dict[str, list[tuple[p.Hop, ...]]] = {}  # model -> routes, best first
         self.dead: set[str] = set()  # node ids seen dying since the tracker last spoke
+        self.leaving: set[str] = set()  # node ids that refused a request as leaving, since then
 
     def __contains__(self, model: str) -> bool:
         return bool(self._routes.get(model))
@@ -36,6 +37,7 @@ class RouteBook:
         known = [r for r in self._routes.get(model, []) if r != route]
         self._routes[model] = [route, *known][:MAX_ROUTES]
         self.dead -= {h.node for h in route}
+        self.leaving -= {h.node for h in route}
 
     def learn_plans(self, plans: Any) -> None:
         """A ``plans`` publication or a status body (``{"plans": {model: [{"hops": [...]}]}}``):
@@ -52,14 +54,19 @@ class RouteBook:
             else:
                 self._routes.pop(model, None)  # the tracker says nothing serves it now
         self.dead.clear()
+        self.leaving.clear()
 
     def died(self, node: str) -> None:
         self.dead.add(node)
 
+    def left(self, node: str) -> None:
+        """``node`` is leaving the swarm: alive, but it takes no new request."""
+        self.leaving.add(node)
+
     def instead(self, model: str, exclude: tuple[str, ...] = ()) -> tuple[p.Hop, ...] | None:
         """The best remembered route of ``model`` that uses none of ``exclude`` and no node
-        seen dying; None when there is none."""
-        avoid = self.dead | set(exclude)
+        seen dying or leaving; None when there is none."""
+        avoid = self.dead | self.leaving | set(exclude)
         for route in self._routes.get(model, []):
             if not any(h.node in avoid for h in route):
                 return route

@@ -24,7 +24,7 @@ from .core import (
     Continuation,
     FabricError,
     GenerateArgs,
-    HeadDied,
+    HeadGone,
     HeadLink,
     decode_reply,
     models_of,
@@ -123,10 +123,10 @@ class Client(ClientCore):
                         if stream.passes(event):
                             yield event
                 return
-            except HeadDied as died:
+            except HeadGone as died:
                 stream.go_on(died, self._route_around(model, died, stream))
 
-    def _route_around(self, model: str, died: HeadDied, stream: Continuation) -> tuple[p.Hop, ...]:
+    def _route_around(self, model: str, died: HeadGone, stream: Continuation) -> tuple[p.Hop, ...]:
         for exclude in self._around(died, stream):
             try:
                 return self.route(model, exclude)

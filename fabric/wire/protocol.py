@@ -63,7 +63,8 @@ MAX_GRAMMAR = 64 << 10  # characters of a grammar's source (a JSON schema's text
 DTYPE_SIZES = {"float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4}
 WIRE_DTYPES = {"", "float32", "float16", "bfloat16"}  # hidden states on the wire; "": the compute dtype
 FLOAT_DTYPES = ("float32", "float16", "bfloat16")  # hidden states and logits
-MAX_ID = 256  # longest session, audit, node or model id in the audit messages
+MAX_ID = 256  # longest id anywhere: session, request, audit, node, model, fingerprint
+MAX_ENDPOINT = 1024  # longest endpoint (tcp://host:port, or a relay's)
 TAP_ID_CHARS = 32  # a session's tap id (FORWARD.audit): secrets.token_hex(16), unguessable
 SKETCH_DIM = 32  # numbers per position in an AUDIT_TAP's sketches (fabric/node/verdicts.py: ``sketch``)
 MAX_AUDIT_LOGITS = 8  # positions whose logits one AUDIT_RESULT of a tail's layers carries (a replay's window)
@@ -119,6 +120,15 @@ class ProtocolError(Exception):
     def __init__(self, message: str, code: str = ErrorCode.BAD_FRAME):
         super().__init__(message)
         self.code = code
+
+
+def check_text(value: str | None, name: str, limit: int = MAX_ID, optional: bool = False,
+               code: str = ErrorCode.BAD_FRAME) -> None:
+    """The one check of an id or a short text a peer sends: 1 to ``limit`` characters (or
+    None, if ``optional``). The tracker's registry and ledger use it with BAD_REQUEST."""
+    if (value is None and optional) or (isinstance(value, str) and 0 < len(value) <= limit):
+        return
+    raise ProtocolError(f"{name} must have 1-{limit} characters", code)
 
 
 class Kind(IntEnum):
@@ -343,8 +353,9 @@ class Forward(Message):
             raise ProtocolError(f"logprobs must be in [-1, {MAX_TOP_LOGPROBS}]")
         if not 0 <= self.start_layer <= self.end_layer < MAX_LAYERS:
             raise ProtocolError(f"layers {self.start_layer}-{self.end_layer} out of range")
-        if len(self.audit) > MAX_ID:
-            raise ProtocolError(f"audit has at most {MAX_ID} characters")
+        check_text(self.session, "session")
+        if len(self.audit) > MAX_ID or len(self.reuse) > MAX_ID:
+            raise ProtocolError(f"audit and reuse have at most {MAX_ID} characters")
         if self.pos < 0 or self.step < 0:
             raise ProtocolError("pos and step must be >= 0")
         if self.reuse and (self.pos == 0 or self.reuse == self.session):
@@ -679,8 +690,8 @@ class Ack(Message):
     def validate(self) -> None:
         if len(self.probe) > MAX_PROBES:
             raise ProtocolError(f"probe lists at most {MAX_PROBES} peers")
-        if len(self.request_id) > 256:
-            raise ProtocolError("request_id has at most 256 characters")
+        if len(self.request_id) > MAX_ID:
+            raise ProtocolError(f"request_id has at most {MAX_ID} characters")
 
 
 @dataclass(frozen=True)
@@ -726,11 +737,6 @@ class RelayOpened(Message):
 # --------------------------------------------------------------------------- audits
 
 
-def _check_id(value: str, name: str) -> None:
-    if not 1 <= len(value) <= MAX_ID:
-        raise ProtocolError(f"{name} must have 1-{MAX_ID} characters")
-
-
 def _check_span(start: int, end: int) -> None:
     """An audited span: never the head's (layer 0 takes token ids, and the head trusts itself)."""
     if not 0 < start <= end < MAX_LAYERS:
@@ -766,8 +772,8 @@ class AuditTap(Message):
     token: int = -1  # on the tail, the token it sampled from the logits it sketched; -1: none
 
     def validate(self) -> None:
-        _check_id(self.tap, "tap")
-        _check_id(self.session, "session")
+        check_text(self.tap, "tap")
+        check_text(self.session, "session")
         _check_span(self.start_layer, self.end_layer)
         if self.step < 0 or self.pos < 0 or not -1 <= self.token <= MAX_TOKEN_ID:
             raise ProtocolError("step and pos must be >= 0 and token a token id or -1")
@@ -800,7 +806,7 @@ class Audit(Message):
     logits_from: int = -1  # a tail's span: the first position whose logits the answer carries; -1: the last
 
     def validate(self) -> None:
-        _check_id(self.audit, "audit")
+        check_text(self.audit, "audit")
         if not 0 <= self.start_layer <= self.end_layer < MAX_LAYERS:
             raise ProtocolError(f"audited layers {self.start_layer}-{self.end_layer} out of range")
         if len(self.tensors) != 1:
@@ -826,7 +832,7 @@ class AuditResult(Message):
     error: str = ""  # why the node computed nothing; "": one tensor follows
 
     def validate(self) -> None:
-        _check_id(self.audit, "audit")
+        check_text(self.audit, "audit")
         if len(self.error) > 1024:
             raise ProtocolError("error has at most 1024 characters")
         if len(self.tensors) != (0 if self.error else 1):
@@ -855,9 +861,9 @@ class ReplicasRequest(Message):
     suspect: str = ""  # the node whose work is checked; the answer gives the key the tracker lists for it
 
     def validate(self) -> None:
-        _check_id(self.audit, "audit")
-        _check_id(self.model, "model")
-        _check_id(self.fingerprint, "fingerprint")
+        check_text(self.audit, "audit")
+        check_text(self.model, "model")
+        check_text(self.fingerprint, "fingerprint")
         _check_span(self.start_layer, self.end_layer)
         if len(self.node_id) > MAX_ID or len(self.suspect) > MAX_ID or len(self.exclude) > MAX_PROBES:
             raise ProtocolError(f"node_id and suspect have at most {MAX_ID} characters, exclude {MAX_PROBES} ids")
@@ -889,7 +895,7 @@ class Verdict(Message):
 
     def validate(self) -> None:
         for value, name in ((self.node_id, "node_id"), (self.model, "model"), (self.suspect, "suspect")):
-            _check_id(value, name)
+            check_text(value, name)
         _check_span(self.start_layer, self.end_layer)
         if self.suspect in self.witnesses or self.suspect == self.node_id:
             raise ProtocolError("a suspect cannot witness against itself or be the auditing head")
