@@ -63,6 +63,19 @@ def ctx():
     context.destroy(linger=0)
 
 
+@pytest.fixture(params=["llama", "qwen3"])
+def tiny_split(request, thread_cluster, tiny_models):
+    """A tiny model of two families split over two real nodes on loopback, a head (layers 0-2)
+    and a tail (3-5): (cluster, model dir, the route's hops)."""
+    from fabric.wire.protocol import Hop
+
+    model_dir = tiny_models(request.param)
+    head = thread_cluster.add_node(model_dir, 0, 2, 6, "head")
+    tail = thread_cluster.add_node(model_dir, 3, 5, 6, "tail")
+    thread_cluster.wait_routable(model_dir.name, 2)
+    return thread_cluster, model_dir, (Hop("head", head.endpoint, 0, 2), Hop("tail", tail.endpoint, 3, 5))
+
+
 @pytest.fixture
 def split(tiny_models):
     """A tiny llama's two shard executors in this process, no sockets (tests/test_route_session.py

@@ -58,13 +58,9 @@ def assert_matches(events: list[p.Event], reference: torch.Tensor, top: int) -> 
             assert abs(alt.logprob - float(row[alt.token])) < TOLERANCE
 
 
-@pytest.fixture(params=["llama", "qwen3"])
-def split(request, thread_cluster, tiny_models):
-    model_dir = tiny_models(request.param)
-    thread_cluster.add_node(model_dir, 0, 2, 6, "head")
-    thread_cluster.add_node(model_dir, 3, 5, 6, "tail")
-    thread_cluster.wait_routable(model_dir.name, 2)
-    return thread_cluster, model_dir
+@pytest.fixture
+def split(tiny_split):
+    return tiny_split[:2]  # (cluster, model dir)
 
 
 def test_greedy_logprobs_equal_transformers(split):

@@ -13,7 +13,6 @@ import pytest
 import torch
 
 from fabric.compute.models import load_tokenizer, resolve
-from fabric.wire.protocol import Hop
 from tests.tiny_models import _COMMON, assert_clear_lead, reference_greedy
 
 MESSAGES = [{"role": "user", "content": "hello world, how are you today?"}]
@@ -54,13 +53,9 @@ def prompt_ids(model_dir) -> list[int]:
     return list(tok.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=True, return_dict=False))
 
 
-@pytest.fixture(params=["llama", "qwen3"])
-def split(request, thread_cluster, tiny_models):
-    model_dir = tiny_models(request.param)
-    head = thread_cluster.add_node(model_dir, 0, 2, 6, "head")
-    tail = thread_cluster.add_node(model_dir, 3, 5, 6, "tail")
-    thread_cluster.wait_routable(model_dir.name, 2)
-    return thread_cluster, model_dir, (Hop("head", head.endpoint, 0, 2), Hop("tail", tail.endpoint, 3, 5))
+@pytest.fixture
+def split(tiny_split):
+    return tiny_split
 
 
 def _bias(model_dir, prompt: list[int]) -> dict[int, float]:

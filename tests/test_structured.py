@@ -13,7 +13,7 @@ import signal
 import pytest
 
 from fabric.client import AsyncClient
-from fabric.wire.protocol import Grammar, GrammarKind, Hop
+from fabric.wire.protocol import Grammar, GrammarKind
 
 SCHEMA = {"type": "object", "properties": {
     "name": {"type": "string", "maxLength": 8},
@@ -37,13 +37,9 @@ def valid(text: str) -> dict:
     return obj
 
 
-@pytest.fixture(params=["llama", "qwen3"])
-def split(request, thread_cluster, tiny_models):
-    model_dir = tiny_models(request.param)
-    head = thread_cluster.add_node(model_dir, 0, 2, 6, "head")
-    tail = thread_cluster.add_node(model_dir, 3, 5, 6, "tail")
-    thread_cluster.wait_routable(model_dir.name, 2)
-    return thread_cluster, model_dir, (Hop("head", head.endpoint, 0, 2), Hop("tail", tail.endpoint, 3, 5))
+@pytest.fixture
+def split(tiny_split):
+    return tiny_split
 
 
 def reply(client, model_dir, **kw) -> tuple[str, str]:
