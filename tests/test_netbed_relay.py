@@ -5,6 +5,8 @@ can connect to (as behind NAT), and real `meshnet tracker`, `relay` and `node` p
 """
 from __future__ import annotations
 
+import itertools
+
 import pytest
 
 from tests import netbed as nb
@@ -114,9 +116,11 @@ def test_with_30ms_links_the_plan_takes_fewer_hops_and_predicts_the_decode_rate(
         def measured():
             status = client.status()
             nodes = _nodes(status)
-            known = all(nodes[x]["rtts"].get(y) or nodes[y]["rtts"].get(x) for x, y in ("wc", "ab", "bc"))
+            # every pair: an unmeasured link costs the planner's small default, so a route
+            # through one (a, w, b, c before a-w was measured) would look cheaper than it is
+            known = all(nodes[x]["rtts"].get(y) or nodes[y]["rtts"].get(x) for x, y in itertools.combinations("abcw", 2))
             return status if known else None
-        assert nb.wait_until(measured, 30), netbed.logs()
+        assert nb.wait_until(measured, 60), netbed.logs()
         status = measured()
         nodes = _nodes(status)
         rtt_wc = nodes["w"]["rtts"].get("c") or nodes["c"]["rtts"]["w"]
