@@ -44,8 +44,14 @@ ACCEPTED_COMPLETIONS = {"user": "u-1", "echo": False, "best_of": 1, "suffix": ""
 
 
 @pytest.fixture
-def sdk():
-    app = create_app(WebUIConfig(pub=None), FakeClient())
+def fake():
+    """The fabric client the web UI calls: it records each call."""
+    return FakeClient()
+
+
+@pytest.fixture
+def sdk(fake):
+    app = create_app(WebUIConfig(pub=None), fake)
     http = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://webui")
     return openai.AsyncOpenAI(base_url="http://webui/v1", api_key="unused", http_client=http, max_retries=0)
 
@@ -87,11 +93,7 @@ async def test_logit_bias_keys_must_be_token_ids(sdk):
 
 
 @pytest.mark.asyncio
-async def test_penalties_and_bias_reach_the_fabric():
-    fake = FakeClient()
-    app = create_app(WebUIConfig(pub=None), fake)
-    http = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://webui")
-    sdk = openai.AsyncOpenAI(base_url="http://webui/v1", api_key="unused", http_client=http, max_retries=0)
+async def test_penalties_and_bias_reach_the_fabric(sdk, fake):
     await sdk.chat.completions.create(model=MODEL, messages=MESSAGES, presence_penalty=0.5, frequency_penalty=-1,
                                       logit_bias={"5": -100, "17": 3.5})
     call = fake.calls[-1]
@@ -99,11 +101,7 @@ async def test_penalties_and_bias_reach_the_fabric():
 
 
 @pytest.mark.asyncio
-async def test_response_format_reaches_the_fabric_as_a_grammar():
-    fake = FakeClient()
-    app = create_app(WebUIConfig(pub=None), fake)
-    http = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://webui")
-    sdk = openai.AsyncOpenAI(base_url="http://webui/v1", api_key="unused", http_client=http, max_retries=0)
+async def test_response_format_reaches_the_fabric_as_a_grammar(sdk, fake):
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
     await sdk.chat.completions.create(model=MODEL, messages=MESSAGES, response_format={
         "type": "json_schema", "json_schema": {"name": "x", "schema": schema}})
