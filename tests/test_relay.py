@@ -18,7 +18,7 @@ from fabric.net.relay import CONTROL, Relay, RelayConfig
 from fabric.net.security import create_keys, dial_securely, load
 from fabric.wire import protocol as p
 from tests.cluster import free_port
-from tests.support import wait_for
+from tests.support import port_is_free, wait_for
 from tests.test_cli import meshnet
 from tests.test_fabric_equivalence import MESSAGES, prompt_ids
 from tests.test_processes import token_ids
@@ -136,6 +136,9 @@ def test_a_restarted_relay_binds_the_front_the_node_had(ctx):
     node = dealer(ctx, first.endpoint)
     front = control(node, p.RelayOpen("n1")).endpoint
     first.close()
+    # ZeroMQ closes a listener in its I/O thread, after close() returns: wait until the port is
+    # free, as a restarted process would find it
+    assert wait_for(lambda: port_is_free(port), timeout=10)
     again = RelayThread(ctx, port)
     try:
         # the new relay does not know the link. A frame sent before the DEALER has seen the old

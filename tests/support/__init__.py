@@ -16,6 +16,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def port_is_free(port: int) -> bool:
+    """Whether 127.0.0.1:``port`` can be bound now (as ZeroMQ binds: with SO_REUSEADDR)."""
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
+
+
 def wait_for(predicate, timeout: float = 10.0, interval: float = 0.05) -> bool:
     """Poll ``predicate`` until true or ``timeout``; returns its last answer."""
     deadline = time.monotonic() + timeout
