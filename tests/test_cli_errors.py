@@ -27,7 +27,7 @@ def env(tmp_path) -> dict[str, str]:
 
 @pytest.fixture
 def meshnet(env):
-    def run(*args: str, timeout: float = 30) -> subprocess.CompletedProcess:
+    def run(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:  # a loaded machine starts slowly
         return subprocess.run([sys.executable, "-m", "fabric.cli", *args], capture_output=True, text=True,
                               timeout=timeout, cwd=ROOT, env=env)
     return run

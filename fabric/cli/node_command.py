@@ -141,6 +141,8 @@ def _check_node_flags(args) -> None:
 
 
 def cmd_node(args) -> int:
+    _check_node_flags(args)  # first: a flag error answers at once, not after torch has loaded
+    security = load_security(args)  # a key directory that cannot work says so now, too
     omp_workers_nap(weight_only=runs_weight_only(args))
     grouped_kv_attention()
     import torch
@@ -149,8 +151,6 @@ def cmd_node(args) -> int:
     from ..node import Node
 
     check_device_flags(args.device, args.quant)
-    _check_node_flags(args)
-    security = load_security(args)  # before any weights load: a key directory that cannot work says so now
     if args.threads:
         torch.set_num_threads(args.threads)
     config = _node_config(args, security)

@@ -38,11 +38,11 @@ def read_api_keys(path: str) -> frozenset[str]:
 
 
 def cmd_webui(args) -> int:
-    from webui.app import WebUIConfig, serve
-
     keys = read_api_keys(args.api_keys) if args.api_keys else frozenset()
     security = load_security(args)
     refuse_ports_in_use({"the web UI, --port": f"tcp://{args.host}:{args.port}"}, "web UI")
+    from webui.app import WebUIConfig, serve  # after the checks: a refused flag answers before the web stack loads
+
     with listening("--host or --port", f"{args.host}:{args.port}"):
         serve(WebUIConfig(tracker=args.tracker, pub=args.pub, host=args.host, port=args.port, api_keys=keys,
                           security=security))
