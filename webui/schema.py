@@ -213,11 +213,14 @@ def _message(item: Any, index: int) -> ChatMessage:
         if key not in MESSAGE_KEYS and value is not None:
             raise ApiError.invalid(f"{param}.{key!s:.64} is not supported in a message (only "
                                    f"{', '.join(MESSAGE_KEYS)})", f"{param}.{key!s:.64}", "unsupported_parameter")
+    content = item.get("content")
+    if not isinstance(content, str) and not (content is None and item.get("tool_calls")):
+        raise ApiError.invalid(f"{param}.content must be a string (null only beside tool_calls)", f"{param}.content")
     try:
         check_message(item)
     except ProtocolError as exc:
-        raise ApiError.invalid(f"{param}: {exc}", param) from None
-    content = item.get("content")
+        where = f"{param}.tool_call_id" if "tool_call_id" in str(exc) else f"{param}.tool_calls"
+        raise ApiError.invalid(f"{where}: {exc}", where) from None
     return ChatMessage(role, None if content is None else _text(content, f"{param}.content"),
                        tuple(item.get("tool_calls") or ()), item.get("tool_call_id"))
 

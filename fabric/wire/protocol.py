@@ -346,7 +346,7 @@ def check_message(m: Any) -> None:
     "function", "function": {"name", "arguments": JSON text}}); a tool message's
     ``tool_call_id`` a string."""
     if not isinstance(m.get("role"), str):
-        raise ProtocolError("each message needs a string role", ErrorCode.BAD_REQUEST)
+        raise ProtocolError("each message needs string role and content", ErrorCode.BAD_REQUEST)
     calls = m.get("tool_calls")
     if calls is not None:
         if m["role"] != "assistant" or not isinstance(calls, list) or not 1 <= len(calls) <= MAX_TOOL_CALLS:
@@ -356,7 +356,8 @@ def check_message(m: Any) -> None:
             _check_call(call)
     content = m.get("content")
     if not isinstance(content, str) and not (content is None and calls):
-        raise ProtocolError("each message needs string content (null only beside tool_calls)", ErrorCode.BAD_REQUEST)
+        raise ProtocolError("each message needs string role and content (null content only beside tool_calls)",
+                            ErrorCode.BAD_REQUEST)
     if not isinstance(m.get("tool_call_id", ""), str) or not isinstance(m.get("name", ""), str):
         raise ProtocolError("a message's tool_call_id and name are strings", ErrorCode.BAD_REQUEST)
 
