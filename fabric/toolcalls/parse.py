@@ -6,7 +6,8 @@ tail that could still begin the marker); from the marker on it is held until the
 (hermes: ``</tool_call>``) or the reply ends (mistral's array, llama3's bare JSON, which only
 counts at the very start of a reply). A held block that does not parse as calls of offered
 functions goes out as content, unchanged: text that only looks like a call stays text.
-Whitespace alone is held until other content follows, so a reply of calls has no content.
+Trailing whitespace is held until other content follows and dropped before a call, so a
+reply of calls has no content, and streamed text reads as the whole text parsed at once.
 """
 from __future__ import annotations
 
@@ -115,18 +116,21 @@ class CallStream:
         return [*calls, *([Content(rest)] if rest else [])]
 
     def _tidy(self, pieces: list[Piece]) -> list[Piece]:
-        """Merge neighbouring content; hold whitespace alone until other content follows."""
+        """Merge neighbouring content; hold trailing whitespace until other content follows (a
+        call drops it), so text streamed in pieces reads as the whole text parsed at once."""
         out: list[Piece] = []
         for piece in pieces:
             if isinstance(piece, ToolCall):
+                self._blank = ""
                 out.append(piece)
-            elif not piece.text.strip():
-                self._blank += piece.text
-            else:
-                text, self._blank = self._blank + piece.text, ""
+                continue
+            text = self._blank + piece.text
+            kept = text.rstrip()
+            self._blank = text[len(kept):]
+            if kept:
                 if out and isinstance(out[-1], Content):
-                    text = out.pop().text + text
-                out.append(Content(text))
+                    kept = out.pop().text + kept
+                out.append(Content(kept))
         return out
 
 
