@@ -1,7 +1,6 @@
 """Tool calls without a fabric: each family's syntax parsed from fixed texts, whole and as it
 streams (malformed calls stay content), the syntax read off a template, the request fields
-checked, the grammars compiled; and the web UI's OpenAI shapes over a fake fabric whose
-reply is a call, read by the official SDK."""
+checked, the grammars compiled (tests/test_webui_tools.py: the web UI's shapes of them)."""
 from __future__ import annotations
 
 import json
@@ -132,68 +131,21 @@ def test_the_call_grammars_compile(syntax, choice, parallel):
     assert '"const": "add"' in grammar.source and ('"get_weather"' in grammar.source) == (choice == "required")
 
 
-# --------------------------------------------------------------------------- the web UI's shapes
+def test_a_marker_the_tokenizer_holds_as_a_special_token_is_asked_for_as_that_token(tiny_models):
+    """Mistral's [TOOL_CALLS] is one special token: the grammar names it by id (llguidance's
+    ``<[id]>``), since its text spelled out in ordinary tokens is not what the model writes."""
+    from transformers import AutoTokenizer
 
-openai = pytest.importorskip("openai")
-httpx = pytest.importorskip("httpx2")
+    from fabric.node.tool_use import constrained
+    from fabric.wire.protocol import Generate, Hop
 
-HERMES_REPLY = ("Sure.", " <tool_", "call>\n", '{"name": "add", ', '"arguments": {"a": 1}}', "\n</tool_call>")
-
-
-@pytest.fixture
-def fake():
-    from webui.testing import FakeClient, Script
-
-    return FakeClient(script=Script(tokens=HERMES_REPLY))
-
-
-@pytest.fixture
-def sdk(fake):
-    from webui import WebUIConfig, create_app
-
-    app = create_app(WebUIConfig(pub=None), fake)
-    http = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://webui")
-    return openai.AsyncOpenAI(base_url="http://webui/v1", api_key="unused", http_client=http, max_retries=0)
-
-
-@pytest.mark.asyncio
-async def test_the_web_ui_gives_openai_tool_calls_whole_and_streamed(sdk, fake):
-    kw = dict(model="smollm2-135m", messages=[{"role": "user", "content": "add"}], tools=[TOOL], logprobs=True)
-    whole = (await sdk.chat.completions.create(**kw)).choices[0]
-    assert whole.finish_reason == "tool_calls" and whole.message.content == "Sure."
-    (call,) = whole.message.tool_calls
-    assert (call.type, call.function.name, json.loads(call.function.arguments)) == ("function", "add", {"a": 1})
-    assert len(whole.logprobs.content) == len(HERMES_REPLY)
-    chunks = [c async for c in await sdk.chat.completions.create(**kw, stream=True)]
-    deltas = [c.choices[0].delta for c in chunks if c.choices]
-    opening, arguments = [d.tool_calls[0] for d in deltas if d.tool_calls]
-    assert (opening.index, opening.function.name, opening.function.arguments) == (0, "add", "")
-    assert opening.id.startswith("call_") and arguments.id is None and arguments.function.arguments == '{"a": 1}'
-    assert "".join(d.content or "" for d in deltas) == "Sure."
-    assert chunks[-1].choices[0].finish_reason == "tool_calls"
-    streamed_logprobs = [e for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
-    assert len(streamed_logprobs) == len(HERMES_REPLY)
-    assert fake.calls[-1].tools.functions == (TOOL,)
-
-
-@pytest.mark.asyncio
-async def test_tool_choice_none_and_no_tools_leave_the_text_alone(sdk):
-    kw = dict(model="smollm2-135m", messages=[{"role": "user", "content": "add"}])
-    for extra in ({}, {"tools": [TOOL], "tool_choice": "none"}):
-        choice = (await sdk.chat.completions.create(**kw, **extra)).choices[0]
-        assert choice.finish_reason == "stop" and choice.message.content == "".join(HERMES_REPLY)
-        assert not choice.message.tool_calls
-
-
-@pytest.mark.asyncio
-async def test_tool_fields_are_checked_before_the_fabric(sdk, fake):
-    kw = dict(model="smollm2-135m", messages=[{"role": "user", "content": "add"}])
-    for extra, param in (({"tools": [{"type": "function", "function": {"name": "a b"}}]}, "tools"),
-                         ({"tools": [TOOL], "tool_choice": "always"}, "tool_choice"),
-                         ({"tools": [TOOL], "tool_choice": "required", "response_format": {"type": "json_object"}},
-                          "tool_choice"),
-                         ({"tools": [TOOL], "parallel_tool_calls": "no"}, "parallel_tool_calls")):
-        with pytest.raises(openai.BadRequestError) as refused:
-            await sdk.chat.completions.create(**kw, extra_body=extra)
-        assert refused.value.body["param"] == param, refused.value.body
-    assert not fake.calls
+    tokenizer = AutoTokenizer.from_pretrained(tiny_models("llama"))
+    req = Generate("r", (Hop("h", "tcp://127.0.0.1:1", 0, 5),), messages=({"role": "user", "content": "x"},),
+                   tools=tools_of([TOOL], "required"))
+    assert constrained(tokenizer, req, MISTRAL).grammar.source.startswith('start: "[TOOL_CALLS]" calls')
+    tokenizer.add_special_tokens({"additional_special_tokens": ["[TOOL_CALLS]"]})
+    token_id = tokenizer.convert_tokens_to_ids("[TOOL_CALLS]")
+    grammar = constrained(tokenizer, req, MISTRAL).grammar
+    assert grammar.source.startswith(f"start: <[{token_id}]> calls") and problem(grammar) == ""
+    assert constrained(tokenizer, req, HERMES).grammar.source.splitlines()[1] == \
+        'call: "<tool_call>" "\\n" body "\\n" "</tool_call>"'

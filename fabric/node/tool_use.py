@@ -60,9 +60,10 @@ def constrained(tokenizer, req: Generate, syntax: Syntax | None) -> Generate:
 def _special(tokenizer, text: str) -> str:
     """``text`` as llguidance names a special token (``<[id]>``) when the tokenizer has it as
     one, so the grammar asks for that token; "" when it is ordinary text."""
-    if not text or text not in getattr(tokenizer, "all_special_tokens", ()):
-        return ""
-    return f"<[{tokenizer.convert_tokens_to_ids(text)}]>"
+    for token_id, added in getattr(tokenizer, "added_tokens_decoder", {}).items():
+        if text and added.content == text and added.special:
+            return f"<[{token_id}]>"
+    return ""
 
 
 def template_messages(messages: list[dict]) -> list[dict]:
