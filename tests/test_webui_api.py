@@ -346,7 +346,7 @@ BAD_CHAT_FIELDS = [
     ({"messages": "hi"}, "messages"),
     ({"messages": {"role": "user", "content": "hi"}}, "messages"),
     ({"messages": ["hi"]}, "messages[0]"),
-    ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].role"),
+    ({"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role"),
     ({"messages": [{"role": "user"}]}, "messages[0].content"),
     ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
     ({"messages": [{"role": "user", "content": None}]}, "messages[0].content"),

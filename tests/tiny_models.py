@@ -123,3 +123,44 @@ def assert_clear_lead(logits: torch.Tensor) -> None:
     step = int(leads.argmin())
     assert leads[step] >= MIN_LEAD, (f"step {step}: the greedy token leads by only {float(leads[step]):.1e}; "
                                      "a float32 run in another order may pick the runner-up: use another prompt")
+
+
+# Chat templates that render tools, in two families' call syntaxes, for the tiny tokenizers
+# (whose own template shows no tools). Their markers are plain text in the tiny vocabulary.
+HERMES_TOOLS_TEMPLATE = (
+    "{%- if tools %}<|system|>You may call these functions:\n<tools>\n"
+    "{%- for tool in tools %}\n{{ tool | tojson }}{%- endfor %}\n</tools>\n"
+    'Call one as <tool_call>\n{"name": <name>, "arguments": <arguments>}\n</tool_call></s>{%- endif %}'
+    "{%- for m in messages %}"
+    "{%- if m['role'] == 'assistant' and m['tool_calls'] %}<|assistant|>{{ m['content'] }}"
+    "{%- for c in m['tool_calls'] %}<tool_call>\n"
+    "{{ {'name': c['function']['name'], 'arguments': c['function']['arguments']} | tojson }}\n</tool_call>"
+    "{%- endfor %}</s>"
+    "{%- elif m['role'] == 'tool' %}<|tool|><tool_response>\n{{ m['content'] }}\n</tool_response></s>"
+    "{%- else %}<|{{ m['role'] }}|>{{ m['content'] }}</s>{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+LLAMA3_TOOLS_TEMPLATE = (
+    "{%- if tools %}<|start_header_id|>system<|end_header_id|>\n\n"
+    'Answer with a JSON object {"name": function name, "parameters": its arguments}.\n'
+    "{%- for tool in tools %}\n{{ tool | tojson }}{%- endfor %}<|eot_id|>{%- endif %}"
+    "{%- for m in messages %}<|start_header_id|>{{ 'ipython' if m['role'] == 'tool' else m['role'] }}"
+    "<|end_header_id|>\n\n"
+    "{%- if m['tool_calls'] %}{%- for c in m['tool_calls'] %}"
+    "{{ {'name': c['function']['name'], 'parameters': c['function']['arguments']} | tojson }}"
+    "{%- endfor %}{%- else %}{{ m['content'] }}{%- endif %}<|eot_id|>"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}"
+)
+
+
+def with_template(source: Path, directory: Path, template: str) -> Path:
+    """A copy of the model at ``source`` in ``directory`` whose tokenizer has ``template``."""
+    import shutil
+
+    directory = Path(directory)
+    if not directory.is_dir():
+        shutil.copytree(source, directory)
+    (directory / "chat_template.jinja").write_text(template)
+    return directory

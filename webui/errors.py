@@ -53,9 +53,15 @@ _FABRIC_ERRORS: dict[str, tuple[int, str, str, str | None]] = {
 }
 
 
+# fields a head names at the start of a refusal ("tools: this model's chat template ..."): the param
+HEAD_NAMED = ("tools", "tool_choice", "response_format")
+
+
 def from_fabric(code: str | None, message: str) -> ApiError:
     """The API error for a fabric error ``code`` (an ``ErrorCode`` value)."""
     status, type_, api_code, param = _FABRIC_ERRORS.get(code or "", _FABRIC_ERRORS[ErrorCode.INTERNAL])
+    if code == ErrorCode.BAD_REQUEST and param is None:
+        param = next((name for name in HEAD_NAMED if (message or "").startswith(name + ": ")), None)
     return ApiError(status, message or f"fabric error {code}", type_, param, api_code)
 
 

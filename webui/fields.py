@@ -59,11 +59,11 @@ def _only(endpoints: frozenset[str], allows: Callable[[Any], bool], does: str, r
 
 CHAT_ONLY = frozenset({CHAT})
 COMPLETIONS_ONLY = frozenset({COMPLETIONS})
-LATER = "not supported yet: a later release adds tool calls"
 
 FIELDS: dict[str, Rule] = {
     "model": _honoured(BOTH, "the model to run (one GET /v1/models lists)"),
-    "messages": _honoured(CHAT_ONLY, "the chat; roles system, user, assistant; content a string"),
+    "messages": _honoured(CHAT_ONLY, "the chat; roles system, user, assistant, tool; content a string (null "
+                          "beside an assistant's tool_calls); a tool message's tool_call_id"),
     "prompt": _honoured(COMPLETIONS_ONLY, "the raw prompt (one string)"),
     "max_tokens": _honoured(BOTH, "tokens to generate at most; absent: the default, or what the context leaves"),
     "max_completion_tokens": _honoured(CHAT_ONLY, "as max_tokens, and wins over it"),
@@ -86,11 +86,16 @@ FIELDS: dict[str, Rule] = {
                                  "it is complete"),
     "guided_regex": _honoured(BOTH, "vLLM's extension: the whole reply matches this regex"),
     "guided_grammar": _honoured(BOTH, "vLLM's extension: the reply follows this Lark grammar (llguidance's syntax)"),
-    "tools": _only(CHAT_ONLY, _never, "refused", f"tools are {LATER}"),
-    "tool_choice": _only(CHAT_ONLY, _is("none"), '"none" only (no tool is ever called)', f"tool calls are {LATER}"),
-    "parallel_tool_calls": _only(CHAT_ONLY, _never, "refused", f"tool calls are {LATER}"),
-    "functions": _only(CHAT_ONLY, _never, "refused", f"function calls are {LATER}"),
-    "function_call": _only(CHAT_ONLY, _is("none"), '"none" only', f"function calls are {LATER}"),
+    "tools": _honoured(CHAT_ONLY, "functions the model may call (at most 128, 64 KiB of JSON), shown through the "
+                       "model's chat template (a template that cannot show them: 400); calls come back as "
+                       "tool_calls, finish_reason \"tool_calls\""),
+    "tool_choice": _honoured(CHAT_ONLY, '"auto" (the default: the reply is parsed for calls), "none" (no call), '
+                             '"required" or {"type": "function", "function": {"name": ...}}: the tail constrains '
+                             "the reply to calls whose arguments validate against the parameters"),
+    "parallel_tool_calls": _honoured(CHAT_ONLY, "true (the default): a constrained reply may hold several calls "
+                                     "(at most 16); false: one"),
+    "functions": _only(CHAT_ONLY, _never, "refused", "deprecated by OpenAI: send tools"),
+    "function_call": _only(CHAT_ONLY, _is("none"), '"none" only', "deprecated by OpenAI: send tool_choice"),
     "modalities": _only(CHAT_ONLY, _is(["text"]), '["text"] only', "only text output is supported"),
     "audio": _only(CHAT_ONLY, _never, "refused", "audio output is not supported"),
     "prediction": _only(CHAT_ONLY, _never, "refused", "predicted outputs are not supported"),

@@ -13,9 +13,12 @@ import time
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from fabric.wire.protocol import Logprob, TokenLogprobs
+from fabric.toolcalls import ToolCall
+from fabric.wire.protocol import Event, Logprob, TokenLogprobs
 
 from .generation import Completed
+from .tool_replies import TOOL_CALLS, ToolReplies, call_deltas
+from .tool_replies import finish_reason as tool_finish
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:
@@ -37,6 +40,17 @@ class ResponseFormat:
     def opening(self) -> list[dict]:
         """Chunks sent before the first token."""
         return []
+
+    def started(self, event: Event) -> None:
+        """The fabric's start event arrived."""
+
+    def deltas(self, text: str, logprobs: Sequence[TokenLogprobs] = ()) -> list[dict]:
+        """The chunks of one token event."""
+        return [self.delta(text, logprobs)]
+
+    def endings(self, finish_reason: str) -> list[dict]:
+        """The chunks that end the reply (before the usage chunk)."""
+        return [self.closing(finish_reason)]
 
     def delta(self, text: str, logprobs: Sequence[TokenLogprobs] = ()) -> dict:
         raise NotImplementedError
@@ -61,12 +75,45 @@ class ResponseFormat:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
 
+@dataclass
 class ChatFormat(ResponseFormat):
+    tools: ToolReplies | None = None  # the request offered functions: the reply is parsed for calls
+
     CHUNK_OBJECT = "chat.completion.chunk"
     OBJECT = "chat.completion"
 
     def opening(self) -> list[dict]:
         return [self._choice({"role": "assistant", "content": ""}, None)]
+
+    def started(self, event: Event) -> None:
+        if self.tools is not None:
+            self.tools.start(event.tool_syntax)
+
+    def deltas(self, text: str, logprobs: Sequence[TokenLogprobs] = ()) -> list[dict]:
+        if self.tools is None or not self.tools.parsing:
+            return [self.delta(text, logprobs)]
+        return self._pieces(self.tools.feed(text), logprobs)
+
+    def endings(self, finish_reason: str) -> list[dict]:
+        if self.tools is None:
+            return [self.closing(finish_reason)]
+        chunks = self._pieces(self.tools.finish())
+        return chunks + [self.closing(tool_finish(finish_reason, self.tools.called))]
+
+    def _pieces(self, pieces: list, logprobs: Sequence[TokenLogprobs] = ()) -> list[dict]:
+        """Chunks of parsed text: content deltas (the first carries the token's logprobs) and
+        each call's deltas; logprobs of text held back go out on an empty content delta."""
+        chunks, index = [], self.tools.called - sum(isinstance(p, ToolCall) for p in pieces)
+        for piece in pieces:
+            if isinstance(piece, ToolCall):
+                chunks += [self._choice(d, None) for d in call_deltas(index, piece)]
+                index += 1
+            else:
+                chunks.append(self.delta(piece.text, logprobs))
+                logprobs = ()
+        if logprobs:
+            chunks.append(self.delta("", logprobs))
+        return chunks
 
     def delta(self, text: str, logprobs: Sequence[TokenLogprobs] = ()) -> dict:
         return self._choice({"content": text}, None, self._logprobs(logprobs) if logprobs else None)
@@ -75,9 +122,13 @@ class ChatFormat(ResponseFormat):
         return self._choice({}, finish_reason)
 
     def whole(self, done: Completed) -> dict:
-        choice = {"index": 0, "message": {"role": "assistant", "content": done.text},
-                  "logprobs": self._logprobs(done.logprobs) if self.logprobs else None,
-                  "finish_reason": done.finish_reason}
+        message = {"role": "assistant", "content": done.text}
+        finish = done.finish_reason
+        if self.tools is not None and (found := self.tools.whole(done.text, done.tool_syntax))[1]:
+            message = {"role": "assistant", "content": found[0], TOOL_CALLS: found[1]}
+            finish = tool_finish(finish, len(found[1]))
+        choice = {"index": 0, "message": message,
+                  "logprobs": self._logprobs(done.logprobs) if self.logprobs else None, "finish_reason": finish}
         return {**self._head(self.OBJECT), "choices": [choice],
                 "usage": usage(done.prompt_tokens, done.completion_tokens)}
 

@@ -32,6 +32,7 @@ class Completed:
     prompt_tokens: int
     completion_tokens: int
     logprobs: tuple[TokenLogprobs, ...] = ()
+    tool_syntax: str = ""  # the start event's: how the reply writes tool calls ("": not parsed)
 
 
 class Generation:
@@ -134,13 +135,16 @@ async def collect(generation: Generation) -> Completed:
     """Consume a whole generation for a non-streamed response; always closes it."""
     parts: list[str] = []
     logprobs: list[TokenLogprobs] = []
+    syntax = ""
     try:
         async for event in generation:
             if event.event == "token":
                 parts.append(event.text)
                 logprobs.extend(event.logprobs)
+            elif event.event == "start":
+                syntax = event.tool_syntax
     finally:
         await generation.aclose()
     done = generation.done
     return Completed("".join(parts), done.finish_reason or "stop", done.prompt_tokens, done.completion_tokens,
-                     tuple(logprobs))
+                     tuple(logprobs), syntax)

@@ -1,5 +1,7 @@
 """The fields that constrain a reply to a grammar: OpenAI's ``response_format`` and vLLM's
-``guided_regex`` and ``guided_grammar`` (a Lark grammar, as llguidance reads it).
+``guided_regex`` and ``guided_grammar`` (a Lark grammar, as llguidance reads it); and the tool
+fields, whose "required" or named ``tool_choice`` is a grammar the head builds (it knows the
+template's call syntax), so it excludes the other three.
 
 Each becomes one ``protocol.Grammar``, checked here (compiled without a tokenizer, as the head
 checks it again), so a schema that cannot be enforced is a 400 naming its field before the
@@ -11,7 +13,8 @@ from typing import Any
 
 from fabric.client.core import grammar_of
 from fabric.compute.grammar import problem
-from fabric.wire.protocol import MAX_GRAMMAR, Grammar, GrammarKind
+from fabric.toolcalls.request import ToolsError, tools_of
+from fabric.wire.protocol import MAX_GRAMMAR, Grammar, GrammarKind, ToolChoice, Tools
 
 from .errors import ApiError
 
@@ -42,3 +45,16 @@ def _guided(name: str, value: Any) -> Grammar:
     if len(value) > MAX_GRAMMAR:
         raise ValueError(f"at most {MAX_GRAMMAR} characters")
     return Grammar(GUIDED[name], value)
+
+
+def tool_fields(body: dict[str, Any], grammar_asked: Grammar | None) -> Tools | None:
+    """The functions ``body`` offers (``tools``, ``tool_choice``, ``parallel_tool_calls``)."""
+    try:
+        found = tools_of(body.get("tools"), body.get("tool_choice"), body.get("parallel_tool_calls"))
+    except ToolsError as exc:
+        raise ApiError.invalid(str(exc)[:1000], exc.field) from None
+    if found is not None and grammar_asked is not None and found.choice in (ToolChoice.REQUIRED,
+                                                                           ToolChoice.FUNCTION):
+        raise ApiError.invalid("tool_choice: a required or named call is constrained by a grammar of its own; "
+                               "drop response_format (or guided_regex, guided_grammar)", "tool_choice")
+    return found

@@ -14,12 +14,15 @@ from typing import TYPE_CHECKING, Any, AsyncIterator
 
 from quart import Blueprint, Response, current_app, g, jsonify, request
 
+from fabric.wire.protocol import function_name
+
 from . import sse
 from .accounting import Accounting
 from .errors import SERVER_ERROR, ApiError, api_error_from
 from .formats import ChatFormat, ResponseFormat, TextFormat
 from .generation import Generation, collect
 from .schema import GenerationRequest, parse_chat, parse_completion, parse_json_object
+from .tool_replies import ToolReplies
 
 if TYPE_CHECKING:
     from .config import WebUIConfig
@@ -89,8 +92,9 @@ async def retrieve_model(model_id: str) -> Response:
 @blueprint.post("/chat/completions")
 async def chat_completions() -> Response:
     req = parse_chat(parse_json_object(await request.get_data()), api_context().config)
+    tools = ToolReplies(frozenset(function_name(t) for t in req.tools.functions)) if req.tools else None
     return await respond(req, ChatFormat(f"chatcmpl-{uuid.uuid4().hex}", req.model, req.include_usage,
-                                         req.logprobs is not None))
+                                         req.logprobs is not None, tools=tools))
 
 
 @blueprint.post("/completions")
@@ -142,11 +146,15 @@ async def stream_events(generation: Generation, fmt: ResponseFormat) -> AsyncIte
             yield sse.event(chunk)
         async for event in generation:
             if event.event == "token" and (event.text or event.logprobs):
-                yield sse.event(fmt.delta(event.text, event.logprobs))
+                for chunk in fmt.deltas(event.text, event.logprobs):
+                    yield sse.event(chunk)
+            elif event.event == "start":
+                fmt.started(event)
             elif event.event == "progress":  # a comment: OpenAI clients skip it, the dashboard shows it
                 yield sse.comment(progress_comment(event))
             elif event.event == "done":
-                yield sse.event(fmt.closing(event.finish_reason or "stop"))
+                for chunk in fmt.endings(event.finish_reason or "stop"):
+                    yield sse.event(chunk)
                 if fmt.include_usage:
                     yield sse.event(fmt.usage_chunk(event.prompt_tokens, event.completion_tokens))
     except ApiError as error:

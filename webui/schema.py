@@ -23,24 +23,39 @@ from fabric.wire.protocol import (
     MAX_TOKEN_ID,
     MAX_TOP_LOGPROBS,
     Grammar,
+    ProtocolError,
     Sampling,
+    Tools,
+    check_message,
+    json_text,
 )
 
 from .errors import ApiError
-from .grammar_fields import grammar
+from .grammar_fields import grammar, tool_fields
 from .fields import CHAT, COMPLETIONS, check_fields
 
 if TYPE_CHECKING:
     from .config import WebUIConfig
 
-ROLES = ("system", "user", "assistant")
-MESSAGE_KEYS = ("role", "content", "name")  # name is accepted, and not passed on: chat templates rarely read it
+ROLES = ("system", "user", "assistant", "tool")
+MESSAGE_KEYS = ("role", "content", "name", "tool_calls", "tool_call_id")  # name is accepted, and not passed on
 
 
 @dataclass(frozen=True)
 class ChatMessage:
     role: str  # one of ROLES
-    content: str
+    content: str | None  # None only on an assistant message that carries tool_calls
+    tool_calls: tuple[dict, ...] = ()  # an assistant's calls, OpenAI's shape (arguments as JSON text)
+    tool_call_id: str | None = None  # a tool message: the call it answers
+
+    def wire(self) -> dict:
+        """The message as GENERATE carries it."""
+        out = {"role": self.role, "content": self.content}
+        if self.tool_calls:
+            out["tool_calls"] = [dict(c) for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        return out
 
 
 @dataclass(frozen=True)
@@ -62,17 +77,18 @@ class GenerationRequest:
     frequency_penalty: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) pairs
     grammar: Grammar | None = None  # what the reply must match (response_format, guided_regex...); None: free
+    tools: Tools | None = None  # functions offered (tools, tool_choice, parallel_tool_calls); None: none
 
     def generate_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for ``client.generate(model, ...)``."""
         messages = None
         if self.messages is not None:
-            messages = [{"role": m.role, "content": m.content} for m in self.messages]
+            messages = [m.wire() for m in self.messages]
         return {"messages": messages, "prompt": self.prompt, "max_tokens": self.max_tokens,
                 "stop": self.stop, "sampling": self.sampling, "ignore_eos": self.ignore_eos,
                 "fit_context": self.fit_context, "logprobs": self.logprobs,
                 "presence_penalty": self.presence_penalty, "frequency_penalty": self.frequency_penalty,
-                "logit_bias": dict(self.logit_bias), "response_format": self.grammar}
+                "logit_bias": dict(self.logit_bias), "response_format": self.grammar, "tools": self.tools}
 
 
 # --------------------------------------------------------------------------- entry points
@@ -94,13 +110,15 @@ def parse_json_object(raw: bytes) -> dict[str, Any]:
 def parse_chat(body: dict[str, Any], config: WebUIConfig) -> GenerationRequest:
     check_fields(body, CHAT)
     messages = _messages(body.get("messages"))
-    chars = sum(len(m.content) for m in messages)
+    chars = sum(len(m.content or "") + sum(len(json_text(c)) for c in m.tool_calls) for m in messages)
     _check_prompt_length(chars, config, "messages")
     max_tokens = _integer(body, "max_completion_tokens", None, 1, config.max_tokens_limit)
     if max_tokens is None:
         max_tokens = _integer(body, "max_tokens", None, 1, config.max_tokens_limit)
+    common = _common(body, config)
+    tools = tool_fields(body, common["grammar"])
     return GenerationRequest(messages=messages, prompt=None, max_tokens=max_tokens or config.default_max_tokens,
-                             fit_context=max_tokens is None, logprobs=_chat_logprobs(body), **_common(body, config))
+                             fit_context=max_tokens is None, logprobs=_chat_logprobs(body), tools=tools, **common)
 
 
 def parse_completion(body: dict[str, Any], config: WebUIConfig) -> GenerationRequest:
@@ -193,12 +211,18 @@ def _message(item: Any, index: int) -> ChatMessage:
         raise ApiError.invalid(f"{param}.role must be one of {', '.join(ROLES)}", f"{param}.role")
     for key, value in item.items():
         if key not in MESSAGE_KEYS and value is not None:
-            raise ApiError.invalid(f"{param}.{key!s:.64} is not supported in a message (only role, content "
-                                   "and name)", f"{param}.{key!s:.64}", "unsupported_parameter")
+            raise ApiError.invalid(f"{param}.{key!s:.64} is not supported in a message (only "
+                                   f"{', '.join(MESSAGE_KEYS)})", f"{param}.{key!s:.64}", "unsupported_parameter")
     content = item.get("content")
-    if not isinstance(content, str):
-        raise ApiError.invalid(f"{param}.content must be a string", f"{param}.content")
-    return ChatMessage(role, _text(content, f"{param}.content"))
+    if not isinstance(content, str) and not (content is None and item.get("tool_calls")):
+        raise ApiError.invalid(f"{param}.content must be a string (null only beside tool_calls)", f"{param}.content")
+    try:
+        check_message(item)
+    except ProtocolError as exc:
+        where = f"{param}.tool_call_id" if "tool_call_id" in str(exc) else f"{param}.tool_calls"
+        raise ApiError.invalid(f"{where}: {exc}", where) from None
+    return ChatMessage(role, None if content is None else _text(content, f"{param}.content"),
+                       tuple(item.get("tool_calls") or ()), item.get("tool_call_id"))
 
 
 def _stop(value: Any) -> tuple[str, ...]:

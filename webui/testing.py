@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, field
 
-from fabric.wire.protocol import ErrorCode, Event, Grammar, Hop, Logprob, Sampling, TokenLogprobs
+from fabric.wire.protocol import ErrorCode, Event, Grammar, Hop, Logprob, Sampling, TokenLogprobs, ToolChoice, Tools
 
 from fabric.client import FabricError
 
@@ -35,6 +35,7 @@ class Script:
     hang_after: int | None = None  # block forever after this many tokens (disconnect tests)
     hang_at_start: bool = False  # block forever before the start event
     prefill: tuple[int, ...] = ()  # progress events before the first token: positions prefilled of prompt_tokens
+    tool_syntax: str = "hermes"  # what the start event names when the request offers tools (not "none")
 
 
 @dataclass(frozen=True)
@@ -54,6 +55,7 @@ class GenerateCall:
     frequency_penalty: float = 0.0
     logit_bias: dict = field(default_factory=dict)
     response_format: Grammar | None = None
+    tools: Tools | None = None
 
 
 def fake_logprobs(i: int, text: str, top: int) -> TokenLogprobs:
@@ -98,7 +100,10 @@ class FakeStream:
             raise FakeFabricError(script.error_before, f"fake {script.error_before}")
         if script.hang_at_start:
             await asyncio.Event().wait()
-        yield Event(request_id=rid, event="start", route=(Hop("fake-node", "tcp://fake:1", 0, 29),))
+        tools = self.call.tools
+        syntax = script.tool_syntax if tools is not None and tools.choice != ToolChoice.NONE else ""
+        yield Event(request_id=rid, event="start", route=(Hop("fake-node", "tcp://fake:1", 0, 29),),
+                    tool_syntax=syntax)
         for done in script.prefill:
             yield Event(request_id=rid, event="progress", prompt_tokens=script.prompt_tokens, prefilled=done,
                         prefill_tokens=script.prompt_tokens)
@@ -144,10 +149,10 @@ class FakeClient:
                  request_id: str | None = None, api_key: str | None = None, ignore_eos: bool = False,
                  fit_context: bool = False, logprobs: int | None = None, presence_penalty: float = 0.0,
                  frequency_penalty: float = 0.0, logit_bias: dict | None = None,
-                 response_format: Grammar | None = None) -> FakeStream:
+                 response_format: Grammar | None = None, tools: Tools | None = None) -> FakeStream:
         call = GenerateCall(model, messages, prompt, max_tokens, stop, sampling, request_id, api_key, ignore_eos,
                             fit_context, logprobs, presence_penalty, frequency_penalty, dict(logit_bias or {}),
-                            response_format)
+                            response_format, tools)
         self.calls.append(call)
         script = self.script
         if all(m["id"] != model for m in self.model_list):

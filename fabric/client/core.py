@@ -16,6 +16,7 @@ import msgpack
 import zmq
 
 from ..net.security import Security, SecurityError, dial, dial_watched
+from ..toolcalls.request import ToolsError, tools_of
 from ..wire import protocol as p
 from ..wire.liveness import TRACKER_SILENCE
 from .routes import RouteBook
@@ -109,22 +110,27 @@ class GenerateArgs:
     logprobs: int = -1  # token events carry logprobs with this many alternatives; -1: none
     penalties: p.Penalties | None = None  # presence/frequency penalties and logit_bias; None: none
     grammar: p.Grammar | None = None  # what the reply must match (response_format); None: free text
+    tools: p.Tools | None = None  # functions offered to the chat; None: none
 
     @classmethod
     def of(cls, model: str, *, messages=None, prompt=None, max_tokens=256, stop=(), ignore_eos=False,
            sampling: p.Sampling | None = None, request_id=None, api_key=None, fit_context=False,
            logprobs=None, presence_penalty=None, frequency_penalty=None, logit_bias=None,
-           response_format=None, **fields) -> GenerateArgs:
+           response_format=None, tools=None, tool_choice=None, parallel_tool_calls=None,
+           **fields) -> GenerateArgs:
         """The arguments of ``generate``; ``fields`` (temperature, top_k, top_p, seed) override
         ``sampling``'s, None keeping it. A wrong type or value is a FabricError (bad_request)
-        naming the field, with the limits of ``protocol``, before any socket is used."""
+        naming the field, with the limits of ``protocol``, before any socket is used. ``tools``,
+        ``tool_choice`` and ``parallel_tool_calls`` are OpenAI's; the start event then names the
+        syntax the reply's calls are written in (``fabric.toolcalls.parse_reply`` reads them)."""
         if unknown := set(fields) - set(SAMPLING_FIELDS):
             raise TypeError(f"generate() got unexpected keyword arguments {sorted(unknown)}")
         chosen = {name: value for name, value in fields.items() if value is not None}
         args = cls(model, _messages(messages), prompt, max_tokens, _stops(stop),
                    dataclasses.replace(sampling or p.Sampling(), **chosen), request_id or uuid.uuid4().hex,
                    p.key_id(api_key), ignore_eos, bool(fit_context), -1 if logprobs is None else logprobs,
-                   penalties_of(presence_penalty, frequency_penalty, logit_bias), _grammar(response_format))
+                   penalties_of(presence_penalty, frequency_penalty, logit_bias), _grammar(response_format),
+                   _tools(tools, tool_choice, parallel_tool_calls))
         args.message(_ANY_ROUTE)
         return args
 
@@ -134,7 +140,7 @@ class GenerateArgs:
             request_id=self.request_id, route=tuple(route), messages=self.messages, prompt=self.prompt,
             max_tokens=self.max_tokens, stop=self.stop, sampling=self.sampling, api_key=self.api_key,
             ignore_eos=self.ignore_eos, fit_context=self.fit_context, logprobs=self.logprobs,
-            penalties=self.penalties, grammar=self.grammar))
+            penalties=self.penalties, grammar=self.grammar, tools=self.tools))
 
 
 def penalties_of(presence, frequency, logit_bias) -> p.Penalties | None:
@@ -176,6 +182,13 @@ def _grammar(response_format) -> p.Grammar | None:
     try:
         return grammar_of(response_format)
     except ValueError as exc:
+        raise _bad(str(exc)) from None
+
+
+def _tools(tools, tool_choice, parallel_tool_calls) -> p.Tools | None:
+    try:
+        return tools_of(tools, tool_choice, parallel_tool_calls)
+    except ToolsError as exc:
         raise _bad(str(exc)) from None
 
 
@@ -231,7 +244,7 @@ def _unsendable(msg: p.Generate, exc: Exception) -> FabricError:
     for obj in (msg, msg.sampling):
         for f in dataclasses.fields(obj):
             value = getattr(obj, f.name)
-            if f.name in ("route", "sampling", "tensors"):
+            if f.name in ("route", "sampling", "tensors", "penalties", "grammar", "tools"):
                 continue
             try:
                 msgpack.packb(value)

@@ -87,7 +87,9 @@ class Client(ClientCore):
                  api_key: str | None = None, route: tuple[p.Hop, ...] | None = None,
                  fit_context: bool = False, logprobs: int | None = None, presence_penalty: float | None = None,
                  frequency_penalty: float | None = None, logit_bias: dict | None = None,
-                 response_format: dict | p.Grammar | None = None) -> Iterator[p.Event]:
+                 response_format: dict | p.Grammar | None = None, tools: list[dict] | None = None,
+                 tool_choice: str | dict | None = None,
+                 parallel_tool_calls: bool | None = None) -> Iterator[p.Event]:
         """Stream the events of one request: a chat (``messages``, OpenAI's role/content maps)
         or a raw ``prompt``. The sampling fields are OpenAI's (``top_k`` and ``ignore_eos`` as
         vLLM's): temperature 0 (the default) is greedy, ``top_k`` 0 and ``top_p`` 1 cut nothing,
@@ -102,14 +104,18 @@ class Client(ClientCore):
         applied at the tail to the logits it samples from. ``response_format`` is OpenAI's
         ({"type": "json_object"}, {"type": "json_schema", "json_schema": {"schema": ...}}) or a
         ``protocol.Grammar`` (a regex, a Lark grammar too): the tail masks every token it forbids,
-        and the reply ends when it is complete. A wrong value raises
+        and the reply ends when it is complete. ``tools``, ``tool_choice`` and
+        ``parallel_tool_calls`` are OpenAI's: the start event's ``tool_syntax`` names how the
+        reply writes calls, and ``fabric.toolcalls.parse_reply(text, SYNTAXES[syntax], names)``
+        turns the text into calls; "required" or a named function constrains it to calls. A wrong value raises
         FabricError (``bad_request``) naming the field, and a model no route serves raises, both
         at the call."""
         args = GenerateArgs.of(model, messages=messages, prompt=prompt, max_tokens=max_tokens, stop=stop,
                                ignore_eos=ignore_eos, sampling=sampling, request_id=request_id, api_key=api_key,
                                fit_context=fit_context, logprobs=logprobs, presence_penalty=presence_penalty,
                                frequency_penalty=frequency_penalty, logit_bias=logit_bias,
-                               response_format=response_format,
+                               response_format=response_format, tools=tools, tool_choice=tool_choice,
+                               parallel_tool_calls=parallel_tool_calls,
                                temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
         return self._stream(model, args.message(route or self.route(model)), fixed_route=route is not None)
 

@@ -24,6 +24,7 @@ from ..wire.liveness import LINK_GRACE, PEER_SILENCE, PING_INTERVAL, TRACKER_SIL
 from .audit import AuditConfig, Auditor
 from .prefixes import PrefixIndex
 from .route_session import RequestError, RouteSession, Transport, encode_prompt, new_session_id
+from .tool_use import ToolRefusal, constrained, syntax_of, tool_syntax
 
 log = logging.getLogger(__name__)
 
@@ -99,17 +100,21 @@ class Head:
             raise p.ProtocolError(f"the route ends at layer {req.route[-1].end_layer}, not at the last layer "
                                   f"{last}", p.ErrorCode.BAD_REQUEST)
         try:
+            syntax = syntax_of(self.model.tokenizer, req)
             prompt = encode_prompt(self.model.tokenizer, req, self.config.max_prompt_tokens)
             self._check_resume(req)
             self._check_grammar(req)
-            req = self._fit(req, len(prompt))
-        except RequestError as exc:
+            if (calls := constrained(self.model.tokenizer, req, syntax)) is not req:
+                self._check_grammar(calls, "tools")  # a parameters schema llguidance cannot enforce
+            req = self._fit(calls, len(prompt))
+        except (RequestError, ToolRefusal) as exc:
             self.host.reply(identity, p.Event(req.request_id, p.EventKind.ERROR, text=str(exc),
                                               error_code=exc.code, finish_reason=p.FinishReason.ERROR))
             return
         rs = RouteSession(req, prompt, tokenizer=self.model.tokenizer, eos=self.model.eos,
                           reply_to=self.host.endpoint, reply_key=self.host.key, transport=self.auditor,
-                          seed=secrets.randbits(62), wire_dtype=self.config.wire_dtype)
+                          seed=secrets.randbits(62), wire_dtype=self.config.wire_dtype,
+                          tool_syntax=tool_syntax(req, syntax))
         self.sessions[rs.session] = rs
         self.clients[rs.session] = identity
         self.requests[(identity, req.request_id)] = rs.session
@@ -128,10 +133,11 @@ class Head:
             raise RequestError(p.ErrorCode.BAD_REQUEST, f"logit_bias names a token id beyond the vocabulary ({vocab})")
 
     @staticmethod
-    def _check_grammar(req: p.Generate) -> None:
-        """A grammar that does not compile is refused here, not two hops away at the tail."""
+    def _check_grammar(req: p.Generate, field: str = "response_format") -> None:
+        """A grammar that does not compile is refused here, not two hops away at the tail
+        (``field``: what the client wrote it with; a tool call's grammar is checked once built)."""
         if req.grammar is not None and (wrong := grammar_problem(req.grammar)):
-            raise RequestError(p.ErrorCode.BAD_REQUEST, f"response_format: {wrong}"[:2000])
+            raise RequestError(p.ErrorCode.BAD_REQUEST, f"{field}: {wrong}"[:2000])
 
     def request(self, identity: bytes, request_id: str) -> RouteSession | None:
         """The request ``request_id`` of the client on ``identity``, while this node heads it."""

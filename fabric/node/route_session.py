@@ -38,6 +38,7 @@ from ..wire.protocol import (
     TokenLogprobs,
 )
 from .prefixes import Reuse
+from .tool_use import template_messages
 
 log = logging.getLogger(__name__)
 
@@ -108,12 +109,13 @@ def encode_prompt(tokenizer, request: Generate, max_prompt_tokens: int) -> list[
     """Token ids of the request's prompt; the chat template applies to ``messages``. A prompt
     far too long to fit is refused before tokenizing: tokenizing a megabyte would stall the
     node's loop for every session it serves."""
-    chars = len(request.prompt or "") + sum(len(str(m.get("content", ""))) for m in request.messages or ())
+    chars = len(request.prompt or "") + sum(len(str(m.get("content") or "")) for m in request.messages or ())
     if chars > max_prompt_tokens * MAX_CHARS_PER_TOKEN:
         raise RequestError(ErrorCode.PROMPT_TOO_LONG, f"prompt has {chars} characters; this route takes at most "
                                                       f"{max_prompt_tokens} tokens")
     if request.messages is not None:
-        ids = _chat_ids(tokenizer, list(request.messages))
+        tools = [dict(t) for t in request.tools.functions] if request.tools is not None else None
+        ids = _chat_ids(tokenizer, template_messages(list(request.messages)), tools)
     else:
         ids = tokenizer(request.prompt, add_special_tokens=True)["input_ids"]
     ids = list(ids)
@@ -125,7 +127,7 @@ def encode_prompt(tokenizer, request: Generate, max_prompt_tokens: int) -> list[
     return ids
 
 
-def _chat_ids(tokenizer, messages: list) -> list[int]:
+def _chat_ids(tokenizer, messages: list, tools: list[dict] | None = None) -> list[int]:
     """The chat template's token ids. A template that refuses the messages with its own words
     (``raise_exception``: roles out of turn, or a model whose chats no template formats, see
     fabric.compute.templates) refuses the request; a broken template is the node's error."""
@@ -133,7 +135,8 @@ def _chat_ids(tokenizer, messages: list) -> list[int]:
         raise RequestError(ErrorCode.BAD_REQUEST, "this model has no chat template; send raw prompts to "
                                                   "/v1/completions (prompt= in the Python client)")
     try:
-        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+        return tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=True,
+                                             return_dict=False)
     except TemplateError as exc:
         if type(exc) is not TemplateError:  # a syntax error, an undefined name: the template's fault
             raise
@@ -186,10 +189,11 @@ class RouteSession:
 
     def __init__(self, request: Generate, prompt_ids: list[int], *, tokenizer, eos: frozenset[int],
                  reply_to: str, transport: Transport, seed: int, reply_key: str = "", wire_dtype: str = "",
-                 session: str = ""):
+                 session: str = "", tool_syntax: str = ""):
         self.request = request
         self.session = session or new_session_id()  # the hops' name for it: a secret of the head and the route
         self.request_id = request.request_id  # the client's name for it, in its events
+        self.tool_syntax = tool_syntax  # how the reply writes tool calls, for the client to parse ("": none)
         self.ref = secrets.token_hex(8)  # this head's name for it, in its reports: what the ledger bills by
         self.route = request.route
         self.history = list(prompt_ids)  # prompt + every generated token fed so far
@@ -231,7 +235,7 @@ class RouteSession:
         with ``reuse``, only what follows the ended session's kept KV."""
         self.reused = reuse
         start = [Event(self.request_id, EventKind.START, route=self.route, prompt_tokens=self.prompt_tokens,
-                       seed=self.sampling.seed)]
+                       seed=self.sampling.seed, tool_syntax=self.tool_syntax)]
         if ended := self._resume(self.request.resume):
             return start + ended
         if reuse is None:

@@ -17,7 +17,9 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
+import json
 import math
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -58,6 +60,10 @@ MAX_PENALTY = 2.0  # presence and frequency penalties are in [-2, 2] (OpenAI's r
 MAX_BIAS = 100.0  # a logit_bias value is in [-100, 100] (OpenAI's range)
 MAX_LOGIT_BIAS = 300  # token ids one logit_bias may name (OpenAI's limit)
 MAX_GRAMMAR = 64 << 10  # characters of a grammar's source (a JSON schema's text, a regex, a Lark grammar)
+MAX_TOOLS = 128  # functions one request may offer (OpenAI's limit)
+MAX_TOOLS_BYTES = 64 << 10  # their JSON text, all together: the head renders and compiles every byte
+MAX_TOOL_NAME = 64  # characters of a function's name (OpenAI's limit)
+MAX_TOOL_CALLS = 64  # tool_calls one assistant message of the history may carry
 
 # dtype name -> item size in bytes. The receiver refuses anything else.
 DTYPE_SIZES = {"float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4}
@@ -268,6 +274,104 @@ class Grammar:
             raise ProtocolError("json_object has no source; every other grammar kind needs one", ErrorCode.BAD_REQUEST)
         if len(self.generated) > MAX_RESUME or not all(0 <= t <= MAX_TOKEN_ID for t in self.generated):
             raise ProtocolError("token ids must be in [0, 2**31)", ErrorCode.BAD_REQUEST)
+
+
+class ToolChoice(StrEnum):
+    """How the model may call the offered functions (OpenAI's ``tool_choice``)."""
+
+    AUTO = "auto"  # free text; the reply is parsed for calls afterwards
+    NONE = "none"  # no call: the template still shows the functions, nothing parses the reply
+    REQUIRED = "required"  # one call or more, of any function: the reply is constrained to calls
+    FUNCTION = "function"  # calls of ``Tools.name`` only, constrained likewise
+
+
+@dataclass(frozen=True)
+class Tools:
+    """The functions a chat offers the model: the head renders them through the chat template
+    and, for ``required`` or a named function, constrains the reply to calls with a grammar."""
+
+    functions: tuple[dict, ...]  # OpenAI's tools array: {"type": "function", "function": {name, parameters...}}
+    choice: str = ToolChoice.AUTO
+    name: str = ""  # choice "function": the function to call
+    parallel: bool = True  # several calls in one reply (OpenAI's parallel_tool_calls)
+
+    def validate(self) -> None:
+        if not 1 <= len(self.functions) <= MAX_TOOLS:
+            raise ProtocolError(f"tools lists 1 to {MAX_TOOLS} functions", ErrorCode.BAD_REQUEST)
+        names = [function_name(tool) for tool in self.functions]
+        if len(set(names)) != len(names):
+            raise ProtocolError("tools names a function twice", ErrorCode.BAD_REQUEST)
+        if len(json_text(self.functions)) > MAX_TOOLS_BYTES:
+            raise ProtocolError(f"tools take at most {MAX_TOOLS_BYTES} bytes of JSON", ErrorCode.BAD_REQUEST)
+        if self.choice not in tuple(ToolChoice):
+            raise ProtocolError(f"tool_choice must be one of {[c.value for c in ToolChoice]}", ErrorCode.BAD_REQUEST)
+        if (self.choice == ToolChoice.FUNCTION) != bool(self.name) or (self.name and self.name not in names):
+            raise ProtocolError("tool_choice names a function of tools exactly when it is \"function\"",
+                                ErrorCode.BAD_REQUEST)
+
+
+_TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,%d}" % MAX_TOOL_NAME)
+
+
+def function_name(tool: Any) -> str:
+    """The name of one entry of OpenAI's ``tools``, its shape checked: ``{"type": "function",
+    "function": {"name", "description"?, "parameters"?, "strict"?}}``."""
+    spec = tool.get("function") if isinstance(tool, dict) else None
+    if not isinstance(tool, dict) or tool.get("type") != "function" or set(tool) - {"type", "function"} \
+            or not isinstance(spec, dict):
+        raise ProtocolError('each tool is {"type": "function", "function": {...}}', ErrorCode.BAD_REQUEST)
+    name = spec.get("name")
+    if not isinstance(name, str) or not _TOOL_NAME.fullmatch(name):
+        raise ProtocolError(f"a function's name is 1-{MAX_TOOL_NAME} letters, digits, _ or -", ErrorCode.BAD_REQUEST)
+    if set(spec) - {"name", "description", "parameters", "strict"}:
+        raise ProtocolError(f"function {name}: only name, description, parameters and strict", ErrorCode.BAD_REQUEST)
+    if not isinstance(spec.get("description", ""), str) or not isinstance(spec.get("parameters", {}), dict) \
+            or not isinstance(spec.get("strict", False), (bool, type(None))):
+        raise ProtocolError(f"function {name}: description is a string, parameters a JSON schema object",
+                            ErrorCode.BAD_REQUEST)
+    return name
+
+
+def json_text(value: Any) -> str:
+    """``value`` as compact JSON (what bounds are measured on); ProtocolError if it is not JSON."""
+    try:
+        return json.dumps(value, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+    except (TypeError, ValueError) as exc:
+        raise ProtocolError(f"not JSON: {exc}"[:200], ErrorCode.BAD_REQUEST) from None
+
+
+def check_message(m: Any) -> None:
+    """One chat message as the head renders it: a string role; content a string, or null on an
+    assistant message that carries ``tool_calls`` (OpenAI's shape: each {"id", "type":
+    "function", "function": {"name", "arguments": JSON text}}); a tool message's
+    ``tool_call_id`` a string."""
+    if not isinstance(m.get("role"), str):
+        raise ProtocolError("each message needs string role and content", ErrorCode.BAD_REQUEST)
+    calls = m.get("tool_calls")
+    if calls is not None:
+        if m["role"] != "assistant" or not isinstance(calls, list) or not 1 <= len(calls) <= MAX_TOOL_CALLS:
+            raise ProtocolError(f"tool_calls is a list of 1-{MAX_TOOL_CALLS} calls, on assistant messages only",
+                                ErrorCode.BAD_REQUEST)
+        for call in calls:
+            _check_call(call)
+    content = m.get("content")
+    if not isinstance(content, str) and not (content is None and calls):
+        raise ProtocolError("each message needs string role and content (null content only beside tool_calls)",
+                            ErrorCode.BAD_REQUEST)
+    if not isinstance(m.get("tool_call_id", ""), str) or not isinstance(m.get("name", ""), str):
+        raise ProtocolError("a message's tool_call_id and name are strings", ErrorCode.BAD_REQUEST)
+
+
+def _check_call(call: Any) -> None:
+    spec = call.get("function") if isinstance(call, dict) else None
+    ok = isinstance(spec, dict) and isinstance(spec.get("name"), str) and isinstance(spec.get("arguments"), str) \
+        and isinstance(call.get("id", ""), str) and call.get("type", "function") == "function"
+    if not ok:
+        raise ProtocolError('a tool call is {"id", "type": "function", "function": {"name", "arguments": '
+                            '<JSON text>}}', ErrorCode.BAD_REQUEST)
+
+
+_CONSTRAINED = (ToolChoice.REQUIRED, ToolChoice.FUNCTION)
 
 
 def _check_logprob(value: float, what: str) -> None:
@@ -496,6 +600,7 @@ class Generate(Message):
     """Client -> head: generate for ``messages`` (chat) or ``prompt`` (raw) along ``route``."""
 
     KIND: ClassVar[Kind] = Kind.GENERATE
+    SPARSE: ClassVar[frozenset[str]] = frozenset({"tools"})
     request_id: str
     route: tuple[Hop, ...]
     messages: tuple[dict, ...] | None = None
@@ -513,6 +618,7 @@ class Generate(Message):
     logprobs: int = -1  # token events carry logprobs with this many alternatives (0..MAX_TOP_LOGPROBS); -1: none
     penalties: Penalties | None = None  # presence/frequency penalties and logit_bias (``generated`` empty)
     grammar: Grammar | None = None  # what the reply must match (``generated`` empty); None: free text
+    tools: Tools | None = None  # functions offered to a chat (``messages``); None: none
 
     def validate(self) -> None:
         if not -1 <= self.logprobs <= MAX_TOP_LOGPROBS:
@@ -532,8 +638,12 @@ class Generate(Message):
         if len(self.cache_salt) > MAX_SALT or len(self.api_key or "") > MAX_SALT:
             raise ProtocolError(f"cache_salt and api_key take at most {MAX_SALT} characters", ErrorCode.BAD_REQUEST)
         for m in self.messages or ():
-            if not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
-                raise ProtocolError("each message needs string role and content", ErrorCode.BAD_REQUEST)
+            check_message(m)
+        if self.tools is not None and self.messages is None:
+            raise ProtocolError("tools go with messages (a chat), not with a raw prompt", ErrorCode.BAD_REQUEST)
+        if self.tools is not None and self.grammar is not None and self.tools.choice in _CONSTRAINED:
+            raise ProtocolError("tool_choice: a required or named call is a grammar of its own; drop "
+                                "response_format", ErrorCode.BAD_REQUEST)
         if self.route[0].start_layer != 0:
             raise ProtocolError("a route must start at layer 0", ErrorCode.BAD_REQUEST)
         expected = 0
@@ -548,7 +658,7 @@ class Event(Message):
     """Head -> client. ``event`` is "start", "token", "progress", "done" or "error"."""
 
     KIND: ClassVar[Kind] = Kind.EVENT
-    SPARSE: ClassVar[frozenset[str]] = frozenset({"logprobs"})
+    SPARSE: ClassVar[frozenset[str]] = frozenset({"logprobs", "tool_syntax"})
     request_id: str
     event: str
     text: str = ""
@@ -562,6 +672,9 @@ class Event(Message):
     prefill_tokens: int = 0  # progress: positions the prefill reaches (the prompt; the history on a re-prefill)
     seed: int | None = None  # start: the sampling seed (the head draws one when the request names none)
     logprobs: tuple[TokenLogprobs, ...] = ()  # token, when the request asked: one per id of token_ids
+    # start, when the request offers tools: how this head's template writes a call ("hermes",
+    # "llama3", "mistral": fabric.toolcalls), which the client parses the reply by; "": no parsing
+    tool_syntax: str = ""
 
 
 @dataclass(frozen=True)
