@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 
 import pytest
 
@@ -128,21 +129,54 @@ def test_history_with_calls_and_tool_results_renders(tools_split):
         assert finish == "stop" and parse_reply(text, SYNTAXES[syntax], NAMES)[1], text
 
 
-def test_a_template_without_tools_is_a_400_naming_tools(tiny_split):
-    from webui import WebUIConfig, create_app
+def test_a_template_without_tools_gets_them_written_in_and_calls_as_hermes(tiny_split):
+    """The tiny models' own template knows only roles and content (as SmolLM2's does): the head
+    writes the tools into the system message, and a named call comes back in hermes syntax."""
+    from fabric.compute.models import load_tokenizer, resolve
+    from fabric.node.route_session import encode_prompt
+    from fabric.wire import protocol as p
 
     cluster, model_dir, _ = tiny_split
-    body = {"model": model_dir.name, "messages": ask(0), "tools": TOOLS, "max_tokens": 8}
+    tokenizer = load_tokenizer(resolve(str(model_dir)))
+    call = {"id": "call_1", "type": "function", "function": {"name": "add", "arguments": '{"a": 1, "b": 2}'}}
+    history = [*ask(0), {"role": "assistant", "content": None, "tool_calls": [call]},
+               {"role": "tool", "tool_call_id": "call_1", "content": "3"}]
+    request = p.Generate("r", (p.Hop("n", "tcp://127.0.0.1:1", 0, 5),), messages=history,
+                         tools=p.Tools(tuple(TOOLS), p.ToolChoice.AUTO))
+    shown = tokenizer.decode(encode_prompt(tokenizer, request, 4096))
+    assert '"name": "get_weather"' in shown and "<tool_call>" in shown and "<tool_response>\n3\n" in shown, shown
+    with cluster.client() as client:
+        for seed in range(2):
+            text, finish, named = reply(client, model_dir, messages=ask(seed), tools=TOOLS, tool_choice=NAMED,
+                                        parallel_tool_calls=False, temperature=0.8, seed=seed)
+            content, calls = parse_reply(text, SYNTAXES["hermes"], NAMES)
+            assert (finish, named, content, len(calls)) == ("stop", "hermes", None, 1), text
+            valid_arguments(calls[0].name, calls[0].arguments)
+
+
+def test_auto_parses_a_call_the_reply_writes(tools_split):
+    """"auto" end to end: a regex makes the random model write one call in its family's syntax,
+    and the web UI hands it back as ``tool_calls`` (finish "tool_calls", no content)."""
+    from webui import WebUIConfig, create_app
+
+    cluster, model_dir, syntax = tools_split
+    body = {"name": "add", SYNTAXES[syntax].arguments: {"a": 4, "b": 5}}
+    text = {"hermes": f"<tool_call>\n{json.dumps(body)}\n</tool_call>", "llama3": json.dumps(body)}[syntax]
+    request = {"model": model_dir.name, "messages": ask(1), "tools": TOOLS, "max_tokens": MAX_TOKENS,
+               "guided_regex": re.escape(text)}
 
     async def post():
         async with AsyncClient(cluster.endpoint, timeout=30) as fabric:
             response = await create_app(WebUIConfig(tracker=cluster.endpoint), fabric).test_client().post(
-                "/v1/chat/completions", json=body)
+                "/v1/chat/completions", json=request)
             return response.status_code, await response.get_json()
 
-    status, error = asyncio.run(post())
-    assert status == 400 and error["error"]["param"] == "tools", error
-    assert "chat template does not render tools" in error["error"]["message"]
+    status, answer = asyncio.run(post())
+    assert status == 200, answer
+    choice = answer["choices"][0]
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None, choice
+    [call] = choice["message"]["tool_calls"]
+    assert call["function"]["name"] == "add" and json.loads(call["function"]["arguments"]) == {"a": 4, "b": 5}
 
 
 def test_the_openai_sdk_reads_the_tool_calls_streamed_and_not(tools_split):

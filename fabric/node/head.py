@@ -24,7 +24,7 @@ from ..wire.liveness import LINK_GRACE, PEER_SILENCE, PING_INTERVAL, TRACKER_SIL
 from .audit import AuditConfig, Auditor
 from .prefixes import PrefixIndex
 from .route_session import RequestError, RouteSession, Transport, encode_prompt, new_session_id
-from .tool_use import ToolRefusal, constrained, syntax_of, tool_syntax
+from .tool_use import constrained, syntax_of, tool_syntax
 
 log = logging.getLogger(__name__)
 
@@ -107,7 +107,7 @@ class Head:
             if (calls := constrained(self.model.tokenizer, req, syntax)) is not req:
                 self._check_grammar(calls, "tools")  # a parameters schema llguidance cannot enforce
             req = self._fit(calls, len(prompt))
-        except (RequestError, ToolRefusal) as exc:
+        except RequestError as exc:
             self.host.reply(identity, p.Event(req.request_id, p.EventKind.ERROR, text=str(exc),
                                               error_code=exc.code, finish_reason=p.FinishReason.ERROR))
             return

@@ -38,7 +38,7 @@ from ..wire.protocol import (
     TokenLogprobs,
 )
 from .prefixes import Reuse
-from .tool_use import template_messages
+from .tool_use import chat_input
 
 log = logging.getLogger(__name__)
 
@@ -115,7 +115,7 @@ def encode_prompt(tokenizer, request: Generate, max_prompt_tokens: int) -> list[
                                                       f"{max_prompt_tokens} tokens")
     if request.messages is not None:
         tools = [dict(t) for t in request.tools.functions] if request.tools is not None else None
-        ids = _chat_ids(tokenizer, template_messages(list(request.messages)), tools)
+        ids = _chat_ids(tokenizer, *chat_input(tokenizer, list(request.messages), tools))
     else:
         ids = tokenizer(request.prompt, add_special_tokens=True)["input_ids"]
     ids = list(ids)
