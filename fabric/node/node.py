@@ -63,7 +63,7 @@ class Node(SessionControl):
         budget = default_budget(config.device) if config.kv_cache_bytes is None else config.kv_cache_bytes
         self.kv = KVStore(config.kv_idle_timeout, retain_bytes=budget)
         self.executor = ShardExecutor(weights, self.kv)
-        self.fingerprint = fingerprint(config.source, weights.config, config.quant)
+        self.fingerprint = fingerprint(config.source, weights.config, config.quant, config.cache_root)
         self.context = getattr(weights.config, "max_position_embeddings", 0) or 0  # positions a session may reach
         self.vocab = getattr(weights.config, "vocab_size", 0) or 0  # token ids are below this
         # hops, cache misses, failovers, errors: for /metrics and tests. Every key exists from
