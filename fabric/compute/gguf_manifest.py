@@ -58,7 +58,7 @@ class TensorRecord:
 
 
 @dataclass(frozen=True)
-class Manifest:
+class FileManifest:
     version: int  # GGUF version of the source file
     alignment: int  # general.alignment of the source file
     num_layers: int  # its block_count
@@ -94,7 +94,7 @@ class Manifest:
         return self.kv_bytes + sum(t.nbytes for t in self.tensors)
 
     @classmethod
-    def from_json(cls, raw: object) -> Manifest:
+    def from_json(cls, raw: object) -> FileManifest:
         """A manifest a peer sent (or a partial file holds), every field checked; ModelError if not one."""
         try:
             return _parse_manifest(raw)
@@ -118,7 +118,7 @@ def _check(condition: bool, what: str) -> None:
         raise ValueError(what)
 
 
-def _parse_manifest(raw: object) -> Manifest:
+def _parse_manifest(raw: object) -> FileManifest:
     _check(isinstance(raw, dict) and raw.get("format") == FORMAT, f"format is not {FORMAT}")
     ints = {k: raw[k] for k in ("version", "alignment", "num_layers", "kv_count", "kv_bytes")}
     _check(all(type(v) is int and 0 <= v < 1 << 40 for v in ints.values()), "a count is not a small int")
@@ -128,7 +128,7 @@ def _parse_manifest(raw: object) -> Manifest:
     _check(isinstance(tensors, list) and 0 < len(tensors) <= MAX_TENSORS, "tensors is not a list")
     records = tuple(_record(t) for t in tensors)
     _check(len({t.name for t in records}) == len(records), "two tensors share a name")
-    return Manifest(**ints, kv_sha256=raw["kv_sha256"], tensors=records)
+    return FileManifest(**ints, kv_sha256=raw["kv_sha256"], tensors=records)
 
 
 def _record(t: object) -> TensorRecord:
@@ -170,19 +170,19 @@ def kv_span(path: Path) -> tuple[int, int]:
     return n_kv, at - KV_START
 
 
-def held_manifest(path: Path) -> Manifest | None:
+def held_manifest(path: Path) -> FileManifest | None:
     """The source manifest a partial file carries; None for a whole file."""
     header = read_header(path)
     raw = header.metadata.get(MANIFEST_KEY)
     if raw is None:
         return None
     try:
-        return Manifest.from_json(json.loads(raw))
+        return FileManifest.from_json(json.loads(raw))
     except ValueError:
         raise ModelError(f"{path.name}: its {MANIFEST_KEY} is not JSON; fetch it again") from None
 
 
-def compute_manifest(path: Path, say: Callable[[str], None] | None = None) -> Manifest:
+def compute_manifest(path: Path, say: Callable[[str], None] | None = None) -> FileManifest:
     """Hash every tensor of whole GGUF file ``path`` (slow: ``say`` hears the progress)."""
     header = read_header(path)
     n_kv, kv_bytes = kv_span(path)
@@ -207,7 +207,7 @@ def compute_manifest(path: Path, say: Callable[[str], None] | None = None) -> Ma
     layers = header.key("block_count")
     if not isinstance(layers, int):
         raise ModelError(f"{path.name} names no layer count (block_count)")
-    return Manifest(header.version, align, layers, n_kv, kv_bytes, kv_sha, tuple(records))
+    return FileManifest(header.version, align, layers, n_kv, kv_bytes, kv_sha, tuple(records))
 
 
 def _hash_range(fd: int, offset: int, length: int) -> str:
@@ -222,7 +222,7 @@ def _hash_range(fd: int, offset: int, length: int) -> str:
     return h.hexdigest()
 
 
-def manifest_for(path: Path, cache_root: Path | None = None) -> Manifest:
+def manifest_for(path: Path, cache_root: Path | None = None) -> FileManifest:
     """The manifest of GGUF file ``path``: the one a partial file carries, else the cached one,
     else computed now (and cached under ``cache_root``)."""
     held = held_manifest(path)
@@ -231,7 +231,7 @@ def manifest_for(path: Path, cache_root: Path | None = None) -> Manifest:
     cached = _cache_path(path, cache_root)
     if cached is not None and cached.is_file():
         try:
-            return Manifest.from_json(json.loads(cached.read_text()))
+            return FileManifest.from_json(json.loads(cached.read_text()))
         except (OSError, ValueError, ModelError):
             log.info("the cached manifest %s is unreadable: hashing %s again", cached, path.name)
     log.info("hashing %s once for its manifest (cached in %s)", path.name, cached)

@@ -22,7 +22,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..wire.shard import Shard
-from .gguf_manifest import KV_NAME, KV_START, LAYERS_KEY, MANIFEST_KEY, MODEL_KEY, Manifest, _hash_range
+from .gguf_manifest import (
+    KV_NAME,
+    KV_START,
+    LAYERS_KEY,
+    MANIFEST_KEY,
+    MODEL_KEY,
+    FileManifest,
+    _hash_range,
+)
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +63,7 @@ def _kv_string(key: str, value: str) -> bytes:
     return _string(key) + struct.pack("<I", _STRING) + _string(value)
 
 
-def layout(manifest: Manifest, shard: Shard, model_id: str) -> Layout:
+def layout(manifest: FileManifest, shard: Shard, model_id: str) -> Layout:
     """The partial file of ``manifest``'s tensors that ``shard`` needs, laid out."""
     tensors = manifest.needed(shard)
     align = manifest.alignment
@@ -159,8 +167,8 @@ def partial_name(model_id: str, digest: str, shard: Shard) -> str:
     return f"{safe}.{digest[:8]}.layers-{shard.start}-{shard.end}.gguf"
 
 
-def find_partial(directory: Path, model_id: str, shard: Shard) -> Path | None:
-    """A finished partial copy of ``model_id`` in ``directory`` that holds ``shard``'s layers."""
+def find_partial(directory: Path, model_id: str, start: int, end: int) -> Path | None:
+    """A finished partial copy of ``model_id`` in ``directory`` that holds layers ``start..end``."""
     safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in model_id)
     if not directory.is_dir():
         return None
@@ -170,7 +178,7 @@ def find_partial(directory: Path, model_id: str, shard: Shard) -> Path | None:
             first, last = int(a), int(b)
         except ValueError:
             continue
-        if first <= shard.start and shard.end <= last:
+        if first <= start and end <= last:
             return path
     return None
 
