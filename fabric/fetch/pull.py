@@ -42,11 +42,13 @@ def fetch_layers(model: str, layers: str | None, tracker: str, security: Securit
         total = sum(s.nbytes for s in plan.slots)
         peers = sum(1 for peer in fetcher.peers if not peer.gone)
         say(f"fetching layers {shard} of {model} from {peers} peer(s): {_mib(total - have)} of {_mib(total)}"
-            + (f" ({_mib(have)} verified here already)" if have else ""))
+            + (f" ({have:,} bytes verified here already)" if have else ""))
         fetcher.progress = _bar(total, have, f"fetching layers {shard}", progress)
         path = fetcher.run()
         fetcher.progress.close()
-        say(f"fetched layers {shard} of {model}: {path} ({_mib(path.stat().st_size)})")
+        fetched = sum(peer.bytes for peer in fetcher.peers)
+        say(f"fetched layers {shard} of {model}: {path} ({path.stat().st_size:,} bytes; {fetched:,} bytes "
+            f"from peers in this run)")
         return path
     finally:
         fetcher.close()

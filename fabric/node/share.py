@@ -24,7 +24,8 @@ from ..wire import protocol as p
 log = logging.getLogger(__name__)
 
 MAX_WAITING = 64  # chunk requests queued behind the cap; more are answered BUSY
-BURST_SECONDS = 0.05  # the bucket holds this many seconds of the cap (at least one chunk)
+BURST_SECONDS = 0.05  # the bucket holds this many seconds of the cap; a larger chunk waits for a full bucket
+# and leaves it owing the rest, so the cap holds over any few chunks
 
 
 @dataclass
@@ -67,7 +68,7 @@ class WeightShare:
                  share_bytes_per_s: float, cache_root: Path | None):
         self.model_id, self.node_id = model_id, node_id
         self.path = source.path if source.kind == "gguf" else None
-        self.bucket = TokenBucket(share_bytes_per_s, max(p.MAX_CHUNK_BYTES, share_bytes_per_s * BURST_SECONDS))
+        self.bucket = TokenBucket(share_bytes_per_s, max(1.0, share_bytes_per_s * BURST_SECONDS))
         self.waiting: deque[_Waiting] = deque()
         self.fd = -1
         if self.path is None:
