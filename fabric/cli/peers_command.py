@@ -52,8 +52,8 @@ def from_peers(args) -> None:
     copy of those layers, found here or fetched from the nodes the tracker lists for it."""
     from ..compute.model_ref import ModelError, resolve
 
-    if Path(args.model).expanduser().exists():
-        return  # a file or directory: whatever is wrong with it, _node_config says
+    if "/" in args.model or Path(args.model).expanduser().exists():
+        return  # a path or a hub repository (peers share GGUF files, named by model id): _node_config says
     try:
         resolve(args.model)
         return
