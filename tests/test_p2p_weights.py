@@ -19,8 +19,14 @@ import torch
 import zmq
 
 from fabric.compute.gguf_info import read_header
-from fabric.compute.gguf_manifest import KV_NAME, compute_manifest, fingerprint_of, manifest_for
-from fabric.compute.gguf_partial import PartialFile, layout
+from fabric.compute.gguf_manifest import (
+    KV_NAME,
+    compute_manifest,
+    fingerprint_of,
+    manifest_for,
+)
+from fabric.compute.gguf_partial import PEERS_DIR, PartialFile, layout, partial_name
+from fabric.compute.model_store import format_inventory, inventory
 from fabric.compute.models import fingerprint, load_config, load_shard, resolve
 from fabric.wire import protocol as p
 from fabric.wire.shard import Shard
@@ -62,9 +68,12 @@ def copy_partial(source: Path, shard: Shard, target: Path, flip: str = "") -> Pa
 
 def test_a_partial_copy_loads_as_the_whole_file_does_and_registers_its_fingerprint(model_file, tmp_path):
     shard = Shard(3, 5, LAYERS)
-    part = copy_partial(model_file, shard, tmp_path / "tail.gguf")
+    (tmp_path / "models" / PEERS_DIR).mkdir(parents=True)
+    part = copy_partial(model_file, shard, tmp_path / "models" / PEERS_DIR / partial_name(MODEL, "0" * 8, shard))
     assert all(part.verify(s) for s in part.plan.slots)
     path = part.finish()
+    listed = format_inventory(inventory(tmp_path / "models"))
+    assert re.search(rf"^{MODEL} +3-5 of 6 .*{re.escape(str(path))}$", listed, re.MULTILINE), listed
     assert path.stat().st_size < 0.7 * model_file.stat().st_size
     whole, partial = resolve(str(model_file)), resolve(str(path), MODEL)
     a = load_shard(whole, shard, progress=False, cache_root=tmp_path / "cache")
@@ -150,7 +159,7 @@ def peer_copies(env: dict) -> list[Path]:
 def pull(cluster, env: dict, *extra: str, timeout: float = 120) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "fabric.cli", "--log-level", "info", "pull", MODEL, "--layers", "3-5",
                            "--tracker", cluster.endpoint, "--no-progress", *extra], capture_output=True, text=True,
-                          timeout=timeout, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT), **env})
+                          timeout=timeout, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT), **env}, check=False)
 
 
 def test_a_node_without_the_file_fetches_its_layers_and_answers_as_the_reference(process_cluster, model_file,
@@ -239,7 +248,9 @@ def test_an_interrupted_fetch_resumes_without_fetching_again_what_it_verified(pr
                               process_cluster.endpoint, "--no-progress"], cwd=ROOT,
                              env={**os.environ, "PYTHONPATH": str(ROOT), **b}, stdout=subprocess.DEVNULL,
                              stderr=subprocess.DEVNULL)
-    journal = lambda: next(iter(peers.glob("*.part.done")), None)  # noqa: E731
+
+    def journal() -> Path | None:
+        return next(iter(peers.glob("*.part.done")), None)
     assert wait_for(lambda: journal() is not None and len(journal().read_text().split()) >= 4, 60, 0.05)
     first.send_signal(signal.SIGKILL)
     first.wait(10)

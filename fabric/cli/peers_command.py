@@ -27,8 +27,8 @@ def add_flags(pull: argparse.ArgumentParser) -> None:
 
 
 def peers_dir() -> Path:
+    from ..compute.gguf_partial import PEERS_DIR
     from ..compute.model_ref import default_models_root
-    from ..fetch.pull import PEERS_DIR
 
     return default_models_root() / PEERS_DIR
 

@@ -13,7 +13,6 @@ file is renamed to NAME once every item verified.
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -35,6 +34,7 @@ from .gguf_manifest import (
 log = logging.getLogger(__name__)
 
 _STRING = 8  # GGUF value type of a string
+PEERS_DIR = "peers"  # under the models directory: the partial copies fetched from peers
 
 
 @dataclass(frozen=True)
@@ -186,14 +186,16 @@ def find_partial(directory: Path, model_id: str, start: int, end: int) -> Path |
 def describe_partial(path: Path) -> dict | None:
     """What ``meshnet models`` lists of a partial copy: its model, layers and bytes (None: unreadable)."""
     from .gguf_info import read_header
+    from .gguf_manifest import FileManifest
+    from .model_ref import ModelError
 
     try:
         meta = read_header(path).metadata
-        manifest = json.loads(meta[MANIFEST_KEY])
-    except (KeyError, ValueError, OSError, Exception):  # noqa: BLE001 -- a damaged file is listed as unreadable
+        manifest = FileManifest.from_json(json.loads(meta[MANIFEST_KEY]))
+        first, last = (int(x) for x in str(meta[LAYERS_KEY]).split("-"))
+    except (KeyError, ValueError, OSError, ModelError):
         return None
-    a, _, b = str(meta.get(LAYERS_KEY, "")).partition("-")
+    total = manifest.num_layers
     return {"name": meta.get(MODEL_KEY) or path.name, "path": str(path), "bytes": path.stat().st_size,
-            "num_layers": manifest.get("num_layers"), "layers": [[int(a), int(b)]] if a.isdigit() and b.isdigit()
-            else [], "complete": False, "revision": hashlib.sha256(
-                json.dumps(manifest, sort_keys=True, separators=(",", ":")).encode()).hexdigest()[:12]}
+            "num_layers": total, "layers": [[first, last]], "complete": (first, last) == (0, total - 1),
+            "manifest": manifest.digest}

@@ -14,8 +14,6 @@ from .holders import holders_of
 
 log = logging.getLogger(__name__)
 
-PEERS_DIR = "peers"  # under the models directory: partial copies fetched from peers
-
 
 def local_copy(directory: Path, model: str, layers: str | None) -> Path | None:
     """A finished partial copy of ``model`` holding ``layers`` (None: never, the range is not known)."""
