@@ -22,6 +22,7 @@ import os
 import struct
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from functools import cached_property
 from pathlib import Path
 
 from ..wire.shard import Shard
@@ -71,13 +72,17 @@ class FileManifest:
         return {"format": FORMAT, **asdict(self), "tensors": [asdict(t) for t in self.tensors]}
 
     def canonical(self) -> bytes:
+        return self._canonical
+
+    @cached_property
+    def _canonical(self) -> bytes:  # made once: a fetch asks for the digest with every chunk
         return json.dumps(self.to_json(), sort_keys=True, separators=(",", ":")).encode()
 
-    @property
+    @cached_property
     def digest(self) -> str:
         return hashlib.sha256(self.canonical()).hexdigest()
 
-    @property
+    @cached_property
     def tied(self) -> bool:
         """No output tensor: the lm_head is the token embedding."""
         return all(t.name != OUTPUT_TENSOR for t in self.tensors)

@@ -32,7 +32,8 @@ from .holders import FetchError, Holder, can_serve, missing_line
 
 log = logging.getLogger(__name__)
 
-WINDOW = 4  # chunk requests in flight on each peer
+WINDOW = 16  # chunk requests in flight on each peer (within the node's queue of 64: fetching from a node's
+# queue keeps it busy between round trips, and four fetchers fit)
 CHUNK_BYTES = p.MAX_CHUNK_BYTES
 CHUNK_TIMEOUT = 15.0  # seconds a peer may take to answer a chunk before it counts as gone
 MANIFEST_TIMEOUT = 5.0  # seconds to wait for the holders' manifests
@@ -57,12 +58,19 @@ class Peer:
 
 @dataclass
 class Item:
-    """A slot being fetched from one peer."""
+    """A slot being fetched from one peer; its sha256 taken as the bytes arrive in order."""
 
     slot: Slot
     peer: Peer
     next_offset: int = 0
     received: int = 0
+    hasher: object = field(default_factory=hashlib.sha256)
+    hashed: int = 0  # bytes fed to ``hasher``: all of them, unless a chunk came out of order
+
+    def take(self, offset: int, data) -> None:
+        if offset == self.hashed:
+            self.hasher.update(data)
+            self.hashed += len(data)
 
 
 class Fetcher:
@@ -181,9 +189,17 @@ class Fetcher:
             if not any(peer.inflight for peer in self.peers) and self.queue and not self._anyone_for(self.queue[0]):
                 raise FetchError(self._stranded())
             for sock, _ in self.poller.poll(100):
-                peer = next(x for x in self.peers if x.sock is sock)
-                self._received(peer, sock.recv_multipart(copy=False))
+                self._drain(next(x for x in self.peers if x.sock is sock))
         return self.part.finish()
+
+    def _drain(self, peer: Peer) -> None:
+        """Every answer waiting from ``peer`` (its socket may close meanwhile: left out)."""
+        while not peer.gone:
+            try:
+                frames = peer.sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            self._received(peer, frames)
 
     def _stranded(self) -> str:
         gone = "; ".join(f"{p_.name}: {p_.gone}" for p_ in self.peers if p_.gone) or "none left out"
@@ -244,6 +260,7 @@ class Fetcher:
         if item is None or item.peer is not peer:
             return
         self.part.write(item.slot, offset, buffers[0])
+        item.take(offset, buffers[0])
         item.received += length
         peer.bytes += length
         if item.received == item.slot.nbytes:
@@ -267,7 +284,8 @@ class Fetcher:
 
     def _complete(self, item: Item) -> None:
         del self.active[item.slot.name]
-        if not self.part.verify(item.slot):
+        whole = item.hashed == item.slot.nbytes  # else some chunk came again, out of order: read it back
+        if not (item.hasher.hexdigest() == item.slot.sha256 if whole else self.part.verify(item.slot)):
             self.queue.appendleft(item.slot)
             self._leave_out(item.peer, f"it sent bad bytes: {item.slot.name} does not match the manifest's sha256")
             return

@@ -129,7 +129,8 @@ class Node(SessionControl, Replies):
         self.ready.set()
         try:
             while not stop.is_set() and not (leave is not None and leave.is_set() and self._leave_and_drain()):
-                wait = min(self.hops.wait(self.scheduler), self.share.wait(time.monotonic()) or 1e9)
+                share = self.share.wait(time.monotonic())  # None: no chunk waits
+                wait = self.hops.wait(self.scheduler) if share is None else min(share, self.hops.wait(self.scheduler))
                 for sock, _ in self.poller.poll(int(wait * 1000)):
                     if sock != lock:  # the lock's wake-up is read when the batch runs
                         self._drain(sock)
