@@ -8,9 +8,9 @@ the inter-token latency of a stream on the serving node while it serves a fetch.
 Starts a tracker and one node holding the whole file (``python -m fabric.cli ...``), then:
 
 1. fetch rate: ``fetch_layers`` (what ``meshnet pull MODEL --layers A-B --tracker T`` runs)
-   into an empty directory, timed from the first manifest request to the renamed file,
-   against ``cp`` of the whole file (both read a file the page cache holds); one run,
-   printed as bytes/s and their ratio (target >= 0.5x);
+   into an empty directory, timed from the tracker's answer to the renamed file, against
+   ``cp`` of the whole file (both read a file the page cache holds); the median of three
+   of each, printed as bytes/s and their ratio (target >= 0.5x);
 2. ITL: one greedy stream of ``--itl-tokens`` tokens on that node alone, then the same stream
    while fetches of every layer run back to back against it (its cap ``--itl-share-mbps``):
    the p99 and median gap between tokens of each (target: p99 within 1.5x the median).
@@ -148,8 +148,10 @@ def main() -> None:
         def rate(tracker: str) -> None:
             fetch_layers(args.model_id, args.layers, tracker, None, tmp / "warm", progress=False, say=lambda _: None)
             shutil.rmtree(tmp / "warm")  # a first fetch: the node's manifest and page cache are warm after it
-            size, took = fetch_rate(tracker, args.model_id, args.layers, tmp)
-            csize, ctook = copy_rate(source.path, tmp)
+            runs = [fetch_rate(tracker, args.model_id, args.layers, tmp) for _ in range(3)]
+            size, took = runs[0][0], statistics.median(t for _, t in runs)
+            copies = [copy_rate(source.path, tmp) for _ in range(3)]
+            csize, ctook = copies[0][0], statistics.median(t for _, t in copies)
             print(f"fetch of layers {args.layers}: {size:,} bytes in {took:.3f} s = {size / took / 1e6:.1f} MB/s "
                   f"(the file: {source.path.stat().st_size:,} bytes, {size / source.path.stat().st_size:.2f} of it)")
             print(f"cp of the whole file: {csize:,} bytes in {ctook:.3f} s = {csize / ctook / 1e6:.1f} MB/s")
