@@ -35,7 +35,8 @@ log = logging.getLogger(__name__)
 WINDOW = 16  # chunk requests in flight on each peer (within the node's queue of 64: fetching from a node's
 # queue keeps it busy between round trips, and four fetchers fit)
 CHUNK_BYTES = p.MAX_CHUNK_BYTES
-CHUNK_TIMEOUT = 15.0  # seconds a peer may take to answer a chunk before it counts as gone
+CHUNK_TIMEOUT = 15.0  # seconds a peer with chunks asked of it may go without answering any before it counts as
+# gone (progress, not a deadline per chunk: a peer behind a low --share-mbps answers slowly but steadily)
 MANIFEST_TIMEOUT = 5.0  # seconds to wait for the holders' manifests
 BUSY_PAUSE = 0.2  # seconds before asking a peer that answered BUSY again
 MAX_PEERS = 16  # peers fetched from at once
@@ -46,9 +47,10 @@ class Peer:
     holder: Holder
     sock: zmq.Socket
     held: tuple[int, int] = (0, 0)  # the layers its file holds (its MANIFEST)
-    inflight: dict[int, tuple[str, int, int, float]] = field(default_factory=dict)  # ref -> (item, offset, length, sent)
+    inflight: dict[int, tuple[str, int, int, float]] = field(default_factory=dict)  # ref -> (item, offset, length, sent at)
     gone: str = ""  # why it is left out ("" while it serves)
     pause_until: float = 0.0
+    heard: float = 0.0  # when it last answered, or was first asked since it had nothing to answer
     bytes: int = 0
 
     @property
@@ -219,6 +221,8 @@ class Fetcher:
                     break
                 length = min(CHUNK_BYTES, item.slot.nbytes - item.next_offset)
                 ref = next(self.refs)
+                if not peer.inflight:
+                    peer.heard = now
                 peer.sock.send_multipart(p.encode(p.ChunkRequest(self.manifest.digest, item.slot.name,
                                                                  item.next_offset, length, ref)))
                 peer.inflight[ref] = (item.slot.name, item.next_offset, length, now)
@@ -238,10 +242,11 @@ class Fetcher:
 
     def _check_timeouts(self, now: float) -> None:
         for peer in self.peers:
-            if any(now - sent > CHUNK_TIMEOUT for _, _, _, sent in peer.inflight.values()):
-                self._leave_out(peer, f"a chunk went unanswered for {CHUNK_TIMEOUT:g} s")
+            if peer.inflight and now - peer.heard > CHUNK_TIMEOUT:
+                self._leave_out(peer, f"it answered none of {len(peer.inflight)} chunks for {CHUNK_TIMEOUT:g} s")
 
     def _received(self, peer: Peer, frames) -> None:
+        peer.heard = time.monotonic()
         try:
             msg, buffers = p.decode(frames, CHUNK_BYTES)
         except p.ProtocolError as exc:
