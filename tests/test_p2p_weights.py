@@ -263,3 +263,17 @@ def test_an_interrupted_fetch_resumes_without_fetching_again_what_it_verified(pr
     assert kept >= 4 and have > 0 and fetched == total - have, again.stdout
     (copy,) = peer_copies(b)
     assert manifest_for(copy).digest == manifest_for(model_file).digest
+
+
+def test_in_a_secured_swarm_the_fetch_travels_under_curve_and_a_stranger_gets_nothing(process_cluster, model_file,
+                                                                                       tmp_path):
+    process_cluster.secure()
+    process_cluster.start_node("a", str(model_file), "0-5", None, *EXACT)
+    assert wait_for(lambda: _listed(process_cluster, "a"), 120, 0.2), process_cluster.logs()
+    b = home(tmp_path, "b")
+    done = pull(process_cluster, b, "--keys", str(process_cluster.keys))
+    assert done.returncode == 0, done.stderr
+    (copy,) = peer_copies(b)
+    assert manifest_for(copy).digest == manifest_for(model_file).digest
+    plain = pull(process_cluster, home(tmp_path, "stranger"), timeout=60)  # no keys: the tracker does not answer
+    assert plain.returncode == 1 and "cannot ask the tracker" in plain.stderr, plain.stderr
