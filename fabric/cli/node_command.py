@@ -146,6 +146,7 @@ def _check_node_flags(args) -> None:
 
 
 def cmd_node(args) -> int:
+    _check_node_flags(args)
     from_peers(args)  # no model file here: its layers from the swarm, before torch loads
     omp_workers_nap(weight_only=runs_weight_only(args))
     grouped_kv_attention()
@@ -155,7 +156,6 @@ def cmd_node(args) -> int:
     from ..node import Node
 
     check_device_flags(args.device, args.quant)
-    _check_node_flags(args)
     security = load_security(args)  # before any weights load: a key directory that cannot work says so now
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -61,13 +61,15 @@ def from_peers(args) -> None:
         why = str(exc)
     if not args.layers:
         return  # the tracker cannot assign layers of a model this node cannot read: _node_config says why
-    from ..fetch.holders import FetchError
+    from ..fetch.holders import FetchError, NoHolders
     from ..fetch.pull import fetch_layers
 
     try:
         path = fetch_layers(args.model, args.layers, args.tracker, load_security(args), peers_dir(),
                             progress=not args.no_progress, say=log.info)
+    except NoHolders as exc:  # as unknown as before: a usage error
+        raise CommandError(f"{why}; nor does a peer serve it: {exc}", 2) from None
     except FetchError as exc:
-        raise CommandError(f"{why}; nor could it come from peers: {exc}", 1) from None
+        raise CommandError(f"{why}; and fetching it from peers failed: {exc}", 1) from None
     args.model_id = args.model_id or args.model
     args.model = str(path)

@@ -13,6 +13,10 @@ class FetchError(Exception):
     """A fetch cannot finish; the message (one line) says why and what to do."""
 
 
+class NoHolders(FetchError):
+    """No node serves the model (or the tracker did not answer): nothing was fetched."""
+
+
 @dataclass(frozen=True)
 class Holder:
     """A node the tracker lists for the model."""

@@ -9,10 +9,12 @@ from pathlib import Path
 from ..compute.gguf_partial import find_partial, partial_name
 from ..net.security import Security
 from ..wire.shard import _RANGE
-from .fetcher import Fetcher, FetchError, fetch_plan
-from .holders import holders_of
+from .fetcher import Fetcher, fetch_plan
+from .holders import NoHolders, holders_of
 
 log = logging.getLogger(__name__)
+
+TRACKER_WAIT = 5.0  # seconds to wait for the tracker's list of nodes
 
 
 def local_copy(directory: Path, model: str, layers: str | None) -> Path | None:
@@ -24,7 +26,8 @@ def local_copy(directory: Path, model: str, layers: str | None) -> Path | None:
 def fetch_layers(model: str, layers: str | None, tracker: str, security: Security | None, directory: Path,
                  progress: bool = True, say: Callable[[str], None] = print) -> Path:
     """A partial GGUF of ``model`` holding ``layers`` (all: None) in ``directory``: the one here,
-    or one fetched from the nodes the tracker lists for it. FetchError (one line) otherwise."""
+    or one fetched from the nodes the tracker lists for it. FetchError (one line; NoHolders where
+    no node serves it) otherwise."""
     found = local_copy(directory, model, layers)
     if found is not None:
         say(f"layers {layers} of {model} are here already: {found}")
@@ -56,14 +59,14 @@ def _holders(model: str, tracker: str, security: Security | None):
     from ..client import Client, FabricError
 
     try:
-        with Client(tracker, timeout=10.0, security=security) as client:
+        with Client(tracker, timeout=TRACKER_WAIT, security=security) as client:
             status = client.status()
     except FabricError as exc:
-        raise FetchError(f"cannot ask the tracker at {tracker} who serves {model}: {exc}") from None
+        raise NoHolders(f"cannot ask the tracker at {tracker} who serves {model}: {exc}") from None
     holders = holders_of(status, model)
     if not holders:
         listed = sorted({n.get("model") for n in status.get("nodes", []) if n.get("model")})
-        raise FetchError(f"no node serves {model} (the tracker at {tracker} lists: {', '.join(listed) or 'none'})")
+        raise NoHolders(f"no node serves {model} (the tracker at {tracker} lists: {', '.join(listed) or 'none'})")
     return holders
 
 
