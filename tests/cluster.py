@@ -119,11 +119,13 @@ class ProcessCluster:
         self.node_endpoints: dict[str, str] = {}
         self.start_tracker()
 
-    def _spawn(self, name: str, *args: str, entry: tuple[str, ...] = ("-m", "fabric.cli")) -> subprocess.Popen:
-        """Start ``meshnet ARGS`` (or the script ``entry`` names with them, such as tests/liar_node.py)."""
+    def _spawn(self, name: str, *args: str, entry: tuple[str, ...] = ("-m", "fabric.cli"),
+               env: dict | None = None) -> subprocess.Popen:
+        """Start ``meshnet ARGS`` (or the script ``entry`` names with them, such as tests/liar_node.py);
+        ``env`` overrides the environment (another machine's XDG_CACHE_HOME, say)."""
         log = open(self.tmp / f"{name}.log", "ab")
         env = {**os.environ, "PYTHONPATH": str(ROOT), "XDG_CACHE_HOME": str(self.cache),
-               "XDG_DATA_HOME": str(self.tmp / "data"), "XDG_RUNTIME_DIR": str(self.runtime_dir)}
+               "XDG_DATA_HOME": str(self.tmp / "data"), "XDG_RUNTIME_DIR": str(self.runtime_dir), **(env or {})}
         keys = ["--keys", str(self.keys)] if self.keys else []
         proc = subprocess.Popen([sys.executable, *entry, "--log-level", "info", *args, *keys],
                                 stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
@@ -144,15 +146,16 @@ class ProcessCluster:
                     "--db", str(self.tmp / "ledger.sqlite3"), "--heartbeat", str(self.heartbeat))
 
     def start_node(self, name: str, model: str, layers: str | None, port: int | None = None, *extra: str,
-                   liar: bool | str = False) -> str:
+                   liar: bool | str = False, entry: tuple[str, ...] | None = None, env: dict | None = None) -> str:
         """Start a node; ``layers`` None lets the tracker assign them (pass --memory in extra);
-        ``liar``: one whose every output is wrong, or "decode": only its decode steps' (tests/liar_node.py)."""
+        ``liar``: one whose every output is wrong, or "decode": only its decode steps' (tests/liar_node.py);
+        ``entry``: another script to run it with (tests/corrupt_share_node.py); ``env``: as ``_spawn``'s."""
         endpoint = f"tcp://127.0.0.1:{port or free_port()}"
         self._spawn(name, "node", "--model", model, *(["--layers", layers, "--node-id", name] if layers else []),
                     "--tracker", self.endpoint, "--bind", endpoint, "--threads", "1", "--no-progress",
                     "--heartbeat", str(self.heartbeat), *extra,
-                    entry=(str(ROOT / "tests" / "liar_node.py"), "--lie", "all" if liar is True else liar)
-                    if liar else ("-m", "fabric.cli"))
+                    entry=entry or ((str(ROOT / "tests" / "liar_node.py"), "--lie", "all" if liar is True else liar)
+                                    if liar else ("-m", "fabric.cli")), env=env)
         self.node_endpoints[name] = endpoint
         return endpoint
 

@@ -45,7 +45,8 @@ def node_row(node: NodeInfo, rates: dict, cost: CostModel, age_s: float, exclude
             "last_seen_s": round(age_s, 3),
             "relay": node.relay, "relayed": bool(node.relay), "rtts": node.rtts, "reachable": node.reachable,
             "kv_cache": {"bytes": node.kv_bytes, "hits": node.kv_hits, "misses": node.kv_misses},
-            "excluded": excluded}  # why an audit left it out of plans; "": it is planned
+            "excluded": excluded,  # why an audit left it out of plans; "": it is planned
+            **({"key": node.public_key} if node.public_key else {})}  # peers dial it with this (secured swarms)
 
 
 def usage(ledger: Ledger | None) -> dict:

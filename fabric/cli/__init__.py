@@ -17,6 +17,7 @@ from . import (
     chat_command,
     keys_command,
     node_command,
+    peers_command,
     relay_command,
     status_command,
     tracker_command,
@@ -79,6 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
     keys_command.add_parser(sub)
     relay_command.add_parser(sub)
     model_store.add_parsers(sub)  # models, pull
+    peers_command.add_flags(sub.choices["pull"])  # pull --tracker: from peers
     for command in sub.choices.values():
         command.formatter_class = HelpFormatter
         _shared_flags(command, parser)

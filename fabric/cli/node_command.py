@@ -33,6 +33,7 @@ from .options import (
     serve_metrics,
     tracker_flag,
 )
+from .peers_command import from_peers
 from .ports import listening, refuse_ports_in_use
 from .torch_env import grouped_kv_attention, omp_workers_nap
 
@@ -82,6 +83,10 @@ def add_parser(sub) -> None:
                         "assigns a span that fits (default %(default)s)")
     _node_timing_flags(p)
     _node_audit_flags(p)
+    p.add_argument("--share-mbps", type=non_negative, default=400.0, metavar="MBPS",
+                   help="megabits per second of its model file this node hands to peers that fetch their layers "
+                        "from it (`meshnet node --model ID --tracker T` without the file); serving tokens comes "
+                        "first. 0: no cap (default %(default)s)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar while loading")
     metrics_flag(p)
     p.set_defaults(func=cmd_node)
@@ -143,6 +148,7 @@ def _check_node_flags(args) -> None:
 def cmd_node(args) -> int:
     _check_node_flags(args)  # first: a flag error answers at once, not after torch has loaded
     security = load_security(args)  # a key directory that cannot work says so now, too
+    from_peers(args)  # no model file here: its layers from the swarm, before torch loads
     omp_workers_nap(weight_only=runs_weight_only(args))
     grouped_kv_attention()
     import torch
@@ -213,6 +219,7 @@ def _node_config(args, security):
                       audit_rate=args.audit_rate, audit_tolerance=args.audit_tolerance,
                       drain_timeout=args.drain_timeout,
                       cache_root=default_cache_root(), progress=not args.no_progress,
+                      share_bytes_per_s=args.share_mbps * 125_000,
                       security=security, relay=args.relay, relay_fallback=args.relay_fallback,
                       relay_key=relay_key(args.keys, args.relay_key) if args.keys else "")
 

@@ -312,7 +312,15 @@ def inventory(models_root: Path) -> dict:
                         "pull": f"meshnet pull {name}"})
     pulled = [pulled_entry(d) for d in sorted(models_root.iterdir())
               if (d / "config.json").is_file()] if models_root.is_dir() else []
-    return {"directory": str(models_root), "aliases": aliases, "pulled": pulled}
+    return {"directory": str(models_root), "aliases": aliases, "pulled": pulled, "from_peers": from_peers(models_root)}
+
+
+def from_peers(models_root: Path) -> list[dict]:
+    """The partial copies fetched from peers (``meshnet pull MODEL --tracker T``), finished ones only."""
+    from .gguf_partial import PEERS_DIR, describe_partial
+
+    found = [describe_partial(f) for f in sorted((models_root / PEERS_DIR).glob("*.gguf"))]
+    return [entry for entry in found if entry is not None]
 
 
 def pulled_entry(directory: Path) -> dict:
@@ -359,6 +367,11 @@ def format_inventory(inv: dict) -> str:
     for a in inv["aliases"]:
         where = a["path"] or f"not installed: {a['pull']}"
         lines.append(f"{a['name']:<16} {'yes' if a['installed'] else 'no':<10} {human_size(a['bytes']):>10}  {where}")
+    if inv.get("from_peers"):
+        lines += ["", "fetched from peers (layer ranges of GGUF files; --model MODEL --layers A-B finds them):",
+                  f"{'MODEL':<40} {'LAYERS':<16} {'SIZE':>10}  WHERE"]
+        lines += [f"{e['name']:<40} {_layers_text(e):<16} {human_size(e['bytes']):>10}  {e['path']}"
+                  for e in inv["from_peers"]]
     lines += ["", f"pulled into {inv['directory']}:"]
     if not inv["pulled"]:
         lines.append("  none yet: meshnet pull ORG/NAME fetches a Hugging Face repository")

@@ -29,6 +29,7 @@ from torch import nn
 
 from ..wire.shard import Shard
 from .gguf_grid import FileGrid
+from .gguf_manifest import fingerprint_of, manifest_for
 from .gguf_load import (
     EMBED_TENSOR,
     OUTPUT_TENSOR,
@@ -167,26 +168,29 @@ def load_tokenizer(source: ModelSource, cache_root: Path | None = None):
     return tokenizer
 
 
-def fingerprint(source: ModelSource, config, quant: str | None = None) -> str:
+def fingerprint(source: ModelSource, config, quant: str | None = None, cache_root: Path | None = None) -> str:
     """Digest of what determines a model's outputs: its architecture config, its weights and
     the quantization a node computes with (``:int8``/``:int4`` appended to the digest).
 
-    Two nodes chain only when this matches: same model id is not enough. The config is taken
-    without local paths and runtime-only fields (:func:`architecture`); the weights by the
-    pulled manifest's digests, else by each file's size and sampled contents. Nothing here
-    depends on a path, a home directory, an install location, a file's mtime or the machine,
-    so two machines holding the same files agree.
+    Two nodes chain only when this matches: same model id is not enough. A GGUF file's is
+    made of its manifest's digest (``fabric.compute.gguf_manifest``: its metadata section and
+    every tensor's sha256, which fix the config too), so a partial copy fetched from peers,
+    which carries its source's manifest, registers what the whole file does. Otherwise the
+    config is taken without local paths and runtime-only fields (:func:`architecture`); the
+    weights by the pulled manifest's digests, else by each file's size and sampled contents.
+    Nothing here depends on a path, a home directory, an install location, a file's mtime or
+    the machine, so two machines holding the same files agree.
     """
+    if source.kind == "gguf":
+        return fingerprint_of(manifest_for(source.path, cache_root).digest) + _quant_suffix(quant)
     h = hashlib.sha256(json.dumps(architecture(config), sort_keys=True, default=str).encode())
     pinned = _pulled_digests(source)
     if pinned:  # a pulled copy, maybe of some shards only: the hub's digests of all its weight files
         h.update(json.dumps(pinned, sort_keys=True).encode())
         return h.hexdigest()[:32] + _quant_suffix(quant)
-    files = [source.path] if source.kind == "gguf" else sorted(source.path.glob("*.safetensors"))
-    for f in files:
+    for f in sorted(source.path.glob("*.safetensors")):
         size = f.stat().st_size
-        # a GGUF's own file name is local (renaming it changes no output); shard names are part of a repository
-        h.update(f"{f.name if source.kind == 'hf' else 'gguf'}:{size}".encode())
+        h.update(f"{f.name}:{size}".encode())  # shard names are part of a repository
         with open(f, "rb") as fh:
             for i in range(17):  # head, 16 evenly spaced samples: cheap even for 100 GB
                 fh.seek(min(size, (size * i) // 16))

@@ -19,6 +19,7 @@ TORCH_DTYPES = {
     "bfloat16": torch.bfloat16,
     "int64": torch.int64,
     "int32": torch.int32,
+    "uint8": torch.uint8,  # raw bytes (a model file's chunks): no FORWARD or AUDIT accepts it
 }
 DTYPE_NAMES = {v: k for k, v in TORCH_DTYPES.items()}
 

@@ -37,6 +37,7 @@ class NodeConfig:
     # None: no lock (`meshnet node` gives its device's default file, see compute_lock.default_path)
     max_frame_bytes: int = 64 << 20  # largest tensor buffer accepted from a peer
     cache_root: Path | None = None  # where parsed GGUF metadata is cached
+    share_bytes_per_s: float = 0.0  # bytes/s of its model file handed to peers fetching layers; 0: no cap
     progress: bool = True  # show a progress bar while weights load
     security: Security | None = None  # CurveZMQ keys and allow-list; None: plaintext (a trusted LAN)
     scheduler: SchedulerConfig = SchedulerConfig()  # batching and prefill slices

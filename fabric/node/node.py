@@ -29,30 +29,31 @@ from ..compute.quant import release_freed_memory
 from ..compute.tensors import TORCH_DTYPES, from_wire, to_wire
 from ..metrics import Sample
 from ..net.peer_liveness import PeerLiveness
-from ..net.relay import RelayedPeer
 from ..net.security import peer_key, serve_securely, start_authenticator
 from ..wire import protocol as p
 from ..wire.liveness import PEER_SILENCE, PING_INTERVAL
 from . import telemetry
+from .asks import SessionAsks
 from .config import NodeConfig
 from .head import Head, ServedModel
 from .hops import HopRunner
 from .leave import Departure
-from .asks import SessionAsks
 from .links import Links
 from .owners import SELF, Owners
 from .peers import Peers
 from .prefixes import MAX_PREFIXES, PrefixIndex
+from .replies import Replies
 from .route_session import eos_ids
 from .scheduler import HopScheduler, Replay, Work
 from .session_control import SessionControl
+from .share import WeightShare
 from .taps import Taps, kernels
 from .telemetry import COUNTERS
 
 log = logging.getLogger(__name__)
 
 
-class Node(SessionControl):
+class Node(SessionControl, Replies):
     def __init__(self, config: NodeConfig, ctx: zmq.Context | None = None):
         self.config = config
         # a secured node owns its context: one ZAP handler per context
@@ -63,7 +64,9 @@ class Node(SessionControl):
         budget = default_budget(config.device) if config.kv_cache_bytes is None else config.kv_cache_bytes
         self.kv = KVStore(config.kv_idle_timeout, retain_bytes=budget)
         self.executor = ShardExecutor(weights, self.kv)
-        self.fingerprint = fingerprint(config.source, weights.config, config.quant)
+        self.fingerprint = fingerprint(config.source, weights.config, config.quant, config.cache_root)
+        self.share = WeightShare(config.source, config.source.model_id, config.node_id, config.shard.num_layers,
+                                 config.share_bytes_per_s, config.cache_root)  # its file, to peers fetching layers
         self.context = getattr(weights.config, "max_position_embeddings", 0) or 0  # positions a session may reach
         self.vocab = getattr(weights.config, "vocab_size", 0) or 0  # token ids are below this
         # hops, cache misses, failovers, errors: for /metrics and tests. Every key exists from
@@ -126,7 +129,9 @@ class Node(SessionControl):
         self.ready.set()
         try:
             while not stop.is_set() and not (leave is not None and leave.is_set() and self._leave_and_drain()):
-                for sock, _ in self.poller.poll(int(self.hops.wait(self.scheduler) * 1000)):
+                share = self.share.wait(time.monotonic())  # None: no chunk waits
+                wait = self.hops.wait(self.scheduler) if share is None else min(share, self.hops.wait(self.scheduler))
+                for sock, _ in self.poller.poll(int(wait * 1000)):
                     if sock != lock:  # the lock's wake-up is read when the batch runs
                         self._drain(sock)
                 if self.hops.ready(self.scheduler):  # never waits for the lock: see HopRunner.ready
@@ -153,6 +158,7 @@ class Node(SessionControl):
         self.peers.close()
         self.router.close(linger=0)
         self.links.close()
+        self.share.close()
         self._lock.close()
         if self.auth is not None:
             self.auth.stop()
@@ -177,6 +183,7 @@ class Node(SessionControl):
 
     def _periodic(self) -> None:
         now = time.monotonic()
+        self.share.pump(now, self.reply)  # chunks for peers fetching layers: between steps, within the cap
         self.links.tick(now)
         self.peers.probe(now)
         for session in self.kv.evict_idle():
@@ -246,6 +253,10 @@ class Node(SessionControl):
                 pass  # queued: it runs between hops (_run)
             case p.AuditTap() | p.AuditResult():  # sent by this very node to itself (``_send``)
                 self._audit_answer(msg, buffers, self.key)
+            case p.ManifestRequest():
+                self.reply(identity, *self.share.manifest_answer(msg))
+            case p.ChunkRequest():
+                self.reply(identity, self.share.request(identity, msg))  # None: queued, ``pump`` sends it
             case p.Ping():
                 self.reply(identity, p.Pong(msg.nonce, node=self.config.node_id, sessions=len(self.kv)))
             case p.Error() | p.Pong() | p.Ack():
@@ -354,19 +365,6 @@ class Node(SessionControl):
             self._dispatch(b"", message, [])
         else:
             self.peers.send(endpoint, key, p.encode(message))
-
-    def reply(self, identity: bytes, message: p.Message) -> None:
-        if isinstance(identity, RelayedPeer):  # the peer reached us through our relay's front
-            self.links.reply_relayed(identity, p.encode(message))
-        elif identity:
-            try:
-                self.router.send_multipart([identity, *p.encode(message)], flags=zmq.NOBLOCK)
-            except zmq.Again:
-                log.warning("client %r is not reading; dropped an event", identity)
-            except zmq.ZMQError as exc:
-                if exc.errno != zmq.EHOSTUNREACH:
-                    raise
-                self._gone.add(identity)
 
     def to_tracker(self, message: p.Message) -> bool:
         return self.links.send(message)

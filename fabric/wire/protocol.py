@@ -66,7 +66,7 @@ MAX_TOOL_NAME = 64  # characters of a function's name (OpenAI's limit)
 MAX_TOOL_CALLS = 64  # tool_calls one assistant message of the history may carry
 
 # dtype name -> item size in bytes. The receiver refuses anything else.
-DTYPE_SIZES = {"float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4}
+DTYPE_SIZES = {"float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4, "uint8": 1}  # uint8: raw bytes
 WIRE_DTYPES = {"", "float32", "float16", "bfloat16"}  # hidden states on the wire; "": the compute dtype
 FLOAT_DTYPES = ("float32", "float16", "bfloat16")  # hidden states and logits
 MAX_ID = 256  # longest id anywhere: session, request, audit, node, model, fingerprint
@@ -74,6 +74,9 @@ MAX_ENDPOINT = 1024  # longest endpoint (tcp://host:port, or a relay's)
 TAP_ID_CHARS = 32  # a session's tap id (FORWARD.audit): secrets.token_hex(16), unguessable
 SKETCH_DIM = 32  # numbers per position in an AUDIT_TAP's sketches (fabric/node/verdicts.py: ``sketch``)
 MAX_AUDIT_LOGITS = 8  # positions whose logits one AUDIT_RESULT of a tail's layers carries (a replay's window)
+MAX_CHUNK_BYTES = 4 << 20  # bytes of a model file one CHUNK carries
+MAX_MANIFEST_BYTES = 16 << 20  # bytes of the manifest JSON one MANIFEST carries
+MAX_TENSOR_NAME = 256  # characters of a tensor name in CHUNK_REQUEST (llama.cpp's limit is 64)
 
 
 class ErrorCode:
@@ -168,6 +171,10 @@ class Kind(IntEnum):
     REPLICAS_REQUEST = 33
     REPLICAS = 34
     VERDICT = 35
+    MANIFEST_REQUEST = 36
+    MANIFEST = 37
+    CHUNK_REQUEST = 38
+    CHUNK = 39
 
 
 @dataclass(frozen=True)
@@ -1018,6 +1025,94 @@ class Verdict(Message):
             raise ProtocolError("detail has at most 1024 characters and witnesses at most 8 nodes")
 
 
+# --------------------------------------------------------------------------- weights from peers
+
+
+def _check_digest(value: str, name: str) -> None:
+    if len(value) != 64 or any(c not in "0123456789abcdef" for c in value):
+        raise ProtocolError(f"{name} must be 64 lowercase hex digits (a sha256)", ErrorCode.BAD_REQUEST)
+
+
+def _check_bytes_buffer(message: Message, limit: int, what: str) -> None:
+    if len(message.tensors) != 1:
+        raise ProtocolError(f"{what} carries exactly one buffer")
+    spec = message.tensors[0]
+    if spec.dtype != "uint8" or len(spec.shape) != 1 or spec.shape[0] > limit:
+        raise ProtocolError(f"{what}'s buffer is uint8 bytes of shape (n,), n <= {limit}")
+
+
+@dataclass(frozen=True)
+class ManifestRequest(Message):
+    """Anyone -> node: the manifest of the model file you serve ``model`` from."""
+
+    KIND: ClassVar[Kind] = Kind.MANIFEST_REQUEST
+    model: str
+
+    def validate(self) -> None:
+        check_text(self.model, "model", MAX_MODEL_CHARS)
+
+
+@dataclass(frozen=True)
+class Manifest(Message):
+    """Node -> asker: buffer 0 is the manifest's canonical JSON (``fabric.compute.gguf_manifest``),
+    whose sha256 is ``digest``; the node's file holds layers ``start_layer..end_layer`` of it
+    (with the embedding and the output tensors those layers need)."""
+
+    KIND: ClassVar[Kind] = Kind.MANIFEST
+    model: str
+    digest: str
+    start_layer: int
+    end_layer: int
+    node: str = ""
+
+    def validate(self) -> None:
+        check_text(self.model, "model", MAX_MODEL_CHARS)
+        _check_digest(self.digest, "digest")
+        if not 0 <= self.start_layer <= self.end_layer < MAX_LAYERS:
+            raise ProtocolError(f"layers {self.start_layer}-{self.end_layer} out of range")
+        if len(self.node) > MAX_ID:
+            raise ProtocolError(f"node has at most {MAX_ID} characters")
+        _check_bytes_buffer(self, MAX_MANIFEST_BYTES, "MANIFEST")
+
+
+@dataclass(frozen=True)
+class ChunkRequest(Message):
+    """Anyone -> node: ``length`` bytes of tensor ``name`` (``@kv``: the metadata section) of the
+    file whose manifest digest is ``digest``, from ``offset`` bytes into it. ``ref`` comes back."""
+
+    KIND: ClassVar[Kind] = Kind.CHUNK_REQUEST
+    digest: str
+    name: str
+    offset: int
+    length: int
+    ref: int = 0
+
+    def validate(self) -> None:
+        _check_digest(self.digest, "digest")
+        check_text(self.name, "name", MAX_TENSOR_NAME, code=ErrorCode.BAD_REQUEST)
+        if not 0 <= self.offset < 1 << 48 or not 1 <= self.length <= MAX_CHUNK_BYTES:
+            raise ProtocolError(f"offset must be in [0, 2^48) and length in [1, {MAX_CHUNK_BYTES}]",
+                                ErrorCode.BAD_REQUEST)
+        if not 0 <= self.ref < 1 << 63:
+            raise ProtocolError("ref must be in [0, 2^63)", ErrorCode.BAD_REQUEST)
+
+
+@dataclass(frozen=True)
+class Chunk(Message):
+    """Node -> asker: buffer 0 holds the bytes CHUNK_REQUEST ``ref`` asked for."""
+
+    KIND: ClassVar[Kind] = Kind.CHUNK
+    ref: int
+    name: str
+    offset: int
+
+    def validate(self) -> None:
+        check_text(self.name, "name", MAX_TENSOR_NAME)
+        if not 0 <= self.offset < 1 << 48 or not 0 <= self.ref < 1 << 63:
+            raise ProtocolError("offset must be in [0, 2^48) and ref in [0, 2^63)")
+        _check_bytes_buffer(self, MAX_CHUNK_BYTES, "CHUNK")
+
+
 MESSAGE_TYPES: dict[Kind, type[Message]] = {
     cls.KIND: cls
     for cls in (
@@ -1025,6 +1120,7 @@ MESSAGE_TYPES: dict[Kind, type[Message]] = {
         Register, Heartbeat, RouteRequest, Route, Report, StatusRequest, Status,
         AssignRequest, Assign, Ack, RelayOpen, RelayOpened, Leave,
         AuditTap, Audit, AuditResult, ReplicasRequest, Replicas, Verdict,
+        ManifestRequest, Manifest, ChunkRequest, Chunk,
     )
 }
 

@@ -1,0 +1,172 @@
+#!/usr/bin/env python
+"""Weights from peers on loopback: the fetch rate against a plain copy of the same bytes, and
+the inter-token latency of a stream on the serving node while it serves a fetch.
+
+    python bench/p2p_fetch.py [--model smollm2-135m] [--layers 15-29] [--share-mbps 0]
+                              [--itl-tokens 120] [--itl-share-mbps 400]
+
+Starts a tracker and one node holding the whole file (``python -m fabric.cli ...``), then:
+
+1. fetch rate: ``fetch_layers`` (what ``meshnet pull MODEL --layers A-B --tracker T`` runs)
+   into an empty directory, timed from the tracker's answer to the renamed file, against
+   ``cp`` of the whole file (both read a file the page cache holds); the median of three
+   of each, printed as bytes/s and their ratio (target >= 0.5x);
+2. ITL: one greedy stream of ``--itl-tokens`` tokens on that node alone, then the same stream
+   while fetches of every layer run back to back against it (its cap ``--itl-share-mbps``):
+   the p99 and median gap between tokens of each (target: p99 within 1.5x the median).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from fabric import Client  # noqa: E402
+from fabric.cli.supervision import stop_processes  # noqa: E402
+from fabric.compute.gguf_info import read_header  # noqa: E402
+from fabric.compute.models import resolve  # noqa: E402
+from fabric.fetch.pull import fetch_layers  # noqa: E402
+from tests.support import free_port, wait_for  # noqa: E402
+
+MESSAGES = [{"role": "user", "content": "Write a long story about a lighthouse keeper and the sea."}]
+
+
+def spawn(tmp: Path, name: str, *args: str) -> subprocess.Popen:
+    env_cache = {"XDG_CACHE_HOME": str(tmp / "cache"), "XDG_DATA_HOME": str(tmp / "data"),
+                 "PYTHONPATH": str(REPO)}
+    log = open(tmp / f"{name}.log", "ab")
+    return subprocess.Popen([sys.executable, "-m", "fabric.cli", "--log-level", "info", *args],
+                            stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **env_cache}, cwd=REPO)
+
+
+def start(tmp: Path, model: str, layers: int, share_mbps: float) -> tuple[list[subprocess.Popen], str]:
+    tracker = f"tcp://127.0.0.1:{free_port()}"
+    procs = [spawn(tmp, "tracker", "tracker", "--bind", tracker, "--pub", f"tcp://127.0.0.1:{free_port()}",
+                   "--db", str(tmp / "ledger.sqlite3"))]
+    procs.append(spawn(tmp, f"node-{share_mbps:g}", "node", "--model", model, "--tracker", tracker,
+                       "--layers", f"0-{layers - 1}", "--bind", f"tcp://127.0.0.1:{free_port()}", "--no-progress",
+                       "--share-mbps", str(share_mbps), "--compute-lock", "none"))
+    return procs, tracker
+
+
+def wait_ready(tracker: str, model_id: str) -> None:
+    def ready() -> bool:
+        try:
+            with Client(tracker, timeout=2) as c:
+                return bool(c.status()["plans"].get(model_id))
+        except Exception:  # noqa: BLE001 -- still starting
+            return False
+    if not wait_for(ready, 300, 0.5):
+        raise SystemExit("the node did not come up; see its log")
+
+
+def fetch_rate(tracker: str, model_id: str, layers: str | None, tmp: Path) -> tuple[int, float]:
+    """(bytes, seconds) of one fetch into an empty directory."""
+    target = Path(tempfile.mkdtemp(dir=tmp))
+    began = time.perf_counter()
+    path = fetch_layers(model_id, layers, tracker, None, target, progress=False, say=lambda _: None)
+    return path.stat().st_size, time.perf_counter() - began
+
+
+def copy_rate(source: Path, tmp: Path) -> tuple[int, float]:
+    target = tmp / "copy.gguf"
+    subprocess.run(["cp", str(source), str(target)], check=True)  # warm: the node read it too
+    target.unlink()
+    began = time.perf_counter()
+    subprocess.run(["cp", str(source), str(target)], check=True)
+    took = time.perf_counter() - began
+    target.unlink()
+    return source.stat().st_size, took
+
+
+def gaps(tracker: str, model_id: str, tokens: int) -> list[float]:
+    """Seconds between the tokens of one greedy stream."""
+    stamps = []
+    with Client(tracker, timeout=120) as c:
+        for event in c.generate(model_id, messages=MESSAGES, max_tokens=tokens, ignore_eos=True):
+            if event.token_ids:
+                stamps.append(time.perf_counter())
+    return [b - a for a, b in zip(stamps[1:], stamps[2:])]  # the first gap holds the prefill's tail
+
+
+def itl_under_fetch(tracker: str, model_id: str, tokens: int, tmp: Path) -> tuple[list[float], int]:
+    """The stream's gaps while fetches of every layer run back to back; the bytes fetched meanwhile."""
+    stop, fetched = threading.Event(), [0]
+
+    def fetch_loop() -> None:
+        while not stop.is_set():
+            size, _ = fetch_rate(tracker, model_id, None, tmp)
+            fetched[0] += size
+    worker = threading.Thread(target=fetch_loop)
+    worker.start()
+    try:
+        time.sleep(0.5)  # the fetch is under way before the stream starts
+        return gaps(tracker, model_id, tokens), fetched[0]
+    finally:
+        stop.set()
+        worker.join()
+
+
+def p99(values: list[float]) -> float:
+    return statistics.quantiles(values, n=100)[98] if len(values) >= 2 else values[0]
+
+
+def run_node(args, tmp: Path, share_mbps: float, body) -> None:
+    tmp.mkdir()
+    procs, tracker = start(tmp, args.model, args.num_layers, share_mbps)
+    try:
+        wait_ready(tracker, args.model_id)
+        body(tracker)
+    finally:
+        stop_processes(procs)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--layers", default="15-29", help="the range fetched for the rate (default %(default)s)")
+    ap.add_argument("--share-mbps", type=float, default=0.0, help="the node's cap for the rate run (0: none)")
+    ap.add_argument("--itl-tokens", type=int, default=120)
+    ap.add_argument("--itl-share-mbps", type=float, default=400.0, help="the node's cap for the ITL run")
+    args = ap.parse_args()
+    source = resolve(args.model)
+    args.model_id = source.model_id
+    args.num_layers = read_header(source.path).key("block_count")
+    with tempfile.TemporaryDirectory() as d:
+        tmp = Path(d)
+
+        def rate(tracker: str) -> None:
+            fetch_layers(args.model_id, args.layers, tracker, None, tmp / "warm", progress=False, say=lambda _: None)
+            shutil.rmtree(tmp / "warm")  # a first fetch: the node's manifest and page cache are warm after it
+            runs = [fetch_rate(tracker, args.model_id, args.layers, tmp) for _ in range(3)]
+            size, took = runs[0][0], statistics.median(t for _, t in runs)
+            copies = [copy_rate(source.path, tmp) for _ in range(3)]
+            csize, ctook = copies[0][0], statistics.median(t for _, t in copies)
+            print(f"fetch of layers {args.layers}: {size:,} bytes in {took:.3f} s = {size / took / 1e6:.1f} MB/s "
+                  f"(the file: {source.path.stat().st_size:,} bytes, {size / source.path.stat().st_size:.2f} of it)")
+            print(f"cp of the whole file: {csize:,} bytes in {ctook:.3f} s = {csize / ctook / 1e6:.1f} MB/s")
+            print(f"fetch rate / cp rate: {(size / took) / (csize / ctook):.2f}x (target >= 0.5x)")
+        run_node(args, tmp / "rate", args.share_mbps, rate)
+
+        def itl(tracker: str) -> None:
+            alone = gaps(tracker, args.model_id, args.itl_tokens)
+            loaded, fetched = itl_under_fetch(tracker, args.model_id, args.itl_tokens, tmp / "itl")
+            for what, g in (("alone", alone), (f"serving fetches ({fetched:,} bytes sent)", loaded)):
+                print(f"ITL {what}: median {statistics.median(g) * 1000:.1f} ms, p99 {p99(g) * 1000:.1f} ms, "
+                      f"p99/median {p99(g) / statistics.median(g):.2f} (target <= 1.5)")
+        if args.itl_tokens:
+            run_node(args, tmp / "itl", args.itl_share_mbps, itl)
+
+
+if __name__ == "__main__":
+    main()

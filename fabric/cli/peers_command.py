@@ -1,0 +1,75 @@
+"""Weights from peers on the command line: ``meshnet pull MODEL --tracker T`` fetches a layer
+range from the swarm, and ``meshnet node --model MODEL --layers A-B`` on a machine without the
+model file fetches (or finds, from an earlier fetch) a partial copy before anything loads."""
+from __future__ import annotations
+
+import argparse
+import logging
+from pathlib import Path
+
+from ..flags import CommandError, endpoint
+from .options import keys_flag, load_security
+
+log = logging.getLogger("meshnet")
+
+
+def add_flags(pull: argparse.ArgumentParser) -> None:
+    """``meshnet pull``'s flags for fetching from peers instead of the hub."""
+    pull.add_argument("--tracker", default=None, type=endpoint, metavar="ENDPOINT",
+                      help="fetch MODEL (the id the swarm lists: `meshnet status`) from the nodes that serve it, "
+                           "through this tracker, instead of the hub: only --layers A-B (every layer without it), "
+                           "each tensor checked against the manifest the model's fingerprint is made of, into "
+                           "~/.cache/meshnet/models/peers; an interrupted pull resumes (default: the hub)")
+    keys_flag(pull)
+    pull.add_argument("--no-progress", action="store_true", help="no progress bar while fetching from peers")
+    hub = pull.get_default("func")
+    pull.set_defaults(func=lambda args: cmd_pull(args, hub))
+
+
+def peers_dir() -> Path:
+    from ..compute.gguf_partial import PEERS_DIR
+    from ..compute.model_ref import default_models_root
+
+    return default_models_root() / PEERS_DIR
+
+
+def cmd_pull(args, hub) -> int:
+    if args.tracker is None:
+        return hub(args)
+    from ..fetch.holders import FetchError
+    from ..fetch.pull import fetch_layers
+
+    try:
+        fetch_layers(args.model, args.layers, args.tracker, load_security(args), peers_dir(),
+                     progress=not args.no_progress)
+    except FetchError as exc:
+        raise CommandError(str(exc), 1) from None
+    return 0
+
+
+def from_peers(args) -> None:
+    """A ``--model`` this machine does not have, with ``--layers``: point ``args`` at a partial
+    copy of those layers, found here or fetched from the nodes the tracker lists for it."""
+    from ..compute.model_ref import ModelError, resolve
+
+    if "/" in args.model or Path(args.model).expanduser().exists():
+        return  # a path or a hub repository (peers share GGUF files, named by model id): _node_config says
+    try:
+        resolve(args.model)
+        return
+    except ModelError as exc:
+        why = str(exc)
+    if not args.layers:
+        return  # the tracker cannot assign layers of a model this node cannot read: _node_config says why
+    from ..fetch.holders import FetchError, NoHolders
+    from ..fetch.pull import fetch_layers
+
+    try:
+        path = fetch_layers(args.model, args.layers, args.tracker, load_security(args), peers_dir(),
+                            progress=not args.no_progress, say=log.info)
+    except NoHolders as exc:  # as unknown as before: a usage error
+        raise CommandError(f"{why}; nor does a peer serve it: {exc}", 2) from None
+    except FetchError as exc:
+        raise CommandError(f"{why}; and fetching it from peers failed: {exc}", 1) from None
+    args.model_id = args.model_id or args.model
+    args.model = str(path)

@@ -1,0 +1,201 @@
+"""A partial GGUF file: the source file's metadata section byte for byte, and only the
+tensors of one layer range, written as peers send them.
+
+The result is an ordinary GGUF file (gguf-py, transformers and meshnet's loader read it as
+they read the source), with three more metadata keys: the source's manifest (so that the
+node registers the source's fingerprint and can serve what it holds), the layers it holds,
+and the model id the swarm lists. Its layout is fixed before a byte arrives, from the
+manifest and the range alone: the file is built as ``NAME.part`` at its final size, each
+tensor written into its slot, and a journal (``NAME.part.done``) names every item whose
+bytes were verified. A restarted fetch that finds the same layout hashes the journal's
+items again (local reads: fast), keeps those that still verify, and fetches the rest. The
+file is renamed to NAME once every item verified.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..wire.shard import Shard
+from .gguf_manifest import (
+    KV_NAME,
+    KV_START,
+    LAYERS_KEY,
+    MANIFEST_KEY,
+    MODEL_KEY,
+    FileManifest,
+    _hash_range,
+)
+
+log = logging.getLogger(__name__)
+
+_STRING = 8  # GGUF value type of a string
+PEERS_DIR = "peers"  # under the models directory: the partial copies fetched from peers
+
+
+@dataclass(frozen=True)
+class Slot:
+    """Where one item (the metadata section, or a tensor) goes in the partial file."""
+
+    name: str  # a tensor's name, or KV_NAME
+    offset: int  # absolute, in the partial file
+    nbytes: int
+    sha256: str
+
+
+@dataclass(frozen=True)
+class Layout:
+    header: bytes  # the file's first bytes up to the data, the metadata section's slot zeroed
+    slots: tuple[Slot, ...]
+    size: int  # the whole file's bytes
+
+
+def _string(text: str) -> bytes:
+    raw = text.encode()
+    return struct.pack("<Q", len(raw)) + raw
+
+
+def _kv_string(key: str, value: str) -> bytes:
+    return _string(key) + struct.pack("<I", _STRING) + _string(value)
+
+
+def layout(manifest: FileManifest, shard: Shard, model_id: str) -> Layout:
+    """The partial file of ``manifest``'s tensors that ``shard`` needs, laid out."""
+    tensors = manifest.needed(shard)
+    align = manifest.alignment
+    extra = (_kv_string(MANIFEST_KEY, manifest.canonical().decode()) + _kv_string(LAYERS_KEY, f"{shard.start}-{shard.end}")
+             + _kv_string(MODEL_KEY, model_id))
+    offsets, at = [], 0
+    for t in tensors:
+        at = -(-at // align) * align
+        offsets.append(at)
+        at += t.nbytes
+    infos = b"".join(_string(t.name) + struct.pack("<I", len(t.shape)) + struct.pack(f"<{len(t.shape)}Q", *t.shape)
+                     + struct.pack("<IQ", t.type_id, off) for t, off in zip(tensors, offsets))
+    head = b"GGUF" + struct.pack("<IQQ", manifest.version, len(tensors), manifest.kv_count + 3)
+    header = head + bytes(manifest.kv_bytes) + extra + infos
+    data_start = -(-len(header) // align) * align
+    header += bytes(data_start - len(header))
+    slots = [Slot(KV_NAME, KV_START, manifest.kv_bytes, manifest.kv_sha256)]
+    slots += [Slot(t.name, data_start + off, t.nbytes, t.sha256) for t, off in zip(tensors, offsets)]
+    return Layout(header, tuple(slots), data_start + at)
+
+
+class PartialFile:
+    """The ``.part`` file being fetched: its slots, which of them verified, and writes into them."""
+
+    def __init__(self, target: Path, plan: Layout):
+        self.target, self.plan = target, plan
+        self.part = target.with_name(target.name + ".part")
+        self.journal = target.with_name(target.name + ".part.done")
+        self.done: set[str] = set()
+        self.fd = -1
+
+    def open(self) -> int:
+        """Open (resuming where a layout matches) and return the bytes already verified."""
+        resumable = self.part.is_file() and self.part.stat().st_size == self.plan.size and self._header_matches()
+        if not resumable:
+            self.journal.unlink(missing_ok=True)
+            with open(self.part, "wb") as f:
+                f.truncate(self.plan.size)
+                f.write(self.plan.header)
+        self.fd = os.open(self.part, os.O_RDWR)
+        if resumable:
+            self.done = {s.name for s in self.plan.slots if s.name in self._journaled() and self.verify(s)}
+            self._rewrite_journal()
+        return sum(s.nbytes for s in self.plan.slots if s.name in self.done)
+
+    def _header_matches(self) -> bool:
+        """The ``.part`` was laid out as this fetch lays it out (its metadata slot left aside)."""
+        with open(self.part, "rb") as f:
+            have = f.read(len(self.plan.header))
+        kv = self.plan.slots[0]
+        cut = slice(kv.offset, kv.offset + kv.nbytes)
+        return len(have) == len(self.plan.header) and \
+            have[:cut.start] + have[cut.stop:] == self.plan.header[:cut.start] + self.plan.header[cut.stop:]
+
+    def _journaled(self) -> set[str]:
+        try:
+            return {line for line in self.journal.read_text().splitlines() if line}
+        except OSError:
+            return set()
+
+    def _rewrite_journal(self) -> None:
+        self.journal.write_text("".join(f"{n}\n" for n in sorted(self.done)))
+
+    def missing(self) -> list[Slot]:
+        return [s for s in self.plan.slots if s.name not in self.done]
+
+    def write(self, slot: Slot, offset: int, data) -> None:
+        """``data`` into ``slot`` at ``offset`` bytes from its start (the caller checked the bounds)."""
+        view = memoryview(data)
+        at = 0
+        while at < len(view):
+            at += os.pwrite(self.fd, view[at:], slot.offset + offset + at)
+
+    def verify(self, slot: Slot) -> bool:
+        return _hash_range(self.fd, slot.offset, slot.nbytes) == slot.sha256
+
+    def mark_done(self, slot: Slot) -> None:
+        """``slot`` verified: journal it. No fsync: a resumed fetch hashes every journaled item
+        again, so one whose bytes a crash lost is fetched again, not trusted."""
+        self.done.add(slot.name)
+        with open(self.journal, "a") as f:
+            f.write(slot.name + "\n")
+
+    def finish(self) -> Path:
+        """Every slot verified: the ``.part`` becomes the file."""
+        os.fsync(self.fd)
+        self.close()
+        self.part.replace(self.target)
+        self.journal.unlink(missing_ok=True)
+        return self.target
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+def partial_name(model_id: str, digest: str, shard: Shard) -> str:
+    """``MODEL.DIGEST8.layers-A-B.gguf``: the model id made safe for a file name."""
+    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in model_id)
+    return f"{safe}.{digest[:8]}.layers-{shard.start}-{shard.end}.gguf"
+
+
+def find_partial(directory: Path, model_id: str, start: int, end: int) -> Path | None:
+    """A finished partial copy of ``model_id`` in ``directory`` that holds layers ``start..end``."""
+    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in model_id)
+    if not directory.is_dir():
+        return None
+    for path in sorted(directory.glob(f"{safe}.*.layers-*.gguf")):
+        a, _, b = path.name.removesuffix(".gguf").rpartition(".layers-")[2].partition("-")
+        try:
+            first, last = int(a), int(b)
+        except ValueError:
+            continue
+        if first <= start and end <= last:
+            return path
+    return None
+
+
+def describe_partial(path: Path) -> dict | None:
+    """What ``meshnet models`` lists of a partial copy: its model, layers and bytes (None: unreadable)."""
+    from .gguf_info import read_header
+    from .gguf_manifest import FileManifest
+    from .model_ref import ModelError
+
+    try:
+        meta = read_header(path).metadata
+        manifest = FileManifest.from_json(json.loads(meta[MANIFEST_KEY]))
+        first, last = (int(x) for x in str(meta[LAYERS_KEY]).split("-"))
+    except (KeyError, ValueError, OSError, ModelError):
+        return None
+    total = manifest.num_layers
+    return {"name": meta.get(MODEL_KEY) or path.name, "path": str(path), "bytes": path.stat().st_size,
+            "num_layers": total, "layers": [[first, last]], "complete": (first, last) == (0, total - 1),
+            "manifest": manifest.digest}

@@ -1,0 +1,311 @@
+"""Fetch one layer range of a model from the nodes that hold it, verified, into a partial GGUF.
+
+The steps: ask the tracker who serves the model; ask each of them for its MANIFEST and keep
+those whose manifest hashes to the fingerprint they registered; lay out the partial file
+(``fabric.compute.gguf_partial``); then fetch the items it still lacks (the metadata section
+and each tensor the range needs) in CHUNKs of at most 4 MiB from several peers at once, a
+window of requests in flight on each. Each item comes whole from one peer, so that an item
+whose sha256 differs from the manifest's names the peer that sent it: that peer is left out
+(a log line names it) and the item is asked of another. A peer that stops answering is
+left out the same way. Interrupted, the fetch resumes from the ``.part`` file.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from itertools import count
+from pathlib import Path
+
+import zmq
+
+from ..compute.gguf_manifest import FileManifest, fingerprint_of
+from ..compute.gguf_partial import Layout, PartialFile, Slot, layout
+from ..compute.model_ref import ModelError
+from ..net.security import Security, SecurityError, dial
+from ..wire import protocol as p
+from ..wire.shard import Shard
+from .holders import FetchError, Holder, can_serve, missing_line
+
+log = logging.getLogger(__name__)
+
+WINDOW = 16  # chunk requests in flight on each peer (within the node's queue of 64: fetching from a node's
+# queue keeps it busy between round trips, and four fetchers fit)
+CHUNK_BYTES = p.MAX_CHUNK_BYTES
+CHUNK_TIMEOUT = 15.0  # seconds a peer with chunks asked of it may go without answering any before it counts as
+# gone (progress, not a deadline per chunk: a peer behind a low --share-mbps answers slowly but steadily)
+MANIFEST_TIMEOUT = 5.0  # seconds to wait for the holders' manifests
+BUSY_PAUSE = 0.2  # seconds before asking a peer that answered BUSY again
+MAX_PEERS = 16  # peers fetched from at once
+
+
+@dataclass
+class Peer:
+    holder: Holder
+    sock: zmq.Socket
+    held: tuple[int, int] = (0, 0)  # the layers its file holds (its MANIFEST)
+    inflight: dict[int, tuple[str, int, int, float]] = field(default_factory=dict)  # ref -> (item, offset, length, sent at)
+    gone: str = ""  # why it is left out ("" while it serves)
+    pause_until: float = 0.0
+    heard: float = 0.0  # when it last answered, or was first asked since it had nothing to answer
+    bytes: int = 0
+
+    @property
+    def name(self) -> str:
+        return self.holder.node
+
+
+@dataclass
+class Item:
+    """A slot being fetched from one peer; its sha256 taken as the bytes arrive in order."""
+
+    slot: Slot
+    peer: Peer
+    next_offset: int = 0
+    received: int = 0
+    hasher: object = field(default_factory=hashlib.sha256)
+    hashed: int = 0  # bytes fed to ``hasher``: all of them, unless a chunk came out of order
+
+    def take(self, offset: int, data) -> None:
+        if offset == self.hashed:
+            self.hasher.update(data)
+            self.hashed += len(data)
+
+
+class Fetcher:
+    """One fetch: its peers' sockets, the partial file, and what is in flight where."""
+
+    def __init__(self, model: str, holders: list[Holder], security: Security | None, progress=None):
+        self.model, self.security = model, security
+        self.ctx = zmq.Context.instance()
+        self.poller = zmq.Poller()
+        self.peers: list[Peer] = []
+        for h in holders[:MAX_PEERS]:
+            try:
+                sock = dial(self.ctx, h.endpoint, security, h.key or None, sndhwm=None)
+            except (zmq.ZMQError, SecurityError) as exc:
+                log.warning("cannot dial %s at %s: %s", h.node, h.endpoint, exc)
+                continue
+            self.peers.append(Peer(h, sock))
+            self.poller.register(sock, zmq.POLLIN)
+        self.refs = count(1)
+        self.progress = progress  # a tqdm-like bar (update(n)), or None
+        self.manifest: FileManifest | None = None
+        self.part: PartialFile | None = None
+        self.queue: deque[Slot] = deque()
+        self.active: dict[str, Item] = {}
+
+    def close(self) -> None:
+        for peer in self.peers:
+            peer.sock.close(linger=0)
+        if self.part is not None:
+            self.part.close()
+
+    # -- manifests ----------------------------------------------------------------------
+
+    def manifests(self) -> FileManifest:
+        """Ask every peer for its manifest; keep those that hash to the fingerprint they
+        registered, of the manifest most of them hold."""
+        for peer in self.peers:
+            peer.sock.send_multipart(p.encode(p.ManifestRequest(self.model)))
+        answers: dict[str, tuple[Peer, FileManifest]] = {}
+        deadline = time.monotonic() + MANIFEST_TIMEOUT
+        while len(answers) < len(self.peers) and (left := deadline - time.monotonic()) > 0:
+            for sock, _ in self.poller.poll(left * 1000):
+                peer = next(x for x in self.peers if x.sock is sock)
+                got = self._manifest_of(peer, sock.recv_multipart(copy=False))
+                if got is not None:
+                    answers[peer.name] = (peer, got)
+        for peer in self.peers:
+            if peer.name not in answers and not peer.gone:
+                self._leave_out(peer, "it sent no manifest")
+        if not answers:
+            raise FetchError(f"no node serving {self.model} answered with a manifest of its file "
+                             f"({len(self.peers)} asked)")
+        votes: dict[str, list[Peer]] = {}
+        for peer, manifest in answers.values():
+            votes.setdefault(manifest.digest, []).append(peer)
+        digest = max(votes, key=lambda d: len(votes[d]))
+        for other, peers in votes.items():
+            if other != digest:
+                for peer in peers:
+                    self._leave_out(peer, f"its file differs (manifest {other[:12]}, most hold {digest[:12]})")
+        return next(m for _, m in answers.values() if m.digest == digest)
+
+    def _manifest_of(self, peer: Peer, frames) -> FileManifest | None:
+        try:
+            msg, buffers = p.decode(frames, p.MAX_MANIFEST_BYTES)
+        except p.ProtocolError as exc:
+            self._leave_out(peer, f"it sent a bad frame ({exc})")
+            return None
+        if not isinstance(msg, p.Manifest):
+            self._leave_out(peer, f"it answered {msg}")
+            return None
+        raw = bytes(buffers[0])
+        digest = hashlib.sha256(raw).hexdigest()
+        if digest != msg.digest or fingerprint_of(digest) != peer.holder.weights_print:
+            self._leave_out(peer, "its manifest does not hash to the fingerprint it registered")
+            return None
+        try:
+            manifest = FileManifest.from_json(json.loads(raw))
+        except (ValueError, ModelError) as exc:
+            self._leave_out(peer, f"its manifest is not valid ({exc})")
+            return None
+        peer.held = (msg.start_layer, msg.end_layer)
+        return manifest
+
+    def _leave_out(self, peer: Peer, why: str) -> None:
+        if peer.gone:
+            return
+        peer.gone = why
+        log.warning("fetch of %s: leaving out peer %s (%s): %s", self.model, peer.name, peer.holder.endpoint, why)
+        peer.inflight.clear()
+        for name, item in list(self.active.items()):
+            if item.peer is peer:
+                del self.active[name]
+                self.queue.appendleft(item.slot)
+
+    # -- the fetch ------------------------------------------------------------------------
+
+    def start(self, target: Path, plan: Layout, shard: Shard, manifest: FileManifest) -> int:
+        """Open the ``.part`` file; the bytes it already holds, verified."""
+        self.manifest = manifest
+        held = {peer.name: peer.held for peer in self.peers if not peer.gone}
+        line = missing_line(self.model, shard, manifest, list(plan.slots), held)
+        if line:
+            raise FetchError(line)
+        self.part = PartialFile(target, plan)
+        have = self.part.open()
+        self.queue.extend(self.part.missing())
+        return have
+
+    def run(self) -> Path:
+        """Fetch every missing slot; the finished file's path."""
+        while self.queue or self.active:
+            now = time.monotonic()
+            self._ask(now)
+            self._check_timeouts(now)
+            if not any(peer.inflight for peer in self.peers) and self.queue and not self._anyone_for(self.queue[0]):
+                raise FetchError(self._stranded())
+            for sock, _ in self.poller.poll(100):
+                self._drain(next(x for x in self.peers if x.sock is sock))
+        return self.part.finish()
+
+    def _drain(self, peer: Peer) -> None:
+        """Every answer waiting from ``peer`` (its socket may close meanwhile: left out)."""
+        while not peer.gone:
+            try:
+                frames = peer.sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            self._received(peer, frames)
+
+    def _stranded(self) -> str:
+        gone = "; ".join(f"{p_.name}: {p_.gone}" for p_ in self.peers if p_.gone) or "none left out"
+        return f"no peer left to fetch {self.queue[0].name} of {self.model} from ({gone})"
+
+    def _anyone_for(self, slot: Slot) -> bool:
+        return any(self._serves(peer, slot) for peer in self.peers)
+
+    def _serves(self, peer: Peer, slot: Slot) -> bool:
+        return not peer.gone and can_serve(peer.held, slot.name, self.manifest.num_layers, self.manifest.tied)
+
+    def _ask(self, now: float) -> None:
+        for peer in self.peers:
+            while not peer.gone and peer.pause_until <= now and len(peer.inflight) < WINDOW:
+                item = self._next_item(peer)
+                if item is None:
+                    break
+                length = min(CHUNK_BYTES, item.slot.nbytes - item.next_offset)
+                ref = next(self.refs)
+                if not peer.inflight:
+                    peer.heard = now
+                peer.sock.send_multipart(p.encode(p.ChunkRequest(self.manifest.digest, item.slot.name,
+                                                                 item.next_offset, length, ref)))
+                peer.inflight[ref] = (item.slot.name, item.next_offset, length, now)
+                item.next_offset += length
+
+    def _next_item(self, peer: Peer) -> Item | None:
+        """An item of ``peer``'s with chunks not asked for yet, else the next queued item it holds."""
+        for item in self.active.values():
+            if item.peer is peer and item.next_offset < item.slot.nbytes:
+                return item
+        for slot in self.queue:
+            if self._serves(peer, slot):
+                self.queue.remove(slot)
+                item = self.active[slot.name] = Item(slot, peer)
+                return item
+        return None
+
+    def _check_timeouts(self, now: float) -> None:
+        for peer in self.peers:
+            if peer.inflight and now - peer.heard > CHUNK_TIMEOUT:
+                self._leave_out(peer, f"it answered none of {len(peer.inflight)} chunks for {CHUNK_TIMEOUT:g} s")
+
+    def _received(self, peer: Peer, frames) -> None:
+        peer.heard = time.monotonic()
+        try:
+            msg, buffers = p.decode(frames, CHUNK_BYTES)
+        except p.ProtocolError as exc:
+            self._leave_out(peer, f"it sent a bad frame ({exc})")
+            return
+        if isinstance(msg, p.Error):
+            self._refused(peer, msg)
+            return
+        if not isinstance(msg, p.Chunk) or msg.ref not in peer.inflight:
+            return  # an answer to a request given up on (or a stray): nothing waits for it
+        name, offset, length, _ = peer.inflight.pop(msg.ref)
+        item = self.active.get(name)
+        if (msg.name, msg.offset, len(buffers[0])) != (name, offset, length):
+            self._leave_out(peer, f"it answered chunk {msg.ref} with other bytes than asked")
+            return
+        if item is None or item.peer is not peer:
+            return
+        self.part.write(item.slot, offset, buffers[0])
+        item.take(offset, buffers[0])
+        item.received += length
+        peer.bytes += length
+        if item.received == item.slot.nbytes:
+            self._complete(item)
+
+    def _refused(self, peer: Peer, msg: p.Error) -> None:
+        """An ERROR: BUSY means ask again soon (the chunks it held go back); anything else leaves it out."""
+        if msg.code != p.ErrorCode.BUSY:
+            self._leave_out(peer, f"it refused a chunk: {msg.code}: {msg.message}")
+            return
+        peer.pause_until = time.monotonic() + BUSY_PAUSE
+        for name, offset, _, _ in peer.inflight.values():
+            item = self.active.get(name)
+            if item is not None and item.peer is peer:
+                item.next_offset = min(item.next_offset, offset)
+        # every unanswered chunk is asked again: received bytes are rewritten, the same bytes
+        for item in self.active.values():
+            if item.peer is peer:
+                item.received = min(item.received, item.next_offset)
+        peer.inflight.clear()
+
+    def _complete(self, item: Item) -> None:
+        del self.active[item.slot.name]
+        whole = item.hashed == item.slot.nbytes  # else some chunk came again, out of order: read it back
+        if not (item.hasher.hexdigest() == item.slot.sha256 if whole else self.part.verify(item.slot)):
+            self.queue.appendleft(item.slot)
+            self._leave_out(item.peer, f"it sent bad bytes: {item.slot.name} does not match the manifest's sha256")
+            return
+        self.part.mark_done(item.slot)
+        if self.progress is not None:
+            self.progress.update(item.slot.nbytes)
+
+
+def fetch_plan(manifest: FileManifest, layers: str | None, model: str) -> tuple[Shard, Layout]:
+    """The shard ``layers`` names of this manifest's model (all of it: None), laid out."""
+    from ..wire.shard import parse_layers
+
+    try:
+        shard = parse_layers(layers, manifest.num_layers) if layers else Shard(0, manifest.num_layers - 1,
+                                                                              manifest.num_layers)
+    except ValueError as exc:
+        raise FetchError(f"{exc} ({model} has {manifest.num_layers} layers)") from None
+    return shard, layout(manifest, shard, model)

@@ -1,0 +1,82 @@
+"""``meshnet pull MODEL --layers A-B --tracker T`` and a node started without its model file:
+find a finished partial copy here, else fetch one from the swarm."""
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from pathlib import Path
+
+from ..compute.gguf_partial import find_partial, partial_name
+from ..net.security import Security
+from ..wire.shard import _RANGE
+from .fetcher import Fetcher, fetch_plan
+from .holders import NoHolders, holders_of
+
+log = logging.getLogger(__name__)
+
+TRACKER_WAIT = 5.0  # seconds to wait for the tracker's list of nodes
+
+
+def local_copy(directory: Path, model: str, layers: str | None) -> Path | None:
+    """A finished partial copy of ``model`` holding ``layers`` (None: never, the range is not known)."""
+    m = _RANGE.match(layers or "")
+    return find_partial(directory, model, int(m.group(1)), int(m.group(2))) if m else None
+
+
+def fetch_layers(model: str, layers: str | None, tracker: str, security: Security | None, directory: Path,
+                 progress: bool = True, say: Callable[[str], None] = print) -> Path:
+    """A partial GGUF of ``model`` holding ``layers`` (all: None) in ``directory``: the one here,
+    or one fetched from the nodes the tracker lists for it. FetchError (one line; NoHolders where
+    no node serves it) otherwise."""
+    found = local_copy(directory, model, layers)
+    if found is not None:
+        say(f"layers {layers} of {model} are here already: {found}")
+        return found
+    holders = _holders(model, tracker, security)
+    fetcher = Fetcher(model, holders, security)
+    try:
+        manifest = fetcher.manifests()
+        shard, plan = fetch_plan(manifest, layers, model)
+        target = directory / partial_name(model, manifest.digest, shard)
+        directory.mkdir(parents=True, exist_ok=True)
+        have = fetcher.start(target, plan, shard, manifest)
+        total = sum(s.nbytes for s in plan.slots)
+        peers = sum(1 for peer in fetcher.peers if not peer.gone)
+        say(f"fetching layers {shard} of {model} from {peers} peer(s): {_mib(total - have)} of {_mib(total)}"
+            + (f" ({have:,} bytes verified here already)" if have else ""))
+        fetcher.progress = _bar(total, have, f"fetching layers {shard}", progress)
+        path = fetcher.run()
+        fetcher.progress.close()
+        fetched = sum(peer.bytes for peer in fetcher.peers)
+        say(f"fetched layers {shard} of {model}: {path} ({path.stat().st_size:,} bytes; {fetched:,} bytes "
+            f"from peers in this run)")
+        return path
+    finally:
+        fetcher.close()
+
+
+def _holders(model: str, tracker: str, security: Security | None):
+    from ..client import Client, FabricError
+
+    try:
+        with Client(tracker, timeout=TRACKER_WAIT, security=security) as client:
+            status = client.status()
+    except FabricError as exc:
+        raise NoHolders(f"cannot ask the tracker at {tracker} who serves {model}: {exc}") from None
+    holders = holders_of(status, model)
+    if not holders:
+        listed = sorted({n.get("model") for n in status.get("nodes", []) if n.get("model")})
+        raise NoHolders(f"no node serves {model} (the tracker at {tracker} lists: {', '.join(listed) or 'none'})")
+    return holders
+
+
+def _bar(total: int, have: int, what: str, shown: bool):
+    """Bytes, rate and ETA, in the style of the loading bar (tqdm)."""
+    from tqdm import tqdm
+
+    return tqdm(total=total, initial=have, unit="B", unit_scale=True, unit_divisor=1024, desc=what,
+                disable=not shown)
+
+
+def _mib(n: int) -> str:
+    return f"{n / (1 << 20):,.1f} MiB"

@@ -1,0 +1,151 @@
+"""A node hands the bytes of its model file to peers that fetch their layers (MANIFEST_REQUEST,
+CHUNK_REQUEST; see docs/PROTOCOL.md, "Weights from peers").
+
+It serves only the file it loaded its own layers from, only tensors that file holds, only
+ranges inside them, and no faster than its cap (``--share-mbps``, a token bucket): serving
+tokens comes first. Chunks are read and sent by the node's own loop between compute steps
+(:meth:`WeightShare.pump`), never inside one; a request the cap holds back waits in a bounded
+queue, and past that bound the asker hears BUSY and asks again later.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..compute.gguf_info import read_header
+from ..compute.gguf_manifest import KV_NAME, KV_START, held_layers, manifest_for
+from ..compute.models import ModelError, ModelSource
+from ..wire import protocol as p
+
+log = logging.getLogger(__name__)
+
+MAX_WAITING = 64  # chunk requests queued behind the cap; more are answered BUSY
+BURST_SECONDS = 0.05  # the bucket holds this many seconds of the cap; a larger chunk waits for a full bucket
+# and leaves it owing the rest, so the cap holds over any few chunks
+
+
+@dataclass
+class TokenBucket:
+    """Bytes per second, with a burst of ``burst`` bytes; ``rate`` 0: no cap."""
+
+    rate: float
+    burst: float
+    tokens: float = 0.0
+    at: float = 0.0
+
+    def _refill(self, now: float) -> None:
+        self.tokens = min(self.burst, self.tokens + (now - self.at) * self.rate)
+        self.at = now
+
+    def wait(self, n: int, now: float) -> float:
+        """Seconds until ``n`` bytes may go (0: now)."""
+        if self.rate <= 0:
+            return 0.0
+        self._refill(now)
+        need = min(n, self.burst) - self.tokens
+        return max(0.0, need / self.rate)
+
+    def take(self, n: int) -> None:
+        if self.rate > 0:
+            self.tokens -= n  # may go below zero by a chunk past the burst: the next wait pays it back
+
+
+@dataclass(frozen=True)
+class _Waiting:
+    identity: bytes
+    msg: p.ChunkRequest
+    offset: int  # absolute, in this node's file
+
+
+class WeightShare:
+    """The MANIFEST and CHUNK answers of one node's model file."""
+
+    def __init__(self, source: ModelSource, model_id: str, node_id: str, num_layers: int,
+                 share_bytes_per_s: float, cache_root: Path | None):
+        self.model_id, self.node_id = model_id, node_id
+        self.path = source.path if source.kind == "gguf" else None
+        self.bucket = TokenBucket(share_bytes_per_s, max(1.0, share_bytes_per_s * BURST_SECONDS))
+        self.waiting: deque[_Waiting] = deque()
+        self.fd = -1
+        if self.path is None:
+            return
+        self.manifest = manifest_for(self.path, cache_root)  # cached: the fingerprint computed it
+        self.manifest_bytes = self.manifest.canonical()
+        self.held = held_layers(self.path) or (0, num_layers - 1)
+        sizes = {t.name: t.nbytes for t in self.manifest.tensors}
+        self.spans = {KV_NAME: (KV_START, self.manifest.kv_bytes)}
+        self.spans |= {t.name: (t.offset, sizes[t.name]) for t in read_header(self.path).tensors if t.name in sizes}
+        self.fd = os.open(self.path, os.O_RDONLY)
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+    def manifest_answer(self, msg: p.ManifestRequest) -> tuple[p.Message, list]:
+        """MANIFEST, or ERROR where this node serves another model or holds no GGUF file."""
+        if msg.model != self.model_id:
+            return p.Error(p.ErrorCode.UNKNOWN_MODEL, f"this node serves {self.model_id!r}, not {msg.model!r}",
+                           node=self.node_id), []
+        if self.path is None:
+            return p.Error(p.ErrorCode.BAD_REQUEST, f"{self.model_id} is served from a Hugging Face directory "
+                           "here; only GGUF files are shared with peers", node=self.node_id), []
+        spec = p.TensorSpec("uint8", (len(self.manifest_bytes),))
+        answer = p.Manifest(self.model_id, self.manifest.digest, self.held[0], self.held[1], self.node_id,
+                            tensors=(spec,))
+        return answer, [self.manifest_bytes]
+
+    def request(self, identity: bytes, msg: p.ChunkRequest) -> p.Error | None:
+        """Queue a chunk to send (``pump`` sends it); an ERROR for one this node cannot or will not send."""
+        refusal = self._refusal(msg)
+        if refusal is not None:
+            return p.Error(p.ErrorCode.BAD_REQUEST, refusal, node=self.node_id)
+        if len(self.waiting) >= MAX_WAITING:
+            return p.Error(p.ErrorCode.BUSY, f"{MAX_WAITING} chunk requests wait here already; ask again later",
+                           node=self.node_id)
+        self.waiting.append(_Waiting(identity, msg, self.spans[msg.name][0] + msg.offset))
+        return None
+
+    def _refusal(self, msg: p.ChunkRequest) -> str | None:
+        if self.path is None:
+            return f"{self.model_id} is served from a Hugging Face directory here; only GGUF files are shared"
+        if msg.digest != self.manifest.digest:
+            return f"this node's file has manifest {self.manifest.digest[:16]}, not {msg.digest[:16]}"
+        span = self.spans.get(msg.name)
+        if span is None:
+            return f"this node's file does not hold tensor {msg.name!r}"
+        if msg.offset + msg.length > span[1]:
+            return (f"bytes {msg.offset}-{msg.offset + msg.length - 1} lie outside {msg.name!r}, "
+                    f"which has {span[1]} bytes")
+        return None
+
+    def wait(self, now: float) -> float | None:
+        """Seconds until the next queued chunk may go (None: none waits)."""
+        return self.bucket.wait(self.waiting[0].msg.length, now) if self.waiting else None
+
+    def pump(self, now: float, send: Callable[[bytes, p.Message, list], None]) -> int:
+        """Send the queued chunks the cap allows now; the bytes sent."""
+        sent = 0
+        while self.waiting and self.bucket.wait(self.waiting[0].msg.length, now) <= 0:
+            item = self.waiting.popleft()
+            try:
+                data = self.read(item.offset, item.msg.length)
+            except (OSError, ModelError) as exc:
+                send(item.identity, p.Error(p.ErrorCode.INTERNAL, f"could not read {item.msg.name}: {exc}",
+                                            node=self.node_id), [])
+                continue
+            self.bucket.take(len(data))
+            chunk = p.Chunk(item.msg.ref, item.msg.name, item.msg.offset, tensors=(p.TensorSpec("uint8", (len(data),)),))
+            send(item.identity, chunk, [data])
+            sent += len(data)
+        return sent
+
+    def read(self, offset: int, length: int) -> bytes:
+        data = os.pread(self.fd, length, offset)
+        if len(data) != length:
+            raise ModelError(f"{self.path.name} ended at byte {offset + len(data)}; it may be truncated")
+        return data

@@ -1,0 +1,279 @@
+"""Weights from peers: a machine without the model file fetches only its layers from the nodes
+that hold it, verified against the manifest the fingerprint is made of, resumably, into a
+partial GGUF that loads as the whole file does.
+
+The process tests run real `meshnet` processes on loopback; the fetching side has its own
+XDG_CACHE_HOME (its own home: no copy of the file, and it never reads the other's path).
+"""
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import zmq
+
+from fabric.compute.gguf_info import read_header
+from fabric.compute.gguf_manifest import (
+    KV_NAME,
+    compute_manifest,
+    fingerprint_of,
+    manifest_for,
+)
+from fabric.compute.gguf_partial import PEERS_DIR, PartialFile, layout, partial_name
+from fabric.compute.model_store import format_inventory, inventory
+from fabric.compute.models import fingerprint, load_config, load_shard, resolve
+from fabric.wire import protocol as p
+from fabric.wire.shard import Shard
+from tests.cluster import ROOT
+from tests.gguf_models import write_gguf
+from tests.support import wait_for
+from tests.tiny_models import assert_clear_lead
+
+MODEL = "tiny"  # the model id the swarm lists: the file's stem
+LAYERS = 6
+RAW_PROMPT = "the quick brown fox jumps over"
+NEW_TOKENS = 10
+EXACT = ("--quant", "none", "--dtype", "float32")
+
+
+@pytest.fixture(scope="module")
+def model_file(tmp_path_factory) -> Path:
+    return write_gguf("llama", tmp_path_factory.mktemp("holder"), "Q8_0", num_layers=LAYERS, name=f"{MODEL}.gguf")
+
+
+def copy_partial(source: Path, shard: Shard, target: Path, flip: str = "") -> PartialFile:
+    """A partial copy of ``shard`` made from ``source`` on this machine (tensor ``flip`` with one bit flipped)."""
+    manifest = compute_manifest(source)
+    part = PartialFile(target, layout(manifest, shard, MODEL))
+    part.open()
+    offsets = {t.name: t.offset for t in read_header(source).tensors}
+    with open(source, "rb") as f:
+        for slot in part.plan.slots:
+            f.seek(24 if slot.name == KV_NAME else offsets[slot.name])
+            data = bytearray(f.read(slot.nbytes))
+            if slot.name == flip:
+                data[0] ^= 1
+            part.write(slot, 0, data)
+    return part
+
+
+# --------------------------------------------------------------------------- the partial file
+
+
+def test_a_partial_copy_loads_as_the_whole_file_does_and_registers_its_fingerprint(model_file, tmp_path):
+    shard = Shard(3, 5, LAYERS)
+    (tmp_path / "models" / PEERS_DIR).mkdir(parents=True)
+    part = copy_partial(model_file, shard, tmp_path / "models" / PEERS_DIR / partial_name(MODEL, "0" * 8, shard))
+    assert all(part.verify(s) for s in part.plan.slots)
+    path = part.finish()
+    listed = format_inventory(inventory(tmp_path / "models"))
+    assert re.search(rf"^{MODEL} +3-5 of 6 .*{re.escape(str(path))}$", listed, re.MULTILINE), listed
+    assert path.stat().st_size < 0.7 * model_file.stat().st_size
+    whole, partial = resolve(str(model_file)), resolve(str(path), MODEL)
+    a = load_shard(whole, shard, progress=False, cache_root=tmp_path / "cache")
+    b = load_shard(partial, shard, progress=False, cache_root=tmp_path / "cache")
+    for i in range(3, 6):
+        for (name, x), (_, y) in zip(a.layers[i].state_dict().items(), b.layers[i].state_dict().items()):
+            assert torch.equal(x, y), name
+    assert torch.equal(a.lm_head.weight, b.lm_head.weight) and torch.equal(a.norm.weight, b.norm.weight)
+    config = load_config(whole, tmp_path / "cache")
+    assert fingerprint(whole, config) == fingerprint(partial, config) == fingerprint_of(manifest_for(model_file).digest)
+
+
+def test_a_flipped_bit_fails_its_tensors_check_and_a_changed_file_changes_the_fingerprint(model_file, tmp_path):
+    shard = Shard(0, 2, LAYERS)
+    part = copy_partial(model_file, shard, tmp_path / "head.gguf", flip="blk.1.ffn_up.weight")
+    bad = [s.name for s in part.plan.slots if not part.verify(s)]
+    assert bad == ["blk.1.ffn_up.weight"]
+    other = write_gguf("llama", tmp_path / "other", "Q8_0", num_layers=LAYERS, seed=1, name=f"{MODEL}.gguf")
+    assert compute_manifest(other).digest != compute_manifest(model_file).digest
+
+
+def test_an_interrupted_layout_resumes_only_what_verifies(model_file, tmp_path):
+    shard = Shard(3, 5, LAYERS)
+    part = copy_partial(model_file, shard, tmp_path / "tail.gguf")
+    good = part.plan.slots[:4]
+    for slot in good:
+        part.mark_done(slot)
+    part.close()
+    with open(part.journal, "a") as f:
+        f.write(part.plan.slots[5].name + "\n")  # journaled, but its bytes are damaged below
+    with open(part.part, "r+b") as f:
+        f.seek(part.plan.slots[5].offset)
+        f.write(b"\xff\xff")
+    again = PartialFile(part.target, part.plan)
+    assert again.open() == sum(s.nbytes for s in good)
+    assert {s.name for s in again.missing()} == {s.name for s in part.plan.slots[4:]}
+
+
+# --------------------------------------------------------------------------- the wire
+
+
+def test_chunk_requests_are_bounded_and_uint8_travels_only_as_bytes():
+    digest = "a" * 64
+    with pytest.raises(p.ProtocolError, match="length"):
+        p.decode(p.encode(p.ChunkRequest(digest, "x", 0, p.MAX_CHUNK_BYTES + 1)))
+    with pytest.raises(p.ProtocolError, match="sha256"):
+        p.decode(p.encode(p.ChunkRequest("A" * 64, "x", 0, 1)))
+    spec = p.TensorSpec("float32", (1,))
+    with pytest.raises(p.ProtocolError, match="uint8"):
+        p.decode(p.encode(p.Chunk(1, "x", 0, tensors=(spec,)), [bytes(4)]))
+    ids = p.TensorSpec("uint8", (1, 2))
+    with pytest.raises(p.ProtocolError, match="int64 input_ids"):
+        p.decode(p.encode(p.Forward("s", 0, 0, 0, 2, (), "r", tensors=(ids,)), [bytes(2)]))
+
+
+# --------------------------------------------------------------------------- processes
+
+
+def float32_greedy(path: Path, cache: Path) -> list[int]:
+    """transformers' own float32 greedy tokens of the whole file for RAW_PROMPT, as a head tokenizes it."""
+    from transformers import AutoModelForCausalLM
+
+    from fabric.compute.models import load_tokenizer
+
+    ids = load_tokenizer(resolve(str(path)), cache)(RAW_PROMPT, add_special_tokens=True)["input_ids"]
+    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+    prompt = torch.tensor([ids])
+    out = model.generate(prompt, max_new_tokens=NEW_TOKENS, do_sample=False, attention_mask=torch.ones_like(prompt),
+                         eos_token_id=None, pad_token_id=0, output_scores=True, return_dict_in_generate=True)
+    assert_clear_lead(torch.stack(out.scores)[:, 0])  # a near-tie is refused, never compared
+    return out.sequences[0, len(ids):].tolist()
+
+
+def home(tmp_path: Path, name: str) -> dict:
+    """Another machine's cache and data directories."""
+    return {"XDG_CACHE_HOME": str(tmp_path / name / "cache"), "XDG_DATA_HOME": str(tmp_path / name / "data")}
+
+
+def peer_copies(env: dict) -> list[Path]:
+    return sorted((Path(env["XDG_CACHE_HOME"]) / "meshnet" / "models" / "peers").glob("*.gguf"))
+
+
+def pull(cluster, env: dict, *extra: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "fabric.cli", "--log-level", "info", "pull", MODEL, "--layers", "3-5",
+                           "--tracker", cluster.endpoint, "--no-progress", *extra], capture_output=True, text=True,
+                          timeout=timeout, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT), **env}, check=False)
+
+
+def test_a_node_without_the_file_fetches_its_layers_and_answers_as_the_reference(process_cluster, model_file,
+                                                                                  tmp_path):
+    b = home(tmp_path, "b")
+    want = float32_greedy(model_file, process_cluster.cache / "meshnet")
+    process_cluster.start_node("a", str(model_file), "0-2", None, *EXACT)
+    assert wait_for(lambda: _listed(process_cluster, "a"), 120, 0.2), process_cluster.logs()
+    process_cluster.start_node("b", MODEL, "3-5", None, *EXACT, env=b)
+    status = process_cluster.wait_nodes(["a", "b"], MODEL)
+    assert len({n["fingerprint"] for n in status["nodes"]}) == 1
+    with process_cluster.client() as client:
+        events = list(client.generate(MODEL, prompt=RAW_PROMPT, max_tokens=NEW_TOKENS, ignore_eos=True))
+    assert [t for e in events for t in e.token_ids] == want, process_cluster.logs()
+    (copy,) = peer_copies(b)
+    assert copy.stat().st_size < 0.7 * model_file.stat().st_size
+    assert not list(Path(b["XDG_CACHE_HOME"]).rglob(model_file.name))  # only the partial copy is on B's disk
+
+
+def _listed(cluster, name: str) -> bool:
+    try:
+        with cluster.client() as c:
+            c.timeout = 2
+            return any(n["id"] == name for n in c.status()["nodes"])
+    except Exception:  # noqa: BLE001 -- the tracker is still starting
+        return False
+
+
+def ask(endpoint: str, message: p.Message) -> tuple[p.Message, list[bytes]]:
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.linger = 0
+    sock.connect(endpoint)
+    try:
+        sock.send_multipart(p.encode(message))
+        assert sock.poll(30_000), "no answer"
+        msg, buffers = p.decode(sock.recv_multipart())
+        return msg, [bytes(b) for b in buffers]
+    finally:
+        sock.close()
+
+
+def test_a_request_outside_the_file_gets_an_error_and_the_node_serves_on(process_cluster, model_file):
+    endpoint = process_cluster.start_node("a", str(model_file), "0-5", None, *EXACT)
+    assert wait_for(lambda: _listed(process_cluster, "a"), 120, 0.2), process_cluster.logs()
+    digest = manifest_for(model_file).digest
+    embed = manifest_for(model_file).find("token_embd.weight")
+    for request, match in ((p.ChunkRequest(digest, "token_embd.weight", embed.nbytes - 10, 100), "outside"),
+                           (p.ChunkRequest(digest, "no.such.tensor", 0, 10), "does not hold"),
+                           (p.ChunkRequest("b" * 64, "token_embd.weight", 0, 10), "manifest")):
+        answer, _ = ask(endpoint, request)
+        assert isinstance(answer, p.Error) and answer.code == p.ErrorCode.BAD_REQUEST, answer
+        assert match in answer.message
+    answer, (data,) = ask(endpoint, p.ChunkRequest(digest, "token_embd.weight", embed.nbytes - 10, 10, ref=7))
+    assert isinstance(answer, p.Chunk) and answer.ref == 7
+    with open(model_file, "rb") as f:
+        f.seek(read_header(model_file).find("token_embd.weight").offset + embed.nbytes - 10)
+        assert data == f.read(10)
+
+
+def test_a_peer_that_sends_bad_bytes_is_named_and_the_fetch_finishes_from_another(process_cluster, model_file,
+                                                                                   tmp_path):
+    process_cluster.start_node("honest", str(model_file), "0-5", None, *EXACT)
+    process_cluster.start_node("corrupt", str(model_file), "0-5", None, *EXACT,
+                               entry=(str(ROOT / "tests" / "corrupt_share_node.py"),))
+    assert wait_for(lambda: _listed(process_cluster, "honest") and _listed(process_cluster, "corrupt"), 120, 0.2)
+    b = home(tmp_path, "b")
+    done = pull(process_cluster, b)
+    assert done.returncode == 0, done.stderr
+    assert re.search(r"leaving out peer corrupt .*it sent bad bytes", done.stderr), done.stderr
+    assert "leaving out peer honest" not in done.stderr
+    (copy,) = peer_copies(b)
+    assert manifest_for(copy).digest == manifest_for(model_file).digest
+    part = PartialFile(copy, layout(manifest_for(model_file), Shard(3, 5, LAYERS), MODEL))
+    part.fd = os.open(copy, os.O_RDONLY)
+    assert all(part.verify(s) for s in part.plan.slots)
+    part.close()
+
+
+def test_an_interrupted_fetch_resumes_without_fetching_again_what_it_verified(process_cluster, model_file,
+                                                                             tmp_path):
+    process_cluster.start_node("slow", str(model_file), "0-5", None, *EXACT, "--share-mbps", "1")
+    assert wait_for(lambda: _listed(process_cluster, "slow"), 120, 0.2), process_cluster.logs()
+    b = home(tmp_path, "b")
+    peers = Path(b["XDG_CACHE_HOME"]) / "meshnet" / "models" / "peers"
+    first = subprocess.Popen([sys.executable, "-m", "fabric.cli", "pull", MODEL, "--layers", "3-5", "--tracker",
+                              process_cluster.endpoint, "--no-progress"], cwd=ROOT,
+                             env={**os.environ, "PYTHONPATH": str(ROOT), **b}, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL)
+
+    def journal() -> Path | None:
+        return next(iter(peers.glob("*.part.done")), None)
+    assert wait_for(lambda: journal() is not None and len(journal().read_text().split()) >= 4, 60, 0.05)
+    first.send_signal(signal.SIGKILL)
+    first.wait(10)
+    kept = len(journal().read_text().split())
+    again = pull(process_cluster, b)
+    assert again.returncode == 0, again.stderr
+    have = int(re.search(r"\(([\d,]+) bytes verified here already\)", again.stdout).group(1).replace(",", ""))
+    total = sum(s.nbytes for s in layout(manifest_for(model_file), Shard(3, 5, LAYERS), MODEL).slots)
+    fetched = int(re.search(r"; ([\d,]+) bytes from peers in this run", again.stdout).group(1).replace(",", ""))
+    assert kept >= 4 and have > 0 and fetched == total - have, again.stdout
+    (copy,) = peer_copies(b)
+    assert manifest_for(copy).digest == manifest_for(model_file).digest
+
+
+def test_in_a_secured_swarm_the_fetch_travels_under_curve_and_a_stranger_gets_nothing(process_cluster, model_file,
+                                                                                       tmp_path):
+    process_cluster.secure()
+    process_cluster.start_node("a", str(model_file), "0-5", None, *EXACT)
+    assert wait_for(lambda: _listed(process_cluster, "a"), 120, 0.2), process_cluster.logs()
+    b = home(tmp_path, "b")
+    done = pull(process_cluster, b, "--keys", str(process_cluster.keys))
+    assert done.returncode == 0, done.stderr
+    (copy,) = peer_copies(b)
+    assert manifest_for(copy).digest == manifest_for(model_file).digest
+    plain = pull(process_cluster, home(tmp_path, "stranger"), timeout=60)  # no keys: the tracker does not answer
+    assert plain.returncode == 1 and "cannot ask the tracker" in plain.stderr, plain.stderr
