@@ -10,9 +10,10 @@ Q8_0 for Q6_K) with SmolLM2's tokenizer, then for each node count starts a track
 many ``meshnet node`` processes (the default mode, ``--quant auto``) and reports:
 
 - load time (spawn to routable) and each node's RSS after one greedy generation, above a bare
-  node's (a process that imported what a node imports and built the model on the meta
-  device, no weights; for the head, which tokenizes, its tokenizer loaded too) against its
-  share of the file;
+  node's (a process that imported what a node imports, left out what a node leaves out, and
+  built the model on the meta device, no weights; for the head, which tokenizes, its tokenizer
+  loaded too) against its share of the file; ``bench/node_floor.py`` breaks one node's RSS
+  down by start-up stage;
 - decode tokens/s of one stream (first token to last, ``--tokens`` tokens, ignore_eos);
 - llama.cpp's (llama-cpp-python, one process, the same thread count: the machine's cores)
   decode tokens/s and RSS on the same file, where it is installed, measured before and after
@@ -47,14 +48,22 @@ GEMMA3_270M = dict(hidden=640, layers=18, intermediate=2048, heads=4, kv_heads=1
                    vocab=262144)  # Gemma 3 270M's shape: its vocabulary is most of its weights
 SMOLLM_VOCAB = 49152
 FLOOR = """
-import psutil, torch, transformers
+import gc, psutil
+from fabric.cli.torch_env import leave_out_unused_packages
+leave_out_unused_packages()  # as a node process does before torch loads
+import torch, transformers
 import fabric.node, fabric.cli
-from fabric.compute.models import load_config, load_tokenizer, resolve
+from fabric.compute.models import default_cache_root, load_config, load_tokenizer, resolve
+from fabric.compute.quant import release_freed_memory
 from transformers import AutoModelForCausalLM
-with torch.device("meta"):
-    AutoModelForCausalLM.from_config(load_config(resolve({path!r})))
+with torch.device("meta"):  # the config and tokenizer read as a node reads them: parsed once, cached
+    AutoModelForCausalLM.from_config(load_config(resolve({path!r}), default_cache_root()))
+gc.collect()
+release_freed_memory()  # as a node does once loaded: what loading freed goes back to the OS
 tail = psutil.Process().memory_info().rss
-tokenizer = load_tokenizer(resolve({path!r}))
+tokenizer = load_tokenizer(resolve({path!r}), default_cache_root())
+gc.collect()
+release_freed_memory()
 print(tail, psutil.Process().memory_info().rss)
 """
 

@@ -34,7 +34,7 @@ from .options import (
     tracker_flag,
 )
 from .ports import listening, refuse_ports_in_use
-from .torch_env import grouped_kv_attention, omp_workers_nap
+from .torch_env import grouped_kv_attention, leave_out_unused_packages, omp_workers_nap
 
 log = logging.getLogger("meshnet")
 
@@ -140,9 +140,16 @@ def _check_node_flags(args) -> None:
     refuse_ports_in_use({"this node, --bind": args.bind}, "node")
 
 
-def cmd_node(args) -> int:
+def prepare_process(args) -> None:
+    """What a node process sets before torch loads: the OpenMP and attention settings torch and
+    transformers read once, and the installed packages the libraries would import for nothing."""
     omp_workers_nap(weight_only=runs_weight_only(args))
     grouped_kv_attention()
+    leave_out_unused_packages()
+
+
+def cmd_node(args) -> int:
+    prepare_process(args)
     import torch
 
     from ..compute.model_ref import ModelError
