@@ -67,7 +67,8 @@ def device_args(args: argparse.Namespace) -> tuple[str, ...]:
 
 
 def start_cluster(model: str, nodes: int, tmp: Path, threads: int = 0,
-                  node_args: tuple[str, ...] = ()) -> tuple[list[subprocess.Popen], str]:
+                  node_args: tuple[str, ...] = (), shards: list | None = None) -> tuple[list[subprocess.Popen], str]:
+    """A tracker and ``nodes`` nodes of ``model``, split evenly unless ``shards`` says how."""
     tracker = f"tcp://127.0.0.1:{free_port()}"
     me = [sys.executable, "-m", "fabric.cli", "--log-level", "warning"]
     threads_args = ["--threads", str(threads)] if threads else []  # default: all cores, as `meshnet up`
@@ -76,7 +77,7 @@ def start_cluster(model: str, nodes: int, tmp: Path, threads: int = 0,
     from fabric.compute.models import load_config
 
     layers = load_config(resolve(model)).num_hidden_layers
-    for shard in even_split(layers, nodes):
+    for shard in shards or even_split(layers, nodes):
         procs.append(subprocess.Popen([*me, "node", "--model", model, "--layers", str(shard), "--tracker",
                                        tracker, *threads_args, "--compute-lock", str(tmp / "compute.lock"),
                                        "--no-progress", *node_args], cwd=REPO))

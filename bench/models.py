@@ -2,17 +2,19 @@
 """A bigger model at CI size: a synthetic GGUF of a 1-2B shape, split over 1, 2 and 3 nodes.
 
     python bench/models.py [--shape 1.7b|1b|gemma3-270m] [--nodes 1,2,3] [--tokens 64] [--keep DIR]
-                           [--file PATH] [--no-llama-cpp]
+                           [--file PATH] [--no-llama-cpp] [--split balanced|even]
 
 Writes a GGUF of random weights in a Q4_K_M-like mix (Q4_K, and Q6_K for attn_v, ffn_down and
 the embedding; llama.cpp's fallbacks where a row is not a multiple of 256: Q5_0 for Q4_K,
 Q8_0 for Q6_K) with SmolLM2's tokenizer, then for each node count starts a tracker and that
-many ``meshnet node`` processes (the default mode, ``--quant auto``) and reports:
+many ``meshnet node`` processes (the default mode, ``--quant auto``; layers split as ``meshnet up``
+splits them, by memory) and reports:
 
 - load time (spawn to routable) and each node's RSS after one greedy generation, above a bare
-  node's (a process that imported what a node imports and built the model on the meta
-  device, no weights; for the head, which tokenizes, its tokenizer loaded too) against its
-  share of the file;
+  node's (a process that imported what a node imports, left out what a node leaves out, and
+  built the model on the meta device, no weights; for the head, which tokenizes, its tokenizer
+  loaded too) against its share of the file; ``bench/node_floor.py`` breaks one node's RSS
+  down by start-up stage;
 - decode tokens/s of one stream (first token to last, ``--tokens`` tokens, ignore_eos);
 - llama.cpp's (llama-cpp-python, one process, the same thread count: the machine's cores)
   decode tokens/s and RSS on the same file, where it is installed, measured before and after
@@ -47,14 +49,22 @@ GEMMA3_270M = dict(hidden=640, layers=18, intermediate=2048, heads=4, kv_heads=1
                    vocab=262144)  # Gemma 3 270M's shape: its vocabulary is most of its weights
 SMOLLM_VOCAB = 49152
 FLOOR = """
-import psutil, torch, transformers
+import gc, psutil
+from fabric.cli.torch_env import leave_out_unused_packages
+leave_out_unused_packages()  # as a node process does before torch loads
+import torch, transformers
 import fabric.node, fabric.cli
-from fabric.compute.models import load_config, load_tokenizer, resolve
+from fabric.compute.models import default_cache_root, load_config, load_tokenizer, resolve
+from fabric.compute.quant import release_freed_memory
 from transformers import AutoModelForCausalLM
-with torch.device("meta"):
-    AutoModelForCausalLM.from_config(load_config(resolve({path!r})))
+with torch.device("meta"):  # the config and tokenizer read as a node reads them: parsed once, cached
+    AutoModelForCausalLM.from_config(load_config(resolve({path!r}), default_cache_root()))
+gc.collect()
+release_freed_memory()  # as a node does once loaded: what loading freed goes back to the OS
 tail = psutil.Process().memory_info().rss
-tokenizer = load_tokenizer(resolve({path!r}))
+tokenizer = load_tokenizer(resolve({path!r}), default_cache_root())
+gc.collect()
+release_freed_memory()
 print(tail, psutil.Process().memory_info().rss)
 """
 
@@ -167,27 +177,42 @@ def runtime_floor(path: Path) -> tuple[int, int]:
     return int(tail), int(head)
 
 
-def shares(path: Path, nodes: int) -> list[int]:
-    """Bytes of the file each node of an even split reads (its layers, and the embedding or
-    the final norm and lm_head where it holds the first or last layer)."""
+def split(path: Path, nodes: int, how: str) -> list:
+    """The shards of ``nodes`` nodes: ``balanced`` as ``meshnet up`` splits (the ends of the
+    model, which hold more, take fewer layers), or ``even``."""
+    import torch
+
+    from fabric.cli.memory_plan import balanced_shards
+    from fabric.compute.models import default_cache_root, load_config, resolve
+    from fabric.wire.shard import even_split
+
+    source = resolve(str(path))
+    config = load_config(source, default_cache_root())
+    if how == "even":
+        return even_split(config.num_hidden_layers, nodes)
+    return balanced_shards(source, config, nodes, torch.bfloat16, "gguf")  # the default mode's
+
+
+def shares(path: Path, shards: list) -> list[int]:
+    """Bytes of the file each node reads (its layers, and the embedding or the final norm and
+    lm_head where it holds the first or last layer)."""
     from fabric.compute.gguf_load import GGUFTensors, wanted
     from fabric.compute.models import load_config, resolve
-    from fabric.wire.shard import even_split
 
     config = load_config(resolve(str(path)))
     tied = bool(getattr(config, "tie_word_embeddings", False))
     tensors = GGUFTensors.open(path)
-    return [sum(t.nbytes for t in tensors.infos if wanted(t.name, shard, tied))
-            for shard in even_split(config.num_hidden_layers, nodes)]
+    return [sum(t.nbytes for t in tensors.infos if wanted(t.name, shard, tied)) for shard in shards]
 
 
-def run_split(path: Path, nodes: int, tokens: int) -> dict:
+def run_split(path: Path, shards: list, tokens: int) -> dict:
     """Load time, per-node RSS after a generation, and one stream's decode tok/s."""
     from fabric import Client
 
+    nodes = len(shards)
     with tempfile.TemporaryDirectory() as tmp:
         began = time.monotonic()
-        procs, tracker = start_cluster(str(path), nodes, Path(tmp))
+        procs, tracker = start_cluster(str(path), nodes, Path(tmp), shards=shards)
         loaded = time.monotonic() - began
         try:
             stamps = []
@@ -202,7 +227,8 @@ def run_split(path: Path, nodes: int, tokens: int) -> dict:
                 p.terminate()
             for p in procs:
                 p.wait(30)
-    return {"nodes": nodes, "load_s": loaded, "rss": rss, "tok_s": (len(stamps) - 1) / (stamps[-1] - stamps[0])}
+    return {"nodes": nodes, "shards": shards, "load_s": loaded, "rss": rss,
+            "tok_s": (len(stamps) - 1) / (stamps[-1] - stamps[0])}
 
 
 def llama_cpp(path: Path, tokens: int) -> dict | None:
@@ -251,9 +277,10 @@ def report(path: Path, runs: list[dict], floor: tuple[int, int], ref: dict | Non
           f"tokenizer: {floor[1] / MIB:.0f}); CPU: {cpu_features()}; {os.cpu_count()} cores")
     single = next((r for r in runs if r["nodes"] == 1), None)
     for r in runs:
-        share = shares(path, r["nodes"])
+        share = shares(path, r["shards"])
         above = [(rss - floor[1 if i == 0 else 0]) / s for i, (rss, s) in enumerate(zip(r["rss"], share))]
-        print(f"{r['nodes']} node(s): load {r['load_s']:.1f} s, {r['tok_s']:.1f} tok/s"
+        print(f"{r['nodes']} node(s) ({', '.join(map(str, r['shards']))}): load {r['load_s']:.1f} s, "
+              f"{r['tok_s']:.1f} tok/s"
               + (f" ({r['tok_s'] / ref['tok_s']:.2f}x llama.cpp)" if ref else "")
               + f"; RSS {', '.join(f'{x / MIB:.0f}' for x in r['rss'])} MiB"
               + f"; above a bare node {', '.join(f'{a:.2f}' for a in above)}x its share of the file"
@@ -270,6 +297,8 @@ def main() -> int:
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--keep", type=Path, default=None, help="write the file here and keep it")
     parser.add_argument("--no-llama-cpp", action="store_true")
+    parser.add_argument("--split", default="balanced", choices=["balanced", "even"],
+                        help="layers per node: balanced by memory as `meshnet up` splits, or even (default %(default)s)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         path = args.file
@@ -282,7 +311,7 @@ def main() -> int:
                 print(f"wrote {path} in {time.monotonic() - began:.0f} s")
         floor = runtime_floor(path)
         before = None if args.no_llama_cpp else llama_cpp(path, args.tokens)
-        runs = [run_split(path, int(n), args.tokens) for n in args.nodes.split(",")]
+        runs = [run_split(path, split(path, int(n), args.split), args.tokens) for n in args.nodes.split(",")]
         after = None if before is None else llama_cpp(path, args.tokens)  # before and after: the machine drifts
         report(path, runs, floor, _mean(before, after))
     return 0

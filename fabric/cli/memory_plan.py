@@ -62,3 +62,36 @@ def layers_that_fit(model_config, dtype, memory_gib: float, quant: str | None = 
     if fit < 1:
         raise ValueError(f"--memory {memory_gib} GiB does not hold even one layer of this model")
     return fit
+
+
+# What a head's tokenizer holds, per token of its vocabulary: SmolLM2's (49,152 tokens, a fast
+# BPE tokenizer read from its tokenizer.json) holds 17.6 MiB once the heap its parsing freed is
+# returned (`python bench/node_floor.py`), about 375 bytes a token.
+TOKENIZER_BYTES_PER_TOKEN = 375
+
+
+def end_bytes(model_config, gguf: bool, dtype, quant: str | None) -> tuple[int, int]:
+    """(first, last): what a node holding the first layer, and one holding the last, hold
+    beyond their layers. The first: the tokenizer, and the token embedding where it loads whole
+    (a GGUF's stays in the file, its rows read as they are looked up). The last: the lm_head,
+    int8 under a quantization scheme (a GGUF's tied one too), else in ``dtype``."""
+    import torch
+
+    vocab = getattr(model_config, "vocab_size", 0) or 0
+    matrix = vocab * model_config.hidden_size
+    element = torch.empty((), dtype=dtype).element_size()
+    first = vocab * TOKENIZER_BYTES_PER_TOKEN + (0 if gguf else matrix * element)
+    return first, matrix * (1 if quant else element)
+
+
+def balanced_shards(source, model_config, parts: int, dtype, quant: str | None) -> list:
+    """``parts`` shards of the model whose largest estimated memory is least: each end of the
+    model takes fewer layers where it holds more (``end_bytes``); an even split otherwise."""
+    from ..compute.models import layer_bytes
+    from ..compute.quant import quantized_layer_bytes
+    from ..wire.shard import balanced_split
+
+    held = quantized_layer_bytes(model_config, "int8" if quant == "gguf" else quant) if quant else layer_bytes(
+        model_config, dtype)  # gguf: int8 bounds its mix from above, as in layers_that_fit
+    first, last = end_bytes(model_config, source.kind == "gguf", dtype, quant)
+    return balanced_split(model_config.num_hidden_layers, parts, held, first, last)

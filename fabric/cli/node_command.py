@@ -35,7 +35,7 @@ from .options import (
 )
 from .peers_command import from_peers
 from .ports import listening, refuse_ports_in_use
-from .torch_env import grouped_kv_attention, omp_workers_nap
+from .torch_env import grouped_kv_attention, leave_out_unused_packages, omp_workers_nap
 
 log = logging.getLogger("meshnet")
 
@@ -145,12 +145,19 @@ def _check_node_flags(args) -> None:
     refuse_ports_in_use({"this node, --bind": args.bind}, "node")
 
 
+def prepare_process(args) -> None:
+    """What a node process sets before torch loads: the OpenMP and attention settings torch and
+    transformers read once, and the installed packages the libraries would import for nothing."""
+    omp_workers_nap(weight_only=runs_weight_only(args))
+    grouped_kv_attention()
+    leave_out_unused_packages()
+
+
 def cmd_node(args) -> int:
     _check_node_flags(args)  # first: a flag error answers at once, not after torch has loaded
     security = load_security(args)  # a key directory that cannot work says so now, too
     from_peers(args)  # no model file here: its layers from the swarm, before torch loads
-    omp_workers_nap(weight_only=runs_weight_only(args))
-    grouped_kv_attention()
+    prepare_process(args)
     import torch
 
     from ..compute.model_ref import ModelError

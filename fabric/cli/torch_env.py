@@ -34,3 +34,39 @@ def grouped_kv_attention() -> None:
     SDPA's own ``enable_gqa`` gives the same numbers without the copy.
     """
     os.environ.setdefault("TRANSFORMERS_SDPA_FORCE_GQA", "1")
+
+
+# Packages installed beside meshnet that transformers, accelerate or httpx import when they find
+# them, for work a node never does. Measured on a node's imports (torch 2.13, transformers 5.24;
+# `python bench/node_floor.py --keep-all` against without): about 48 MiB of a node's runtime
+# floor of 391, and one thread (scipy's OpenBLAS pool).
+NOT_IN_A_NODE = {
+    # transformers.loss imports scipy.optimize (the Hungarian matching of object-detection
+    # losses) when scipy is installed: 500 modules, about 37 MiB
+    "scipy": "the object-detection losses of transformers",
+    # accelerate's `accelerate config` wizard imports boto3 (and botocore, s3transfer) for
+    # SageMaker when boto3 is installed: about 10 MiB
+    "boto3": "accelerate's SageMaker configuration",
+    # httpcore imports trio for its trio backend, used only by a program running under trio
+    # (the node downloads nothing): about 3 MiB
+    "trio": "httpcore's trio backend",
+}
+
+
+def leave_out_unused_packages(names=NOT_IN_A_NODE) -> list[str]:
+    """Before torch and transformers load: make the packages in ``names`` look absent to this
+    process, so that the libraries' optional imports of them are skipped (``sys.modules[name] =
+    None``: ``importlib.util.find_spec`` answers None and ``import name`` raises ImportError).
+
+    Only for the node process, whose every import happens at start (``cmd_node`` imports the
+    node, the model classes and, on a head, the tokenizer before it serves): a library that
+    needed one of these in the middle of a request would fail there, not here, so the list
+    holds only packages that no model family meshnet runs touches (tests/test_node_imports.py
+    runs a node of each family with them left out). A package already imported stays.
+    Returns the names left out."""
+    import sys
+
+    left = [name for name in names if name not in sys.modules]
+    for name in left:
+        sys.modules[name] = None
+    return left

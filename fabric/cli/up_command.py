@@ -9,7 +9,7 @@ import threading
 
 from ..flags import CommandError, count, endpoint, port, positive_count
 from ..wire.liveness import DEFAULT_PUB, DEFAULT_TRACKER
-from .memory_plan import check_device_flags, picked_quant
+from .memory_plan import balanced_shards, check_device_flags, picked_quant
 from .options import device_flags, keys_flag, load_security, quant_flag
 from .ports import refuse_ports_in_use
 from .supervision import supervise
@@ -39,14 +39,18 @@ def add_parser(sub) -> None:
     p.set_defaults(func=cmd_up)
 
 
-def _even_shards(model: str, nodes: int) -> list:
-    """``nodes`` shards splitting ``model``'s layers evenly; CommandError for an unknown model."""
-    from ..compute.models import ModelError, default_cache_root, load_config, resolve
-    from ..wire.shard import even_split
+def _shards(model: str, nodes: int, dtype_name: str, quant: str) -> list:
+    """``nodes`` shards of ``model``'s layers, balanced by the memory each node will hold (the
+    ends of the model hold more: ``memory_plan.balanced_shards``); CommandError for an unknown model."""
+    import torch
 
+    from ..compute.models import ModelError, default_cache_root, load_config, resolve
+
+    quant = None if quant == "none" else quant
+    dtype = torch.bfloat16 if quant or dtype_name == "bfloat16" else torch.float32  # as each node computes
     try:
-        num_layers = load_config(resolve(model), default_cache_root()).num_hidden_layers
-        return even_split(num_layers, nodes)
+        source = resolve(model)
+        return balanced_shards(source, load_config(source, default_cache_root()), nodes, dtype, quant)
     except (ModelError, ValueError) as exc:
         raise CommandError(str(exc)) from None
 
@@ -55,11 +59,11 @@ def cmd_up(args) -> int:
     check_device_flags(args.device, args.quant)
     # checked here, so a bad key directory fails before anything starts; up's tracker runs with DIR's key pair
     security = load_security(args, f"{args.keys}/id.key (the key pair `meshnet up` runs its tracker with)")
-    shards = _even_shards(args.model, args.nodes)
+    args.quant = picked_quant(args.quant, args.model, args.device)  # every node gets the one answer
+    shards = _shards(args.model, args.nodes, args.dtype, args.quant)
     refuse_ports_in_use({"the tracker, --tracker": args.tracker, "its feed, --pub": args.pub,
                           "the web UI, --port": f"tcp://{args.host}:{args.port}"},
                          "`meshnet up` (or a tracker or web UI)")
-    args.quant = picked_quant(args.quant, args.model, args.device)  # every node gets the one answer
     threads = ["--threads", str(args.threads)] if args.threads else []
     devices = node_devices(args.device, len(shards), _cuda_count(args.device))
     log.info("starting a tracker, %d nodes (layers %s on %s; nodes of one device compute one at a time, "

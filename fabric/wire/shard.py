@@ -60,3 +60,39 @@ def even_split(num_layers: int, parts: int) -> list[Shard]:
         shards.append(Shard(start, start + size - 1, num_layers))
         start += size
     return shards
+
+
+def balanced_split(num_layers: int, parts: int, layer_cost: float, first_extra: float = 0.0,
+                   last_extra: float = 0.0) -> list[Shard]:
+    """Split ``num_layers`` into ``parts`` contiguous shards whose largest memory is least.
+
+    A node's memory is its layers (``layer_cost`` each) plus what its end of the model holds:
+    the first shard's ``first_extra`` (a head's tokenizer, its embedding where it is loaded
+    whole), the last shard's ``last_extra`` (the final norm and lm_head). An even split gives
+    the tail of a tied 1.7B GGUF 1.5-2 layers' worth more than the head, so the ends take fewer
+    layers. Where no split is better than ``even_split``'s, that is the answer (its sizes).
+    """
+    even = even_split(num_layers, parts)
+    if parts == 1:
+        return even
+
+    def cost(start: int, end: int) -> float:
+        return ((end - start + 1) * layer_cost + (first_extra if start == 0 else 0.0)
+                + (last_extra if end == num_layers - 1 else 0.0))
+
+    best_even = max(cost(s.start, s.end) for s in even)
+    # least[k][i]: the least largest cost of the first i layers in k shards, and where the last one starts
+    least = [[(float("inf"), 0)] * (num_layers + 1) for _ in range(parts + 1)]
+    least[0][0] = (0.0, 0)
+    for k in range(1, parts + 1):
+        for i in range(k, num_layers - (parts - k) + 1):
+            least[k][i] = min(((max(least[k - 1][j][0], cost(j, i - 1)), j) for j in range(k - 1, i)),
+                              key=lambda c: c[0])
+    if least[parts][num_layers][0] >= best_even - 1e-9 * max(1.0, best_even):
+        return even
+    shards, end = [], num_layers
+    for k in range(parts, 0, -1):
+        start = least[k][end][1]
+        shards.append(Shard(start, end - 1, num_layers))
+        end = start
+    return shards[::-1]
