@@ -201,6 +201,17 @@ MALFORMED = {
     "FORWARD with a wrong hidden size": (
         _raw(Kind.FORWARD, _hidden_header(tensors=[{"dtype": "float32", "shape": [1, 2, HIDDEN - 1]}]),
              bytes(4 * 2 * (HIDDEN - 1))), BAD_FRAME, f"hidden size {HIDDEN - 1} != {HIDDEN}"),
+    # the limits of protocol.py a node applies with its model's numbers (vocabulary 320, context 8192)
+    "FORWARD with a token id past the vocabulary": (_frames(*_forward(0, NUM_LAYERS - 1, torch.tensor([[1, 320]]))),
+                                                    BAD_REQUEST, "input_ids holds a token id outside the vocabulary"),
+    "FORWARD past the model's context": (_frames(*_forward(0, NUM_LAYERS - 1, IDS, pos=8190)), BAD_REQUEST,
+                                         "go past the model's context of 8192"),
+    "FORWARD with 65 hops after it": (_frames(*_forward(0, NUM_LAYERS - 1, IDS, route=[
+        Hop(f"h{i}", "tcp://127.0.0.1:1", NUM_LAYERS + i, NUM_LAYERS + i) for i in range(p.MAX_HOPS + 1)])),
+        BAD_FRAME, "at most 64 hops"),
+    "GENERATE along 65 hops": (_raw(Kind.GENERATE, _generate_header(route=[
+        {"node": f"h{i}", "endpoint": "tcp://127.0.0.1:1", "start_layer": i, "end_layer": i, "key": ""}
+        for i in range(p.MAX_HOPS + 1)])), BAD_FRAME, "at most 64 hops"),
     "GENERATE with an empty route": (_raw(Kind.GENERATE, _generate_header(route=[])), BAD_REQUEST,
                                      "needs a route"),
     "GENERATE with prompt and messages": (
@@ -251,6 +262,22 @@ def test_malformed_frame_gets_an_error(node, dealer, case):
     assert reply.code == code, f"{reply.code}: {reply.message}"
     assert phrase in reply.message, reply.message
     assert reply.node == node.node_id and reply.session is None
+    assert node.thread.is_alive()
+    ping(dealer)
+
+
+@pytest.mark.parametrize("field, changes", [
+    ("resume", dict(resume=(5, 320))),
+    ("logit_bias", dict(penalties=p.Penalties(bias_ids=(320,), bias_values=(1.0,)))),
+])
+def test_token_ids_past_the_vocabulary_are_refused_by_name(node, dealer, field, changes):
+    """A GENERATE this node heads, naming a token id its model does not have: an error event
+    (bad_request) says which field, and the node goes on serving."""
+    route = (Hop(node.node_id, node.endpoint, 0, NUM_LAYERS - 1),)
+    dealer.send_multipart(p.encode(p.Generate(request_id=f"vocab-{field}", route=route, prompt="hi", **changes)))
+    reply = receive(dealer)
+    assert isinstance(reply, p.Event) and reply.event == "error", reply
+    assert reply.error_code == BAD_REQUEST and f"{field} holds a token id outside the vocabulary [0, 320)" in reply.text
     assert node.thread.is_alive()
     ping(dealer)
 
