@@ -384,15 +384,16 @@ REFUSED, DROPPED = "rejected_frames", "dropped_frames"  # the counter each kind 
 
 def _crash_cases(endpoint: str) -> dict:
     """case -> (frames, what must happen): REFUSED is an ERROR(bad_request) back to the
-    sender; DROPPED is a frame the node ran but could not pass on (nobody can be told)."""
+    sender; DROPPED is a frame the node ran but could not answer (its reply_to is no endpoint)."""
     short = _forward(0, 2, IDS, reply_to=endpoint)  # ends before the last layer, no route after it
     bad_reply = _forward(0, NUM_LAYERS - 1, IDS, reply_to="not-an-endpoint")
     bad_hop = _forward(0, 2, IDS, route=(Hop("x", "bogus", 3, NUM_LAYERS - 1),), reply_to=endpoint)
     generate = p.Generate(request_id="short", route=(Hop("n", endpoint, 0, 2),), prompt="hi")
-    return {"forward with no route after a non-final span": (p.encode(*short), REFUSED),
-            "forward whose reply_to is not an endpoint": (p.encode(*bad_reply), DROPPED),
-            "forward whose next hop is not an endpoint": (p.encode(*bad_hop), DROPPED),
-            "generate whose route stops before the last layer": (p.encode(generate), REFUSED)}
+    return {"forward with no route after a non-final span": (p.encode(*short), REFUSED, "no hop follows"),
+            "forward whose reply_to is not an endpoint": (p.encode(*bad_reply), DROPPED, ""),
+            "forward whose next hop is not an endpoint": (p.encode(*bad_hop), REFUSED,
+                                                          "the next hop's endpoint 'bogus' cannot be dialled"),
+            "generate whose route stops before the last layer": (p.encode(generate), REFUSED, "last layer")}
 
 
 @pytest.mark.parametrize("case", list(_crash_cases("tcp://127.0.0.1:1")))
@@ -402,14 +403,15 @@ def test_valid_but_impossible_frames_do_not_kill_the_node(tiny_llama, case):
     victim = RunningNode(tiny_llama, "victim")
     sock = _dealer(victim.endpoint)
     try:
-        frames, outcome = _crash_cases(victim.endpoint)[case]
+        frames, outcome, phrase = _crash_cases(victim.endpoint)[case]
         sock.send_multipart(frames)
         counters = victim.node.counters
         assert wait_for(lambda: counters[outcome] == 1, 10), dict(counters)
         assert victim.thread.is_alive(), "the node's loop died"
-        if outcome == REFUSED:  # a route that stops early is refused up front, to the sender
+        if outcome == REFUSED:  # a route that stops early, or a hop no one can dial, is refused up front
             reply = receive(sock)
             assert isinstance(reply, p.Error) and reply.code == BAD_REQUEST, reply
+            assert phrase in reply.message, reply.message
         assert isinstance(ping(sock), p.Pong)  # and, for a dropped frame, the first thing the sender hears
         assert counters[REFUSED] + counters[DROPPED] == 1, dict(counters)
     finally:
