@@ -55,6 +55,16 @@ def netbed(tmp_path, xdg_cache):
         yield bed
 
 
+@pytest.fixture(params=["sync", "async"])
+def shell(request):
+    """Makes a client of each shell in turn (``Client``, then ``AsyncClient`` behind the same
+    blocking calls: tests/support/shells.py), so that a client test taking it runs against
+    both: ``with shell(endpoint, timeout=5) as client``."""
+    from tests.support.shells import SHELLS
+
+    return SHELLS[request.param]
+
+
 @pytest.fixture
 def ctx():
     """A ZeroMQ context of the test's own, destroyed with every socket left in it."""

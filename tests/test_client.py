@@ -62,16 +62,88 @@ async def test_cancelled_question_never_answers_the_next_one(slow_tracker):
         await client.close()
 
 
-def test_sync_client_times_out_then_recovers(slow_tracker):
-    with Client(slow_tracker.endpoint, timeout=0.1) as client:
+def test_a_question_that_times_out_never_answers_the_next_one(slow_tracker, shell):
+    with shell(slow_tracker.endpoint, timeout=0.1) as client:
         with pytest.raises(FabricError, match="did not answer"):
             client.status()
         client.timeout = 5
-        assert client.route("m")[0].node == "n"
+        assert client.route("m")[0].node == "n"  # not the late STATUS reply
 
 
-def test_bad_arguments_are_refused_before_any_socket():
-    with Client("tcp://127.0.0.1:1") as client:
+class CountingTracker:
+    """A ROUTER that holds its answer to a first question until ``second_asked`` is set, then
+    gives a second question ``window`` seconds to arrive before it answers: ``overlapped`` says
+    whether a second question reached it while the first was open. (A slow machine can only
+    make an overlap go unseen, never make one up.)"""
+
+    def __init__(self, window: float = 1.0):
+        self.window = window
+        self.first_seen = threading.Event()
+        self.second_asked = threading.Event()
+        self.overlapped = False
+        self.sock = zmq.Context.instance().socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.endpoint = f"tcp://127.0.0.1:{self.sock.bind_to_random_port('tcp://127.0.0.1')}"
+        self.thread = threading.Thread(target=self.run, daemon=True)
+        self.thread.start()
+
+    def run(self) -> None:
+        for n in range(2):
+            if not self.sock.poll(30_000):
+                return
+            identity, *frames = self.sock.recv_multipart()
+            if n == 0:
+                self.first_seen.set()
+                self.second_asked.wait(30)
+                self.overlapped = bool(self.sock.poll(self.window * 1000))
+            msg, _ = p.decode(frames)
+            self.sock.send_multipart([identity, *p.encode(p.Route(msg.model, (p.Hop("n", "tcp://127.0.0.1:1", 0, 1),)))])
+
+    def close(self) -> None:
+        self.thread.join(5)
+        self.sock.close()
+
+
+def test_the_blocking_client_asks_one_question_at_a_time():
+    """Two threads share one client: the second question waits for the first one's answer (the
+    tracker socket is one DEALER, and a reply must reach the question it answers)."""
+    tracker = CountingTracker()
+    answers: dict[str, tuple] = {}
+    with Client(tracker.endpoint, timeout=30) as client:
+        def ask(model: str) -> None:
+            answers[model] = client.route(model)
+
+        first = threading.Thread(target=ask, args=("m1",))
+        first.start()
+        assert tracker.first_seen.wait(10)
+        second = threading.Thread(target=ask, args=("m2",))
+        second.start()
+        tracker.second_asked.set()
+        first.join(30), second.join(30)
+    tracker.close()
+    assert set(answers) == {"m1", "m2"} and not tracker.overlapped
+
+
+def test_the_asyncio_client_asks_one_question_at_a_time():
+    tracker = CountingTracker()
+
+    async def both() -> list:
+        async with AsyncClient(tracker.endpoint, timeout=30) as client:
+            first = asyncio.ensure_future(client.route("m1"))
+            while not tracker.first_seen.is_set():
+                await asyncio.sleep(0.01)
+            second = asyncio.ensure_future(client.route("m2"))
+            await asyncio.sleep(0)  # the second task reaches the lock
+            tracker.second_asked.set()
+            return await asyncio.gather(first, second)
+
+    answers = asyncio.run(both())
+    tracker.close()
+    assert [r[0].node for r in answers] == ["n", "n"] and not tracker.overlapped
+
+
+def test_bad_arguments_are_refused_before_any_socket(shell):
+    with shell("tcp://127.0.0.1:1") as client:
         hop = (p.Hop("n", "tcp://127.0.0.1:1", 0, 1),)
         with pytest.raises(FabricError, match="exactly one of messages or prompt"):
             client.generate("m", route=hop)
@@ -129,10 +201,25 @@ class ScriptedSwarm:
         self.thread.join(5)
 
 
-def test_a_silent_head_hands_the_request_to_another():
+def test_the_route_is_asked_for_at_the_first_event(shell):
+    """Both shells: ``generate`` checks the arguments and returns; the tracker hears of the
+    request when the caller takes the first event (an async generator can do nothing sooner)."""
+    swarm = ScriptedSwarm((4,))
+    try:
+        with shell(swarm.endpoint, timeout=0.5) as client:
+            events = client.generate("m", prompt="x", max_tokens=1)
+            assert swarm.seen["tracker"] == [] and client.routes.instead("m") is None  # nor learnt
+            assert next(events).event == "start"  # from b, after a said nothing
+            assert swarm.seen["tracker"][0] == p.RouteRequest("m", ())
+            assert [e.event for e in events] == ["token", "done"]
+    finally:
+        swarm.close()
+
+
+def test_a_silent_head_hands_the_request_to_another(shell):
     swarm = ScriptedSwarm((4, 5, 6))
     try:
-        with Client(swarm.endpoint, timeout=0.5) as client:
+        with shell(swarm.endpoint, timeout=0.5) as client:
             events = list(client.generate("m", prompt="x", max_tokens=3))
         assert [t for e in events for t in e.token_ids] == [4, 5, 6] and events[-1].event == "done"
         assert wait_for(lambda: len(swarm.seen["a"]) == 2, 5)
@@ -145,10 +232,10 @@ def test_a_silent_head_hands_the_request_to_another():
         swarm.close()
 
 
-def test_a_silent_head_on_a_route_the_caller_chose_is_an_error():
+def test_a_silent_head_on_a_route_the_caller_chose_is_an_error(shell):
     swarm = ScriptedSwarm(())
     try:
-        with Client(swarm.endpoint, timeout=0.3) as client, pytest.raises(FabricError, match="head a .* silent"):
+        with shell(swarm.endpoint, timeout=0.3) as client, pytest.raises(FabricError, match="head a .* silent"):
             list(client.generate("m", prompt="x", max_tokens=3, route=(swarm.hops["a"],)))
     finally:
         swarm.close()

@@ -1,14 +1,12 @@
-"""``Client.generate`` takes OpenAI's sampling fields by name, against a real tracker and nodes
-on loopback: seeded sampling repeats, ``top_k=1`` is greedy, stop strings end the reply, and a
-wrong value is a FabricError naming the field before any socket is used."""
+"""Both clients' ``generate`` takes OpenAI's sampling fields by name, against a real tracker
+and nodes on loopback: seeded sampling repeats, ``top_k=1`` is greedy, stop strings end the
+reply, and a wrong value is a FabricError naming the field before any socket is used."""
 from __future__ import annotations
 
-import asyncio
-import re
 
 import pytest
 
-from fabric import AsyncClient, Client, FabricError, HeadDied, Sampling
+from fabric import FabricError, HeadDied, Sampling
 from fabric.client import core
 from fabric.wire import protocol as p
 
@@ -26,7 +24,7 @@ def split(thread_cluster, tiny_models):
     return thread_cluster, model.name
 
 
-def run(client: Client, model: str, **kw) -> tuple[list[int], str, str]:
+def run(client, model: str, **kw) -> tuple[list[int], str, str]:
     """Token ids, text and finish reason of one request."""
     events = list(client.generate(model, messages=MESSAGES, max_tokens=TOKENS, **kw))
     ids = [t for e in events if e.event == "token" for t in e.token_ids]
@@ -41,9 +39,9 @@ def test_fabric_exports_what_a_script_needs():
     assert issubclass(HeadDied, FabricError) and Sampling().temperature == 0.0
 
 
-def test_seeded_sampling_repeats_and_top_k_1_is_greedy(split):
+def test_seeded_sampling_repeats_and_top_k_1_is_greedy(split, shell):
     cluster, model = split
-    with cluster.client() as client:
+    with shell(cluster.endpoint, timeout=30) as client:
         greedy, _, _ = run(client, model)
         hot = dict(temperature=2.0, top_k=4, seed=7)
         first, _, _ = run(client, model, **hot)
@@ -55,25 +53,9 @@ def test_seeded_sampling_repeats_and_top_k_1_is_greedy(split):
         assert run(client, model, sampling=Sampling(temperature=2.0, top_k=4, seed=99), seed=7)[0] == first
 
 
-def test_the_async_client_takes_the_same_fields(split):
+def test_a_stop_string_ends_the_reply_before_it(split, shell):
     cluster, model = split
-    with cluster.client() as client:
-        expected, _, _ = run(client, model, temperature=2.0, top_k=4, seed=7)
-
-    async def stream() -> list[int]:
-        client = AsyncClient(cluster.endpoint, timeout=30)
-        try:
-            events = client.generate(model, messages=MESSAGES, max_tokens=TOKENS, temperature=2.0, top_k=4, seed=7)
-            return [t async for e in events for t in e.token_ids]
-        finally:
-            await client.close()
-
-    assert asyncio.run(stream()) == expected
-
-
-def test_a_stop_string_ends_the_reply_before_it(split):
-    cluster, model = split
-    with cluster.client() as client:
+    with shell(cluster.endpoint, timeout=30) as client:
         _, full, reason = run(client, model)
         assert reason == "length" and len(full) > 8, full
         stop = full[len(full) // 2:len(full) // 2 + 3]
@@ -100,15 +82,13 @@ BAD = [
 
 
 @pytest.mark.parametrize("kw, words", BAD, ids=[f"{k}={v!r:.12}" for kw, _ in BAD for k, v in kw.items()])
-def test_a_bad_value_is_refused_by_name_before_any_socket(kw, words, monkeypatch):
-    """Every socket either client makes comes from ``core._dealer``; here it only records the
+def test_a_bad_value_is_refused_by_name_before_any_socket(kw, words, monkeypatch, shell):
+    """Every socket either client makes comes from ``core.dealer``; here it only records the
     endpoint, so a refusal that came after dialling shows as a dial, whatever the clock says."""
     dialled = []
-    monkeypatch.setattr(core, "_dealer", lambda ctx, endpoint, *a, **k: dialled.append(endpoint))
+    monkeypatch.setattr(core, "dealer", lambda ctx, endpoint, *a, **k: dialled.append(endpoint))
     silent = "tcp://127.0.0.1:1"  # nothing answers there either
-    with Client(silent, timeout=5) as client, pytest.raises(FabricError) as refused:
-        client.generate("m", messages=MESSAGES, **kw)
+    with shell(silent, timeout=5) as client, pytest.raises(FabricError) as refused:
+        client.generate("m", messages=MESSAGES, **kw)  # at the call, not at the first event
     assert refused.value.code == p.ErrorCode.BAD_REQUEST and words in str(refused.value)
-    with pytest.raises(FabricError, match=re.escape(words)):
-        AsyncClient(silent).generate("m", messages=MESSAGES, **kw)  # at the call, not at the first event
     assert dialled == []

@@ -20,7 +20,8 @@ import urllib.request
 import pytest
 
 from fabric import Client, FabricError
-from fabric.client.core import MAX_HANDOVERS, Continuation, HeadDied
+from fabric.client.core import GenerateArgs, HeadDied
+from fabric.client.stream import MAX_HANDOVERS, Continuation, RequestStream
 from fabric.node.route_session import RouteSession
 from fabric.wire import protocol as p
 from tests.cluster import ROOT, wait_sessions_zero
@@ -192,17 +193,20 @@ def test_a_head_lost_earlier_is_taken_again_when_no_other_serves(monkeypatch):
     stream.go_on(HeadDied(A1), (A2,))
     back = p.Hop("a1", "tcp://127.0.0.1:9", 0, 5)
 
-    def route(model, exclude=()):
+    def route(model, exclude=()):  # the tracker's answer as the client's program, with no I/O
         if "a1" in exclude:
             raise FabricError(p.ErrorCode.NO_ROUTE, "layers 0-5 are not served; skipped a1 (excluded)")
         return (back,)
+        yield
 
     with Client("tcp://127.0.0.1:1") as client:
-        monkeypatch.setattr(client, "route", route)
-        assert client._route_around("m", HeadDied(A2), stream) == (back,)
-        monkeypatch.setattr(client, "route", lambda model, exclude=(): route(model, ("a1",)))
+        request = RequestStream(client, GenerateArgs.of("m", prompt="x"), None)
+        request.stream = stream
+        monkeypatch.setattr(client, "_route_program", route)
+        assert client._run(request._route_around(HeadDied(A2))) == (back,)
+        monkeypatch.setattr(client, "_route_program", lambda model, exclude=(): route(model, ("a1",)))
         with pytest.raises(HeadDied, match="no other head could take the request over"):
-            client._route_around("m", HeadDied(back), stream)
+            client._run(request._route_around(HeadDied(back)))
 
 
 # --------------------------------------------------------------------------- the tracker and the dashboard

@@ -15,7 +15,8 @@ import pytest
 
 from fabric import Client
 from fabric.client import HeadDied, HeadGone, HeadLeaving
-from fabric.client.core import Continuation
+from fabric.client.core import GenerateArgs
+from fabric.client.stream import Continuation, RequestStream
 from fabric.compute.kv import KVStore, SessionKV
 from fabric.node.leave import Departure
 from fabric.wire import protocol as p
@@ -90,9 +91,11 @@ def test_clients_and_heads_go_around_a_leaving_node(thread_cluster, tiny_models)
     class FirstToTheLeaver(Client):
         asked = 0
 
-        def route(self, model, exclude=()):
+        def _route_program(self, model, exclude=()):  # the one route program both shells drive
             self.asked += 1
-            return (hop["a1"], hop["b2"]) if self.asked == 1 else super().route(model, exclude)
+            if self.asked == 1:
+                return (hop["a1"], hop["b2"])
+            return (yield from super()._route_program(model, exclude))
 
     with FirstToTheLeaver(thread_cluster.endpoint, timeout=30) as client:
         events = list(client.generate(model.name, messages=MESSAGES, max_tokens=NEW_TOKENS))
@@ -116,11 +119,12 @@ def test_a_leaving_head_is_booked_as_leaving_and_a_remembered_route_avoids_it():
     with Client("tcp://127.0.0.1:1") as client:
         client.routes.learn("m", (a2, b))
         client.routes.learn("m", (a1, b))  # the best route now
-        stream = Continuation(p.Generate(request_id="r", route=(a1, b), prompt="hi"), fixed_route=False)
-        assert client._around(gone, stream) == [("a1",)]
+        request = RequestStream(client, GenerateArgs.of("m", prompt="hi"), None)
+        request.stream = Continuation(p.Generate(request_id="r", route=(a1, b), prompt="hi"), fixed_route=False)
+        assert request._around(gone) == [("a1",)]
         assert (client.routes.leaving, client.routes.dead) == ({"a1"}, set())
         assert client.routes.instead("m") == (a2, b)
-        client._around(HeadDied(a2), stream)
+        request._around(HeadDied(a2))
         assert (client.routes.leaving, client.routes.dead) == ({"a1"}, {"a2"})
         client.routes.learn("m", (a1, b))  # the tracker routes through a1 again: it stayed
         assert client.routes.leaving == set() and client.routes.instead("m") == (a1, b)

@@ -201,6 +201,17 @@ MALFORMED = {
     "FORWARD with a wrong hidden size": (
         _raw(Kind.FORWARD, _hidden_header(tensors=[{"dtype": "float32", "shape": [1, 2, HIDDEN - 1]}]),
              bytes(4 * 2 * (HIDDEN - 1))), BAD_FRAME, f"hidden size {HIDDEN - 1} != {HIDDEN}"),
+    # the limits of protocol.py a node applies with its model's numbers (vocabulary 320, context 8192)
+    "FORWARD with a token id past the vocabulary": (_frames(*_forward(0, NUM_LAYERS - 1, torch.tensor([[1, 320]]))),
+                                                    BAD_REQUEST, "input_ids holds a token id outside the vocabulary"),
+    "FORWARD past the model's context": (_frames(*_forward(0, NUM_LAYERS - 1, IDS, pos=8190)), BAD_REQUEST,
+                                         "go past the model's context of 8192"),
+    "FORWARD with 65 hops after it": (_frames(*_forward(0, NUM_LAYERS - 1, IDS, route=[
+        Hop(f"h{i}", "tcp://127.0.0.1:1", NUM_LAYERS + i, NUM_LAYERS + i) for i in range(p.MAX_HOPS + 1)])),
+        BAD_FRAME, "at most 64 hops"),
+    "GENERATE along 65 hops": (_raw(Kind.GENERATE, _generate_header(route=[
+        {"node": f"h{i}", "endpoint": "tcp://127.0.0.1:1", "start_layer": i, "end_layer": i, "key": ""}
+        for i in range(p.MAX_HOPS + 1)])), BAD_FRAME, "at most 64 hops"),
     "GENERATE with an empty route": (_raw(Kind.GENERATE, _generate_header(route=[])), BAD_REQUEST,
                                      "needs a route"),
     "GENERATE with prompt and messages": (
@@ -251,6 +262,22 @@ def test_malformed_frame_gets_an_error(node, dealer, case):
     assert reply.code == code, f"{reply.code}: {reply.message}"
     assert phrase in reply.message, reply.message
     assert reply.node == node.node_id and reply.session is None
+    assert node.thread.is_alive()
+    ping(dealer)
+
+
+@pytest.mark.parametrize("field, changes", [
+    ("resume", dict(resume=(5, 320))),
+    ("logit_bias", dict(penalties=p.Penalties(bias_ids=(320,), bias_values=(1.0,)))),
+])
+def test_token_ids_past_the_vocabulary_are_refused_by_name(node, dealer, field, changes):
+    """A GENERATE this node heads, naming a token id its model does not have: an error event
+    (bad_request) says which field, and the node goes on serving."""
+    route = (Hop(node.node_id, node.endpoint, 0, NUM_LAYERS - 1),)
+    dealer.send_multipart(p.encode(p.Generate(request_id=f"vocab-{field}", route=route, prompt="hi", **changes)))
+    reply = receive(dealer)
+    assert isinstance(reply, p.Event) and reply.event == "error", reply
+    assert reply.error_code == BAD_REQUEST and f"{field} holds a token id outside the vocabulary [0, 320)" in reply.text
     assert node.thread.is_alive()
     ping(dealer)
 
@@ -357,15 +384,16 @@ REFUSED, DROPPED = "rejected_frames", "dropped_frames"  # the counter each kind 
 
 def _crash_cases(endpoint: str) -> dict:
     """case -> (frames, what must happen): REFUSED is an ERROR(bad_request) back to the
-    sender; DROPPED is a frame the node ran but could not pass on (nobody can be told)."""
+    sender; DROPPED is a frame the node ran but could not answer (its reply_to is no endpoint)."""
     short = _forward(0, 2, IDS, reply_to=endpoint)  # ends before the last layer, no route after it
     bad_reply = _forward(0, NUM_LAYERS - 1, IDS, reply_to="not-an-endpoint")
     bad_hop = _forward(0, 2, IDS, route=(Hop("x", "bogus", 3, NUM_LAYERS - 1),), reply_to=endpoint)
     generate = p.Generate(request_id="short", route=(Hop("n", endpoint, 0, 2),), prompt="hi")
-    return {"forward with no route after a non-final span": (p.encode(*short), REFUSED),
-            "forward whose reply_to is not an endpoint": (p.encode(*bad_reply), DROPPED),
-            "forward whose next hop is not an endpoint": (p.encode(*bad_hop), DROPPED),
-            "generate whose route stops before the last layer": (p.encode(generate), REFUSED)}
+    return {"forward with no route after a non-final span": (p.encode(*short), REFUSED, "no hop follows"),
+            "forward whose reply_to is not an endpoint": (p.encode(*bad_reply), DROPPED, ""),
+            "forward whose next hop is not an endpoint": (p.encode(*bad_hop), REFUSED,
+                                                          "the next hop's endpoint 'bogus' cannot be dialled"),
+            "generate whose route stops before the last layer": (p.encode(generate), REFUSED, "last layer")}
 
 
 @pytest.mark.parametrize("case", list(_crash_cases("tcp://127.0.0.1:1")))
@@ -375,14 +403,15 @@ def test_valid_but_impossible_frames_do_not_kill_the_node(tiny_llama, case):
     victim = RunningNode(tiny_llama, "victim")
     sock = _dealer(victim.endpoint)
     try:
-        frames, outcome = _crash_cases(victim.endpoint)[case]
+        frames, outcome, phrase = _crash_cases(victim.endpoint)[case]
         sock.send_multipart(frames)
         counters = victim.node.counters
         assert wait_for(lambda: counters[outcome] == 1, 10), dict(counters)
         assert victim.thread.is_alive(), "the node's loop died"
-        if outcome == REFUSED:  # a route that stops early is refused up front, to the sender
+        if outcome == REFUSED:  # a route that stops early, or a hop no one can dial, is refused up front
             reply = receive(sock)
             assert isinstance(reply, p.Error) and reply.code == BAD_REQUEST, reply
+            assert phrase in reply.message, reply.message
         assert isinstance(ping(sock), p.Pong)  # and, for a dropped frame, the first thing the sender hears
         assert counters[REFUSED] + counters[DROPPED] == 1, dict(counters)
     finally:

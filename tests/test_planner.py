@@ -213,8 +213,11 @@ def test_max_routes_and_estimate_route_agree_with_the_plan():
 
 
 def _brute_force_best(nodes, num_layers: int, cost: CostModel) -> float:
-    """Cheapest route over every possible switch layer and node order (tiny inputs only)."""
+    """Cheapest route over every possible switch layer and node order (tiny inputs only),
+    priced over the whole snapshot as the planner prices it (an unmeasured link costs the
+    median of the swarm's measured ones)."""
     best = float("inf")
+    by_id = {n.node_id: n for n in nodes}
     for k in range(1, len(nodes) + 1):
         for order in itertools.permutations(nodes, k):
             for cuts in itertools.combinations(range(1, num_layers), k - 1):
@@ -223,7 +226,6 @@ def _brute_force_best(nodes, num_layers: int, cost: CostModel) -> float:
                         for n, a, b in zip(order, bounds, bounds[1:])]
                 if all(n.start_layer <= h.start_layer and h.end_layer <= n.end_layer
                        for n, h in zip(order, hops)):
-                    by_id = {n.node_id: n for n in order}
                     best = min(best, estimate_route(hops, by_id, cost=cost))
     return best
 
@@ -313,6 +315,30 @@ def test_a_round_trip_measured_by_either_end_counts_and_unknown_links_cost_the_d
     by_id = {"a": replace(a, rtts={"b": 10.0}), "b": b}
     assert route_link_seconds(hops, by_id, cost) == pytest.approx(0.010)  # a -> b, and the token back
     assert route_link_seconds(hops[:1], by_id, cost) == 0.0
+
+
+def test_an_unmeasured_link_costs_the_median_measured_one_not_less():
+    """h can hand off to t1 over a link measured fast for this swarm (6 ms round trip, where
+    the other links measured take 40 ms), or to t2, as fast a node, over a link nobody has
+    measured yet. Priced at the small default (1 ms each way), the unmeasured link made t2's
+    route the best; priced as the swarm's typical link, the measured fast one wins."""
+    from dataclasses import replace
+
+    h, t1, t2 = node("h", 0, 19, 1000.0), node("t1", 20, 39, 1000.0), node("t2", 20, 39, 1000.0)
+    x, y = node("x", 0, 39, model="other"), node("y", 0, 39, model="other")
+    nodes = [replace(h, rtts={"t1": 6.0, "x": 40.0}), t1, t2, replace(x, rtts={"y": 40.0, "h": 40.0}), y]
+    plan = plan_routes(nodes, "m", cost=CostModel(link_cost_s=0.001))
+    assert [spans(r) for r in plan.routes[:2]] == [[("h", 0, 19), ("t1", 20, 39)], [("h", 0, 19), ("t2", 20, 39)]]
+    median_one_way = 0.020  # of 6, 40, 40, 40 ms round trips
+    gap = plan.routes[1].seconds_per_token - plan.routes[0].seconds_per_token
+    assert gap == pytest.approx(2 * (median_one_way - 0.003))  # h -> t2 and back, against 3 ms each way
+    by_id = {n.node_id: n for n in nodes}
+    for route in plan.routes:
+        assert estimate_route(route.hops, by_id, cost=CostModel(link_cost_s=0.001)) == \
+            pytest.approx(route.seconds_per_token)
+    # while no link is measured, an unmeasured one costs the default
+    assert route_link_seconds(plan.routes[1].hops, {"h": h, "t2": t2}, CostModel(link_cost_s=0.001)) == \
+        pytest.approx(0.002)
 
 
 def test_a_relayed_hop_costs_an_extra_traversal():

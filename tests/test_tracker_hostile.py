@@ -6,12 +6,24 @@ from __future__ import annotations
 import pytest
 import zmq
 
-from fabric.wire.protocol import Ack, Error, Hop, Leave, Report, RouteRequest, StatusRequest, encode
+from fabric.wire.protocol import (
+    MAX_HOPS,
+    MAX_MODEL_LAYERS,
+    Ack,
+    AssignRequest,
+    Error,
+    Heartbeat,
+    Hop,
+    Leave,
+    Report,
+    RouteRequest,
+    StatusRequest,
+    encode,
+)
 from tests.support import FakeClock
 from tests.test_tracker_service import Running, register
 from tracker.ledger import Ledger
 from tracker.reach import MAX_PENDING_CHECKS, ReachChecker
-from tracker.registry import MAX_MODEL_LAYERS
 from tracker.keys import MAX_DEPARTED_KEYS
 from tracker.service import Tracker, TrackerConfig
 from tracker.stats import MAX_HEADS_PER_ROW, MAX_STAT_ROWS, Completion, StatsStore
@@ -69,6 +81,36 @@ def test_oversized_registration_fields_are_refused(tracker, bad):
     reply = tracker.peer.call(register("evil", 0, 29, **bad))
     assert isinstance(reply, Error) and reply.code == "bad_request"
     assert tracker.peer.status()["nodes"] == []
+
+
+# --------------------------------------------------------------------------- the wire's limits, at the tracker
+
+_HOPS = tuple(Hop(f"h{i}", "tcp://127.0.0.1:1", i, i) for i in range(MAX_HOPS + 1))
+LIMITS = {  # what a hostile peer sends -> a phrase of the tracker's ERROR (bad_request)
+    "a route request for a 257-character model": (RouteRequest(model="m" * 257), "model must have 1-256"),
+    "a route request around 65 nodes": (RouteRequest(model="m", exclude=tuple(f"n{i}" for i in range(65))),
+                                        "exclude lists at most 64"),
+    "a route request around a 257-character id": (RouteRequest(model="m", exclude=("n" * 257,)),
+                                                  "an excluded node id must have 1-256"),
+    "an assignment for a 257-character model": (AssignRequest(model="m" * 257, num_layers=30), "model must have"),
+    "an assignment for 1025 layers": (AssignRequest(model="m", num_layers=MAX_MODEL_LAYERS + 1), "num_layers 1025"),
+    "a report of 65 hops": (Report(request_id="r", node_id="a", model="m", route=_HOPS[:MAX_HOPS + 1]),
+                            "at most 64 hops"),
+    "a report billing a 257-character key": (Report(request_id="r", node_id="a", model="m", api_key="k" * 257),
+                                             "api_key must have 1-256"),
+    "a heartbeat with -1 sessions": (Heartbeat(node_id="a", sessions=-1), "sessions and queued must be >= 0"),
+}
+
+
+@pytest.mark.parametrize("case", list(LIMITS))
+def test_a_message_past_a_limit_is_refused_by_name_and_the_tracker_carries_on(tracker, case):
+    message, phrase = LIMITS[case]
+    peer = tracker.peer
+    assert isinstance(peer.call(register("a", 0, 29)), Ack)
+    reply = peer.call(message)
+    assert isinstance(reply, Error) and reply.code == "bad_request" and phrase in reply.message, reply
+    assert [h.node for h in peer.call(RouteRequest(model="m")).hops] == ["a"]  # and it still serves
+    assert len(peer.status()["nodes"]) == 1
 
 
 # --------------------------------------------------------------------------- per-node state is pruned

@@ -32,7 +32,7 @@ from typing import Mapping
 from fabric.wire import protocol
 
 from .ledger_schema import migrate
-from fabric.wire.protocol import ErrorCode, ProtocolError, Report, check_text
+from fabric.wire.protocol import Report, check_report
 
 log = logging.getLogger(__name__)
 
@@ -76,31 +76,6 @@ def _cut_by_client(report: Report) -> bool:
     if report.finish_reason != "length":
         return False
     return report.max_tokens <= 0 or report.completion_tokens >= report.max_tokens
-
-
-def check_report(report: Report) -> None:
-    """Reject reports the ledger cannot trust; raises ProtocolError(BAD_REQUEST)."""
-    check_text(report.request_id, "request_id", code=ErrorCode.BAD_REQUEST)
-    if report.ref:
-        check_text(report.ref, "ref", 64, code=ErrorCode.BAD_REQUEST)
-    check_text(report.node_id, "node_id", code=ErrorCode.BAD_REQUEST)
-    check_text(report.model, "model", code=ErrorCode.BAD_REQUEST)
-    check_text(report.finish_reason, "finish_reason", 64, optional=True, code=ErrorCode.BAD_REQUEST)
-    check_text(report.api_key, "api_key", 4096, optional=True, code=ErrorCode.BAD_REQUEST)
-    counts = (report.prompt_tokens, report.completion_tokens, report.max_tokens, report.prefilled,
-              report.prefill_tokens)
-    if any(not 0 <= c < 1 << 31 for c in counts) or report.elapsed < 0:
-        raise ProtocolError("token counts and elapsed must be >= 0", ErrorCode.BAD_REQUEST)
-    if not 0 <= report.resumed <= report.completion_tokens:
-        raise ProtocolError("resumed must be in [0, completion_tokens]", ErrorCode.BAD_REQUEST)
-    if len(report.route) > 64:
-        raise ProtocolError("a route has at most 64 hops", ErrorCode.BAD_REQUEST)
-    expected = 0
-    for hop in report.route:
-        if hop.start_layer != expected:
-            raise ProtocolError(f"route hop starts at {hop.start_layer}, expected {expected}",
-                                ErrorCode.BAD_REQUEST)
-        expected = hop.end_layer + 1
 
 
 @dataclass(frozen=True)

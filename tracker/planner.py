@@ -17,7 +17,8 @@ where ``per_layer_s`` comes from measured layer-steps/s for (node, model) when t
 stats store has it, else from the node's start-up benchmark. A pipeline hands off once
 per hop and token: each hop to the next, and the tail back to the head with the token; a
 single node hands off nothing. ``link(a, b)`` is half the round trip measured between a
-and b (either node's report in its heartbeats), else ``link_cost_s``, plus
+and b (either node's report in its heartbeats), else the median of the links measured in
+the swarm (``with_measured_links``; ``link_cost_s`` while none is), plus
 ``relay_penalty_s`` when b is reached through a relay (one more network traversal, and
 one more process that copies every frame).
 
@@ -43,8 +44,9 @@ every (start, node, end) took seconds.
 from __future__ import annotations
 
 import heapq
+import statistics
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Iterable, Mapping, Sequence
 
 from fabric.wire.protocol import Hop
@@ -58,7 +60,9 @@ Throughput = Mapping[tuple[str, str], float]  # (node_id, model) -> measured lay
 class CostModel:
     """Knobs of the per-token cost estimate; defaults suit a LAN of similar machines."""
 
-    link_cost_s: float = 0.002  # one hidden-state hand-off between two nodes whose round trip is unknown
+    # one hidden-state hand-off between two nodes whose round trip is unknown, while no link of
+    # the swarm is measured; once some are, their median (``with_measured_links``)
+    link_cost_s: float = 0.002
     relay_penalty_s: float = 0.002  # added to a hand-off to a node reached through a relay
     queue_penalty_s: float = 0.05  # added per token for each request queued at a node
     session_slowdown: float = 0.25  # each active session adds this share to a hop's compute
@@ -178,9 +182,20 @@ def rtt_ms(a: NodeInfo, b: NodeInfo) -> float | None:
     return ms if ms and ms > 0 else None
 
 
+def with_measured_links(nodes: Iterable[NodeInfo], cost: CostModel) -> CostModel:
+    """``cost``, a hand-off over an unmeasured link priced as the median of the measured ones
+    among ``nodes`` (half the round trip; ``link_cost_s`` while none is measured). An
+    unmeasured link is as likely slow as fast: priced at a small default, a route through a
+    link nobody measured yet would outrank a measured fast one only for being unmeasured."""
+    ids = {n.node_id for n in nodes}
+    measured = [ms for n in nodes for peer, ms in n.rtts.items() if peer in ids and ms > 0]
+    return replace(cost, link_cost_s=statistics.median(measured) / 2000.0) if measured else cost
+
+
 def link_between(src: NodeInfo, dst: NodeInfo, cost: CostModel) -> float:
     """Seconds of one hand-off from ``src`` to ``dst``: half the measured round trip, else
-    the default; plus the relay penalty when ``dst`` is reached through a relay."""
+    ``cost.link_cost_s`` (see ``with_measured_links``); plus the relay penalty when ``dst`` is
+    reached through a relay."""
     ms = rtt_ms(src, dst)
     one_way = ms / 2000.0 if ms is not None else cost.link_cost_s
     return one_way + (cost.relay_penalty_s if dst.relay else 0.0)
@@ -189,9 +204,11 @@ def link_between(src: NodeInfo, dst: NodeInfo, cost: CostModel) -> float:
 def route_link_seconds(hops: Sequence[Hop], nodes: Mapping[str, NodeInfo],
                        cost: CostModel = CostModel()) -> float:
     """Per-token network time of a route: each hop to the next, and the tail back to the
-    head; none for a single node. Hops of unknown nodes cost the default."""
+    head; none for a single node. Unmeasured links, and hops of unknown nodes, cost the
+    median measured link (``with_measured_links``)."""
     if len(hops) < 2:
         return 0.0
+    cost = with_measured_links(list(nodes.values()), cost)
     total = 0.0
     for a, b in zip(hops, [*hops[1:], hops[0]]):
         src, dst = nodes.get(a.node), nodes.get(b.node)
@@ -209,8 +226,10 @@ def links_measured(hops: Sequence[Hop], nodes: Mapping[str, NodeInfo]) -> bool:
 def estimate_route(hops: Sequence[Hop], nodes: Mapping[str, NodeInfo],
                    throughput: Throughput | None = None,
                    cost: CostModel = CostModel()) -> float | None:
-    """Per-token seconds of an explicit route; None if a hop's node is not known."""
+    """Per-token seconds of an explicit route, priced as ``plan_routes`` prices it; None if a
+    hop's node is not known."""
     throughput = throughput or {}
+    cost = with_measured_links(list(nodes.values()), cost)
     total = route_link_seconds(hops, nodes, cost)
     for hop in hops:
         node = nodes.get(hop.node)
@@ -241,9 +260,12 @@ def plan_routes(nodes: Iterable[NodeInfo], model: str, num_layers: int | None = 
 
     Only nodes with the same model id, fingerprint and layer count share a route
     (``num_layers`` None: any layer count, planned per group). Excluded nodes and nodes
-    at ``max_sessions`` are skipped.
+    at ``max_sessions`` are skipped. Links nobody measured cost the median of those measured
+    in the whole snapshot (``with_measured_links``).
     """
     throughput = throughput or {}
+    nodes = list(nodes)
+    cost = with_measured_links(nodes, cost)
     usable, skipped = _usable(nodes, model, num_layers, frozenset(exclude))
     routes: list[PlannedRoute] = []
     for (fingerprint, layers), group in _groups(usable).items():

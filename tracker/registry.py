@@ -12,28 +12,11 @@ from dataclasses import dataclass, replace
 from typing import Callable
 
 from fabric.wire.liveness import HEARTBEAT_INTERVAL, HEARTBEAT_LIVENESS
-from fabric.wire.protocol import (
-    MAX_ENDPOINT,
-    MAX_ID,
-    ErrorCode,
-    Heartbeat,
-    ProtocolError,
-    Register,
-    check_text,
-)
+from fabric.wire.protocol import ErrorCode, Heartbeat, ProtocolError, Register, check_heartbeat, check_register
 
 from .node_records import NodeInfo
 
 log = logging.getLogger(__name__)
-
-# Deepest model the tracker plans for. The deepest public decoder stacks have ~126 layers
-# (Llama 3.1 405B), so this is 8x headroom, while the wire's MAX_LAYERS (4096) would let one
-# REGISTER make every plan, coverage map and assignment of that model 4096 layers long.
-MAX_MODEL_LAYERS = 1024
-MAX_BENCHMARK = 1e7  # layer-steps/s: a 0.1 us layer step; a larger claim would win every plan on its word
-MAX_HARDWARE_KEYS = 16  # entries of REGISTER.hardware (nodes send 6); it is kept per node and shown in status
-MAX_HARDWARE_KEY = 64  # characters of a hardware key
-MAX_HARDWARE_TEXT = 256  # characters of a hardware value
 
 EXCLUSION_S = 3600.0  # an audit's exclusion lapses after this unless another settled verdict confirms it
 MAX_EXCLUDED = 4096  # exclusions kept at once (ids need not be registered: the bound is a bound)
@@ -46,47 +29,6 @@ class Exclusion:
     reason: str  # the verdict, its witnesses and the distance measured, in words
     until: float  # registry clock: it lapses then
     confirmations: int = 1  # settled verdicts that excluded or confirmed it
-
-
-def validate_register(msg: Register) -> None:
-    """Reject registrations no route could use; raises ProtocolError(BAD_REQUEST)."""
-    check_text(msg.node_id, "node_id", code=ErrorCode.BAD_REQUEST)
-    check_text(msg.model, "model", code=ErrorCode.BAD_REQUEST)
-    check_text(msg.fingerprint, "fingerprint", code=ErrorCode.BAD_REQUEST)
-    check_text(msg.endpoint, "endpoint", MAX_ENDPOINT, code=ErrorCode.BAD_REQUEST)
-    if len(msg.relay) > MAX_ENDPOINT or len(msg.relay_key) > MAX_ID:
-        raise ProtocolError(f"relay has at most {MAX_ENDPOINT} characters, relay_key at most {MAX_ID}",
-                            ErrorCode.BAD_REQUEST)
-    if not 1 <= msg.num_layers <= MAX_MODEL_LAYERS:
-        raise ProtocolError(f"num_layers {msg.num_layers} is not in [1, {MAX_MODEL_LAYERS}]", ErrorCode.BAD_REQUEST)
-    if not 0 <= msg.start_layer <= msg.end_layer < msg.num_layers:
-        raise ProtocolError(
-            f"layers {msg.start_layer}-{msg.end_layer} are not inside 0-{msg.num_layers - 1}",
-            ErrorCode.BAD_REQUEST)
-    if not 0 <= msg.benchmark <= MAX_BENCHMARK or msg.max_sessions < 0:
-        raise ProtocolError(f"benchmark must be in [0, {MAX_BENCHMARK:g}] and max_sessions >= 0",
-                            ErrorCode.BAD_REQUEST)
-    _check_hardware(msg.hardware)
-
-
-def _check_hardware(hardware: dict) -> None:
-    """A small flat map of short scalars: the tracker keeps it per node and every status shows it."""
-    if len(hardware) > MAX_HARDWARE_KEYS:
-        raise ProtocolError(f"hardware has at most {MAX_HARDWARE_KEYS} entries", ErrorCode.BAD_REQUEST)
-    for key, value in hardware.items():
-        if not isinstance(key, str) or not 1 <= len(key) <= MAX_HARDWARE_KEY:
-            raise ProtocolError(f"hardware keys are 1-{MAX_HARDWARE_KEY} characters", ErrorCode.BAD_REQUEST)
-        if isinstance(value, str) and len(value) > MAX_HARDWARE_TEXT:
-            raise ProtocolError(f"hardware[{key!r}] has more than {MAX_HARDWARE_TEXT} characters",
-                                ErrorCode.BAD_REQUEST)
-        if value is not None and not isinstance(value, (str, int, float)):
-            raise ProtocolError(f"hardware[{key!r}] must be a string or a number", ErrorCode.BAD_REQUEST)
-
-
-def validate_heartbeat(msg: Heartbeat) -> None:
-    check_text(msg.node_id, "node_id", code=ErrorCode.BAD_REQUEST)
-    if msg.sessions < 0 or msg.queued < 0:
-        raise ProtocolError("sessions and queued must be >= 0", ErrorCode.BAD_REQUEST)
 
 
 class Registry:
@@ -111,7 +53,7 @@ class Registry:
 
     def register(self, msg: Register, public_key: str = "") -> NodeInfo:
         """Add or replace a node (load starts at zero). Validates first."""
-        validate_register(msg)
+        check_register(msg)
         old = self._nodes.get(msg.node_id)
         self._check_layer_count(msg, old)
         node = NodeInfo(
@@ -133,7 +75,7 @@ class Registry:
 
     def heartbeat(self, msg: Heartbeat) -> NodeInfo | None:
         """Refresh a node's liveness and load; None if the node is unknown (re-register)."""
-        validate_heartbeat(msg)
+        check_heartbeat(msg)
         old = self._nodes.get(msg.node_id)
         if old is None:
             return None

@@ -10,7 +10,9 @@ from typing import Callable
 from fabric.wire.protocol import Ack, Message, Report
 
 from .events import EventRing
-from .ledger import Ledger, check_report
+from fabric.wire.protocol import check_report
+
+from .ledger import Ledger
 from .node_records import NodeInfo
 from .planner import (
     CostModel,

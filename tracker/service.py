@@ -59,6 +59,7 @@ from fabric.wire.protocol import (
     Status,
     StatusRequest,
     Verdict,
+    check_assign_request,
     decode,
     encode,
     split_envelope,
@@ -78,7 +79,7 @@ from .planner import (
 from .keys import KeyBook
 from .reach import ReachChecker
 from .node_records import NodeInfo
-from .registry import MAX_MODEL_LAYERS, Registry
+from .registry import Registry
 from .reports import Reports
 from .stats import StatsStore, route_label
 from .views import node_rows, plans_view, usage
@@ -409,9 +410,7 @@ class Tracker:
         raise ProtocolError(text, code)
 
     def _on_assign(self, msg: AssignRequest) -> Message:
-        if not msg.model or not 1 <= msg.num_layers <= MAX_MODEL_LAYERS or msg.max_layers < 0:
-            raise ProtocolError("assign needs a model, 1 <= num_layers <= "
-                                f"{MAX_MODEL_LAYERS} and max_layers >= 0", ErrorCode.BAD_REQUEST)
+        check_assign_request(msg)
         start, end = assign_span(self.registry.snapshot(), msg.model, msg.num_layers, msg.max_layers)
         return Assign(start_layer=start, end_layer=end)
 

@@ -7,7 +7,7 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import inspect
 from typing import AsyncIterator
 
 import zmq
@@ -16,27 +16,18 @@ import zmq.asyncio
 from ..net.security import Security
 from ..wire import protocol as p
 from ..wire.liveness import DEFAULT_TRACKER
-from .core import (
-    ClientCore,
-    Continuation,
-    FabricError,
-    GenerateArgs,
-    HeadGone,
-    HeadLink,
-    decode_reply,
-    models_of,
-    route_from,
-    stranded,
-)
+from .core import ClientCore, GenerateArgs, Program, T
+from .stream import RequestStream
 
 
 class AsyncClient(ClientCore):
-    """asyncio client with the same calls as ``Client``."""
+    """asyncio client with the same calls as ``Client``. Every decision is ``ClientCore``'s;
+    this shell only does the I/O (``_run``)."""
 
     def __init__(self, tracker: str = DEFAULT_TRACKER, *, timeout: float = 30.0,
                  security: Security | None = None):
-        super().__init__(tracker, timeout, security, zmq.asyncio.Context.instance())
-        self._lock = asyncio.Lock()  # one question at a time on the shared tracker socket
+        super().__init__(tracker, timeout, security, zmq.asyncio.Context.instance(), poller=zmq.asyncio.Poller,
+                         lock=asyncio.Lock())
 
     async def __aenter__(self) -> "AsyncClient":
         return self
@@ -49,71 +40,43 @@ class AsyncClient(ClientCore):
 
     async def ask(self, message: p.Message) -> p.Message:
         """One request/reply with the tracker."""
-        async with self._lock:
-            sock = self._tracker_socket()
-            try:
-                await sock.send_multipart(p.encode(message), zmq.NOBLOCK)
-                if not await sock.poll(self._tracker_wait_ms):
-                    raise self._silent()
-                return self._answered(decode_reply(await sock.recv_multipart()))
-            except zmq.Again:  # no link to the tracker can take it (a refused handshake, say)
-                raise self._silent() from None
-            except BaseException:
-                self._drop_tracker()
-                raise
+        return await self._run(self._ask_program(message))
 
     async def status(self) -> dict:
-        return self._status(await self.ask(p.StatusRequest()))
+        return await self._run(self._status_program())
 
     async def models(self) -> list[dict]:
         """As ``Client.models``."""
-        try:
-            return models_of(await self.status())
-        except FabricError as exc:
-            return self._remembered_models(exc)
+        return await self._run(self._models_program())
 
     async def route(self, model: str, exclude: tuple[str, ...] = ()) -> tuple[p.Hop, ...]:
         """As ``Client.route``: while the tracker is away, a remembered route."""
-        try:
-            return self._routed(model, route_from(await self.ask(p.RouteRequest(model, exclude))))
-        except FabricError as exc:
-            return self._remembered(model, exclude, exc)
+        return await self._run(self._route_program(model, exclude))
 
     def generate(self, model: str, *, route: tuple[p.Hop, ...] | None = None, **kwargs) -> AsyncIterator[p.Event]:
         """As ``Client.generate`` (the same keyword arguments), for ``async for``. Wrong
         arguments raise here, at the call; the route is asked for at the first event."""
-        return self._stream(GenerateArgs.of(model, **kwargs), route)
+        return self._events(RequestStream(self, GenerateArgs.of(model, **kwargs), route))
 
-    async def _stream(self, args: GenerateArgs, route) -> AsyncIterator[p.Event]:
-        """Stream a request; when its head dies, it goes on at another (``Continuation``)."""
-        stream = Continuation(args.message(route or await self.route(args.model)), route is not None)
+    async def _events(self, stream: RequestStream) -> AsyncIterator[p.Event]:
+        try:
+            while (event := await self._run(stream.next_event())) is not None:
+                yield event
+        finally:  # a break, an error, a cancelled task: the request is cancelled along the route
+            await self._run(stream.end())
+
+    @staticmethod
+    async def _run(program: Program[T]) -> T:
+        """As ``Client._run``, awaiting what a Call returns when it is awaitable."""
+        result, error = None, None
         while True:
             try:
-                async with contextlib.aclosing(self._attempt(stream.msg)) as events:
-                    async for event in events:
-                        if stream.passes(event):
-                            yield event
-                return
-            except HeadGone as died:
-                stream.go_on(died, await self._route_around(args.model, died, stream))
-
-    async def _route_around(self, model: str, died: HeadGone, stream: Continuation) -> tuple[p.Hop, ...]:
-        for exclude in self._around(died, stream):
+                call = program.send(result) if error is None else program.throw(error)
+            except StopIteration as done:
+                return done.value
             try:
-                return await self.route(model, exclude)
-            except FabricError as exc:
-                why = exc
-        raise stranded(died, why) from None
-
-    async def _attempt(self, msg: p.Generate) -> AsyncIterator[p.Event]:
-        poller = zmq.asyncio.Poller()
-        head = HeadLink(self.ctx, msg, self.security, poller)
-        try:
-            await head.sock.send_multipart(head.request)
-            while not head.done:
-                head.check(dict(await poller.poll(self.timeout * 1000)))
-                yield head.take(await head.sock.recv_multipart())
-        finally:
-            if not head.done:
-                await head.sock.send_multipart(head.cancel)
-            head.close()
+                result, error = getattr(call.target, call.method)(*call.args), None
+                if inspect.isawaitable(result):
+                    result = await result
+            except BaseException as exc:  # the program decides what an error means, a cancel's too
+                result, error = None, exc

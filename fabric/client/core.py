@@ -1,7 +1,8 @@
 """The client's one core: what a request is, what the tracker's and a head's answers mean,
-and when a request goes to another head. No I/O of its own: ``Client`` (blocking, in
-``sync.py``) and ``AsyncClient`` (asyncio, in ``aio.py``) are thin shells that do the
-sends, polls and receives this module asks for.
+and every call as a program (``Program``) that yields the I/O it needs (``Call``) and decides
+on what comes back. No I/O of its own: ``Client`` (blocking, in ``sync.py``) and
+``AsyncClient`` (asyncio, in ``aio.py``) are thin shells that do the Calls, so both behave
+alike by construction. A request's stream of events is ``stream.RequestStream``.
 """
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import logging
 import time
 import uuid
 from dataclasses import dataclass
+from typing import Any, Generator, TypeVar
 
 import msgpack
 import zmq
@@ -82,10 +84,6 @@ class HeadLeaving(HeadGone):
 
     def book(self, routes: RouteBook) -> None:
         routes.left(self.head.node)
-
-
-# the link to the head dropped, or it refuses connections: its process is gone
-HEAD_DOWN = zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED
 
 
 SAMPLING_FIELDS = tuple(f.name for f in dataclasses.fields(p.Sampling))  # temperature, top_k, top_p, seed
@@ -269,7 +267,7 @@ def decode_reply(frames) -> p.Message:
         raise FabricError(exc.code, f"bad reply: {exc}") from None
 
 
-def _check(frames) -> p.Event:
+def event_of(frames) -> p.Event:
     """An event from the head, or the FabricError it stands for."""
     event = decode_reply(frames)
     if isinstance(event, p.Error):
@@ -294,7 +292,7 @@ def models_of(status: dict) -> list[dict]:
     return sorted(by_model.values(), key=lambda m: m["id"])
 
 
-def _dealer(ctx, endpoint: str, security: Security | None = None, server_key: str | bytes | None = None,
+def dealer(ctx, endpoint: str, security: Security | None = None, server_key: str | bytes | None = None,
             watch: int = 0):
     """A DEALER to ``endpoint`` (and, given ``watch`` events, its monitor); a FabricError if
     it cannot be dialled."""
@@ -306,25 +304,96 @@ def _dealer(ctx, endpoint: str, security: Security | None = None, server_key: st
         raise FabricError(p.ErrorCode.BAD_REQUEST, f"cannot dial {endpoint!r}: {exc}") from None
 
 
-class ClientCore:
-    """What both clients hold: where the tracker is, how long to wait, which keys to use, and
-    the DEALER to the tracker (made on first use, dropped after any failure so that a late
-    reply never answers the next question)."""
+def status_body(reply: p.Message) -> dict:
+    if not isinstance(reply, p.Status):
+        raise FabricError(getattr(reply, "code", p.ErrorCode.INTERNAL), str(reply))
+    return reply.body
 
-    def __init__(self, tracker: str, timeout: float, security: Security | None, ctx):
+
+@dataclass(frozen=True)
+class Call:
+    """One piece of I/O a program asks its shell for: ``target.method(*args)``, a socket's
+    ``send_multipart``, ``poll`` or ``recv_multipart``, a poller's ``poll``, a lock's
+    ``acquire``. The blocking and asyncio sockets, pollers and locks name these alike, so the
+    blocking shell calls it and the asyncio shell calls it and awaits what is awaitable. What it
+    returns, or the exception it raises, goes back into the program."""
+
+    target: Any
+    method: str
+    args: tuple = ()
+
+
+T = TypeVar("T")
+Program = Generator[Call, Any, T]  # every decision of a call; its shell does the Calls it yields
+
+
+class ClientCore:
+    """What both clients hold and decide: where the tracker is, how long to wait, which keys to
+    use, the DEALER to the tracker (made on first use, dropped after any failure so that a late
+    reply never answers the next question), and the calls as programs (``Program``) that a shell
+    drives with ``_run``: the shells differ only in how they do a ``Call``.
+
+    ``lock`` lets one question at a time use the tracker socket (a ``threading.Lock`` or an
+    ``asyncio.Lock``: both ``acquire`` by a Call and ``release`` at once); ``poller`` makes the
+    poller a head's link is watched with."""
+
+    def __init__(self, tracker: str, timeout: float, security: Security | None, ctx, *, poller, lock):
         self.tracker_endpoint = tracker
         self.timeout = timeout  # seconds to wait for the head's next event, or the tracker (TRACKER_TIMEOUT at most)
         self.security = security  # CurveZMQ keys for a secured swarm; None: plaintext
         self.ctx = ctx
+        self.poller = poller  # zmq.Poller or zmq.asyncio.Poller, to the shell's sockets
+        self._lock = lock  # one question at a time on the shared tracker socket
         self._tracker = None
         self.routes = RouteBook()  # the last routes and plans seen: used while the tracker is away
         self._silent_since: float | None = None  # when the tracker last failed to answer (None: it answers)
         self._said_remembered = False  # the fallback to remembered routes was logged in this silence
 
+    def _ask_program(self, message: p.Message) -> Program[p.Message]:
+        """One request/reply with the tracker, under the lock."""
+        yield Call(self._lock, "acquire")
+        try:
+            sock = self._tracker_socket()
+            try:
+                yield Call(sock, "send_multipart", (p.encode(message), zmq.NOBLOCK))
+                if not (yield Call(sock, "poll", (self._tracker_wait_ms,))):
+                    raise self._silent()
+                return self._answered(decode_reply((yield Call(sock, "recv_multipart"))))
+            except zmq.Again:  # no link to the tracker can take it (a refused handshake, say)
+                raise self._silent() from None
+            except BaseException:  # a cancelled question too: its late reply must not answer the next
+                self._drop_tracker()
+                raise
+        finally:
+            self._lock.release()
+
+    def _status_program(self) -> Program[dict]:
+        body = status_body((yield from self._ask_program(p.StatusRequest())))
+        self.routes.learn_plans(body)
+        return body
+
+    def _models_program(self) -> Program[list[dict]]:
+        """The models the tracker lists; while it is away, those of the remembered routes."""
+        try:
+            return models_of((yield from self._status_program()))
+        except FabricError as exc:
+            if exc.code not in p.TRACKER_AWAY_CODES or not self.routes.models():
+                raise
+            return self.routes.models()
+
+    def _route_program(self, model: str, exclude: tuple[str, ...] = ()) -> Program[tuple[p.Hop, ...]]:
+        """The tracker's best route around ``exclude``, remembered; while it is away, a remembered one."""
+        try:
+            hops = route_from((yield from self._ask_program(p.RouteRequest(model, exclude))))
+        except FabricError as exc:
+            return self._remembered(model, exclude, exc)
+        self.routes.learn(model, hops)
+        return hops
+
     def _tracker_socket(self):
         if self._tracker is None:
-            self._tracker = _dealer(self.ctx, self.tracker_endpoint, self.security,
-                                    self.security and self.security.tracker_key)
+            self._tracker = dealer(self.ctx, self.tracker_endpoint, self.security,
+                                   self.security and self.security.tracker_key)
         return self._tracker
 
     def _drop_tracker(self) -> None:
@@ -353,11 +422,6 @@ class ClientCore:
         self._silent_since, self._said_remembered = None, False
         return reply
 
-    def _routed(self, model: str, hops: tuple[p.Hop, ...]) -> tuple[p.Hop, ...]:
-        """The tracker's route, remembered."""
-        self.routes.learn(model, hops)
-        return hops
-
     def _remembered(self, model: str, exclude: tuple[str, ...], error: FabricError) -> tuple[p.Hop, ...]:
         """A remembered route of ``model`` when the tracker did not answer; else ``error``."""
         route = self.routes.instead(model, exclude) if error.code in p.TRACKER_AWAY_CODES else None
@@ -367,135 +431,3 @@ class ClientCore:
         log.log(logging.DEBUG if said else logging.WARNING, "%s: using a remembered route for %s (%s)",
                 error.message, model, " > ".join(h.node for h in route))
         return route
-
-    def _remembered_models(self, error: FabricError) -> list[dict]:
-        if error.code not in p.TRACKER_AWAY_CODES or not self.routes.models():
-            raise error
-        return self.routes.models()
-
-    def _status(self, reply: p.Message) -> dict:
-        body = status_body(reply)
-        self.routes.learn_plans(body)
-        return body
-
-    def _around(self, gone: HeadGone, stream: Continuation) -> list[tuple[str, ...]]:
-        """The heads ``stream`` goes around after ``gone``, best first (see ``Continuation.around``);
-        the gone one is remembered as dead or as leaving."""
-        gone.book(self.routes)
-        return stream.around(gone)
-
-
-def status_body(reply: p.Message) -> dict:
-    if not isinstance(reply, p.Status):
-        raise FabricError(getattr(reply, "code", p.ErrorCode.INTERNAL), str(reply))
-    return reply.body
-
-
-MAX_HANDOVERS = 3  # heads one request may lose and still go on
-
-
-def stranded(died: HeadGone, why: FabricError) -> HeadGone:
-    """``died``, saying why no other head took its request over."""
-    died.message = f"{died.message}, and no other head could take the request over ({why})"
-    died.args = (f"{died.code}: {died.message}",)
-    return died
-
-
-class Continuation:
-    """One request's stream across the heads that serve it in turn, seen by the caller as one.
-
-    When a head dies (or refuses the request because it leaves), the request goes on at another
-    head that holds layer 0: the same GENERATE with the token ids streamed so far (``resume``)
-    and the sampling seed the first head used (its start event names it). Sampling depends only
-    on (seed, position), so the new head goes on as the first would have. The caller sees one
-    start event, each token once and one end. The shells stream ``msg``, pass on the events
-    ``passes`` lets through, and after a HeadGone ask for a route around ``around``'s nodes.
-    """
-
-    def __init__(self, msg: p.Generate, fixed_route: bool):
-        self.msg = msg  # the GENERATE to send next
-        self.fixed_route = fixed_route  # the caller chose the route: no other head to go to
-        self.ids: list[int] = []  # the token ids streamed so far
-        self.started = False  # a start event was passed on
-        self.flushed = False  # the last flush of held-back text was passed on (only the end follows it)
-        self.lost: list[str] = []  # heads that died or left under this request
-
-    def passes(self, event: p.Event) -> bool:
-        """Whether the caller sees ``event``: not a later head's start, nor a flush it had."""
-        if event.event == p.EventKind.START:
-            seen, self.started = self.started, True
-            if not seen and event.seed is not None:  # unseeded sampling, too, goes on the same
-                self.msg = dataclasses.replace(self.msg, sampling=dataclasses.replace(self.msg.sampling,
-                                                                                      seed=event.seed))
-            return not seen
-        if event.event == p.EventKind.TOKEN and not event.token_ids:
-            seen, self.flushed = self.flushed, True
-            return not seen
-        self.ids.extend(event.token_ids)
-        return True
-
-    def around(self, died: HeadGone) -> list[tuple[str, ...]]:
-        """The heads to go around after ``died``, best first: every head this request lost, then
-        only the one just lost (an earlier one may be back, restarted under its name). Raises
-        ``died`` itself when the request cannot go on (a route the caller chose, or too many
-        heads lost)."""
-        if self.fixed_route or len(self.lost) >= MAX_HANDOVERS:
-            raise died
-        self.lost.append(died.head.node)
-        return [tuple(self.lost)] + ([(died.head.node,)] if len(self.lost) > 1 else [])
-
-    def go_on(self, died: HeadGone, route: tuple[p.Hop, ...]) -> None:
-        """Send the request to ``route``'s head next, after the tokens so far. The hops of the
-        dead head's route free its session themselves: only the connection that opened a
-        session may end it (fabric/node/owners.py), and that one died with the head."""
-        log.warning("%s after %d tokens; request %s goes on at %s", died.message, len(self.ids),
-                    self.msg.request_id, route[0].node)
-        self.msg = dataclasses.replace(self.msg, route=tuple(route), resume=tuple(self.ids))
-
-
-class HeadLink:
-    """One GENERATE on its way to one head: a DEALER to the head, a monitor of its link, and
-    what the events read so far say. The shells send, poll and receive."""
-
-    def __init__(self, ctx, msg: p.Generate, security: Security | None, poller):
-        self.msg = msg
-        self.sock, self.monitor = _dealer(ctx, msg.route[0].endpoint, security, msg.route[0].key, watch=HEAD_DOWN)
-        poller.register(self.sock, zmq.POLLIN)
-        poller.register(self.monitor, zmq.POLLIN)
-        self.tokens = 0  # tokens this head streamed
-        self.done = False
-
-    @property
-    def request(self) -> list:
-        return p.encode(self.msg)
-
-    @property
-    def cancel(self) -> list:
-        return p.encode(p.Cancel(self.msg.request_id))
-
-    def check(self, ready: dict) -> None:
-        """Raise when the poll says the head died (link down, nothing to read) or went silent."""
-        if self.monitor in ready and self.sock not in ready:
-            raise HeadDied(self.msg.route[0])
-        if not ready:
-            raise HeadSilent(self.msg.route[0])
-
-    def take(self, frames) -> p.Event:
-        """The head's next event (an error raises as a FabricError; a leaving head's refusal
-        before any token as HeadLeaving, so that the request goes to another head)."""
-        try:
-            event = _check(frames)
-        except FabricError as exc:
-            if exc.code == p.ErrorCode.LEAVING and not self.tokens:
-                raise HeadLeaving(self.msg.route[0], exc.message) from None
-            raise
-        self.tokens += event.event == p.EventKind.TOKEN
-        self.done = event.event == p.EventKind.DONE
-        return event
-
-    def close(self) -> None:
-        # the monitor stops before its reader closes: an event with no reader would block the
-        # context's I/O thread, and with it every socket of this process
-        self.sock.disable_monitor()
-        self.monitor.close(linger=0)
-        self.sock.close(linger=100 if not self.done else 0)

@@ -11,7 +11,7 @@ and every hop frees its KV.
 """
 from __future__ import annotations
 
-import contextlib
+import threading
 from typing import Iterator, Sequence
 
 import zmq
@@ -19,26 +19,18 @@ import zmq
 from ..net.security import Security
 from ..wire import protocol as p
 from ..wire.liveness import DEFAULT_TRACKER
-from .core import (
-    ClientCore,
-    Continuation,
-    FabricError,
-    GenerateArgs,
-    HeadGone,
-    HeadLink,
-    decode_reply,
-    models_of,
-    route_from,
-    stranded,
-)
+from .core import ClientCore, GenerateArgs, Program, T
+from .stream import RequestStream
 
 
 class Client(ClientCore):
-    """Blocking client. ``generate(route=...)`` skips the tracker and uses that route."""
+    """Blocking client. ``generate(route=...)`` skips the tracker and uses that route. Every
+    decision is ``ClientCore``'s; this shell only does the I/O (``_run``)."""
 
     def __init__(self, tracker: str = DEFAULT_TRACKER, *, timeout: float = 30.0,
                  security: Security | None = None):
-        super().__init__(tracker, timeout, security, zmq.Context.instance())
+        super().__init__(tracker, timeout, security, zmq.Context.instance(), poller=zmq.Poller,
+                         lock=threading.Lock())
 
     def __enter__(self) -> "Client":
         return self
@@ -51,34 +43,18 @@ class Client(ClientCore):
 
     def ask(self, message: p.Message) -> p.Message:
         """One request/reply with the tracker."""
-        sock = self._tracker_socket()
-        try:
-            sock.send_multipart(p.encode(message), zmq.NOBLOCK)
-            if not sock.poll(self._tracker_wait_ms):
-                raise self._silent()
-            return self._answered(decode_reply(sock.recv_multipart()))
-        except zmq.Again:  # no link to the tracker can take it (a refused handshake, say)
-            raise self._silent() from None
-        except BaseException:
-            self._drop_tracker()
-            raise
+        return self._run(self._ask_program(message))
 
     def status(self) -> dict:
-        return self._status(self.ask(p.StatusRequest()))
+        return self._run(self._status_program())
 
     def models(self) -> list[dict]:
         """The models the tracker lists; while it is away, those of the remembered routes."""
-        try:
-            return models_of(self.status())
-        except FabricError as exc:
-            return self._remembered_models(exc)
+        return self._run(self._models_program())
 
     def route(self, model: str, exclude: tuple[str, ...] = ()) -> tuple[p.Hop, ...]:
         """The tracker's best route around ``exclude``; while it is away, a remembered one."""
-        try:
-            return self._routed(model, route_from(self.ask(p.RouteRequest(model, exclude))))
-        except FabricError as exc:
-            return self._remembered(model, exclude, exc)
+        return self._run(self._route_program(model, exclude))
 
     def generate(self, model: str, *, messages=None, prompt=None, max_tokens: int = 256,
                  temperature: float | None = None, top_p: float | None = None, top_k: int | None = None,
@@ -107,9 +83,10 @@ class Client(ClientCore):
         and the reply ends when it is complete. ``tools``, ``tool_choice`` and
         ``parallel_tool_calls`` are OpenAI's: the start event's ``tool_syntax`` names how the
         reply writes calls, and ``fabric.toolcalls.parse_reply(text, SYNTAXES[syntax], names)``
-        turns the text into calls; "required" or a named function constrains it to calls. A wrong value raises
-        FabricError (``bad_request``) naming the field, and a model no route serves raises, both
-        at the call."""
+        turns the text into calls; "required" or a named function constrains it to calls. A
+        wrong value raises FabricError (``bad_request``) naming the field at the call; the route
+        is asked for at the first event, so a model no route serves raises there (as in
+        ``AsyncClient``)."""
         args = GenerateArgs.of(model, messages=messages, prompt=prompt, max_tokens=max_tokens, stop=stop,
                                ignore_eos=ignore_eos, sampling=sampling, request_id=request_id, api_key=api_key,
                                fit_context=fit_context, logprobs=logprobs, presence_penalty=presence_penalty,
@@ -117,41 +94,28 @@ class Client(ClientCore):
                                response_format=response_format, tools=tools, tool_choice=tool_choice,
                                parallel_tool_calls=parallel_tool_calls,
                                temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
-        return self._stream(model, args.message(route or self.route(model)), fixed_route=route is not None)
+        return self._events(RequestStream(self, args, route))
 
-    def _stream(self, model: str, msg: p.Generate, fixed_route: bool) -> Iterator[p.Event]:
-        """Stream ``msg``; when its head dies, the request goes on at another (``Continuation``)."""
-        stream = Continuation(msg, fixed_route)
+    def _events(self, stream: RequestStream) -> Iterator[p.Event]:
+        try:
+            while (event := self._run(stream.next_event())) is not None:
+                yield event
+        finally:  # a break, an error, a Ctrl-C: the request is cancelled along the route
+            self._run(stream.end())
+
+    @staticmethod
+    def _run(program: Program[T]) -> T:
+        """Do each Call ``program`` yields, and give it the result (or throw it the error)."""
+        result, error = None, None
         while True:
             try:
-                with contextlib.closing(self._attempt(stream.msg)) as events:
-                    for event in events:
-                        if stream.passes(event):
-                            yield event
-                return
-            except HeadGone as died:
-                stream.go_on(died, self._route_around(model, died, stream))
-
-    def _route_around(self, model: str, died: HeadGone, stream: Continuation) -> tuple[p.Hop, ...]:
-        for exclude in self._around(died, stream):
+                call = program.send(result) if error is None else program.throw(error)
+            except StopIteration as done:
+                return done.value
             try:
-                return self.route(model, exclude)
-            except FabricError as exc:
-                why = exc
-        raise stranded(died, why) from None
-
-    def _attempt(self, msg: p.Generate) -> Iterator[p.Event]:
-        poller = zmq.Poller()
-        head = HeadLink(self.ctx, msg, self.security, poller)
-        try:
-            head.sock.send_multipart(head.request)
-            while not head.done:
-                head.check(dict(poller.poll(self.timeout * 1000)))
-                yield head.take(head.sock.recv_multipart())
-        finally:
-            if not head.done:
-                head.sock.send_multipart(head.cancel)
-            head.close()
+                result, error = getattr(call.target, call.method)(*call.args), None
+            except BaseException as exc:  # the program decides what an error means, a Ctrl-C's too
+                result, error = None, exc
 
     def chat(self, model: str, prompt: str, **kwargs) -> str:
         """The whole reply to one user message, as text."""

@@ -126,11 +126,11 @@ class Head:
 
     def _check_resume(self, req: p.Generate) -> None:
         """Resumed token ids, and those logit_bias names, must be ids of this model's vocabulary."""
-        vocab = self.model.vocab_size
-        if vocab and any(t >= vocab for t in req.resume):
-            raise RequestError(p.ErrorCode.BAD_REQUEST, f"resume holds a token id beyond the vocabulary ({vocab})")
-        if vocab and req.penalties is not None and any(t >= vocab for t in req.penalties.bias_ids):
-            raise RequestError(p.ErrorCode.BAD_REQUEST, f"logit_bias names a token id beyond the vocabulary ({vocab})")
+        try:
+            p.check_vocab(req.resume, self.model.vocab_size, "resume")
+            p.check_vocab(req.penalties.bias_ids if req.penalties else (), self.model.vocab_size, "logit_bias")
+        except p.ProtocolError as exc:
+            raise RequestError(exc.code, str(exc)) from None
 
     @staticmethod
     def _check_grammar(req: p.Generate, field: str = "response_format") -> None:

@@ -26,23 +26,19 @@ def check_forward(msg: p.Forward, tensor: torch.Tensor, shard: Shard, hidden_siz
                   vocab: int = 0) -> None:
     """ProtocolError unless ``shard`` can run ``msg``'s layers on ``tensor`` and pass them on,
     within the model's ``context`` (positions; 0: unchecked); token ids, for the first layer,
-    within its ``vocab`` (checked here: a bad id inside a batched pass would fail every
-    session of the batch)."""
-    if context and msg.pos + (tensor.shape[1] if tensor.dim() > 1 else 0) > context:
-        raise p.ProtocolError(f"positions {msg.pos}+{tensor.shape[1]} go past the model's context of {context}",
-                              p.ErrorCode.BAD_REQUEST)
+    within its ``vocab``. The limits are the wire's (``protocol.check_*``); what is checked
+    here is which of them this node's model sets."""
+    p.check_context(msg.pos, tensor.shape[1] if tensor.dim() > 1 else 0, context)
     if not shard.covers(msg.start_layer, msg.end_layer):
         raise p.ProtocolError(f"layers {msg.start_layer}-{msg.end_layer} are not on this node "
                               f"(it holds {shard})", p.ErrorCode.BAD_REQUEST)
-    if msg.end_layer != shard.num_layers - 1 and not msg.route:
-        raise p.ProtocolError(f"layers end at {msg.end_layer} but no hop follows", p.ErrorCode.BAD_REQUEST)
-    if msg.route and msg.route[-1].end_layer != shard.num_layers - 1:
-        raise p.ProtocolError("the route does not reach the last layer", p.ErrorCode.BAD_REQUEST)
-    if msg.start_layer > 0 and tensor.shape[-1] != hidden_size:
-        raise p.ProtocolError(f"hidden size {tensor.shape[-1]} != {hidden_size}")
-    if msg.start_layer == 0 and (tensor.is_floating_point() or tensor.dim() != 2 or tensor.numel() == 0
-                                 or (vocab and not 0 <= int(tensor.min()) <= int(tensor.max()) < vocab)):
-        raise p.ProtocolError(f"layer 0 takes a (1, n) tensor of token ids in [0, {vocab})", p.ErrorCode.BAD_REQUEST)
+    p.check_route_end(msg, shard.num_layers)
+    if msg.start_layer > 0:
+        p.check_hidden_size(tensor.shape[-1], hidden_size)
+    elif tensor.is_floating_point() or tensor.dim() != 2 or tensor.numel() == 0:
+        raise p.ProtocolError("layer 0 takes a (1, n) tensor of token ids", p.ErrorCode.BAD_REQUEST)
+    else:
+        p.check_vocab((int(tensor.min()), int(tensor.max())), vocab, "layer 0's input_ids")
 
 
 class HopRunner:

@@ -91,6 +91,19 @@ class Peers:
         except (zmq.ZMQError, SecurityError) as exc:
             log.warning("cannot dial %r: %s", endpoint, exc)
 
+    def resolve(self, endpoint: str, key: str) -> None:
+        """Open the link to a hop a peer named, or raise ProtocolError (BAD_REQUEST) when
+        ``endpoint`` is no endpoint (or ``key`` no key) ZeroMQ can dial: the peer that named it
+        is told at once, not its frame dropped after the layers ran. A link refused for the
+        bound (MAX_PEERS) is no fault of the name: its frame is dropped when sent, and counted."""
+        try:
+            self._sock(endpoint, key)
+        except PeerLimitError:
+            pass
+        except (zmq.ZMQError, SecurityError) as exc:
+            raise p.ProtocolError(f"the next hop's endpoint {endpoint!r:.200} cannot be dialled: {exc}",
+                                  p.ErrorCode.BAD_REQUEST) from None
+
     def _sock(self, endpoint: str, key: str) -> zmq.Socket:
         sock = self.socks.get(endpoint)
         if sock is None:

@@ -27,6 +27,8 @@ class SessionControl:
                 else self.owners.steers(msg.session, identity)):
             raise p.ProtocolError("that session (or the kept KV it names) belongs to another connection",
                                   p.ErrorCode.BAD_REQUEST)
+        if msg.route and msg.route[0].endpoint != self.endpoint:
+            self.peers.resolve(msg.route[0].endpoint, msg.route[0].key)  # a hop no one can dial: refused now
         if not opens and not self.owners.known(msg.session):  # nothing of it here: answered now, never queued
             self.counters["cache_miss"] += 1
             self._send(msg.reply_to, msg.reply_key, p.CacheMiss(msg.session, msg.step, self.config.node_id, 0))

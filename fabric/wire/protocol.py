@@ -77,6 +77,18 @@ MAX_AUDIT_LOGITS = 8  # positions whose logits one AUDIT_RESULT of a tail's laye
 MAX_CHUNK_BYTES = 4 << 20  # bytes of a model file one CHUNK carries
 MAX_MANIFEST_BYTES = 16 << 20  # bytes of the manifest JSON one MANIFEST carries
 MAX_TENSOR_NAME = 256  # characters of a tensor name in CHUNK_REQUEST (llama.cpp's limit is 64)
+MAX_HOPS = 64  # hops of one route (a ROUTE's, a GENERATE's, the rest of a FORWARD's, a REPORT's)
+MAX_EXCLUDE = 64  # node ids one ROUTE_REQUEST or REPLICAS_REQUEST asks the tracker to go around
+# Deepest model the tracker plans for. The deepest public decoder stacks have ~126 layers
+# (Llama 3.1 405B), so this is 8x headroom, while the wire's MAX_LAYERS (4096) would let one
+# REGISTER make every plan, coverage map and assignment of that model 4096 layers long.
+MAX_MODEL_LAYERS = 1024
+MAX_BENCHMARK = 1e7  # layer-steps/s: a 0.1 us layer step; a larger claim would win every plan on its word
+MAX_HARDWARE_KEYS = 16  # entries of REGISTER.hardware (nodes send 6); it is kept per node and shown in status
+MAX_HARDWARE_KEY = 64  # characters of a hardware key
+MAX_HARDWARE_TEXT = 256  # characters of a hardware value
+MAX_REF = 64  # characters of a REPORT's ref (a head's attempt id) and of its finish_reason
+MAX_COUNT = (1 << 31) - 1  # a REPORT's token counts
 
 
 class ErrorCode:
@@ -205,6 +217,18 @@ class Hop:
     def validate(self) -> None:
         if not 0 <= self.start_layer <= self.end_layer < MAX_LAYERS:
             raise ProtocolError(f"hop layers {self.start_layer}-{self.end_layer} out of range")
+
+
+def check_chain(route: Sequence[Hop], start: int, code: str = ErrorCode.BAD_FRAME) -> None:
+    """A route of at most MAX_HOPS hops, each starting where the one before it ended (the
+    first at ``start``)."""
+    if len(route) > MAX_HOPS:
+        raise ProtocolError(f"a route has at most {MAX_HOPS} hops", code)
+    expected = start
+    for hop in route:
+        if hop.start_layer != expected:
+            raise ProtocolError(f"route hop starts at {hop.start_layer}, expected {expected}", code)
+        expected = hop.end_layer + 1
 
 
 @dataclass(frozen=True)
@@ -483,11 +507,39 @@ class Forward(Message):
             raise ProtocolError("FORWARD carries float hidden states of shape (1, q, hidden)")
         if spec.shape[0] != 1 or spec.shape[1] < 1:
             raise ProtocolError("FORWARD tensor must have batch 1 and at least one token")
-        expected = self.end_layer + 1
-        for hop in self.route:
-            if hop.start_layer != expected:
-                raise ProtocolError(f"route hop starts at {hop.start_layer}, expected {expected}")
-            expected = hop.end_layer + 1
+        check_chain(self.route, self.end_layer + 1)
+
+
+# What a node checks of a FORWARD against the model it holds (fabric/node/hops.py), and of a
+# GENERATE (fabric/node/head.py): the same parts, with the model's numbers.
+
+
+def check_route_end(msg: Forward, num_layers: int) -> None:
+    """A FORWARD's layers end the model, or a hop follows; and its route reaches the last layer."""
+    if msg.end_layer != num_layers - 1 and not msg.route:
+        raise ProtocolError(f"layers end at {msg.end_layer} but no hop follows", ErrorCode.BAD_REQUEST)
+    if msg.route and msg.route[-1].end_layer != num_layers - 1:
+        raise ProtocolError("the route does not reach the last layer", ErrorCode.BAD_REQUEST)
+
+
+def check_context(pos: int, count: int, context: int) -> None:
+    """``count`` positions from ``pos`` fit the model's ``context`` (0: unchecked)."""
+    if context and pos + count > context:
+        raise ProtocolError(f"positions {pos}+{count} go past the model's context of {context}",
+                            ErrorCode.BAD_REQUEST)
+
+
+def check_hidden_size(got: int, hidden_size: int) -> None:
+    if got != hidden_size:
+        raise ProtocolError(f"hidden size {got} != {hidden_size}")
+
+
+def check_vocab(ids: Sequence[int], vocab: int, what: str) -> None:
+    """Token ids a peer names (layer 0's input_ids, a resume, a logit_bias) are ids of the
+    model's ``vocab`` (0: unchecked): a bad one inside a batched pass would fail every
+    session of the batch."""
+    if vocab and ids and not 0 <= min(ids) <= max(ids) < vocab:
+        raise ProtocolError(f"{what} holds a token id outside the vocabulary [0, {vocab})", ErrorCode.BAD_REQUEST)
 
 
 @dataclass(frozen=True)
@@ -653,11 +705,7 @@ class Generate(Message):
                                 "response_format", ErrorCode.BAD_REQUEST)
         if self.route[0].start_layer != 0:
             raise ProtocolError("a route must start at layer 0", ErrorCode.BAD_REQUEST)
-        expected = 0
-        for hop in self.route:
-            if hop.start_layer != expected:
-                raise ProtocolError(f"route hop starts at {hop.start_layer}, expected {expected}")
-            expected = hop.end_layer + 1
+        check_chain(self.route, 0)
 
 
 @dataclass(frozen=True)
@@ -705,6 +753,48 @@ class Register(Message):
             raise ProtocolError("relay_key without relay", ErrorCode.BAD_REQUEST)
 
 
+# What the tracker checks of the messages it keeps (tracker/registry.py, ledger.py, service.py):
+# every refusal is BAD_REQUEST, answered to the sender.
+
+
+def check_register(msg: Register) -> None:
+    """A registration a route could use, and small enough to keep per node."""
+    check_text(msg.node_id, "node_id", code=ErrorCode.BAD_REQUEST)
+    check_text(msg.model, "model", code=ErrorCode.BAD_REQUEST)
+    check_text(msg.fingerprint, "fingerprint", code=ErrorCode.BAD_REQUEST)
+    check_text(msg.endpoint, "endpoint", MAX_ENDPOINT, code=ErrorCode.BAD_REQUEST)
+    if len(msg.relay) > MAX_ENDPOINT or len(msg.relay_key) > MAX_ID:
+        raise ProtocolError(f"relay has at most {MAX_ENDPOINT} characters, relay_key at most {MAX_ID}",
+                            ErrorCode.BAD_REQUEST)
+    _check_model_layers(msg.num_layers)
+    if not 0 <= msg.start_layer <= msg.end_layer < msg.num_layers:
+        raise ProtocolError(f"layers {msg.start_layer}-{msg.end_layer} are not inside 0-{msg.num_layers - 1}",
+                            ErrorCode.BAD_REQUEST)
+    if not 0 <= msg.benchmark <= MAX_BENCHMARK or msg.max_sessions < 0:
+        raise ProtocolError(f"benchmark must be in [0, {MAX_BENCHMARK:g}] and max_sessions >= 0",
+                            ErrorCode.BAD_REQUEST)
+    _check_hardware(msg.hardware)
+
+
+def _check_model_layers(num_layers: int) -> None:
+    if not 1 <= num_layers <= MAX_MODEL_LAYERS:
+        raise ProtocolError(f"num_layers {num_layers} is not in [1, {MAX_MODEL_LAYERS}]", ErrorCode.BAD_REQUEST)
+
+
+def _check_hardware(hardware: dict) -> None:
+    """A small flat map of short scalars: the tracker keeps it per node and every status shows it."""
+    if len(hardware) > MAX_HARDWARE_KEYS:
+        raise ProtocolError(f"hardware has at most {MAX_HARDWARE_KEYS} entries", ErrorCode.BAD_REQUEST)
+    for key, value in hardware.items():
+        if not isinstance(key, str) or not 1 <= len(key) <= MAX_HARDWARE_KEY:
+            raise ProtocolError(f"hardware keys are 1-{MAX_HARDWARE_KEY} characters", ErrorCode.BAD_REQUEST)
+        if isinstance(value, str) and len(value) > MAX_HARDWARE_TEXT:
+            raise ProtocolError(f"hardware[{key!r}] has more than {MAX_HARDWARE_TEXT} characters",
+                                ErrorCode.BAD_REQUEST)
+        if value is not None and not isinstance(value, (str, int, float)):
+            raise ProtocolError(f"hardware[{key!r}] must be a string or a number", ErrorCode.BAD_REQUEST)
+
+
 @dataclass(frozen=True)
 class Heartbeat(Message):
     KIND: ClassVar[Kind] = Kind.HEARTBEAT
@@ -722,10 +812,15 @@ class Heartbeat(Message):
         if len(self.rtts) > MAX_RTT_PEERS:
             raise ProtocolError(f"rtts lists at most {MAX_RTT_PEERS} peers")
         for peer, ms in self.rtts.items():
-            if not 1 <= len(peer) <= 256:
-                raise ProtocolError("an rtts peer id has 1-256 characters")
+            check_text(peer, "an rtts peer id")
             if not 0.0 <= ms <= MAX_RTT_MS:
                 raise ProtocolError(f"rtts[{peer!r}] must be in [0, {MAX_RTT_MS:.0f}] ms")
+
+
+def check_heartbeat(msg: Heartbeat) -> None:
+    check_text(msg.node_id, "node_id", code=ErrorCode.BAD_REQUEST)
+    if msg.sessions < 0 or msg.queued < 0:
+        raise ProtocolError("sessions and queued must be >= 0", ErrorCode.BAD_REQUEST)
 
 
 @dataclass(frozen=True)
@@ -734,6 +829,14 @@ class RouteRequest(Message):
     model: str
     exclude: tuple[str, ...] = ()
 
+    def validate(self) -> None:
+        """The tracker books both in its event ring (shown in every status): ids, few of them."""
+        check_text(self.model, "model", code=ErrorCode.BAD_REQUEST)
+        if len(self.exclude) > MAX_EXCLUDE:
+            raise ProtocolError(f"exclude lists at most {MAX_EXCLUDE} node ids", ErrorCode.BAD_REQUEST)
+        for node in self.exclude:
+            check_text(node, "an excluded node id", code=ErrorCode.BAD_REQUEST)
+
 
 @dataclass(frozen=True)
 class Route(Message):
@@ -741,6 +844,9 @@ class Route(Message):
     model: str
     hops: tuple[Hop, ...]
     estimated_tps: float = 0.0
+
+    def validate(self) -> None:
+        check_chain(self.hops, 0)
 
 
 @dataclass(frozen=True)
@@ -770,6 +876,24 @@ class Report(Message):
         return self.ref or self.request_id
 
 
+def check_report(report: Report) -> None:
+    """A report the ledger can trust (tracker/reports.py, tracker/ledger.py)."""
+    check_text(report.request_id, "request_id", code=ErrorCode.BAD_REQUEST)
+    if report.ref:
+        check_text(report.ref, "ref", MAX_REF, code=ErrorCode.BAD_REQUEST)
+    check_text(report.node_id, "node_id", code=ErrorCode.BAD_REQUEST)
+    check_text(report.model, "model", code=ErrorCode.BAD_REQUEST)
+    check_text(report.finish_reason, "finish_reason", MAX_REF, optional=True, code=ErrorCode.BAD_REQUEST)
+    check_text(report.api_key, "api_key", MAX_SALT, optional=True, code=ErrorCode.BAD_REQUEST)
+    counts = (report.prompt_tokens, report.completion_tokens, report.max_tokens, report.prefilled,
+              report.prefill_tokens)
+    if any(not 0 <= c <= MAX_COUNT for c in counts) or report.elapsed < 0:
+        raise ProtocolError("token counts and elapsed must be >= 0", ErrorCode.BAD_REQUEST)
+    if not 0 <= report.resumed <= report.completion_tokens:
+        raise ProtocolError("resumed must be in [0, completion_tokens]", ErrorCode.BAD_REQUEST)
+    check_chain(report.route, 0, ErrorCode.BAD_REQUEST)
+
+
 @dataclass(frozen=True)
 class StatusRequest(Message):
     KIND: ClassVar[Kind] = Kind.STATUS_REQUEST
@@ -789,6 +913,13 @@ class AssignRequest(Message):
     model: str
     num_layers: int
     max_layers: int = 0  # how many layers fit this node's memory budget; 0: all
+
+
+def check_assign_request(msg: AssignRequest) -> None:
+    check_text(msg.model, "model", code=ErrorCode.BAD_REQUEST)
+    _check_model_layers(msg.num_layers)
+    if msg.max_layers < 0:
+        raise ProtocolError("max_layers must be >= 0", ErrorCode.BAD_REQUEST)
 
 
 @dataclass(frozen=True)
@@ -823,8 +954,7 @@ class Leave(Message):
     node_id: str
 
     def validate(self) -> None:
-        if not 1 <= len(self.node_id) <= 256:
-            raise ProtocolError("node_id must have 1-256 characters")
+        check_text(self.node_id, "node_id")
 
 
 @dataclass(frozen=True)
@@ -840,8 +970,9 @@ class RelayOpen(Message):
     endpoint: str = ""
 
     def validate(self) -> None:
-        if not 1 <= len(self.node_id) <= 256 or len(self.endpoint) > 1024:
-            raise ProtocolError("node_id must have 1-256 characters and endpoint at most 1024")
+        check_text(self.node_id, "node_id")
+        if len(self.endpoint) > MAX_ENDPOINT:
+            raise ProtocolError(f"endpoint has at most {MAX_ENDPOINT} characters")
 
 
 @dataclass(frozen=True)
@@ -985,8 +1116,8 @@ class ReplicasRequest(Message):
         check_text(self.model, "model")
         check_text(self.fingerprint, "fingerprint")
         _check_span(self.start_layer, self.end_layer)
-        if len(self.node_id) > MAX_ID or len(self.suspect) > MAX_ID or len(self.exclude) > MAX_PROBES:
-            raise ProtocolError(f"node_id and suspect have at most {MAX_ID} characters, exclude {MAX_PROBES} ids")
+        if len(self.node_id) > MAX_ID or len(self.suspect) > MAX_ID or len(self.exclude) > MAX_EXCLUDE:
+            raise ProtocolError(f"node_id and suspect have at most {MAX_ID} characters, exclude {MAX_EXCLUDE} ids")
 
 
 @dataclass(frozen=True)
