@@ -305,16 +305,6 @@ def _restart(cluster, model, name: str) -> None:
     assert wait_for(registered, 60, 0.2), cluster.logs()
 
 
-def _serving_head(cluster) -> str | None:
-    from tests.cluster import ping
-
-    for name in ("h1", "h2"):
-        pong = ping(cluster.node_endpoints[name], 2.0) if name in cluster.procs else None
-        if pong and pong.sessions:
-            return name
-    return None
-
-
 def _stream_and_kill_the_head(cluster, model: str, after: int = 4, **kw) -> tuple[list[p.Event], str]:
     """Stream a chat; after ``after`` tokens kill -9 its head. The events, and the head killed."""
     events, victim = [], ""
@@ -390,17 +380,17 @@ def _post(url: str, body: dict, on_chunk=None) -> tuple[str, list[dict], str]:
     return "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c.get("choices")), chunks, rid
 
 
-def _kill_once(cluster, killed: list[str]) -> None:
-    """kill -9 the head that serves the running request, if none was killed yet."""
-    if not killed:
-        head = _serving_head(cluster)
-        assert head, "no head serves a session"
-        cluster.kill(head, signal.SIGKILL)
-        killed.append(head)
+def _known_events(cluster) -> set[str]:
+    with cluster.client() as client:
+        return {e["key"] for e in client.status()["events"]}
 
 
-def _kill_when_tokens_come(cluster, known: set[str], killed: list[str]) -> None:
-    """Wait for a new request's progress report with tokens (its head's), then kill -9 that head."""
+def _kill_when_tokens_come(cluster, known: set[str], killed: list[str]) -> bool:
+    """Wait for a new request's progress report with tokens (its head's), then kill -9 that head,
+    unless one was killed already. By the report, not by which head holds sessions: another head
+    may still hold an earlier request's kept ones."""
+    if killed:
+        return True
     def progress() -> dict | None:
         with cluster.client() as client:
             return next((e for e in client.status()["events"] if e["kind"] == "progress" and e["key"] not in known
@@ -409,6 +399,7 @@ def _kill_when_tokens_come(cluster, known: set[str], killed: list[str]) -> None:
     head = progress()["node"]
     cluster.kill(head, signal.SIGKILL)
     killed.append(head)
+    return True
 
 
 def test_kill_9_of_the_head_mid_stream_under_the_web_ui_and_meshnet_chat(process_cluster, tiny_models):
@@ -420,8 +411,9 @@ def test_kill_9_of_the_head_mid_stream_under_the_web_ui_and_meshnet_chat(process
     body = {"model": model.name, "messages": MESSAGES, "max_tokens": TOKENS, "temperature": 0}
     text, _, first = _post(url, {**body, "stream": True})
     streamed: list[str] = []
+    known = _known_events(cluster)
     got, chunks, rid = _post(url, {**body, "stream": True},
-                             lambda chunks: _content(chunks) >= 3 and _kill_once(cluster, streamed))
+                             lambda chunks: _content(chunks) >= 3 and _kill_when_tokens_come(cluster, known, streamed))
     assert got == text and streamed, streamed
     assert not any("error" in c for c in chunks) and chunks[-1]["choices"][0]["finish_reason"] == "stop"
     ids = [first, rid]
@@ -430,8 +422,7 @@ def test_kill_9_of_the_head_mid_stream_under_the_web_ui_and_meshnet_chat(process
     # when the killer acts; a reply that ended first had no handover to book
     long_body = {**body, "max_tokens": 4 * TOKENS, "ignore_eos": True}
     long_text, _, _ = _post(url, long_body)
-    with cluster.client() as client:
-        known = {e["key"] for e in client.status()["events"]}
+    known = _known_events(cluster)
     whole: list[str] = []
     killer = threading.Thread(target=_kill_when_tokens_come, args=(cluster, known, whole))
     killer.start()
@@ -453,13 +444,16 @@ def _content(chunks: list[dict]) -> int:
 
 
 def _chat(cluster, model: str) -> str:
-    """`meshnet chat PROMPT`, its head killed -9 once its reply shows: what it printed."""
+    """`meshnet chat PROMPT`, its head killed -9 once its reply shows: what it printed. The
+    head is the one whose progress report names the chat's request (another head may still hold
+    an earlier request's kept sessions)."""
+    known = _known_events(cluster)
     proc = subprocess.Popen([sys.executable, "-m", "fabric.cli", "chat", "--tracker", cluster.endpoint, "--model",
                              model, "--max-tokens", str(TOKENS), MESSAGES[0]["content"]], cwd=ROOT,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL)
     try:
         shown = proc.stdout.read(1)  # the reply's first character: its head serves it
-        _kill_once(cluster, [])
+        _kill_when_tokens_come(cluster, known, [])
         out, err = proc.communicate(timeout=60)
     finally:
         if proc.poll() is None:
