@@ -68,6 +68,7 @@ MAX_ENDPOINT = 1024  # longest endpoint (tcp://host:port, or a relay's)
 TAP_ID_CHARS = 32  # a session's tap id (FORWARD.audit): secrets.token_hex(16), unguessable
 SKETCH_DIM = 32  # numbers per position in an AUDIT_TAP's sketches (fabric/node/verdicts.py: ``sketch``)
 MAX_AUDIT_LOGITS = 8  # positions whose logits one AUDIT_RESULT of a tail's layers carries (a replay's window)
+MAX_DRAFTS = 8  # drafted tokens one FORWARD may ask the tail to verify (the step then carries one more position)
 
 
 class ErrorCode:
@@ -326,7 +327,7 @@ class Forward(Message):
     """
 
     KIND: ClassVar[Kind] = Kind.FORWARD
-    SPARSE: ClassVar[frozenset[str]] = frozenset({"logprobs", "penalties", "grammar"})
+    SPARSE: ClassVar[frozenset[str]] = frozenset({"logprobs", "penalties", "grammar", "drafts"})
     session: str
     step: int
     pos: int
@@ -347,6 +348,9 @@ class Forward(Message):
     penalties: Penalties | None = None
     # on the steps that open the session: what the reply must match (``generated`` the tokens so far); None: free
     grammar: Grammar | None = None
+    # a verification step: the last len(drafts) of its q positions hold these drafted tokens (q = len + 1); the
+    # tail samples every position and answers a TOKEN per draft it would have sampled itself, plus the next one
+    drafts: tuple[int, ...] = ()
 
     def validate(self) -> None:
         if not -1 <= self.logprobs <= MAX_TOP_LOGPROBS:
@@ -372,11 +376,23 @@ class Forward(Message):
             raise ProtocolError("FORWARD carries float hidden states of shape (1, q, hidden)")
         if spec.shape[0] != 1 or spec.shape[1] < 1:
             raise ProtocolError("FORWARD tensor must have batch 1 and at least one token")
+        self._check_drafts(spec.shape[1])
         expected = self.end_layer + 1
         for hop in self.route:
             if hop.start_layer != expected:
                 raise ProtocolError(f"route hop starts at {hop.start_layer}, expected {expected}")
             expected = hop.end_layer + 1
+
+    def _check_drafts(self, q: int) -> None:
+        """A verification step is a decode step and its drafts, nothing more: the tail's extra
+        work (logits of len(drafts) + 1 positions) stays bounded by MAX_DRAFTS."""
+        if not self.drafts:
+            return
+        if len(self.drafts) > MAX_DRAFTS or not all(0 <= t <= MAX_TOKEN_ID for t in self.drafts):
+            raise ProtocolError(f"drafts holds at most {MAX_DRAFTS} token ids in [0, 2**31)")
+        if q != len(self.drafts) + 1 or self.pos == 0 or self.more or self.reuse:
+            raise ProtocolError("a step with drafts carries len(drafts) + 1 positions, at pos > 0, "
+                                "neither a chunk that more follow nor one that reuses kept KV")
 
 
 @dataclass(frozen=True)
