@@ -75,6 +75,11 @@ def add_parser(sub) -> None:
     p.add_argument("--wire-dtype", default="", choices=["", "float32", "float16", "bfloat16"],
                    help="dtype of hidden states between the hops of routes this node heads (default: each "
                         "node's compute dtype; bfloat16 halves the bytes of a float32 route, not bit-exact)")
+    p.add_argument("--speculate", default="on", choices=["on", "off"],
+                   help="requests this node heads draft a few tokens by looking up the text so far and send "
+                        "them with the last one, so one trip through the hops can yield several tokens; the tail "
+                        "keeps only those it would have sampled itself, so the text never changes "
+                        "(default %(default)s)")
     p.add_argument("--node-id", default=None,
                    help="id in the swarm (default: made once and kept in a key file, so restarts keep it)")
     p.add_argument("--memory", type=non_negative, default=0.0, metavar="GIB",
@@ -183,6 +188,7 @@ def _node_config(args, security):
     )
     from ..net.security import relay_key
     from ..node import NodeConfig, stable_node_id
+    from ..node.speculation import SpeculationConfig
     from ..wire.shard import parse_layers
 
     try:
@@ -208,6 +214,7 @@ def _node_config(args, security):
                       max_sessions=args.max_sessions, max_prompt_tokens=args.max_prompt_tokens,
                       kv_cache_bytes=None if args.kv_cache_gib is None else int(args.kv_cache_gib * (1 << 30)),
                       prefill_slice=args.prefill_slice_ms / 1000, wire_dtype=args.wire_dtype,
+                      speculation=SpeculationConfig(enabled=args.speculate == "on"),
                       compute_lock=_compute_lock(args.compute_lock, args.device),
                       hop_timeout=args.hop_timeout, heartbeat_interval=args.heartbeat,
                       audit_rate=args.audit_rate, audit_tolerance=args.audit_tolerance,
