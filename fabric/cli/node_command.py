@@ -67,19 +67,11 @@ def add_parser(sub) -> None:
                         "(a chat's earlier turns, a common system prompt) computes only the rest; the least "
                         "recently used goes first; 0 keeps none (default: a tenth of the memory available at "
                         "start, on the node's device)")
-    p.add_argument("--max-prompt-tokens", type=positive_count, default=4096, help="longest prompt the head accepts")
     p.add_argument("--prefill-slice-ms", type=non_negative, default=0.0, metavar="MS",
                    help="while other streams decode here, run a long prompt's prefill in slices that add about "
                         "this many milliseconds to their decode steps (a slice rides in their forward pass); 0: as "
                         "long as one decode step (default %(default)s)")
-    p.add_argument("--wire-dtype", default="", choices=["", "float32", "float16", "bfloat16"],
-                   help="dtype of hidden states between the hops of routes this node heads (default: each "
-                        "node's compute dtype; bfloat16 halves the bytes of a float32 route, not bit-exact)")
-    p.add_argument("--speculate", default="on", choices=["on", "off"],
-                   help="requests this node heads draft a few tokens by looking up the text so far and send "
-                        "them with the last one, so one trip through the hops can yield several tokens; the tail "
-                        "keeps only those it would have sampled itself, so the text never changes "
-                        "(default %(default)s)")
+    _node_head_flags(p)
     p.add_argument("--node-id", default=None,
                    help="id in the swarm (default: made once and kept in a key file, so restarts keep it)")
     p.add_argument("--memory", type=non_negative, default=0.0, metavar="GIB",
@@ -90,6 +82,19 @@ def add_parser(sub) -> None:
     p.add_argument("--no-progress", action="store_true", help="no progress bar while loading")
     metrics_flag(p)
     p.set_defaults(func=cmd_node)
+
+
+def _node_head_flags(p: argparse.ArgumentParser) -> None:
+    """How a node heads requests: the prompts it takes, the wire between its route's hops, drafts."""
+    p.add_argument("--max-prompt-tokens", type=positive_count, default=4096, help="longest prompt the head accepts")
+    p.add_argument("--wire-dtype", default="", choices=["", "float32", "float16", "bfloat16"],
+                   help="dtype of hidden states between the hops of routes this node heads (default: each "
+                        "node's compute dtype; bfloat16 halves the bytes of a float32 route, not bit-exact)")
+    p.add_argument("--speculate", default="on", choices=["on", "off"],
+                   help="requests this node heads draft a few tokens by looking up the text so far and send "
+                        "them with the last one, so one trip through the hops can yield several tokens; the tail "
+                        "keeps only those it would have sampled itself, so the text never changes "
+                        "(default %(default)s)")
 
 
 def _node_timing_flags(p: argparse.ArgumentParser) -> None:

@@ -296,7 +296,7 @@ class Node(SessionControl):
             tokens, result = [], exc
         if msg.audit and msg.start_layer and isinstance(result, StepResult):  # every step past the head: its sketch
             self.send_tensors(msg.reply_to, msg.reply_key, *self.taps.tap(work, result, tokens))
-        if (msg.more or msg.pos and not work.decode) and isinstance(result, StepResult) and result.logits is None:
+        if work.reports_progress and isinstance(result, StepResult) and result.logits is None:
             self._progress(msg, msg.pos + work.tokens)
         if isinstance(result, CacheMissError):
             self.counters["cache_miss"] += 1
