@@ -162,3 +162,29 @@ def test_a_step_inside_the_drafted_positions_cuts_them_off_in_place(tail):
     else:  # float32 with SDPA: a chunk and a step sum in other orders
         assert torch.allclose(got.logits, again, atol=1e-4)
     assert not torch.equal(got.logits, want)  # (a control: another token there gives other logits)
+
+
+def test_a_sliding_window_layer_cuts_back_in_place_within_what_it_keeps():
+    """A sliding-window layer, long past its window, cut back over 4 rejected drafts: the same
+    buffer, and from then on it hands the attention exactly what a layer that never saw them
+    hands it. Cut back further than it keeps, it refuses (the step is a cache miss)."""
+    from types import SimpleNamespace
+
+    from fabric.compute.cache import WindowLayer, roll_back
+
+    torch.manual_seed(0)
+    kv = lambda n: (torch.randn(1, 2, n, 4), torch.randn(1, 2, n, 4))  # noqa: E731
+    spec, plain = WindowLayer(8), WindowLayer(8)
+    for keys, values in (kv(1) for _ in range(150)):
+        spec.update(keys, values)
+        plain.update(keys, values)
+    step = kv(5)  # the last token and 4 drafts
+    spec.update(*step)
+    plain.update(step[0][:, :, :1], step[1][:, :, :1])
+    buffer = spec._keys.data_ptr()
+    assert roll_back(SimpleNamespace(layers=[spec]), 0, 0, 151)
+    assert spec._keys.data_ptr() == buffer and spec.get_seq_length() == plain.get_seq_length() == 151
+    nxt = kv(1)
+    assert all(torch.equal(a, b) for a, b in zip(spec.update(*nxt), plain.update(*nxt)))
+    assert spec.first > 3 and not roll_back(SimpleNamespace(layers=[spec]), 0, 0, 10)  # gone: refused
+    assert spec.get_seq_length() == 152
