@@ -188,3 +188,28 @@ def test_a_sliding_window_layer_cuts_back_in_place_within_what_it_keeps():
     assert all(torch.equal(a, b) for a, b in zip(spec.update(*nxt), plain.update(*nxt)))
     assert spec.first > 3 and not roll_back(SimpleNamespace(layers=[spec]), 0, 0, 10)  # gone: refused
     assert spec.get_seq_length() == 152
+
+
+def test_a_verification_steps_tail_tap_covers_only_the_positions_kept(tiny_models):
+    """The tail's AUDIT_TAP of a verification step (4 drafts, 1 kept) sketches the inputs of the
+    positions kept and the logits that gave its last TOKEN, as a one-token step at the last kept
+    position would have: a rejected draft never reaches the head's claims."""
+    from fabric.compute.compute_lock import ComputeLock
+    from fabric.node.scheduler import Work
+    from fabric.node.taps import Taps, kernels
+    from fabric.node.verdicts import sketch
+
+    executor = ShardExecutor(load_shard(resolve(str(tiny_models("llama"))), Shard(3, 5, 6), progress=False),
+                             KVStore())
+    taps = Taps(executor, ComputeLock(None), "tail", kernels("cpu", torch.float32, None), Counter())
+    x = torch.randn(1, 11, 64, generator=torch.Generator().manual_seed(5))  # (1, positions, hidden)
+    executor.run("s", 3, 5, x[:, :6], 0)
+    result = executor.run("s", 3, 5, x[:, 6:], 6, drafts=4)  # positions 6..10
+    best = [int(row.argmax()) for row in result.verify]
+    drafts = (best[0], (best[1] + 1) % 320, best[2], best[3])  # the first kept, the second rejected
+    msg = dataclasses.replace(_forward(drafts), pos=6, audit="t" * 32, tensors=(p.TensorSpec("float32", (1, 5, 64)),))
+    tokens = SessionAsks().verify(msg, 7, result.verify)
+    assert [t.token for t in tokens] == best[:2]
+    tap, (inputs, outputs) = taps.tap(Work(msg, x[:, 6:]), result, tokens)
+    assert (tap.pos, tap.token, inputs.shape[0], outputs.shape[0]) == (6, tokens[-1].token, 2, 1)
+    assert torch.equal(inputs, sketch(x[:, 6:8])) and torch.equal(outputs, sketch(result.verify[1]))

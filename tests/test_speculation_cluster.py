@@ -194,3 +194,25 @@ def test_the_next_turn_reuses_only_what_was_kept(thread_cluster, tiny_models, mo
     assert all(kv.drafted > 0 and kv.length > held for kv in kept)  # its last step's rejected drafts are there
     assert generate(thread_cluster, model, follow, max_tokens=24) == cold
     assert tail.kv.retained.stats["hits"] == 1 and head.kv.retained.stats["hits"] == 1
+
+
+def test_audits_of_speculating_requests_convict_nobody(thread_cluster, tiny_models, monkeypatch):
+    """Every request audited while its head drafts (rejections at every place in a step): the
+    taps of the tail cover only the positions kept, so the replicas' replays agree with every
+    hop, and the text is the text without drafts."""
+    model = tiny_models("llama")
+    head = thread_cluster.add_node(model, 0, 2, 6, "head", audit_rate=1.0)
+    for name in ("tail1", "tail2", "tail3"):
+        thread_cluster.add_node(model, 3, 5, 6, name)
+    thread_cluster.wait_routable(model.name, 4)
+    prompts = PROMPTS[:2]
+    speculate(head, OFF)
+    plain = [generate(thread_cluster, model, prompt) for prompt in prompts]
+    monkeypatch.setattr(spec_module.Lookup, "propose", oracle(model, prompts, plain))
+    speculate(head, SpeculationConfig(min_rate=0.0))
+    audits = head.counters["audits"]
+    assert [generate(thread_cluster, model, prompt) for prompt in prompts] == plain
+    c = head.counters
+    assert wait_for(lambda: c["spec_kept"] > 0 and c["audits_passed"] + c["audits_unsettled"] + c["audits_skipped"]
+                    >= c["audits"] >= audits + 2, 30)
+    assert c["audits_convicted"] == 0 and c["audits_unsettled"] == 0 and c["audits_passed"] >= audits + 2
