@@ -12,11 +12,11 @@ import threading
 import pytest
 import torch
 
+from fabric.compute.models import resolve
 from fabric.node import Node, NodeConfig
 from fabric.node import speculation as spec_module
 from fabric.node.speculation import SpeculationConfig
 from fabric.wire.shard import Shard
-from fabric.compute.models import resolve
 from tests.support import wait_for
 from tests.tiny_models import reference_greedy
 

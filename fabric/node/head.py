@@ -23,7 +23,13 @@ from ..wire import protocol as p
 from ..wire.liveness import LINK_GRACE, PEER_SILENCE, PING_INTERVAL, TRACKER_SILENCE
 from .audit import AuditConfig, Auditor
 from .prefixes import PrefixIndex
-from .route_session import RequestError, RouteSession, Transport, encode_prompt, new_session_id
+from .route_session import (
+    RequestError,
+    RouteSession,
+    Transport,
+    encode_prompt,
+    new_session_id,
+)
 from .speculation import Speculation, SpeculationConfig
 
 log = logging.getLogger(__name__)
