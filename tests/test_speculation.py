@@ -57,6 +57,10 @@ def test_speculation_sizes_its_drafts_and_pauses_when_they_do_not_hold():
     assert spec.paused == 3 and [spec.drafts(history, 10) for _ in range(3)] == [[], [], []]
     assert spec.drafts(history, 10) == [1, 2]  # and then tries again
     assert (spec.trips, spec.drafted, spec.kept) == (5, 11, 3)
+    spec.crowded = True  # its head heads more than max_streams requests
+    assert spec.drafts(history, 10) == []
+    spec.crowded = False
+    assert spec.drafts(history, 10) == [1, 2]
 
 
 # --------------------------------------------------------------------------- the tail's verification

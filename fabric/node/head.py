@@ -183,6 +183,8 @@ class Head:
             return  # a late reply for a request that already ended
         match msg:
             case p.Token():
+                if rs.speculation is not None:
+                    rs.speculation.crowded = len(self.sessions) > rs.speculation.config.max_streams
                 events = rs.on_token(msg)
             case p.CacheMiss():
                 if rs.reused is not None:
