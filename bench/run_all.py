@@ -54,6 +54,9 @@ SCRIPTS = {
     "lock_wait": ([], ["--rounds", "2", "--handoffs", "100"]),
     "memory": (["--large"], ["--large"]),
     "netbed": (["--json", "OUT/netbed.json"], ["--reps", "2", "--only", "2ms", "--json", "OUT/netbed.json"]),
+    # one stream with drafts against without, copy-heavy and open prompts, loopback and a 30 ms round trip
+    "speculative": (["--json", "OUT/speculative.json"], ["--reps", "1", "--tokens", "64", "--json",
+                                                          "OUT/speculative.json"]),
 }
 DEVICE_AWARE = ("fabric_bench", "concurrency", "prefill_itl", "long_context")  # take --model, --device, --dtype, --quant
 VERDICT = re.compile(r"\b(PASS|MISS|met|missed|MISSED|skipped)\b|\d+(\.\d+)?x\b")

@@ -68,14 +68,11 @@ def add_parser(sub) -> None:
                         "(a chat's earlier turns, a common system prompt) computes only the rest; the least "
                         "recently used goes first; 0 keeps none (default: a tenth of the memory available at "
                         "start, on the node's device)")
-    p.add_argument("--max-prompt-tokens", type=positive_count, default=4096, help="longest prompt the head accepts")
     p.add_argument("--prefill-slice-ms", type=non_negative, default=0.0, metavar="MS",
                    help="while other streams decode here, run a long prompt's prefill in slices that add about "
                         "this many milliseconds to their decode steps (a slice rides in their forward pass); 0: as "
                         "long as one decode step (default %(default)s)")
-    p.add_argument("--wire-dtype", default="", choices=["", "float32", "float16", "bfloat16"],
-                   help="dtype of hidden states between the hops of routes this node heads (default: each "
-                        "node's compute dtype; bfloat16 halves the bytes of a float32 route, not bit-exact)")
+    _node_head_flags(p)
     p.add_argument("--node-id", default=None,
                    help="id in the swarm (default: made once and kept in a key file, so restarts keep it)")
     p.add_argument("--memory", type=non_negative, default=0.0, metavar="GIB",
@@ -90,6 +87,19 @@ def add_parser(sub) -> None:
     p.add_argument("--no-progress", action="store_true", help="no progress bar while loading")
     metrics_flag(p)
     p.set_defaults(func=cmd_node)
+
+
+def _node_head_flags(p: argparse.ArgumentParser) -> None:
+    """How a node heads requests: the prompts it takes, the wire between its route's hops, drafts."""
+    p.add_argument("--max-prompt-tokens", type=positive_count, default=4096, help="longest prompt the head accepts")
+    p.add_argument("--wire-dtype", default="", choices=["", "float32", "float16", "bfloat16"],
+                   help="dtype of hidden states between the hops of routes this node heads (default: each "
+                        "node's compute dtype; bfloat16 halves the bytes of a float32 route, not bit-exact)")
+    p.add_argument("--speculate", default="on", choices=["on", "off"],
+                   help="requests this node heads draft a few tokens by looking up the text so far and send "
+                        "them with the last one, so one trip through the hops can yield several tokens; the tail "
+                        "keeps only those it would have sampled itself, so the text never changes "
+                        "(default %(default)s)")
 
 
 def _node_timing_flags(p: argparse.ArgumentParser) -> None:
@@ -196,6 +206,7 @@ def _node_config(args, security):
     )
     from ..net.security import relay_key
     from ..node import NodeConfig, stable_node_id
+    from ..node.speculation import SpeculationConfig
     from ..wire.shard import parse_layers
 
     try:
@@ -221,6 +232,7 @@ def _node_config(args, security):
                       max_sessions=args.max_sessions, max_prompt_tokens=args.max_prompt_tokens,
                       kv_cache_bytes=None if args.kv_cache_gib is None else int(args.kv_cache_gib * (1 << 30)),
                       prefill_slice=args.prefill_slice_ms / 1000, wire_dtype=args.wire_dtype,
+                      speculation=SpeculationConfig(enabled=args.speculate == "on"),
                       compute_lock=_compute_lock(args.compute_lock, args.device),
                       hop_timeout=args.hop_timeout, heartbeat_interval=args.heartbeat,
                       audit_rate=args.audit_rate, audit_tolerance=args.audit_tolerance,

@@ -61,6 +61,10 @@ class GrowingLayer(DynamicLayer):
             values[:, :, :n] = self.values
         self._keys, self._values = keys, values
 
+    def roll_back(self, pos: int) -> None:
+        """Keep the first ``pos`` positions: the rest is forgotten where it lies (views shrink, nothing is copied)."""
+        self.keys, self.values = self._keys[:, :, :pos], self._values[:, :, :pos]
+
     def trim(self) -> None:
         """Give back the room to spare: the buffer becomes exactly the filled part."""
         if self._keys is not None and self._keys.shape[-2] != self.get_seq_length():
@@ -144,6 +148,11 @@ class WindowLayer(DynamicSlidingWindowLayer):
             out._hold(self.keys[:, :, start:stop], self.values[:, :, start:stop], stop - start)  # copied
         return out
 
+    def roll_back(self, pos: int) -> None:
+        """Forget the positions from ``pos`` on (``serves(pos)`` true), where they lie: nothing is copied."""
+        self.cumulative_length = pos
+        self._fill(pos - self.first)
+
     def trim(self) -> None:
         """Give back the room to spare: the buffer becomes exactly the last ``keep`` positions."""
         n = self.cumulative_length - self.first
@@ -187,6 +196,19 @@ def trim(cache) -> None:
     for layer in getattr(cache, "layers", ()):
         if isinstance(layer, (GrowingLayer, WindowLayer)):
             layer.trim()
+
+
+def roll_back(cache, start: int, end: int, pos: int) -> bool:
+    """Cut layers start..end of ``cache`` back to their first ``pos`` positions, in place (the
+    drafted positions a verification rejected); False, with nothing cut, where a layer cannot
+    (a sliding-window layer that no longer holds what the next query sees, another kind)."""
+    layers = [cache.layers[i] for i in range(start, end + 1)]
+    if not all(isinstance(layer, GrowingLayer) or isinstance(layer, WindowLayer) and layer.serves(pos)
+               for layer in layers):
+        return False
+    for layer in layers:
+        layer.roll_back(pos)
+    return True
 
 
 def prefix(cache, config, start: int, end: int, pos: int) -> DynamicCache | None:

@@ -34,6 +34,7 @@ class Step:
     end: int
     inputs: torch.Tensor
     pos: int
+    drafts: int = 0  # the last positions are drafted tokens to verify: the tail computes the logits of drafts + 1
 
 
 @dataclass(frozen=True)
@@ -52,6 +53,7 @@ class StepResult:
 
     hidden: torch.Tensor | None  # (1, q, hidden) when this hop is not the tail
     logits: torch.Tensor | None  # (vocab,) float32 of the last position, on the tail
+    verify: torch.Tensor | None = None  # (drafts + 1, vocab) float32: a verification step's last positions, on the tail
 
 
 class ShardExecutor(HopKV):
@@ -84,7 +86,7 @@ class ShardExecutor(HopKV):
 
     @torch.inference_mode()
     def run(self, session: str, start: int, end: int, inputs: torch.Tensor, pos: int,
-            logits: bool = True, reuse: str = "") -> StepResult:
+            logits: bool = True, reuse: str = "", drafts: int = 0) -> StepResult:
         """Run layers start..end on ``inputs`` at positions pos.. for ``session``.
 
         ``inputs`` is input_ids (1, q) when start is 0, else hidden states (1, q, hidden).
@@ -92,10 +94,11 @@ class ShardExecutor(HopKV):
         ``reuse`` names an ended session whose retained KV holds the first pos positions:
         the session starts with them (``take_over``); otherwise pos must continue the
         session's cache. Else CacheMissError. ``logits`` False (a prefill chunk that more
-        follow) skips the tail's norm and lm_head.
+        follow) skips the tail's norm and lm_head. ``drafts``: the last positions are drafted
+        tokens, whose logits the tail computes too (a verification step).
         """
         self.check_span(start, end)
-        step = Step(session, start, end, inputs, pos)
+        step = Step(session, start, end, inputs, pos, drafts)
         return self._alone(self._chunk_kv(step, reuse), step, logits)
 
     def _alone(self, kv: SessionKV, step: Step, logits: bool) -> StepResult:
@@ -133,10 +136,13 @@ class ShardExecutor(HopKV):
 
     def _chunk_done(self, kv: SessionKV, step: Step, hidden: torch.Tensor, logits: bool) -> StepResult:
         """After a pass over ``step``'s positions (``hidden`` (1, q, hidden) their output)."""
-        kv.length = step.pos + step.inputs.shape[1]
+        kv.length, kv.drafted = step.pos + step.inputs.shape[1], step.drafts
         kv.touch()
         if not logits and self._tail(step.end):
             return StepResult(hidden=None, logits=None)
+        if step.drafts and self._tail(step.end):
+            rows = self._result(hidden[0, -step.drafts - 1:, None], step.end)  # one row per position: (n, 1, hidden)
+            return StepResult(hidden=None, logits=rows[-1].logits, verify=torch.stack([r.logits for r in rows]))
         return self._result(hidden, step.end)[0]
 
     def _tail(self, end: int) -> bool:
@@ -350,6 +356,7 @@ class ShardExecutor(HopKV):
         group.advance(rows)
         for kv in kvs:
             kv.length += 1
+            kv.drafted = 0
             kv.touch()
 
     def _masks(self, kv: SessionKV, hidden: torch.Tensor, position_ids: torch.Tensor,

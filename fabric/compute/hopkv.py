@@ -31,6 +31,7 @@ class HopKV:
         self.kv = kv
         self.layer_types = layer_types
         self.group: RowGroup | None = None  # the sessions that decode together, their KV in its rows
+        self.rolled_back = 0  # drafted positions cut off sessions' KV after the tail rejected them
 
     def batchable(self, start: int, end: int) -> bool:
         """Decode steps over start..end can run as one batch (full attention everywhere)."""
@@ -101,11 +102,17 @@ class HopKV:
         entry itself when it holds exactly pos (the new session continues all of it), else a
         copy of its prefix, the entry staying for others. CacheMissError when no entry holds
         that much over this span, or whose sliding-window layers kept too little before pos
-        (they keep their window and cache.SLACK more: a prefix may stop at most that short)."""
+        (they keep their window and cache.SLACK more: a prefix may stop at most that short).
+        Positions a last verification step drafted are cut off, not copied: the head offers
+        only what it knows every hop holds, and never a drafted position past that."""
+        from .cache import roll_back
+
         retained = self.kv.retained
         old = retained.peek(reuse)
         cache = None
         if old is not None and old.length >= pos and (old.start, old.end) == (start, end):
+            if old.length - old.drafted <= pos < old.length and roll_back(old.cache, start, end, pos):
+                old.length, old.drafted = pos, 0  # what followed was drafted, and never offered: cut, not copied
             cache = old.cache if old.length == pos else self._prefix(old.cache, start, end, pos)
         if cache is None:
             retained.stats["misses"] += 1
@@ -145,7 +152,24 @@ class HopKV:
             self._put(session, kv)
             return kv
         kv = self.kv.get(session)
+        if kv is not None and (kv.start, kv.end) == (start, end) and kv.length - kv.drafted <= pos < kv.length:
+            self.roll_back(kv, pos)
         if kv is None or kv.length != pos or (kv.start, kv.end) != (start, end):
             raise CacheMissError(0 if kv is None else kv.length)
         return kv
+
+    @torch.inference_mode()
+    def roll_back(self, kv: SessionKV, pos: int) -> None:
+        """The session's last step drafted positions that the tail rejected: the next step comes
+        at ``pos``, inside them, and the session keeps its first ``pos`` positions. A row of the
+        batch group or a cache of its own is cut in place: lengths change, nothing is copied.
+        Only those drafted positions can be cut this way (a step anywhere else is a cache miss)."""
+        from .cache import roll_back
+
+        if kv.group is not None:
+            kv.group.roll_back(kv.row, pos)
+        elif not roll_back(kv.cache, kv.start, kv.end, pos):
+            return  # a layer that cannot be cut: the step finds its length wrong, a cache miss
+        self.rolled_back += kv.length - pos
+        kv.length, kv.drafted = pos, 0
 

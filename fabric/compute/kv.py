@@ -34,6 +34,7 @@ class SessionKV:
     start: int
     end: int
     length: int = 0  # tokens the cache holds
+    drafted: int = 0  # of those, the last ones a verification step drafted (the next step's pos may cut them off)
     last_used: float = field(default_factory=time.monotonic)
     group: object | None = None  # the RowGroup holding this session's KV in row ``row`` meanwhile (cache None)
     row: int = -1

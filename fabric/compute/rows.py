@@ -72,6 +72,10 @@ class RowGroup:
         self.free(row)
         return out
 
+    def roll_back(self, row: int, pos: int) -> None:
+        """Row ``row`` keeps its first ``pos`` positions; the columns past them are free again."""
+        self.lengths[row] = pos
+
     def free(self, row: int) -> None:
         self.sessions[row] = None
         self.lengths[row] = 0

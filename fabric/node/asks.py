@@ -84,15 +84,36 @@ class SessionAsks:
         elif self._asks and (msg.pos == 0 or msg.reuse):
             self._asks.pop(msg.session, None)
 
-    def at_tail(self, msg: p.Forward, pos: int, result) -> p.Token | None:
+    def at_tail(self, msg: p.Forward, pos: int, result) -> list[p.Token]:
         """What the tail does with a step that ran (``result`` a StepResult): note what the
-        session asks, and the TOKEN sampled from its logits. None at any other hop, for a
-        failed step, and for a prefill chunk that more chunks follow (no logits)."""
+        session asks, and the TOKEN sampled from its logits for position ``pos`` (a
+        verification step's: ``verify``). None at any other hop, for a failed step, and for a
+        prefill chunk that more chunks follow (no logits)."""
         if msg.route or isinstance(result, Exception):
-            return None
+            return []
         self.note(msg)
         logits = getattr(result, "logits", None)
-        return None if logits is None else self.token(msg, pos, logits)
+        if logits is None:
+            return []
+        if msg.drafts and result.verify is not None:
+            return self.verify(msg, pos - len(msg.drafts), result.verify)
+        return [self.token(msg, pos, logits)]
+
+    def verify(self, msg: p.Forward, pos: int, rows) -> list[p.Token]:
+        """The TOKENs of a verification step: for positions pos, pos + 1, ..., each sampled from
+        its row of ``rows`` (len(drafts) + 1, vocab) exactly as a one-token step there would
+        sample it (the same draw of (seed, position), the penalties and grammar advanced by
+        the tokens before it), until one differs from the draft in its place, or the drafts
+        run out: every draft kept is a token this tail would have sampled, and the last TOKEN
+        is the one after them. With a temperature this is the standard acceptance rule for a
+        deterministic draft (a point mass): the draft is kept with probability p(draft), and
+        otherwise the token comes from p without it, renormalized."""
+        tokens = []
+        for i, logits in enumerate(rows):
+            tokens.append(self.token(msg, pos + i, logits))
+            if i == len(msg.drafts) or tokens[-1].token != msg.drafts[i]:
+                break
+        return tokens
 
     def token(self, msg: p.Forward, pos: int, logits: torch.Tensor) -> p.Token:
         """The TOKEN sampled from ``logits`` (vocab,) for position ``pos``, as the session asked."""

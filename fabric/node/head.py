@@ -24,6 +24,7 @@ from ..wire.liveness import LINK_GRACE, PEER_SILENCE, PING_INTERVAL, TRACKER_SIL
 from .audit import AuditConfig, Auditor
 from .prefixes import PrefixIndex
 from .route_session import RequestError, RouteSession, Transport, encode_prompt, new_session_id
+from .speculation import Speculation, SpeculationConfig
 from .tool_use import constrained, syntax_of, tool_syntax
 
 log = logging.getLogger(__name__)
@@ -38,6 +39,7 @@ class HeadConfig:
     progress_interval: float = 0.5  # seconds between progress reports of a request this node heads
     max_prompt_tokens: int = 4096  # the head refuses longer prompts
     wire_dtype: str = ""  # hidden states on the wire of routes this node heads ("": compute dtype)
+    speculation: SpeculationConfig = SpeculationConfig()  # drafts verified in one trip (fabric/node/speculation.py)
 
 
 class HeadHost(Transport, Protocol):
@@ -114,7 +116,9 @@ class Head:
         rs = RouteSession(req, prompt, tokenizer=self.model.tokenizer, eos=self.model.eos,
                           reply_to=self.host.endpoint, reply_key=self.host.key, transport=self.auditor,
                           seed=secrets.randbits(62), wire_dtype=self.config.wire_dtype,
-                          tool_syntax=tool_syntax(req, syntax))
+                          tool_syntax=tool_syntax(req, syntax),
+                          speculation=Speculation(self.config.speculation) if self.config.speculation.enabled
+                          else None)
         self.sessions[rs.session] = rs
         self.clients[rs.session] = identity
         self.requests[(identity, req.request_id)] = rs.session
@@ -179,6 +183,8 @@ class Head:
             return  # a late reply for a request that already ended
         match msg:
             case p.Token():
+                if rs.speculation is not None:
+                    rs.speculation.crowded = len(self.sessions) > rs.speculation.config.max_streams
                 events = rs.on_token(msg)
             case p.CacheMiss():
                 if rs.reused is not None:
@@ -211,11 +217,19 @@ class Head:
             self.sessions.pop(rs.session, None)
             self.requests.pop((self.clients.pop(rs.session, b""), rs.request.request_id), None)
             self.auditor.ended(rs.session)
+            self._count_speculation(rs)
             if rs.finished != "error":  # the hops keep its KV (CLOSE, CANCEL): later requests may start from it
                 self.prefixes.add(rs.session, rs.held_ids, rs.route, tenant_of(rs.request))
             self._report(rs)
         elif time.monotonic() - rs.reported_at >= self.config.progress_interval:
             self._report(rs)  # progress for every request, streamed or not
+
+    def _count_speculation(self, rs: RouteSession) -> None:
+        """An ended request's verifications, for /metrics: trips, drafts sent and kept."""
+        if (spec := rs.speculation) is not None:
+            self.counters["spec_trips"] += spec.trips
+            self.counters["spec_drafted"] += spec.drafted
+            self.counters["spec_kept"] += spec.kept
 
     def _report(self, rs: RouteSession) -> None:
         rs.reported_at = time.monotonic()

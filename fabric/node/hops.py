@@ -95,10 +95,11 @@ class HopRunner:
             msg = batch[0].msg
             try:
                 return [self.executor.run(msg.session, msg.start_layer, msg.end_layer, batch[0].tensor, msg.pos,
-                                          logits=not msg.more, reuse=msg.reuse)]
+                                          logits=not msg.more, reuse=msg.reuse, drafts=len(msg.drafts))]
             except Exception as exc:  # CacheMissError included: the node answers per session
                 return [exc]
-        steps = [Step(w.session, w.msg.start_layer, w.msg.end_layer, w.tensor, w.msg.pos) for w in batch]
+        steps = [Step(w.session, w.msg.start_layer, w.msg.end_layer, w.tensor, w.msg.pos, len(w.msg.drafts))
+                 for w in batch]
         if all(w.short_prompt for w in batch):
             return self.executor.run_prefills(steps)  # whole prompts from scratch: one padded batch
         decode = sum(w.decode for w in batch)  # then prompts' chunks riding in the same pass, if any
@@ -113,6 +114,7 @@ class HopRunner:
         self.counters["prefill_chunks"] += batch[-1].msg.more
         self.counters["riding_chunks"] += sum(not w.decode for w in batch) if batch[0].decode else 0
         self.counters["hop_seconds"] += elapsed
+        self.counters["rolled_back"] = self.executor.rolled_back
         if elapsed > SLOW_HOP_S:
             first = batch[0]
             log.warning("a hop of %d session(s) took %.1f s (layers %d-%d, %d tokens at position %d)", len(batch),

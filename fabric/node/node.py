@@ -301,13 +301,13 @@ class Node(SessionControl, Replies):
         piece of a long prefill (all but the tail's last, which its TOKEN answers), PROGRESS to the
         head too: however long the prompt, the head hears it move."""
         msg = work.msg
-        try:  # the tail: what the session asked of its tokens, and the token (None at other hops)
-            token = self.asks.at_tail(msg, msg.pos + work.tokens, result)
+        try:  # the tail: what the session asked of its tokens, and the tokens (none at other hops)
+            tokens = self.asks.at_tail(msg, msg.pos + work.tokens, result)
         except GrammarError as exc:
-            token, result = None, exc
+            tokens, result = [], exc
         if msg.audit and msg.start_layer and isinstance(result, StepResult):  # every step past the head: its sketch
-            self.send_tensors(msg.reply_to, msg.reply_key, *self.taps.tap(work, result, token))
-        if (msg.more or msg.pos and not work.decode) and isinstance(result, StepResult) and result.logits is None:
+            self.send_tensors(msg.reply_to, msg.reply_key, *self.taps.tap(work, result, tokens))
+        if work.reports_progress and isinstance(result, StepResult) and result.logits is None:
             self._progress(msg, msg.pos + work.tokens)
         if isinstance(result, CacheMissError):
             self.counters["cache_miss"] += 1
@@ -319,8 +319,9 @@ class Node(SessionControl, Replies):
             self._drop_session(msg.session)
             self._send(msg.reply_to, msg.reply_key, p.Error(code, f"{type(result).__name__}: {result}",
                                                             session=msg.session, step=msg.step, node=self.config.node_id))
-        elif token is not None:  # the tail: layers end here
-            self._send(msg.reply_to, msg.reply_key, token)
+        elif tokens:  # the tail: layers end here (a verification step: a TOKEN per draft kept, and one more)
+            for token in tokens:
+                self._send(msg.reply_to, msg.reply_key, token)
         elif msg.route:
             nxt = msg.route[0]
             out = dataclasses.replace(msg, start_layer=nxt.start_layer, end_layer=nxt.end_layer, route=msg.route[1:],

@@ -38,6 +38,7 @@ from ..wire.protocol import (
     TokenLogprobs,
 )
 from .prefixes import Reuse
+from .speculation import Speculation
 from .tool_use import chat_input
 
 log = logging.getLogger(__name__)
@@ -189,7 +190,7 @@ class RouteSession:
 
     def __init__(self, request: Generate, prompt_ids: list[int], *, tokenizer, eos: frozenset[int],
                  reply_to: str, transport: Transport, seed: int, reply_key: str = "", wire_dtype: str = "",
-                 session: str = "", tool_syntax: str = ""):
+                 session: str = "", tool_syntax: str = "", speculation: Speculation | None = None):
         self.request = request
         self.session = session or new_session_id()  # the hops' name for it: a secret of the head and the route
         self.request_id = request.request_id  # the client's name for it, in its events
@@ -227,6 +228,10 @@ class RouteSession:
         self.told_at = float("-inf")  # when the client last got a TOKEN or PROGRESS event
         self.reused: Reuse | None = None  # the ended session whose kept KV this request started from
         self.held = 0  # positions of ``history`` every hop of the route is known to hold (a TOKEN says so)
+        self.speculation = speculation  # drafts for the decode steps; None: one token a step
+        self.drafts: list[int] = []  # the pending step's drafts (a TOKEN per draft kept, and one more, answer it)
+        self.kept = 0  # of those, the ones kept so far
+        self.expect = 0  # the position of the pending step's next TOKEN
 
     # -- inputs -------------------------------------------------------------------------
 
@@ -245,15 +250,27 @@ class RouteSession:
         return start
 
     def on_token(self, msg: Token) -> list[Event]:
-        if self.finished or msg.step != self.step:
+        if self.finished or msg.step != self.step or (self.drafts and msg.pos != self.expect):
             return []  # stale reply from before a re-prefill or after the end
         self.told_at = time.monotonic()
         self.held = msg.pos  # the tail answered: every hop ran every position before this token's
         self.first_token_at = self.first_token_at or time.monotonic()
         events = self._take(msg.token, self._logprobs(msg))
-        if not self.finished:
-            self._send([msg.token], pos=len(self.history) - 1)
+        self.expect += 1
+        if self.finished or (self.kept < len(self.drafts) and msg.token == self.drafts[self.kept]):
+            self.kept += 1
+            return events  # the end, or a draft kept: the TOKEN after it follows
+        if self.drafts:
+            self.speculation.verified(len(self.drafts), self.kept)
+        self._step()
         return events
+
+    def _step(self) -> None:
+        """Send the next decode step: the last token, and the drafts after it if any."""
+        drafts = []
+        if self.speculation is not None:
+            drafts = self.speculation.drafts(self.history, self.request.max_tokens - len(self.generated) - 1)
+        self._send(self.history[-1:] + drafts, pos=len(self.history) - 1, drafts=drafts)
 
     def _logprobs(self, msg: Token) -> TokenLogprobs | None:
         """The logprobs of ``msg``'s token as the client reads them, if the request asked (and
@@ -296,6 +313,8 @@ class RouteSession:
         if self.finished or msg.step != self.step:
             return []
         self.cache_misses += 1
+        if self.speculation is not None and self.drafts:
+            self.speculation.stop()  # a hop that cannot cut drafted positions off would miss at every step
         log.info("session %s: %s lost its KV (has %d tokens); re-prefilling %d tokens",
                  self.session, msg.node, msg.have, len(self.history))
         if self.cache_misses > 8:
@@ -416,12 +435,14 @@ class RouteSession:
 
     # -- internals ----------------------------------------------------------------------
 
-    def _send(self, ids: list[int], pos: int, reuse: str = "") -> None:
+    def _send(self, ids: list[int], pos: int, reuse: str = "", drafts: list[int] = ()) -> None:
         """Send ``ids`` from ``pos`` along the route as one step (each hop may run a long
-        prefill in slices, passed on as chunks of the same step)."""
+        prefill in slices, passed on as chunks of the same step); the last ``drafts`` of them
+        drafted, for the tail to verify."""
         self.step += 1
         self.sent_at = time.monotonic()
-        self.prefill.begin(pos, len(ids))
+        self.prefill.begin(pos, len(ids) - len(drafts))
+        self.drafts, self.kept, self.expect = list(drafts), 0, pos + len(ids) - len(drafts)
         if pos == 0 or reuse:
             self.held = 0  # the hops start the session over: nothing is known held until a TOKEN
         head = self.route[0]
@@ -436,7 +457,7 @@ class RouteSession:
                       end_layer=head.end_layer, route=self.route[1:], reply_to=self.reply_to,
                       sampling=self.sampling, reply_key=self.reply_key, wire_dtype=self.wire_dtype, reuse=reuse,
                       logprobs=self.request.logprobs if opens else -1, penalties=penalties if opens else None,
-                      grammar=grammar if opens else None)
+                      grammar=grammar if opens else None, drafts=tuple(drafts))
         self.transport.forward(head, msg, torch.tensor([ids], dtype=torch.int64))  # (1, q)
 
     def _finish(self, reason: str, tail: str = "") -> list[Event]:

@@ -65,6 +65,12 @@ class Work:
         return self.tokens == 1 and self.msg.pos > 0 and not self.msg.more and not self.msg.reuse
 
     @property
+    def reports_progress(self) -> bool:
+        """A piece of a prefill in chunks (one that more follow, or the last, at pos > 0): each hop
+        tells the head it ran it. Not a verification step: its TOKENs answer it at once."""
+        return self.msg.more or (self.msg.pos > 0 and not self.decode and not self.msg.drafts)
+
+    @property
     def short_prompt(self) -> bool:
         """A whole prompt short enough to run unsliced (and so with other such prompts)."""
         return self.msg.pos == 0 and not self.msg.more and self.tokens < WHOLE_PREFILL_TOKENS

@@ -47,17 +47,21 @@ class Taps:
         self.counters = counters  # the node's: taps and replays are counted here
 
     def tap(self, work: Work, result: StepResult,
-            token: p.Token | None = None) -> tuple[p.AuditTap, list[torch.Tensor]]:
+            tokens: list[p.Token] | None = None) -> tuple[p.AuditTap, list[torch.Tensor]]:
         """The AUDIT_TAP of a step that ran: sketches of its input rows (q, SKETCH_DIM) and of its
-        output (q rows of hidden states, or the tail's logits: one row, with ``token``, the TOKEN
-        sampled from them)."""
+        output (q rows of hidden states, or the tail's logits: one row, with the last of
+        ``tokens``, the TOKENs sampled from them). A verification step's tail tap covers only the
+        positions kept (drafts the tail rejected never reach an audit): its input rows up to
+        the last token's, and that token's logits."""
         msg = work.msg
         self.counters["audit_taps"] += 1
-        tensors = [sketch(work.tensor)]  # (q, SKETCH_DIM)
-        sampled = -1
-        if result.logits is not None:
-            sampled = token.token if token is not None else sample(result.logits, msg.sampling, msg.pos + work.tokens)
-            tensors.append(sketch(result.logits))  # (1, SKETCH_DIM)
+        inputs, logits, sampled = work.tensor, result.logits, -1
+        if result.verify is not None and tokens:
+            inputs, logits = work.tensor[:, :len(tokens)], result.verify[len(tokens) - 1]  # (1, kept, hidden), (vocab,)
+        tensors = [sketch(inputs)]  # (q, SKETCH_DIM)
+        if logits is not None:
+            sampled = tokens[-1].token if tokens else sample(logits, msg.sampling, msg.pos + inputs.shape[1])
+            tensors.append(sketch(logits))  # (1, SKETCH_DIM)
         elif result.hidden is not None:
             tensors.append(sketch(result.hidden))  # (q, SKETCH_DIM)
         tap = p.AuditTap(msg.audit, msg.session, msg.step, msg.pos, msg.start_layer, msg.end_layer, token=sampled)

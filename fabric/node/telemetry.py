@@ -23,6 +23,10 @@ COUNTERS = ("hop_seconds", "hops", "batched_hops", "prefill_chunks", "riding_chu
 # refused (too many open, none unneeded) and closed (idle, or making room)
 COUNTERS += ("lock_waits", "refused_peers", "closed_peers")
 
+# speculation: verification steps of ended requests this node headed, their drafts sent and kept; and drafted
+# positions this hop cut off sessions' KV after the tail rejected them
+COUNTERS += ("spec_trips", "spec_drafted", "spec_kept", "rolled_back")
+
 
 @dataclass(frozen=True)
 class Identity:

@@ -89,6 +89,7 @@ MAX_HARDWARE_KEY = 64  # characters of a hardware key
 MAX_HARDWARE_TEXT = 256  # characters of a hardware value
 MAX_REF = 64  # characters of a REPORT's ref (a head's attempt id) and of its finish_reason
 MAX_COUNT = (1 << 31) - 1  # a REPORT's token counts
+MAX_DRAFTS = 8  # drafted tokens one FORWARD may ask the tail to verify (the step then carries one more position)
 
 
 class ErrorCode:
@@ -461,7 +462,7 @@ class Forward(Message):
     """
 
     KIND: ClassVar[Kind] = Kind.FORWARD
-    SPARSE: ClassVar[frozenset[str]] = frozenset({"logprobs", "penalties", "grammar"})
+    SPARSE: ClassVar[frozenset[str]] = frozenset({"logprobs", "penalties", "grammar", "drafts"})
     session: str
     step: int
     pos: int
@@ -482,6 +483,9 @@ class Forward(Message):
     penalties: Penalties | None = None
     # on the steps that open the session: what the reply must match (``generated`` the tokens so far); None: free
     grammar: Grammar | None = None
+    # a verification step: the last len(drafts) of its q positions hold these drafted tokens (q = len + 1); the
+    # tail samples every position and answers a TOKEN per draft it would have sampled itself, plus the next one
+    drafts: tuple[int, ...] = ()
 
     def validate(self) -> None:
         if not -1 <= self.logprobs <= MAX_TOP_LOGPROBS:
@@ -507,7 +511,19 @@ class Forward(Message):
             raise ProtocolError("FORWARD carries float hidden states of shape (1, q, hidden)")
         if spec.shape[0] != 1 or spec.shape[1] < 1:
             raise ProtocolError("FORWARD tensor must have batch 1 and at least one token")
+        self._check_drafts(spec.shape[1])
         check_chain(self.route, self.end_layer + 1)
+
+    def _check_drafts(self, q: int) -> None:
+        """A verification step is a decode step and its drafts, nothing more: the tail's extra
+        work (logits of len(drafts) + 1 positions) stays bounded by MAX_DRAFTS."""
+        if not self.drafts:
+            return
+        if len(self.drafts) > MAX_DRAFTS or not all(0 <= t <= MAX_TOKEN_ID for t in self.drafts):
+            raise ProtocolError(f"drafts holds at most {MAX_DRAFTS} token ids in [0, 2**31)")
+        if q != len(self.drafts) + 1 or self.pos == 0 or self.more or self.reuse:
+            raise ProtocolError("a step with drafts carries len(drafts) + 1 positions, at pos > 0, "
+                                "neither a chunk that more follow nor one that reuses kept KV")
 
 
 # What a node checks of a FORWARD against the model it holds (fabric/node/hops.py), and of a
@@ -540,6 +556,7 @@ def check_vocab(ids: Sequence[int], vocab: int, what: str) -> None:
     session of the batch."""
     if vocab and ids and not 0 <= min(ids) <= max(ids) < vocab:
         raise ProtocolError(f"{what} holds a token id outside the vocabulary [0, {vocab})", ErrorCode.BAD_REQUEST)
+
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,199 @@
+#!/usr/bin/env python
+"""Speculation across hops: one stream's decode speed with drafts (``--speculate on``) against
+without (``--speculate off``), paired in one run, on copy-heavy and open prompts.
+
+    python bench/speculative.py [--tiny] [--model REF] [--tokens N] [--reps R] [--delay-ms D]
+                                [--no-netbed] [--json OUT] [--keep-logs]
+
+Two nodes (a head and a tail, half the layers each, 1 torch thread), a tracker and a client
+agent (tests/netbed_client.py), greedy chat requests of ``--tokens`` new tokens:
+
+- loopback: the processes on 127.0.0.1 (tests/cluster.py's ProcessCluster);
+- delayed: each process on a host of its own (network namespaces, tests/netbed.py) whose link
+  adds ``--delay-ms`` one way (7.5 ms by default: 30 ms round trip from head to tail and back),
+  where the machine allows it (root and ``ip netns``; else skipped, and said so).
+
+Each configuration runs twice, a cluster whose head drafts and one whose head does not,
+everything else alike. Prompts: ``copy`` (repeat a paragraph with one word changed), ``code``
+(add a docstring to a function: the function comes back) and ``chat`` (open text). Decode
+tok/s = (tokens - 1) / (last token - first token), client timestamps, median of ``--reps``
+runs after a warm-up; the token ids with drafts are compared with those without (greedy: they
+must be the same). Ratios are on / off of the same configuration, prompt and run of the script.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from bench.fabric_bench import python_path  # noqa: E402
+from bench.netbed import log, model_id  # noqa: E402
+from tests import netbed  # noqa: E402
+from tests.cluster import ProcessCluster  # noqa: E402
+
+PARAGRAPH = ("The river runs past the old mill every spring, carrying snow from the mountains down to the "
+             "valley. Children gather on the bridge to watch the water rise, and the miller counts the days "
+             "until the wheel can turn again. By summer the river is quiet, and the mill sleeps in the sun.")
+FUNCTION = '''def merge_intervals(intervals):
+    intervals = sorted(intervals, key=lambda pair: pair[0])
+    merged = []
+    for start, end in intervals:
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    return merged
+'''
+PROMPTS = {
+    "copy": f"Repeat this paragraph exactly, changing only the word 'river' to 'stream':\n\n{PARAGRAPH}",
+    "code": f"Add a docstring to this Python function and return the whole function:\n\n{FUNCTION}",
+    "chat": "Explain in a few sentences why the sky is blue.",
+}
+MODES = ("off", "on")
+
+
+def measure(agent: netbed.Agent, model: str, tokens: int, reps: int) -> dict:
+    """Per prompt: the median decode tok/s of ``reps`` runs after a warm-up, and its token ids."""
+    out = {}
+    for name, text in PROMPTS.items():
+        runs, ids = [], None
+        for rep in range(reps + 1):
+            events = list(agent.generate(model, [{"role": "user", "content": text}], tokens, timeout=300))
+            got = [t for e in events if e["event"] == "token" for t in e["ids"]]
+            times = [e["t"] for e in events if e["event"] == "token" and e["ids"]]
+            ids = ids or got
+            if rep and len(times) > 1:
+                runs.append((len(got) - 1) / (times[-1] - times[0]))
+        out[name] = {"tok_s": statistics.median(runs), "runs": runs, "ids": ids, "tokens": len(ids)}
+    return out
+
+
+def loopback(model: str, layers: list[str], mode: str, work: Path, cache: Path, args) -> dict:
+    work.mkdir(parents=True, exist_ok=True)
+    cluster = ProcessCluster(work, cache)
+    agent = None
+    try:
+        for name, span in zip(("head", "tail"), layers):
+            cluster.start_node(name, model, span, None, "--speculate", mode, "--audit-rate", "0")
+        client_log = open(work / "client.log", "ab")
+        proc = subprocess.Popen([sys.executable, "-m", "tests.netbed_client", "--tracker", cluster.endpoint],
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=client_log, cwd=REPO,
+                                env={**os.environ, "PYTHONPATH": python_path()})
+        client_log.close()
+        agent = netbed.Agent(proc, cluster.logs)
+        agent.wait_nodes(["head", "tail"], model_id(model), timeout=600, procs=cluster.procs)
+        return measure(agent, model_id(model), args.tokens, args.reps)
+    finally:
+        if agent:
+            agent.close()
+        cluster.close()
+
+
+def delayed(model: str, layers: list[str], mode: str, work: Path, cache: Path, args) -> dict:
+    with netbed.Netbed(work, cache) as bed:
+        for host in ("tracker", "head", "tail", "client"):
+            bed.add_host(host, delay=args.delay_ms / 1000)
+        bed.start_tracker("tracker")
+        for name, span in zip(("head", "tail"), layers):
+            bed.start_node(name, model, span, "--speculate", mode, "--audit-rate", "0")
+        with bed.client("client", timeout=300) as agent:
+            agent.wait_nodes(["head", "tail"], model_id(model), timeout=600, procs=bed.procs)
+            result = measure(agent, model_id(model), args.tokens, args.reps)
+        result["delay_by"] = "netem" if bed.netem else "delay proxy"
+        return result
+
+
+def layer_spans(model: str, cache: Path) -> list[str]:
+    from fabric.compute.models import load_config, resolve
+    from fabric.wire.shard import even_split
+
+    num_layers = load_config(resolve(model), cache / "meshnet").num_hidden_layers
+    return [f"{s.start}-{s.end}" for s in even_split(num_layers, 2)]
+
+
+def report(results: dict, args) -> dict:
+    rows = {}
+    print(f"\nmodel {args.model_label}, {args.tokens} new tokens, median of {args.reps} runs, 2 nodes x 1 thread\n")
+    print(f"{'configuration':<22}{'prompt':<7}{'tokens':>7}{'off tok/s':>10}{'on tok/s':>10}{'on/off':>8}  ids")
+    for config, modes in results.items():
+        for prompt in PROMPTS:
+            off, on = modes["off"][prompt], modes["on"][prompt]
+            row = {"off_tok_s": off["tok_s"], "on_tok_s": on["tok_s"], "ratio": on["tok_s"] / off["tok_s"],
+                   "tokens": off["tokens"], "same_ids": on["ids"] == off["ids"]}
+            rows[f"{config} {prompt}"] = row
+            print(f"{config:<22}{prompt:<7}{row['tokens']:>7}{row['off_tok_s']:>10.2f}{row['on_tok_s']:>10.2f}"
+                  f"{row['ratio']:>8.2f}  {'same' if row['same_ids'] else 'DIFFER'}")
+    print()
+    return rows
+
+
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt("SIGTERM")  # unwinds through every clean-up
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="smollm2-135m", help="model reference (default %(default)s)")
+    parser.add_argument("--tiny", action="store_true", help="a 6-layer random llama (tests/tiny_models.py) instead")
+    parser.add_argument("--tokens", type=int, default=128, help="new tokens per run (default %(default)s)")
+    parser.add_argument("--reps", type=int, default=3, help="timed runs per prompt (default %(default)s)")
+    parser.add_argument("--delay-ms", type=float, default=7.5,
+                        help="one-way delay of each host's link in the delayed bed; head to tail and back crosses "
+                             "four (default %(default)s: a 30 ms round trip)")
+    parser.add_argument("--no-netbed", action="store_true", help="loopback only")
+    parser.add_argument("--json", default=None, help="write the figures here")
+    parser.add_argument("--keep-logs", action="store_true", help="keep the work directory (logs) and print it")
+    args = parser.parse_args(argv)
+    signal.signal(signal.SIGTERM, _interrupt)
+    work = Path(tempfile.mkdtemp(prefix="meshnet-speculative-bench-"))
+    cache = work / "xdg-cache"
+    cache.mkdir()
+    try:
+        return run(args, work, cache)
+    finally:
+        if args.keep_logs:
+            print(f"logs in {work}", file=sys.stderr)
+        else:
+            subprocess.run(["rm", "-rf", str(work)], check=False)
+
+
+def run(args, work: Path, cache: Path) -> int:
+    model = args.model
+    if args.tiny:
+        from tests.tiny_models import make_model
+
+        model = str(make_model("llama", work / "tiny-llama"))
+    args.model_label = "tiny random llama (6 layers)" if args.tiny else model
+    layers = layer_spans(model, cache)
+    results = {"loopback": {}}
+    for mode in MODES:
+        log(f"loopback, speculation {mode}")
+        results["loopback"][mode] = loopback(model, layers, mode, work / f"loopback-{mode}", cache, args)
+    reason = "--no-netbed" if args.no_netbed else netbed.unavailable()
+    if reason:
+        log(f"no delayed bed: {reason}")
+    else:
+        name = f"{4 * args.delay_ms:g} ms round trip"
+        results[name] = {}
+        for mode in MODES:
+            log(f"{name}, speculation {mode}")
+            results[name][mode] = delayed(model, layers, mode, work / f"delayed-{mode}", cache, args)
+    rows = report(results, args)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"model": args.model_label, "tokens": args.tokens, "reps": args.reps,
+                                               "figures": rows}, indent=2))
+    return 0 if all(r["same_ids"] for r in rows.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,219 @@
+"""Speculation across the pipeline, below the sockets: drafts by prompt lookup, how a session
+sizes and pauses them, the tail's verification (greedy and the sampling acceptance rule,
+checked statistically), and a hop cutting rejected drafts off a session's KV in place.
+tests/test_speculation_cluster.py runs it on real nodes."""
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections import Counter
+
+import pytest
+import torch
+
+from fabric.compute.executor import CacheMissError, ShardExecutor
+from fabric.compute.kv import KVStore
+from fabric.compute.models import load_shard, resolve
+from fabric.compute.sampling import sample
+from fabric.node.asks import SessionAsks
+from fabric.node.speculation import Lookup, Speculation, SpeculationConfig
+from fabric.wire import protocol as p
+from fabric.wire.shard import Shard
+
+HOP = p.Hop("t", "tcp://127.0.0.1:1", 3, 5)
+
+
+# --------------------------------------------------------------------------- drafts
+
+
+def test_lookup_proposes_what_followed_the_longest_earlier_ngram():
+    history = [5, 6, 7, 8, 1, 6, 7, 9, 2, 5, 6, 7]
+    # "5 6 7" occurred at the start, followed by 8 1 6; "6 7" last followed by 9: the 3-gram wins
+    assert Lookup().propose(history, 3) == [8, 1, 6]
+    assert Lookup().propose([1, 2, 3, 4], 3) == []  # nothing repeats
+    assert Lookup().propose([4, 9, 4], 2) == [9, 4]  # a loop continues as a loop (period 2)
+
+
+def test_lookup_grows_with_the_history_and_takes_the_latest_occurrence():
+    lookup, history = Lookup(), [1, 2, 3]
+    assert lookup.propose(history, 2) == []
+    history += [9, 1, 2, 3, 7, 1, 2, 3]
+    assert lookup.propose(history, 2) == [7, 1]  # the latest "1 2 3" was followed by 7
+    assert lookup.propose(history, 0) == []
+
+
+def test_speculation_sizes_its_drafts_and_pauses_when_they_do_not_hold():
+    config = SpeculationConfig(max_drafts=5, first_drafts=2, min_rate=0.3, pause_steps=3)
+    spec = Speculation(config)
+    history = [1, 2, 3, 4] * 4
+    assert spec.drafts(history, room=10) == [1, 2]
+    spec.verified(2, 2)
+    assert spec.drafts(history, room=10) == [1, 2, 3]  # all kept: one more
+    assert spec.drafts(history, room=1) == [1]  # never past what the request may still take
+    spec.verified(3, 1)
+    assert spec.size == 2  # a rejection: what held, and one
+    for _ in range(3):  # the average falls 0.8, 0.56, 0.39, 0.27: under 0.3
+        spec.verified(2, 0)
+    assert spec.paused == 3 and [spec.drafts(history, 10) for _ in range(3)] == [[], [], []]
+    assert spec.drafts(history, 10) == [1, 2]  # and then tries again
+    assert (spec.trips, spec.drafted, spec.kept) == (5, 11, 3)
+    spec.crowded = True  # its head heads more than max_streams requests
+    assert spec.drafts(history, 10) == []
+    spec.crowded = False
+    assert spec.drafts(history, 10) == [1, 2]
+
+
+# --------------------------------------------------------------------------- the tail's verification
+
+
+def _forward(drafts: tuple[int, ...], sampling=p.Sampling()) -> p.Forward:
+    spec = p.TensorSpec("float32", (1, len(drafts) + 1, 8))
+    return p.Forward(session="s", step=1, pos=10, start_layer=3, end_layer=5, route=(), reply_to="tcp://h:1",
+                     sampling=sampling, drafts=drafts, tensors=(spec,))
+
+
+def test_greedy_verification_keeps_the_drafts_the_argmax_agrees_with_and_adds_the_next():
+    rows = torch.full((4, 6), -1.0)
+    for i, best in enumerate([3, 1, 4, 5]):
+        rows[i, best] = 1.0
+    asks = SessionAsks()
+    assert [t.token for t in asks.verify(_forward((3, 1, 4)), 11, rows)] == [3, 1, 4, 5]  # all kept, and one more
+    tokens = asks.verify(_forward((3, 2, 4)), 11, rows)
+    assert [(t.token, t.pos) for t in tokens] == [(3, 11), (1, 12)]  # the second draft wrong: the argmax instead
+    assert [t.token for t in asks.verify(_forward((0, 1, 4)), 11, rows)] == [3]
+
+
+def test_sampled_verification_is_the_acceptance_rule_for_a_point_mass_draft():
+    """A draft x is kept with probability p(x); the token that replaces a rejected one is
+    distributed as p without x, renormalized; and each token is the one a one-token step
+    would have sampled with that seed (so a seeded request is reproducible with or without
+    speculation). Checked over 4,000 seeds against the exact probabilities."""
+    logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0], [0.0] * 5])  # (2, vocab): a draft and the next position
+    probs = torch.softmax(logits[0], dim=-1)
+    draft, n = 1, 4000
+    kept, replaced = 0, Counter()
+    for seed in range(n):
+        sampling = p.Sampling(temperature=1.0, seed=seed)
+        tokens = SessionAsks().verify(_forward((draft,), sampling), 11, logits)
+        assert tokens[0].token == sample(logits[0], sampling, 11)
+        if tokens[0].token == draft:
+            kept += 1
+            assert len(tokens) == 2 and tokens[1].token == sample(logits[1], sampling, 12)
+        else:
+            assert len(tokens) == 1
+            replaced[tokens[0].token] += 1
+    px = float(probs[draft])
+    assert abs(kept / n - px) < 4 * math.sqrt(px * (1 - px) / n)
+    rest = probs.clone()
+    rest[draft] = 0
+    rest /= rest.sum()
+    chi2 = sum((replaced[t] - (n - kept) * float(rest[t])) ** 2 / ((n - kept) * float(rest[t]))
+               for t in range(5) if t != draft)
+    assert chi2 < 16.3  # chi-square, 3 degrees of freedom: p = 0.001
+
+
+def test_forward_drafts_are_bounded_and_only_on_a_decode_step():
+    ok = _forward((1, 2))
+    ok.validate()
+    spec = lambda q: (p.TensorSpec("float32", (1, q, 8)),)  # noqa: E731
+    bad = [dict(drafts=tuple(range(p.MAX_DRAFTS + 1)), tensors=spec(p.MAX_DRAFTS + 2)),
+           dict(drafts=(1, 2), tensors=spec(4)),  # more positions than drafts and one
+           dict(drafts=(1, -2)), dict(pos=0), dict(more=True), dict(reuse="other")]
+    for change in bad:
+        with pytest.raises(p.ProtocolError):
+            dataclasses.replace(ok, **change).validate()
+    frames = p.encode(ok, [bytes(3 * 8 * 4)])
+    assert p.decode(frames)[0].drafts == (1, 2)
+    plain = dataclasses.replace(ok, drafts=(), tensors=spec(1))
+    frames = p.encode(plain, [bytes(8 * 4)])
+    assert b"drafts" not in bytes(frames[2]) and p.decode(frames)[0].drafts == ()  # a plain step pays no byte
+
+
+# --------------------------------------------------------------------------- a hop cuts rejected drafts off
+
+
+@pytest.fixture(params=[torch.float32, torch.bfloat16], ids=["exact", "default"])
+def tail(request, tiny_models):
+    source = resolve(str(tiny_models("llama")))
+    return ShardExecutor(load_shard(source, Shard(0, 5, 6), dtype=request.param, progress=False), KVStore())
+
+
+def test_a_step_inside_the_drafted_positions_cuts_them_off_in_place(tail):
+    """A verification of 4 drafts, none kept: the next step, at the first draft's position,
+    finds the session cut back there (in place: the same buffer), and its logits are those
+    of a session that never saw the rejected drafts. A step anywhere else is still a miss."""
+    ids = torch.tensor([[1, 17, 40, 99, 23, 61, 8, 250, 77, 31]])  # (1, 10)
+    last = 5
+    tail.run("plain", 0, last, ids[:, :6], 0)
+    tail.run("plain", 0, last, ids[:, 6:7], 6)
+    want = tail.run("plain", 0, last, ids[:, 7:8], 7).logits
+    tail.run("spec", 0, last, ids[:, :6], 0)
+    out = tail.run("spec", 0, last, torch.tensor([[int(ids[0, 6]), 5, 5, 5, 5]]), 6, drafts=4)
+    assert out.verify.shape == (5, 320) and torch.equal(out.verify[-1], out.logits)
+    kv = tail.kv.get("spec")
+    assert (kv.length, kv.drafted) == (11, 4)
+    buffer = kv.cache.layers[0]._keys.data_ptr()
+    with pytest.raises(CacheMissError):
+        tail.run("spec", 0, last, ids[:, 5:6], 5)  # before the drafted positions: not a rollback
+    got = tail.run("spec", 0, last, torch.tensor([[5]]), 7)  # no draft kept: the next step at 7, cut to 7
+    assert kv.cache.layers[0]._keys.data_ptr() == buffer and tail.rolled_back == 4
+    assert kv.length == 8 and kv.drafted == 0
+    tail.run("plain2", 0, last, ids[:, :6], 0)
+    tail.run("plain2", 0, last, ids[:, 6:7], 6)
+    again = tail.run("plain2", 0, last, torch.tensor([[5]]), 7).logits
+    if tail.w.dtype == torch.bfloat16:  # batch-invariant: position 6 in a chunk of 5 is the bits of a step
+        assert torch.equal(got.logits, again)
+    else:  # float32 with SDPA: a chunk and a step sum in other orders
+        assert torch.allclose(got.logits, again, atol=1e-4)
+    assert not torch.equal(got.logits, want)  # (a control: another token there gives other logits)
+
+
+def test_a_sliding_window_layer_cuts_back_in_place_within_what_it_keeps():
+    """A sliding-window layer, long past its window, cut back over 4 rejected drafts: the same
+    buffer, and from then on it hands the attention exactly what a layer that never saw them
+    hands it. Cut back further than it keeps, it refuses (the step is a cache miss)."""
+    from types import SimpleNamespace
+
+    from fabric.compute.cache import WindowLayer, roll_back
+
+    torch.manual_seed(0)
+    kv = lambda n: (torch.randn(1, 2, n, 4), torch.randn(1, 2, n, 4))  # noqa: E731
+    spec, plain = WindowLayer(8), WindowLayer(8)
+    for keys, values in (kv(1) for _ in range(150)):
+        spec.update(keys, values)
+        plain.update(keys, values)
+    step = kv(5)  # the last token and 4 drafts
+    spec.update(*step)
+    plain.update(step[0][:, :, :1], step[1][:, :, :1])
+    buffer = spec._keys.data_ptr()
+    assert roll_back(SimpleNamespace(layers=[spec]), 0, 0, 151)
+    assert spec._keys.data_ptr() == buffer and spec.get_seq_length() == plain.get_seq_length() == 151
+    nxt = kv(1)
+    assert all(torch.equal(a, b) for a, b in zip(spec.update(*nxt), plain.update(*nxt)))
+    assert spec.first > 3 and not roll_back(SimpleNamespace(layers=[spec]), 0, 0, 10)  # gone: refused
+    assert spec.get_seq_length() == 152
+
+
+def test_a_verification_steps_tail_tap_covers_only_the_positions_kept(tiny_models):
+    """The tail's AUDIT_TAP of a verification step (4 drafts, 1 kept) sketches the inputs of the
+    positions kept and the logits that gave its last TOKEN, as a one-token step at the last kept
+    position would have: a rejected draft never reaches the head's claims."""
+    from fabric.compute.compute_lock import ComputeLock
+    from fabric.node.scheduler import Work
+    from fabric.node.taps import Taps, kernels
+    from fabric.node.verdicts import sketch
+
+    executor = ShardExecutor(load_shard(resolve(str(tiny_models("llama"))), Shard(3, 5, 6), progress=False),
+                             KVStore())
+    taps = Taps(executor, ComputeLock(None), "tail", kernels("cpu", torch.float32, None), Counter())
+    x = torch.randn(1, 11, 64, generator=torch.Generator().manual_seed(5))  # (1, positions, hidden)
+    executor.run("s", 3, 5, x[:, :6], 0)
+    result = executor.run("s", 3, 5, x[:, 6:], 6, drafts=4)  # positions 6..10
+    best = [int(row.argmax()) for row in result.verify]
+    drafts = (best[0], (best[1] + 1) % 320, best[2], best[3])  # the first kept, the second rejected
+    msg = dataclasses.replace(_forward(drafts), pos=6, audit="t" * 32, tensors=(p.TensorSpec("float32", (1, 5, 64)),))
+    tokens = SessionAsks().verify(msg, 7, result.verify)
+    assert [t.token for t in tokens] == best[:2]
+    tap, (inputs, outputs) = taps.tap(Work(msg, x[:, 6:]), result, tokens)
+    assert (tap.pos, tap.token, inputs.shape[0], outputs.shape[0]) == (6, tokens[-1].token, 2, 1)
+    assert torch.equal(inputs, sketch(x[:, 6:8])) and torch.equal(outputs, sketch(result.verify[1]))
