@@ -191,7 +191,7 @@ def report(results: dict, args) -> dict:
     return rows
 
 
-def _interrupt(signum, frame) -> None:
+def interrupt(signum, frame) -> None:
     raise KeyboardInterrupt("SIGTERM")  # unwinds through every clean-up
 
 
@@ -210,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
     if reason := netbed.unavailable():
         print(f"cannot build the test bed: {reason}", file=sys.stderr)
         return 2
-    signal.signal(signal.SIGTERM, _interrupt)
+    signal.signal(signal.SIGTERM, interrupt)
     work = Path(tempfile.mkdtemp(prefix="meshnet-netbed-bench-"))
     cache = work / "xdg-cache"
     cache.mkdir()

@@ -37,7 +37,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from bench.fabric_bench import python_path  # noqa: E402
-from bench.netbed import log, model_id  # noqa: E402
+from bench.netbed import interrupt, log, model_id  # noqa: E402
 from tests import netbed  # noqa: E402
 from tests.cluster import ProcessCluster  # noqa: E402
 
@@ -137,10 +137,6 @@ def report(results: dict, args) -> dict:
     return rows
 
 
-def _interrupt(signum, frame) -> None:
-    raise KeyboardInterrupt("SIGTERM")  # unwinds through every clean-up
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="smollm2-135m", help="model reference (default %(default)s)")
@@ -154,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", default=None, help="write the figures here")
     parser.add_argument("--keep-logs", action="store_true", help="keep the work directory (logs) and print it")
     args = parser.parse_args(argv)
-    signal.signal(signal.SIGTERM, _interrupt)
+    signal.signal(signal.SIGTERM, interrupt)
     work = Path(tempfile.mkdtemp(prefix="meshnet-speculative-bench-"))
     cache = work / "xdg-cache"
     cache.mkdir()
