@@ -14,7 +14,7 @@ from typing import Any
 from fabric.client.core import grammar_of
 from fabric.compute.grammar import problem
 from fabric.toolcalls.request import ToolsError, tools_of
-from fabric.wire.protocol import MAX_GRAMMAR, Grammar, GrammarKind, ToolChoice, Tools
+from fabric.wire.protocol import MAX_GRAMMAR, Grammar, GrammarKind, Tools
 
 from .errors import ApiError
 
@@ -53,8 +53,7 @@ def tool_fields(body: dict[str, Any], grammar_asked: Grammar | None) -> Tools | 
         found = tools_of(body.get("tools"), body.get("tool_choice"), body.get("parallel_tool_calls"))
     except ToolsError as exc:
         raise ApiError.invalid(str(exc)[:1000], exc.field) from None
-    if found is not None and grammar_asked is not None and found.choice in (ToolChoice.REQUIRED,
-                                                                           ToolChoice.FUNCTION):
+    if found is not None and grammar_asked is not None and found.requires_call:
         raise ApiError.invalid("tool_choice: a required or named call is constrained by a grammar of its own; "
                                "drop response_format (or guided_regex, guided_grammar)", "tool_choice")
     return found

@@ -57,7 +57,7 @@ def tool_syntax(req: Generate, syntax: Syntax | None) -> str:
 
 def constrained(tokenizer, req: Generate, syntax: Syntax | None) -> Generate:
     """``req`` with the grammar of a reply of calls when ``tool_choice`` requires one."""
-    if syntax is None or req.tools.choice not in (ToolChoice.REQUIRED, ToolChoice.FUNCTION):
+    if syntax is None or not req.tools.requires_call:
         return req
     return dataclasses.replace(req, grammar=call_grammar(req.tools, syntax, _special(tokenizer, syntax.opening)))
 

@@ -327,6 +327,11 @@ class Tools:
     name: str = ""  # choice "function": the function to call
     parallel: bool = True  # several calls in one reply (OpenAI's parallel_tool_calls)
 
+    @property
+    def requires_call(self) -> bool:
+        """"required" or a named function: the reply is calls, constrained by a grammar."""
+        return self.choice in (ToolChoice.REQUIRED, ToolChoice.FUNCTION)
+
     def validate(self) -> None:
         if not 1 <= len(self.functions) <= MAX_TOOLS:
             raise ProtocolError(f"tools lists 1 to {MAX_TOOLS} functions", ErrorCode.BAD_REQUEST)
@@ -401,9 +406,6 @@ def _check_call(call: Any) -> None:
     if not ok:
         raise ProtocolError('a tool call is {"id", "type": "function", "function": {"name", "arguments": '
                             '<JSON text>}}', ErrorCode.BAD_REQUEST)
-
-
-_CONSTRAINED = (ToolChoice.REQUIRED, ToolChoice.FUNCTION)
 
 
 def _check_logprob(value: float, what: str) -> None:
@@ -717,7 +719,7 @@ class Generate(Message):
             check_message(m)
         if self.tools is not None and self.messages is None:
             raise ProtocolError("tools go with messages (a chat), not with a raw prompt", ErrorCode.BAD_REQUEST)
-        if self.tools is not None and self.grammar is not None and self.tools.choice in _CONSTRAINED:
+        if self.tools is not None and self.grammar is not None and self.tools.requires_call:
             raise ProtocolError("tool_choice: a required or named call is a grammar of its own; drop "
                                 "response_format", ErrorCode.BAD_REQUEST)
         if self.route[0].start_layer != 0:
