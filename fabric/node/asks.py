@@ -87,8 +87,8 @@ class SessionAsks:
     def at_tail(self, msg: p.Forward, pos: int, result) -> list[p.Token]:
         """What the tail does with a step that ran (``result`` a StepResult): note what the
         session asks, and the TOKEN sampled from its logits for position ``pos`` (a
-        verification step's: ``verify``). None at any other hop, for a failed step, and for a
-        prefill chunk that more chunks follow (no logits)."""
+        verification step's: ``verify``, one TOKEN per position kept). [] at any other hop, for a
+        failed step, and for a prefill chunk that more chunks follow (no logits)."""
         if msg.route or isinstance(result, Exception):
             return []
         self.note(msg)
