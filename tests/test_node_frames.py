@@ -17,7 +17,7 @@ import pytest
 import torch
 import zmq
 
-from fabric import Client
+from fabric import Client, FabricError
 from fabric.compute.models import resolve
 from fabric.compute.tensors import to_wire
 from fabric.node import Node, NodeConfig
@@ -261,9 +261,19 @@ def test_malformed_frame_gets_an_error(node, dealer, case):
     assert isinstance(reply, p.Error), reply
     assert reply.code == code, f"{reply.code}: {reply.message}"
     assert phrase in reply.message, reply.message
-    assert reply.node == node.node_id and reply.session is None
+    assert reply.node == node.node_id and reply.session == _session_of(frames), reply
     assert node.thread.is_alive()
     ping(dealer)
+
+
+def _session_of(frames: list) -> str | None:
+    """The session a refusal of ``frames`` names: a FORWARD's that decodes (within the node's
+    frame limit), so that its head can end that request; none for a frame that does not."""
+    try:
+        msg = p.decode(frames, MAX_FRAME_BYTES)[0]
+    except p.ProtocolError:
+        return None
+    return msg.session if isinstance(msg, p.Forward) else None
 
 
 @pytest.mark.parametrize("field, changes", [
@@ -382,12 +392,13 @@ def test_node_still_generates_after_garbage(node, dealer, tiny_llama):
 REFUSED, DROPPED = "rejected_frames", "dropped_frames"  # the counter each kind of failure moves
 
 
-def _crash_cases(endpoint: str) -> dict:
-    """case -> (frames, what must happen): REFUSED is an ERROR(bad_request) back to the
-    sender; DROPPED is a frame the node ran but could not answer (its reply_to is no endpoint)."""
-    short = _forward(0, 2, IDS, reply_to=endpoint)  # ends before the last layer, no route after it
+def _crash_cases(endpoint: str, head: str) -> dict:
+    """case -> (frames, what must happen): REFUSED is an ERROR(bad_request): a FORWARD's goes
+    to its reply_to, the ``head``, naming its session and step; a GENERATE's back to the sender.
+    DROPPED is a frame the node ran but could not answer (its reply_to is no endpoint)."""
+    short = _forward(0, 2, IDS, reply_to=head)  # ends before the last layer, no route after it
     bad_reply = _forward(0, NUM_LAYERS - 1, IDS, reply_to="not-an-endpoint")
-    bad_hop = _forward(0, 2, IDS, route=(Hop("x", "bogus", 3, NUM_LAYERS - 1),), reply_to=endpoint)
+    bad_hop = _forward(0, 2, IDS, route=(Hop("x", "bogus", 3, NUM_LAYERS - 1),), reply_to=head)
     generate = p.Generate(request_id="short", route=(Hop("n", endpoint, 0, 2),), prompt="hi")
     return {"forward with no route after a non-final span": (p.encode(*short), REFUSED, "no hop follows"),
             "forward whose reply_to is not an endpoint": (p.encode(*bad_reply), DROPPED, ""),
@@ -396,25 +407,43 @@ def _crash_cases(endpoint: str) -> dict:
             "generate whose route stops before the last layer": (p.encode(generate), REFUSED, "last layer")}
 
 
-@pytest.mark.parametrize("case", list(_crash_cases("tcp://127.0.0.1:1")))
-def test_valid_but_impossible_frames_do_not_kill_the_node(tiny_llama, case):
+@pytest.mark.parametrize("case", list(_crash_cases("tcp://127.0.0.1:1", "tcp://127.0.0.1:2")))
+def test_valid_but_impossible_frames_do_not_kill_the_node(tiny_llama, reply_router, case):
     """The node refuses or drops the frame (its counter says which), answers nothing else to
     the sender, and still answers PING."""
     victim = RunningNode(tiny_llama, "victim")
     sock = _dealer(victim.endpoint)
+    head, head_endpoint = reply_router
     try:
-        frames, outcome, phrase = _crash_cases(victim.endpoint)[case]
+        frames, outcome, phrase = _crash_cases(victim.endpoint, head_endpoint)[case]
         sock.send_multipart(frames)
         counters = victim.node.counters
         assert wait_for(lambda: counters[outcome] == 1, 10), dict(counters)
         assert victim.thread.is_alive(), "the node's loop died"
         if outcome == REFUSED:  # a route that stops early, or a hop no one can dial, is refused up front
-            reply = receive(sock)
-            assert isinstance(reply, p.Error) and reply.code == BAD_REQUEST, reply
-            assert phrase in reply.message, reply.message
+            forward = case.startswith("forward")  # told to the sender, and to the head, by session
+            for reply in [receive(sock), *([receive(head)] if forward else [])]:
+                assert isinstance(reply, p.Error) and reply.code == BAD_REQUEST, reply
+                assert phrase in reply.message, reply.message
+                assert (reply.session, reply.step) == (("bad", 0) if forward else (None, None)), reply
         assert isinstance(ping(sock), p.Pong)  # and, for a dropped frame, the first thing the sender hears
         assert counters[REFUSED] + counters[DROPPED] == 1, dict(counters)
     finally:
         sock.close(linger=0)
         victim.stop_event.set()
         victim.thread.join(10)
+
+
+def test_a_request_whose_second_hop_no_one_can_dial_ends_with_that_reason(tiny_llama):
+    """The head runs its own span, then cannot send the step on: the client hears why at once,
+    as an error event naming the hop, instead of waiting out every re-send."""
+    head = RunningNode(tiny_llama, "head")
+    route = (Hop(head.node_id, head.endpoint, 0, 2), Hop("gone", "bogus", 3, NUM_LAYERS - 1))
+    try:
+        with Client(timeout=20) as client:  # route given: the tracker is never asked
+            with pytest.raises(FabricError, match="cannot be dialled") as refused:
+                list(client.generate("llama", prompt=PROMPT, max_tokens=4, route=route))
+        assert refused.value.code == BAD_REQUEST, refused.value
+        assert wait_for(lambda: len(head.node.head) == 0 and len(head.node.kv) == 0, 5)
+    finally:
+        head.stop()

@@ -244,6 +244,9 @@ class SilentHost:
     def busy(self) -> bool:
         return False
 
+    def reach(self, hop) -> None:
+        pass  # every hop can be dialled
+
     def forward(self, hop, message, tensor) -> None:
         pass
 

@@ -50,6 +50,7 @@ class HeadHost(Transport, Protocol):
 
     def reply(self, identity: bytes, message: p.Message) -> None: ...
     def busy(self) -> bool: ...  # no room for one more session (this node's own hop of it)
+    def reach(self, hop: p.Hop) -> None: ...  # ProtocolError: no one can dial the hop after this node's
     def to_tracker(self, message: p.Message) -> bool: ...  # False: this node has no tracker
 
 
@@ -91,16 +92,7 @@ class Head:
 
     def generate(self, identity: bytes, req: p.Generate) -> None:
         """Start a request; a bad one raises ProtocolError, a refused prompt is one event."""
-        last = self.model.num_layers - 1
-        if req.route[0].endpoint != self.host.endpoint:
-            raise p.ProtocolError("this node is not the head of that route", p.ErrorCode.BAD_REQUEST)
-        if (identity, req.request_id) in self.requests:
-            raise p.ProtocolError("request id already in flight", p.ErrorCode.BAD_REQUEST)
-        if self.host.busy():
-            raise p.ProtocolError("node is at its session or queue limit", p.ErrorCode.BUSY)
-        if req.route[-1].end_layer != last:
-            raise p.ProtocolError(f"the route ends at layer {req.route[-1].end_layer}, not at the last layer "
-                                  f"{last}", p.ErrorCode.BAD_REQUEST)
+        self._check_route(identity, req)
         try:
             syntax = syntax_of(self.model.tokenizer, req)
             prompt = encode_prompt(self.model.tokenizer, req, self.config.max_prompt_tokens)
@@ -127,6 +119,22 @@ class Head:
         self.auditor.draw(rs.session, prompt + list(req.resume))  # audited or not, it looks the same
         reused = self.prefixes.match(prompt + list(req.resume), req.route, tenant_of(req))
         self._emit(rs, rs.start(reused))
+
+    def _check_route(self, identity: bytes, req: p.Generate) -> None:
+        """Refuse (ProtocolError) a request this node cannot start: not its head, a request id
+        in flight, no room, a route that stops short, or a next hop no one can dial."""
+        last = self.model.num_layers - 1
+        if req.route[0].endpoint != self.host.endpoint:
+            raise p.ProtocolError("this node is not the head of that route", p.ErrorCode.BAD_REQUEST)
+        if (identity, req.request_id) in self.requests:
+            raise p.ProtocolError("request id already in flight", p.ErrorCode.BAD_REQUEST)
+        if self.host.busy():
+            raise p.ProtocolError("node is at its session or queue limit", p.ErrorCode.BUSY)
+        if req.route[-1].end_layer != last:
+            raise p.ProtocolError(f"the route ends at layer {req.route[-1].end_layer}, not at the last layer "
+                                  f"{last}", p.ErrorCode.BAD_REQUEST)
+        if len(req.route) > 1:
+            self.host.reach(req.route[1])  # later hops are reached by the hop before them (``_refuse_forward``)
 
     def _check_resume(self, req: p.Generate) -> None:
         """Resumed token ids, and those logit_bias names, must be ids of this model's vocabulary."""

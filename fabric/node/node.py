@@ -234,7 +234,10 @@ class Node(SessionControl, Replies):
     def _dispatch(self, identity: bytes, msg: p.Message, buffers: list) -> None:
         match msg:
             case p.Forward():
-                self._accept_forward(identity, msg, from_wire(msg.tensors[0], buffers[0]))
+                try:
+                    self._accept_forward(identity, msg, from_wire(msg.tensors[0], buffers[0]))
+                except p.ProtocolError as exc:
+                    self._refuse_forward(identity, msg, exc)
             case p.Token() | p.Progress() | p.CacheMiss():
                 self._to_head(msg.session, msg)
             case p.Error(session=str() as session):

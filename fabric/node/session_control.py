@@ -27,8 +27,8 @@ class SessionControl:
                 else self.owners.steers(msg.session, identity)):
             raise p.ProtocolError("that session (or the kept KV it names) belongs to another connection",
                                   p.ErrorCode.BAD_REQUEST)
-        if msg.route and msg.route[0].endpoint != self.endpoint:
-            self.peers.resolve(msg.route[0].endpoint, msg.route[0].key)  # a hop no one can dial: refused now
+        if msg.route:
+            self.reach(msg.route[0])
         if not opens and not self.owners.known(msg.session):  # nothing of it here: answered now, never queued
             self.counters["cache_miss"] += 1
             self._send(msg.reply_to, msg.reply_key, p.CacheMiss(msg.session, msg.step, self.config.node_id, 0))
@@ -45,6 +45,25 @@ class SessionControl:
             self.owners.open(msg.session, identity, head=msg.reply_to)
             self.peers.dial(msg.reply_to, msg.reply_key)  # its link tells when the head dies (``_free_orphans``)
         self.scheduler.push(Work(msg, tensor))
+
+    def reach(self, hop: p.Hop) -> None:
+        """Open the link to ``hop``, the next after this node's span, or raise ProtocolError
+        (BAD_REQUEST) when no one can dial it: refused before the span runs, not dropped after."""
+        if hop.endpoint != self.endpoint:
+            self.peers.resolve(hop.endpoint, hop.key)
+
+    def _refuse_forward(self, identity: bytes, msg: p.Forward, exc: p.ProtocolError) -> None:
+        """A step this node will not run. The refusal names its session and step, and goes to
+        the sender and also where the step's token would have gone, the head (as BUSY does),
+        which ends that request with the reason: a hop before the head could place it nowhere,
+        and the client waited out its timeouts. (The head, when it sent the step, hears it twice;
+        the second finds the request ended.)"""
+        self.counters["rejected_frames"] += 1
+        log.warning("refused a step of session %.16s… from %r: %s", msg.session, identity, exc)
+        error = p.Error(exc.code, str(exc), session=msg.session, step=msg.step, node=self.config.node_id)
+        self.reply(identity, error)
+        if msg.reply_to:
+            self._send(msg.reply_to, msg.reply_key, error)
 
     def busy(self, opening: str = "") -> bool:
         """No room for a session ``opening`` here ("": a new one): the sessions holding KV
