@@ -40,6 +40,7 @@ CHUNK_TIMEOUT = 15.0  # seconds a peer with chunks asked of it may go without an
 MANIFEST_TIMEOUT = 5.0  # seconds to wait for the holders' manifests
 BUSY_PAUSE = 0.2  # seconds before asking a peer that answered BUSY again
 MAX_PEERS = 16  # peers fetched from at once
+STORE_SLICE = 256 << 10  # bytes hashed then written at a time (fits the CPU's L2 cache)
 
 
 @dataclass
@@ -69,10 +70,18 @@ class Item:
     hasher: object = field(default_factory=hashlib.sha256)
     hashed: int = 0  # bytes fed to ``hasher``: all of them, unless a chunk came out of order
 
-    def take(self, offset: int, data) -> None:
-        if offset == self.hashed:
-            self.hasher.update(data)
-            self.hashed += len(data)
+    def store(self, part: PartialFile, offset: int, data) -> None:
+        """Write ``data`` at ``offset`` of the slot, hashing it on the way where it comes in order:
+        a slice at a time, so that the write reads from the CPU's cache what the hash just read."""
+        view = memoryview(data)
+        in_order = offset == self.hashed
+        for at in range(0, len(view), STORE_SLICE):
+            piece = view[at:at + STORE_SLICE]
+            if in_order:
+                self.hasher.update(piece)
+            part.write(self.slot, offset + at, piece)
+        if in_order:
+            self.hashed += len(view)
 
 
 class Fetcher:
@@ -215,18 +224,23 @@ class Fetcher:
 
     def _ask(self, now: float) -> None:
         for peer in self.peers:
-            while not peer.gone and peer.pause_until <= now and len(peer.inflight) < WINDOW:
-                item = self._next_item(peer)
-                if item is None:
-                    break
-                length = min(CHUNK_BYTES, item.slot.nbytes - item.next_offset)
-                ref = next(self.refs)
-                if not peer.inflight:
-                    peer.heard = now
-                peer.sock.send_multipart(p.encode(p.ChunkRequest(self.manifest.digest, item.slot.name,
-                                                                 item.next_offset, length, ref)))
-                peer.inflight[ref] = (item.slot.name, item.next_offset, length, now)
-                item.next_offset += length
+            self._fill(peer, now)
+
+    def _fill(self, peer: Peer, now: float) -> None:
+        """Keep WINDOW chunk requests in flight on ``peer`` (called again after each answer, before
+        its bytes are written: the node reads the next chunk while this side hashes and writes)."""
+        while not peer.gone and peer.pause_until <= now and len(peer.inflight) < WINDOW:
+            item = self._next_item(peer)
+            if item is None:
+                return
+            length = min(CHUNK_BYTES, item.slot.nbytes - item.next_offset)
+            ref = next(self.refs)
+            if not peer.inflight:
+                peer.heard = now
+            peer.sock.send_multipart(p.encode(p.ChunkRequest(self.manifest.digest, item.slot.name,
+                                                             item.next_offset, length, ref)))
+            peer.inflight[ref] = (item.slot.name, item.next_offset, length, now)
+            item.next_offset += length
 
     def _next_item(self, peer: Peer) -> Item | None:
         """An item of ``peer``'s with chunks not asked for yet, else the next queued item it holds."""
@@ -246,7 +260,7 @@ class Fetcher:
                 self._leave_out(peer, f"it answered none of {len(peer.inflight)} chunks for {CHUNK_TIMEOUT:g} s")
 
     def _received(self, peer: Peer, frames) -> None:
-        peer.heard = time.monotonic()
+        peer.heard = now = time.monotonic()
         try:
             msg, buffers = p.decode(frames, CHUNK_BYTES)
         except p.ProtocolError as exc:
@@ -262,10 +276,10 @@ class Fetcher:
         if (msg.name, msg.offset, len(buffers[0])) != (name, offset, length):
             self._leave_out(peer, f"it answered chunk {msg.ref} with other bytes than asked")
             return
+        self._fill(peer, now)
         if item is None or item.peer is not peer:
             return
-        self.part.write(item.slot, offset, buffers[0])
-        item.take(offset, buffers[0])
+        item.store(self.part, offset, buffers[0])
         item.received += length
         peer.bytes += length
         if item.received == item.slot.nbytes:
