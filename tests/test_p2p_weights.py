@@ -236,6 +236,19 @@ def test_a_peer_that_sends_bad_bytes_is_named_and_the_fetch_finishes_from_anothe
     part.fd = os.open(copy, os.O_RDONLY)
     assert all(part.verify(s) for s in part.plan.slots)
     part.close()
+    with process_cluster.client() as client:  # the tracker heard it: status and the events name the bad peer
+        status = client.status()
+    (fetch,) = status["fetches"]
+    assert fetch["bad_peers"] == ["corrupt"] and fetch["state"] == "done" and fetch["done"] == fetch["total"], fetch
+    rows = {n["id"]: n for n in status["nodes"]}
+    assert rows["corrupt"].get("bad_bytes") == 1 and "bad_bytes" not in rows["honest"], rows
+    events = [e for e in status["events"] if e["kind"] == "fetch"]
+    assert [(e["code"], e["node"]) for e in events] == [("bad_bytes", "corrupt"), ("fetched", "")], events
+    shown = subprocess.run([sys.executable, "-m", "fabric.cli", "status", "--tracker", process_cluster.endpoint],
+                           capture_output=True, text=True, timeout=60, cwd=ROOT,
+                           env={**os.environ, "PYTHONPATH": str(ROOT)}, check=True).stdout
+    assert re.search(r"^corrupt .* SENT BAD BYTES to 1 fetch", shown, re.M), shown
+    assert re.search(r"fetched layers 3-5: .* MiB; bad bytes from corrupt \(left out\)", shown), shown
 
 
 def test_an_interrupted_fetch_resumes_without_fetching_again_what_it_verified(process_cluster, model_file,
@@ -252,6 +265,13 @@ def test_an_interrupted_fetch_resumes_without_fetching_again_what_it_verified(pr
     def journal() -> Path | None:
         return next(iter(peers.glob("*.part.done")), None)
     assert wait_for(lambda: journal() is not None and len(journal().read_text().split()) >= 4, 60, 0.05)
+    def fetching() -> dict | None:  # the fetch shows in status as it goes (reported each second): bytes done of total
+        with process_cluster.client() as client:
+            rows = client.status()["fetches"]
+        return rows[0] if rows and rows[0]["done"] > 0 else None
+    assert wait_for(fetching, 30, 0.2), process_cluster.logs()
+    fetch = fetching()
+    assert fetch["state"] == "fetching" and 0 < fetch["done"] < fetch["total"] and fetch["layers"] == [3, 5], fetch
     first.send_signal(signal.SIGKILL)
     first.wait(10)
     kept = len(journal().read_text().split())

@@ -66,7 +66,7 @@ def from_peers(args) -> None:
 
     try:
         path = fetch_layers(args.model, args.layers, args.tracker, load_security(args), peers_dir(),
-                            progress=not args.no_progress, say=log.info)
+                            progress=not args.no_progress, say=log.info, node=getattr(args, "node_id", None) or "")
     except NoHolders as exc:  # as unknown as before: a usage error
         raise CommandError(f"{why}; nor does a peer serve it: {exc}", 2) from None
     except FetchError as exc:

@@ -6,8 +6,9 @@ those whose manifest hashes to the fingerprint they registered; lay out the part
 and each tensor the range needs) in CHUNKs of at most 4 MiB from several peers at once, a
 window of requests in flight on each. Each item comes whole from one peer, so that an item
 whose sha256 differs from the manifest's names the peer that sent it: that peer is left out
-(a log line names it) and the item is asked of another. A peer that stops answering is
-left out the same way. Interrupted, the fetch resumes from the ``.part`` file.
+(a log line names it, and so does the fetch's report to the tracker: ``fabric.fetch.report``)
+and the item is asked of another. A peer that stops answering is left out the same way.
+Interrupted, the fetch resumes from the ``.part`` file.
 """
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ from ..net.security import Security, SecurityError, dial
 from ..wire import protocol as p
 from ..wire.shard import Shard
 from .holders import FetchError, Holder, can_serve, missing_line
+from .report import FetchReporter
 
 log = logging.getLogger(__name__)
 
@@ -106,6 +108,9 @@ class Fetcher:
         self.part: PartialFile | None = None
         self.queue: deque[Slot] = deque()
         self.active: dict[str, Item] = {}
+        self.reporter: FetchReporter | None = None  # tells the tracker how the fetch goes
+        self.bad: list[str] = []  # peers caught sending bad bytes (or a manifest that fails), first caught first
+        self.verified = 0  # bytes of the partial copy verified, here before or fetched now
 
     def close(self) -> None:
         for peer in self.peers:
@@ -156,7 +161,7 @@ class Fetcher:
         raw = bytes(buffers[0])
         digest = hashlib.sha256(raw).hexdigest()
         if digest != msg.digest or fingerprint_of(digest) != peer.holder.weights_print:
-            self._leave_out(peer, "its manifest does not hash to the fingerprint it registered")
+            self._leave_out(peer, "its manifest does not hash to the fingerprint it registered", bad=True)
             return None
         try:
             manifest = FileManifest.from_json(json.loads(raw))
@@ -166,10 +171,13 @@ class Fetcher:
         peer.held = (msg.start_layer, msg.end_layer)
         return manifest
 
-    def _leave_out(self, peer: Peer, why: str) -> None:
+    def _leave_out(self, peer: Peer, why: str, bad: bool = False) -> None:
+        """Fetch nothing more from ``peer``; ``bad``: it sent bytes that fail a check (named to the tracker)."""
         if peer.gone:
             return
         peer.gone = why
+        if bad:
+            self.bad.append(peer.name)
         log.warning("fetch of %s: leaving out peer %s (%s): %s", self.model, peer.name, peer.holder.endpoint, why)
         peer.inflight.clear()
         for name, item in list(self.active.items()):
@@ -189,6 +197,7 @@ class Fetcher:
         self.part = PartialFile(target, plan)
         have = self.part.open()
         self.queue.extend(self.part.missing())
+        self.verified = have
         return have
 
     def run(self) -> Path:
@@ -201,6 +210,8 @@ class Fetcher:
                 raise FetchError(self._stranded())
             for sock, _ in self.poller.poll(100):
                 self._drain(next(x for x in self.peers if x.sock is sock))
+            if self.reporter is not None:
+                self.reporter.progress(self.verified, self.bad)
         return self.part.finish()
 
     def _drain(self, peer: Peer) -> None:
@@ -274,7 +285,7 @@ class Fetcher:
         name, offset, length, _ = peer.inflight.pop(msg.ref)
         item = self.active.get(name)
         if (msg.name, msg.offset, len(buffers[0])) != (name, offset, length):
-            self._leave_out(peer, f"it answered chunk {msg.ref} with other bytes than asked")
+            self._leave_out(peer, f"it answered chunk {msg.ref} with other bytes than asked", bad=True)
             return
         self._fill(peer, now)
         if item is None or item.peer is not peer:
@@ -306,9 +317,11 @@ class Fetcher:
         whole = item.hashed == item.slot.nbytes  # else some chunk came again, out of order: read it back
         if not (item.hasher.hexdigest() == item.slot.sha256 if whole else self.part.verify(item.slot)):
             self.queue.appendleft(item.slot)
-            self._leave_out(item.peer, f"it sent bad bytes: {item.slot.name} does not match the manifest's sha256")
+            self._leave_out(item.peer, f"it sent bad bytes: {item.slot.name} does not match the manifest's sha256",
+                            bad=True)
             return
         self.part.mark_done(item.slot)
+        self.verified += item.slot.nbytes
         if self.progress is not None:
             self.progress.update(item.slot.nbytes)
 
