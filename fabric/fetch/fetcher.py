@@ -173,11 +173,11 @@ class Fetcher:
 
     def _leave_out(self, peer: Peer, why: str, bad: bool = False) -> None:
         """Fetch nothing more from ``peer``; ``bad``: it sent bytes that fail a check (named to the tracker)."""
+        if bad and peer.name not in self.bad:  # also one left out before (gone silent) whose bytes then failed
+            self.bad.append(peer.name)
         if peer.gone:
             return
         peer.gone = why
-        if bad:
-            self.bad.append(peer.name)
         log.warning("fetch of %s: leaving out peer %s (%s): %s", self.model, peer.name, peer.holder.endpoint, why)
         peer.inflight.clear()
         for name, item in list(self.active.items()):
