@@ -179,6 +179,29 @@ def test_a_node_without_the_file_fetches_its_layers_and_answers_as_the_reference
     assert not list(Path(b["XDG_CACHE_HOME"]).rglob(model_file.name))  # only the partial copy is on B's disk
 
 
+def test_a_node_without_the_file_or_layers_fetches_the_span_the_tracker_assigns(process_cluster, model_file,
+                                                                                 tmp_path):
+    """No --layers: the tracker assigns the least-covered span that --memory holds (A serves 0-2, so
+    3 layers go to 3-5), and only that span is fetched, as with --layers 3-5."""
+    import math
+
+    manifest = manifest_for(model_file)
+    layer = max(sum(math.prod(t.shape) for t in manifest.tensors if t.layer == i) for i in range(LAYERS))
+    memory = 3.5 * layer * 4 / (1 << 30)  # three float32 layers fit (EXACT: --quant none --dtype float32)
+    b = home(tmp_path, "b")
+    want = float32_greedy(model_file, process_cluster.cache / "meshnet")
+    process_cluster.start_node("a", str(model_file), "0-2", None, *EXACT)
+    assert wait_for(lambda: _listed(process_cluster, "a"), 120, 0.2), process_cluster.logs()
+    process_cluster.start_node("b", MODEL, None, None, *EXACT, "--node-id", "b", "--memory", f"{memory:.9f}", env=b)
+    status = process_cluster.wait_nodes(["a", "b"], MODEL)
+    assert {n["id"]: n["layers"] for n in status["nodes"]} == {"a": [0, 2], "b": [3, 5]}, status["nodes"]
+    with process_cluster.client() as client:
+        events = list(client.generate(MODEL, prompt=RAW_PROMPT, max_tokens=NEW_TOKENS, ignore_eos=True))
+    assert [t for e in events for t in e.token_ids] == want, process_cluster.logs()
+    (copy,) = peer_copies(b)
+    assert copy.name.endswith(".layers-3-5.gguf") and copy.stat().st_size < 0.7 * model_file.stat().st_size
+
+
 def _listed(cluster, name: str) -> bool:
     try:
         with cluster.client() as c:

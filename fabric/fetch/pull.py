@@ -6,6 +6,7 @@ import logging
 from collections.abc import Callable
 from pathlib import Path
 
+from ..compute.gguf_manifest import FileManifest
 from ..compute.gguf_partial import find_partial, partial_name
 from ..net.security import Security
 from ..wire.shard import _RANGE
@@ -25,11 +26,12 @@ def local_copy(directory: Path, model: str, layers: str | None) -> Path | None:
 
 
 def fetch_layers(model: str, layers: str | None, tracker: str, security: Security | None, directory: Path,
-                 progress: bool = True, say: Callable[[str], None] = print, node: str = "") -> Path:
-    """A partial GGUF of ``model`` holding ``layers`` (all: None) in ``directory``: the one here,
-    or one fetched from the nodes the tracker lists for it, reported to the tracker as it goes
-    (``node``: the node id that will serve it, "" for a pull). FetchError (one line; NoHolders
-    where no node serves it) otherwise."""
+                 progress: bool = True, say: Callable[[str], None] = print, node: str = "",
+                 assign: Callable[[FileManifest], str] | None = None) -> Path:
+    """A partial GGUF of ``model`` holding ``layers`` (all: None; ``assign``'s answer from the
+    manifest where given) in ``directory``: the one here, or one fetched from the nodes the
+    tracker lists for it, reported to the tracker as it goes (``node``: the node id that will
+    serve it, "" for a pull). FetchError (one line; NoHolders where no node serves it) otherwise."""
     found = local_copy(directory, model, layers)
     if found is not None:
         say(f"layers {layers} of {model} are here already: {found}")
@@ -40,6 +42,12 @@ def fetch_layers(model: str, layers: str | None, tracker: str, security: Securit
     error = ""
     try:
         manifest = fetcher.manifests()
+        if layers is None and assign is not None:
+            layers = assign(manifest)  # e.g. the tracker's least-covered span, now that the layer count is known
+            found = local_copy(directory, model, layers)
+            if found is not None:
+                say(f"layers {layers} of {model} are here already: {found}")
+                return found
         shard, plan = fetch_plan(manifest, layers, model)
         target = directory / partial_name(model, manifest.digest, shard)
         directory.mkdir(parents=True, exist_ok=True)
