@@ -9,8 +9,12 @@ Starts a tracker and one node holding the whole file (``python -m fabric.cli ...
 
 1. fetch rate: ``fetch_layers`` (what ``meshnet pull MODEL --layers A-B --tracker T`` runs)
    into an empty directory, timed from the tracker's answer to the renamed file, against
-   ``cp`` of the whole file (both read a file the page cache holds); the median of three
-   of each, printed as bytes/s and their ratio (target >= 0.5x);
+   ``cp`` of the whole file (both read a file the page cache holds); the median of five
+   of each, printed as bytes/s and their ratio (target >= 0.5x). Beside them, what bounds
+   the fetch on this machine: the CPU seconds the fetching process and the serving node
+   spent per fetch, the same bytes through a bare ZeroMQ DEALER/ROUTER pair between two
+   processes (4 MiB messages, 16 in flight, nothing hashed or written: the transport's
+   ceiling), and sha256 over the bytes in one thread;
 2. ITL: one greedy stream of ``--itl-tokens`` tokens on that node alone, then the same stream
    while fetches of every layer run back to back against it (its cap ``--itl-share-mbps``):
    the p99 and median gap between tokens of each (target: p99 within 1.5x the median).
@@ -18,6 +22,8 @@ Starts a tracker and one node holding the whole file (``python -m fabric.cli ...
 from __future__ import annotations
 
 import argparse
+import hashlib
+import multiprocessing
 import os
 import shutil
 import statistics
@@ -75,7 +81,71 @@ def fetch_rate(tracker: str, model_id: str, layers: str | None, tmp: Path) -> tu
     target = Path(tempfile.mkdtemp(dir=tmp))
     began = time.perf_counter()
     path = fetch_layers(model_id, layers, tracker, None, target, progress=False, say=lambda _: None)
-    return path.stat().st_size, time.perf_counter() - began
+    took = time.perf_counter() - began
+    size = path.stat().st_size
+    shutil.rmtree(target)
+    return size, took
+
+
+def cpu_seconds(pid: int | None = None) -> float:
+    """User + system CPU seconds of process ``pid`` (None: this one), every thread."""
+    if pid is None:
+        t = os.times()
+        return t.user + t.system
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _serve_bytes(path: str, endpoint: str) -> None:
+    """A bare ROUTER answering "offset length" with those bytes of ``path`` (zero copy from a mapping)."""
+    import mmap
+
+    import zmq
+
+    sock = zmq.Context.instance().socket(zmq.ROUTER)
+    sock.bind(endpoint)
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+        view = memoryview(m)
+        while (frames := sock.recv_multipart())[1] != b"stop":
+            offset, length = map(int, frames[1].split())
+            sock.send_multipart([frames[0], view[offset:offset + length]], copy=False)
+        view.release()
+    sock.close(linger=0)
+
+
+def zmq_ceiling(path: Path, nbytes: int, chunk: int = 4 << 20, window: int = 16, runs: int = 5) -> float:
+    """Seconds (median) to move ``nbytes`` of ``path`` through a bare DEALER/ROUTER pair, nothing kept."""
+    import zmq
+
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    server = multiprocessing.get_context("spawn").Process(target=_serve_bytes, args=(str(path), endpoint))
+    server.start()
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.connect(endpoint)
+    times = []
+    try:
+        for _ in range(runs + 1):  # the first connects and warms up
+            began, asked, got, inflight = time.perf_counter(), 0, 0, 0
+            while got < nbytes:
+                while inflight < window and asked < nbytes:
+                    n = min(chunk, nbytes - asked)
+                    sock.send(f"{asked} {n}".encode())
+                    asked, inflight = asked + n, inflight + 1
+                got += len(sock.recv(copy=False))
+                inflight -= 1
+            times.append(time.perf_counter() - began)
+        sock.send(b"stop")
+    finally:
+        sock.close(linger=0)
+        server.join(10)
+    return statistics.median(times[1:])
+
+
+def sha256_seconds(path: Path, nbytes: int) -> float:
+    data = path.read_bytes()[:nbytes]
+    began = time.perf_counter()
+    hashlib.sha256(data).digest()
+    return time.perf_counter() - began
 
 
 def copy_rate(source: Path, tmp: Path) -> tuple[int, float]:
@@ -121,9 +191,13 @@ def p99(values: list[float]) -> float:
     return statistics.quantiles(values, n=100)[98] if len(values) >= 2 else values[0]
 
 
+node_pid = [0]  # the serving node's pid, for its CPU seconds
+
+
 def run_node(args, tmp: Path, share_mbps: float, body) -> None:
     tmp.mkdir()
     procs, tracker = start(tmp, args.model, args.num_layers, share_mbps)
+    node_pid[0] = procs[1].pid
     try:
         wait_ready(tracker, args.model_id)
         body(tracker)
@@ -148,14 +222,26 @@ def main() -> None:
         def rate(tracker: str) -> None:
             fetch_layers(args.model_id, args.layers, tracker, None, tmp / "warm", progress=False, say=lambda _: None)
             shutil.rmtree(tmp / "warm")  # a first fetch: the node's manifest and page cache are warm after it
-            runs = [fetch_rate(tracker, args.model_id, args.layers, tmp) for _ in range(3)]
+            node = node_pid[0]
+            runs, cpu = [], []
+            for _ in range(5):
+                mine, its = cpu_seconds(), cpu_seconds(node)
+                runs.append(fetch_rate(tracker, args.model_id, args.layers, tmp))
+                cpu.append((cpu_seconds() - mine, cpu_seconds(node) - its))
             size, took = runs[0][0], statistics.median(t for _, t in runs)
-            copies = [copy_rate(source.path, tmp) for _ in range(3)]
+            copies = [copy_rate(source.path, tmp) for _ in range(5)]
             csize, ctook = copies[0][0], statistics.median(t for _, t in copies)
+            bare, sha = zmq_ceiling(source.path, size), sha256_seconds(source.path, size)
+            whole = source.path.stat().st_size
             print(f"fetch of layers {args.layers}: {size:,} bytes in {took:.3f} s = {size / took / 1e6:.1f} MB/s "
-                  f"(the file: {source.path.stat().st_size:,} bytes, {size / source.path.stat().st_size:.2f} of it)")
+                  f"(the file: {whole:,} bytes, {size / whole:.2f} of it; runs {', '.join(f'{t:.3f}' for _, t in runs)} s)")
+            print(f"  CPU per fetch: fetcher {statistics.median(c for c, _ in cpu):.3f} s, serving node "
+                  f"{statistics.median(c for _, c in cpu):.3f} s")
             print(f"cp of the whole file: {csize:,} bytes in {ctook:.3f} s = {csize / ctook / 1e6:.1f} MB/s")
-            print(f"fetch rate / cp rate: {(size / took) / (csize / ctook):.2f}x (target >= 0.5x)")
+            print(f"bare ZeroMQ pair, the same bytes: {bare:.3f} s = {size / bare / 1e6:.1f} MB/s; "
+                  f"sha256 of them, one thread: {sha:.3f} s = {size / sha / 1e6:.1f} MB/s")
+            print(f"fetch rate / cp rate: {(size / took) / (csize / ctook):.2f}x (target >= 0.5x); "
+                  f"fetch / bare ZeroMQ: {(size / took) / (size / bare):.2f}x")
         run_node(args, tmp / "rate", args.share_mbps, rate)
 
         def itl(tracker: str) -> None:

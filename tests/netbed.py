@@ -8,7 +8,10 @@ link. Processes run in their host with ``ip netns exec NS python3 -m ...``: real
 traffic never leaves the namespaces the bed made. Each host has its own HOME (its keys,
 caches and node ids live there, as on separate machines); ``add_host(name, venv=True)``
 also gives it a virtual environment of its own with the default model installed again,
-and ``bed.shell(host, "meshnet ...")`` runs a command line there as a person would::
+and ``bed.shell(host, "meshnet ...")`` runs a command line there as a person would.
+``add_host(name, hide=("a",))`` makes host ``a``'s HOME an empty directory for every process
+of the new host (a mount namespace of its own: even root there reads nothing of ``a``'s
+files), as when the two are separate machines::
 
     with Netbed(tmp_path, xdg_cache) as bed:
         for name in ("t", "a", "b", "c"):
@@ -73,6 +76,7 @@ import json
 import os
 import queue
 import re
+import shlex
 import shutil
 import signal
 import subprocess
@@ -191,6 +195,17 @@ class Host:
     next_port: int = NODE_PORT  # next free service port
     home: Path | None = None  # its own HOME, as each machine has (keys, caches, node ids under it)
     bin: Path | None = None  # put first on PATH: a venv's bin, with its own `meshnet`
+    hidden: tuple[Path, ...] = ()  # directories its processes see empty (another machine's disk)
+
+    def exec_prefix(self) -> list[str]:
+        """``ip netns exec`` into this host; where it hides directories, in a mount namespace of
+        its own whose empty read-only tmpfs covers each of them (root in the host reads nothing
+        under them: as on another machine, not merely another user)."""
+        prefix = ["ip", "netns", "exec", self.ns]
+        if not self.hidden:
+            return prefix
+        mounts = " && ".join(f"mount -t tmpfs -o ro,size=4k,mode=0 hidden {shlex.quote(str(d))}" for d in self.hidden)
+        return [*prefix, "unshare", "--mount", "--propagation", "private", "sh", "-c", f'{mounts} && exec "$@"', "hide"]
 
 
 @dataclass(frozen=True)
@@ -251,15 +266,17 @@ class Netbed:
     # -- hosts and links -----------------------------------------------------------------
 
     def add_host(self, name: str, delay: float = 0.0, jitter: float = 0.0, rate=None,
-                 inbound: bool = True, venv: bool = False) -> Host:
+                 inbound: bool = True, venv: bool = False, hide: tuple[str, ...] = ()) -> Host:
         """A namespace on the switch, with its own HOME; see the module docstring for the
         knobs. ``venv``: the host runs a virtual environment of its own, where the default
-        model is installed again (another install path than this Python's)."""
+        model is installed again (another install path than this Python's). ``hide``: names of
+        hosts added before whose HOMEs this host's processes find empty (their files are on
+        another machine)."""
         if name in self.hosts or not re.fullmatch(r"[a-z0-9][a-z0-9_-]{0,30}", name):
             raise ValueError(f"host name {name!r}: taken, or not [a-z0-9_-]")
         index = len(self.hosts) + 1
         host = Host(name, f"{self.prefix}-{name}", f"{self.subnet}.{index}", f"h{index}", Link(delay, jitter, rate),
-                    inbound, home=self.tmp / f"home-{name}")
+                    inbound, home=self.tmp / f"home-{name}", hidden=tuple(self.hosts[o].home for o in hide))
         host.home.mkdir(parents=True, exist_ok=True)
         if venv:
             host.bin = make_venv(self.tmp / f"venv-{name}")
@@ -368,7 +385,7 @@ class Netbed:
         log = open(self.tmp / f"{name}.log", "ab")
         popen.setdefault("stdout", log)
         try:
-            return subprocess.Popen(["ip", "netns", "exec", h.ns, python, *argv], stderr=log, env=self.env(h),
+            return subprocess.Popen([*h.exec_prefix(), python, *argv], stderr=log, env=self.env(h),
                                     cwd=ROOT, preexec_fn=_die_with_parent, **popen)
         finally:
             log.close()
@@ -385,7 +402,7 @@ class Netbed:
     def shell(self, host: str, command: str, timeout: float = 120.0) -> subprocess.CompletedProcess:
         """Run ``command`` with bash in ``host``, as a person at that machine would; waits."""
         h = self.hosts[host]
-        return subprocess.run(["ip", "netns", "exec", h.ns, "bash", "-c", command], env=self.env(h),
+        return subprocess.run([*h.exec_prefix(), "bash", "-c", command], env=self.env(h),
                               cwd=h.home, capture_output=True, text=True, timeout=timeout)
 
     def spawn_shell(self, host: str, name: str, command: str) -> subprocess.Popen:
@@ -395,7 +412,7 @@ class Netbed:
         h = self.hosts[host]
         log = open(self.tmp / f"{name}.log", "ab")
         try:
-            self.procs[name] = subprocess.Popen(["ip", "netns", "exec", h.ns, "bash", "-c", f"exec {command}"],
+            self.procs[name] = subprocess.Popen([*h.exec_prefix(), "bash", "-c", f"exec {command}"],
                                                 stdout=log, stderr=log, env=self.env(h), cwd=h.home,
                                                 preexec_fn=_die_with_parent)
         finally:
@@ -572,9 +589,12 @@ class Agent:
                 raise AgentError(f"nodes {sorted(names)} not routable for {model} in {timeout}s\n{self._logs()}")
             time.sleep(0.2)
 
-    def generate(self, model: str, messages, max_tokens: int, timeout: float = 60.0) -> Iterator[dict]:
-        """The head's events as dicts: event, ids, text, route, finish_reason, t (agent clock)."""
-        rid = self._send("generate", model=model, messages=messages, max_tokens=max_tokens, timeout=timeout)
+    def generate(self, model: str, messages, max_tokens: int, timeout: float = 60.0, prompt: str | None = None,
+                 ignore_eos: bool = False) -> Iterator[dict]:
+        """The head's events as dicts: event, ids, text, route, finish_reason, t (agent clock).
+        ``prompt``: a raw prompt instead of ``messages`` (None then)."""
+        rid = self._send("generate", model=model, messages=messages, max_tokens=max_tokens, timeout=timeout,
+                         prompt=prompt, ignore_eos=ignore_eos)
         while not (msg := self._next(rid, timeout + 5)).get("end"):
             yield msg
 

@@ -6,8 +6,8 @@ other host's. It reads one JSON request per line on stdin and answers JSON lines
 stdout, each tagged with the request's ``id``:
 
     {"id", "op": "status"}                           -> {"id", "ok", "status"}
-    {"id", "op": "generate", "model", "messages",
-     "max_tokens"}                                   -> one {"id", "event", "ids", "text",
+    {"id", "op": "generate", "model", "messages"
+     (or "prompt"), "max_tokens", "ignore_eos"?}     -> one {"id", "event", "ids", "text",
                                                         "route", "finish_reason", "t"} per
                                                         event, then {"id", "ok", "end"}
     {"id", "op": "ping", "endpoint", "count"}        -> {"id", "ok", "rtts": [seconds...]}
@@ -38,7 +38,9 @@ def _emit(**fields) -> None:
 
 
 def generate(client: Client, rid, req: dict) -> None:
-    for e in client.generate(req["model"], messages=req["messages"], max_tokens=req["max_tokens"]):
+    text = {"prompt": req["prompt"]} if req.get("prompt") is not None else {"messages": req["messages"]}
+    for e in client.generate(req["model"], **text, max_tokens=req["max_tokens"],
+                             ignore_eos=bool(req.get("ignore_eos"))):
         _emit(id=rid, event=e.event, ids=list(e.token_ids), text=e.text, finish_reason=e.finish_reason,
               route=[{"node": h.node, "endpoint": h.endpoint, "start_layer": h.start_layer,
                       "end_layer": h.end_layer} for h in e.route], t=time.monotonic())

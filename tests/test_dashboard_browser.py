@@ -344,3 +344,32 @@ def test_topology_names_nodes_whose_weights_differ(browser, thread_cluster, tiny
         shot(page, "topology-weights-differ")
     finally:
         webui.close()
+
+
+def test_topology_shows_a_fetch_from_peers_and_the_peer_it_caught(browser, thread_cluster, tiny_models):
+    """A machine fetching layers reports to the tracker (FETCH_REPORT): its model block shows the
+    bytes done of total and names the peer it caught sending bad bytes, whose lane turns bad."""
+    from fabric import Client
+    from fabric.wire import protocol as p
+
+    model = tiny_models("llama")
+    thread_cluster.add_node(model, 0, 5, 6, "whole")
+    webui = WebUIThread(WebUIConfig(tracker=thread_cluster.endpoint, pub=thread_cluster.tracker.pub_endpoint,
+                                    port=free_port()))
+    try:
+        with Client(thread_cluster.endpoint, timeout=10) as client:
+            answer = client.ask(p.FetchReport("f00d", model.name, 3, 5, 3 << 20, 12 << 20, rate=1 << 20,
+                                              bad_peers=("whole",), node="newcomer"))
+        assert isinstance(answer, p.Ack), answer
+        page = browser.new_page()
+        page.goto(webui.url)
+        line = page.locator(f"#topology .model-block[data-model='{model.name}'] .plan-line.fetch")
+        line.wait_for(timeout=WAIT_MS)
+        text = line.text_content()
+        assert "newcomer layers 3–5 from peers: fetching 3.0 of 12.0 MiB (25%)" in text, text
+        assert "bad bytes from whole (left out)" in text, text
+        page.locator("#topology .lane-label .dot.bad").wait_for(timeout=WAIT_MS)
+        page.locator("#event-log li[data-kind='fetch']").filter(has_text="whole sent bytes").wait_for(timeout=WAIT_MS)
+        shot(page, "topology-fetch-from-peers")
+    finally:
+        webui.close()

@@ -179,6 +179,29 @@ def test_a_node_without_the_file_fetches_its_layers_and_answers_as_the_reference
     assert not list(Path(b["XDG_CACHE_HOME"]).rglob(model_file.name))  # only the partial copy is on B's disk
 
 
+def test_a_node_without_the_file_or_layers_fetches_the_span_the_tracker_assigns(process_cluster, model_file,
+                                                                                 tmp_path):
+    """No --layers: the tracker assigns the least-covered span that --memory holds (A serves 0-2, so
+    3 layers go to 3-5), and only that span is fetched, as with --layers 3-5."""
+    import math
+
+    manifest = manifest_for(model_file)
+    layer = max(sum(math.prod(t.shape) for t in manifest.tensors if t.layer == i) for i in range(LAYERS))
+    memory = 3.5 * layer * 4 / (1 << 30)  # three float32 layers fit (EXACT: --quant none --dtype float32)
+    b = home(tmp_path, "b")
+    want = float32_greedy(model_file, process_cluster.cache / "meshnet")
+    process_cluster.start_node("a", str(model_file), "0-2", None, *EXACT)
+    assert wait_for(lambda: _listed(process_cluster, "a"), 120, 0.2), process_cluster.logs()
+    process_cluster.start_node("b", MODEL, None, None, *EXACT, "--node-id", "b", "--memory", f"{memory:.9f}", env=b)
+    status = process_cluster.wait_nodes(["a", "b"], MODEL)
+    assert {n["id"]: n["layers"] for n in status["nodes"]} == {"a": [0, 2], "b": [3, 5]}, status["nodes"]
+    with process_cluster.client() as client:
+        events = list(client.generate(MODEL, prompt=RAW_PROMPT, max_tokens=NEW_TOKENS, ignore_eos=True))
+    assert [t for e in events for t in e.token_ids] == want, process_cluster.logs()
+    (copy,) = peer_copies(b)
+    assert copy.name.endswith(".layers-3-5.gguf") and copy.stat().st_size < 0.7 * model_file.stat().st_size
+
+
 def _listed(cluster, name: str) -> bool:
     try:
         with cluster.client() as c:
@@ -236,6 +259,19 @@ def test_a_peer_that_sends_bad_bytes_is_named_and_the_fetch_finishes_from_anothe
     part.fd = os.open(copy, os.O_RDONLY)
     assert all(part.verify(s) for s in part.plan.slots)
     part.close()
+    with process_cluster.client() as client:  # the tracker heard it: status and the events name the bad peer
+        status = client.status()
+    (fetch,) = status["fetches"]
+    assert fetch["bad_peers"] == ["corrupt"] and fetch["state"] == "done" and fetch["done"] == fetch["total"], fetch
+    rows = {n["id"]: n for n in status["nodes"]}
+    assert rows["corrupt"].get("bad_bytes") == 1 and "bad_bytes" not in rows["honest"], rows
+    events = [e for e in status["events"] if e["kind"] == "fetch"]
+    assert [(e["code"], e["node"]) for e in events] == [("bad_bytes", "corrupt"), ("fetched", "")], events
+    shown = subprocess.run([sys.executable, "-m", "fabric.cli", "status", "--tracker", process_cluster.endpoint],
+                           capture_output=True, text=True, timeout=60, cwd=ROOT,
+                           env={**os.environ, "PYTHONPATH": str(ROOT)}, check=True).stdout
+    assert re.search(r"^corrupt .* SENT BAD BYTES to 1 fetch", shown, re.M), shown
+    assert re.search(r"fetched layers 3-5: .* MiB; bad bytes from corrupt \(left out\)", shown), shown
 
 
 def test_an_interrupted_fetch_resumes_without_fetching_again_what_it_verified(process_cluster, model_file,
@@ -252,6 +288,13 @@ def test_an_interrupted_fetch_resumes_without_fetching_again_what_it_verified(pr
     def journal() -> Path | None:
         return next(iter(peers.glob("*.part.done")), None)
     assert wait_for(lambda: journal() is not None and len(journal().read_text().split()) >= 4, 60, 0.05)
+    def fetching() -> dict | None:  # the fetch shows in status as it goes (reported each second): bytes done of total
+        with process_cluster.client() as client:
+            rows = client.status()["fetches"]
+        return rows[0] if rows and rows[0]["done"] > 0 else None
+    assert wait_for(fetching, 30, 0.2), process_cluster.logs()
+    fetch = fetching()
+    assert fetch["state"] == "fetching" and 0 < fetch["done"] < fetch["total"] and fetch["layers"] == [3, 5], fetch
     first.send_signal(signal.SIGKILL)
     first.wait(10)
     kept = len(journal().read_text().split())

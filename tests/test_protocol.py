@@ -118,6 +118,8 @@ def _audit_samples() -> list[tuple[p.Message, list]]:
         (p.Manifest("tiny", "0" * 64, 0, 5, "a", tensors=(p.TensorSpec("uint8", (3,)),)), [b"{}\n"]),
         (p.ChunkRequest("0" * 64, "blk.3.attn_q.weight", 4096, 1 << 20, ref=9), []),
         (p.Chunk(9, "@kv", 0, tensors=(p.TensorSpec("uint8", (5,)),)), [b"GGUF\x03"]),
+        (p.FetchReport("9f2c", "tiny", 3, 5, 1 << 20, 4 << 20, rate=5 << 20, bad_peers=("c",), node="b"), []),
+        (p.FetchReport("9f2c", "tiny", 3, 5, 0, 4 << 20, final=True, error="no peer left"), []),
     ]
 
 
@@ -216,7 +218,8 @@ def test_kind_codes_are_stable():
         "ROUTE_REQUEST": 22,
         "ROUTE": 23, "REPORT": 24, "STATUS_REQUEST": 25, "STATUS": 26, "ASSIGN_REQUEST": 27, "ASSIGN": 28,
         "ACK": 29, "RELAY_OPEN": 30, "RELAY_OPENED": 31, "LEAVE": 32, "REPLICAS_REQUEST": 33, "REPLICAS": 34,
-        "VERDICT": 35, "MANIFEST_REQUEST": 36, "MANIFEST": 37, "CHUNK_REQUEST": 38, "CHUNK": 39}
+        "VERDICT": 35, "MANIFEST_REQUEST": 36, "MANIFEST": 37, "CHUNK_REQUEST": 38, "CHUNK": 39,
+        "FETCH_REPORT": 40}
     assert p.MAGIC == b"MESH1" and p.VERSION == 1
 
 
@@ -379,7 +382,7 @@ def test_other_version(magic):
     rejected(frames_of(Kind.PING, {"nonce": 1}, magic=magic), VERSION, "version")
 
 
-@pytest.mark.parametrize("kind", [0, 15, 19, 40, 255])
+@pytest.mark.parametrize("kind", [0, 15, 19, 41, 255])
 def test_unknown_kind(kind):
     rejected(frames_of(kind, {"nonce": 1}), BAD_FRAME, "unknown message kind")
 

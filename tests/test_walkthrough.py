@@ -36,7 +36,8 @@ def walkthrough() -> dict:
     copies = re.search(r"Copy A's `([^`]+)` to B as `([^`]+)`, and B's `([^`]+)` to A as `([^`]+)`", flat)
     add = re.search(r"Add `(--keys [^`]+)` to every command that follows", flat)
     blocks = [textwrap.dedent(b) for b in re.findall(r"```\n(.*?)```", section, re.S)]
-    start_a, nodes = blocks[0], blocks[1]
+    start_a = next(b for b in blocks if "meshnet tracker" in b)  # step 4 (step 1's block is the from-peers case)
+    nodes = next(b for b in blocks if re.search(r"^# on A$", b, re.M))  # step 5
     node_a, node_b = re.split(r"^# on B$", re.sub(r"^# on A$\n", "", nodes, flags=re.M), flags=re.M)
     status = re.search(r"`(meshnet status --tracker [^`]+)`", flat)
     chat = re.search(r"`(meshnet chat --tracker [^`]+)`", flat)

@@ -1,7 +1,8 @@
 """The console ring: the last few hundred human-facing events, kept in memory.
 
 Kinds: ``route selected``, ``connected``, ``handover``, ``progress``, ``complete``, ``error``, ``left``,
-``audit`` (a head's audit caught a node returning wrong results, or found a mismatch it could not settle).
+``audit`` (a head's audit caught a node returning wrong results, or found a mismatch it could not settle),
+``fetch`` (a fetch of weights from peers caught a peer sending bad bytes, finished, or failed).
 A ``progress`` event is updated in place for its request (keyed by request id) instead
 of appended, so a long generation occupies one row whose tokens and tok/s move.
 Every event has a stable ``id`` and a ``seq`` that grows on every insert or update,
@@ -13,7 +14,7 @@ import time
 from collections import deque
 from typing import Callable
 
-KINDS = ("route selected", "connected", "handover", "progress", "complete", "error", "left", "audit")
+KINDS = ("route selected", "connected", "handover", "progress", "complete", "error", "left", "audit", "fetch")
 
 
 class EventRing:

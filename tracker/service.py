@@ -11,6 +11,7 @@ StatusRequest        Status(body=...) -- see ``Tracker.status_body``
 AssignRequest        Assign(start_layer, end_layer)
 ReplicasRequest      Replicas (nodes holding the layers an audit re-runs; maybe none)
 Verdict              Ack -- a settled one excludes its suspect from plans; or Error(BAD_REQUEST)
+FetchReport          Ack -- a fetch of weights from peers, shown in STATUS (``fetches``); or Error(BAD_REQUEST)
 Ping                 Pong
 anything malformed   Error(code) from the ProtocolError; the tracker carries on
 ===================  ===========================================================
@@ -43,6 +44,7 @@ from fabric.wire.protocol import (
     AssignRequest,
     Error,
     ErrorCode,
+    FetchReport,
     Heartbeat,
     Hop,
     Kind,
@@ -67,6 +69,7 @@ from fabric.wire.protocol import (
 
 from .audits import Audits
 from .events import EventRing
+from .fetches import Fetches
 from .ledger import Ledger, default_ledger_path
 from .planner import (
     CostModel,
@@ -113,7 +116,7 @@ class TrackerConfig:
 
 
 HANDLED = (Kind.REGISTER, Kind.HEARTBEAT, Kind.ROUTE_REQUEST, Kind.REPORT, Kind.STATUS_REQUEST,
-           Kind.ASSIGN_REQUEST, Kind.LEAVE, Kind.REPLICAS_REQUEST, Kind.VERDICT)
+           Kind.ASSIGN_REQUEST, Kind.LEAVE, Kind.REPLICAS_REQUEST, Kind.VERDICT, Kind.FETCH_REPORT)
 
 
 class Tracker:
@@ -135,6 +138,7 @@ class Tracker:
         self.events = EventRing(config.event_ring)
         self.reports = Reports(self.registry, self.stats, self.events, config.cost, self._emit)
         self.audits = Audits(self.registry, self.events, self._emit)  # replicas for audits, and their verdicts
+        self.fetches = Fetches(self.events, self._emit)  # fetches of weights from peers, as their fetchers report
         self._ledger: Ledger | None = None
         self._pub: zmq.Socket | None = None
         self._started = time.monotonic()
@@ -224,7 +228,7 @@ class Tracker:
         if now >= self._next_stats:
             self._next_stats = now + self.config.stats_interval
             self._publish(TOPIC_STATS, {"ts": time.time(), "stats": self.stats.snapshot(),
-                                        "nodes": node_rows(self.registry, self.stats, self.config.cost),
+                                        "nodes": self._node_rows(), "fetches": self.fetches.view(),
                                         "usage": usage(self._ledger)})
 
     def _expire(self) -> None:
@@ -323,6 +327,8 @@ class Tracker:
                 return self.audits.replicas(message)
             case Verdict():
                 return self.audits.verdict(message)
+            case FetchReport():
+                return self.fetches.report(message, peer or connection.hex())
             case Ping(nonce=nonce):
                 return Pong(nonce=nonce, node="tracker")
             case _:
@@ -430,12 +436,22 @@ class Tracker:
                         "endpoint": self.endpoint, "pub": self.pub_endpoint,
                         "heartbeat_interval": self.config.heartbeat_interval,
                         "expiry_s": self.registry.expiry_s},
-            "nodes": node_rows(self.registry, self.stats, self.config.cost),
+            "nodes": self._node_rows(),
             **self._plans_view(),
+            "fetches": self.fetches.view(),
             "events": self.events.recent(limit=STATUS_EVENTS),
             "stats": self.stats.snapshot(),
             "usage": usage(self._ledger),
         }
+
+    def _node_rows(self) -> list[dict]:
+        """Node rows, each named by a fetch from peers for sending bad bytes marked (``bad_bytes``:
+        how many listed fetches caught it; reported, not proven: it stays planned)."""
+        rows, named = node_rows(self.registry, self.stats, self.config.cost), self.fetches.named()
+        for row in rows:
+            if row["id"] in named:
+                row["bad_bytes"] = named[row["id"]]
+        return rows
 
     # ----------------------------------------------------------------- publishing
 

@@ -3,6 +3,8 @@
 can be, so a bad choice fails before any weights do."""
 from __future__ import annotations
 
+import math
+
 import logging
 
 from ..flags import CommandError
@@ -58,6 +60,32 @@ def layers_that_fit(model_config, dtype, memory_gib: float, quant: str | None = 
 
     held = quantized_layer_bytes(model_config, "int8" if quant == "gguf" else quant) if quant else layer_bytes(
         model_config, dtype)  # gguf: int8 bounds its mix from above (Q4_* take less)
+    fit = int(memory_gib * (1 << 30) // held)
+    if fit < 1:
+        raise ValueError(f"--memory {memory_gib} GiB does not hold even one layer of this model")
+    return fit
+
+
+BYTES_PER_WEIGHT = {"int8": 1.0, "int4": 0.5, "float32": 4.0, "bfloat16": 2.0}  # held in memory, by --quant/--dtype
+GGUF_GRID_BOUND = 1.25  # a GGUF's layers on its own grid hold at most this times their share of the file (DESIGN)
+
+
+def layers_that_fit_manifest(manifest, memory_gib: float, quant: str, dtype: str) -> int:
+    """As ``layers_that_fit``, from a GGUF's manifest alone (a node about to fetch its layers from
+    peers has no config yet): its largest layer's bytes in the file (``--quant auto`` or ``gguf``:
+    on the file's own grid) or weights (other modes), at what each holds in memory."""
+    if memory_gib <= 0:
+        return 0
+    files: dict[int, int] = {}
+    weights: dict[int, int] = {}
+    for t in manifest.tensors:
+        if t.layer is not None:
+            files[t.layer] = files.get(t.layer, 0) + t.nbytes
+            weights[t.layer] = weights.get(t.layer, 0) + math.prod(t.shape)
+    if quant in ("auto", "gguf"):
+        held = GGUF_GRID_BOUND * max(files.values(), default=1)
+    else:
+        held = BYTES_PER_WEIGHT[quant if quant in ("int8", "int4") else dtype] * max(weights.values(), default=1)
     fit = int(memory_gib * (1 << 30) // held)
     if fit < 1:
         raise ValueError(f"--memory {memory_gib} GiB does not hold even one layer of this model")

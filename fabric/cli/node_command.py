@@ -33,7 +33,7 @@ from .options import (
     serve_metrics,
     tracker_flag,
 )
-from .peers_command import from_peers
+from .peers_command import assigned_shard, from_peers
 from .ports import listening, refuse_ports_in_use
 from .torch_env import grouped_kv_attention, leave_out_unused_packages, omp_workers_nap
 
@@ -221,7 +221,7 @@ def _node_config(args, security):
         model_config = load_config(source, default_cache_root())
         num_layers = model_config.num_hidden_layers
         shard = (parse_layers(args.layers, num_layers) if args.layers
-                 else _assigned_shard(args.tracker, source.model_id, num_layers,
+                 else assigned_shard(args.tracker, source.model_id, num_layers,
                                       layers_that_fit(model_config, dtype, args.memory, quant), security))
     except (ModelError, ValueError) as exc:
         raise CommandError(str(exc)) from None
@@ -257,19 +257,3 @@ def _compute_lock(value: str | None, device: str) -> str | None:
     except LockDirError as exc:
         raise CommandError(f"{exc}; give --compute-lock FILE, or --compute-lock none", 1) from None
     return str(path)
-
-
-def _assigned_shard(tracker: str, model_id: str, num_layers: int, max_layers: int, security=None):
-    from ..client import Client, FabricError
-    from ..wire import protocol as p
-    from ..wire.shard import Shard
-
-    with Client(tracker, timeout=10.0, security=security) as client:
-        try:
-            reply = client.ask(p.AssignRequest(model_id, num_layers, max_layers))
-        except FabricError as exc:
-            raise CommandError(f"no --layers given and the tracker could not assign any: {exc}", 1) from None
-    if not isinstance(reply, p.Assign):
-        raise CommandError(f"no --layers given and the tracker gave no layer assignment: {reply}", 1)
-    log.info("tracker assigned layers %d-%d", reply.start_layer, reply.end_layer)
-    return Shard(reply.start_layer, reply.end_layer, num_layers)

@@ -59,17 +59,49 @@ def from_peers(args) -> None:
         return
     except ModelError as exc:
         why = str(exc)
-    if not args.layers:
-        return  # the tracker cannot assign layers of a model this node cannot read: _node_config says why
     from ..fetch.holders import FetchError, NoHolders
     from ..fetch.pull import fetch_layers
 
+    security = load_security(args)
+    assign = None if args.layers else (lambda manifest: _assign(args, security, manifest))
     try:
-        path = fetch_layers(args.model, args.layers, args.tracker, load_security(args), peers_dir(),
-                            progress=not args.no_progress, say=log.info)
+        path = fetch_layers(args.model, args.layers, args.tracker, security, peers_dir(),
+                            progress=not args.no_progress, say=log.info, node=getattr(args, "node_id", None) or "",
+                            assign=assign)
     except NoHolders as exc:  # as unknown as before: a usage error
         raise CommandError(f"{why}; nor does a peer serve it: {exc}", 2) from None
     except FetchError as exc:
         raise CommandError(f"{why}; and fetching it from peers failed: {exc}", 1) from None
     args.model_id = args.model_id or args.model
     args.model = str(path)
+
+
+def _assign(args, security, manifest) -> str:
+    """No --layers: the tracker's least-covered span of as many layers as --memory holds (every
+    layer without it), as a node with the file asks; ``args.layers`` becomes that span."""
+    from .memory_plan import layers_that_fit_manifest
+
+    try:
+        fit = layers_that_fit_manifest(manifest, args.memory, args.quant, args.dtype)
+    except ValueError as exc:
+        raise CommandError(str(exc)) from None
+    shard = assigned_shard(args.tracker, args.model, manifest.num_layers, fit, security)
+    args.layers = f"{shard.start}-{shard.end}"
+    return args.layers
+
+
+def assigned_shard(tracker: str, model_id: str, num_layers: int, max_layers: int, security=None):
+    """The span the tracker assigns a node of ``model_id`` that holds at most ``max_layers`` (0: all)."""
+    from ..client import Client, FabricError
+    from ..wire import protocol as p
+    from ..wire.shard import Shard
+
+    with Client(tracker, timeout=10.0, security=security) as client:
+        try:
+            reply = client.ask(p.AssignRequest(model_id, num_layers, max_layers))
+        except FabricError as exc:
+            raise CommandError(f"no --layers given and the tracker could not assign any: {exc}", 1) from None
+    if not isinstance(reply, p.Assign):
+        raise CommandError(f"no --layers given and the tracker gave no layer assignment: {reply}", 1)
+    log.info("tracker assigned layers %d-%d", reply.start_layer, reply.end_layer)
+    return Shard(reply.start_layer, reply.end_layer, num_layers)

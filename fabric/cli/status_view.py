@@ -13,6 +13,7 @@ def format_status(status: dict) -> str:
         rate = n.get("layer_steps_per_s") or n.get("benchmark") or 0
         via = f" (relayed via {n['relay']})" if n.get("relay") else ""
         via += " EXCLUDED: an audit caught it returning wrong results" if n.get("excluded") else ""
+        via += f" SENT BAD BYTES to {n['bad_bytes']} fetch(es) from peers" if n.get("bad_bytes") else ""
         lines.append(f"{n['id']:<20} {n['model']:<18} {f'{a}-{b}':<9} {n.get('sessions', 0):>8} {rate:>14.0f} "
                      f"{kv_cache_cell(n.get('kv_cache') or {}):>22}  {n['endpoint']}{via}")
     for model in sorted({n["model"] for n in nodes}):
@@ -28,11 +29,28 @@ def format_status(status: dict) -> str:
             gaps = status.get("gaps", {}).get(model)
             lines.append(f"  no complete route{f' (missing layers {gaps})' if gaps else ''}")
         lines += weights_differ_lines(status.get("weights_differ", {}).get(model) or [])
+        lines += [fetch_line(f) for f in status.get("fetches", []) if f.get("model") == model]
     events = status.get("events", [])[-8:]
     if events:
         lines += ["", "recent events:"]
         lines += [f"  {e.get('kind', ''):<15} {e.get('message', '')}" for e in events]
     return "\n".join(lines)
+
+
+def fetch_line(f: dict) -> str:
+    """A fetch of layers from peers: ``  b fetching layers 3-5: 1.2 of 4.0 MiB (30%), 2.0 MiB/s; bad bytes from c``."""
+    def mib(n: int) -> str:
+        return f"{n / (1 << 20):,.1f}"
+    a, b = f["layers"]
+    state = f.get("state")
+    if state == "fetching":
+        pct = 100 * f["done"] // f["total"] if f.get("total") else 0
+        doing = f"fetching layers {a}-{b}: {mib(f['done'])} of {mib(f['total'])} MiB ({pct}%), {mib(f['rate'])} MiB/s"
+    else:
+        doing = f"fetched layers {a}-{b}: {mib(f['total'])} MiB" if state == "done" else \
+            f"fetch of layers {a}-{b} failed: {f.get('error', '')}"
+    bad = f"; bad bytes from {', '.join(f['bad_peers'])} (left out)" if f.get("bad_peers") else ""
+    return f"  {f.get('node') or 'a machine'} {doing}{bad}"
 
 
 def kv_cache_cell(kv: dict) -> str:

@@ -148,8 +148,10 @@ class PartialFile:
             f.write(slot.name + "\n")
 
     def finish(self) -> Path:
-        """Every slot verified: the ``.part`` becomes the file."""
-        os.fsync(self.fd)
+        """Every slot verified: the ``.part`` becomes the file, its bytes on disk first (a finished
+        copy is trusted at the next start without hashing; fdatasync: the size was set when the
+        ``.part`` was made)."""
+        os.fdatasync(self.fd)
         self.close()
         self.part.replace(self.target)
         self.journal.unlink(missing_ok=True)

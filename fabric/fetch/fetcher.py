@@ -6,8 +6,9 @@ those whose manifest hashes to the fingerprint they registered; lay out the part
 and each tensor the range needs) in CHUNKs of at most 4 MiB from several peers at once, a
 window of requests in flight on each. Each item comes whole from one peer, so that an item
 whose sha256 differs from the manifest's names the peer that sent it: that peer is left out
-(a log line names it) and the item is asked of another. A peer that stops answering is
-left out the same way. Interrupted, the fetch resumes from the ``.part`` file.
+(a log line names it, and so does the fetch's report to the tracker: ``fabric.fetch.report``)
+and the item is asked of another. A peer that stops answering is left out the same way.
+Interrupted, the fetch resumes from the ``.part`` file.
 """
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ from ..net.security import Security, SecurityError, dial
 from ..wire import protocol as p
 from ..wire.shard import Shard
 from .holders import FetchError, Holder, can_serve, missing_line
+from .report import FetchReporter
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +42,7 @@ CHUNK_TIMEOUT = 15.0  # seconds a peer with chunks asked of it may go without an
 MANIFEST_TIMEOUT = 5.0  # seconds to wait for the holders' manifests
 BUSY_PAUSE = 0.2  # seconds before asking a peer that answered BUSY again
 MAX_PEERS = 16  # peers fetched from at once
+STORE_SLICE = 256 << 10  # bytes hashed then written at a time (fits the CPU's L2 cache)
 
 
 @dataclass
@@ -69,10 +72,18 @@ class Item:
     hasher: object = field(default_factory=hashlib.sha256)
     hashed: int = 0  # bytes fed to ``hasher``: all of them, unless a chunk came out of order
 
-    def take(self, offset: int, data) -> None:
-        if offset == self.hashed:
-            self.hasher.update(data)
-            self.hashed += len(data)
+    def store(self, part: PartialFile, offset: int, data) -> None:
+        """Write ``data`` at ``offset`` of the slot, hashing it on the way where it comes in order:
+        a slice at a time, so that the write reads from the CPU's cache what the hash just read."""
+        view = memoryview(data)
+        in_order = offset == self.hashed
+        for at in range(0, len(view), STORE_SLICE):
+            piece = view[at:at + STORE_SLICE]
+            if in_order:
+                self.hasher.update(piece)
+            part.write(self.slot, offset + at, piece)
+        if in_order:
+            self.hashed += len(view)
 
 
 class Fetcher:
@@ -97,6 +108,9 @@ class Fetcher:
         self.part: PartialFile | None = None
         self.queue: deque[Slot] = deque()
         self.active: dict[str, Item] = {}
+        self.reporter: FetchReporter | None = None  # tells the tracker how the fetch goes
+        self.bad: list[str] = []  # peers caught sending bad bytes (or a manifest that fails), first caught first
+        self.verified = 0  # bytes of the partial copy verified, here before or fetched now
 
     def close(self) -> None:
         for peer in self.peers:
@@ -147,7 +161,7 @@ class Fetcher:
         raw = bytes(buffers[0])
         digest = hashlib.sha256(raw).hexdigest()
         if digest != msg.digest or fingerprint_of(digest) != peer.holder.weights_print:
-            self._leave_out(peer, "its manifest does not hash to the fingerprint it registered")
+            self._leave_out(peer, "its manifest does not hash to the fingerprint it registered", bad=True)
             return None
         try:
             manifest = FileManifest.from_json(json.loads(raw))
@@ -157,7 +171,10 @@ class Fetcher:
         peer.held = (msg.start_layer, msg.end_layer)
         return manifest
 
-    def _leave_out(self, peer: Peer, why: str) -> None:
+    def _leave_out(self, peer: Peer, why: str, bad: bool = False) -> None:
+        """Fetch nothing more from ``peer``; ``bad``: it sent bytes that fail a check (named to the tracker)."""
+        if bad and peer.name not in self.bad:  # also one left out before (gone silent) whose bytes then failed
+            self.bad.append(peer.name)
         if peer.gone:
             return
         peer.gone = why
@@ -180,6 +197,7 @@ class Fetcher:
         self.part = PartialFile(target, plan)
         have = self.part.open()
         self.queue.extend(self.part.missing())
+        self.verified = have
         return have
 
     def run(self) -> Path:
@@ -192,6 +210,8 @@ class Fetcher:
                 raise FetchError(self._stranded())
             for sock, _ in self.poller.poll(100):
                 self._drain(next(x for x in self.peers if x.sock is sock))
+            if self.reporter is not None:
+                self.reporter.progress(self.verified, self.bad)
         return self.part.finish()
 
     def _drain(self, peer: Peer) -> None:
@@ -215,18 +235,23 @@ class Fetcher:
 
     def _ask(self, now: float) -> None:
         for peer in self.peers:
-            while not peer.gone and peer.pause_until <= now and len(peer.inflight) < WINDOW:
-                item = self._next_item(peer)
-                if item is None:
-                    break
-                length = min(CHUNK_BYTES, item.slot.nbytes - item.next_offset)
-                ref = next(self.refs)
-                if not peer.inflight:
-                    peer.heard = now
-                peer.sock.send_multipart(p.encode(p.ChunkRequest(self.manifest.digest, item.slot.name,
-                                                                 item.next_offset, length, ref)))
-                peer.inflight[ref] = (item.slot.name, item.next_offset, length, now)
-                item.next_offset += length
+            self._fill(peer, now)
+
+    def _fill(self, peer: Peer, now: float) -> None:
+        """Keep WINDOW chunk requests in flight on ``peer`` (called again after each answer, before
+        its bytes are written: the node reads the next chunk while this side hashes and writes)."""
+        while not peer.gone and peer.pause_until <= now and len(peer.inflight) < WINDOW:
+            item = self._next_item(peer)
+            if item is None:
+                return
+            length = min(CHUNK_BYTES, item.slot.nbytes - item.next_offset)
+            ref = next(self.refs)
+            if not peer.inflight:
+                peer.heard = now
+            peer.sock.send_multipart(p.encode(p.ChunkRequest(self.manifest.digest, item.slot.name,
+                                                             item.next_offset, length, ref)))
+            peer.inflight[ref] = (item.slot.name, item.next_offset, length, now)
+            item.next_offset += length
 
     def _next_item(self, peer: Peer) -> Item | None:
         """An item of ``peer``'s with chunks not asked for yet, else the next queued item it holds."""
@@ -246,7 +271,7 @@ class Fetcher:
                 self._leave_out(peer, f"it answered none of {len(peer.inflight)} chunks for {CHUNK_TIMEOUT:g} s")
 
     def _received(self, peer: Peer, frames) -> None:
-        peer.heard = time.monotonic()
+        peer.heard = now = time.monotonic()
         try:
             msg, buffers = p.decode(frames, CHUNK_BYTES)
         except p.ProtocolError as exc:
@@ -260,12 +285,12 @@ class Fetcher:
         name, offset, length, _ = peer.inflight.pop(msg.ref)
         item = self.active.get(name)
         if (msg.name, msg.offset, len(buffers[0])) != (name, offset, length):
-            self._leave_out(peer, f"it answered chunk {msg.ref} with other bytes than asked")
+            self._leave_out(peer, f"it answered chunk {msg.ref} with other bytes than asked", bad=True)
             return
+        self._fill(peer, now)
         if item is None or item.peer is not peer:
             return
-        self.part.write(item.slot, offset, buffers[0])
-        item.take(offset, buffers[0])
+        item.store(self.part, offset, buffers[0])
         item.received += length
         peer.bytes += length
         if item.received == item.slot.nbytes:
@@ -292,9 +317,11 @@ class Fetcher:
         whole = item.hashed == item.slot.nbytes  # else some chunk came again, out of order: read it back
         if not (item.hasher.hexdigest() == item.slot.sha256 if whole else self.part.verify(item.slot)):
             self.queue.appendleft(item.slot)
-            self._leave_out(item.peer, f"it sent bad bytes: {item.slot.name} does not match the manifest's sha256")
+            self._leave_out(item.peer, f"it sent bad bytes: {item.slot.name} does not match the manifest's sha256",
+                            bad=True)
             return
         self.part.mark_done(item.slot)
+        self.verified += item.slot.nbytes
         if self.progress is not None:
             self.progress.update(item.slot.nbytes)
 

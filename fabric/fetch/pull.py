@@ -6,11 +6,13 @@ import logging
 from collections.abc import Callable
 from pathlib import Path
 
+from ..compute.gguf_manifest import FileManifest
 from ..compute.gguf_partial import find_partial, partial_name
 from ..net.security import Security
 from ..wire.shard import _RANGE
 from .fetcher import Fetcher, fetch_plan
 from .holders import NoHolders, holders_of
+from .report import FetchReporter
 
 log = logging.getLogger(__name__)
 
@@ -24,23 +26,34 @@ def local_copy(directory: Path, model: str, layers: str | None) -> Path | None:
 
 
 def fetch_layers(model: str, layers: str | None, tracker: str, security: Security | None, directory: Path,
-                 progress: bool = True, say: Callable[[str], None] = print) -> Path:
-    """A partial GGUF of ``model`` holding ``layers`` (all: None) in ``directory``: the one here,
-    or one fetched from the nodes the tracker lists for it. FetchError (one line; NoHolders where
-    no node serves it) otherwise."""
+                 progress: bool = True, say: Callable[[str], None] = print, node: str = "",
+                 assign: Callable[[FileManifest], str] | None = None) -> Path:
+    """A partial GGUF of ``model`` holding ``layers`` (all: None; ``assign``'s answer from the
+    manifest where given) in ``directory``: the one here, or one fetched from the nodes the
+    tracker lists for it, reported to the tracker as it goes (``node``: the node id that will
+    serve it, "" for a pull). FetchError (one line; NoHolders where no node serves it) otherwise."""
     found = local_copy(directory, model, layers)
     if found is not None:
         say(f"layers {layers} of {model} are here already: {found}")
         return found
     holders = _holders(model, tracker, security)
     fetcher = Fetcher(model, holders, security)
+    fetcher.reporter = reporter = FetchReporter(tracker, security, model, node)
+    error = ""
     try:
         manifest = fetcher.manifests()
+        if layers is None and assign is not None:
+            layers = assign(manifest)  # e.g. the tracker's least-covered span, now that the layer count is known
+            found = local_copy(directory, model, layers)
+            if found is not None:
+                say(f"layers {layers} of {model} are here already: {found}")
+                return found
         shard, plan = fetch_plan(manifest, layers, model)
         target = directory / partial_name(model, manifest.digest, shard)
         directory.mkdir(parents=True, exist_ok=True)
         have = fetcher.start(target, plan, shard, manifest)
         total = sum(s.nbytes for s in plan.slots)
+        reporter.begin(shard, total, have)
         peers = sum(1 for peer in fetcher.peers if not peer.gone)
         say(f"fetching layers {shard} of {model} from {peers} peer(s): {_mib(total - have)} of {_mib(total)}"
             + (f" ({have:,} bytes verified here already)" if have else ""))
@@ -51,7 +64,11 @@ def fetch_layers(model: str, layers: str | None, tracker: str, security: Securit
         say(f"fetched layers {shard} of {model}: {path} ({path.stat().st_size:,} bytes; {fetched:,} bytes "
             f"from peers in this run)")
         return path
+    except BaseException as exc:  # Ctrl-C too: the tracker hears the fetch ended (it resumes next time)
+        error = str(exc) or type(exc).__name__
+        raise
     finally:
+        reporter.end(fetcher.verified, fetcher.bad, error)
         fetcher.close()
 
 

@@ -188,6 +188,7 @@ class Kind(IntEnum):
     MANIFEST = 37
     CHUNK_REQUEST = 38
     CHUNK = 39
+    FETCH_REPORT = 40
 
 
 @dataclass(frozen=True)
@@ -1263,6 +1264,42 @@ class Chunk(Message):
         _check_bytes_buffer(self, MAX_CHUNK_BYTES, "CHUNK")
 
 
+
+MAX_BAD_PEERS = 16  # peers one FETCH_REPORT may name (a fetch asks at most 16)
+
+
+@dataclass(frozen=True)
+class FetchReport(Message):
+    """Fetcher -> tracker: how a fetch of layers from peers goes, and the peers it caught sending
+    bytes that fail the manifest (the tracker shows both in STATUS and publishes events)."""
+
+    KIND: ClassVar[Kind] = Kind.FETCH_REPORT
+    fetch: str  # the fetcher's id for this fetch (random): its reports update one row
+    model: str
+    start_layer: int
+    end_layer: int
+    done: int  # bytes verified so far
+    total: int  # bytes the partial copy holds when done
+    rate: int = 0  # bytes/s over the last few seconds
+    bad_peers: tuple[str, ...] = ()  # node ids caught sending bad bytes (or a manifest that fails), in order
+    node: str = ""  # the node id that will serve the layers ("": `meshnet pull`)
+    final: bool = False  # the fetch ended: finished, or ``error`` says why not
+    error: str = ""
+
+    def validate(self) -> None:
+        check_text(self.fetch, "fetch", MAX_REF, code=ErrorCode.BAD_REQUEST)
+        check_text(self.model, "model", MAX_MODEL_CHARS, code=ErrorCode.BAD_REQUEST)
+        if not 0 <= self.start_layer <= self.end_layer < MAX_LAYERS:
+            raise ProtocolError(f"layers {self.start_layer}-{self.end_layer} out of range", ErrorCode.BAD_REQUEST)
+        if not 0 <= self.done <= self.total < 1 << 48 or not 0 <= self.rate < 1 << 48:
+            raise ProtocolError("done, total and rate must be in [0, 2^48), done <= total", ErrorCode.BAD_REQUEST)
+        if len(self.bad_peers) > MAX_BAD_PEERS:
+            raise ProtocolError(f"bad_peers names at most {MAX_BAD_PEERS} nodes", ErrorCode.BAD_REQUEST)
+        for peer in self.bad_peers:
+            check_text(peer, "a bad_peers node id", code=ErrorCode.BAD_REQUEST)
+        if len(self.node) > MAX_ID or len(self.error) > 1024:
+            raise ProtocolError(f"node has at most {MAX_ID} characters and error at most 1024", ErrorCode.BAD_REQUEST)
+
 MESSAGE_TYPES: dict[Kind, type[Message]] = {
     cls.KIND: cls
     for cls in (
@@ -1270,7 +1307,7 @@ MESSAGE_TYPES: dict[Kind, type[Message]] = {
         Register, Heartbeat, RouteRequest, Route, Report, StatusRequest, Status,
         AssignRequest, Assign, Ack, RelayOpen, RelayOpened, Leave,
         AuditTap, Audit, AuditResult, ReplicasRequest, Replicas, Verdict,
-        ManifestRequest, Manifest, ChunkRequest, Chunk,
+        ManifestRequest, Manifest, ChunkRequest, Chunk, FetchReport,
     )
 }
 

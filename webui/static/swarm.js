@@ -58,7 +58,7 @@ async function loadStatus() {
 function applyStatus(body) {
   Object.assign(state, {tracker: body.tracker || state.tracker, accounting: body.webui?.accounting});
   applyPlans(body);
-  applyStats({nodes: body.nodes, stats: body.stats, usage: body.usage});
+  applyStats({nodes: body.nodes, stats: body.stats, usage: body.usage, fetches: body.fetches});
   applyCalls(body.calls);
   state.throughput = body.throughput || state.throughput;
   for (const event of body.events || []) addEvent(event);
@@ -79,6 +79,7 @@ function applyPlans(body) {
 
 function applyStats(body) {
   if (body.nodes) state.nodes = body.nodes;
+  if (body.fetches) state.fetches = body.fetches;
   if (body.stats) state.stats = body.stats;
   if (body.usage) state.usage = body.usage;
   mark("topology", "usage");
@@ -253,6 +254,7 @@ function health(node) {
   const beat = state.tracker.heartbeat_interval || 1;
   const expiry = state.tracker.expiry_s || beat * 3;
   if (node.excluded) return ["bad", "excluded: an audit caught it returning wrong results"];
+  if (node.bad_bytes) return ["bad", `sent bad bytes to ${node.bad_bytes} fetch${node.bad_bytes === 1 ? "" : "es"} of weights from peers`];
   if (node.last_seen_s === undefined) return ["warn", "unknown"];
   if (node.last_seen_s <= beat * 2) return ["ok", "healthy"];
   return node.last_seen_s < expiry ? ["warn", "late heartbeat"] : ["bad", "missing"];
@@ -326,7 +328,19 @@ function modelBlock({model, nodes, total, route, gaps, differ}) {
                                       : gaps.length ? "no route: some layers are not covered" : "no route yet");
   return el("div", {class: "model-block", dataset: {model}},
     el("div", {class: "model-head"}, el("b", {}, model), el("span", {class: "muted"}, `${total} layers · ${nodes.length} node${nodes.length === 1 ? "" : "s"}`)),
-    lanes, plan, differLine(differ));
+    lanes, plan, differLine(differ), (state.fetches || []).filter((f) => f.model === model).map(fetchLine));
+}
+
+/** A machine fetching layers from peers (FETCH_REPORT): bytes done of total, rate, and the peers it caught. */
+function fetchLine(f) {
+  const mib = (n) => (n / 1048576).toFixed(1);
+  const pct = f.total ? Math.floor((100 * f.done) / f.total) : 0;
+  const who = `${f.node || "a machine"} `;
+  const doing = f.state === "fetching" ? `fetching ${mib(f.done)} of ${mib(f.total)} MiB (${pct}%) · ${mib(f.rate)} MiB/s`
+    : f.state === "done" ? `fetched ${mib(f.total)} MiB` : `fetch failed: ${f.error}`;
+  const bad = f.bad_peers.length ? ` · bad bytes from ${f.bad_peers.join(", ")} (left out)` : "";
+  return el("div", {class: `plan-line fetch${f.bad_peers.length ? " differ" : ""}`, dataset: {fetch: f.fetch}},
+            `${who}layers ${layers(...f.layers)} from peers: ${doing}${bad}`);
 }
 
 function renderTopology() {
@@ -399,7 +413,7 @@ function renderUsage() {
 
 function renderLog() {
   const events = [...state.events.values()].sort((a, b) => b.ts - a.ts || b.seq - a.seq).slice(0, MAX_LOG);
-  const kindClass = {complete: "complete", error: "error", audit: "error", progress: "running", connected: "running",
+  const kindClass = {complete: "complete", error: "error", audit: "error", fetch: "running", progress: "running", connected: "running",
                      handover: "handover"};
   fill($("event-log"), events.length ? events.map((e) => el("li", {dataset: {kind: e.kind}},
     el("span", {class: "muted mono"}, clock(e.updated || e.ts)),
