@@ -18,6 +18,7 @@ from fabric.wire import protocol as p
 from fabric.wire.shard import Shard
 from fabric.cli.supervision import stop_processes
 from tests.support import at_once, free_port, wait_for
+from tests.zygote import ZYGOTE
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -127,10 +128,19 @@ class ProcessCluster:
         env = {**os.environ, "PYTHONPATH": str(ROOT), "XDG_CACHE_HOME": str(self.cache),
                "XDG_DATA_HOME": str(self.tmp / "data"), "XDG_RUNTIME_DIR": str(self.runtime_dir), **(env or {})}
         keys = ["--keys", str(self.keys)] if self.keys else []
-        proc = subprocess.Popen([sys.executable, *entry, "--log-level", "info", *args, *keys],
-                                stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
+        argv = ["--log-level", "info", *args, *keys]
+        forked = ZYGOTE.spawn(argv, env, ROOT, log.fileno(), log.fileno()) if self._forks(entry, args) else None
+        proc = forked or subprocess.Popen([sys.executable, *entry, *argv], stdout=log, stderr=subprocess.STDOUT,
+                                          env=env, cwd=ROOT)
+        log.close()
         self.procs[name] = proc
         return proc
+
+    @staticmethod
+    def _forks(entry: tuple[str, ...], args: tuple[str, ...]) -> bool:
+        """Whether a process is a plain ``meshnet node``, which the test zygote forks, already
+        imported, instead of starting an interpreter that imports torch again (tests/zygote.py)."""
+        return entry == ("-m", "fabric.cli") and args[:1] == ("node",)
 
     def secure(self) -> None:
         """Restart the tracker with a fresh swarm key set; start nodes after this."""

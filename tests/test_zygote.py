@@ -1,0 +1,52 @@
+"""The test zygote (tests/zygote.py) gives ``ProcessCluster`` forked nodes that behave as
+processes of their own: these checks hold it to ``subprocess.Popen``'s contract, which the
+fault tests rely on (a SIGKILL kills that node alone; a refusal's status and line come back)."""
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+
+from tests.cluster import ProcessCluster
+from tests.zygote import ZYGOTE, Forked
+
+
+@pytest.fixture
+def cluster(tmp_path, xdg_cache, monkeypatch):
+    monkeypatch.delenv("MESHNET_TEST_FORK", raising=False)
+    cluster = ProcessCluster(tmp_path, xdg_cache)
+    yield cluster
+    cluster.close()
+
+
+def test_a_forked_node_is_a_process_of_its_own_and_dies_alone(cluster, tiny_models):
+    model = tiny_models("llama")
+    cluster.split(model)
+    a, b = cluster.procs["a"], cluster.procs["b"]
+    assert isinstance(a, Forked) and isinstance(b, Forked), "the nodes were not forked"
+    assert len({a.pid, b.pid, os.getpid(), ZYGOTE.proc.pid}) == 4
+    assert os.getpgid(a.pid) == os.getpgid(ZYGOTE.proc.pid)
+    a.send_signal(signal.SIGKILL)
+    assert a.wait(10) == -signal.SIGKILL
+    assert b.poll() is None and ZYGOTE.proc.poll() is None
+    b.send_signal(signal.SIGINT)  # Ctrl-C: the node stops cleanly
+    assert b.wait(30) == 0, cluster.logs()
+    assert "node stopped" in (cluster.tmp / "b.log").read_text()
+
+
+def test_a_forked_refusal_gives_its_status_and_its_one_line(cluster, tiny_models):
+    cluster._spawn("bad", "node", "--model", str(tiny_models("llama")), "--layers", "4-2")
+    proc = cluster.procs["bad"]
+    assert isinstance(proc, Forked)
+    assert proc.wait(60) == 2
+    log = (cluster.tmp / "bad.log").read_text()
+    assert "meshnet: error:" in log and "Traceback" not in log, log
+
+
+def test_a_node_with_another_home_gets_a_fresh_interpreter(cluster, tiny_models, tmp_path):
+    """huggingface_hub reads HOME and XDG_CACHE_HOME once, when it loads: a fork would keep the
+    zygote's. So a node with another environment is started as a new process."""
+    cluster.start_node("a", str(tiny_models("llama")), "0-5", None, env={"XDG_CACHE_HOME": str(tmp_path / "other")})
+    assert not isinstance(cluster.procs["a"], Forked)
+    cluster.wait_nodes(["a"], tiny_models("llama").name)
