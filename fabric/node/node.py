@@ -102,8 +102,7 @@ class Node(SessionControl, Replies):
         self.departure = Departure(config.node_id, config.drain_timeout)  # a polite leave, once asked
         self.owners = Owners()  # the connection each session here was opened by
         self.asks = SessionAsks(tail_grammars(config, self.vocab, weights.config) if config.shard.is_last else None)
-        self.ready = threading.Event()
-        self.idle_trim = IdleTrim()  # what requests freed goes back to the OS once the node is idle
+        self.ready, self.idle_trim = threading.Event(), IdleTrim()  # idle_trim: freed heap goes back once idle
         gc.collect()
         release_freed_memory()  # what loading, the tokenizer and the benchmark left behind goes back to the OS
 
