@@ -67,8 +67,10 @@ def device_args(args: argparse.Namespace) -> tuple[str, ...]:
 
 
 def start_cluster(model: str, nodes: int, tmp: Path, threads: int = 0,
-                  node_args: tuple[str, ...] = (), shards: list | None = None) -> tuple[list[subprocess.Popen], str]:
-    """A tracker and ``nodes`` nodes of ``model``, split evenly unless ``shards`` says how."""
+                  node_args: tuple[str, ...] = (), shards: list | None = None,
+                  ready_s: float = 300) -> tuple[list[subprocess.Popen], str]:
+    """A tracker and ``nodes`` nodes of ``model``, split evenly unless ``shards`` says how,
+    routable within ``ready_s`` seconds."""
     tracker = f"tcp://127.0.0.1:{free_port()}"
     me = [sys.executable, "-m", "fabric.cli", "--log-level", "warning"]
     threads_args = ["--threads", str(threads)] if threads else []  # default: all cores, as `meshnet up`
@@ -88,7 +90,7 @@ def start_cluster(model: str, nodes: int, tmp: Path, threads: int = 0,
             except Exception:
                 return False
             return len(status["nodes"]) == nodes and any(status["plans"].values())
-        if not wait_for(ready, 300, 0.5):
+        if not wait_for(ready, ready_s, 0.5):
             raise SystemExit("the cluster did not come up")
     return procs, tracker
 

@@ -10,11 +10,12 @@ Q8_0 for Q6_K) with SmolLM2's tokenizer, then for each node count starts a track
 many ``meshnet node`` processes (the default mode, ``--quant auto``; layers split as ``meshnet up``
 splits them, by memory) and reports:
 
-- load time (spawn to routable) and each node's RSS after one greedy generation, above a bare
-  node's (a process that imported what a node imports, left out what a node leaves out, and
-  built the model on the meta device, no weights; for the head, which tokenizes, its tokenizer
-  loaded too) against its share of the file; ``bench/node_floor.py`` breaks one node's RSS
-  down by start-up stage;
+- load time (spawn to routable) and each node's RSS after one greedy generation, once idle
+  (it has handed back what the request freed, ``fabric.node.idle_trim``; the RSS as the
+  request ended is printed beside it), above a bare node's (a process that imported what a
+  node imports, left out what a node leaves out, and built the model on the meta device, no
+  weights; for the head, which tokenizes, its tokenizer loaded too) against its share of the
+  file; ``bench/node_floor.py`` breaks one node's RSS down by start-up stage;
 - decode tokens/s of one stream (first token to last, ``--tokens`` tokens, ignore_eos);
 - llama.cpp's (llama-cpp-python, one process, the same thread count: the machine's cores)
   decode tokens/s and RSS on the same file, where it is installed, measured before and after
@@ -41,6 +42,8 @@ sys.path.insert(0, str(REPO / "bench"))
 
 from concurrency import start_cluster  # noqa: E402
 from fabric_bench import memory  # noqa: E402
+
+from fabric.node.idle_trim import IDLE_TRIM_S  # noqa: E402
 
 MIB = 2**20
 # llama-arch shapes: hidden, layers, intermediate, heads, kv heads (head_dim hidden / heads)
@@ -212,7 +215,8 @@ def run_split(path: Path, shards: list, tokens: int) -> dict:
     nodes = len(shards)
     with tempfile.TemporaryDirectory() as tmp:
         began = time.monotonic()
-        procs, tracker = start_cluster(str(path), nodes, Path(tmp), shards=shards)
+        procs, tracker = start_cluster(str(path), nodes, Path(tmp), shards=shards,
+                                        ready_s=1200)  # a 1.7B node loads in 4-5 min on a loaded 2-core machine
         loaded = time.monotonic() - began
         try:
             stamps = []
@@ -221,13 +225,15 @@ def run_split(path: Path, shards: list, tokens: int) -> dict:
                                              ignore_eos=True):
                     if event.event == "token":
                         stamps.extend([time.monotonic()] * len(event.token_ids))
+            busy = [memory(p)[0] for p in procs[1:]]  # as the request ends
+            time.sleep(IDLE_TRIM_S + 1)  # idle: each node hands back what the request freed
             rss = [memory(p)[0] for p in procs[1:]]
         finally:
             for p in procs:
                 p.terminate()
             for p in procs:
                 p.wait(30)
-    return {"nodes": nodes, "shards": shards, "load_s": loaded, "rss": rss,
+    return {"nodes": nodes, "shards": shards, "load_s": loaded, "rss": rss, "busy": busy,
             "tok_s": (len(stamps) - 1) / (stamps[-1] - stamps[0])}
 
 
@@ -282,9 +288,11 @@ def report(path: Path, runs: list[dict], floor: tuple[int, int], ref: dict | Non
         print(f"{r['nodes']} node(s) ({', '.join(map(str, r['shards']))}): load {r['load_s']:.1f} s, "
               f"{r['tok_s']:.1f} tok/s"
               + (f" ({r['tok_s'] / ref['tok_s']:.2f}x llama.cpp)" if ref else "")
-              + f"; RSS {', '.join(f'{x / MIB:.0f}' for x in r['rss'])} MiB"
+              + f"; RSS {', '.join(f'{x / MIB:.0f}' for x in r['rss'])} MiB idle"
+              + f" ({', '.join(f'{x / MIB:.0f}' for x in r['busy'])} as the request ended)"
               + f"; above a bare node {', '.join(f'{a:.2f}' for a in above)}x its share of the file"
-              + (f"; max node {max(r['rss']) / max(single['rss']):.2f}x the single node" if single else ""))
+              + (f"; max node {max(r['rss']) / max(single['rss']):.2f}x the single node (as the request ended: "
+                 f"{max(r['busy']) / max(single['busy']):.2f}x)" if single else ""))
     if ref:
         print(f"llama.cpp: {ref['tok_s']:.1f} tok/s, RSS {ref['rss'] / MIB:.0f} MiB (the file mapped)")
 

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from fabric.compute.gguf_load import EMBED_TENSOR, GGUFTensors, wanted
+from fabric.compute.gguf_load import EMBED_TENSOR, GGUFTensors, dequantize, wanted
 from fabric.compute.model_ref import GRID_TYPES, INT8_TYPES, pick_quant
 from fabric.compute.models import load_shard, resolve
 from fabric.wire.shard import Shard
@@ -128,6 +128,30 @@ def test_a_shards_weights_stay_near_its_share_of_the_file(gguf_file, kind):
         lazy = shard.is_first and type(weights.embed).__name__ == "GGUFEmbedding"
         ratio = weights.parameter_bytes() / _share_of_file(path, shard, tied=False, lazy_embed=lazy)
         assert ratio <= MEMORY_CEILING[kind], f"{kind} {shard}: {ratio:.2f}x the file"
+
+
+def _mapped(path: Path) -> int:
+    """How many mappings of ``path`` this process has (/proc/self/maps)."""
+    return sum(1 for line in open("/proc/self/maps") if line.rstrip().endswith(str(path)))
+
+
+@pytest.mark.parametrize("kind", ["Q6_K", "Q4_0"])
+def test_a_heads_embedding_reads_its_rows_without_mapping_the_file(gguf_file, kind):
+    """Every page of a map a lookup touches (and the pages read around it) would stay resident:
+    the rows are read, and equal the whole embedding's, repeated and in any order."""
+    path = gguf_file("llama", kind)
+    head = load_shard(resolve(str(path)), Shard(0, 1, 4), progress=False)
+    assert type(head.embed).__name__ == "GGUFEmbedding"
+    tensors = GGUFTensors.open(path)
+    info = tensors.find(EMBED_TENSOR)
+    whole = torch.from_numpy(dequantize(tensors.raw(info), info.tensor_type))  # (vocab, hidden)
+    tensors.close()
+    vocab = whole.shape[0]
+    ids = torch.cat([torch.arange(vocab).flip(0), torch.tensor([5, 5, 0, vocab - 1])]).reshape(2, -1)
+    assert torch.equal(head.embed(ids), whole[ids])  # bit for bit
+    assert _mapped(path) == 0
+    with pytest.raises(IndexError):
+        head.embed(torch.tensor([[vocab]]))
 
 
 # --------------------------------------------------------------------------- real node processes

@@ -123,9 +123,18 @@ class GGUFTensors:
             at += n
         return out
 
-    def own_map(self, info: GGUFTensorInfo) -> np.ndarray:
-        """A read-only map of this tensor's bytes alone (a head's embedding: its rows are read as looked up)."""
-        return np.memmap(self.path, dtype=info.dtype, mode="r", offset=info.offset, shape=info.shape)
+    def rows_of(self, info: GGUFTensorInfo, ids: np.ndarray) -> np.ndarray:
+        """The raw rows ``ids`` of tensor ``info``, each read with its own ``pread`` (a head's
+        embedding: the rows a step looks up, and no more of the file in this process)."""
+        row_bytes = info.nbytes // info.shape[0]
+        out = np.empty((len(ids), *info.shape[1:]), dtype=info.dtype)
+        flat = out.reshape(len(ids), -1).view(np.uint8)  # (ids, row_bytes)
+        for i, row in enumerate(ids.tolist()):
+            if not 0 <= row < info.shape[0]:
+                raise IndexError(f"row {row} of {info.name}, which has {info.shape[0]}")
+            if os.preadv(self.fd, [flat[i]], info.offset + row * row_bytes) != row_bytes:
+                raise ModelError(f"{self.path.name} ended while reading {info.name}; the file may be truncated")
+        return out
 
 
 def dequantize(raw: np.ndarray, tensor_type: int) -> np.ndarray:
@@ -236,16 +245,21 @@ def head_rows(tensors: GGUFTensors, info: GGUFTensorInfo) -> nn.Module:
 
 
 class GGUFEmbedding(nn.Module):
-    """A token embedding kept as the GGUF file stores it (a map of its quantized blocks),
-    dequantizing only the rows looked up. The rows equal those of the whole dequantized
-    matrix bit for bit (llama.cpp's blocks never span two rows), so a head holds a few
-    looked-up rows instead of vocab x hidden floats (SmolLM2-135M: 108 MiB). ``scale``
-    multiplies them as the family's own embedding does (Gemma: sqrt(hidden), in the
-    model's dtype)."""
+    """A token embedding left in the GGUF file, its quantized rows read as they are looked up
+    and dequantized. The rows equal those of the whole dequantized matrix bit for bit
+    (llama.cpp's blocks never span two rows), so a head holds a few looked-up rows instead of
+    vocab x hidden floats (SmolLM2-135M: 108 MiB). ``scale`` multiplies them as the family's
+    own embedding does (Gemma: sqrt(hidden), in the model's dtype).
 
-    def __init__(self, raw: np.ndarray, tensor_type: int, hidden: int, scale: float | None = None):
+    The rows are read with ``pread``, not through a map of the file: every page a map touches
+    stays in the process's resident memory, and the kernel maps the pages around each one
+    looked up too (read-around), so a 64-token generation of random tokens had mapped 32 MiB of
+    a 79 MiB embedding (the 1.7B shape in ``bench/models.py``)."""
+
+    def __init__(self, tensors: GGUFTensors, info: GGUFTensorInfo, hidden: int, scale: float | None = None):
         super().__init__()
-        self.raw, self.tensor_type, self.hidden, self.scale = raw, tensor_type, hidden, scale
+        self.tensors, self.info, self.tensor_type = tensors, info, info.tensor_type
+        self.hidden, self.scale = hidden, scale
         self.device, self.dtype = torch.device("cpu"), torch.float32  # as ``to`` sets them
 
     @classmethod
@@ -260,14 +274,18 @@ class GGUFEmbedding(nn.Module):
         info = tensors.find(EMBED_TENSOR)
         if info is None:
             return None
-        raw = tensors.own_map(info)  # a map of its bytes alone: pages come in as rows are looked up
-        embed = cls(raw, info.tensor_type, config.hidden_size, scale)
-        if embed.rows(np.arange(min(4, raw.shape[0]))).shape != (min(4, raw.shape[0]), config.hidden_size):
+        own = GGUFTensors(tensors.path, [info], os.open(tensors.path, os.O_RDONLY))  # its own handle: kept open
+        embed = cls(own, info, config.hidden_size, scale)
+        probe = min(4, info.shape[0])
+        if embed.rows(np.arange(probe)).shape != (probe, config.hidden_size):
+            own.close()
             return None  # not one row of blocks per token: load it whole
         return embed
 
     def rows(self, ids: np.ndarray) -> np.ndarray:
-        return dequantize(np.ascontiguousarray(self.raw[ids]), self.tensor_type)
+        """float32 rows ``ids`` (n,) -> (n, hidden), each distinct row read from the file once."""
+        unique, back = np.unique(ids, return_inverse=True)
+        return dequantize(self.tensors.rows_of(self.info, unique), self.tensor_type)[back.reshape(-1)]
 
     def to(self, *args, **kwargs):
         """As ``nn.Module.to``: the rows looked up come out on this device and in this dtype."""

@@ -37,6 +37,7 @@ from .asks import SessionAsks
 from .config import NodeConfig
 from .head import Head, ServedModel
 from .hops import HopRunner
+from .idle_trim import IdleTrim
 from .leave import Departure
 from .links import Links
 from .owners import SELF, Owners
@@ -101,7 +102,7 @@ class Node(SessionControl, Replies):
         self.departure = Departure(config.node_id, config.drain_timeout)  # a polite leave, once asked
         self.owners = Owners()  # the connection each session here was opened by
         self.asks = SessionAsks(tail_grammars(config, self.vocab, weights.config) if config.shard.is_last else None)
-        self.ready = threading.Event()
+        self.ready, self.idle_trim = threading.Event(), IdleTrim()  # idle_trim: freed heap goes back once idle
         gc.collect()
         release_freed_memory()  # what loading, the tokenizer and the benchmark left behind goes back to the OS
 
@@ -140,6 +141,7 @@ class Node(SessionControl, Replies):
                             self._run(self.scheduler.next_batch())
                     finally:
                         self.hops.done()
+                        self.idle_trim.worked(time.monotonic())
                 self._periodic()
         finally:
             self.close()
@@ -190,6 +192,7 @@ class Node(SessionControl, Replies):
             self._drop_session(session)  # its KV is gone already: the batch group and gathering forget it too
             log.info("freed idle session %s", session)
         self.scheduler.forget_freed()
+        self.idle_trim.tick(now, busy=len(self.scheduler) > 0)
         self.owners.prune(now, lambda: {*self.kv.sessions(), *self.kv.retained.sessions(),
                                         *(w.session for w in self.scheduler.queue)})
         self.asks.keep(self.owners.known)
