@@ -29,7 +29,7 @@ from ..compute.quant import release_freed_memory
 from ..compute.tensors import TORCH_DTYPES, from_wire, to_wire
 from ..metrics import Sample
 from ..net.peer_liveness import PeerLiveness
-from ..net.security import peer_key, serve_securely, start_authenticator
+from ..net.security import serve_securely, start_authenticator
 from ..wire import protocol as p
 from ..wire.liveness import PEER_SILENCE, PING_INTERVAL
 from . import telemetry
@@ -274,14 +274,6 @@ class Node(SessionControl, Replies):
         """A hop's tap or a replica's result: the head's auditor decides whether it asked for it."""
         if self.head is not None:
             self.head.auditor.received(msg, [from_wire(s, b) for s, b in zip(msg.tensors, buffers)], sender)
-
-    def _sender(self, frames: list) -> str:
-        """The CURVE key the frames came with: this node's own when it sent them to itself; "" in plaintext."""
-        if self.config.security is None:
-            return ""
-        if not isinstance(frames[-1], zmq.Frame):
-            return self.key  # in-process: from this very node
-        return peer_key(frames[-1]) or ""
 
     def _to_head(self, session: str, msg: p.Token | p.Progress | p.CacheMiss | p.Error) -> None:
         if self.head is not None:
