@@ -3,10 +3,11 @@
 without (``--speculate off``), paired in one run, on copy-heavy and open prompts.
 
     python bench/speculative.py [--tiny] [--model REF] [--tokens N] [--reps R] [--delay-ms D]
-                                [--no-netbed] [--json OUT] [--keep-logs]
+                                [--nodes N] [--streams S] [--no-netbed] [--json OUT] [--keep-logs]
 
-Two nodes (a head and a tail, half the layers each, 1 torch thread), a tracker and a client
-agent (tests/netbed_client.py), greedy chat requests of ``--tokens`` new tokens:
+``--nodes`` nodes (2 by default: a head and a tail, an even share of the layers each, 1 torch
+thread), a tracker and a client agent (tests/netbed_client.py), greedy chat requests of
+``--tokens`` new tokens:
 
 - loopback: the processes on 127.0.0.1 (tests/cluster.py's ProcessCluster);
 - delayed: each process on a host of its own (network namespaces, tests/netbed.py) whose link
@@ -19,6 +20,11 @@ everything else alike. Prompts: ``copy`` (repeat a paragraph with one word chang
 tok/s = (tokens - 1) / (last token - first token), client timestamps, median of ``--reps``
 runs after a warm-up; the token ids with drafts are compared with those without (greedy: they
 must be the same). Ratios are on / off of the same configuration, prompt and run of the script.
+
+``--streams S`` (8 by default; 0: skipped) adds the crowded case on loopback: S concurrent
+streams (bench/concurrency.py's prompts, ``--tokens`` each, end of sequence ignored), their
+aggregate tok/s. Both clusters stay up and the waves alternate, off then on, so a drift of the
+machine's speed weighs on both; the ratio is the median of the rounds' own ratios.
 """
 from __future__ import annotations
 
@@ -30,6 +36,8 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
+import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -60,6 +68,11 @@ PROMPTS = {
     "chat": "Explain in a few sentences why the sky is blue.",
 }
 MODES = ("off", "on")
+NODE_NAMES = ("head", "mid", "tail")  # --nodes 2: head and tail; 3: all three; more: n3, n4, ...
+
+
+def node_names(count: int) -> list[str]:
+    return [NODE_NAMES[0], *NODE_NAMES[1:count - 1], *(f"n{i}" for i in range(3, count)), NODE_NAMES[-1]][:count]
 
 
 def measure(agent: netbed.Agent, model: str, tokens: int, reps: int) -> dict:
@@ -83,15 +96,14 @@ def loopback(model: str, layers: list[str], mode: str, work: Path, cache: Path, 
     cluster = ProcessCluster(work, cache)
     agent = None
     try:
-        for name, span in zip(("head", "tail"), layers):
-            cluster.start_node(name, model, span, None, "--speculate", mode, "--audit-rate", "0")
+        names = start_nodes(cluster, model, layers, mode)
         client_log = open(work / "client.log", "ab")
         proc = subprocess.Popen([sys.executable, "-m", "tests.netbed_client", "--tracker", cluster.endpoint],
                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=client_log, cwd=REPO,
                                 env={**os.environ, "PYTHONPATH": python_path()})
         client_log.close()
         agent = netbed.Agent(proc, cluster.logs)
-        agent.wait_nodes(["head", "tail"], model_id(model), timeout=600, procs=cluster.procs)
+        agent.wait_nodes(names, model_id(model), timeout=600, procs=cluster.procs)
         return measure(agent, model_id(model), args.tokens, args.reps)
     finally:
         if agent:
@@ -99,33 +111,94 @@ def loopback(model: str, layers: list[str], mode: str, work: Path, cache: Path, 
         cluster.close()
 
 
+def start_nodes(cluster: ProcessCluster, model: str, layers: list[str], mode: str) -> list[str]:
+    names = node_names(len(layers))
+    for name, span in zip(names, layers):
+        cluster.start_node(name, model, span, None, "--speculate", mode, "--audit-rate", "0")
+    return names
+
+
+def crowded(model: str, layers: list[str], work: Path, cache: Path, args) -> dict:
+    """``args.streams`` concurrent streams on two loopback clusters, one drafting and one not,
+    both up: waves alternate off, on (a warm-up round first). Aggregate tok/s per round."""
+    clusters = {}
+    try:
+        for mode in MODES:
+            (work / f"streams-{mode}").mkdir(parents=True, exist_ok=True)
+            cluster = clusters[mode] = ProcessCluster(work / f"streams-{mode}", cache)
+            names = start_nodes(cluster, model, layers, mode)
+            cluster.wait_nodes(names, model_id(model), timeout=600)
+        rounds = []
+        for rep in range(args.reps + 1):
+            figures = {mode: wave(cluster.endpoint, model_id(model), args.streams, args.tokens)
+                       for mode, cluster in clusters.items()}
+            log(f"{args.streams} streams, round {rep}: " + ", ".join(f"{m} {t:.1f} tok/s" for m, t in figures.items()))
+            if rep:
+                rounds.append(figures)
+        return {"rounds": rounds, "ratio": statistics.median(r["on"] / r["off"] for r in rounds),
+                "off_tok_s": statistics.median(r["off"] for r in rounds),
+                "on_tok_s": statistics.median(r["on"] for r in rounds)}
+    finally:
+        for cluster in clusters.values():
+            cluster.close()
+
+
+def wave(tracker: str, model: str, streams: int, tokens: int) -> float:
+    """Aggregate tok/s of ``streams`` concurrent greedy generations of ``tokens`` each."""
+    from bench.concurrency import PROMPTS as CHAT
+    from fabric import Client
+
+    counts = [0] * streams
+
+    def one(i: int) -> None:
+        with Client(tracker, timeout=300) as client:
+            for event in client.generate(model, messages=[{"role": "user", "content": CHAT[i % len(CHAT)]}],
+                                         max_tokens=tokens, ignore_eos=True):
+                counts[i] += len(event.token_ids)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(streams)]
+    start = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return sum(counts) / (time.perf_counter() - start)
+
+
 def delayed(model: str, layers: list[str], mode: str, work: Path, cache: Path, args) -> dict:
     with netbed.Netbed(work, cache) as bed:
-        for host in ("tracker", "head", "tail", "client"):
+        names = node_names(len(layers))
+        for host in ("tracker", *names, "client"):
             bed.add_host(host, delay=args.delay_ms / 1000)
         bed.start_tracker("tracker")
-        for name, span in zip(("head", "tail"), layers):
+        for name, span in zip(names, layers):
             bed.start_node(name, model, span, "--speculate", mode, "--audit-rate", "0")
         with bed.client("client", timeout=300) as agent:
-            agent.wait_nodes(["head", "tail"], model_id(model), timeout=600, procs=bed.procs)
+            agent.wait_nodes(names, model_id(model), timeout=600, procs=bed.procs)
             result = measure(agent, model_id(model), args.tokens, args.reps)
         result["delay_by"] = "netem" if bed.netem else "delay proxy"
         return result
 
 
-def layer_spans(model: str, cache: Path) -> list[str]:
+def layer_spans(model: str, cache: Path, nodes: int) -> list[str]:
     from fabric.compute.models import load_config, resolve
     from fabric.wire.shard import even_split
 
     num_layers = load_config(resolve(model), cache / "meshnet").num_hidden_layers
-    return [f"{s.start}-{s.end}" for s in even_split(num_layers, 2)]
+    return [f"{s.start}-{s.end}" for s in even_split(num_layers, nodes)]
 
 
 def report(results: dict, args) -> dict:
     rows = {}
-    print(f"\nmodel {args.model_label}, {args.tokens} new tokens, median of {args.reps} runs, 2 nodes x 1 thread\n")
+    print(f"\nmodel {args.model_label}, {args.tokens} new tokens, median of {args.reps} runs, "
+          f"{args.nodes} nodes x 1 thread, load {os.getloadavg()[0]:.2f}\n")
     print(f"{'configuration':<22}{'prompt':<7}{'tokens':>7}{'off tok/s':>10}{'on tok/s':>10}{'on/off':>8}  ids")
     for config, modes in results.items():
+        if config.endswith("streams"):
+            rows[config] = {k: modes[k] for k in ("off_tok_s", "on_tok_s", "ratio")} | {"same_ids": True}
+            print(f"{config:<22}{'mixed':<7}{args.tokens:>7}{modes['off_tok_s']:>10.2f}{modes['on_tok_s']:>10.2f}"
+                  f"{modes['ratio']:>8.2f}  (aggregate; median of the rounds' ratios)")
+            continue
         for prompt in PROMPTS:
             off, on = modes["off"][prompt], modes["on"][prompt]
             row = {"off_tok_s": off["tok_s"], "on_tok_s": on["tok_s"], "ratio": on["tok_s"] / off["tok_s"],
@@ -146,6 +219,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--delay-ms", type=float, default=7.5,
                         help="one-way delay of each host's link in the delayed bed; head to tail and back crosses "
                              "four (default %(default)s: a 30 ms round trip)")
+    parser.add_argument("--nodes", type=int, default=2, help="nodes of the route, an even split (default %(default)s)")
+    parser.add_argument("--streams", type=int, default=8,
+                        help="concurrent streams of the crowded case on loopback; 0: skipped (default %(default)s)")
+    parser.add_argument("--streams-only", action="store_true", help="only the crowded case")
     parser.add_argument("--no-netbed", action="store_true", help="loopback only")
     parser.add_argument("--json", default=None, help="write the figures here")
     parser.add_argument("--keep-logs", action="store_true", help="keep the work directory (logs) and print it")
@@ -170,16 +247,20 @@ def run(args, work: Path, cache: Path) -> int:
 
         model = str(make_model("llama", work / "tiny-llama"))
     args.model_label = "tiny random llama (6 layers)" if args.tiny else model
-    layers = layer_spans(model, cache)
-    results = {"loopback": {}}
-    for mode in MODES:
+    layers = layer_spans(model, cache, args.nodes)
+    results = {}
+    for mode in MODES if not args.streams_only else ():
         log(f"loopback, speculation {mode}")
-        results["loopback"][mode] = loopback(model, layers, mode, work / f"loopback-{mode}", cache, args)
-    reason = "--no-netbed" if args.no_netbed else netbed.unavailable()
+        results.setdefault("loopback", {})[mode] = loopback(model, layers, mode, work / f"loopback-{mode}", cache,
+                                                            args)
+    if args.streams:
+        log(f"loopback, {args.streams} streams, speculation off and on alternating")
+        results[f"loopback {args.streams} streams"] = crowded(model, layers, work, cache, args)
+    reason = "--no-netbed" if args.no_netbed or args.streams_only else netbed.unavailable()
     if reason:
         log(f"no delayed bed: {reason}")
     else:
-        name = f"{4 * args.delay_ms:g} ms round trip"
+        name = f"{4 * args.delay_ms:g} ms round trip" + (f", {args.nodes} nodes" if args.nodes != 2 else "")
         results[name] = {}
         for mode in MODES:
             log(f"{name}, speculation {mode}")

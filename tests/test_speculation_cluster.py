@@ -93,7 +93,7 @@ def test_greedy_text_is_the_same_with_and_without_speculation(thread_cluster, ti
     assert [generate(thread_cluster, model, prompt) for prompt in prompts] == plain  # drafts by lookup
     trips, drafted = tail.counters["hops"], head.counters["spec_drafted"]
     monkeypatch.setattr(spec_module.Lookup, "propose", oracle(model, prompts, plain))
-    speculate(head, SpeculationConfig(min_rate=0.0))
+    speculate(head, SpeculationConfig(adaptive=False))
     assert [generate(thread_cluster, model, prompt) for prompt in prompts] == plain  # drafts that mostly hold
     c = head.counters  # counted once the DONE event has left: wait for the last request's
     assert wait_for(lambda: 0 < c["spec_kept"] < c["spec_drafted"] and c["spec_drafted"] >= drafted + 6, 5)
@@ -108,7 +108,7 @@ def test_drafts_that_never_hold_change_nothing(thread_cluster, tiny_models, monk
     plain = [generate(thread_cluster, model, prompt) for prompt in PROMPTS]
     never = lambda self, history, k: [319 - t for t in history[-k:]] if k > 0 else []  # noqa: E731
     monkeypatch.setattr(spec_module.Lookup, "propose", never)
-    speculate(head, SpeculationConfig(min_rate=0.0))  # and drafting never pauses
+    speculate(head, SpeculationConfig(adaptive=False))  # and drafting never pauses
     wrong = [generate(thread_cluster, model, prompt) for prompt in PROMPTS]
     assert wrong == plain
     assert wait_for(lambda: head.counters["spec_trips"] > 0, 5) and tail.counters["rolled_back"] > 0
@@ -149,7 +149,7 @@ def test_a_failover_in_mid_speculation_keeps_the_text(thread_cluster, tiny_model
     prompt = PROMPTS[0]
     plain = generate(thread_cluster, model, prompt)
     monkeypatch.setattr(spec_module.Lookup, "propose", oracle(model, [prompt], [plain]))
-    speculate(head, SpeculationConfig(min_rate=0.0))
+    speculate(head, SpeculationConfig(adaptive=False))
     got, victim = [], None
     with thread_cluster.client() as client:
         for event in client.generate(model.name, prompt=prompt, max_tokens=TOKENS):
@@ -180,7 +180,7 @@ def test_the_next_turn_reuses_only_what_was_kept(thread_cluster, tiny_models, mo
     stop = tok.decode(first[20:22], skip_special_tokens=True)  # it ends in mid-step, after a draft kept
     first = generate(thread_cluster, model, prompt, stop=stop)
     monkeypatch.setattr(spec_module.Lookup, "propose", oracle(model, [prompt], [first], right=lambda at, i: i == 0))
-    speculate(head, SpeculationConfig(min_rate=0.0, first_drafts=4))
+    speculate(head, SpeculationConfig(adaptive=False, first_drafts=4))
     assert generate(thread_cluster, model, prompt, stop=stop) == first
     assert wait_for(lambda: head.counters["spec_kept"] > 0, 5)
     follow = prompt + tok.decode(first, skip_special_tokens=True) + " and"
@@ -209,7 +209,7 @@ def test_audits_of_speculating_requests_convict_nobody(thread_cluster, tiny_mode
     speculate(head, OFF)
     plain = [generate(thread_cluster, model, prompt) for prompt in prompts]
     monkeypatch.setattr(spec_module.Lookup, "propose", oracle(model, prompts, plain))
-    speculate(head, SpeculationConfig(min_rate=0.0))
+    speculate(head, SpeculationConfig(adaptive=False))
     audits = head.counters["audits"]
     assert [generate(thread_cluster, model, prompt) for prompt in prompts] == plain
     c = head.counters

@@ -184,7 +184,7 @@ class Head:
         match msg:
             case p.Token():
                 if rs.speculation is not None:
-                    rs.speculation.crowded = len(self.sessions) > rs.speculation.config.max_streams
+                    rs.speculation.streams = len(self.sessions)  # they share the hops' passes
                 events = rs.on_token(msg)
             case p.CacheMiss():
                 if rs.reused is not None:

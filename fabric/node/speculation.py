@@ -1,4 +1,4 @@
-"""Speculation at the head: drafts by prompt lookup, and when a session stops drafting. No sockets, no torch.
+"""Speculation at the head: drafts by prompt lookup, and how many to send. No sockets, no torch.
 
 Every token of a stream pays one trip through every hop. A head that guesses the next few
 tokens sends them with the last one as one step (FORWARD ``drafts``); each hop runs the
@@ -9,12 +9,26 @@ to len(drafts) + 1 tokens and the text is the text of one-token steps.
 The guesses need no second model: text that repeats (code, a list, a quoted paragraph, a
 random model's loop) repeats its own n-grams. ``Lookup`` finds the longest n-gram (3 tokens
 down to 1) that ends the history and occurred earlier in it, prompt included, and proposes
-what followed its latest occurrence. ``Speculation`` decides per session how many to send:
-more after a step whose drafts all held, fewer after a rejection, and none for a while when
-the average share kept falls low (a verification costs the hops its extra positions: on a
-CPU, compute; across a LAN, nearly nothing), and none while its head heads more than a few
-requests: then the hops' compute is what limits, and drafts that fail take it from the others
-(measured: 8 streams on 2 cores lost a quarter of their aggregate tok/s with drafts).
+what followed its latest occurrence.
+
+``Speculation`` decides per session how many drafts a step carries (``k``), by what a trip
+yields against what it costs:
+
+- yield: a draft is kept when the ones before it were and it matches, with a probability
+  ``a`` (the measured share, over the session's recent steps). A step of k drafts yields
+  E(k) = 1 + a + ... + a^k tokens.
+- cost: the head times its own steps, sent to answered: a plain step's trip is the route's
+  round trip (every link's latency, and every hop's compute of one position); a verification
+  step's trip is longer by the compute of its extra positions, ``d`` seconds per draft. The
+  draft's cost is a share of the trip, c = d / trip. While the head heads n requests, the
+  hops' passes are shared by n streams, and a draft's compute delays each of them, so c
+  counts n times.
+
+k is the one of 0..max_drafts with the most tokens per unit of trip, E(k) / (1 + k c). On a
+fast route (loopback, a GPU: the trip is mostly compute) c is large and k small; over a LAN
+the trip is mostly waiting, c is small and k large; a draft pays at all only where a > c.
+When k = 0 the session sends plain steps for ``pause_steps``, which time the plain trip,
+and then tries again from the prior (the text may have turned repetitive).
 """
 from __future__ import annotations
 
@@ -29,15 +43,29 @@ MAX_NGRAM = 3  # the longest n-gram looked up; shorter ones are tried after it, 
 class SpeculationConfig:
     enabled: bool = True  # the head drafts for the requests it heads (``--speculate off`` turns it off)
     max_drafts: int = 6  # drafts one step carries at most (<= MAX_DRAFTS)
-    first_drafts: int = 3  # drafts of a session's first verification
-    min_rate: float = 0.3  # a session whose average share of drafts kept falls below this stops drafting...
-    pause_steps: int = 32  # ...for this many steps, then tries again
-    smoothing: float = 0.3  # weight of the newest verification in that average
-    max_streams: int = 2  # a head heading more requests than this drafts for none (compute has no slack left)
+    first_drafts: int = 3  # drafts of a step while nothing is measured (``adaptive`` False: the walk's start)
+    adaptive: bool = True  # k by yield against cost (above); False: every step drafts, one more after a step
+    # whose drafts all held, what held and one after a rejection (tests use it to draft whatever happens)
+    pause_steps: int = 32  # plain steps after the rule found that no draft pays; then it tries again
+    smoothing: float = 0.2  # weight of the newest step in the moving averages of yield and cost
+    prior_accept: float = 0.5  # the share of drafts kept, until measured (and again after a pause)
+    prior_cost: float = 0.05  # a draft's cost as a share of a plain trip, until both are timed
 
     def __post_init__(self):
         if not 1 <= self.max_drafts <= MAX_DRAFTS or not 1 <= self.first_drafts <= self.max_drafts:
             raise ValueError(f"drafts per step must be in [1, {MAX_DRAFTS}]")
+
+
+def tokens_per_trip(accept: float, k: int) -> float:
+    """E(k): the tokens a step of ``k`` drafts yields when each is kept with probability
+    ``accept`` once the ones before it were (and the tail always adds one)."""
+    return sum(accept ** i for i in range(k + 1))
+
+
+def best_drafts(accept: float, cost: float, max_drafts: int) -> int:
+    """The k of 0..max_drafts with the most tokens per unit of trip, E(k) / (1 + k cost)
+    (``cost``: one draft's share of a plain trip); the smallest such k on a tie."""
+    return max(range(max_drafts + 1), key=lambda k: (tokens_per_trip(accept, k) / (1 + k * cost), -k))
 
 
 class Lookup:
@@ -67,40 +95,70 @@ class Lookup:
         return []
 
 
+def _average(old: float | None, new: float, weight: float) -> float:
+    return new if old is None else old + weight * (new - old)
+
+
 @dataclass
 class Speculation:
-    """One session's drafting: how many to send next, and whether to send any."""
+    """One session's drafting: how many to send next (``drafts``), learning from each step's
+    answer (``answered``). The counts (trips, drafted, kept) are what /metrics and reports show."""
 
     config: SpeculationConfig
     lookup: Lookup = field(default_factory=Lookup)
-    size: int = 0  # drafts the next step may carry
-    rate: float = 1.0  # moving average of the share of drafts kept
-    paused: int = 0  # steps left without drafts
+    size: int = 0  # drafts the next step may carry (``adaptive`` False)
+    accept: float = 0.0  # moving average of the share of drafts kept, as a chance per draft (a, above)
+    plain_s: float | None = None  # moving average of a plain step's trip, seconds (None: none timed yet)
+    draft_s: float | None = None  # ...and of what a verification step's trip took beyond it, per draft
+    streams: int = 1  # requests its head heads now (set by the head): they share the hops' passes
+    paused: int = 0  # plain steps left before drafting again
     trips: int = 0  # verification steps answered
     drafted: int = 0  # drafts sent in them
     kept: int = 0  # drafts kept of those
-    crowded: bool = False  # the head heads more than max_streams requests: no drafts meanwhile
 
     def __post_init__(self):
         self.size = self.size or self.config.first_drafts
+        self.accept = self.accept or self.config.prior_accept
+
+    @property
+    def cost(self) -> float:
+        """A draft's cost as a share of a plain trip (c, above), counted once per stream."""
+        c = self.config.prior_cost
+        if self.plain_s and self.draft_s is not None:
+            c = self.draft_s / self.plain_s
+        return c * max(1, self.streams)
+
+    def next_size(self) -> int:
+        """k for the next step (0: a plain one)."""
+        if not self.config.adaptive:
+            return self.size
+        return best_drafts(self.accept, self.cost, self.config.max_drafts)
 
     def drafts(self, history: list[int], room: int) -> list[int]:
         """The drafts for the step after ``history``, at most ``room`` (tokens the request may
         still take, less the one every step yields); [] for a plain one-token step."""
-        if self.paused > 0 or self.crowded:
-            self.paused = max(0, self.paused - 1)
-            self.lookup.propose(history, 0)  # keep the index up to date
-            return []
-        return self.lookup.propose(history, min(self.size, room))
+        k = 0 if self.paused > 0 else self.next_size()
+        if self.paused > 0:
+            self.paused -= 1
+            if not self.paused:
+                self.accept = self.config.prior_accept  # try again as a new session would
+        elif k == 0:
+            self.paused = self.config.pause_steps
+        return self.lookup.propose(history, min(k, room))  # k = 0: only keeps the index up to date
 
-    def verified(self, drafted: int, kept: int) -> None:
-        """The tail kept ``kept`` of ``drafted`` drafts: size the next step, pause when it does not pay."""
+    def answered(self, drafted: int, kept: int, trip_s: float) -> None:
+        """A decode step came back after ``trip_s`` seconds: ``kept`` of its ``drafted`` drafts
+        held (drafted 0: a plain step). Learn the yield and the cost; size the next step."""
         c = self.config
+        if not drafted:
+            self.plain_s = _average(self.plain_s, trip_s, c.smoothing)
+            return
+        if self.plain_s is not None:
+            self.draft_s = _average(self.draft_s, max(0.0, trip_s - self.plain_s) / drafted, c.smoothing)
         self.trips, self.drafted, self.kept = self.trips + 1, self.drafted + drafted, self.kept + kept
-        self.rate += c.smoothing * (kept / drafted - self.rate)
+        tries = kept + (kept < drafted)  # draws of "is the next draft kept": each kept one, and the miss
+        self.accept = _average(self.accept, kept / tries, c.smoothing * tries / 2)
         self.size = min(c.max_drafts, self.size + 1) if kept == drafted else max(1, kept + 1)
-        if self.rate < c.min_rate:
-            self.paused, self.rate, self.size = c.pause_steps, c.min_rate * 2, c.first_drafts
 
     def stop(self) -> None:
         """No more drafts for this session (a hop could not cut its KV back)."""
