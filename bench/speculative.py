@@ -23,8 +23,8 @@ must be the same). Ratios are on / off of the same configuration, prompt and run
 
 ``--streams S`` (8 by default; 0: skipped) adds the crowded case on loopback: S concurrent
 streams (bench/concurrency.py's prompts, ``--tokens`` each, end of sequence ignored), their
-aggregate tok/s. Both clusters stay up and the waves alternate, off then on, so a drift of the
-machine's speed weighs on both; the ratio is the median of the rounds' own ratios.
+aggregate tok/s. Both clusters stay up and the waves alternate (off then on, on then off), so a
+drift of the machine's speed weighs on both; the ratio is the median of the rounds' own ratios.
 """
 from __future__ import annotations
 
@@ -47,7 +47,7 @@ if str(REPO) not in sys.path:
 from bench.fabric_bench import python_path  # noqa: E402
 from bench.netbed import interrupt, log, model_id  # noqa: E402
 from tests import netbed  # noqa: E402
-from tests.cluster import ProcessCluster  # noqa: E402
+from tests.cluster import ProcessCluster, free_port, node_counters  # noqa: E402
 
 PARAGRAPH = ("The river runs past the old mill every spring, carrying snow from the mountains down to the "
              "valley. Children gather on the bridge to watch the water rise, and the miller counts the days "
@@ -111,31 +111,46 @@ def loopback(model: str, layers: list[str], mode: str, work: Path, cache: Path, 
         cluster.close()
 
 
-def start_nodes(cluster: ProcessCluster, model: str, layers: list[str], mode: str) -> list[str]:
+def start_nodes(cluster: ProcessCluster, model: str, layers: list[str], mode: str,
+                metrics: dict | None = None) -> list[str]:
+    """The route's nodes; with ``metrics``, each serves /metrics on a port noted there by name."""
     names = node_names(len(layers))
     for name, span in zip(names, layers):
-        cluster.start_node(name, model, span, None, "--speculate", mode, "--audit-rate", "0")
+        extra = ()
+        if metrics is not None:
+            metrics[name] = free_port()
+            extra = ("--metrics-port", str(metrics[name]))
+        cluster.start_node(name, model, span, None, "--speculate", mode, "--audit-rate", "0", *extra)
     return names
+
+
+def counters(ports: dict) -> dict:
+    """What the crowded case's nodes counted: the head's drafts, and each node's hops and batches."""
+    wanted = ("spec_trips", "spec_drafted", "spec_kept", "hops", "batched_hops", "riding_chunks", "rolled_back")
+    return {name: {k: v for k, v in node_counters(port).items() if k in wanted} for name, port in ports.items()}
 
 
 def crowded(model: str, layers: list[str], work: Path, cache: Path, args) -> dict:
     """``args.streams`` concurrent streams on two loopback clusters, one drafting and one not,
     both up: waves alternate off, on (a warm-up round first). Aggregate tok/s per round."""
-    clusters = {}
+    clusters, ports = {}, {mode: {} for mode in MODES}
     try:
         for mode in MODES:
             (work / f"streams-{mode}").mkdir(parents=True, exist_ok=True)
             cluster = clusters[mode] = ProcessCluster(work / f"streams-{mode}", cache)
-            names = start_nodes(cluster, model, layers, mode)
+            names = start_nodes(cluster, model, layers, mode, ports[mode])
             cluster.wait_nodes(names, model_id(model), timeout=600)
         rounds = []
         for rep in range(args.reps + 1):
-            figures = {mode: wave(cluster.endpoint, model_id(model), args.streams, args.tokens)
-                       for mode, cluster in clusters.items()}
+            order = MODES if rep % 2 else MODES[::-1]  # off first, then on first: a trend weighs on both
+            figures = {mode: wave(clusters[mode].endpoint, model_id(model), args.streams, args.tokens)
+                       for mode in order}
             log(f"{args.streams} streams, round {rep}: " + ", ".join(f"{m} {t:.1f} tok/s" for m, t in figures.items()))
             if rep:
                 rounds.append(figures)
-        return {"rounds": rounds, "ratio": statistics.median(r["on"] / r["off"] for r in rounds),
+        seen = {mode: counters(ports[mode]) for mode in MODES}
+        log(f"{args.streams} streams, counters: {json.dumps(seen)}")
+        return {"rounds": rounds, "counters": seen, "ratio": statistics.median(r["on"] / r["off"] for r in rounds),
                 "off_tok_s": statistics.median(r["off"] for r in rounds),
                 "on_tok_s": statistics.median(r["on"] for r in rounds)}
     finally:

@@ -216,3 +216,38 @@ def test_audits_of_speculating_requests_convict_nobody(thread_cluster, tiny_mode
     assert wait_for(lambda: c["spec_kept"] > 0 and c["audits_passed"] + c["audits_unsettled"] + c["audits_skipped"]
                     >= c["audits"] >= audits + 2, 30)
     assert c["audits_convicted"] == 0 and c["audits_unsettled"] == 0 and c["audits_passed"] >= audits + 2
+
+
+def test_a_request_can_turn_speculation_off(thread_cluster, tiny_models):
+    """``speculation: false`` in the HTTP body (and ``speculation=False`` on the Client) reaches
+    the head as GENERATE.speculation: the head drafts nothing for that request, though it drafts
+    for every other (``adaptive`` off: whatever happens), and the text is the same. A value that
+    is not a boolean is a 400 naming the field, before anything reaches the fabric."""
+    import asyncio
+
+    from fabric import AsyncClient
+    from webui import WebUIConfig, create_app
+
+    model = tiny_models("llama")
+    head, _ = split(thread_cluster, model, torch.bfloat16)
+    speculate(head, SpeculationConfig(adaptive=False))
+    c = head.counters
+    body = {"model": model.name, "prompt": PROMPTS[0], "max_tokens": TOKENS, "temperature": 0, "ignore_eos": True}
+
+    async def ask(extra: dict) -> tuple[int, dict]:
+        async with AsyncClient(thread_cluster.endpoint, timeout=30) as fabric:
+            client = create_app(WebUIConfig(tracker=thread_cluster.endpoint), fabric).test_client()
+            response = await client.post("/v1/completions", json={**body, **extra})
+            return response.status_code, await response.get_json()
+
+    status, off = asyncio.run(ask({"speculation": False}))
+    assert status == 200
+    assert generate(thread_cluster, model, PROMPTS[0], ignore_eos=True, speculation=False)
+    assert wait_for(lambda: not head.head.sessions, 5)  # both ended, and so counted
+    assert c["spec_trips"] == c["spec_drafted"] == 0  # two requests, no draft
+    status, on = asyncio.run(ask({}))
+    assert status == 200 and on["choices"][0]["text"] == off["choices"][0]["text"]
+    assert wait_for(lambda: c["spec_drafted"] > 0, 5)  # the control: the same request, drafting
+    for wrong in ("no", 0, [False]):  # (null, as for every field, means the default)
+        status, error = asyncio.run(ask({"speculation": wrong}))
+        assert status == 400 and error["error"]["param"] == "speculation", error

@@ -81,6 +81,7 @@ from .reach import ReachChecker
 from .node_records import NodeInfo
 from .registry import Registry
 from .reports import Reports
+from .route_speculation import speculation_samples
 from .stats import StatsStore, route_label
 from .views import node_rows, plans_view, usage
 
@@ -225,7 +226,8 @@ class Tracker:
             self._next_stats = now + self.config.stats_interval
             self._publish(TOPIC_STATS, {"ts": time.time(), "stats": self.stats.snapshot(),
                                         "nodes": node_rows(self.registry, self.stats, self.config.cost),
-                                        "usage": usage(self._ledger)})
+                                        "usage": usage(self._ledger),
+                                        "speculation": self.reports.speculation.view()})
 
     def _expire(self) -> None:
         """Drop nodes that stopped heartbeating (cheap: handlers call it before they answer)."""
@@ -296,7 +298,7 @@ class Tracker:
                         labels={"node": n.node_id, "model": n.model}) for n in nodes]
         rows += [Sample("tracker_messages_total", "messages handled, by kind", count, "counter", {"kind": kind})
                  for kind, count in self.handled.copy().items()]
-        return rows
+        return rows + speculation_samples(self.reports.speculation.view())
 
     def handle(self, message: Message, peer: str = "", connection: bytes = b"") -> Message:
         """The reply to one decoded message; raises ProtocolError for a refusal."""
@@ -435,6 +437,7 @@ class Tracker:
             "events": self.events.recent(limit=STATUS_EVENTS),
             "stats": self.stats.snapshot(),
             "usage": usage(self._ledger),
+            "speculation": self.reports.speculation.view(),
         }
 
     # ----------------------------------------------------------------- publishing

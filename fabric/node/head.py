@@ -24,7 +24,7 @@ from ..wire.liveness import LINK_GRACE, PEER_SILENCE, PING_INTERVAL, TRACKER_SIL
 from .audit import AuditConfig, Auditor
 from .prefixes import PrefixIndex
 from .route_session import RequestError, RouteSession, Transport, encode_prompt, new_session_id
-from .speculation import Speculation, SpeculationConfig
+from .speculation import Speculation, SpeculationConfig, speculation_counts
 from .tool_use import constrained, syntax_of, tool_syntax
 
 log = logging.getLogger(__name__)
@@ -117,8 +117,8 @@ class Head:
                           reply_to=self.host.endpoint, reply_key=self.host.key, transport=self.auditor,
                           seed=secrets.randbits(62), wire_dtype=self.config.wire_dtype,
                           tool_syntax=tool_syntax(req, syntax),
-                          speculation=Speculation(self.config.speculation) if self.config.speculation.enabled
-                          else None)
+                          speculation=Speculation(self.config.speculation)
+                          if self.config.speculation.enabled and req.speculation else None)
         self.sessions[rs.session] = rs
         self.clients[rs.session] = identity
         self.requests[(identity, req.request_id)] = rs.session
@@ -214,10 +214,10 @@ class Head:
             if identity is not None:
                 self.host.reply(identity, event)
         if rs.finished:
+            self._count_speculation(rs)  # before it leaves ``sessions``: whoever sees it gone sees it counted
             self.sessions.pop(rs.session, None)
             self.requests.pop((self.clients.pop(rs.session, b""), rs.request.request_id), None)
             self.auditor.ended(rs.session)
-            self._count_speculation(rs)
             if rs.finished != "error":  # the hops keep its KV (CLOSE, CANCEL): later requests may start from it
                 self.prefixes.add(rs.session, rs.held_ids, rs.route, tenant_of(rs.request))
             self._report(rs)
@@ -238,7 +238,7 @@ class Head:
             prompt_tokens=rs.prompt_tokens, completion_tokens=len(rs.generated), elapsed=rs.elapsed,
             final=rs.finished is not None, finish_reason=rs.finished, api_key=rs.request.api_key,
             max_tokens=rs.request.max_tokens, prefilled=rs.prefilled, prefill_tokens=rs.prefill.total,
-            resumed=rs.resumed, ref=rs.ref))
+            resumed=rs.resumed, ref=rs.ref, **speculation_counts(rs.speculation)))
 
     # -- failover -----------------------------------------------------------------------
 

@@ -112,6 +112,7 @@ class Speculation:
     draft_s: float | None = None  # ...and of what a verification step's trip took beyond it, per draft
     streams: int = 1  # requests its head heads now (set by the head): they share the hops' passes
     paused: int = 0  # plain steps left before drafting again
+    steps: int = 0  # decode steps answered, plain or not: trips through the route
     trips: int = 0  # verification steps answered
     drafted: int = 0  # drafts sent in them
     kept: int = 0  # drafts kept of those
@@ -150,6 +151,7 @@ class Speculation:
         """A decode step came back after ``trip_s`` seconds: ``kept`` of its ``drafted`` drafts
         held (drafted 0: a plain step). Learn the yield and the cost; size the next step."""
         c = self.config
+        self.steps += 1
         if not drafted:
             self.plain_s = _average(self.plain_s, trip_s, c.smoothing)
             return
@@ -163,3 +165,10 @@ class Speculation:
     def stop(self) -> None:
         """No more drafts for this session (a hop could not cut its KV back)."""
         self.paused = 1 << 62
+
+
+def speculation_counts(spec: Speculation | None) -> dict[str, int]:
+    """A request's REPORT fields: decode trips, drafts sent and kept (none where it drafts nothing)."""
+    if spec is None or not spec.trips:
+        return {}
+    return {"trips": spec.steps, "drafted": spec.drafted, "kept": spec.kept}
