@@ -72,25 +72,49 @@ def test_k_follows_the_yield_against_the_cost_of_a_draft():
 def test_a_session_times_its_route_and_stops_drafting_where_it_does_not_pay():
     """Timed steps give the cost: plain trips of 100 ms, verifications 2 ms longer per draft
     (c = 0.02) on a route the head has alone. Drafts kept half the time pay there; with 8
-    streams on the same hops a draft costs 8 times that and k falls; with drafts that seldom
-    hold, the session pauses for pause_steps plain steps and then tries again."""
+    streams on the same hops a draft costs 8 times that and k falls; after drafts that seldom
+    hold, none are sent, until a probe (one draft after a 3-gram match) once ``pause_steps``
+    steps passed without any; a probe that fails doubles the wait."""
     config = SpeculationConfig(max_drafts=6, pause_steps=3, prior_accept=0.5, smoothing=0.5)
     spec = Speculation(config)
-    history = [1, 2, 3, 4] * 4
+    history = [1, 2, 3, 4] * 4  # ends with a 3-gram seen before
+    assert spec.drafts(history, 10) == [1, 2, 3]  # nothing timed: the prior cost, 0.05
     spec.answered(0, 0, 0.100)  # a plain trip: 100 ms
+    spec.matched = 3
     spec.answered(4, 2, 0.108)  # 4 drafts, 2 kept: 8 ms more
-    assert spec.cost == pytest.approx(0.02) and spec.accept == pytest.approx(0.5 + 0.75 * (2 / 3 - 0.5))
-    alone = spec.next_size()
+    assert spec.cost == pytest.approx(0.02) and spec.yields.accept[2] == pytest.approx(0.5 + 0.75 * (2 / 3 - 0.5))
+    alone = best_drafts(spec.yields.accept[2], spec.cost, 6)
     assert alone >= 3 and spec.drafts(history, 10) == [1, 2, 3, 4, 1, 2][:alone]
     spec.streams = 8
-    assert 1 <= spec.next_size() < alone
+    assert 1 <= len(spec.drafts(history, 10)) < alone
     for _ in range(8):
         spec.answered(2, 0, 0.104)  # drafts that never hold
-    assert spec.next_size() == 0
-    assert [spec.drafts(history, 10) for _ in range(4)] == [[]] * 4  # the step that found none pays, and 3
-    assert spec.accept == config.prior_accept and spec.drafts(history, 10) != []  # then a fresh try
+    assert [spec.drafts(history, 10) for _ in range(3)] == [[], [], [1]]  # 3 steps without, then a probe
+    spec.answered(1, 0, 0.101)  # it fails: twice as long before the next
+    assert [spec.drafts(history, 10) for _ in range(6)] == [[]] * 5 + [[1]]
+    assert spec.drafts([5, 6, 7, 8, 9, 6] * 1, 10) == []  # only a 1-gram match: no probe after it
     spec.stop()
     assert spec.drafts(history, 10) == []
+
+
+def test_a_head_s_requests_start_from_what_its_earlier_requests_found():
+    """Sessions of one head learn into its DraftYield, per n-gram length, and a new session starts
+    from it: after chat-like requests whose drafts after a 1-gram failed, a new request in a
+    crowd does not draft after a 1-gram, and still does after a 3-gram."""
+    from fabric.node.speculation import DraftYield
+
+    config = SpeculationConfig(smoothing=0.3)
+    shared = DraftYield.prior(config)
+    for _ in range(6):
+        old = Speculation(config, shared=shared)
+        assert old.drafts([9, 5, 7, 5], 10) != []  # "5" seen before: a 1-gram match
+        old.answered(3, 0, 0.1)
+    assert shared.accept[0] < 0.3 and shared.accept[2] == config.prior_accept
+    new = lambda: Speculation(config, shared=shared, streams=8)  # noqa: E731
+    assert new().yields.accept == shared.accept and new().yields is not shared
+    assert new().drafts([9, 5, 7, 5], 10) == []
+    assert new().drafts([1, 2, 3, 4, 1, 2, 3], 10) == [4]
+    assert Speculation(config, streams=8).drafts([9, 5, 7, 5], 10) == [7]  # (a control: from the prior, it would)
 
 
 # --------------------------------------------------------------------------- the tail's verification

@@ -24,7 +24,7 @@ from ..wire.liveness import LINK_GRACE, PEER_SILENCE, PING_INTERVAL, TRACKER_SIL
 from .audit import AuditConfig, Auditor
 from .prefixes import PrefixIndex
 from .route_session import RequestError, RouteSession, Transport, encode_prompt, new_session_id
-from .speculation import Speculation, SpeculationConfig, speculation_counts
+from .speculation import DraftYield, Speculation, SpeculationConfig, speculation_counts
 from .tool_use import constrained, syntax_of, tool_syntax
 
 log = logging.getLogger(__name__)
@@ -80,6 +80,8 @@ class Head:
         self.requests: dict[tuple[bytes, str], str] = {}  # (client identity, its request id) -> session id
         # (session, asked at) of failovers awaiting the tracker's route, in request order
         self.pending_routes: deque[tuple[str, float]] = deque()
+        # the chance a draft is kept, per n-gram length, learnt from every request headed: new ones start from it
+        self.draft_yield = DraftYield.prior(config.speculation)
         # steps re-run on replicas (fabric/node/audit.py); it is the RouteSessions' transport
         self.auditor = Auditor(audit, host, node_id, model.model_id, model.fingerprint, counters,
                                route_around=self.route_around)
@@ -117,7 +119,7 @@ class Head:
                           reply_to=self.host.endpoint, reply_key=self.host.key, transport=self.auditor,
                           seed=secrets.randbits(62), wire_dtype=self.config.wire_dtype,
                           tool_syntax=tool_syntax(req, syntax),
-                          speculation=Speculation(self.config.speculation)
+                          speculation=Speculation(self.config.speculation, shared=self.draft_yield)
                           if self.config.speculation.enabled and req.speculation else None)
         self.sessions[rs.session] = rs
         self.clients[rs.session] = identity

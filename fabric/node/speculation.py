@@ -15,8 +15,11 @@ what followed its latest occurrence.
 yields against what it costs:
 
 - yield: a draft is kept when the ones before it were and it matches, with a probability
-  ``a`` (the measured share, over the session's recent steps). A step of k drafts yields
-  E(k) = 1 + a + ... + a^k tokens.
+  ``a``: a moving average of the share kept, per length of the n-gram match that proposed
+  the drafts (after a 3-gram a copy goes on; after a 1-gram in open chat it seldom does).
+  A session starts from its head's figures (``DraftYield``, learnt from every request the
+  head heads), so a crowd of chat requests does not each pay to find out. A step of k drafts
+  yields E(k) = 1 + a + ... + a^k tokens.
 - cost: the head times its own steps, sent to answered: a plain step's trip is the route's
   round trip (every link's latency, and every hop's compute of one position); a verification
   step's trip is longer by the compute of its extra positions, ``d`` seconds per draft. The
@@ -27,8 +30,8 @@ yields against what it costs:
 k is the one of 0..max_drafts with the most tokens per unit of trip, E(k) / (1 + k c). On a
 fast route (loopback, a GPU: the trip is mostly compute) c is large and k small; over a LAN
 the trip is mostly waiting, c is small and k large; a draft pays at all only where a > c.
-When k = 0 the session sends plain steps for ``pause_steps``, which time the plain trip,
-and then tries again from the prior (the text may have turned repetitive).
+A session that has not drafted for ``pause_steps`` decode steps probes with one draft after
+a 3-gram match (its text may have turned repetitive); a probe that fails doubles the wait.
 """
 from __future__ import annotations
 
@@ -37,6 +40,7 @@ from dataclasses import dataclass, field
 from ..wire.protocol import MAX_DRAFTS
 
 MAX_NGRAM = 3  # the longest n-gram looked up; shorter ones are tried after it, down to one token
+MAX_PROBE_AFTER = 512  # decode steps between probes at most, however often they failed
 
 
 @dataclass(frozen=True)
@@ -46,9 +50,9 @@ class SpeculationConfig:
     first_drafts: int = 3  # drafts of a step while nothing is measured (``adaptive`` False: the walk's start)
     adaptive: bool = True  # k by yield against cost (above); False: every step drafts, one more after a step
     # whose drafts all held, what held and one after a rejection (tests use it to draft whatever happens)
-    pause_steps: int = 32  # plain steps after the rule found that no draft pays; then it tries again
+    pause_steps: int = 32  # decode steps without a draft before a probe (one draft after a 3-gram match)
     smoothing: float = 0.2  # weight of the newest step in the moving averages of yield and cost
-    prior_accept: float = 0.5  # the share of drafts kept, until measured (and again after a pause)
+    prior_accept: float = 0.5  # the chance a draft is kept, until a head's requests measured it
     prior_cost: float = 0.05  # a draft's cost as a share of a plain trip, until both are timed
 
     def __post_init__(self):
@@ -80,19 +84,30 @@ class Lookup:
     def propose(self, history: list[int], k: int) -> list[int]:
         """Up to ``k`` tokens that followed the longest earlier occurrence of the history's last
         n-gram. A match close to the end repeats its period (a loop continues as a loop)."""
+        n, at = self._match(history)
+        if k <= 0 or not n:
+            return []
+        period = len(history) - at
+        return [history[at + i % period] for i in range(k)]
+
+    def match_length(self, history: list[int]) -> int:
+        """The length of the longest n-gram ending the history that occurred earlier (0: none):
+        the longer, the likelier what followed it comes again."""
+        return self._match(history)[0]
+
+    def _match(self, history: list[int]) -> tuple[int, int]:
+        """(n, index of what followed the n-gram's latest earlier occurrence), (0, -1) for none;
+        the history's new tokens are indexed first."""
         end = len(history)
         for stop in range(max(self._indexed, 1), end):  # n-grams ending at stop - 1, followed by history[stop]
             for n in range(1, min(MAX_NGRAM, stop) + 1):
                 self._after[tuple(history[stop - n:stop])] = stop
         self._indexed = max(self._indexed, end)
-        if k <= 0:
-            return []
         for n in range(min(MAX_NGRAM, end - 1), 0, -1):
             at = self._after.get(tuple(history[end - n:]))
             if at is not None:
-                period = end - at
-                return [history[at + i % period] for i in range(k)]
-        return []
+                return n, at
+        return 0, -1
 
 
 def _average(old: float | None, new: float, weight: float) -> float:
@@ -100,18 +115,46 @@ def _average(old: float | None, new: float, weight: float) -> float:
 
 
 @dataclass
+class DraftYield:
+    """The chance a draft is kept (``a`` above), per length of the n-gram that proposed it
+    (index n - 1), as moving averages. A head keeps one that every session it heads learns
+    into, and each session starts from a copy of it: a request starts from what the head's
+    recent requests found (chat, seldom kept after a 1-gram match; a copy, nearly always after
+    a 3-gram), and then follows its own text."""
+
+    accept: list[float]
+
+    @classmethod
+    def prior(cls, config: SpeculationConfig) -> "DraftYield":
+        return cls([config.prior_accept] * MAX_NGRAM)
+
+    def copy(self) -> "DraftYield":
+        return DraftYield(list(self.accept))
+
+    def learn(self, n: int, drafted: int, kept: int, smoothing: float) -> None:
+        """A step of ``drafted`` drafts after an n-gram of ``n`` kept ``kept``."""
+        tries = kept + (kept < drafted)  # draws of "is the next draft kept": each kept one, and the miss
+        self.accept[n - 1] = _average(self.accept[n - 1], kept / tries, smoothing * tries / 2)
+
+
+@dataclass
 class Speculation:
     """One session's drafting: how many to send next (``drafts``), learning from each step's
-    answer (``answered``). The counts (trips, drafted, kept) are what /metrics and reports show."""
+    answer (``answered``). The counts (steps, trips, drafted, kept) are what reports show."""
 
     config: SpeculationConfig
+    shared: DraftYield | None = None  # its head's, learnt into too; None: a yield of its own from the prior
     lookup: Lookup = field(default_factory=Lookup)
+    yields: DraftYield | None = None  # its own, from a copy of ``shared`` (or the prior)
     size: int = 0  # drafts the next step may carry (``adaptive`` False)
-    accept: float = 0.0  # moving average of the share of drafts kept, as a chance per draft (a, above)
     plain_s: float | None = None  # moving average of a plain step's trip, seconds (None: none timed yet)
     draft_s: float | None = None  # ...and of what a verification step's trip took beyond it, per draft
     streams: int = 1  # requests its head heads now (set by the head): they share the hops' passes
-    paused: int = 0  # plain steps left before drafting again
+    matched: int = 0  # the n-gram length that proposed the pending step's drafts
+    idle: int = 0  # decode steps since this session last drafted
+    probe_after: int = 0  # idle steps before a probe (one draft after a 3-gram), doubled while probes fail
+    probing: bool = False  # the pending step is such a probe
+    stopped: bool = False  # a hop could not cut drafted positions off: no more drafts
     steps: int = 0  # decode steps answered, plain or not: trips through the route
     trips: int = 0  # verification steps answered
     drafted: int = 0  # drafts sent in them
@@ -119,7 +162,9 @@ class Speculation:
 
     def __post_init__(self):
         self.size = self.size or self.config.first_drafts
-        self.accept = self.accept or self.config.prior_accept
+        self.probe_after = self.probe_after or self.config.pause_steps
+        if self.yields is None:
+            self.yields = self.shared.copy() if self.shared is not None else DraftYield.prior(self.config)
 
     @property
     def cost(self) -> float:
@@ -129,23 +174,22 @@ class Speculation:
             c = self.draft_s / self.plain_s
         return c * max(1, self.streams)
 
-    def next_size(self) -> int:
-        """k for the next step (0: a plain one)."""
-        if not self.config.adaptive:
-            return self.size
-        return best_drafts(self.accept, self.cost, self.config.max_drafts)
-
     def drafts(self, history: list[int], room: int) -> list[int]:
         """The drafts for the step after ``history``, at most ``room`` (tokens the request may
         still take, less the one every step yields); [] for a plain one-token step."""
-        k = 0 if self.paused > 0 else self.next_size()
-        if self.paused > 0:
-            self.paused -= 1
-            if not self.paused:
-                self.accept = self.config.prior_accept  # try again as a new session would
-        elif k == 0:
-            self.paused = self.config.pause_steps
-        return self.lookup.propose(history, min(k, room))  # k = 0: only keeps the index up to date
+        n = self.lookup.match_length(history)  # indexes the new tokens, drafting or not
+        if self.stopped or room <= 0:
+            return []
+        if not self.config.adaptive:
+            return self.lookup.propose(history, min(self.size, room))
+        k = best_drafts(self.yields.accept[n - 1], self.cost, self.config.max_drafts) if n else 0
+        if k == 0:
+            self.idle += 1
+            if n < MAX_NGRAM or self.idle < self.probe_after:
+                return []
+            k, self.probing = 1, True  # none paid lately: try one after the likeliest kind of match
+        self.matched = n
+        return self.lookup.propose(history, min(k, room))
 
     def answered(self, drafted: int, kept: int, trip_s: float) -> None:
         """A decode step came back after ``trip_s`` seconds: ``kept`` of its ``drafted`` drafts
@@ -158,13 +202,17 @@ class Speculation:
         if self.plain_s is not None:
             self.draft_s = _average(self.draft_s, max(0.0, trip_s - self.plain_s) / drafted, c.smoothing)
         self.trips, self.drafted, self.kept = self.trips + 1, self.drafted + drafted, self.kept + kept
-        tries = kept + (kept < drafted)  # draws of "is the next draft kept": each kept one, and the miss
-        self.accept = _average(self.accept, kept / tries, c.smoothing * tries / 2)
+        if self.matched:
+            for yields in filter(None, (self.yields, self.shared)):
+                yields.learn(self.matched, drafted, kept, c.smoothing)
+        if self.probing:  # a probe that failed waits twice as long for the next
+            self.probe_after = c.pause_steps if kept else min(self.probe_after * 2, MAX_PROBE_AFTER)
+        self.idle, self.probing = 0, False
         self.size = min(c.max_drafts, self.size + 1) if kept == drafted else max(1, kept + 1)
 
     def stop(self) -> None:
         """No more drafts for this session (a hop could not cut its KV back)."""
-        self.paused = 1 << 62
+        self.stopped = True
 
 
 def speculation_counts(spec: Speculation | None) -> dict[str, int]:
