@@ -53,7 +53,9 @@ class SpeculationConfig:
     pause_steps: int = 32  # decode steps without a draft before a probe (one draft after a 3-gram match)
     smoothing: float = 0.2  # weight of the newest step in the moving averages of yield and cost
     prior_accept: float = 0.5  # the chance a draft is kept, until a head's requests measured it
-    prior_cost: float = 0.05  # a draft's cost as a share of a plain trip, until both are timed
+    # a draft's cost as a share of a plain trip, until both are timed, and at least: in a pass shared by many
+    # streams a verification's few extra positions hide in the noise, and a cost of 0 would make any draft pay
+    min_cost: float = 0.05
 
     def __post_init__(self):
         if not 1 <= self.max_drafts <= MAX_DRAFTS or not 1 <= self.first_drafts <= self.max_drafts:
@@ -169,9 +171,9 @@ class Speculation:
     @property
     def cost(self) -> float:
         """A draft's cost as a share of a plain trip (c, above), counted once per stream."""
-        c = self.config.prior_cost
+        c = self.config.min_cost
         if self.plain_s and self.draft_s is not None:
-            c = self.draft_s / self.plain_s
+            c = max(c, self.draft_s / self.plain_s)
         return c * max(1, self.streams)
 
     def drafts(self, history: list[int], room: int) -> list[int]:
