@@ -15,8 +15,9 @@ thread), a tracker and a client agent (tests/netbed_client.py), greedy chat requ
   where the machine allows it (root and ``ip netns``; else skipped, and said so).
 
 Each configuration runs twice, a cluster whose head drafts and one whose head does not,
-everything else alike. Prompts: ``copy`` (repeat a paragraph with one word changed), ``code``
-(add a docstring to a function: the function comes back) and ``chat`` (open text). Decode
+everything else alike; on loopback both are up at once and their runs alternate. Prompts:
+``copy`` (repeat a paragraph with one word changed), ``code`` (add a docstring to a function:
+the function comes back) and ``chat`` (open text). Decode
 tok/s = (tokens - 1) / (last token - first token), client timestamps, median of ``--reps``
 runs after a warm-up; the token ids with drafts are compared with those without (greedy: they
 must be the same). Ratios are on / off of the same configuration, prompt and run of the script.
@@ -75,40 +76,49 @@ def node_names(count: int) -> list[str]:
     return [NODE_NAMES[0], *NODE_NAMES[1:count - 1], *(f"n{i}" for i in range(3, count)), NODE_NAMES[-1]][:count]
 
 
-def measure(agent: netbed.Agent, model: str, tokens: int, reps: int) -> dict:
-    """Per prompt: the median decode tok/s of ``reps`` runs after a warm-up, and its token ids."""
-    out = {}
+def measure(agents: dict, model: str, tokens: int, reps: int) -> dict:
+    """Per mode (``agents``: mode -> an Agent of its cluster) and prompt: the median decode tok/s
+    of ``reps`` runs after a warm-up, and its token ids. With both modes' clusters up, each run
+    of one is followed by one of the other (off first, then on first), so a drift of the
+    machine's speed weighs on both."""
+    out = {mode: {} for mode in agents}
     for name, text in PROMPTS.items():
-        runs, ids = [], None
+        runs, ids = {mode: [] for mode in agents}, {}
         for rep in range(reps + 1):
-            events = list(agent.generate(model, [{"role": "user", "content": text}], tokens, timeout=300))
-            got = [t for e in events if e["event"] == "token" for t in e["ids"]]
-            times = [e["t"] for e in events if e["event"] == "token" and e["ids"]]
-            ids = ids or got
-            if rep and len(times) > 1:
-                runs.append((len(got) - 1) / (times[-1] - times[0]))
-        out[name] = {"tok_s": statistics.median(runs), "runs": runs, "ids": ids, "tokens": len(ids)}
+            for mode in (list(agents) if rep % 2 else list(agents)[::-1]):
+                events = list(agents[mode].generate(model, [{"role": "user", "content": text}], tokens, timeout=300))
+                got = [t for e in events if e["event"] == "token" for t in e["ids"]]
+                times = [e["t"] for e in events if e["event"] == "token" and e["ids"]]
+                ids[mode] = ids.get(mode) or got
+                if rep and len(times) > 1:
+                    runs[mode].append((len(got) - 1) / (times[-1] - times[0]))
+        for mode in agents:
+            out[mode][name] = {"tok_s": statistics.median(runs[mode]), "runs": runs[mode], "ids": ids[mode],
+                               "tokens": len(ids[mode])}
     return out
 
 
-def loopback(model: str, layers: list[str], mode: str, work: Path, cache: Path, args) -> dict:
-    work.mkdir(parents=True, exist_ok=True)
-    cluster = ProcessCluster(work, cache)
-    agent = None
+def loopback(model: str, layers: list[str], work: Path, cache: Path, args) -> dict:
+    """Both modes' clusters on loopback at once, driven by a client agent each: {mode: figures}."""
+    clusters, agents = {}, {}
     try:
-        names = start_nodes(cluster, model, layers, mode)
-        client_log = open(work / "client.log", "ab")
-        proc = subprocess.Popen([sys.executable, "-m", "tests.netbed_client", "--tracker", cluster.endpoint],
-                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=client_log, cwd=REPO,
-                                env={**os.environ, "PYTHONPATH": python_path()})
-        client_log.close()
-        agent = netbed.Agent(proc, cluster.logs)
-        agent.wait_nodes(names, model_id(model), timeout=600, procs=cluster.procs)
-        return measure(agent, model_id(model), args.tokens, args.reps)
+        for mode in MODES:
+            (work / mode).mkdir(parents=True, exist_ok=True)
+            cluster = clusters[mode] = ProcessCluster(work / mode, cache)
+            names = start_nodes(cluster, model, layers, mode)
+            client_log = open(work / mode / "client.log", "ab")
+            proc = subprocess.Popen([sys.executable, "-m", "tests.netbed_client", "--tracker", cluster.endpoint],
+                                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=client_log, cwd=REPO,
+                                    env={**os.environ, "PYTHONPATH": python_path()})
+            client_log.close()
+            agents[mode] = netbed.Agent(proc, cluster.logs)
+            agents[mode].wait_nodes(names, model_id(model), timeout=600, procs=cluster.procs)
+        return measure(agents, model_id(model), args.tokens, args.reps)
     finally:
-        if agent:
+        for agent in agents.values():
             agent.close()
-        cluster.close()
+        for cluster in clusters.values():
+            cluster.close()
 
 
 def start_nodes(cluster: ProcessCluster, model: str, layers: list[str], mode: str,
@@ -190,7 +200,7 @@ def delayed(model: str, layers: list[str], mode: str, work: Path, cache: Path, a
             bed.start_node(name, model, span, "--speculate", mode, "--audit-rate", "0")
         with bed.client("client", timeout=300) as agent:
             agent.wait_nodes(names, model_id(model), timeout=600, procs=bed.procs)
-            result = measure(agent, model_id(model), args.tokens, args.reps)
+            result = measure({mode: agent}, model_id(model), args.tokens, args.reps)[mode]
         result["delay_by"] = "netem" if bed.netem else "delay proxy"
         return result
 
@@ -264,10 +274,9 @@ def run(args, work: Path, cache: Path) -> int:
     args.model_label = "tiny random llama (6 layers)" if args.tiny else model
     layers = layer_spans(model, cache, args.nodes)
     results = {}
-    for mode in MODES if not args.streams_only else ():
-        log(f"loopback, speculation {mode}")
-        results.setdefault("loopback", {})[mode] = loopback(model, layers, mode, work / f"loopback-{mode}", cache,
-                                                            args)
+    if not args.streams_only:
+        log("loopback, speculation off and on alternating")
+        results["loopback"] = loopback(model, layers, work / "loopback", cache, args)
     if args.streams:
         log(f"loopback, {args.streams} streams, speculation off and on alternating")
         results[f"loopback {args.streams} streams"] = crowded(model, layers, work, cache, args)
