@@ -134,9 +134,13 @@ class DraftYield:
         return DraftYield(list(self.accept))
 
     def learn(self, n: int, drafted: int, kept: int, smoothing: float) -> None:
-        """A step of ``drafted`` drafts after an n-gram of ``n`` kept ``kept``."""
-        tries = kept + (kept < drafted)  # draws of "is the next draft kept": each kept one, and the miss
-        self.accept[n - 1] = _average(self.accept[n - 1], kept / tries, smoothing * tries / 2)
+        """A step of ``drafted`` drafts after an n-gram of ``n`` kept ``kept``: as many draws of
+        "is the next draft kept" as it answered (each kept one, and the miss), each moving the
+        average by ``smoothing`` (a few misses in a row bring a hopeful start down quickly)."""
+        a = self.accept[n - 1]
+        for kept_it in [1.0] * kept + [0.0] * (kept < drafted):
+            a = _average(a, kept_it, smoothing)
+        self.accept[n - 1] = a
 
 
 @dataclass
