@@ -3,7 +3,8 @@
 without (``--speculate off``), paired in one run, on copy-heavy and open prompts.
 
     python bench/speculative.py [--tiny] [--model REF] [--tokens N] [--reps R] [--delay-ms D]
-                                [--nodes N] [--streams S] [--no-netbed] [--json OUT] [--keep-logs]
+                                [--nodes N] [--streams S] [--streams-only] [--no-netbed] [--no-loopback]
+                                [--json OUT] [--keep-logs]
 
 ``--nodes`` nodes (2 by default: a head and a tail, an even share of the layers each, 1 torch
 thread), a tracker and a client agent (tests/netbed_client.py), greedy chat requests of
@@ -249,6 +250,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="concurrent streams of the crowded case on loopback; 0: skipped (default %(default)s)")
     parser.add_argument("--streams-only", action="store_true", help="only the crowded case")
     parser.add_argument("--no-netbed", action="store_true", help="loopback only")
+    parser.add_argument("--no-loopback", action="store_true", help="the delayed bed only")
     parser.add_argument("--json", default=None, help="write the figures here")
     parser.add_argument("--keep-logs", action="store_true", help="keep the work directory (logs) and print it")
     args = parser.parse_args(argv)
@@ -274,7 +276,7 @@ def run(args, work: Path, cache: Path) -> int:
     args.model_label = "tiny random llama (6 layers)" if args.tiny else model
     layers = layer_spans(model, cache, args.nodes)
     results = {}
-    if not args.streams_only:
+    if not args.streams_only and not args.no_loopback:
         log("loopback, speculation off and on alternating")
         results["loopback"] = loopback(model, layers, work / "loopback", cache, args)
     if args.streams:
