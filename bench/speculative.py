@@ -218,11 +218,11 @@ def report(results: dict, args) -> dict:
     rows = {}
     print(f"\nmodel {args.model_label}, {args.tokens} new tokens, median of {args.reps} runs, "
           f"{args.nodes} nodes x 1 thread, load {os.getloadavg()[0]:.2f}\n")
-    print(f"{'configuration':<22}{'prompt':<7}{'tokens':>7}{'off tok/s':>10}{'on tok/s':>10}{'on/off':>8}  ids")
+    print(f"{'configuration':<30}{'prompt':<7}{'tokens':>7}{'off tok/s':>10}{'on tok/s':>10}{'on/off':>8}  ids")
     for config, modes in results.items():
         if config.endswith("streams"):
             rows[config] = {k: modes[k] for k in ("off_tok_s", "on_tok_s", "ratio")} | {"same_ids": True}
-            print(f"{config:<22}{'mixed':<7}{args.tokens:>7}{modes['off_tok_s']:>10.2f}{modes['on_tok_s']:>10.2f}"
+            print(f"{config:<30}{'mixed':<7}{args.tokens:>7}{modes['off_tok_s']:>10.2f}{modes['on_tok_s']:>10.2f}"
                   f"{modes['ratio']:>8.2f}  (aggregate; median of the rounds' ratios)")
             continue
         for prompt in PROMPTS:
@@ -230,7 +230,7 @@ def report(results: dict, args) -> dict:
             row = {"off_tok_s": off["tok_s"], "on_tok_s": on["tok_s"], "ratio": on["tok_s"] / off["tok_s"],
                    "tokens": off["tokens"], "same_ids": on["ids"] == off["ids"]}
             rows[f"{config} {prompt}"] = row
-            print(f"{config:<22}{prompt:<7}{row['tokens']:>7}{row['off_tok_s']:>10.2f}{row['on_tok_s']:>10.2f}"
+            print(f"{config:<30}{prompt:<7}{row['tokens']:>7}{row['off_tok_s']:>10.2f}{row['on_tok_s']:>10.2f}"
                   f"{row['ratio']:>8.2f}  {'same' if row['same_ids'] else 'DIFFER'}")
     print()
     return rows

@@ -61,17 +61,19 @@ def test_k_follows_the_yield_against_the_cost_of_a_draft():
     """The rule: the k of most tokens per unit of trip, E(k) / (1 + k c). A draft pays only
     where its chance of being kept beats its cost; a slower trip (a larger share of waiting)
     takes more drafts; better drafts, more."""
-    assert tokens_per_trip(0.5, 0) == 1 and tokens_per_trip(0.5, 2) == 1.75
-    assert best_drafts(0.3, 0.35, 6) == 0 and best_drafts(0.4, 0.35, 6) >= 1  # a must beat c
-    fast, slow = best_drafts(0.6, 0.1, 8), best_drafts(0.6, 0.02, 8)
+    assert tokens_per_trip(0.5, 0.5, 0) == 1 and tokens_per_trip(0.5, 0.5, 2) == 1.75
+    assert tokens_per_trip(0.2, 0.9, 3) == pytest.approx(1 + 0.2 * 2.71)
+    assert best_drafts(0.3, 0.3, 0.35, 6) == 0 and best_drafts(0.4, 0.4, 0.35, 6) >= 1  # a must beat c
+    fast, slow = best_drafts(0.6, 0.6, 0.1, 8), best_drafts(0.6, 0.6, 0.02, 8)
     assert 1 <= fast < slow
-    assert best_drafts(0.9, 0.1, 8) > fast
-    assert best_drafts(1.0, 0.0, 6) == 6 and best_drafts(0.0, 0.0, 6) == 0  # ties: the fewest
+    assert best_drafts(0.9, 0.9, 0.1, 8) > fast
+    assert best_drafts(0.3, 0.9, 0.05, 8) > best_drafts(0.3, 0.3, 0.05, 8)  # runs of kept drafts: longer steps
+    assert best_drafts(1.0, 1.0, 0.0, 6) == 6 and best_drafts(0.0, 0.0, 0.0, 6) == 0  # ties: the fewest
 
 
 def test_a_session_times_its_route_and_stops_drafting_where_it_does_not_pay():
     """Timed steps give the cost: plain trips of 100 ms, verifications 10 ms longer per draft
-    (c = 0.1) on a route the head has alone. Drafts kept 44% of the time pay there (k = 2);
+    (c = 0.1) on a route the head has alone. Drafts that hold as these did pay there (k = 2);
     with 2 streams on the same hops a draft costs twice that and k falls. A cost measured
     below ``min_cost`` counts as that. After drafts that seldom hold, none are sent, until a
     probe (one draft after a 3-gram match) once ``pause_steps`` steps passed without any; a
@@ -83,8 +85,9 @@ def test_a_session_times_its_route_and_stops_drafting_where_it_does_not_pay():
     spec.answered(0, 0, 0.100)  # a plain trip: 100 ms
     spec.matched = 3
     spec.answered(4, 2, 0.140)  # 4 drafts, 2 kept: 40 ms more
-    assert spec.cost == pytest.approx(0.1) and spec.yields.accept[2] == pytest.approx(0.875 / 2)  # .75, .875, .4375
-    alone = best_drafts(spec.yields.accept[2], spec.cost, 6)
+    assert spec.cost == pytest.approx(0.1)
+    assert (spec.yields.first[2], spec.yields.then[2]) == (0.75, 0.375)  # kept: the first, one more, then a miss
+    alone = best_drafts(spec.yields.first[2], spec.yields.then[2], spec.cost, 6)
     assert alone == 2 and spec.drafts(history, 10) == [1, 2]
     spec.streams = 2
     assert len(spec.drafts(history, 10)) == 1
@@ -112,9 +115,9 @@ def test_a_head_s_requests_start_from_what_its_earlier_requests_found():
         old = Speculation(config, shared=shared)
         assert old.drafts([9, 5, 7, 5], 10) != []  # "5" seen before: a 1-gram match
         old.answered(3, 0, 0.1)
-    assert shared.accept[0] < 0.3 and shared.accept[2] == config.prior_accept
+    assert shared.first[0] < 0.3 and shared.first[2] == config.prior_accept
     new = lambda: Speculation(config, shared=shared, streams=8)  # noqa: E731
-    assert new().yields.accept == shared.accept and new().yields is not shared
+    assert new().yields == shared and new().yields is not shared
     assert new().drafts([9, 5, 7, 5], 10) == []
     assert new().drafts([1, 2, 3, 4, 1, 2, 3], 10) == [4]
     assert Speculation(config, streams=8).drafts([9, 5, 7, 5], 10) == [7]  # (a control: from the prior, it would)

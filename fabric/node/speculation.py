@@ -14,12 +14,12 @@ what followed its latest occurrence.
 ``Speculation`` decides per session how many drafts a step carries (``k``), by what a trip
 yields against what it costs:
 
-- yield: a draft is kept when the ones before it were and it matches, with a probability
-  ``a``: a moving average of the share kept, per length of the n-gram match that proposed
-  the drafts (after a 3-gram a copy goes on; after a 1-gram in open chat it seldom does).
-  A session starts from its head's figures (``DraftYield``, learnt from every request the
-  head heads), so a crowd of chat requests does not each pay to find out. A step of k drafts
-  yields E(k) = 1 + a + ... + a^k tokens.
+- yield: a step's first draft is kept with a probability ``a``, and each later one, once the
+  ones before it were, with ``b`` (drafts hold in runs: b is mostly above a): moving averages
+  per length of the n-gram match that proposed the drafts (after a 3-gram a copy goes on;
+  after a 1-gram in open chat it seldom does). A session starts from its head's figures
+  (``DraftYield``, learnt from every request the head heads), so a crowd of chat requests does
+  not each pay to find out. A step of k drafts yields E(k) = 1 + a (1 + b + ... + b^(k-1)).
 - cost: the head times its own steps, sent to answered: a plain step's trip is the route's
   round trip (every link's latency, and every hop's compute of one position); a verification
   step's trip is longer by the compute of its extra positions, ``d`` seconds per draft. The
@@ -52,7 +52,7 @@ class SpeculationConfig:
     # whose drafts all held, what held and one after a rejection (tests use it to draft whatever happens)
     pause_steps: int = 32  # decode steps without a draft before a probe (one draft after a 3-gram match)
     smoothing: float = 0.2  # weight of the newest step in the moving averages of yield and cost
-    prior_accept: float = 0.5  # the chance a draft is kept, until a head's requests measured it
+    prior_accept: float = 0.5  # the chance a draft is kept (first, and then), until a head's requests measure it
     # a draft's cost as a share of a plain trip, until both are timed, and at least: in a pass shared by many
     # streams a verification's few extra positions hide in the noise, and a cost of 0 would make any draft pay
     min_cost: float = 0.05
@@ -62,16 +62,17 @@ class SpeculationConfig:
             raise ValueError(f"drafts per step must be in [1, {MAX_DRAFTS}]")
 
 
-def tokens_per_trip(accept: float, k: int) -> float:
-    """E(k): the tokens a step of ``k`` drafts yields when each is kept with probability
-    ``accept`` once the ones before it were (and the tail always adds one)."""
-    return sum(accept ** i for i in range(k + 1))
+def tokens_per_trip(first: float, then: float, k: int) -> float:
+    """E(k): the tokens a step of ``k`` drafts yields when the first is kept with probability
+    ``first`` and each later one, once the ones before it were, with ``then`` (the tail always
+    adds one)."""
+    return 1 + first * sum(then ** i for i in range(k))
 
 
-def best_drafts(accept: float, cost: float, max_drafts: int) -> int:
+def best_drafts(first: float, then: float, cost: float, max_drafts: int) -> int:
     """The k of 0..max_drafts with the most tokens per unit of trip, E(k) / (1 + k cost)
     (``cost``: one draft's share of a plain trip); the smallest such k on a tie."""
-    return max(range(max_drafts + 1), key=lambda k: (tokens_per_trip(accept, k) / (1 + k * cost), -k))
+    return max(range(max_drafts + 1), key=lambda k: (tokens_per_trip(first, then, k) / (1 + k * cost), -k))
 
 
 class Lookup:
@@ -118,29 +119,33 @@ def _average(old: float | None, new: float, weight: float) -> float:
 
 @dataclass
 class DraftYield:
-    """The chance a draft is kept (``a`` above), per length of the n-gram that proposed it
-    (index n - 1), as moving averages. A head keeps one that every session it heads learns
-    into, and each session starts from a copy of it: a request starts from what the head's
-    recent requests found (chat, seldom kept after a 1-gram match; a copy, nearly always after
-    a 3-gram), and then follows its own text."""
+    """The chance a step's first draft is kept (``first``) and the chance a later one is, once
+    the ones before it were (``then``), per length of the n-gram that proposed them (index
+    n - 1), as moving averages. Two, not one: drafts hold in runs (a quoted phrase, a line of
+    code that comes back), so after a kept draft the next is likelier kept than the first
+    was. A head keeps one that every session it heads learns into, and each session starts
+    from a copy of it: a request starts from what the head's recent requests found (chat,
+    seldom kept after a 1-gram match; a copy, nearly always after a 3-gram), and then follows
+    its own text."""
 
-    accept: list[float]
+    first: list[float]
+    then: list[float]
 
     @classmethod
     def prior(cls, config: SpeculationConfig) -> "DraftYield":
-        return cls([config.prior_accept] * MAX_NGRAM)
+        return cls([config.prior_accept] * MAX_NGRAM, [config.prior_accept] * MAX_NGRAM)
 
     def copy(self) -> "DraftYield":
-        return DraftYield(list(self.accept))
+        return DraftYield(list(self.first), list(self.then))
 
     def learn(self, n: int, drafted: int, kept: int, smoothing: float) -> None:
-        """A step of ``drafted`` drafts after an n-gram of ``n`` kept ``kept``: as many draws of
-        "is the next draft kept" as it answered (each kept one, and the miss), each moving the
-        average by ``smoothing`` (a few misses in a row bring a hopeful start down quickly)."""
-        a = self.accept[n - 1]
-        for kept_it in [1.0] * kept + [0.0] * (kept < drafted):
-            a = _average(a, kept_it, smoothing)
-        self.accept[n - 1] = a
+        """A step of ``drafted`` drafts after an n-gram of ``n`` kept ``kept``: a draw of "is the
+        first kept", and, after it, one of "is the next kept" per later draft it answered (each
+        kept one, and the miss), each moving its average by ``smoothing``."""
+        self.first[n - 1] = _average(self.first[n - 1], float(kept > 0), smoothing)
+        if kept:
+            for kept_it in [1.0] * (kept - 1) + [0.0] * (kept < drafted):
+                self.then[n - 1] = _average(self.then[n - 1], kept_it, smoothing)
 
 
 @dataclass
@@ -188,7 +193,8 @@ class Speculation:
             return []
         if not self.config.adaptive:
             return self.lookup.propose(history, min(self.size, room))
-        k = best_drafts(self.yields.accept[n - 1], self.cost, self.config.max_drafts) if n else 0
+        y = self.yields
+        k = best_drafts(y.first[n - 1], y.then[n - 1], self.cost, self.config.max_drafts) if n else 0
         if k == 0:
             self.idle += 1
             if n < MAX_NGRAM or self.idle < self.probe_after:
