@@ -3,10 +3,12 @@
 without (``--speculate off``), paired in one run, on copy-heavy and open prompts.
 
     python bench/speculative.py [--tiny] [--model REF] [--tokens N] [--reps R] [--delay-ms D]
-                                [--no-netbed] [--json OUT] [--keep-logs]
+                                [--nodes N] [--streams S] [--streams-only] [--no-netbed] [--no-loopback]
+                                [--json OUT] [--keep-logs]
 
-Two nodes (a head and a tail, half the layers each, 1 torch thread), a tracker and a client
-agent (tests/netbed_client.py), greedy chat requests of ``--tokens`` new tokens:
+``--nodes`` nodes (2 by default: a head and a tail, an even share of the layers each, 1 torch
+thread), a tracker and a client agent (tests/netbed_client.py), greedy chat requests of
+``--tokens`` new tokens:
 
 - loopback: the processes on 127.0.0.1 (tests/cluster.py's ProcessCluster);
 - delayed: each process on a host of its own (network namespaces, tests/netbed.py) whose link
@@ -14,11 +16,17 @@ agent (tests/netbed_client.py), greedy chat requests of ``--tokens`` new tokens:
   where the machine allows it (root and ``ip netns``; else skipped, and said so).
 
 Each configuration runs twice, a cluster whose head drafts and one whose head does not,
-everything else alike. Prompts: ``copy`` (repeat a paragraph with one word changed), ``code``
-(add a docstring to a function: the function comes back) and ``chat`` (open text). Decode
+everything else alike; on loopback both are up at once and their runs alternate. Prompts:
+``copy`` (repeat a paragraph with one word changed), ``code`` (add a docstring to a function:
+the function comes back) and ``chat`` (open text). Decode
 tok/s = (tokens - 1) / (last token - first token), client timestamps, median of ``--reps``
 runs after a warm-up; the token ids with drafts are compared with those without (greedy: they
 must be the same). Ratios are on / off of the same configuration, prompt and run of the script.
+
+``--streams S`` (8 by default; 0: skipped) adds the crowded case on loopback: S concurrent
+streams (bench/concurrency.py's prompts, ``--tokens`` each, end of sequence ignored), their
+aggregate tok/s. Both clusters stay up and the waves alternate (off then on, on then off), so a
+drift of the machine's speed weighs on both; the ratio is the median of the rounds' own ratios.
 """
 from __future__ import annotations
 
@@ -30,6 +38,8 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
+import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -39,7 +49,7 @@ if str(REPO) not in sys.path:
 from bench.fabric_bench import python_path  # noqa: E402
 from bench.netbed import interrupt, log, model_id  # noqa: E402
 from tests import netbed  # noqa: E402
-from tests.cluster import ProcessCluster  # noqa: E402
+from tests.cluster import ProcessCluster, free_port, node_counters  # noqa: E402
 
 PARAGRAPH = ("The river runs past the old mill every spring, carrying snow from the mountains down to the "
              "valley. Children gather on the bridge to watch the water rise, and the miller counts the days "
@@ -60,78 +70,167 @@ PROMPTS = {
     "chat": "Explain in a few sentences why the sky is blue.",
 }
 MODES = ("off", "on")
+NODE_NAMES = ("head", "mid", "tail")  # --nodes 2: head and tail; 3: all three; more: n3, n4, ...
 
 
-def measure(agent: netbed.Agent, model: str, tokens: int, reps: int) -> dict:
-    """Per prompt: the median decode tok/s of ``reps`` runs after a warm-up, and its token ids."""
-    out = {}
+def node_names(count: int) -> list[str]:
+    return [NODE_NAMES[0], *NODE_NAMES[1:count - 1], *(f"n{i}" for i in range(3, count)), NODE_NAMES[-1]][:count]
+
+
+def measure(agents: dict, model: str, tokens: int, reps: int) -> dict:
+    """Per mode (``agents``: mode -> an Agent of its cluster) and prompt: the median decode tok/s
+    of ``reps`` runs after a warm-up, and its token ids. With both modes' clusters up, each run
+    of one is followed by one of the other (off first, then on first), so a drift of the
+    machine's speed weighs on both."""
+    out = {mode: {} for mode in agents}
     for name, text in PROMPTS.items():
-        runs, ids = [], None
+        runs, ids = {mode: [] for mode in agents}, {}
         for rep in range(reps + 1):
-            events = list(agent.generate(model, [{"role": "user", "content": text}], tokens, timeout=300))
-            got = [t for e in events if e["event"] == "token" for t in e["ids"]]
-            times = [e["t"] for e in events if e["event"] == "token" and e["ids"]]
-            ids = ids or got
-            if rep and len(times) > 1:
-                runs.append((len(got) - 1) / (times[-1] - times[0]))
-        out[name] = {"tok_s": statistics.median(runs), "runs": runs, "ids": ids, "tokens": len(ids)}
+            for mode in (list(agents) if rep % 2 else list(agents)[::-1]):
+                events = list(agents[mode].generate(model, [{"role": "user", "content": text}], tokens, timeout=300))
+                got = [t for e in events if e["event"] == "token" for t in e["ids"]]
+                times = [e["t"] for e in events if e["event"] == "token" and e["ids"]]
+                ids[mode] = ids.get(mode) or got
+                if rep and len(times) > 1:
+                    runs[mode].append((len(got) - 1) / (times[-1] - times[0]))
+        for mode in agents:
+            out[mode][name] = {"tok_s": statistics.median(runs[mode]), "runs": runs[mode], "ids": ids[mode],
+                               "tokens": len(ids[mode])}
     return out
 
 
-def loopback(model: str, layers: list[str], mode: str, work: Path, cache: Path, args) -> dict:
-    work.mkdir(parents=True, exist_ok=True)
-    cluster = ProcessCluster(work, cache)
-    agent = None
+def loopback(model: str, layers: list[str], work: Path, cache: Path, args) -> dict:
+    """Both modes' clusters on loopback at once, driven by a client agent each: {mode: figures}."""
+    clusters, agents = {}, {}
     try:
-        for name, span in zip(("head", "tail"), layers):
-            cluster.start_node(name, model, span, None, "--speculate", mode, "--audit-rate", "0")
-        client_log = open(work / "client.log", "ab")
-        proc = subprocess.Popen([sys.executable, "-m", "tests.netbed_client", "--tracker", cluster.endpoint],
-                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=client_log, cwd=REPO,
-                                env={**os.environ, "PYTHONPATH": python_path()})
-        client_log.close()
-        agent = netbed.Agent(proc, cluster.logs)
-        agent.wait_nodes(["head", "tail"], model_id(model), timeout=600, procs=cluster.procs)
-        return measure(agent, model_id(model), args.tokens, args.reps)
+        for mode in MODES:
+            (work / mode).mkdir(parents=True, exist_ok=True)
+            cluster = clusters[mode] = ProcessCluster(work / mode, cache)
+            names = start_nodes(cluster, model, layers, mode)
+            client_log = open(work / mode / "client.log", "ab")
+            proc = subprocess.Popen([sys.executable, "-m", "tests.netbed_client", "--tracker", cluster.endpoint],
+                                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=client_log, cwd=REPO,
+                                    env={**os.environ, "PYTHONPATH": python_path()})
+            client_log.close()
+            agents[mode] = netbed.Agent(proc, cluster.logs)
+            agents[mode].wait_nodes(names, model_id(model), timeout=600, procs=cluster.procs)
+        return measure(agents, model_id(model), args.tokens, args.reps)
     finally:
-        if agent:
+        for agent in agents.values():
             agent.close()
-        cluster.close()
+        for cluster in clusters.values():
+            cluster.close()
+
+
+def start_nodes(cluster: ProcessCluster, model: str, layers: list[str], mode: str,
+                metrics: dict | None = None) -> list[str]:
+    """The route's nodes; with ``metrics``, each serves /metrics on a port noted there by name."""
+    names = node_names(len(layers))
+    for name, span in zip(names, layers):
+        extra = ()
+        if metrics is not None:
+            metrics[name] = free_port()
+            extra = ("--metrics-port", str(metrics[name]))
+        cluster.start_node(name, model, span, None, "--speculate", mode, "--audit-rate", "0", *extra)
+    return names
+
+
+def counters(ports: dict) -> dict:
+    """What the crowded case's nodes counted: the head's drafts, and each node's hops and batches."""
+    wanted = ("spec_trips", "spec_drafted", "spec_kept", "hops", "batched_hops", "riding_chunks", "rolled_back")
+    return {name: {k: v for k, v in node_counters(port).items() if k in wanted} for name, port in ports.items()}
+
+
+def crowded(model: str, layers: list[str], work: Path, cache: Path, args) -> dict:
+    """``args.streams`` concurrent streams on two loopback clusters, one drafting and one not,
+    both up: waves alternate off, on (a warm-up round first). Aggregate tok/s per round."""
+    clusters, ports = {}, {mode: {} for mode in MODES}
+    try:
+        for mode in MODES:
+            (work / f"streams-{mode}").mkdir(parents=True, exist_ok=True)
+            cluster = clusters[mode] = ProcessCluster(work / f"streams-{mode}", cache)
+            names = start_nodes(cluster, model, layers, mode, ports[mode])
+            cluster.wait_nodes(names, model_id(model), timeout=600)
+        rounds = []
+        for rep in range(args.reps + 1):
+            order = MODES if rep % 2 else MODES[::-1]  # off first, then on first: a trend weighs on both
+            figures = {mode: wave(clusters[mode].endpoint, model_id(model), args.streams, args.tokens)
+                       for mode in order}
+            log(f"{args.streams} streams, round {rep}: " + ", ".join(f"{m} {t:.1f} tok/s" for m, t in figures.items()))
+            if rep:
+                rounds.append(figures)
+        seen = {mode: counters(ports[mode]) for mode in MODES}
+        log(f"{args.streams} streams, counters: {json.dumps(seen)}")
+        return {"rounds": rounds, "counters": seen, "ratio": statistics.median(r["on"] / r["off"] for r in rounds),
+                "off_tok_s": statistics.median(r["off"] for r in rounds),
+                "on_tok_s": statistics.median(r["on"] for r in rounds)}
+    finally:
+        for cluster in clusters.values():
+            cluster.close()
+
+
+def wave(tracker: str, model: str, streams: int, tokens: int) -> float:
+    """Aggregate tok/s of ``streams`` concurrent greedy generations of ``tokens`` each."""
+    from bench.concurrency import PROMPTS as CHAT
+    from fabric import Client
+
+    counts = [0] * streams
+
+    def one(i: int) -> None:
+        with Client(tracker, timeout=300) as client:
+            for event in client.generate(model, messages=[{"role": "user", "content": CHAT[i % len(CHAT)]}],
+                                         max_tokens=tokens, ignore_eos=True):
+                counts[i] += len(event.token_ids)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(streams)]
+    start = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return sum(counts) / (time.perf_counter() - start)
 
 
 def delayed(model: str, layers: list[str], mode: str, work: Path, cache: Path, args) -> dict:
     with netbed.Netbed(work, cache) as bed:
-        for host in ("tracker", "head", "tail", "client"):
+        names = node_names(len(layers))
+        for host in ("tracker", *names, "client"):
             bed.add_host(host, delay=args.delay_ms / 1000)
         bed.start_tracker("tracker")
-        for name, span in zip(("head", "tail"), layers):
+        for name, span in zip(names, layers):
             bed.start_node(name, model, span, "--speculate", mode, "--audit-rate", "0")
         with bed.client("client", timeout=300) as agent:
-            agent.wait_nodes(["head", "tail"], model_id(model), timeout=600, procs=bed.procs)
-            result = measure(agent, model_id(model), args.tokens, args.reps)
+            agent.wait_nodes(names, model_id(model), timeout=600, procs=bed.procs)
+            result = measure({mode: agent}, model_id(model), args.tokens, args.reps)[mode]
         result["delay_by"] = "netem" if bed.netem else "delay proxy"
         return result
 
 
-def layer_spans(model: str, cache: Path) -> list[str]:
+def layer_spans(model: str, cache: Path, nodes: int) -> list[str]:
     from fabric.compute.models import load_config, resolve
     from fabric.wire.shard import even_split
 
     num_layers = load_config(resolve(model), cache / "meshnet").num_hidden_layers
-    return [f"{s.start}-{s.end}" for s in even_split(num_layers, 2)]
+    return [f"{s.start}-{s.end}" for s in even_split(num_layers, nodes)]
 
 
 def report(results: dict, args) -> dict:
     rows = {}
-    print(f"\nmodel {args.model_label}, {args.tokens} new tokens, median of {args.reps} runs, 2 nodes x 1 thread\n")
-    print(f"{'configuration':<22}{'prompt':<7}{'tokens':>7}{'off tok/s':>10}{'on tok/s':>10}{'on/off':>8}  ids")
+    print(f"\nmodel {args.model_label}, {args.tokens} new tokens, median of {args.reps} runs, "
+          f"{args.nodes} nodes x 1 thread, load {os.getloadavg()[0]:.2f}\n")
+    print(f"{'configuration':<30}{'prompt':<7}{'tokens':>7}{'off tok/s':>10}{'on tok/s':>10}{'on/off':>8}  ids")
     for config, modes in results.items():
+        if config.endswith("streams"):
+            rows[config] = {k: modes[k] for k in ("off_tok_s", "on_tok_s", "ratio")} | {"same_ids": True}
+            print(f"{config:<30}{'mixed':<7}{args.tokens:>7}{modes['off_tok_s']:>10.2f}{modes['on_tok_s']:>10.2f}"
+                  f"{modes['ratio']:>8.2f}  (aggregate; median of the rounds' ratios)")
+            continue
         for prompt in PROMPTS:
             off, on = modes["off"][prompt], modes["on"][prompt]
             row = {"off_tok_s": off["tok_s"], "on_tok_s": on["tok_s"], "ratio": on["tok_s"] / off["tok_s"],
                    "tokens": off["tokens"], "same_ids": on["ids"] == off["ids"]}
             rows[f"{config} {prompt}"] = row
-            print(f"{config:<22}{prompt:<7}{row['tokens']:>7}{row['off_tok_s']:>10.2f}{row['on_tok_s']:>10.2f}"
+            print(f"{config:<30}{prompt:<7}{row['tokens']:>7}{row['off_tok_s']:>10.2f}{row['on_tok_s']:>10.2f}"
                   f"{row['ratio']:>8.2f}  {'same' if row['same_ids'] else 'DIFFER'}")
     print()
     return rows
@@ -146,7 +245,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--delay-ms", type=float, default=7.5,
                         help="one-way delay of each host's link in the delayed bed; head to tail and back crosses "
                              "four (default %(default)s: a 30 ms round trip)")
+    parser.add_argument("--nodes", type=int, default=2, help="nodes of the route, an even split (default %(default)s)")
+    parser.add_argument("--streams", type=int, default=8,
+                        help="concurrent streams of the crowded case on loopback; 0: skipped (default %(default)s)")
+    parser.add_argument("--streams-only", action="store_true", help="only the crowded case")
     parser.add_argument("--no-netbed", action="store_true", help="loopback only")
+    parser.add_argument("--no-loopback", action="store_true", help="the delayed bed only")
     parser.add_argument("--json", default=None, help="write the figures here")
     parser.add_argument("--keep-logs", action="store_true", help="keep the work directory (logs) and print it")
     args = parser.parse_args(argv)
@@ -170,16 +274,19 @@ def run(args, work: Path, cache: Path) -> int:
 
         model = str(make_model("llama", work / "tiny-llama"))
     args.model_label = "tiny random llama (6 layers)" if args.tiny else model
-    layers = layer_spans(model, cache)
-    results = {"loopback": {}}
-    for mode in MODES:
-        log(f"loopback, speculation {mode}")
-        results["loopback"][mode] = loopback(model, layers, mode, work / f"loopback-{mode}", cache, args)
-    reason = "--no-netbed" if args.no_netbed else netbed.unavailable()
+    layers = layer_spans(model, cache, args.nodes)
+    results = {}
+    if not args.streams_only and not args.no_loopback:
+        log("loopback, speculation off and on alternating")
+        results["loopback"] = loopback(model, layers, work / "loopback", cache, args)
+    if args.streams:
+        log(f"loopback, {args.streams} streams, speculation off and on alternating")
+        results[f"loopback {args.streams} streams"] = crowded(model, layers, work, cache, args)
+    reason = "--no-netbed" if args.no_netbed or args.streams_only else netbed.unavailable()
     if reason:
         log(f"no delayed bed: {reason}")
     else:
-        name = f"{4 * args.delay_ms:g} ms round trip"
+        name = f"{4 * args.delay_ms:g} ms round trip" + (f", {args.nodes} nodes" if args.nodes != 2 else "")
         results[name] = {}
         for mode in MODES:
             log(f"{name}, speculation {mode}")

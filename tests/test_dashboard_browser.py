@@ -373,3 +373,37 @@ def test_topology_shows_a_fetch_from_peers_and_the_peer_it_caught(browser, threa
         shot(page, "topology-fetch-from-peers")
     finally:
         webui.close()
+
+
+def test_speculation_shows_on_the_call_wall_and_the_topology(browser, thread_cluster, tiny_models):
+    """A request whose head drafts: the Call wall's recent row gives the share of its drafts the
+    tail kept and its tokens per trip, and the model's topology block the same per route, from
+    the tracker's reports (not from this page's own request)."""
+    import dataclasses
+
+    from fabric.node.speculation import SpeculationConfig
+
+    model = tiny_models("llama")
+    head = thread_cluster.add_node(model, 0, 2, 6, "head", progress_interval=0.05)
+    thread_cluster.add_node(model, 3, 5, 6, "tail")
+    thread_cluster.wait_routable(model.name, 2)
+    head.head.config = dataclasses.replace(head.head.config, speculation=SpeculationConfig(adaptive=False))
+    webui = WebUIThread(WebUIConfig(tracker=thread_cluster.endpoint, pub=thread_cluster.tracker.pub_endpoint,
+                                    port=free_port()))
+    try:
+        page = browser.new_page(viewport={"width": 1440, "height": 1000})
+        page.goto(webui.url)
+        page.locator("#topology .model-block").first.wait_for(timeout=WAIT_MS)
+        with thread_cluster.client() as client:
+            ids = [e.request_id for e in client.generate(model.name, prompt="a b c d a b c d a b c d a b",
+                                                         max_tokens=24, ignore_eos=True)]
+        row = page.locator(f"#calls-recent tr[data-key='{ids[0]}']")
+        row.wait_for(timeout=WAIT_MS)
+        kept, per_trip = row.locator("td.acceptance").text_content(), row.locator("td.per-trip").text_content()
+        assert re.fullmatch(r"\d+%", kept) and float(per_trip) >= 1.0, (kept, per_trip)
+        line = page.locator(f"#topology .model-block[data-model='{model.name}'] .plan-line.speculation")
+        line.wait_for(timeout=WAIT_MS)
+        assert "head → tail" in line.text_content() and "of drafts kept" in line.text_content()
+        shot(page, "dashboard-speculation")
+    finally:
+        webui.close()

@@ -16,7 +16,7 @@ from fabric.compute.kv import KVStore
 from fabric.compute.models import load_shard, resolve
 from fabric.compute.sampling import sample
 from fabric.node.asks import SessionAsks
-from fabric.node.speculation import Lookup, Speculation, SpeculationConfig
+from fabric.node.speculation import Lookup, Speculation, SpeculationConfig, best_drafts, tokens_per_trip
 from fabric.wire import protocol as p
 from fabric.wire.shard import Shard
 
@@ -42,25 +42,85 @@ def test_lookup_grows_with_the_history_and_takes_the_latest_occurrence():
     assert lookup.propose(history, 0) == []
 
 
-def test_speculation_sizes_its_drafts_and_pauses_when_they_do_not_hold():
-    config = SpeculationConfig(max_drafts=5, first_drafts=2, min_rate=0.3, pause_steps=3)
-    spec = Speculation(config)
+def test_a_walk_without_the_rule_grows_after_full_steps_and_shrinks_after_a_rejection():
+    spec = Speculation(SpeculationConfig(max_drafts=5, first_drafts=2, adaptive=False))
     history = [1, 2, 3, 4] * 4
     assert spec.drafts(history, room=10) == [1, 2]
-    spec.verified(2, 2)
+    spec.answered(2, 2, 0.1)
     assert spec.drafts(history, room=10) == [1, 2, 3]  # all kept: one more
     assert spec.drafts(history, room=1) == [1]  # never past what the request may still take
-    spec.verified(3, 1)
+    spec.answered(3, 1, 0.1)
     assert spec.size == 2  # a rejection: what held, and one
-    for _ in range(3):  # the average falls 0.8, 0.56, 0.39, 0.27: under 0.3
-        spec.verified(2, 0)
-    assert spec.paused == 3 and [spec.drafts(history, 10) for _ in range(3)] == [[], [], []]
-    assert spec.drafts(history, 10) == [1, 2]  # and then tries again
-    assert (spec.trips, spec.drafted, spec.kept) == (5, 11, 3)
-    spec.crowded = True  # its head heads more than max_streams requests
+    for _ in range(6):
+        spec.answered(2, 0, 0.1)
+    assert spec.drafts(history, 10) == [1]  # drafts whatever happens
+    assert (spec.trips, spec.drafted, spec.kept) == (8, 17, 3)
+
+
+def test_k_follows_the_yield_against_the_cost_of_a_draft():
+    """The rule: the k of most tokens per unit of trip, E(k) / (1 + k c). A draft pays only
+    where its chance of being kept beats its cost; a slower trip (a larger share of waiting)
+    takes more drafts; better drafts, more."""
+    assert tokens_per_trip(0.5, 0.5, 0) == 1 and tokens_per_trip(0.5, 0.5, 2) == 1.75
+    assert tokens_per_trip(0.2, 0.9, 3) == pytest.approx(1 + 0.2 * 2.71)
+    assert best_drafts(0.3, 0.3, 0.35, 6) == 0 and best_drafts(0.4, 0.4, 0.35, 6) >= 1  # a must beat c
+    fast, slow = best_drafts(0.6, 0.6, 0.1, 8), best_drafts(0.6, 0.6, 0.02, 8)
+    assert 1 <= fast < slow
+    assert best_drafts(0.9, 0.9, 0.1, 8) > fast
+    assert best_drafts(0.3, 0.9, 0.05, 8) > best_drafts(0.3, 0.3, 0.05, 8)  # runs of kept drafts: longer steps
+    assert best_drafts(1.0, 1.0, 0.0, 6) == 6 and best_drafts(0.0, 0.0, 0.0, 6) == 0  # ties: the fewest
+
+
+def test_a_session_times_its_route_and_stops_drafting_where_it_does_not_pay():
+    """Timed steps give the cost: plain trips of 100 ms, verifications 10 ms longer per draft
+    (c = 0.1) on a route the head has alone. Drafts that hold as these did pay there (k = 2);
+    with 2 streams on the same hops a draft costs twice that and k falls. A cost measured
+    below ``min_cost`` counts as that. After drafts that seldom hold, none are sent, until a
+    probe (one draft after a 3-gram match) once ``pause_steps`` steps passed without any; a
+    probe that fails doubles the wait."""
+    config = SpeculationConfig(max_drafts=6, pause_steps=3, prior_accept=0.5, smoothing=0.5)
+    spec = Speculation(config)
+    history = [1, 2, 3, 4] * 4  # ends with a 3-gram seen before
+    assert spec.drafts(history, 10) == [1, 2, 3]  # nothing timed: the least cost, 0.05
+    spec.answered(0, 0, 0.100)  # a plain trip: 100 ms
+    spec.matched = 3
+    spec.answered(4, 2, 0.140)  # 4 drafts, 2 kept: 40 ms more
+    assert spec.cost == pytest.approx(0.1)
+    assert (spec.yields.first[2], spec.yields.then[2]) == (0.75, 0.375)  # kept: the first, one more, then a miss
+    alone = best_drafts(spec.yields.first[2], spec.yields.then[2], spec.cost, 6)
+    assert alone == 2 and spec.drafts(history, 10) == [1, 2]
+    spec.streams = 2
+    assert len(spec.drafts(history, 10)) == 1
+    spec.streams = 1
+    for _ in range(12):
+        spec.answered(2, 0, 0.100)  # drafts that never hold, and cost nothing measurable
+    assert spec.cost == config.min_cost
+    assert [spec.drafts(history, 10) for _ in range(3)] == [[], [], [1]]  # 3 steps without, then a probe
+    spec.answered(1, 0, 0.101)  # it fails: twice as long before the next
+    assert [spec.drafts(history, 10) for _ in range(6)] == [[]] * 5 + [[1]]
+    assert spec.drafts([5, 6, 7, 8, 9, 6] * 1, 10) == []  # only a 1-gram match: no probe after it
+    spec.stop()
     assert spec.drafts(history, 10) == []
-    spec.crowded = False
-    assert spec.drafts(history, 10) == [1, 2]
+
+
+def test_a_head_s_requests_start_from_what_its_earlier_requests_found():
+    """Sessions of one head learn into its DraftYield, per n-gram length, and a new session starts
+    from it: after chat-like requests whose drafts after a 1-gram failed, a new request in a
+    crowd does not draft after a 1-gram, and still does after a 3-gram."""
+    from fabric.node.speculation import DraftYield
+
+    config = SpeculationConfig(smoothing=0.3)
+    shared = DraftYield.prior(config)
+    for _ in range(6):
+        old = Speculation(config, shared=shared)
+        assert old.drafts([9, 5, 7, 5], 10) != []  # "5" seen before: a 1-gram match
+        old.answered(3, 0, 0.1)
+    assert shared.first[0] < 0.3 and shared.first[2] == config.prior_accept
+    new = lambda: Speculation(config, shared=shared, streams=8)  # noqa: E731
+    assert new().yields == shared and new().yields is not shared
+    assert new().drafts([9, 5, 7, 5], 10) == []
+    assert new().drafts([1, 2, 3, 4, 1, 2, 3], 10) == [4]
+    assert Speculation(config, streams=8).drafts([9, 5, 7, 5], 10) == [7]  # (a control: from the prior, it would)
 
 
 # --------------------------------------------------------------------------- the tail's verification
@@ -217,3 +277,37 @@ def test_a_verification_steps_tail_tap_covers_only_the_positions_kept(tiny_model
     tap, (inputs, outputs) = taps.tap(Work(msg, x[:, 6:]), result, tokens)
     assert (tap.pos, tap.token, inputs.shape[0], outputs.shape[0]) == (6, tokens[-1].token, 2, 1)
     assert torch.equal(inputs, sketch(x[:, 6:8])) and torch.equal(outputs, sketch(result.verify[1]))
+
+
+def test_a_verification_step_of_a_batched_session_stays_in_its_row(tail):
+    """Two sessions decode as rows of the batch group; one sends a verification step (a token
+    and 3 drafts) in the same pass as the other's decode step. It runs in its row, in place
+    (no copy out, no copy back: it stays in the group, and its next decode step batches with
+    the other's), its logits are those of the same positions on a cache of its own, and after
+    the tail rejects the drafts the next batched step cuts them off the row and goes on as
+    if they had never been there."""
+    from fabric.compute.executor import Chunk, Step
+
+    last = 5
+    prompt = torch.tensor([[1, 17, 40, 99, 23, 61]])  # (1, 6)
+    for s in ("a", "b", "ref"):
+        tail.run(s, 0, last, prompt, 0)
+    tail.run_batch([Step(s, 0, last, torch.tensor([[7]]), 6) for s in ("a", "b")])  # both join the group
+    group, row = tail.kv.get("b").group, tail.kv.get("b").row
+    assert group is not None
+    buffer = group.keys[0].data_ptr()
+    tail.run("ref", 0, last, torch.tensor([[7]]), 6)
+    step = Step("b", 0, last, torch.tensor([[8, 5, 5, 5]]), 7, drafts=3)
+    a_out, b_out = tail.run_mixed([Step("a", 0, last, torch.tensor([[8]]), 7)], [Chunk(step)])
+    want = tail.run("ref", 0, last, torch.tensor([[8, 5, 5, 5]]), 7, drafts=3)
+    kv = tail.kv.get("b")
+    assert (kv.group, kv.row, kv.length, kv.drafted) == (group, row, 11, 3) and int(group.lengths[row]) == 11
+    assert group.keys[0].data_ptr() == buffer  # in place: the group's buffers were not rebuilt
+    close = torch.equal if tail.w.dtype == torch.bfloat16 else lambda x, y: torch.allclose(x, y, atol=1e-4)
+    assert close(b_out.verify, want.verify) and a_out.logits is not None
+    # no draft kept: the next decode step comes at position 8, inside the drafts, batched with a's
+    outs = tail.run_batch([Step(s, 0, last, torch.tensor([[9]]), 8) for s in ("a", "b")])
+    assert kv.group is group and kv.row == row and kv.length == 9 and int(group.lengths[row]) == 9
+    ref = tail.run("ref", 0, last, torch.tensor([[9]]), 8).logits  # cut back on its own cache the same way
+    assert close(outs[1].logits, ref) and close(outs[1].logits, outs[0].logits)  # b's history is now a's
+    assert not close(outs[1].logits, b_out.verify[1])  # (a control: the rejected draft there gave others)

@@ -93,7 +93,7 @@ def test_greedy_text_is_the_same_with_and_without_speculation(thread_cluster, ti
     assert [generate(thread_cluster, model, prompt) for prompt in prompts] == plain  # drafts by lookup
     trips, drafted = tail.counters["hops"], head.counters["spec_drafted"]
     monkeypatch.setattr(spec_module.Lookup, "propose", oracle(model, prompts, plain))
-    speculate(head, SpeculationConfig(min_rate=0.0))
+    speculate(head, SpeculationConfig(adaptive=False))
     assert [generate(thread_cluster, model, prompt) for prompt in prompts] == plain  # drafts that mostly hold
     c = head.counters  # counted once the DONE event has left: wait for the last request's
     assert wait_for(lambda: 0 < c["spec_kept"] < c["spec_drafted"] and c["spec_drafted"] >= drafted + 6, 5)
@@ -108,7 +108,7 @@ def test_drafts_that_never_hold_change_nothing(thread_cluster, tiny_models, monk
     plain = [generate(thread_cluster, model, prompt) for prompt in PROMPTS]
     never = lambda self, history, k: [319 - t for t in history[-k:]] if k > 0 else []  # noqa: E731
     monkeypatch.setattr(spec_module.Lookup, "propose", never)
-    speculate(head, SpeculationConfig(min_rate=0.0))  # and drafting never pauses
+    speculate(head, SpeculationConfig(adaptive=False))  # and drafting never pauses
     wrong = [generate(thread_cluster, model, prompt) for prompt in PROMPTS]
     assert wrong == plain
     assert wait_for(lambda: head.counters["spec_trips"] > 0, 5) and tail.counters["rolled_back"] > 0
@@ -149,7 +149,7 @@ def test_a_failover_in_mid_speculation_keeps_the_text(thread_cluster, tiny_model
     prompt = PROMPTS[0]
     plain = generate(thread_cluster, model, prompt)
     monkeypatch.setattr(spec_module.Lookup, "propose", oracle(model, [prompt], [plain]))
-    speculate(head, SpeculationConfig(min_rate=0.0))
+    speculate(head, SpeculationConfig(adaptive=False))
     got, victim = [], None
     with thread_cluster.client() as client:
         for event in client.generate(model.name, prompt=prompt, max_tokens=TOKENS):
@@ -180,7 +180,7 @@ def test_the_next_turn_reuses_only_what_was_kept(thread_cluster, tiny_models, mo
     stop = tok.decode(first[20:22], skip_special_tokens=True)  # it ends in mid-step, after a draft kept
     first = generate(thread_cluster, model, prompt, stop=stop)
     monkeypatch.setattr(spec_module.Lookup, "propose", oracle(model, [prompt], [first], right=lambda at, i: i == 0))
-    speculate(head, SpeculationConfig(min_rate=0.0, first_drafts=4))
+    speculate(head, SpeculationConfig(adaptive=False, first_drafts=4))
     assert generate(thread_cluster, model, prompt, stop=stop) == first
     assert wait_for(lambda: head.counters["spec_kept"] > 0, 5)
     follow = prompt + tok.decode(first, skip_special_tokens=True) + " and"
@@ -209,10 +209,45 @@ def test_audits_of_speculating_requests_convict_nobody(thread_cluster, tiny_mode
     speculate(head, OFF)
     plain = [generate(thread_cluster, model, prompt) for prompt in prompts]
     monkeypatch.setattr(spec_module.Lookup, "propose", oracle(model, prompts, plain))
-    speculate(head, SpeculationConfig(min_rate=0.0))
+    speculate(head, SpeculationConfig(adaptive=False))
     audits = head.counters["audits"]
     assert [generate(thread_cluster, model, prompt) for prompt in prompts] == plain
     c = head.counters
     assert wait_for(lambda: c["spec_kept"] > 0 and c["audits_passed"] + c["audits_unsettled"] + c["audits_skipped"]
                     >= c["audits"] >= audits + 2, 30)
     assert c["audits_convicted"] == 0 and c["audits_unsettled"] == 0 and c["audits_passed"] >= audits + 2
+
+
+def test_a_request_can_turn_speculation_off(thread_cluster, tiny_models):
+    """``speculation: false`` in the HTTP body (and ``speculation=False`` on the Client) reaches
+    the head as GENERATE.speculation: the head drafts nothing for that request, though it drafts
+    for every other (``adaptive`` off: whatever happens), and the text is the same. A value that
+    is not a boolean is a 400 naming the field, before anything reaches the fabric."""
+    import asyncio
+
+    from fabric import AsyncClient
+    from webui import WebUIConfig, create_app
+
+    model = tiny_models("llama")
+    head, _ = split(thread_cluster, model, torch.bfloat16)
+    speculate(head, SpeculationConfig(adaptive=False))
+    c = head.counters
+    body = {"model": model.name, "prompt": PROMPTS[0], "max_tokens": TOKENS, "temperature": 0, "ignore_eos": True}
+
+    async def ask(extra: dict) -> tuple[int, dict]:
+        async with AsyncClient(thread_cluster.endpoint, timeout=30) as fabric:
+            client = create_app(WebUIConfig(tracker=thread_cluster.endpoint), fabric).test_client()
+            response = await client.post("/v1/completions", json={**body, **extra})
+            return response.status_code, await response.get_json()
+
+    status, off = asyncio.run(ask({"speculation": False}))
+    assert status == 200
+    assert generate(thread_cluster, model, PROMPTS[0], ignore_eos=True, speculation=False)
+    assert wait_for(lambda: not head.head.sessions, 5)  # both ended, and so counted
+    assert c["spec_trips"] == c["spec_drafted"] == 0  # two requests, no draft
+    status, on = asyncio.run(ask({}))
+    assert status == 200 and on["choices"][0]["text"] == off["choices"][0]["text"]
+    assert wait_for(lambda: c["spec_drafted"] > 0, 5)  # the control: the same request, drafting
+    for wrong in ("no", 0, [False]):  # (null, as for every field, means the default)
+        status, error = asyncio.run(ask({"speculation": wrong}))
+        assert status == 400 and error["error"]["param"] == "speculation", error

@@ -512,3 +512,41 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def test_speculation_shows_per_request_and_per_route(start, context):
+    """A head's REPORTs carry a request's decode trips, drafts sent and drafts kept: the progress
+    and completion events give the share kept and tokens per trip (the dashboard's Call wall),
+    and completions add up per route in status (`meshnet status`), in the stats feed (the swarm
+    view) and in /metrics. A request that drafted nothing adds nothing; counts that cannot be
+    are refused."""
+    import dataclasses
+
+    running = start()
+    peer = running.peer
+    sub = Subscriber(context, running.tracker.pub_endpoint)
+    sub.until(lambda topic, _: topic == b"stats")
+    peer.call(register("a", 0, 14))
+    peer.call(register("b", 15, 29))
+    drafts = dict(trips=10, drafted=20, kept=15)  # 10 trips gave 25 tokens
+    assert isinstance(peer.call(dataclasses.replace(report("r1", 8, 0.5, final=False), **drafts)), Ack)
+    _, event = sub.until(lambda t, e: t == b"events" and e["kind"] == "progress")
+    assert (event["acceptance"], event["tokens_per_trip"]) == (0.75, 2.5) and "75% of drafts kept" in event["message"]
+    peer.call(dataclasses.replace(report("r1", 25, 1.0, final=True, reason="stop"), **drafts))
+    peer.call(dataclasses.replace(report("r2", 30, 1.0, final=True, reason="stop"), trips=30, drafted=10, kept=0))
+    peer.call(report("r3", 30, 1.0, final=True, reason="stop"))  # no drafts: not counted
+    _, event = sub.until(lambda t, e: t == b"events" and e["kind"] == "complete" and e["key"] == "r2")
+    assert (event["acceptance"], event["tokens_per_trip"]) == (0.0, 1.0)
+    body = peer.status()
+    (route,) = body["speculation"]["m"]
+    assert route == {"route": ["a", "b"], "requests": 2, "trips": 40, "drafted": 30, "kept": 15,
+                     "acceptance": 0.5, "tokens_per_trip": 1.375}
+    assert "speculation a -> b: 2 requests, 50% of drafts kept, 1.38 tokens a trip" in format_status(body)
+    _, stats = sub.until(lambda t, s: t == b"stats" and s.get("speculation", {}).get("m"))
+    assert stats["speculation"]["m"][0]["tokens_per_trip"] == 1.375
+    rows = {(s.name, s.labels.get("route")): s.value for s in running.tracker.metrics()}
+    assert rows[("tracker_route_spec_kept_total", "a>b")] == 15
+    assert rows[("tracker_route_spec_tokens_per_trip", "a>b")] == 1.375
+    for wrong in (dict(trips=1, drafted=2, kept=3), dict(trips=1, drafted=20, kept=9), dict(trips=-1)):
+        refused = peer.call(dataclasses.replace(report("r4", 5, 1.0, final=False), **wrong))
+        assert isinstance(refused, Error) and refused.code == "bad_request", refused

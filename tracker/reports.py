@@ -23,6 +23,7 @@ from .planner import (
     route_link_seconds,
 )
 from .registry import Registry
+from .route_speculation import RouteSpeculation, rates
 from .stats import Completion, StatsStore, decode_timing
 
 log = logging.getLogger(__name__)
@@ -47,7 +48,20 @@ def _progress_line(msg: Report, tps: float) -> str:
     """The progress event's one line: the prefill while one runs, else the tokens so far."""
     if msg.prefilled < msg.prefill_tokens:
         return f"prefill {msg.prefilled} / {msg.prefill_tokens} tokens"
-    return f"{msg.completion_tokens} tokens · {tps:.1f} tok/s"
+    return f"{msg.completion_tokens} tokens · {tps:.1f} tok/s{_drafts_line(msg)}"
+
+
+def _drafts_line(msg: Report) -> str:
+    """`` · 62% of drafts kept, 2.41 tok/trip`` for a request that drafted; "" else."""
+    if not msg.drafted:
+        return ""
+    r = rates(msg.trips, msg.drafted, msg.kept)
+    return f" · {r['acceptance']:.0%} of drafts kept, {r['tokens_per_trip']:.2f} tok/trip"
+
+
+def _drafts(msg: Report) -> dict:
+    """A report's speculation for its event: trips, drafts sent and kept, and their rates."""
+    return {"trips": msg.trips, "drafted": msg.drafted, "kept": msg.kept, **rates(msg.trips, msg.drafted, msg.kept)}
 
 
 class Reports:
@@ -56,6 +70,7 @@ class Reports:
         self.registry, self.stats, self.events, self.cost = registry, stats, events, cost
         self.emit = emit  # publishes an event on the feed
         self._inflight: OrderedDict[str, _Flight] = OrderedDict()  # request id -> its head and first progress
+        self.speculation = RouteSpeculation()  # drafts and trips per route, from completions
 
     def __len__(self) -> int:
         return len(self._inflight)
@@ -85,7 +100,7 @@ class Reports:
                 "progress", rid, _progress_line(msg, tps),
                 node=msg.node_id, model=msg.model, tokens=msg.completion_tokens,
                 tps=round(tps, 3), queue=head.queued if head else 0, elapsed=msg.elapsed,
-                prefilled=msg.prefilled, prefill_tokens=msg.prefill_tokens))
+                prefilled=msg.prefilled, prefill_tokens=msg.prefill_tokens, **_drafts(msg)))
         return Ack()
 
     def _handover(self, msg: Report, flight: _Flight | None) -> dict:
@@ -113,15 +128,16 @@ class Reports:
             self.emit(self._handover(msg, flight))
             flight = None  # the first progress was another head's
         self._record_stats(msg, flight.first if flight else None, sender)
+        self.speculation.record(msg)
         kind = "error" if msg.finish_reason == "error" else "complete"
         billing = entry.status + (f" ({entry.reason})" if entry.reason else "")
         self.emit(self.events.add(
             kind, f"{msg.model}: {msg.prompt_tokens} in / {msg.completion_tokens} out in "
-            f"{msg.elapsed:.2f}s, {msg.finish_reason}, {billing}", key=msg.request_id,
+            f"{msg.elapsed:.2f}s, {msg.finish_reason}, {billing}{_drafts_line(msg)}", key=msg.request_id,
             node=msg.node_id, model=msg.model, prompt_tokens=msg.prompt_tokens,
             completion_tokens=msg.completion_tokens, duration=msg.elapsed,
             finish_reason=msg.finish_reason, billing=entry.status, billing_reason=entry.reason,
-            hops=[hop_dict(h) for h in msg.route]))
+            hops=[hop_dict(h) for h in msg.route], **_drafts(msg)))
         return Ack(detail=billing, request_id=msg.billing_id)
 
     def _record_stats(self, msg: Report, first: tuple[int, float] | None, sender: str = "") -> None:

@@ -84,6 +84,7 @@ from .reach import ReachChecker
 from .node_records import NodeInfo
 from .registry import Registry
 from .reports import Reports
+from .route_speculation import speculation_samples
 from .stats import StatsStore, route_label
 from .views import node_rows, plans_view, usage
 
@@ -229,7 +230,8 @@ class Tracker:
             self._next_stats = now + self.config.stats_interval
             self._publish(TOPIC_STATS, {"ts": time.time(), "stats": self.stats.snapshot(),
                                         "nodes": self._node_rows(), "fetches": self.fetches.view(),
-                                        "usage": usage(self._ledger)})
+                                        "usage": usage(self._ledger),
+                                        "speculation": self.reports.speculation.view()})
 
     def _expire(self) -> None:
         """Drop nodes that stopped heartbeating (cheap: handlers call it before they answer)."""
@@ -300,7 +302,7 @@ class Tracker:
                         labels={"node": n.node_id, "model": n.model}) for n in nodes]
         rows += [Sample("tracker_messages_total", "messages handled, by kind", count, "counter", {"kind": kind})
                  for kind, count in self.handled.copy().items()]
-        return rows
+        return rows + speculation_samples(self.reports.speculation.view())
 
     def handle(self, message: Message, peer: str = "", connection: bytes = b"") -> Message:
         """The reply to one decoded message; raises ProtocolError for a refusal."""
@@ -442,6 +444,7 @@ class Tracker:
             "events": self.events.recent(limit=STATUS_EVENTS),
             "stats": self.stats.snapshot(),
             "usage": usage(self._ledger),
+            "speculation": self.reports.speculation.view(),
         }
 
     def _node_rows(self) -> list[dict]:

@@ -73,7 +73,9 @@ class CallBoard:
                        queue=int(_number(event.get("queue"))), elapsed=_number(event.get("elapsed")),
                        prefilled=int(_number(event.get("prefilled"))),
                        prefill_tokens=int(_number(event.get("prefill_tokens"))))
+            _drafts(row, event)
         elif kind in FINAL_KINDS:
+            _drafts(row, event)
             self._close(row, event, _final_state(event))
         return dict(row)
 
@@ -94,7 +96,8 @@ class CallBoard:
         ts = _number(event.get("ts"))
         row = {"key": key, "state": RUNNING, "model": str(event.get("model", "")),
                "node": str(event.get("node", "")), "hops": [], "tokens": 0, "tps": 0.0, "queue": 0,
-               "prefilled": 0, "prefill_tokens": 0,
+               "prefilled": 0, "prefill_tokens": 0, "trips": 0, "drafted": 0, "kept": 0,
+               "acceptance": None, "tokens_per_trip": None,
                "elapsed": 0.0, "started": ts, "updated": ts, "seq": 0, "message": "",
                "prompt_tokens": None, "completion_tokens": None, "duration": None,
                "finish_reason": None, "billing": None, "billing_reason": None}
@@ -115,6 +118,18 @@ class CallBoard:
         self._finished[row["key"]] = None
         while len(self._finished) > MAX_TRACKED:
             self._finished.popitem(last=False)
+
+
+def _drafts(row: dict, event: dict) -> None:
+    """A request's speculation from its head's latest report: trips, drafts sent and kept, and
+    the share kept and tokens per trip (None where it drafted nothing)."""
+    if event.get("trips") is None:
+        return  # a tracker that predates them
+    row.update(trips=int(_number(event.get("trips"))), drafted=int(_number(event.get("drafted"))),
+               kept=int(_number(event.get("kept"))))
+    for name in ("acceptance", "tokens_per_trip"):
+        value = event.get(name)
+        row[name] = _number(value) if value is not None else None
 
 
 class ThroughputMeter:

@@ -78,6 +78,8 @@ FIELDS: dict[str, Rule] = {
     "logprobs": _honoured(BOTH, "chat: true gives each token's logprob; completions: 0..20 alternatives too"),
     "top_logprobs": _honoured(CHAT_ONLY, "0..20 alternatives per token (needs logprobs: true)"),
     "ignore_eos": _honoured(BOTH, "vLLM's extension: generate max_tokens even past end-of-sequence (benchmarks)"),
+    "speculation": _honoured(BOTH, "meshnet's extension: false, the head sends one token a step and never drafts "
+                             "(the text is the same either way; drafts change only how many tokens a trip yields)"),
     "frequency_penalty": _honoured(BOTH, "-2..2: each token's logit falls by this times the times it was generated"),
     "presence_penalty": _honoured(BOTH, "-2..2: each token generated already has its logit lowered by this"),
     "logit_bias": _honoured(BOTH, "{token id: -100..100}, added to those tokens' logits (at most 300)"),

@@ -78,6 +78,7 @@ class GenerationRequest:
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) pairs
     grammar: Grammar | None = None  # what the reply must match (response_format, guided_regex...); None: free
     tools: Tools | None = None  # functions offered (tools, tool_choice, parallel_tool_calls); None: none
+    speculation: bool = True  # meshnet's extension: false, the head never drafts for this request
 
     def generate_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for ``client.generate(model, ...)``."""
@@ -88,7 +89,8 @@ class GenerationRequest:
                 "stop": self.stop, "sampling": self.sampling, "ignore_eos": self.ignore_eos,
                 "fit_context": self.fit_context, "logprobs": self.logprobs,
                 "presence_penalty": self.presence_penalty, "frequency_penalty": self.frequency_penalty,
-                "logit_bias": dict(self.logit_bias), "response_format": self.grammar, "tools": self.tools}
+                "logit_bias": dict(self.logit_bias), "response_format": self.grammar, "tools": self.tools,
+                "speculation": self.speculation}
 
 
 # --------------------------------------------------------------------------- entry points
@@ -152,7 +154,7 @@ def _common(body: dict[str, Any], config: WebUIConfig) -> dict[str, Any]:
     stream = _boolean(body, "stream", False)
     return {"model": model, "stop": _stop(body.get("stop")), "sampling": _sampling(body, config),
             "stream": stream, "include_usage": _include_usage(body.get("stream_options"), stream),
-            "ignore_eos": _boolean(body, "ignore_eos", False),
+            "ignore_eos": _boolean(body, "ignore_eos", False), "speculation": _boolean(body, "speculation", True),
             "presence_penalty": _number(body, "presence_penalty", 0.0, -MAX_PENALTY, MAX_PENALTY),
             "frequency_penalty": _number(body, "frequency_penalty", 0.0, -MAX_PENALTY, MAX_PENALTY),
             "logit_bias": _logit_bias(body.get("logit_bias")), "grammar": grammar(body)}

@@ -56,6 +56,7 @@ class GenerateCall:
     logit_bias: dict = field(default_factory=dict)
     response_format: Grammar | None = None
     tools: Tools | None = None
+    speculation: bool = True
 
 
 def fake_logprobs(i: int, text: str, top: int) -> TokenLogprobs:
@@ -149,10 +150,11 @@ class FakeClient:
                  request_id: str | None = None, api_key: str | None = None, ignore_eos: bool = False,
                  fit_context: bool = False, logprobs: int | None = None, presence_penalty: float = 0.0,
                  frequency_penalty: float = 0.0, logit_bias: dict | None = None,
-                 response_format: Grammar | None = None, tools: Tools | None = None) -> FakeStream:
+                 response_format: Grammar | None = None, tools: Tools | None = None,
+                 speculation: bool = True) -> FakeStream:
         call = GenerateCall(model, messages, prompt, max_tokens, stop, sampling, request_id, api_key, ignore_eos,
                             fit_context, logprobs, presence_penalty, frequency_penalty, dict(logit_bias or {}),
-                            response_format, tools)
+                            response_format, tools, speculation)
         self.calls.append(call)
         script = self.script
         if all(m["id"] != model for m in self.model_list):

@@ -30,6 +30,7 @@ def format_status(status: dict) -> str:
             lines.append(f"  no complete route{f' (missing layers {gaps})' if gaps else ''}")
         lines += weights_differ_lines(status.get("weights_differ", {}).get(model) or [])
         lines += [fetch_line(f) for f in status.get("fetches", []) if f.get("model") == model]
+        lines += speculation_lines(status.get("speculation", {}).get(model) or [])
     events = status.get("events", [])[-8:]
     if events:
         lines += ["", "recent events:"]
@@ -82,3 +83,10 @@ def coverage_map(model: str, nodes: list[dict], width: int = 60) -> list[str]:
         bar = "." * lo + "#" * (hi - lo) + "." * (int(total * scale) - hi)
         rows.append(f"  {n['id']:<20} |{bar}| {a}-{b} of {total}")
     return rows
+
+
+def speculation_lines(routes: list[dict]) -> list[str]:
+    """Per route that drafted: ``speculation a -> b: 12 requests, 61% of drafts kept, 2.40 tokens a trip``."""
+    return [f"  speculation {' -> '.join(r['route'])}: {r['requests']} requests, "
+            f"{r['acceptance'] or 0:.0%} of drafts kept, {r['tokens_per_trip'] or 1:.2f} tokens a trip"
+            for r in routes]

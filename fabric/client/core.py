@@ -109,12 +109,13 @@ class GenerateArgs:
     penalties: p.Penalties | None = None  # presence/frequency penalties and logit_bias; None: none
     grammar: p.Grammar | None = None  # what the reply must match (response_format); None: free text
     tools: p.Tools | None = None  # functions offered to the chat; None: none
+    speculation: bool = True  # False: the head never drafts for this request (one token a step)
 
     @classmethod
     def of(cls, model: str, *, messages=None, prompt=None, max_tokens=256, stop=(), ignore_eos=False,
            sampling: p.Sampling | None = None, request_id=None, api_key=None, fit_context=False,
            logprobs=None, presence_penalty=None, frequency_penalty=None, logit_bias=None,
-           response_format=None, tools=None, tool_choice=None, parallel_tool_calls=None,
+           response_format=None, tools=None, tool_choice=None, parallel_tool_calls=None, speculation=True,
            **fields) -> GenerateArgs:
         """The arguments of ``generate``; ``fields`` (temperature, top_k, top_p, seed) override
         ``sampling``'s, None keeping it. A wrong type or value is a FabricError (bad_request)
@@ -128,7 +129,7 @@ class GenerateArgs:
                    dataclasses.replace(sampling or p.Sampling(), **chosen), request_id or uuid.uuid4().hex,
                    p.key_id(api_key), ignore_eos, bool(fit_context), -1 if logprobs is None else logprobs,
                    penalties_of(presence_penalty, frequency_penalty, logit_bias), _grammar(response_format),
-                   _tools(tools, tool_choice, parallel_tool_calls))
+                   _tools(tools, tool_choice, parallel_tool_calls), speculation)
         args.message(_ANY_ROUTE)
         return args
 
@@ -138,7 +139,7 @@ class GenerateArgs:
             request_id=self.request_id, route=tuple(route), messages=self.messages, prompt=self.prompt,
             max_tokens=self.max_tokens, stop=self.stop, sampling=self.sampling, api_key=self.api_key,
             ignore_eos=self.ignore_eos, fit_context=self.fit_context, logprobs=self.logprobs,
-            penalties=self.penalties, grammar=self.grammar, tools=self.tools))
+            penalties=self.penalties, grammar=self.grammar, tools=self.tools, speculation=self.speculation))
 
 
 def penalties_of(presence, frequency, logit_bias) -> p.Penalties | None:

@@ -64,8 +64,8 @@ class Client(ClientCore):
                  fit_context: bool = False, logprobs: int | None = None, presence_penalty: float | None = None,
                  frequency_penalty: float | None = None, logit_bias: dict | None = None,
                  response_format: dict | p.Grammar | None = None, tools: list[dict] | None = None,
-                 tool_choice: str | dict | None = None,
-                 parallel_tool_calls: bool | None = None) -> Iterator[p.Event]:
+                 tool_choice: str | dict | None = None, parallel_tool_calls: bool | None = None,
+                 speculation: bool = True) -> Iterator[p.Event]:
         """Stream the events of one request: a chat (``messages``, OpenAI's role/content maps)
         or a raw ``prompt``. The sampling fields are OpenAI's (``top_k`` and ``ignore_eos`` as
         vLLM's): temperature 0 (the default) is greedy, ``top_k`` 0 and ``top_p`` 1 cut nothing,
@@ -83,7 +83,9 @@ class Client(ClientCore):
         and the reply ends when it is complete. ``tools``, ``tool_choice`` and
         ``parallel_tool_calls`` are OpenAI's: the start event's ``tool_syntax`` names how the
         reply writes calls, and ``fabric.toolcalls.parse_reply(text, SYNTAXES[syntax], names)``
-        turns the text into calls; "required" or a named function constrains it to calls. A
+        turns the text into calls; "required" or a named function constrains it to calls.
+        ``speculation`` False: the head sends one token a step, never drafts (the text is the same
+        either way; drafting only changes how many tokens one trip through the hops yields). A
         wrong value raises FabricError (``bad_request``) naming the field at the call; the route
         is asked for at the first event, so a model no route serves raises there (as in
         ``AsyncClient``)."""
@@ -92,7 +94,7 @@ class Client(ClientCore):
                                fit_context=fit_context, logprobs=logprobs, presence_penalty=presence_penalty,
                                frequency_penalty=frequency_penalty, logit_bias=logit_bias,
                                response_format=response_format, tools=tools, tool_choice=tool_choice,
-                               parallel_tool_calls=parallel_tool_calls,
+                               parallel_tool_calls=parallel_tool_calls, speculation=speculation,
                                temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
         return self._events(RequestStream(self, args, route))
 

@@ -105,6 +105,8 @@ class ShardExecutor(HopKV):
         """``run`` once the session's KV is found."""
         if kv.group is not None and step.inputs.shape[1] == 1 and (logits or not self._tail(step.end)):
             return self._group_pass([step], [kv])[0]  # a decode step of a row of the group: there, in place
+        if self._in_row(kv, chunk := Chunk(step, logits)):
+            return self._mixed_pass([], [], [(chunk, kv)])[0]  # a verification step of a row: there too
         return self._chunk_done(kv, step, self._pass(kv, step), logits)
 
     def _pass(self, kv: SessionKV, step: Step) -> torch.Tensor:
@@ -310,15 +312,21 @@ class ShardExecutor(HopKV):
         if steps:
             row_hidden, row_positions = self._row_inputs(steps, rows, lo, hi)  # (n, 1, hidden), (n, 1)
             parts, positions = [row_hidden.transpose(0, 1)], [row_positions.T]
+        caches = []
         for chunk, kv in chunks:
-            self._ungroup(kv)  # its positions go to a cache of its own
             q, pos = chunk.step.inputs.shape[1], chunk.step.pos
             parts.append(self._embed(start, chunk.step.inputs))  # (1, q, hidden)
             positions.append(torch.arange(pos, pos + q, device=self.w.device)[None])
-            masks.append((q, self._masks(kv, parts[-1], positions[-1], start, end)["full_attention"]))
+            if self._in_row(kv, chunk):  # a verification step of a row: in place, beside the decode steps
+                caches.append(kv.group.chunk(kv.row, q))
+                masks.append((q, caches[-1].mask()))
+            else:
+                self._ungroup(kv)  # its positions go to a cache of its own
+                caches.append(kv.cache)
+                masks.append((q, self._masks(kv, parts[-1], positions[-1], start, end)["full_attention"]))
             sizes.append(q)
         rows_cache = group.step_cache(lo, hi) if steps else None
-        cache = ChunksAndRows(rows_cache, [kv.cache for _, kv in chunks], sizes)
+        cache = ChunksAndRows(rows_cache, caches, sizes)
         with rows_and_chunks(self.w.config):
             hidden = self._layers(torch.cat(parts, dim=1), torch.cat(positions, dim=1),
                                   (rows_cache.mask(self.w.dtype) if steps else None, masks), cache, start, end)
@@ -327,10 +335,19 @@ class ShardExecutor(HopKV):
             self._advance(group, rows, kvs)
             out = self._result(hidden[0, [r - lo for r in rows], None], end)  # (b, 1, hidden)
         at = hi - lo
-        for (chunk, kv), q in zip(chunks, sizes):
+        for (chunk, kv), part, q in zip(chunks, caches, sizes):
+            if part is not kv.cache:
+                part.done()
             out.append(self._chunk_done(kv, chunk.step, hidden[:, at:at + q], chunk.logits))
             at += q
         return out
+
+    @staticmethod
+    def _in_row(kv: SessionKV, chunk: Chunk) -> bool:
+        """A chunk that stays in its session's row of the batch group: a verification step
+        (a decode step and its drafts) that continues the row. Any other chunk runs on a cache
+        of the session's own (a row would widen every row of the group by its length)."""
+        return kv.group is not None and chunk.step.drafts > 0 and not chunk.reuse and chunk.step.pos == kv.length
 
     def _rows(self, steps: list[Step], kvs: list[SessionKV]) -> tuple[RowGroup, list[int], int, int]:
         """The batch group over the steps' layers, each step's session in it (joining a

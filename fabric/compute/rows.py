@@ -80,6 +80,14 @@ class RowGroup:
         self.sessions[row] = None
         self.lengths[row] = 0
 
+    def chunk(self, row: int, q: int) -> "RowChunk":
+        """The cache of ``q`` positions that continue row ``row`` in place (a verification step
+        of a session that decodes in the group): the buffers grow first if the row has no room."""
+        end = int(self.lengths[row]) + q
+        if end > self.columns:
+            self._rebuild(len(self.sessions), spare(end))
+        return RowChunk(self, row, q)
+
     def row_bytes(self) -> int:
         """Bytes one row occupies (every layer's keys and values, free columns included); safe
         to ask from another thread (metrics)."""
@@ -153,3 +161,33 @@ class RowsStep:
         keep = torch.arange(self.width, device=self.ends.device)[None, :] <= self.ends[:, None]
         return torch.zeros(keep.shape, dtype=dtype, device=keep.device).masked_fill(
             ~keep, torch.finfo(dtype).min)[:, None, None]
+
+
+class RowChunk:
+    """What the layers of a pass see as the cache of ``q`` positions continuing row ``row``:
+    ``update`` writes them into the columns after the row's last and returns the row up to
+    them, in place (so the session stays in its row, and its next decode step batches with
+    the others' without a copy in or out). The row's length moves on with ``done``."""
+
+    def __init__(self, group: RowGroup, row: int, q: int):
+        self.group, self.row, self.q = group, row, q
+        self.at = int(group.lengths[row])  # the first of the chunk's columns (= its first position)
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
+               *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+        """key_states, value_states: (1, kv_heads, q, head_dim). Returns (1, kv_heads, at + q, head_dim)."""
+        end = self.at + self.q
+        keys, values = self.group.keys[layer_idx], self.group.values[layer_idx]
+        keys[self.row, :, self.at:end] = key_states[0]
+        values[self.row, :, self.at:end] = value_states[0]
+        return keys[self.row:self.row + 1, :, :end], values[self.row:self.row + 1, :, :end]
+
+    def mask(self) -> torch.Tensor:
+        """Boolean (1, 1, q, at + q), True where a query attends: causal over the row's columns."""
+        keys = torch.arange(self.at + self.q, device=self.group.lengths.device)
+        queries = torch.arange(self.at, self.at + self.q, device=keys.device)
+        return (keys[None, :] <= queries[:, None])[None, None]
+
+    def done(self) -> None:
+        """After the pass: the row holds the chunk's positions (a dummy step there wrote before them)."""
+        self.group.lengths[self.row] = self.at + self.q

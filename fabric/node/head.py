@@ -24,7 +24,7 @@ from ..wire.liveness import LINK_GRACE, PEER_SILENCE, PING_INTERVAL, TRACKER_SIL
 from .audit import AuditConfig, Auditor
 from .prefixes import PrefixIndex
 from .route_session import RequestError, RouteSession, Transport, encode_prompt, new_session_id
-from .speculation import Speculation, SpeculationConfig
+from .speculation import DraftYield, Speculation, SpeculationConfig, speculation_counts
 from .tool_use import constrained, syntax_of, tool_syntax
 
 log = logging.getLogger(__name__)
@@ -81,6 +81,8 @@ class Head:
         self.requests: dict[tuple[bytes, str], str] = {}  # (client identity, its request id) -> session id
         # (session, asked at) of failovers awaiting the tracker's route, in request order
         self.pending_routes: deque[tuple[str, float]] = deque()
+        # the chance a draft is kept, per n-gram length, learnt from every request headed: new ones start from it
+        self.draft_yield = DraftYield.prior(config.speculation)
         # steps re-run on replicas (fabric/node/audit.py); it is the RouteSessions' transport
         self.auditor = Auditor(audit, host, node_id, model.model_id, model.fingerprint, counters,
                                route_around=self.route_around)
@@ -109,8 +111,8 @@ class Head:
                           reply_to=self.host.endpoint, reply_key=self.host.key, transport=self.auditor,
                           seed=secrets.randbits(62), wire_dtype=self.config.wire_dtype,
                           tool_syntax=tool_syntax(req, syntax),
-                          speculation=Speculation(self.config.speculation) if self.config.speculation.enabled
-                          else None)
+                          speculation=Speculation(self.config.speculation, shared=self.draft_yield)
+                          if self.config.speculation.enabled and req.speculation else None)
         self.sessions[rs.session] = rs
         self.clients[rs.session] = identity
         self.requests[(identity, req.request_id)] = rs.session
@@ -192,7 +194,7 @@ class Head:
         match msg:
             case p.Token():
                 if rs.speculation is not None:
-                    rs.speculation.crowded = len(self.sessions) > rs.speculation.config.max_streams
+                    rs.speculation.streams = len(self.sessions)  # they share the hops' passes
                 events = rs.on_token(msg)
             case p.CacheMiss():
                 if rs.reused is not None:
@@ -222,10 +224,10 @@ class Head:
             if identity is not None:
                 self.host.reply(identity, event)
         if rs.finished:
+            self._count_speculation(rs)  # before it leaves ``sessions``: whoever sees it gone sees it counted
             self.sessions.pop(rs.session, None)
             self.requests.pop((self.clients.pop(rs.session, b""), rs.request.request_id), None)
             self.auditor.ended(rs.session)
-            self._count_speculation(rs)
             if rs.finished != "error":  # the hops keep its KV (CLOSE, CANCEL): later requests may start from it
                 self.prefixes.add(rs.session, rs.held_ids, rs.route, tenant_of(rs.request))
             self._report(rs)
@@ -246,7 +248,7 @@ class Head:
             prompt_tokens=rs.prompt_tokens, completion_tokens=len(rs.generated), elapsed=rs.elapsed,
             final=rs.finished is not None, finish_reason=rs.finished, api_key=rs.request.api_key,
             max_tokens=rs.request.max_tokens, prefilled=rs.prefilled, prefill_tokens=rs.prefill.total,
-            resumed=rs.resumed, ref=rs.ref))
+            resumed=rs.resumed, ref=rs.ref, **speculation_counts(rs.speculation)))
 
     # -- failover -----------------------------------------------------------------------
 

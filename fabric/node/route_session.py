@@ -232,6 +232,7 @@ class RouteSession:
         self.drafts: list[int] = []  # the pending step's drafts (a TOKEN per draft kept, and one more, answer it)
         self.kept = 0  # of those, the ones kept so far
         self.expect = 0  # the position of the pending step's next TOKEN
+        self.decoding = False  # the pending step is a decode step, sent once (its trip times the route)
 
     # -- inputs -------------------------------------------------------------------------
 
@@ -260,8 +261,8 @@ class RouteSession:
         if self.finished or (self.kept < len(self.drafts) and msg.token == self.drafts[self.kept]):
             self.kept += 1
             return events  # the end, or a draft kept: the TOKEN after it follows
-        if self.drafts:
-            self.speculation.verified(len(self.drafts), self.kept)
+        if self.speculation is not None and self.decoding:
+            self.speculation.answered(len(self.drafts), self.kept, time.monotonic() - self.sent_at)
         self._step()
         return events
 
@@ -271,6 +272,7 @@ class RouteSession:
         if self.speculation is not None:
             drafts = self.speculation.drafts(self.history, self.request.max_tokens - len(self.generated) - 1)
         self._send(self.history[-1:] + drafts, pos=len(self.history) - 1, drafts=drafts)
+        self.decoding = True
 
     def _logprobs(self, msg: Token) -> TokenLogprobs | None:
         """The logprobs of ``msg``'s token as the client reads them, if the request asked (and
@@ -441,6 +443,7 @@ class RouteSession:
         drafted, for the tail to verify."""
         self.step += 1
         self.sent_at = time.monotonic()
+        self.decoding = False  # a prompt, a re-prefill or a re-send: no decode step's trip
         self.prefill.begin(pos, len(ids) - len(drafts))
         self.drafts, self.kept, self.expect = list(drafts), 0, pos + len(ids) - len(drafts)
         if pos == 0 or reuse:

@@ -65,6 +65,13 @@ class Work:
         return self.tokens == 1 and self.msg.pos > 0 and not self.msg.more and not self.msg.reuse
 
     @property
+    def verifies(self) -> bool:
+        """A verification step: a decode step and its drafts. It rides in the decode batch's
+        pass (in the session's row, fabric/compute/rows.py), and its session decodes here on
+        the batch's rhythm like the others."""
+        return bool(self.msg.drafts)
+
+    @property
     def reports_progress(self) -> bool:
         """A piece of a prefill in chunks (one that more follow, or the last, at pos > 0): each hop
         tells the head it ran it. Not a verification step: its TOKENs answer it at once."""
@@ -191,8 +198,8 @@ class HopScheduler:
         When such a wait runs out without them, each group may be queued at the node the
         other waits on: for RECENT_CYCLES cycles the batch waits only a pass's time, or the
         two nodes would wait on each other at every token."""
-        decode = self._first(decode=True)
-        gather = decode is not None and (all(w.decode for w in self.queue) or self._rides(decode))
+        decode = self._first(decode=True) or next((w for w in self.queue if w.verifies), None)
+        gather = decode is not None and (all(w.decode or w.verifies for w in self.queue) or self._rides(decode))
         yield_to_decode = self.ran_prefill and self.shared_lock
         queued = {w.session for w in self.queue}
         due = self._due(now, queued) if gather or yield_to_decode else []
@@ -336,23 +343,24 @@ class HopScheduler:
 
     def ran(self, batch: list[Work], started: float, elapsed: float) -> None:
         """Learn from a batch that began at ``started`` and took ``elapsed`` seconds."""
+        streams = [w for w in batch if w.decode or w.verifies]  # sessions decoding here, drafts or not
         if batch[0].decode and not batch[-1].decode:  # prompts rode along: they took what the pass took beyond
             riders = [w for w in batch if not w.decode]
-            if len(riders) == 1:
+            if len(riders) == 1 and not riders[0].verifies:
                 self.steer_ride(riders[0], elapsed - (self.decode_batch_s or 0.0))
             batch = batch[:-len(riders)]
         elif batch[0].decode:
             self.decode_batch_s = _average(self.decode_batch_s, elapsed)
-        if batch[0].decode:
+        if streams:
             self.pass_s = _average(self.pass_s, elapsed)
-            for work in batch:
+            for work in streams:
                 last = self.last_decode.get(work.session)
                 if last is not None:  # a stall (a failover, a queue elsewhere) weighs as two cycles at most
                     gap = started - last if self.cycle_s is None else min(started - last, MAX_CYCLE_JUMP * self.cycle_s)
                     self.cycle_s = _average(self.cycle_s, gap)
                 self.last_decode[work.session] = started
-        elif len(batch) == 1:  # a batch of prompts says nothing about one slice's cost
-            self.steer_slices(batch[0], elapsed)
+        if not batch[0].decode and len(batch) == 1 and not batch[0].verifies:  # a batch of prompts says nothing
+            self.steer_slices(batch[0], elapsed)  # about one slice's cost
 
     def steer_slices(self, work: Work, elapsed: float) -> None:
         """After a full prefill slice run alone, size the next toward its target time. A

@@ -1,4 +1,4 @@
-"""Speculation at the head: drafts by prompt lookup, and when a session stops drafting. No sockets, no torch.
+"""Speculation at the head: drafts by prompt lookup, and how many to send. No sockets, no torch.
 
 Every token of a stream pays one trip through every hop. A head that guesses the next few
 tokens sends them with the last one as one step (FORWARD ``drafts``); each hop runs the
@@ -9,12 +9,29 @@ to len(drafts) + 1 tokens and the text is the text of one-token steps.
 The guesses need no second model: text that repeats (code, a list, a quoted paragraph, a
 random model's loop) repeats its own n-grams. ``Lookup`` finds the longest n-gram (3 tokens
 down to 1) that ends the history and occurred earlier in it, prompt included, and proposes
-what followed its latest occurrence. ``Speculation`` decides per session how many to send:
-more after a step whose drafts all held, fewer after a rejection, and none for a while when
-the average share kept falls low (a verification costs the hops its extra positions: on a
-CPU, compute; across a LAN, nearly nothing), and none while its head heads more than a few
-requests: then the hops' compute is what limits, and drafts that fail take it from the others
-(measured: 8 streams on 2 cores lost a quarter of their aggregate tok/s with drafts).
+what followed its latest occurrence.
+
+``Speculation`` decides per session how many drafts a step carries (``k``), by what a trip
+yields against what it costs:
+
+- yield: a step's first draft is kept with a probability ``a``, and each later one, once the
+  ones before it were, with ``b`` (drafts hold in runs: b is mostly above a): moving averages
+  per length of the n-gram match that proposed the drafts (after a 3-gram a copy goes on;
+  after a 1-gram in open chat it seldom does). A session starts from its head's figures
+  (``DraftYield``, learnt from every request the head heads), so a crowd of chat requests does
+  not each pay to find out. A step of k drafts yields E(k) = 1 + a (1 + b + ... + b^(k-1)).
+- cost: the head times its own steps, sent to answered: a plain step's trip is the route's
+  round trip (every link's latency, and every hop's compute of one position); a verification
+  step's trip is longer by the compute of its extra positions, ``d`` seconds per draft. The
+  draft's cost is a share of the trip, c = d / trip. While the head heads n requests, the
+  hops' passes are shared by n streams, and a draft's compute delays each of them, so c
+  counts n times.
+
+k is the one of 0..max_drafts with the most tokens per unit of trip, E(k) / (1 + k c). On a
+fast route (loopback, a GPU: the trip is mostly compute) c is large and k small; over a LAN
+the trip is mostly waiting, c is small and k large; a draft pays at all only where a > c.
+A session that has not drafted for ``pause_steps`` decode steps probes with one draft after
+a 3-gram match (its text may have turned repetitive); a probe that fails doubles the wait.
 """
 from __future__ import annotations
 
@@ -23,21 +40,39 @@ from dataclasses import dataclass, field
 from ..wire.protocol import MAX_DRAFTS
 
 MAX_NGRAM = 3  # the longest n-gram looked up; shorter ones are tried after it, down to one token
+MAX_PROBE_AFTER = 512  # decode steps between probes at most, however often they failed
 
 
 @dataclass(frozen=True)
 class SpeculationConfig:
     enabled: bool = True  # the head drafts for the requests it heads (``--speculate off`` turns it off)
     max_drafts: int = 6  # drafts one step carries at most (<= MAX_DRAFTS)
-    first_drafts: int = 3  # drafts of a session's first verification
-    min_rate: float = 0.3  # a session whose average share of drafts kept falls below this stops drafting...
-    pause_steps: int = 32  # ...for this many steps, then tries again
-    smoothing: float = 0.3  # weight of the newest verification in that average
-    max_streams: int = 2  # a head heading more requests than this drafts for none (compute has no slack left)
+    first_drafts: int = 3  # drafts of a step while nothing is measured (``adaptive`` False: the walk's start)
+    adaptive: bool = True  # k by yield against cost (above); False: every step drafts, one more after a step
+    # whose drafts all held, what held and one after a rejection (tests use it to draft whatever happens)
+    pause_steps: int = 32  # decode steps without a draft before a probe (one draft after a 3-gram match)
+    smoothing: float = 0.2  # weight of the newest step in the moving averages of yield and cost
+    prior_accept: float = 0.5  # the chance a draft is kept (first, and then), until a head's requests measure it
+    # a draft's cost as a share of a plain trip, until both are timed, and at least: in a pass shared by many
+    # streams a verification's few extra positions hide in the noise, and a cost of 0 would make any draft pay
+    min_cost: float = 0.05
 
     def __post_init__(self):
         if not 1 <= self.max_drafts <= MAX_DRAFTS or not 1 <= self.first_drafts <= self.max_drafts:
             raise ValueError(f"drafts per step must be in [1, {MAX_DRAFTS}]")
+
+
+def tokens_per_trip(first: float, then: float, k: int) -> float:
+    """E(k): the tokens a step of ``k`` drafts yields when the first is kept with probability
+    ``first`` and each later one, once the ones before it were, with ``then`` (the tail always
+    adds one)."""
+    return 1 + first * sum(then ** i for i in range(k))
+
+
+def best_drafts(first: float, then: float, cost: float, max_drafts: int) -> int:
+    """The k of 0..max_drafts with the most tokens per unit of trip, E(k) / (1 + k cost)
+    (``cost``: one draft's share of a plain trip); the smallest such k on a tie."""
+    return max(range(max_drafts + 1), key=lambda k: (tokens_per_trip(first, then, k) / (1 + k * cost), -k))
 
 
 class Lookup:
@@ -52,56 +87,148 @@ class Lookup:
     def propose(self, history: list[int], k: int) -> list[int]:
         """Up to ``k`` tokens that followed the longest earlier occurrence of the history's last
         n-gram. A match close to the end repeats its period (a loop continues as a loop)."""
+        n, at = self._match(history)
+        if k <= 0 or not n:
+            return []
+        period = len(history) - at
+        return [history[at + i % period] for i in range(k)]
+
+    def match_length(self, history: list[int]) -> int:
+        """The length of the longest n-gram ending the history that occurred earlier (0: none):
+        the longer, the likelier what followed it comes again."""
+        return self._match(history)[0]
+
+    def _match(self, history: list[int]) -> tuple[int, int]:
+        """(n, index of what followed the n-gram's latest earlier occurrence), (0, -1) for none;
+        the history's new tokens are indexed first."""
         end = len(history)
         for stop in range(max(self._indexed, 1), end):  # n-grams ending at stop - 1, followed by history[stop]
             for n in range(1, min(MAX_NGRAM, stop) + 1):
                 self._after[tuple(history[stop - n:stop])] = stop
         self._indexed = max(self._indexed, end)
-        if k <= 0:
-            return []
         for n in range(min(MAX_NGRAM, end - 1), 0, -1):
             at = self._after.get(tuple(history[end - n:]))
             if at is not None:
-                period = end - at
-                return [history[at + i % period] for i in range(k)]
-        return []
+                return n, at
+        return 0, -1
+
+
+def _average(old: float | None, new: float, weight: float) -> float:
+    return new if old is None else old + weight * (new - old)
+
+
+@dataclass
+class DraftYield:
+    """The chance a step's first draft is kept (``first``) and the chance a later one is, once
+    the ones before it were (``then``), per length of the n-gram that proposed them (index
+    n - 1), as moving averages. Two, not one: drafts hold in runs (a quoted phrase, a line of
+    code that comes back), so after a kept draft the next is likelier kept than the first
+    was. A head keeps one that every session it heads learns into, and each session starts
+    from a copy of it: a request starts from what the head's recent requests found (chat,
+    seldom kept after a 1-gram match; a copy, nearly always after a 3-gram), and then follows
+    its own text."""
+
+    first: list[float]
+    then: list[float]
+
+    @classmethod
+    def prior(cls, config: SpeculationConfig) -> "DraftYield":
+        return cls([config.prior_accept] * MAX_NGRAM, [config.prior_accept] * MAX_NGRAM)
+
+    def copy(self) -> "DraftYield":
+        return DraftYield(list(self.first), list(self.then))
+
+    def learn(self, n: int, drafted: int, kept: int, smoothing: float) -> None:
+        """A step of ``drafted`` drafts after an n-gram of ``n`` kept ``kept``: a draw of "is the
+        first kept", and, after it, one of "is the next kept" per later draft it answered (each
+        kept one, and the miss), each moving its average by ``smoothing``."""
+        self.first[n - 1] = _average(self.first[n - 1], float(kept > 0), smoothing)
+        if kept:
+            for kept_it in [1.0] * (kept - 1) + [0.0] * (kept < drafted):
+                self.then[n - 1] = _average(self.then[n - 1], kept_it, smoothing)
 
 
 @dataclass
 class Speculation:
-    """One session's drafting: how many to send next, and whether to send any."""
+    """One session's drafting: how many to send next (``drafts``), learning from each step's
+    answer (``answered``). The counts (steps, trips, drafted, kept) are what reports show."""
 
     config: SpeculationConfig
+    shared: DraftYield | None = None  # its head's, learnt into too; None: a yield of its own from the prior
     lookup: Lookup = field(default_factory=Lookup)
-    size: int = 0  # drafts the next step may carry
-    rate: float = 1.0  # moving average of the share of drafts kept
-    paused: int = 0  # steps left without drafts
+    yields: DraftYield | None = None  # its own, from a copy of ``shared`` (or the prior)
+    size: int = 0  # drafts the next step may carry (``adaptive`` False)
+    plain_s: float | None = None  # moving average of a plain step's trip, seconds (None: none timed yet)
+    draft_s: float | None = None  # ...and of what a verification step's trip took beyond it, per draft
+    streams: int = 1  # requests its head heads now (set by the head): they share the hops' passes
+    matched: int = 0  # the n-gram length that proposed the pending step's drafts
+    idle: int = 0  # decode steps since this session last drafted
+    probe_after: int = 0  # idle steps before a probe (one draft after a 3-gram), doubled while probes fail
+    probing: bool = False  # the pending step is such a probe
+    stopped: bool = False  # a hop could not cut drafted positions off: no more drafts
+    steps: int = 0  # decode steps answered, plain or not: trips through the route
     trips: int = 0  # verification steps answered
     drafted: int = 0  # drafts sent in them
     kept: int = 0  # drafts kept of those
-    crowded: bool = False  # the head heads more than max_streams requests: no drafts meanwhile
 
     def __post_init__(self):
         self.size = self.size or self.config.first_drafts
+        self.probe_after = self.probe_after or self.config.pause_steps
+        if self.yields is None:
+            self.yields = self.shared.copy() if self.shared is not None else DraftYield.prior(self.config)
+
+    @property
+    def cost(self) -> float:
+        """A draft's cost as a share of a plain trip (c, above), counted once per stream."""
+        c = self.config.min_cost
+        if self.plain_s and self.draft_s is not None:
+            c = max(c, self.draft_s / self.plain_s)
+        return c * max(1, self.streams)
 
     def drafts(self, history: list[int], room: int) -> list[int]:
         """The drafts for the step after ``history``, at most ``room`` (tokens the request may
         still take, less the one every step yields); [] for a plain one-token step."""
-        if self.paused > 0 or self.crowded:
-            self.paused = max(0, self.paused - 1)
-            self.lookup.propose(history, 0)  # keep the index up to date
+        n = self.lookup.match_length(history)  # indexes the new tokens, drafting or not
+        if self.stopped or room <= 0:
             return []
-        return self.lookup.propose(history, min(self.size, room))
+        if not self.config.adaptive:
+            return self.lookup.propose(history, min(self.size, room))
+        y = self.yields
+        k = best_drafts(y.first[n - 1], y.then[n - 1], self.cost, self.config.max_drafts) if n else 0
+        if k == 0:
+            self.idle += 1
+            if n < MAX_NGRAM or self.idle < self.probe_after:
+                return []
+            k, self.probing = 1, True  # none paid lately: try one after the likeliest kind of match
+        self.matched = n
+        return self.lookup.propose(history, min(k, room))
 
-    def verified(self, drafted: int, kept: int) -> None:
-        """The tail kept ``kept`` of ``drafted`` drafts: size the next step, pause when it does not pay."""
+    def answered(self, drafted: int, kept: int, trip_s: float) -> None:
+        """A decode step came back after ``trip_s`` seconds: ``kept`` of its ``drafted`` drafts
+        held (drafted 0: a plain step). Learn the yield and the cost; size the next step."""
         c = self.config
+        self.steps += 1
+        if not drafted:
+            self.plain_s = _average(self.plain_s, trip_s, c.smoothing)
+            return
+        if self.plain_s is not None:
+            self.draft_s = _average(self.draft_s, max(0.0, trip_s - self.plain_s) / drafted, c.smoothing)
         self.trips, self.drafted, self.kept = self.trips + 1, self.drafted + drafted, self.kept + kept
-        self.rate += c.smoothing * (kept / drafted - self.rate)
+        if self.matched:
+            for yields in filter(None, (self.yields, self.shared)):
+                yields.learn(self.matched, drafted, kept, c.smoothing)
+        if self.probing:  # a probe that failed waits twice as long for the next
+            self.probe_after = c.pause_steps if kept else min(self.probe_after * 2, MAX_PROBE_AFTER)
+        self.idle, self.probing = 0, False
         self.size = min(c.max_drafts, self.size + 1) if kept == drafted else max(1, kept + 1)
-        if self.rate < c.min_rate:
-            self.paused, self.rate, self.size = c.pause_steps, c.min_rate * 2, c.first_drafts
 
     def stop(self) -> None:
         """No more drafts for this session (a hop could not cut its KV back)."""
-        self.paused = 1 << 62
+        self.stopped = True
+
+
+def speculation_counts(spec: Speculation | None) -> dict[str, int]:
+    """A request's REPORT fields: decode trips, drafts sent and kept (none where it drafts nothing)."""
+    if spec is None or not spec.trips:
+        return {}
+    return {"trips": spec.steps, "drafted": spec.drafted, "kept": spec.kept}

@@ -679,7 +679,7 @@ class Generate(Message):
     """Client -> head: generate for ``messages`` (chat) or ``prompt`` (raw) along ``route``."""
 
     KIND: ClassVar[Kind] = Kind.GENERATE
-    SPARSE: ClassVar[frozenset[str]] = frozenset({"tools"})
+    SPARSE: ClassVar[frozenset[str]] = frozenset({"tools", "speculation"})
     request_id: str
     route: tuple[Hop, ...]
     messages: tuple[dict, ...] | None = None
@@ -698,6 +698,8 @@ class Generate(Message):
     penalties: Penalties | None = None  # presence/frequency penalties and logit_bias (``generated`` empty)
     grammar: Grammar | None = None  # what the reply must match (``generated`` empty); None: free text
     tools: Tools | None = None  # functions offered to a chat (``messages``); None: none
+    # False: the head sends one token a step for this request, never drafts (True: as the head's --speculate says)
+    speculation: bool = True
 
     def validate(self) -> None:
         if not -1 <= self.logprobs <= MAX_TOP_LOGPROBS:
@@ -874,6 +876,7 @@ class Report(Message):
     """Head -> tracker: progress (``final`` false) or completion of a request."""
 
     KIND: ClassVar[Kind] = Kind.REPORT
+    SPARSE: ClassVar[frozenset[str]] = frozenset({"trips", "drafted", "kept"})
     request_id: str
     node_id: str
     model: str
@@ -889,6 +892,11 @@ class Report(Message):
     prefill_tokens: int = 0
     resumed: int = 0  # of completion_tokens, those a head that died streamed before this one took over
     ref: str = ""  # the head's own id for this attempt at the request: the ledger's key ("": request_id)
+    # speculation (0 where the head drafts nothing for it): decode steps answered so far (a trip through the
+    # route each), the drafts they carried, and those the tail kept; tokens per trip = (trips + kept) / trips
+    trips: int = 0
+    drafted: int = 0
+    kept: int = 0
 
     @property
     def billing_id(self) -> str:
@@ -911,6 +919,10 @@ def check_report(report: Report) -> None:
         raise ProtocolError("token counts and elapsed must be >= 0", ErrorCode.BAD_REQUEST)
     if not 0 <= report.resumed <= report.completion_tokens:
         raise ProtocolError("resumed must be in [0, completion_tokens]", ErrorCode.BAD_REQUEST)
+    if not (0 <= report.kept <= report.drafted <= MAX_COUNT and 0 <= report.trips <= MAX_COUNT
+            and report.kept <= report.trips * MAX_DRAFTS):
+        raise ProtocolError("trips, drafted and kept must be >= 0, kept <= drafted and kept <= 8 a trip",
+                            ErrorCode.BAD_REQUEST)
     check_chain(report.route, 0, ErrorCode.BAD_REQUEST)
 
 

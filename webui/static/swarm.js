@@ -11,7 +11,7 @@ const MAX_LOG = 40;
 const SERIES = 6; // --series-1 .. --series-6 in dashboard.css
 
 const state = {
-  tracker: {}, nodes: [], plans: {}, gaps: {}, stats: {}, usage: {}, accounting: null,
+  tracker: {}, nodes: [], plans: {}, gaps: {}, stats: {}, usage: {}, accounting: null, speculation: {},
   active: new Map(), recent: [], throughput: [], events: new Map(),
   routable: null, mine: new Set(), myKeyId: null, lastStats: 0, feedOpen: false, statusError: null,
   onPlans: () => {},
@@ -58,7 +58,8 @@ async function loadStatus() {
 function applyStatus(body) {
   Object.assign(state, {tracker: body.tracker || state.tracker, accounting: body.webui?.accounting});
   applyPlans(body);
-  applyStats({nodes: body.nodes, stats: body.stats, usage: body.usage, fetches: body.fetches});
+  applyStats({nodes: body.nodes, stats: body.stats, usage: body.usage, fetches: body.fetches,
+              speculation: body.speculation});
   applyCalls(body.calls);
   state.throughput = body.throughput || state.throughput;
   for (const event of body.events || []) addEvent(event);
@@ -82,6 +83,7 @@ function applyStats(body) {
   if (body.fetches) state.fetches = body.fetches;
   if (body.stats) state.stats = body.stats;
   if (body.usage) state.usage = body.usage;
+  if (body.speculation) state.speculation = body.speculation;
   mark("topology", "usage");
 }
 
@@ -212,8 +214,24 @@ function callCard(row) {
        el("span", {}, el("b", {class: "tokens"}, int(row.tokens)), " tokens"),
        el("span", {}, el("b", {class: "tps"}, num(row.tps)), " tok/s"),
        el("span", {}, "queue ", el("b", {}, int(row.queue))),
+       draftsFigure(row),
        el("span", {class: "muted"}, seconds(row.elapsed))),
     routeView(row.hops));
+}
+
+/** A request that drafted: the share of its drafts the tail kept, and tokens per trip through the route. */
+function draftsFigure(row) {
+  if (!(row.drafted > 0)) return null;
+  return el("span", {class: "drafts", title: `speculation: ${int(row.kept)} of ${int(row.drafted)} drafts kept over ${int(row.trips)} trips`},
+            el("b", {class: "acceptance"}, `${Math.round(100 * row.acceptance)}%`), " kept · ",
+            el("b", {class: "per-trip"}, num(row.tokens_per_trip)), " tok/trip");
+}
+
+/** The cells of a finished request's speculation: share kept, tokens per trip ("–": it drafted nothing). */
+function draftsCells(row) {
+  const drafted = row.drafted > 0;
+  return [el("td", {class: "num acceptance"}, drafted ? `${Math.round(100 * row.acceptance)}%` : "–"),
+          el("td", {class: "num per-trip"}, drafted ? num(row.tokens_per_trip) : "–")];
 }
 
 /** While a prompt prefills: tokens done / total, and a bar (none once tokens come). */
@@ -230,6 +248,7 @@ function recentRow(row) {
     el("td", {}, clock(row.updated)), el("td", {}, row.model),
     el("td", {class: "num"}, `${int(row.prompt_tokens)} / ${int(row.tokens)}`),
     el("td", {class: "num"}, seconds(row.duration)), el("td", {class: "num"}, num(tps)),
+    ...draftsCells(row),
     el("td", {}, el("span", {class: `badge ${row.state}`}, row.finish_reason || row.state)),
     el("td", {}, row.billing ? el("span", {class: `badge ${row.billing}`, title: row.billing_reason || ""}, row.billing) : "–"),
     el("td", {}, routeView(row.hops)));
@@ -240,12 +259,13 @@ function renderCalls() {
   fill($("calls-active"), rows.length ? rows.map(callCard)
     : el("div", {class: "empty"}, "No requests in flight. Send one from the chat, or through the API."));
   $("calls-count").textContent = `${rows.length} in flight`;
-  const head = el("tr", {}, ["time", "model", "in / out", "duration", "tok/s", "finish", "billing", "route"]
-    .map((h, i) => el("th", {class: i >= 2 && i <= 4 ? "num" : ""}, h)));
+  const head = el("tr", {}, ["time", "model", "in / out", "duration", "tok/s", "drafts kept", "tok/trip", "finish",
+                             "billing", "route"]
+    .map((h, i) => el("th", {class: i >= 2 && i <= 6 ? "num" : ""}, h)));
   const recent = state.recent.slice(0, 12);
   fill($("calls-recent"), el("thead", {}, head),
        el("tbody", {}, recent.length ? recent.map(recentRow)
-         : el("tr", {}, el("td", {colspan: 8, class: "empty"}, "Nothing finished yet."))));
+         : el("tr", {}, el("td", {colspan: 10, class: "empty"}, "Nothing finished yet."))));
 }
 
 // ------------------------------------------------------------------ topology
@@ -320,6 +340,13 @@ function differLine(differ) {
             "These nodes never chain: load the same model file on every node, with the same --quant.");
 }
 
+/** Per route of ``model`` whose requests drafted: the share of drafts kept and tokens per trip. */
+function speculationLines(model) {
+  return (state.speculation[model] || []).map((r) => el("div", {class: "plan-line speculation", dataset: {route: r.route.join(">")}},
+    `speculation ${r.route.join(" → ")}: `, el("b", {class: "acceptance"}, `${Math.round(100 * (r.acceptance ?? 0))}%`),
+    " of drafts kept · ", el("b", {class: "per-trip"}, num(r.tokens_per_trip)), ` tok/trip over ${int(r.requests)} requests`));
+}
+
 function modelBlock({model, nodes, total, route, gaps, differ}) {
   const lanes = el("div", {class: "lanes"}, axis(total, gaps),
                    nodes.sort((a, b) => a.layers[0] - b.layers[0] || a.id.localeCompare(b.id)).map((n) => lane(n, total, route)));
@@ -328,7 +355,8 @@ function modelBlock({model, nodes, total, route, gaps, differ}) {
                                       : gaps.length ? "no route: some layers are not covered" : "no route yet");
   return el("div", {class: "model-block", dataset: {model}},
     el("div", {class: "model-head"}, el("b", {}, model), el("span", {class: "muted"}, `${total} layers · ${nodes.length} node${nodes.length === 1 ? "" : "s"}`)),
-    lanes, plan, differLine(differ), (state.fetches || []).filter((f) => f.model === model).map(fetchLine));
+    lanes, plan, differLine(differ), speculationLines(model),
+    (state.fetches || []).filter((f) => f.model === model).map(fetchLine));
 }
 
 /** A machine fetching layers from peers (FETCH_REPORT): bytes done of total, rate, and the peers it caught. */
