@@ -166,6 +166,9 @@ def prepare_process(args) -> None:
 def cmd_node(args) -> int:
     _check_node_flags(args)  # first: a flag error answers at once, not after torch has loaded
     security = load_security(args)  # a key directory that cannot work says so now, too
+    if args.device != "cpu":  # a device not here is said before any fetch (OpenMP's settings matter on the CPU)
+        prepare_process(args)
+        check_device_flags(args.device, args.quant)
     from_peers(args)  # no model file here: its layers from the swarm, before torch loads
     prepare_process(args)
     import torch
