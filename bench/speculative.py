@@ -38,8 +38,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
-import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -171,7 +169,7 @@ def crowded(model: str, layers: list[str], work: Path, cache: Path, args) -> dic
 
 def wave(tracker: str, model: str, streams: int, tokens: int) -> float:
     """Aggregate tok/s of ``streams`` concurrent greedy generations of ``tokens`` each."""
-    from bench.concurrency import PROMPTS as CHAT
+    from bench.concurrency import PROMPTS as CHAT, at_once
     from fabric import Client
 
     counts = [0] * streams
@@ -182,13 +180,7 @@ def wave(tracker: str, model: str, streams: int, tokens: int) -> float:
                                          max_tokens=tokens, ignore_eos=True):
                 counts[i] += len(event.token_ids)
 
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(streams)]
-    start = time.perf_counter()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    return sum(counts) / (time.perf_counter() - start)
+    return sum(counts) / at_once(one, streams)
 
 
 def delayed(model: str, layers: list[str], mode: str, work: Path, cache: Path, args) -> dict:
