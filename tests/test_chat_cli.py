@@ -185,6 +185,15 @@ class Terminal:
     def type(self, text: str) -> None:
         os.write(self.master, text.encode())
 
+    def wait_reading(self, timeout: float = 30) -> None:
+        """Until meshnet's main thread blocks waiting for a key (x86-64: poll, select, pselect6 or
+        ppoll). A ^C typed after readline wrote its prompt but before it called select() is seen
+        only when select() returns, which it never does without another key: CPython's readline
+        loop. A person types ^C again; a test waits for the read instead."""
+        syscall = Path(f"/proc/{self.proc.pid}/syscall")
+        assert wait_for(lambda: syscall.read_text().split()[0] in {"7", "23", "270", "271"}, timeout, 0.02), \
+            syscall.read_text()
+
     def say(self, text: str) -> bytes:
         """Type a line at the prompt; what the terminal showed until the next prompt."""
         self.type(text + "\r")
@@ -255,6 +264,7 @@ def test_ctrl_c_at_the_prompt_exits_cleanly(split, env, tmp_path):
     cluster, model, _, _ = split
     term = Terminal(chat_args(cluster, model), env, tmp_path / "stderr")
     term.read_until(b">>> ")
+    term.wait_reading()
     term.type("\x03")
     assert term.exit_status() == 0
     assert "Traceback" not in term.stderr and term.stderr == ""
