@@ -8,16 +8,14 @@ import signal
 
 import pytest
 
-from tests.cluster import ProcessCluster
 from tests.zygote import ZYGOTE, Forked
 
 
 @pytest.fixture
-def cluster(tmp_path, xdg_cache, monkeypatch):
+def cluster(process_cluster, monkeypatch):
+    """conftest's ``process_cluster``, forking its nodes even where the run says not to."""
     monkeypatch.delenv("MESHNET_TEST_FORK", raising=False)
-    cluster = ProcessCluster(tmp_path, xdg_cache)
-    yield cluster
-    cluster.close()
+    return process_cluster
 
 
 def test_a_forked_node_is_a_process_of_its_own_and_dies_alone(cluster, tiny_models):
