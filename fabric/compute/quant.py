@@ -39,6 +39,7 @@ Qwen3-MoE) are not ``nn.Linear`` and stay bfloat16; their attention linears are 
 """
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING
 
@@ -290,13 +291,19 @@ def release_freed_memory() -> None:
 
     Measured: a full SmolLM2 node's RSS after ``load_shard(quant="int8")`` fell from about
     1070 MiB to 590 MiB with this (the float copies were freed but still resident)."""
+    if (trim := _malloc_trim()) is not None:
+        trim(0)
+
+
+@functools.cache
+def _malloc_trim():
+    """glibc's ``malloc_trim``, looked up once (``find_library`` runs ``ldconfig``: a node trims
+    again each time it goes idle); None where the C library has none."""
     import ctypes
     import ctypes.util
 
     name = ctypes.util.find_library("c")
     try:
-        libc = ctypes.CDLL(name) if name else None
-        if libc is not None and hasattr(libc, "malloc_trim"):
-            libc.malloc_trim(0)
+        return getattr(ctypes.CDLL(name), "malloc_trim", None) if name else None
     except OSError:  # not glibc: nothing to do
-        pass
+        return None
