@@ -37,6 +37,7 @@ from .asks import SessionAsks
 from .config import NodeConfig
 from .head import Head, ServedModel
 from .hops import HopRunner
+from .housekeeping import Housekeeping
 from .idle_trim import IdleTrim
 from .leave import Departure
 from .links import Links
@@ -102,7 +103,7 @@ class Node(SessionControl, Replies):
         self.departure = Departure(config.node_id, config.drain_timeout)  # a polite leave, once asked
         self.owners = Owners()  # the connection each session here was opened by
         self.asks = SessionAsks(tail_grammars(config, self.vocab, weights.config) if config.shard.is_last else None)
-        self.ready, self.idle_trim = threading.Event(), IdleTrim()  # idle_trim: freed heap goes back once idle
+        self.ready, self.idle_trim, self.housekeeping = threading.Event(), IdleTrim(), Housekeeping()  # see their modules
         gc.collect()
         release_freed_memory()  # what loading, the tokenizer and the benchmark left behind goes back to the OS
 
@@ -130,9 +131,9 @@ class Node(SessionControl, Replies):
         self.ready.set()
         try:
             while not stop.is_set() and not (leave is not None and leave.is_set() and self._leave_and_drain()):
-                share = self.share.wait(time.monotonic())  # None: no chunk waits
+                share = self.share.wait(now := time.monotonic())  # None: no chunk waits
                 wait = self.hops.wait(self.scheduler) if share is None else min(share, self.hops.wait(self.scheduler))
-                for sock, _ in self.poller.poll(int(wait * 1000)):
+                for sock, _ in self.poller.poll(int(self.housekeeping.bound(wait, now) * 1000)):
                     if sock != lock:  # the lock's wake-up is read when the batch runs
                         self._drain(sock)
                 if self.hops.ready(self.scheduler):  # never waits for the lock: see HopRunner.ready
@@ -142,7 +143,9 @@ class Node(SessionControl, Replies):
                     finally:
                         self.hops.done()
                         self.idle_trim.worked(time.monotonic())
-                self._periodic()
+                self.share.pump(now := time.monotonic(), self.reply)  # chunks for peers fetching layers, within the cap
+                if self.housekeeping.due(now):
+                    self._periodic(now)
         finally:
             self.close()
 
@@ -183,9 +186,7 @@ class Node(SessionControl, Replies):
             else:
                 self.links.received(sock, frames)
 
-    def _periodic(self) -> None:
-        now = time.monotonic()
-        self.share.pump(now, self.reply)  # chunks for peers fetching layers: between steps, within the cap
+    def _periodic(self, now: float) -> None:
         self.links.tick(now)
         self.peers.probe(now)
         for session in self.kv.evict_idle():
