@@ -182,7 +182,8 @@ def test_a_node_without_the_file_fetches_its_layers_and_answers_as_the_reference
 def test_a_node_without_the_file_or_layers_fetches_the_span_the_tracker_assigns(process_cluster, model_file,
                                                                                  tmp_path):
     """No --layers: the tracker assigns the least-covered span that --memory holds (A serves 0-2, so
-    3 layers go to 3-5), and only that span is fetched, as with --layers 3-5."""
+    3 layers go to 3-5), and only that span is fetched, as with --layers 3-5. No --node-id either:
+    the fetch is shown under the id the node then serves as."""
     import math
 
     manifest = manifest_for(model_file)
@@ -192,9 +193,14 @@ def test_a_node_without_the_file_or_layers_fetches_the_span_the_tracker_assigns(
     want = float32_greedy(model_file, process_cluster.cache / "meshnet")
     process_cluster.start_node("a", str(model_file), "0-2", None, *EXACT)
     assert wait_for(lambda: _listed(process_cluster, "a"), 120, 0.2), process_cluster.logs()
-    process_cluster.start_node("b", MODEL, None, None, *EXACT, "--node-id", "b", "--memory", f"{memory:.9f}", env=b)
-    status = process_cluster.wait_nodes(["a", "b"], MODEL)
-    assert {n["id"]: n["layers"] for n in status["nodes"]} == {"a": [0, 2], "b": [3, 5]}, status["nodes"]
+    process_cluster.start_node("b", MODEL, None, None, *EXACT, "--memory", f"{memory:.9f}", env=b)
+    assert wait_for(lambda: len(_node_ids(process_cluster)) == 2, 180, 0.2), process_cluster.logs()
+    (b_id,) = _node_ids(process_cluster) - {"a"}
+    status = process_cluster.wait_nodes(["a", b_id], MODEL)
+    assert {n["id"]: n["layers"] for n in status["nodes"]} == {"a": [0, 2], b_id: [3, 5]}, status["nodes"]
+    (fetch,) = status["fetches"]
+    assert b_id.startswith("node-") and fetch["node"] == b_id and fetch["state"] == "done", fetch
+    assert [e["node"] for e in status["events"] if e.get("code") == "fetched"] == [b_id], status["events"]
     with process_cluster.client() as client:
         events = list(client.generate(MODEL, prompt=RAW_PROMPT, max_tokens=NEW_TOKENS, ignore_eos=True))
     assert [t for e in events for t in e.token_ids] == want, process_cluster.logs()
@@ -202,13 +208,17 @@ def test_a_node_without_the_file_or_layers_fetches_the_span_the_tracker_assigns(
     assert copy.name.endswith(".layers-3-5.gguf") and copy.stat().st_size < 0.7 * model_file.stat().st_size
 
 
-def _listed(cluster, name: str) -> bool:
+def _node_ids(cluster) -> set[str]:
     try:
         with cluster.client() as c:
             c.timeout = 2
-            return any(n["id"] == name for n in c.status()["nodes"])
+            return {n["id"] for n in c.status()["nodes"]}
     except Exception:  # noqa: BLE001 -- the tracker is still starting
-        return False
+        return set()
+
+
+def _listed(cluster, name: str) -> bool:
+    return name in _node_ids(cluster)
 
 
 def ask(endpoint: str, message: p.Message) -> tuple[p.Message, list[bytes]]:
