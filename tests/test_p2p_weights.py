@@ -112,6 +112,51 @@ def test_an_interrupted_layout_resumes_only_what_verifies(model_file, tmp_path):
     assert {s.name for s in again.missing()} == {s.name for s in part.plan.slots[4:]}
 
 
+def test_the_store_writes_in_the_order_handed_so_a_replaced_peers_bytes_never_stand(model_file, tmp_path):
+    """A bad peer's chunks of a tensor, handed to the store before the tensor was asked again of
+    another peer, are written first: the bytes left in the file are the good ones, and the verdicts
+    name the bad item false and the good one true (the item given up on is never marked done)."""
+    import threading
+
+    from fabric.fetch.store import Item, Store
+
+    shard = Shard(3, 5, LAYERS)
+    part = PartialFile(tmp_path / "tail.gguf", layout(compute_manifest(model_file), shard, MODEL))
+    part.open()
+    slot = max(part.plan.slots, key=lambda s: s.nbytes)
+    with open(model_file, "rb") as f:
+        f.seek({t.name: t.offset for t in read_header(model_file).tensors}[slot.name])
+        good = f.read(slot.nbytes)
+    store = Store(part, threads=2)
+    try:
+        hold = threading.Event()  # the slot's thread waits here, so that both items queue before any is written
+        store.put(_Held(slot, hold), 0, b"")
+        bad, replacement = Item(slot, "bad"), Item(slot, "good")
+        half = slot.nbytes // 2
+        for item, data in ((bad, bytes(x ^ 0xFF for x in good[:16]) + good[16:]), (replacement, good)):
+            store.put(item, 0, data[:half])
+            store.put(item, half, data[half:])
+            store.judge(item)
+        hold.set()
+        verdicts = []
+        assert wait_for(lambda: verdicts.extend(store.judged()) or len(verdicts) == 2, 30, 0.01)
+        assert [(v[0].peer, v[1]) for v in verdicts] == [("bad", False), ("good", True)]
+        assert os.pread(part.fd, slot.nbytes, slot.offset) == good
+    finally:
+        store.close()
+        part.close()
+
+
+class _Held:
+    """A job of ``slot``'s that holds its store thread until ``event`` is set."""
+
+    def __init__(self, slot, event):
+        self.slot, self.event = slot, event
+
+    def store(self, part, offset, data):
+        self.event.wait(30)
+
+
 # --------------------------------------------------------------------------- the wire
 
 
