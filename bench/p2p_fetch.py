@@ -17,7 +17,8 @@ Starts a tracker and one node holding the whole file (``python -m fabric.cli ...
    processes (4 MiB messages, 16 in flight, nothing hashed or written: the transport's
    ceiling), and sha256 over the bytes in one thread;
 2. ITL: one greedy stream of ``--itl-tokens`` tokens on that node alone, then the same stream
-   while fetches of every layer run back to back against it (its cap ``--itl-share-mbps``):
+   while fetches of every layer run back to back against it from another process (its cap
+   ``--itl-share-mbps``):
    the p99 and median gap between tokens of each (target: p99 within 1.5x the median);
    ``--itl-rounds N`` alternates the two N times and pools each one's gaps.
 """
@@ -32,7 +33,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -219,22 +219,37 @@ def gaps(tracker: str, model_id: str, tokens: int) -> list[float]:
     return [b - a for a, b in zip(stamps[1:], stamps[2:])]  # the first gap holds the prefill's tail
 
 
-def itl_under_fetch(tracker: str, model_id: str, tokens: int, tmp: Path) -> tuple[list[float], int]:
-    """The stream's gaps while fetches of every layer run back to back; the bytes fetched meanwhile."""
-    stop, fetched = threading.Event(), [0]
+FETCH_LOOP = """
+import shutil, sys, tempfile
+from pathlib import Path
+sys.path.insert(0, sys.argv[1])
+from fabric.fetch.pull import fetch_layers
+tracker, model, tmp, stop = sys.argv[2], sys.argv[3], sys.argv[4], Path(sys.argv[5])
+fetched = 0
+while not stop.exists():
+    target = Path(tempfile.mkdtemp(dir=tmp))
+    fetched += fetch_layers(model, None, tracker, None, target, progress=False, say=lambda _: None).stat().st_size
+    shutil.rmtree(target)
+print(fetched)
+"""
 
-    def fetch_loop() -> None:
-        while not stop.is_set():
-            size, _ = fetch_rate(tracker, model_id, None, tmp)
-            fetched[0] += size
-    worker = threading.Thread(target=fetch_loop)
-    worker.start()
+
+def itl_under_fetch(tracker: str, model_id: str, tokens: int, tmp: Path) -> tuple[list[float], int]:
+    """The stream's gaps while fetches of every layer run back to back, from a process of their
+    own (as another machine's: the fetch's threads do not hold this one's GIL while it stamps
+    tokens); the bytes fetched meanwhile."""
+    stop, where = tmp / "stop", tmp / "fetches"
+    stop.unlink(missing_ok=True)
+    where.mkdir(exist_ok=True)
+    loop = subprocess.Popen([sys.executable, "-c", FETCH_LOOP, str(REPO), tracker, model_id, str(where), str(stop)],
+                            stdout=subprocess.PIPE, text=True, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
     try:
-        time.sleep(0.5)  # the fetch is under way before the stream starts
-        return gaps(tracker, model_id, tokens), fetched[0]
+        wait_for(lambda: any(where.iterdir()), 60, 0.05)  # the fetch is under way before the stream starts
+        measured = gaps(tracker, model_id, tokens)
     finally:
-        stop.set()
-        worker.join()
+        stop.touch()
+        out, _ = loop.communicate(timeout=120)
+    return measured, int(out.split()[-1])
 
 
 def p99(values: list[float]) -> float:
