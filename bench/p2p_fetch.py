@@ -3,21 +3,24 @@
 the inter-token latency of a stream on the serving node while it serves a fetch.
 
     python bench/p2p_fetch.py [--model smollm2-135m] [--layers 15-29] [--share-mbps 0]
-                              [--itl-tokens 120] [--itl-share-mbps 400]
+                              [--rounds 5] [--other DIR] [--itl-tokens 120] [--itl-share-mbps 400]
+                              [--itl-rounds 1]
 
 Starts a tracker and one node holding the whole file (``python -m fabric.cli ...``), then:
 
 1. fetch rate: ``fetch_layers`` (what ``meshnet pull MODEL --layers A-B --tracker T`` runs)
    into an empty directory, timed from the tracker's answer to the renamed file, against
-   ``cp`` of the whole file (both read a file the page cache holds); the median of five
-   of each, printed as bytes/s and their ratio (target >= 0.5x). Beside them, what bounds
+   ``cp`` of the whole file (both read a file the page cache holds), alternated; the median of
+   ``--rounds`` (five) of each, printed as bytes/s and their ratio (target >= 0.5x). Beside them, what bounds
    the fetch on this machine: the CPU seconds the fetching process and the serving node
    spent per fetch, the same bytes through a bare ZeroMQ DEALER/ROUTER pair between two
    processes (4 MiB messages, 16 in flight, nothing hashed or written: the transport's
    ceiling), and sha256 over the bytes in one thread;
 2. ITL: one greedy stream of ``--itl-tokens`` tokens on that node alone, then the same stream
-   while fetches of every layer run back to back against it (its cap ``--itl-share-mbps``):
-   the p99 and median gap between tokens of each (target: p99 within 1.5x the median).
+   while fetches of every layer run back to back against it from another process (its cap
+   ``--itl-share-mbps``):
+   the p99 and median gap between tokens of each (target: p99 within 1.5x the median);
+   ``--itl-rounds N`` alternates the two N times and pools each one's gaps.
 """
 from __future__ import annotations
 
@@ -30,7 +33,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -85,6 +87,54 @@ def fetch_rate(tracker: str, model_id: str, layers: str | None, tmp: Path) -> tu
     size = path.stat().st_size
     shutil.rmtree(target)
     return size, took
+
+
+FETCH_ONCE = """
+import os, shutil, sys, tempfile, time
+from pathlib import Path
+sys.path.insert(0, sys.argv[1])
+from fabric.fetch.pull import fetch_layers
+tracker, model, layers, tmp, node = sys.argv[2], sys.argv[3], sys.argv[4], sys.argv[5], sys.argv[6]
+def node_cpu():
+    f = Path(f"/proc/{node}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(f[11]) + int(f[12])) / os.sysconf("SC_CLK_TCK")
+warm = Path(tempfile.mkdtemp(dir=tmp))
+fetch_layers(model, layers, tracker, None, warm, progress=False, say=lambda _: None)
+shutil.rmtree(warm)
+target, t, n = Path(tempfile.mkdtemp(dir=tmp)), os.times(), node_cpu()
+began = time.perf_counter()
+path = fetch_layers(model, layers, tracker, None, target, progress=False, say=lambda _: None)
+took, t2 = time.perf_counter() - began, os.times()
+print(took, t2.user + t2.system - t.user - t.system, node_cpu() - n, path.stat().st_size)
+shutil.rmtree(target)
+"""
+
+
+def fetch_in(checkout: Path, tracker: str, model_id: str, layers: str, tmp: Path, node: int) -> tuple[float, ...]:
+    """(seconds, fetcher CPU-s, node CPU-s, bytes) of one fetch by ``checkout``'s code, in a process
+    of its own (after one fetch there that warms its imports)."""
+    out = subprocess.run([sys.executable, "-c", FETCH_ONCE, str(checkout), tracker, model_id, layers, str(tmp),
+                          str(node)], capture_output=True, text=True, check=True, cwd=checkout,
+                         env={**os.environ, "PYTHONPATH": str(checkout)}).stdout
+    return tuple(float(x) for x in out.split()[-4:])
+
+
+def compare(args, tracker: str, tmp: Path) -> None:
+    """``--other DIR``: fetches by this checkout's code and by DIR's, alternated, each followed by a cp."""
+    mine, other, copies = [], [], []
+    for _ in range(args.rounds):
+        mine.append(fetch_in(REPO, tracker, args.model_id, args.layers, tmp, node_pid[0]))
+        other.append(fetch_in(Path(args.other), tracker, args.model_id, args.layers, tmp, node_pid[0]))
+        copies.append(copy_rate(args.path, tmp)[1])
+    cp = statistics.median(copies)
+    size = args.path.stat().st_size
+    print(f"cp of the whole file: {size:,} bytes, median {cp:.3f} s = {size / cp / 1e6:.1f} MB/s")
+    for name, runs in (("this checkout", mine), (str(args.other), other)):
+        took, got = statistics.median(r[0] for r in runs), runs[0][3]
+        print(f"{name}: fetch of layers {args.layers}, {got:,.0f} bytes, median {took:.3f} s = {got / took / 1e6:.1f} "
+              f"MB/s, {(got / took) / (size / cp):.2f}x cp (runs {', '.join(f'{r[0]:.3f}' for r in runs)}); CPU per "
+              f"fetch: fetcher {statistics.median(r[1] for r in runs):.3f} s, serving node "
+              f"{statistics.median(r[2] for r in runs):.3f} s")
 
 
 def cpu_seconds(pid: int | None = None) -> float:
@@ -169,22 +219,37 @@ def gaps(tracker: str, model_id: str, tokens: int) -> list[float]:
     return [b - a for a, b in zip(stamps[1:], stamps[2:])]  # the first gap holds the prefill's tail
 
 
-def itl_under_fetch(tracker: str, model_id: str, tokens: int, tmp: Path) -> tuple[list[float], int]:
-    """The stream's gaps while fetches of every layer run back to back; the bytes fetched meanwhile."""
-    stop, fetched = threading.Event(), [0]
+FETCH_LOOP = """
+import shutil, sys, tempfile
+from pathlib import Path
+sys.path.insert(0, sys.argv[1])
+from fabric.fetch.pull import fetch_layers
+tracker, model, tmp, stop = sys.argv[2], sys.argv[3], sys.argv[4], Path(sys.argv[5])
+fetched = 0
+while not stop.exists():
+    target = Path(tempfile.mkdtemp(dir=tmp))
+    fetched += fetch_layers(model, None, tracker, None, target, progress=False, say=lambda _: None).stat().st_size
+    shutil.rmtree(target)
+print(fetched)
+"""
 
-    def fetch_loop() -> None:
-        while not stop.is_set():
-            size, _ = fetch_rate(tracker, model_id, None, tmp)
-            fetched[0] += size
-    worker = threading.Thread(target=fetch_loop)
-    worker.start()
+
+def itl_under_fetch(tracker: str, model_id: str, tokens: int, tmp: Path) -> tuple[list[float], int]:
+    """The stream's gaps while fetches of every layer run back to back, from a process of their
+    own (as another machine's: the fetch's threads do not hold this one's GIL while it stamps
+    tokens); the bytes fetched meanwhile."""
+    stop, where = tmp / "stop", tmp / "fetches"
+    stop.unlink(missing_ok=True)
+    where.mkdir(exist_ok=True)
+    loop = subprocess.Popen([sys.executable, "-c", FETCH_LOOP, str(REPO), tracker, model_id, str(where), str(stop)],
+                            stdout=subprocess.PIPE, text=True, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
     try:
-        time.sleep(0.5)  # the fetch is under way before the stream starts
-        return gaps(tracker, model_id, tokens), fetched[0]
+        wait_for(lambda: any(where.iterdir()), 60, 0.05)  # the fetch is under way before the stream starts
+        measured = gaps(tracker, model_id, tokens)
     finally:
-        stop.set()
-        worker.join()
+        stop.touch()
+        out, _ = loop.communicate(timeout=120)
+    return measured, int(out.split()[-1])
 
 
 def p99(values: list[float]) -> float:
@@ -210,11 +275,17 @@ def main() -> None:
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--layers", default="15-29", help="the range fetched for the rate (default %(default)s)")
     ap.add_argument("--share-mbps", type=float, default=0.0, help="the node's cap for the rate run (0: none)")
+    ap.add_argument("--rounds", type=int, default=5, help="fetches (each followed by a cp) for the rate")
+    ap.add_argument("--other", default=None, metavar="DIR",
+                    help="another checkout (e.g. `git worktree add`): its fetches alternate with this one's, each in "
+                         "a process of its own, with CPU seconds per fetch of both (the rate run only)")
     ap.add_argument("--itl-tokens", type=int, default=120)
     ap.add_argument("--itl-share-mbps", type=float, default=400.0, help="the node's cap for the ITL run")
+    ap.add_argument("--itl-rounds", type=int, default=1,
+                    help="streams alone and under fetch, alternated this many times (default %(default)s)")
     args = ap.parse_args()
     source = resolve(args.model)
-    args.model_id = source.model_id
+    args.model_id, args.path = source.model_id, source.path
     args.num_layers = read_header(source.path).key("block_count")
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
@@ -223,13 +294,13 @@ def main() -> None:
             fetch_layers(args.model_id, args.layers, tracker, None, tmp / "warm", progress=False, say=lambda _: None)
             shutil.rmtree(tmp / "warm")  # a first fetch: the node's manifest and page cache are warm after it
             node = node_pid[0]
-            runs, cpu = [], []
-            for _ in range(5):
+            runs, cpu, copies = [], [], []
+            for _ in range(args.rounds):  # a fetch, then a cp: alternated, so a busy machine's drift falls on both
                 mine, its = cpu_seconds(), cpu_seconds(node)
                 runs.append(fetch_rate(tracker, args.model_id, args.layers, tmp))
                 cpu.append((cpu_seconds() - mine, cpu_seconds(node) - its))
+                copies.append(copy_rate(source.path, tmp))
             size, took = runs[0][0], statistics.median(t for _, t in runs)
-            copies = [copy_rate(source.path, tmp) for _ in range(5)]
             csize, ctook = copies[0][0], statistics.median(t for _, t in copies)
             bare, sha = zmq_ceiling(source.path, size), sha256_seconds(source.path, size)
             whole = source.path.stat().st_size
@@ -242,11 +313,15 @@ def main() -> None:
                   f"sha256 of them, one thread: {sha:.3f} s = {size / sha / 1e6:.1f} MB/s")
             print(f"fetch rate / cp rate: {(size / took) / (csize / ctook):.2f}x (target >= 0.5x); "
                   f"fetch / bare ZeroMQ: {(size / took) / (size / bare):.2f}x")
-        run_node(args, tmp / "rate", args.share_mbps, rate)
+        run_node(args, tmp / "rate", args.share_mbps, (lambda t: compare(args, t, tmp / "rate")) if args.other else rate)
 
         def itl(tracker: str) -> None:
-            alone = gaps(tracker, args.model_id, args.itl_tokens)
-            loaded, fetched = itl_under_fetch(tracker, args.model_id, args.itl_tokens, tmp / "itl")
+            alone, loaded, fetched = [], [], 0
+            for _ in range(args.itl_rounds):  # alternated: a busy machine's drift falls on both alike
+                alone += gaps(tracker, args.model_id, args.itl_tokens)
+                g, n = itl_under_fetch(tracker, args.model_id, args.itl_tokens, tmp / "itl")
+                loaded, fetched = loaded + g, fetched + n
+            print(f"{args.itl_rounds} round(s) of {args.itl_tokens} tokens, alone then serving fetches:")
             for what, g in (("alone", alone), (f"serving fetches ({fetched:,} bytes sent)", loaded)):
                 print(f"ITL {what}: median {statistics.median(g) * 1000:.1f} ms, p99 {p99(g) * 1000:.1f} ms, "
                       f"p99/median {p99(g) / statistics.median(g):.2f} (target <= 1.5)")

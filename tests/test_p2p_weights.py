@@ -112,6 +112,51 @@ def test_an_interrupted_layout_resumes_only_what_verifies(model_file, tmp_path):
     assert {s.name for s in again.missing()} == {s.name for s in part.plan.slots[4:]}
 
 
+def test_the_store_writes_in_the_order_handed_so_a_replaced_peers_bytes_never_stand(model_file, tmp_path):
+    """A bad peer's chunks of a tensor, handed to the store before the tensor was asked again of
+    another peer, are written first: the bytes left in the file are the good ones, and the verdicts
+    name the bad item false and the good one true (the item given up on is never marked done)."""
+    import threading
+
+    from fabric.fetch.store import Item, Store
+
+    shard = Shard(3, 5, LAYERS)
+    part = PartialFile(tmp_path / "tail.gguf", layout(compute_manifest(model_file), shard, MODEL))
+    part.open()
+    slot = max(part.plan.slots, key=lambda s: s.nbytes)
+    with open(model_file, "rb") as f:
+        f.seek({t.name: t.offset for t in read_header(model_file).tensors}[slot.name])
+        good = f.read(slot.nbytes)
+    store = Store(part, threads=2)
+    try:
+        hold = threading.Event()  # the slot's thread waits here, so that both items queue before any is written
+        store.put(_Held(slot, hold), 0, b"")
+        bad, replacement = Item(slot, "bad"), Item(slot, "good")
+        half = slot.nbytes // 2
+        for item, data in ((bad, bytes(x ^ 0xFF for x in good[:16]) + good[16:]), (replacement, good)):
+            store.put(item, 0, data[:half])
+            store.put(item, half, data[half:])
+            store.judge(item)
+        hold.set()
+        verdicts = []
+        assert wait_for(lambda: verdicts.extend(store.judged()) or len(verdicts) == 2, 30, 0.01)
+        assert [(v[0].peer, v[1]) for v in verdicts] == [("bad", False), ("good", True)]
+        assert os.pread(part.fd, slot.nbytes, slot.offset) == good
+    finally:
+        store.close()
+        part.close()
+
+
+class _Held:
+    """A job of ``slot``'s that holds its store thread until ``event`` is set."""
+
+    def __init__(self, slot, event):
+        self.slot, self.event = slot, event
+
+    def store(self, part, offset, data):
+        self.event.wait(30)
+
+
 # --------------------------------------------------------------------------- the wire
 
 
@@ -182,7 +227,8 @@ def test_a_node_without_the_file_fetches_its_layers_and_answers_as_the_reference
 def test_a_node_without_the_file_or_layers_fetches_the_span_the_tracker_assigns(process_cluster, model_file,
                                                                                  tmp_path):
     """No --layers: the tracker assigns the least-covered span that --memory holds (A serves 0-2, so
-    3 layers go to 3-5), and only that span is fetched, as with --layers 3-5."""
+    3 layers go to 3-5), and only that span is fetched, as with --layers 3-5. No --node-id either:
+    the fetch is shown under the id the node then serves as."""
     import math
 
     manifest = manifest_for(model_file)
@@ -192,9 +238,14 @@ def test_a_node_without_the_file_or_layers_fetches_the_span_the_tracker_assigns(
     want = float32_greedy(model_file, process_cluster.cache / "meshnet")
     process_cluster.start_node("a", str(model_file), "0-2", None, *EXACT)
     assert wait_for(lambda: _listed(process_cluster, "a"), 120, 0.2), process_cluster.logs()
-    process_cluster.start_node("b", MODEL, None, None, *EXACT, "--node-id", "b", "--memory", f"{memory:.9f}", env=b)
-    status = process_cluster.wait_nodes(["a", "b"], MODEL)
-    assert {n["id"]: n["layers"] for n in status["nodes"]} == {"a": [0, 2], "b": [3, 5]}, status["nodes"]
+    process_cluster.start_node("b", MODEL, None, None, *EXACT, "--memory", f"{memory:.9f}", env=b)
+    assert wait_for(lambda: len(_node_ids(process_cluster)) == 2, 180, 0.2), process_cluster.logs()
+    (b_id,) = _node_ids(process_cluster) - {"a"}
+    status = process_cluster.wait_nodes(["a", b_id], MODEL)
+    assert {n["id"]: n["layers"] for n in status["nodes"]} == {"a": [0, 2], b_id: [3, 5]}, status["nodes"]
+    (fetch,) = status["fetches"]
+    assert b_id.startswith("node-") and fetch["node"] == b_id and fetch["state"] == "done", fetch
+    assert [e["node"] for e in status["events"] if e.get("code") == "fetched"] == [b_id], status["events"]
     with process_cluster.client() as client:
         events = list(client.generate(MODEL, prompt=RAW_PROMPT, max_tokens=NEW_TOKENS, ignore_eos=True))
     assert [t for e in events for t in e.token_ids] == want, process_cluster.logs()
@@ -202,13 +253,17 @@ def test_a_node_without_the_file_or_layers_fetches_the_span_the_tracker_assigns(
     assert copy.name.endswith(".layers-3-5.gguf") and copy.stat().st_size < 0.7 * model_file.stat().st_size
 
 
-def _listed(cluster, name: str) -> bool:
+def _node_ids(cluster) -> set[str]:
     try:
         with cluster.client() as c:
             c.timeout = 2
-            return any(n["id"] == name for n in c.status()["nodes"])
+            return {n["id"] for n in c.status()["nodes"]}
     except Exception:  # noqa: BLE001 -- the tracker is still starting
-        return False
+        return set()
+
+
+def _listed(cluster, name: str) -> bool:
+    return name in _node_ids(cluster)
 
 
 def ask(endpoint: str, message: p.Message) -> tuple[p.Message, list[bytes]]:

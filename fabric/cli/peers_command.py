@@ -66,7 +66,7 @@ def from_peers(args) -> None:
     assign = None if args.layers else (lambda manifest: _assign(args, security, manifest))
     try:
         path = fetch_layers(args.model, args.layers, args.tracker, security, peers_dir(),
-                            progress=not args.no_progress, say=log.info, node=getattr(args, "node_id", None) or "",
+                            progress=not args.no_progress, say=log.info, node=lambda shard: _node_id(args, shard),
                             assign=assign)
     except NoHolders as exc:  # as unknown as before: a usage error
         raise CommandError(f"{why}; nor does a peer serve it: {exc}", 2) from None
@@ -74,6 +74,17 @@ def from_peers(args) -> None:
         raise CommandError(f"{why}; and fetching it from peers failed: {exc}", 1) from None
     args.model_id = args.model_id or args.model
     args.model = str(path)
+
+
+def _node_id(args, shard) -> str:
+    """The id the node will serve ``shard`` under (``--node-id``, else the one it is otherwise
+    given, kept in ``args`` so that a node bound to any free port keeps the same fresh id): its
+    fetch is shown under it."""
+    from ..compute.model_ref import default_data_root
+    from ..net.node_id import stable_node_id
+
+    args.node_id = args.node_id or stable_node_id(default_data_root(), args.model_id or args.model, shard, args.bind)
+    return args.node_id
 
 
 def _assign(args, security, manifest) -> str:

@@ -51,7 +51,7 @@ def fetch_line(f: dict) -> str:
         doing = f"fetched layers {a}-{b}: {mib(f['total'])} MiB" if state == "done" else \
             f"fetch of layers {a}-{b} failed: {f.get('error', '')}"
     bad = f"; bad bytes from {', '.join(f['bad_peers'])} (left out)" if f.get("bad_peers") else ""
-    return f"  {f.get('node') or 'a machine'} {doing}{bad}"
+    return f"  {f.get('node') or 'meshnet pull'} {doing}{bad}"
 
 
 def kv_cache_cell(kv: dict) -> str:

@@ -9,6 +9,10 @@ whose sha256 differs from the manifest's names the peer that sent it: that peer 
 (a log line names it, and so does the fetch's report to the tracker: ``fabric.fetch.report``)
 and the item is asked of another. A peer that stops answering is left out the same way.
 Interrupted, the fetch resumes from the ``.part`` file.
+
+This loop only receives: each chunk goes, as the frame it came in, to the store's threads
+(``fabric.fetch.store``), which hash and write it and judge each finished item while the loop
+refills the peer's window and receives the next.
 """
 from __future__ import annotations
 
@@ -31,6 +35,7 @@ from ..wire import protocol as p
 from ..wire.shard import Shard
 from .holders import FetchError, Holder, can_serve, missing_line
 from .report import FetchReporter
+from .store import Item, Store
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +47,6 @@ CHUNK_TIMEOUT = 15.0  # seconds a peer with chunks asked of it may go without an
 MANIFEST_TIMEOUT = 5.0  # seconds to wait for the holders' manifests
 BUSY_PAUSE = 0.2  # seconds before asking a peer that answered BUSY again
 MAX_PEERS = 16  # peers fetched from at once
-STORE_SLICE = 256 << 10  # bytes hashed then written at a time (fits the CPU's L2 cache)
 
 
 @dataclass
@@ -59,31 +63,6 @@ class Peer:
     @property
     def name(self) -> str:
         return self.holder.node
-
-
-@dataclass
-class Item:
-    """A slot being fetched from one peer; its sha256 taken as the bytes arrive in order."""
-
-    slot: Slot
-    peer: Peer
-    next_offset: int = 0
-    received: int = 0
-    hasher: object = field(default_factory=hashlib.sha256)
-    hashed: int = 0  # bytes fed to ``hasher``: all of them, unless a chunk came out of order
-
-    def store(self, part: PartialFile, offset: int, data) -> None:
-        """Write ``data`` at ``offset`` of the slot, hashing it on the way where it comes in order:
-        a slice at a time, so that the write reads from the CPU's cache what the hash just read."""
-        view = memoryview(data)
-        in_order = offset == self.hashed
-        for at in range(0, len(view), STORE_SLICE):
-            piece = view[at:at + STORE_SLICE]
-            if in_order:
-                self.hasher.update(piece)
-            part.write(self.slot, offset + at, piece)
-        if in_order:
-            self.hashed += len(view)
 
 
 class Fetcher:
@@ -106,6 +85,7 @@ class Fetcher:
         self.progress = progress  # a tqdm-like bar (update(n)), or None
         self.manifest: FileManifest | None = None
         self.part: PartialFile | None = None
+        self.store: Store | None = None  # hashes and writes what arrives, on a thread of its own
         self.queue: deque[Slot] = deque()
         self.active: dict[str, Item] = {}
         self.reporter: FetchReporter | None = None  # tells the tracker how the fetch goes
@@ -115,6 +95,8 @@ class Fetcher:
     def close(self) -> None:
         for peer in self.peers:
             peer.sock.close(linger=0)
+        if self.store is not None:
+            self.store.close()
         if self.part is not None:
             self.part.close()
 
@@ -196,6 +178,8 @@ class Fetcher:
             raise FetchError(line)
         self.part = PartialFile(target, plan)
         have = self.part.open()
+        self.store = Store(self.part)
+        self.poller.register(self.store.wake, zmq.POLLIN)
         self.queue.extend(self.part.missing())
         self.verified = have
         return have
@@ -209,9 +193,13 @@ class Fetcher:
             if not any(peer.inflight for peer in self.peers) and self.queue and not self._anyone_for(self.queue[0]):
                 raise FetchError(self._stranded())
             for sock, _ in self.poller.poll(100):
-                self._drain(next(x for x in self.peers if x.sock is sock))
+                if sock == self.store.wake:
+                    self._judged()
+                else:
+                    self._drain(next(x for x in self.peers if x.sock is sock))
             if self.reporter is not None:
                 self.reporter.progress(self.verified, self.bad)
+        self.store.close()  # every item was judged: nothing is left to write
         return self.part.finish()
 
     def _drain(self, peer: Peer) -> None:
@@ -290,11 +278,11 @@ class Fetcher:
         self._fill(peer, now)
         if item is None or item.peer is not peer:
             return
-        item.store(self.part, offset, buffers[0])
+        self.store.put(item, offset, buffers[0])
         item.received += length
         peer.bytes += length
         if item.received == item.slot.nbytes:
-            self._complete(item)
+            self.store.judge(item)
 
     def _refused(self, peer: Peer, msg: p.Error) -> None:
         """An ERROR: BUSY means ask again soon (the chunks it held go back); anything else leaves it out."""
@@ -312,10 +300,17 @@ class Fetcher:
                 item.received = min(item.received, item.next_offset)
         peer.inflight.clear()
 
-    def _complete(self, item: Item) -> None:
+    def _judged(self) -> None:
+        """Act on the store's verdicts (one for an item given up on meanwhile is dropped)."""
+        for item, verdict in self.store.judged():
+            if isinstance(verdict, OSError):
+                raise verdict
+            if self.active.get(item.slot.name) is item:
+                self._complete(item, verdict)
+
+    def _complete(self, item: Item, ok: bool) -> None:
         del self.active[item.slot.name]
-        whole = item.hashed == item.slot.nbytes  # else some chunk came again, out of order: read it back
-        if not (item.hasher.hexdigest() == item.slot.sha256 if whole else self.part.verify(item.slot)):
+        if not ok:
             self.queue.appendleft(item.slot)
             self._leave_out(item.peer, f"it sent bad bytes: {item.slot.name} does not match the manifest's sha256",
                             bad=True)

@@ -9,7 +9,7 @@ from pathlib import Path
 from ..compute.gguf_manifest import FileManifest
 from ..compute.gguf_partial import find_partial, partial_name
 from ..net.security import Security
-from ..wire.shard import _RANGE
+from ..wire.shard import _RANGE, Shard
 from .fetcher import Fetcher, fetch_plan
 from .holders import NoHolders, holders_of
 from .report import FetchReporter
@@ -26,19 +26,21 @@ def local_copy(directory: Path, model: str, layers: str | None) -> Path | None:
 
 
 def fetch_layers(model: str, layers: str | None, tracker: str, security: Security | None, directory: Path,
-                 progress: bool = True, say: Callable[[str], None] = print, node: str = "",
+                 progress: bool = True, say: Callable[[str], None] = print,
+                 node: Callable[[Shard], str] = lambda shard: "",
                  assign: Callable[[FileManifest], str] | None = None) -> Path:
     """A partial GGUF of ``model`` holding ``layers`` (all: None; ``assign``'s answer from the
     manifest where given) in ``directory``: the one here, or one fetched from the nodes the
-    tracker lists for it, reported to the tracker as it goes (``node``: the node id that will
-    serve it, "" for a pull). FetchError (one line; NoHolders where no node serves it) otherwise."""
+    tracker lists for it, reported to the tracker as it goes under ``node``'s answer (the id of
+    the node that will serve the shard once its span is known, "" for a pull). FetchError (one
+    line; NoHolders where no node serves it) otherwise."""
     found = local_copy(directory, model, layers)
     if found is not None:
         say(f"layers {layers} of {model} are here already: {found}")
         return found
     holders = _holders(model, tracker, security)
     fetcher = Fetcher(model, holders, security)
-    fetcher.reporter = reporter = FetchReporter(tracker, security, model, node)
+    fetcher.reporter = reporter = FetchReporter(tracker, security, model)
     error = ""
     try:
         manifest = fetcher.manifests()
@@ -53,6 +55,7 @@ def fetch_layers(model: str, layers: str | None, tracker: str, security: Securit
         directory.mkdir(parents=True, exist_ok=True)
         have = fetcher.start(target, plan, shard, manifest)
         total = sum(s.nbytes for s in plan.slots)
+        reporter.node = node(shard)
         reporter.begin(shard, total, have)
         peers = sum(1 for peer in fetcher.peers if not peer.gone)
         say(f"fetching layers {shard} of {model} from {peers} peer(s): {_mib(total - have)} of {_mib(total)}"

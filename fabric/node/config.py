@@ -3,7 +3,6 @@ schedules hops, how it heads requests, and its links to the tracker and a relay.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import secrets
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -11,6 +10,7 @@ from pathlib import Path
 import torch
 
 from ..compute.models import ModelSource
+from ..net.node_id import stable_node_id  # noqa: F401 -- re-exported: fabric.node's id
 from ..net.security import Security
 from ..wire.shard import Shard
 from .audit import AuditConfig
@@ -62,18 +62,3 @@ class NodeConfig:
 
 def _fields(kind: type) -> set[str]:
     return {f.name for f in dataclasses.fields(kind)}
-
-
-def stable_node_id(data_root: Path, model_id: str, shard: Shard, bind: str) -> str:
-    """A node id made once per (model, layers, bind address) and kept in a key file. A node
-    bound to port 0 (any free port) has no stable address, so it gets a fresh id."""
-    if bind.rstrip("/").endswith((":0", ":*")):
-        return "node-" + secrets.token_hex(4)
-    slot = hashlib.sha256(f"{model_id}|{shard}|{bind}".encode()).hexdigest()[:16]
-    path = data_root / "node-ids" / slot
-    if path.is_file():
-        return path.read_text().strip()
-    node_id = "node-" + secrets.token_hex(4)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(node_id + "\n")
-    return node_id

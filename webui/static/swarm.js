@@ -359,11 +359,11 @@ function modelBlock({model, nodes, total, route, gaps, differ}) {
     (state.fetches || []).filter((f) => f.model === model).map(fetchLine));
 }
 
-/** A machine fetching layers from peers (FETCH_REPORT): bytes done of total, rate, and the peers it caught. */
+/** A node (or a `meshnet pull`, which names none) fetching layers from peers (FETCH_REPORT): bytes done of total, rate, and the peers it caught. */
 function fetchLine(f) {
   const mib = (n) => (n / 1048576).toFixed(1);
   const pct = f.total ? Math.floor((100 * f.done) / f.total) : 0;
-  const who = `${f.node || "a machine"} `;
+  const who = `${f.node || "meshnet pull"} `;
   const doing = f.state === "fetching" ? `fetching ${mib(f.done)} of ${mib(f.total)} MiB (${pct}%) · ${mib(f.rate)} MiB/s`
     : f.state === "done" ? `fetched ${mib(f.total)} MiB` : `fetch failed: ${f.error}`;
   const bad = f.bad_peers.length ? ` · bad bytes from ${f.bad_peers.join(", ")} (left out)` : "";
