@@ -14,11 +14,13 @@ operands, so every output is the same bits, in about a quarter as many:
   (``_fused``), where a mismatch keeps the projections apart;
 - RoPE rotates q and k together, as ``x * cos + swap(x) * sin`` with the sign of
   ``rotate_half`` moved into a per-pass sine table (multiplying by -s rounds as by s);
-- the attention kernel (fabric/compute/attention.py) is called directly; it reads q and k
-  in place through their strides;
+- RMSNorm is ATen's ``rms_norm`` without a weight (the same upcast, mean of squares, rsqrt
+  and cast back as transformers' eight calls, in one), then the weight's product;
+- the attention kernel (fabric/compute/attention.py) is called directly, each mask turned
+  into the kernel's once a pass; it reads q and k in place through their strides;
 - residual adds write into the fresh output of o_proj and down_proj (a + b is b + a).
 
-Norms stay transformers' RMSNorm op for op, and the cache is the pass's own (a session's,
+The cache is the pass's own (a session's,
 the batch group's rows, a mixed pass's parts): ``update`` as the modules call it. Other
 families, float32 (exact mode) and CUDA keep transformers' modules.
 """
@@ -32,7 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import attention as invariant
-from . import mixed
+from . import mixed, native
 from .quant import Int4Linear, Int8Linear
 
 log = logging.getLogger(__name__)
@@ -104,10 +106,10 @@ def _fused(linears: list[nn.Module]) -> Proj:
 
 
 def _norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """transformers' RMSNorm over the last dim, operator for operator (the same bits)."""
-    x32 = x.to(torch.float32)
-    variance = x32.pow(2).mean(-1, keepdim=True)
-    return weight * (x32 * torch.rsqrt(variance + eps)).to(x.dtype)
+    """transformers' RMSNorm over the last dim, in two calls: ``rms_norm`` without a weight is
+    the same float32 upcast, mean of squares, rsqrt and cast back, in ATen (the same bits:
+    ``tests/test_lean_layers.py``), then the weight's product in x's dtype."""
+    return weight * F.rms_norm(x, (x.shape[-1],), None, eps)
 
 
 def rope_tables(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -169,6 +171,22 @@ class LeanLayer:
         return self.o(out.view(b * s, heads * d))
 
 
+class _KernelPass:
+    """The C attention kernel for one pass: each mask is turned into the kernel's once, not per layer."""
+
+    def __init__(self, kernel):
+        self.kernel, self.keeps = kernel, {}
+
+    def __call__(self, module, query, key, value, mask, scaling=None) -> tuple[torch.Tensor, None]:
+        if mask is None:
+            keep = None
+        elif (id(mask), key.shape[2]) in self.keeps:  # the masks live as long as the pass
+            keep = self.keeps[id(mask), key.shape[2]]
+        else:
+            keep = self.keeps[id(mask), key.shape[2]] = invariant.kernel_keep(mask, query.shape[2], key.shape[2])
+        return invariant.by_kernel(self.kernel, query, key, value, keep, scaling, None), None
+
+
 class LeanStack:
     """A shard's decoder layers as ``LeanLayer``s, run over a pass as the modules would be."""
 
@@ -176,11 +194,13 @@ class LeanStack:
         self.config, self.layers = config, layers
 
     def attend(self):
-        """The attention function of the pass now running: the invariant kernel, or a mixed
-        pass's split over rows and chunks around it; None for anything else (the modules run)."""
+        """The attention function of the pass now running: the invariant kernel (its mask
+        converted once a pass), or a mixed pass's split over rows and chunks around it; None
+        for anything else (the modules run)."""
         impl = self.config._attn_implementation
         if impl == invariant.NAME:
-            return invariant.attention
+            kernel = native.library("attention")
+            return _KernelPass(kernel) if kernel is not None else invariant.attention
         if impl == mixed.NAME and mixed.INNER.get() is invariant.attention:
             return mixed.attention
         return None
