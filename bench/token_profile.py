@@ -8,6 +8,8 @@ milliseconds per token for each part, and the wall time per token without the pr
 
     python bench/token_profile.py --threads 1
     python bench/token_profile.py --threads 2
+    python bench/token_profile.py --modules              # transformers' modules, as before the lean layers
+    python bench/token_profile.py --compare 4            # lean against modules, CPU ms/token, alternated
 """
 from __future__ import annotations
 
@@ -55,6 +57,25 @@ def decode(ex, session: str, logits: torch.Tensor, pos: int, tokens: int) -> tor
     return logits
 
 
+def compare(ex, rounds: int, tokens: int) -> None:
+    """Lean layers against transformers' modules in one process, alternated: CPU ms per token
+    (the thread's own time: what other tenants take is not counted)."""
+    stack, last = ex._lean, ex.w.shard.num_layers - 1
+    ids = torch.randint(100, 20000, (1, 100), generator=torch.Generator().manual_seed(0))
+    times: dict[str, list[float]] = {"lean": [], "modules": []}
+    for r in range(rounds):
+        for name in ("lean", "modules") if r % 2 == 0 else ("modules", "lean"):
+            ex._lean = stack if name == "lean" else None
+            logits = ex.run(f"{name}{r}", 0, last, ids, 0).logits
+            t = time.thread_time()
+            decode(ex, f"{name}{r}", logits, 100, tokens)
+            times[name].append((time.thread_time() - t) / tokens * 1e3)
+    ex._lean = stack
+    ratios = sorted(m / lean for lean, m in zip(times["lean"], times["modules"]))
+    print(f"CPU ms/token, {rounds} rounds alternated: lean {times['lean']}, modules {times['modules']}; "
+          f"modules / lean median {ratios[len(ratios) // 2]:.2f}x")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="smollm2-135m")
@@ -62,10 +83,15 @@ def main() -> int:
     parser.add_argument("--prompt", type=int, default=100, help="prompt length before the timed steps")
     parser.add_argument("--tokens", type=int, default=32)
     parser.add_argument("--modules", action="store_true", help="run transformers' modules, not the lean layers")
+    parser.add_argument("--compare", type=int, default=0, metavar="ROUNDS",
+                        help="only compare lean layers with the modules, CPU time, this many rounds (1 thread)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     _timed_attention()
     ex = load(args.model)
+    if args.compare:
+        compare(ex, args.compare, args.tokens)
+        return 0
     if args.modules:
         ex._lean = None
     last = ex.w.shard.num_layers - 1
