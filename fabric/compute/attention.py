@@ -100,15 +100,28 @@ _FORMATS = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 def _native(kernel: ctypes.CDLL, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
             attention_mask: torch.Tensor | None, scaling: float | None, softcap: float | None) -> torch.Tensor:
     """``attention`` by the C kernel: every row in one fixed order (fabric/compute/kernels/attention.c)."""
+    return by_kernel(kernel, query, key, value, kernel_keep(attention_mask, query.shape[2], key.shape[2]),
+                     scaling, softcap)
+
+
+def kernel_keep(attention_mask: torch.Tensor | None, q: int, k: int) -> torch.Tensor | None:
+    """The kernel's mask for ``attention_mask`` (as ``attention`` takes it) over q queries and
+    k keys: boolean (b or 1, q, k), True where a query attends; None: causal, no mask."""
+    if attention_mask is None:
+        return None
+    keep = _keep(attention_mask, q, k, attention_mask.device)[:, 0]
+    return (keep if keep.stride(-1) == 1 else keep.contiguous()).expand(keep.shape[0], q, k)
+
+
+def by_kernel(kernel: ctypes.CDLL, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+              keep: torch.Tensor | None, scaling: float | None, softcap: float | None) -> torch.Tensor:
+    """The C kernel over query (b, heads, q, d), key and value (b, kv_heads, k, d) and ``keep``
+    (``kernel_keep``'s): (b, q, heads, d)."""
     b, heads, q, d = query.shape
     k = key.shape[2]
     query, key, value = (x if x.stride(-1) == 1 else x.contiguous() for x in (query, key, value))
     if key.dtype != query.dtype or value.dtype != query.dtype:  # a cast costs a dispatch even when a no-op
         key, value = key.to(query.dtype), value.to(query.dtype)
-    keep = None
-    if attention_mask is not None:
-        keep = _keep(attention_mask, q, k, query.device)[:, 0]
-        keep = (keep if keep.stride(-1) == 1 else keep.contiguous()).expand(b if keep.shape[0] > 1 else 1, q, k)
     out = torch.empty(b, q, heads, d, dtype=query.dtype)
     job = _Job(query.data_ptr(), key.data_ptr(), value.data_ptr(), keep.data_ptr() if keep is not None else None,
                out.data_ptr(), query.stride()[:3], key.stride()[:3], value.stride()[:3],

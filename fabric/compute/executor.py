@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from . import attention
+from . import attention, lean_layers
 from .hopkv import CacheMissError, HopKV
 from .kv import KVStore, SessionKV
 from .models import ShardWeights
@@ -69,6 +69,7 @@ class ShardExecutor(HopKV):
         self.w = weights
         self._rotary_per_kind = "layer_type" in inspect.signature(weights.rotary.forward).parameters
         self._softcap = getattr(config, "final_logit_softcapping", None)
+        self._lean = lean_layers.build(weights)  # the layers as plain functions, where the family has them
 
     @property
     def hidden_size(self) -> int:
@@ -159,6 +160,8 @@ class ShardExecutor(HopKV):
                 end: int) -> torch.Tensor:
         """Layers start..end over ``hidden`` (b, q, hidden); ``masks`` one per layer kind, or one for all."""
         position_embeddings = self._rotary(hidden, position_ids, start, end)
+        if self._lean is not None and (attend := self._lean.attend()) is not None:
+            return self._lean.run(hidden, position_embeddings, masks, cache, self.layer_types, start, end, attend)
         for i in range(start, end + 1):
             kind = self.layer_types[i]
             mask = masks[kind] if isinstance(masks, dict) else masks

@@ -1,0 +1,129 @@
+"""Where one default-mode decode token goes: torch.profiler over one node holding every layer.
+
+Loads the whole model in the default mode (``--quant auto``, one executor, no sockets),
+prefills a prompt, then profiles ``--tokens`` greedy one-token steps and sorts the time of
+every torch operator into the weight-only matmul kernels (int4, int8), the attention kernel
+(the C call) and everything else (Python, dispatch, norms, rotary, cache writes). Prints
+milliseconds per token for each part, and the wall time per token without the profiler.
+
+    python bench/token_profile.py --threads 1
+    python bench/token_profile.py --threads 2
+    python bench/token_profile.py --modules              # transformers' modules, as before the lean layers
+    python bench/token_profile.py --compare 4            # lean against modules, CPU ms/token, alternated
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+ATTENTION = "meshnet attention (C kernel and its set-up)"
+PARTS = {
+    "int4 matmul": ("aten::_weight_int4pack_mm_for_cpu",),
+    "int8 matmul": ("aten::_weight_int8pack_mm",),
+}
+
+
+def _timed_attention() -> None:
+    """The C attention call is no torch operator: label it so the profiler sees it."""
+    from fabric.compute import attention
+
+    inner = attention._native
+
+    def labelled(*args, **kwargs):
+        with torch.profiler.record_function(ATTENTION):
+            return inner(*args, **kwargs)
+
+    attention._native = labelled
+
+
+def load(model: str):
+    from fabric.compute.executor import ShardExecutor
+    from fabric.compute.kv import KVStore
+    from fabric.compute.models import load_config, load_shard, pick_quant, resolve
+    from fabric.wire.shard import Shard
+
+    source = resolve(model)
+    layers = load_config(source).num_hidden_layers
+    scheme, _ = pick_quant("auto", source)
+    return ShardExecutor(load_shard(source, Shard(0, layers - 1, layers), progress=False, quant=scheme), KVStore())
+
+
+def decode(ex, session: str, logits: torch.Tensor, pos: int, tokens: int) -> torch.Tensor:
+    last = ex.w.shard.num_layers - 1
+    for p in range(pos, pos + tokens):
+        logits = ex.run(session, 0, last, logits.argmax().view(1, 1), p).logits
+    return logits
+
+
+def compare(ex, rounds: int, tokens: int) -> None:
+    """Lean layers against transformers' modules in one process, alternated: CPU ms per token
+    (the thread's own time: what other tenants take is not counted)."""
+    stack, last = ex._lean, ex.w.shard.num_layers - 1
+    ids = torch.randint(100, 20000, (1, 100), generator=torch.Generator().manual_seed(0))
+    times: dict[str, list[float]] = {"lean": [], "modules": []}
+    for r in range(rounds):
+        for name in ("lean", "modules") if r % 2 == 0 else ("modules", "lean"):
+            ex._lean = stack if name == "lean" else None
+            logits = ex.run(f"{name}{r}", 0, last, ids, 0).logits
+            t = time.thread_time()
+            decode(ex, f"{name}{r}", logits, 100, tokens)
+            times[name].append((time.thread_time() - t) / tokens * 1e3)
+    ex._lean = stack
+    ratios = sorted(m / lean for lean, m in zip(times["lean"], times["modules"]))
+    print(f"CPU ms/token, {rounds} rounds alternated: lean {times['lean']}, modules {times['modules']}; "
+          f"modules / lean median {ratios[len(ratios) // 2]:.2f}x")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--prompt", type=int, default=100, help="prompt length before the timed steps")
+    parser.add_argument("--tokens", type=int, default=32)
+    parser.add_argument("--modules", action="store_true", help="run transformers' modules, not the lean layers")
+    parser.add_argument("--compare", type=int, default=0, metavar="ROUNDS",
+                        help="only compare lean layers with the modules, CPU time, this many rounds (1 thread)")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    _timed_attention()
+    ex = load(args.model)
+    if args.compare:
+        compare(ex, args.compare, args.tokens)
+        return 0
+    if args.modules:
+        ex._lean = None
+    last = ex.w.shard.num_layers - 1
+    ids = torch.randint(100, 20000, (1, args.prompt), generator=torch.Generator().manual_seed(0))
+    logits = ex.run("s", 0, last, ids, 0).logits
+    logits = decode(ex, "s", logits, args.prompt, 4)  # warm
+    pos = args.prompt + 4
+    t, cpu = time.perf_counter(), time.process_time()
+    logits = decode(ex, "s", logits, pos, args.tokens)
+    wall = (time.perf_counter() - t) / args.tokens * 1e3
+    cpu = (time.process_time() - cpu) / args.tokens * 1e3
+    pos += args.tokens
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        t = time.perf_counter()
+        decode(ex, "s", logits, pos, args.tokens)
+        profiled = (time.perf_counter() - t) / args.tokens * 1e3
+    ops = {e.key: e.self_cpu_time_total / 1e3 / args.tokens for e in prof.key_averages()}
+    counts = {e.key: e.count / args.tokens for e in prof.key_averages()}
+    parts = {name: sum(ops.get(k, 0.0) for k in keys) for name, keys in PARTS.items()}
+    parts["attention"] = next((e.cpu_time_total / 1e3 / args.tokens for e in prof.key_averages()
+                               if e.key == ATTENTION), 0.0)
+    parts["everything else"] = profiled - sum(parts.values())
+    print(f"{args.model}, default mode, {args.threads} thread(s), {args.tokens} tokens after {args.prompt}:")
+    print(f"  wall {wall:.2f} ms/token ({cpu:.2f} CPU ms) without the profiler, {profiled:.2f} with it")
+    for name, ms in parts.items():
+        print(f"  {name:<14} {ms:6.2f} ms/token")
+    print(f"  torch ops per token: {sum(counts.values()):.0f}")
+    top = sorted(((ms, k) for k, ms in ops.items() if k not in sum(PARTS.values(), (ATTENTION,))), reverse=True)[:12]
+    for ms, k in top:
+        print(f"    {k:<40} {ms:6.3f} ms/token  {counts[k]:5.0f} calls/token")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,231 @@
+"""The default mode's decoder layers as plain functions over pre-fetched tensors. No sockets.
+
+transformers' decoder layers cost a small model more in Python than in arithmetic: a
+SmolLM2-135M token runs ~4,600 torch operators, ~150 per layer (module calls, kwargs, views,
+casts, rotary in pieces), where the matrix products take about half the time
+(docs/BENCHMARKS.md, "Where a default-mode token goes"). A ``LeanLayer`` runs the same layer
+of the llama, mistral, qwen2 and qwen3 families with the same operators on the same
+operands, so every output is the same bits, in about a quarter as many:
+
+- q, k and v are one matmul, gate and up one: their weights (int4 packed, int8, with their
+  scales) are concatenated along the output once, here, and the modules' own weights become
+  views of the fused ones (no second copy). Each output column of a weight-only kernel has
+  the same bits whether its weight is alone or fused: checked on every fusion at build time
+  (``_fused``), where a mismatch keeps the projections apart;
+- RoPE rotates q and k together, as ``x * cos + swap(x) * sin`` with the sign of
+  ``rotate_half`` moved into a per-pass sine table (multiplying by -s rounds as by s);
+- RMSNorm is ATen's ``rms_norm`` without a weight (the same upcast, mean of squares, rsqrt
+  and cast back as transformers' eight calls, in one), then the weight's product;
+- the attention kernel (fabric/compute/attention.py) is called directly, each mask turned
+  into the kernel's once a pass; it reads q and k in place through their strides;
+- residual adds write into the fresh output of o_proj and down_proj (a + b is b + a).
+
+The cache is the pass's own (a session's,
+the batch group's rows, a mixed pass's parts): ``update`` as the modules call it. Other
+families, float32 (exact mode) and CUDA keep transformers' modules.
+"""
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from . import attention as invariant
+from . import mixed, native
+from .quant import Int4Linear, Int8Linear
+
+log = logging.getLogger(__name__)
+
+FAMILIES = ("LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer", "Qwen3DecoderLayer")
+PROBE_ROWS = 5  # rows of the random input that checks a fusion's bits at build time
+
+Proj = Callable[[torch.Tensor], torch.Tensor]  # (rows, in) bfloat16 -> (rows, out)
+
+
+def _kernel(linear: nn.Module) -> Proj:
+    """``linear``'s product over bfloat16 rows, bias included, with the module's own arithmetic."""
+    if isinstance(linear, Int4Linear):
+        w, g, sz = linear.weight, linear.group_size, linear.scales_zeros
+        mm = lambda x: torch._weight_int4pack_mm_for_cpu(x, w, g, sz)  # noqa: E731
+    elif isinstance(linear, Int8Linear):
+        w, s = linear.weight, linear.scales
+        mm = lambda x: torch._weight_int8pack_mm(x, w, s)  # noqa: E731
+    else:  # a float linear: addmm with its bias, as nn.Linear
+        w, b = linear.weight, linear.bias
+        return lambda x: F.linear(x, w, b)  # noqa: E731
+    if linear.bias is None:
+        return mm
+    bias = linear.bias
+    return lambda x: mm(x) + bias  # noqa: E731
+
+
+def _fusable(linears: list[nn.Module]) -> bool:
+    kinds = {type(m) for m in linears}
+    if kinds == {Int4Linear}:
+        return len({m.group_size for m in linears}) == 1 and len({m.in_features for m in linears}) == 1
+    return kinds == {Int8Linear} and len({m.in_features for m in linears}) == 1
+
+
+def _fuse_weights(linears: list[nn.Module]) -> nn.Module:
+    """One module whose outputs are ``linears``' outputs side by side; each part's weight
+    becomes a view of the fused one (int8 and packed int4 rows are whole output rows)."""
+    first = linears[0]
+    weight = torch.cat([m.weight for m in linears])
+    bias = None
+    if any(m.bias is not None for m in linears):
+        bias = torch.cat([m.bias if m.bias is not None else torch.zeros(m.out_features, dtype=torch.bfloat16)
+                          for m in linears])
+    out = sum(m.out_features for m in linears)
+    if isinstance(first, Int4Linear):
+        sz = torch.cat([m.scales_zeros for m in linears], dim=1).contiguous()
+        fused = Int4Linear(weight, sz, first.in_features, out, first.group_size, bias)
+    else:
+        fused = Int8Linear(weight, torch.cat([m.scales for m in linears]), bias)
+    return fused
+
+
+def _fused(linears: list[nn.Module]) -> Proj:
+    """One product for ``linears`` (outputs side by side), fused where the fused kernel gives
+    each column the bits the part gives alone; else the parts' products, concatenated."""
+    parts = [_kernel(m) for m in linears]
+    if _fusable(linears):
+        fused = _fuse_weights(linears)
+        probe = torch.randn(PROBE_ROWS, linears[0].in_features, generator=torch.Generator().manual_seed(0))
+        probe = probe.to(torch.bfloat16)
+        if torch.equal(_kernel(fused)(probe), torch.cat([p(probe) for p in parts], dim=1)):
+            at = 0
+            for m in linears:  # the modules now read the fused weight: one copy in memory
+                m.weight = nn.Parameter(fused.weight[at:at + m.out_features], requires_grad=False)
+                at += m.out_features
+            return _kernel(fused)
+        log.info("a fused projection changed bits on this CPU: q/k/v and gate/up stay apart")
+    return lambda x: torch.cat([p(x) for p in parts], dim=1)  # noqa: E731
+
+
+def _norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' RMSNorm over the last dim, in two calls: ``rms_norm`` without a weight is
+    the same float32 upcast, mean of squares, rsqrt and cast back, in ATen (the same bits:
+    ``tests/test_lean_layers.py``), then the weight's product in x's dtype."""
+    return weight * F.rms_norm(x, (x.shape[-1],), None, eps)
+
+
+def rope_tables(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rotary tables (b, s, d) as a lean layer applies them to (b, s, heads, d): cos, and
+    sin with rotate_half's sign in its first half."""
+    half = sin.shape[-1] // 2
+    return cos[:, :, None], torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)[:, :, None]
+
+
+class LeanLayer:
+    """One decoder layer of the llama family (llama, mistral, qwen2, qwen3), its tensors fetched once."""
+
+    __slots__ = ("qkv", "o", "gate_up", "down", "act", "norm1", "norm2", "eps", "qk_norm", "heads",
+                 "kv_heads", "head_dim", "scaling", "intermediate", "layer_idx")
+
+    def __init__(self, layer: nn.Module, index: int):
+        attn, mlp = layer.self_attn, layer.mlp
+        self.layer_idx = index
+        self.head_dim, self.scaling = attn.head_dim, attn.scaling
+        self.kv_heads = attn.k_proj.out_features // attn.head_dim
+        self.heads = attn.q_proj.out_features // attn.head_dim
+        self.intermediate = mlp.gate_proj.out_features
+        self.qkv = _fused([attn.q_proj, attn.k_proj, attn.v_proj])
+        self.gate_up = _fused([mlp.gate_proj, mlp.up_proj])
+        self.o, self.down = _kernel(attn.o_proj), _kernel(mlp.down_proj)
+        self.act = F.silu if type(mlp.act_fn).__name__ in ("SiLUActivation", "SiLU") else mlp.act_fn
+        self.norm1, self.norm2 = layer.input_layernorm.weight, layer.post_attention_layernorm.weight
+        self.eps = layer.input_layernorm.variance_epsilon
+        self.qk_norm = None  # qwen3: RMSNorm over each q and k head, one weight row per head
+        if hasattr(attn, "q_norm"):
+            self.qk_norm = (torch.cat([attn.q_norm.weight[None].expand(self.heads, -1),
+                                       attn.k_norm.weight[None].expand(self.kv_heads, -1)]),
+                            attn.q_norm.variance_epsilon)
+
+    def __call__(self, x: torch.Tensor, b: int, s: int, rope: tuple[torch.Tensor, torch.Tensor], mask, cache,
+                 attend) -> torch.Tensor:
+        """x (b * s, hidden) bfloat16 -> the layer's output (b * s, hidden), a new tensor."""
+        h = self._attention(_norm(x, self.norm1, self.eps), b, s, rope, mask, cache, attend).add_(x)
+        gate_up = self.gate_up(_norm(h, self.norm2, self.eps))  # (b * s, 2 intermediate)
+        act = self.act(gate_up[:, :self.intermediate]).mul_(gate_up[:, self.intermediate:])
+        return self.down(act).add_(h)  # residual + mlp
+
+    def _attention(self, x: torch.Tensor, b: int, s: int, rope, mask, cache, attend) -> torch.Tensor:
+        """Attention over the normed rows x (b * s, hidden): o_proj's output (b * s, hidden)."""
+        heads, kv, d = self.heads, self.kv_heads, self.head_dim
+        qkv = self.qkv(x)  # (b * s, (heads + 2 kv) d)
+        qk = qkv[:, :(heads + kv) * d].view(b, s, heads + kv, d)
+        if self.qk_norm is not None:
+            qk = _norm(qk, *self.qk_norm)
+        cos, sin = rope  # (b, s, 1, d)
+        swapped = qk.unflatten(-1, (2, d // 2)).flip(-2).flatten(-2)  # (b, s, heads + kv, d): [x2, x1]
+        qk = qk * cos
+        qk += swapped * sin  # q * cos + rotate_half(q) * sin, for q and k at once
+        q = qk[:, :, :heads].transpose(1, 2)  # (b, heads, s, d)
+        k = qk[:, :, heads:].transpose(1, 2)  # (b, kv, s, d)
+        v = qkv[:, (heads + kv) * d:].view(b, s, kv, d).transpose(1, 2)
+        k, v = cache.update(k, v, self.layer_idx)
+        out = attend(None, q, k, v, mask, scaling=self.scaling)[0]  # (b, s, heads, d)
+        return self.o(out.view(b * s, heads * d))
+
+
+class _KernelPass:
+    """The C attention kernel for one pass: each mask is turned into the kernel's once, not per layer."""
+
+    def __init__(self, kernel):
+        self.kernel, self.keeps = kernel, {}
+
+    def __call__(self, module, query, key, value, mask, scaling=None) -> tuple[torch.Tensor, None]:
+        if mask is None:
+            keep = None
+        elif (id(mask), key.shape[2]) in self.keeps:  # the masks live as long as the pass
+            keep = self.keeps[id(mask), key.shape[2]]
+        else:
+            keep = self.keeps[id(mask), key.shape[2]] = invariant.kernel_keep(mask, query.shape[2], key.shape[2])
+        return invariant.by_kernel(self.kernel, query, key, value, keep, scaling, None), None
+
+
+class LeanStack:
+    """A shard's decoder layers as ``LeanLayer``s, run over a pass as the modules would be."""
+
+    def __init__(self, config, layers: dict[int, LeanLayer]):
+        self.config, self.layers = config, layers
+
+    def attend(self):
+        """The attention function of the pass now running: the invariant kernel (its mask
+        converted once a pass), or a mixed pass's split over rows and chunks around it; None
+        for anything else (the modules run)."""
+        impl = self.config._attn_implementation
+        if impl == invariant.NAME:
+            kernel = native.library("attention")
+            return _KernelPass(kernel) if kernel is not None else invariant.attention
+        if impl == mixed.NAME and mixed.INNER.get() is invariant.attention:
+            return mixed.attention
+        return None
+
+    def run(self, hidden: torch.Tensor, tables: dict, masks, cache, kinds: list[str], start: int, end: int,
+            attend) -> torch.Tensor:
+        """Layers start..end over ``hidden`` (b, s, hidden); ``tables`` {kind: (cos, sin)},
+        ``masks`` one per kind or one for all, ``kinds`` every layer's kind."""
+        b, s, n = hidden.shape
+        ropes = {kind: rope_tables(*table) for kind, table in tables.items()}
+        x = hidden.reshape(b * s, n)  # (b * s, hidden)
+        for i in range(start, end + 1):
+            kind = kinds[i]
+            x = self.layers[i](x, b, s, ropes[kind], masks[kind] if isinstance(masks, dict) else masks, cache,
+                               attend)
+        return x.view(b, s, n)
+
+
+def build(weights) -> LeanStack | None:
+    """A ``LeanStack`` of ``weights``' decoder layers, or None where they keep transformers'
+    modules: another family, float32 or float16, not a CPU, not the invariant attention."""
+    config, layers = weights.config, weights.layers
+    if (weights.device.type != "cpu" or weights.dtype != torch.bfloat16
+            or config._attn_implementation != invariant.NAME or not layers
+            or any(type(layer).__name__ not in FAMILIES for layer in layers.values())):
+        return None
+    with torch.no_grad():  # not inference mode: the modules' weights become views of these
+        return LeanStack(config, {i: LeanLayer(layer, i) for i, layer in layers.items()})
