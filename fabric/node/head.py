@@ -22,6 +22,7 @@ from ..net.peer_liveness import splice
 from ..wire import protocol as p
 from ..wire.liveness import LINK_GRACE, PEER_SILENCE, PING_INTERVAL, TRACKER_SILENCE
 from .audit import AuditConfig, Auditor
+from .draft_model import DraftModel
 from .prefixes import PrefixIndex
 from .route_session import RequestError, RouteSession, Transport, encode_prompt, new_session_id
 from .speculation import DraftYield, Speculation, SpeculationConfig, speculation_counts
@@ -69,8 +70,10 @@ class ServedModel:
 
 class Head:
     def __init__(self, config: HeadConfig, host: HeadHost, node_id: str, model: ServedModel, counters: Counter,
-                 prefixes: PrefixIndex | None = None, audit: AuditConfig = AuditConfig(audit_rate=0.0)):
+                 prefixes: PrefixIndex | None = None, audit: AuditConfig = AuditConfig(audit_rate=0.0),
+                 draft: DraftModel | None = None):
         self.config = config
+        self.draft = draft  # the draft model (``--draft``) that drafts beside prompt lookup; None: lookup alone
         self.prefixes = prefixes if prefixes is not None else PrefixIndex()  # what ended requests left on hops
         self.host = host
         self.node_id = node_id
@@ -113,6 +116,7 @@ class Head:
                           tool_syntax=tool_syntax(req, syntax),
                           speculation=Speculation(self.config.speculation, shared=self.draft_yield)
                           if self.config.speculation.enabled and req.speculation else None)
+        self._bind_draft(rs)
         self.sessions[rs.session] = rs
         self.clients[rs.session] = identity
         self.requests[(identity, req.request_id)] = rs.session
@@ -121,6 +125,15 @@ class Head:
         self.auditor.draw(rs.session, prompt + list(req.resume))  # audited or not, it looks the same
         reused = self.prefixes.match(prompt + list(req.resume), req.route, tenant_of(req))
         self._emit(rs, rs.start(reused))
+
+    def _bind_draft(self, rs: RouteSession) -> None:
+        """A drafting request gets the draft model too, if the head has one, unless it samples with
+        a seed of its own: prompt lookup's drafts keep its text the text of one-token steps, draw
+        for draw, whatever the steps' sizes; a draft model's, under the acceptance rule, would make
+        it depend on how many drafts each step carried, which timings decide."""
+        sampling = rs.request.sampling
+        if self.draft is not None and rs.speculation is not None and (not sampling.temperature or sampling.seed is None):
+            rs.speculation.drafter = self.draft.bind(rs.session, rs.sampling)
 
     def _check_route(self, identity: bytes, req: p.Generate) -> None:
         """Refuse (ProtocolError) a request this node cannot start: not its head, a request id
@@ -225,6 +238,8 @@ class Head:
                 self.host.reply(identity, event)
         if rs.finished:
             self._count_speculation(rs)  # before it leaves ``sessions``: whoever sees it gone sees it counted
+            if rs.speculation is not None:
+                rs.speculation.close()  # its draft model's KV goes
             self.sessions.pop(rs.session, None)
             self.requests.pop((self.clients.pop(rs.session, b""), rs.request.request_id), None)
             self.auditor.ended(rs.session)
