@@ -188,6 +188,13 @@ def test_greedy_text_is_the_same_with_and_without_a_draft_model(thread_cluster, 
     c = head.counters
     assert wait_for(lambda: not head.head.sessions, 5)
     assert 0 < c["spec_kept"] < c["spec_drafted"]
+    rows = {(s.name, s.labels.get("route")): s.value for s in head.metrics()}  # per route, as the tracker's
+    route = f"head-{family}>tail-{family}"
+    assert rows[("node_route_spec_kept_total", route)] == c["spec_kept"]
+    assert 0 < rows[("node_route_spec_acceptance", route)] < 1
+    assert rows[("node_route_spec_tokens_per_trip", route)] == pytest.approx(
+        (rows[("node_route_spec_trips_total", route)] + c["spec_kept"]) / rows[("node_route_spec_trips_total", route)],
+        abs=1e-3)
     assert not head.head.draft.fed and len(head.head.draft.executor.kv) == 0  # every session's draft KV went
 
 

@@ -21,6 +21,7 @@ from ..compute.grammar import problem as grammar_problem
 from ..net.peer_liveness import splice
 from ..wire import protocol as p
 from ..wire.liveness import LINK_GRACE, PEER_SILENCE, PING_INTERVAL, TRACKER_SILENCE
+from ..wire.route_drafts import RouteSpeculation
 from .audit import AuditConfig, Auditor
 from .draft_model import DraftModel
 from .prefixes import PrefixIndex
@@ -86,6 +87,7 @@ class Head:
         self.pending_routes: deque[tuple[str, float]] = deque()
         # the chance a draft is kept, per n-gram length, learnt from every request headed: new ones start from it
         self.draft_yield = DraftYield.prior(config.speculation)
+        self.routes = RouteSpeculation()  # drafts and trips per route of the requests it headed, for /metrics
         # steps re-run on replicas (fabric/node/audit.py); it is the RouteSessions' transport
         self.auditor = Auditor(audit, host, node_id, model.model_id, model.fingerprint, counters,
                                route_around=self.route_around)
@@ -245,7 +247,7 @@ class Head:
             self.auditor.ended(rs.session)
             if rs.finished != "error":  # the hops keep its KV (CLOSE, CANCEL): later requests may start from it
                 self.prefixes.add(rs.session, rs.held_ids, rs.route, tenant_of(rs.request))
-            self._report(rs)
+            self.routes.record(self._report(rs))
         elif time.monotonic() - rs.reported_at >= self.config.progress_interval:
             self._report(rs)  # progress for every request, streamed or not
 
@@ -256,14 +258,16 @@ class Head:
             self.counters["spec_drafted"] += spec.drafted
             self.counters["spec_kept"] += spec.kept
 
-    def _report(self, rs: RouteSession) -> None:
+    def _report(self, rs: RouteSession) -> p.Report:
         rs.reported_at = time.monotonic()
-        self.host.to_tracker(p.Report(
+        report = p.Report(
             request_id=rs.request_id, node_id=self.node_id, model=self.model.model_id, route=rs.route,
             prompt_tokens=rs.prompt_tokens, completion_tokens=len(rs.generated), elapsed=rs.elapsed,
             final=rs.finished is not None, finish_reason=rs.finished, api_key=rs.request.api_key,
             max_tokens=rs.request.max_tokens, prefilled=rs.prefilled, prefill_tokens=rs.prefill.total,
-            resumed=rs.resumed, ref=rs.ref, **speculation_counts(rs.speculation)))
+            resumed=rs.resumed, ref=rs.ref, **speculation_counts(rs.speculation))
+        self.host.to_tracker(report)
+        return report
 
     # -- failover -----------------------------------------------------------------------
 

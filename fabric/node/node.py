@@ -398,7 +398,7 @@ class Node(SessionControl, Replies):
         kept = self.kv.retained
         return telemetry.Load(self.config.node_id, len(self.kv), self.kv.nbytes(), len(self.head or ()),
                               len(self.scheduler), self.counters.copy(), kept.bytes, kept.budget, len(kept),
-                              kept.stats.copy())
+                              kept.stats.copy(), self.head.routes.view() if self.head is not None else {})
 
 
 def draft_model(c: NodeConfig, tokenizer, vocab: int) -> DraftModel | None:
