@@ -83,16 +83,22 @@ def test_a_step_takes_the_source_that_pays_most_and_a_useless_draft_model_is_swi
     drafter = FakeDrafter([7, 7, 7, 7, 7, 7])
     spec = Speculation(config, drafter=drafter)
     spec.yields.first[2] = spec.yields.then[2] = 0.95  # copies after a 3-gram have held
-    spec.answered(0, 0, 0.1)
     assert spec.drafts([1, 2, 3, 4, 1, 2, 3], 10)[:2] == [4, 1] and spec.matched == 3 and drafter.calls == 0
     got = spec.drafts([1, 2, 3, 9, 8], 10)  # a 1-gram match ("3"), whose drafts are not trusted yet
     assert got and set(got) == {7} and spec.matched == MODEL and drafter.calls == 1
+    spec.answered(len(got), len(got), 0.1)
+    assert spec.drafts([1, 2, 3, 9, 8, 7], 10) == [] and drafter.calls == 1  # no plain trip timed yet: one is
+    spec.answered(0, 0, 0.1)
+    spec.model_s = 0.001  # the model's own time per draft: 1% of a trip
     for _ in range(8):
         spec.drafts([1, 2, 3, 9, 8], 10)
         spec.answered(3, 0, 0.101)  # none kept
     calls = drafter.calls
     assert [spec.drafts([1, 2, 3, 9, 8], 10) for _ in range(4)] == [[], [], [], [7]]  # off, then a probe
     assert drafter.calls == calls + 1 and spec.probing
+    spec.answered(1, 1, 0.101)
+    spec.model_s = 0.5  # a model as slow as five trips: no draft of it could pay, so none is probed either
+    assert [spec.drafts([1, 2, 3, 9, 8], 10) for _ in range(40)] == [[]] * 40 and drafter.calls == calls + 1
     spec.close()
     assert drafter.closed
 

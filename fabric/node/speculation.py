@@ -230,12 +230,13 @@ class Speculation:
                 return self._model(history, min(self.size, room))
             return self.lookup.propose(history, min(self.size, room))
         source, k = self._best(n)
+        if source == MODEL and self.plain_s is None and self.trips:
+            return []  # the model's own time counts against a plain trip: time one before drafting on
         if k == 0:
             self.idle += 1
-            if self.idle < self.probe_after or (n < MAX_NGRAM and self.drafter is None):
+            if self.idle < self.probe_after or (source := self._probe(n)) == 0:
                 return []
-            # none paid lately: try one, after the likeliest kind of match or from the model
-            source, k, self.probing = (n if n == MAX_NGRAM else MODEL), 1, True
+            k, self.probing = 1, True  # none paid lately: try one
         self.matched = source
         if source == MODEL:
             return self._model(history, min(k, room))
@@ -254,6 +255,15 @@ class Speculation:
             if k and value > best[2]:
                 best = (source, k, value)
         return best[0], best[1]
+
+    def _probe(self, n: int) -> int:
+        """The source to probe with one draft: lookup after a 3-gram match (its text may have turned
+        repetitive), else the draft model if even a draft always kept would pay at its cost; 0: none."""
+        if n == MAX_NGRAM:
+            return n
+        if self.drafter is not None and best_drafts(1.0, 1.0, self.model_cost, self.config.max_drafts):
+            return MODEL
+        return 0
 
     def _model(self, history: list[int], k: int) -> list[int]:
         """The draft model's ``k`` drafts, its time per draft learnt."""
