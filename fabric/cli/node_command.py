@@ -104,7 +104,7 @@ def _node_head_flags(p: argparse.ArgumentParser) -> None:
                    help="a small model (a file or directory, as for --model) that drafts beside the text lookup "
                         "on a head: loaded whole on this node, with this node's --device, --dtype and --quant, it "
                         "must share the model's tokenizer (e.g. Llama-3.2-1B for Llama-3.1-8B); drafts that do "
-                        "not pay are switched off")
+                        "not pay are switched off (default: none, the text lookup alone)")
 
 
 def _node_timing_flags(p: argparse.ArgumentParser) -> None:
@@ -257,13 +257,17 @@ def _draft_model(args) -> dict:
     if not args.draft:
         return {}
     from ..compute.gguf_info import check_reference
-    from ..compute.models import ModelError, resolve
+    from ..compute.models import ModelError, default_cache_root, load_tokenizer, resolve
+    from ..node.draft_model import check_vocabulary
 
     try:
         check_reference(args.draft)
         source = resolve(args.draft)
+        cache = default_cache_root()  # the vocabularies are compared before any weights load
+        check_vocabulary(load_tokenizer(source, cache), load_tokenizer(resolve(args.model, args.model_id), cache),
+                         source.path.name)
     except ModelError as exc:
-        raise CommandError(f"--draft: {exc}") from None
+        raise CommandError(str(exc) if str(exc).startswith("--draft") else f"--draft: {exc}") from None
     quant = picked_quant(args.quant, args.draft, args.device)
     return {"draft": source, "draft_quant": None if quant == "none" else quant}
 
