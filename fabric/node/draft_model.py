@@ -71,7 +71,8 @@ class DraftModel:
         log.info("drafting with %s (%d layers)", source.model_id, layers)
         return cls(ShardExecutor(weights, KVStore()), vocab)
 
-    def propose(self, session: str, history: list[int], k: int, sampling: Sampling) -> tuple[list[int], list]:
+    def propose(self, session: str, history: list[int], k: int,
+                sampling: Sampling) -> tuple[list[int], list[DraftDist]]:
         """Up to ``k`` drafts to follow ``history``, and (a sampling request) the DraftDist each was
         drawn from; ([], []) where the draft model's context has no room."""
         k = min(k, self.context - len(history) - 1) if self.context else k

@@ -183,6 +183,7 @@ class Speculation:
     plain_s: float | None = None  # moving average of a plain step's trip, seconds (None: none timed yet)
     draft_s: float | None = None  # ...and of what a verification step's trip took beyond it, per draft
     model_s: float | None = None  # ...and of the draft model's own time per draft, at the head
+    model_at: int = -(1 << 30)  # the history's length when the draft model last drafted
     streams: int = 1  # requests its head heads now (set by the head): they share the hops' passes
     matched: int = 0  # the source of the pending step's drafts: its n-gram's length, or MODEL
     q: list = field(default_factory=list)  # the pending step's drafts' distributions (a draft model's, sampling)
@@ -266,12 +267,15 @@ class Speculation:
         return 0
 
     def _model(self, history: list[int], k: int) -> list[int]:
-        """The draft model's ``k`` drafts, its time per draft learnt."""
+        """The draft model's ``k`` drafts, its time per draft learnt from steps that follow one of
+        its own: a first step, or one after plain steps, first feeds it every token it missed
+        (the prompt, the plain steps' tokens), a one-off that is no draft's cost."""
         started = time.perf_counter()
         drafts, self.q = self.drafter.propose(history, k)
-        if drafts:
+        if drafts and 0 <= len(history) - self.model_at <= self.config.max_drafts + 1:
             spent = (time.perf_counter() - started) / len(drafts)
             self.model_s = _average(self.model_s, spent, self.config.smoothing)
+        self.model_at = len(history)
         return drafts
 
     def answered(self, drafted: int, kept: int, trip_s: float) -> None:
