@@ -4,7 +4,7 @@ without (``--speculate off``), paired in one run, on copy-heavy and open prompts
 
     python bench/speculative.py [--tiny] [--model REF] [--tokens N] [--reps R] [--delay-ms D]
                                 [--nodes N] [--streams S] [--streams-only] [--no-netbed] [--no-loopback]
-                                [--json OUT] [--keep-logs]
+                                [--draft MODEL | --draft-random] [--prompts P,..] [--json OUT] [--keep-logs]
 
 ``--nodes`` nodes (2 by default: a head and a tail, an even share of the layers each, 1 torch
 thread), a tracker and a client agent (tests/netbed_client.py), greedy chat requests of
@@ -27,6 +27,10 @@ must be the same). Ratios are on / off of the same configuration, prompt and run
 streams (bench/concurrency.py's prompts, ``--tokens`` each, end of sequence ignored), their
 aggregate tok/s. Both clusters stay up and the waves alternate (off then on, on then off), so a
 drift of the machine's speed weighs on both; the ratio is the median of the rounds' own ratios.
+
+``--draft MODEL`` gives the drafting head a draft model (``meshnet node --draft``) beside prompt
+lookup; ``--draft-random`` one of random weights (2 layers, the model's tokenizer: drafts that
+are never kept, the lower bound). ``--prompts`` runs only the named prompts.
 """
 from __future__ import annotations
 
@@ -75,13 +79,15 @@ def node_names(count: int) -> list[str]:
     return [NODE_NAMES[0], *NODE_NAMES[1:count - 1], *(f"n{i}" for i in range(3, count)), NODE_NAMES[-1]][:count]
 
 
-def measure(agents: dict, model: str, tokens: int, reps: int) -> dict:
+def measure(agents: dict, model: str, tokens: int, reps: int, prompts=tuple(PROMPTS)) -> dict:
     """Per mode (``agents``: mode -> an Agent of its cluster) and prompt: the median decode tok/s
     of ``reps`` runs after a warm-up, and its token ids. With both modes' clusters up, each run
     of one is followed by one of the other (off first, then on first), so a drift of the
     machine's speed weighs on both."""
     out = {mode: {} for mode in agents}
     for name, text in PROMPTS.items():
+        if name not in prompts:
+            continue
         runs, ids = {mode: [] for mode in agents}, {}
         for rep in range(reps + 1):
             for mode in (list(agents) if rep % 2 else list(agents)[::-1]):
@@ -104,7 +110,7 @@ def loopback(model: str, layers: list[str], work: Path, cache: Path, args) -> di
         for mode in MODES:
             (work / mode).mkdir(parents=True, exist_ok=True)
             cluster = clusters[mode] = ProcessCluster(work / mode, cache)
-            names = start_nodes(cluster, model, layers, mode)
+            names = start_nodes(cluster, model, layers, mode, draft=args.draft)
             client_log = open(work / mode / "client.log", "ab")
             proc = subprocess.Popen([sys.executable, "-m", "tests.netbed_client", "--tracker", cluster.endpoint],
                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=client_log, cwd=REPO,
@@ -112,7 +118,7 @@ def loopback(model: str, layers: list[str], work: Path, cache: Path, args) -> di
             client_log.close()
             agents[mode] = netbed.Agent(proc, cluster.logs)
             agents[mode].wait_nodes(names, model_id(model), timeout=600, procs=cluster.procs)
-        return measure(agents, model_id(model), args.tokens, args.reps)
+        return measure(agents, model_id(model), args.tokens, args.reps, args.prompts)
     finally:
         for agent in agents.values():
             agent.close()
@@ -121,7 +127,7 @@ def loopback(model: str, layers: list[str], work: Path, cache: Path, args) -> di
 
 
 def start_nodes(cluster: ProcessCluster, model: str, layers: list[str], mode: str,
-                metrics: dict | None = None) -> list[str]:
+                metrics: dict | None = None, draft: str = "") -> list[str]:
     """The route's nodes; with ``metrics``, each serves /metrics on a port noted there by name."""
     names = node_names(len(layers))
     for name, span in zip(names, layers):
@@ -129,8 +135,30 @@ def start_nodes(cluster: ProcessCluster, model: str, layers: list[str], mode: st
         if metrics is not None:
             metrics[name] = free_port()
             extra = ("--metrics-port", str(metrics[name]))
-        cluster.start_node(name, model, span, None, "--speculate", mode, "--audit-rate", "0", *extra)
+        cluster.start_node(name, model, span, None, *node_flags(name, mode, draft), *extra)
     return names
+
+
+def node_flags(name: str, mode: str, draft: str) -> tuple[str, ...]:
+    """A node's flags in ``mode``: the drafting head gets the draft model, if any."""
+    with_draft = ("--draft", draft) if draft and mode == "on" and name == NODE_NAMES[0] else ()
+    return ("--speculate", mode, "--audit-rate", "0", *with_draft)
+
+
+def random_draft(model: str, directory: Path, cache: Path) -> str:
+    """A 2-layer model of random weights with ``model``'s tokenizer: a draft that is never right."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from fabric.compute.models import load_tokenizer, resolve
+
+    tokenizer = load_tokenizer(resolve(model), cache / "meshnet")
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=8192)
+    LlamaForCausalLM(config).save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return str(directory)
 
 
 def counters(ports: dict) -> dict:
@@ -147,7 +175,7 @@ def crowded(model: str, layers: list[str], work: Path, cache: Path, args) -> dic
         for mode in MODES:
             (work / f"streams-{mode}").mkdir(parents=True, exist_ok=True)
             cluster = clusters[mode] = ProcessCluster(work / f"streams-{mode}", cache)
-            names = start_nodes(cluster, model, layers, mode, ports[mode])
+            names = start_nodes(cluster, model, layers, mode, ports[mode], draft=args.draft)
             cluster.wait_nodes(names, model_id(model), timeout=600)
         rounds = []
         for rep in range(args.reps + 1):
@@ -190,10 +218,10 @@ def delayed(model: str, layers: list[str], mode: str, work: Path, cache: Path, a
             bed.add_host(host, delay=args.delay_ms / 1000)
         bed.start_tracker("tracker")
         for name, span in zip(names, layers):
-            bed.start_node(name, model, span, "--speculate", mode, "--audit-rate", "0")
+            bed.start_node(name, model, span, *node_flags(name, mode, args.draft))
         with bed.client("client", timeout=300) as agent:
             agent.wait_nodes(names, model_id(model), timeout=600, procs=bed.procs)
-            result = measure({mode: agent}, model_id(model), args.tokens, args.reps)[mode]
+            result = measure({mode: agent}, model_id(model), args.tokens, args.reps, args.prompts)[mode]
         result["delay_by"] = "netem" if bed.netem else "delay proxy"
         return result
 
@@ -217,7 +245,7 @@ def report(results: dict, args) -> dict:
             print(f"{config:<30}{'mixed':<7}{args.tokens:>7}{modes['off_tok_s']:>10.2f}{modes['on_tok_s']:>10.2f}"
                   f"{modes['ratio']:>8.2f}  (aggregate; median of the rounds' ratios)")
             continue
-        for prompt in PROMPTS:
+        for prompt in args.prompts:
             off, on = modes["off"][prompt], modes["on"][prompt]
             row = {"off_tok_s": off["tok_s"], "on_tok_s": on["tok_s"], "ratio": on["tok_s"] / off["tok_s"],
                    "tokens": off["tokens"], "same_ids": on["ids"] == off["ids"]}
@@ -243,6 +271,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--streams-only", action="store_true", help="only the crowded case")
     parser.add_argument("--no-netbed", action="store_true", help="loopback only")
     parser.add_argument("--no-loopback", action="store_true", help="the delayed bed only")
+    parser.add_argument("--draft", default="", help="a draft model for the drafting head (meshnet node --draft)")
+    parser.add_argument("--draft-random", action="store_true",
+                        help="a draft model of random weights with the model's tokenizer (the lower bound)")
+    parser.add_argument("--prompts", default=",".join(PROMPTS), type=lambda v: tuple(v.split(",")),
+                        help="prompts to run, of %(default)s")
     parser.add_argument("--json", default=None, help="write the figures here")
     parser.add_argument("--keep-logs", action="store_true", help="keep the work directory (logs) and print it")
     args = parser.parse_args(argv)
@@ -266,6 +299,12 @@ def run(args, work: Path, cache: Path) -> int:
 
         model = str(make_model("llama", work / "tiny-llama"))
     args.model_label = "tiny random llama (6 layers)" if args.tiny else model
+    if unknown := set(args.prompts) - set(PROMPTS):
+        log(f"no such prompt: {', '.join(sorted(unknown))} (of {', '.join(PROMPTS)})")
+        return 2
+    if args.draft_random:
+        args.draft = random_draft(model, work / "random-draft", cache)
+    args.model_label += f", draft {'of random weights' if args.draft_random else args.draft}" if args.draft else ""
     layers = layer_spans(model, cache, args.nodes)
     results = {}
     if not args.streams_only and not args.no_loopback:

@@ -41,6 +41,24 @@ class _Collector:
         return list(families.values())
 
 
+def speculation_samples(view: dict[str, list[dict]], prefix: str, extra: dict | None = None) -> list[Sample]:
+    """/metrics rows for a ``RouteSpeculation.view()`` (fabric/wire/route_drafts.py), named
+    ``{prefix}_route_spec_*``: per (model, route), the counters, and acceptance and tokens per
+    trip as gauges; ``extra`` labels on each (a node's id)."""
+    rows = []
+    for model, routes in view.items():
+        for r in routes:
+            labels = {**(extra or {}), "model": model, "route": ">".join(r["route"])}
+            rows += [Sample(f"{prefix}_route_spec_{name}_total", f"{what} of requests on the route that drafted",
+                            r[name], "counter", labels)
+                     for name, what in (("trips", "decode trips"), ("drafted", "drafts sent"), ("kept", "drafts kept"))]
+            rows += [Sample(f"{prefix}_route_spec_acceptance", "share of drafts the tail kept", r["acceptance"] or 0.0,
+                            labels=labels),
+                     Sample(f"{prefix}_route_spec_tokens_per_trip", "tokens one trip through the route yielded",
+                            r["tokens_per_trip"] or 0.0, labels=labels)]
+    return rows
+
+
 def registry_for(sample: Callable[[], Iterable[Sample]]) -> CollectorRegistry:
     registry = CollectorRegistry(auto_describe=False)
     registry.register(_Collector(sample))

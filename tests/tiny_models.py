@@ -164,3 +164,48 @@ def with_template(source: Path, directory: Path, template: str) -> Path:
         shutil.copytree(source, directory)
     (directory / "chat_template.jinja").write_text(template)
     return directory
+
+
+def make_draft(source: Path, directory: Path, noise: float, seed: int = 1) -> Path:
+    """A draft model for the model at ``source``: a copy whose weights each moved by random noise
+    of ``noise`` standard deviation, with the same tokenizer (its greedy tokens agree with the
+    source's often, not always: a draft whose drafts are partly kept)."""
+    import shutil
+
+    from transformers import AutoModelForCausalLM
+
+    directory = Path(directory)
+    if (directory / "config.json").is_file():
+        return directory
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_pretrained(source)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.add_(torch.randn_like(p) * noise)
+    model.save_pretrained(directory)
+    for name in Path(source).iterdir():
+        if name.name.startswith(("tokenizer", "special_tokens", "chat_template")):
+            shutil.copy(name, directory / name.name)
+    return directory
+
+
+def with_other_tokenizer(source: Path, directory: Path) -> Path:
+    """A copy of the model at ``source`` whose tokenizer was trained on other text (its ids
+    name other strings): no draft model for ``source``."""
+    import shutil
+
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    directory = Path(directory)
+    if not directory.is_dir():
+        shutil.copytree(source, directory)
+        tok = Tokenizer(models.BPE(unk_token=None))
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        trainer = trainers.BpeTrainer(vocab_size=_COMMON["vocab_size"], special_tokens=["<pad>", "<s>", "</s>"],
+                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+        tok.train_from_iterator(["pack my box with five dozen liquor jugs", "sphinx of black quartz"] * 20, trainer)
+        PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
+                                pad_token="<pad>").save_pretrained(directory)
+    return directory

@@ -23,7 +23,7 @@ from .planner import (
     route_link_seconds,
 )
 from .registry import Registry
-from .route_speculation import RouteSpeculation, rates
+from fabric.wire.route_drafts import RouteSpeculation, rates
 from .stats import Completion, StatsStore, decode_timing
 
 log = logging.getLogger(__name__)

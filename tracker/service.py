@@ -33,7 +33,7 @@ from typing import Any, Callable, NoReturn
 import msgpack
 import zmq
 
-from fabric.metrics import Sample
+from fabric.metrics import Sample, speculation_samples
 from fabric.net.security import Security, peer_key, serve_securely, start_authenticator
 from fabric.wire.liveness import (DEFAULT_PUB, DEFAULT_TRACKER, HEARTBEAT_INTERVAL, HEARTBEAT_LIVENESS, TOPIC_EVENTS,
                                   TOPIC_PLANS, TOPIC_STATS)
@@ -84,7 +84,6 @@ from .reach import ReachChecker
 from .node_records import NodeInfo
 from .registry import Registry
 from .reports import Reports
-from .route_speculation import speculation_samples
 from .stats import StatsStore, route_label
 from .views import node_rows, plans_view, usage
 
@@ -302,7 +301,7 @@ class Tracker:
                         labels={"node": n.node_id, "model": n.model}) for n in nodes]
         rows += [Sample("tracker_messages_total", "messages handled, by kind", count, "counter", {"kind": kind})
                  for kind, count in self.handled.copy().items()]
-        return rows + speculation_samples(self.reports.speculation.view())
+        return rows + speculation_samples(self.reports.speculation.view(), "tracker")
 
     def handle(self, message: Message, peer: str = "", connection: bytes = b"") -> Message:
         """The reply to one decoded message; raises ProtocolError for a refusal."""

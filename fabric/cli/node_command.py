@@ -100,6 +100,11 @@ def _node_head_flags(p: argparse.ArgumentParser) -> None:
                         "them with the last one, so one trip through the hops can yield several tokens; the tail "
                         "keeps only those it would have sampled itself, so the text never changes "
                         "(default %(default)s)")
+    p.add_argument("--draft", default=None, metavar="MODEL",
+                   help="a small model (a file or directory, as for --model) that drafts beside the text lookup "
+                        "on a head: loaded whole on this node, with this node's --device, --dtype and --quant, it "
+                        "must share the model's tokenizer (e.g. Llama-3.2-1B for Llama-3.1-8B); drafts that do "
+                        "not pay are switched off (default: none, the text lookup alone)")
 
 
 def _node_timing_flags(p: argparse.ArgumentParser) -> None:
@@ -236,6 +241,7 @@ def _node_config(args, security):
                       kv_cache_bytes=None if args.kv_cache_gib is None else int(args.kv_cache_gib * (1 << 30)),
                       prefill_slice=args.prefill_slice_ms / 1000, wire_dtype=args.wire_dtype,
                       speculation=SpeculationConfig(enabled=args.speculate == "on"),
+                      **_draft_model(args),
                       compute_lock=_compute_lock(args.compute_lock, args.device),
                       hop_timeout=args.hop_timeout, heartbeat_interval=args.heartbeat,
                       audit_rate=args.audit_rate, audit_tolerance=args.audit_tolerance,
@@ -244,6 +250,26 @@ def _node_config(args, security):
                       share_bytes_per_s=args.share_mbps * 125_000,
                       security=security, relay=args.relay, relay_fallback=args.relay_fallback,
                       relay_key=relay_key(args.keys, args.relay_key) if args.keys else "")
+
+
+def _draft_model(args) -> dict:
+    """NodeConfig's draft and draft_quant for ``--draft`` (its --quant picked as the model's is)."""
+    if not args.draft:
+        return {}
+    from ..compute.gguf_info import check_reference
+    from ..compute.models import ModelError, default_cache_root, load_tokenizer, resolve
+    from ..node.draft_model import check_vocabulary
+
+    try:
+        check_reference(args.draft)
+        source = resolve(args.draft)
+        cache = default_cache_root()  # the vocabularies are compared before any weights load
+        check_vocabulary(load_tokenizer(source, cache), load_tokenizer(resolve(args.model, args.model_id), cache),
+                         source.path.name)
+    except ModelError as exc:
+        raise CommandError(str(exc) if str(exc).startswith("--draft") else f"--draft: {exc}") from None
+    quant = picked_quant(args.quant, args.draft, args.device)
+    return {"draft": source, "draft_quant": None if quant == "none" else quant}
 
 
 def _compute_lock(value: str | None, device: str) -> str | None:

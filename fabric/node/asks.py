@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..compute.grammar import GrammarError, Grammars, Matcher
-from ..compute.sampling import sample
+from ..compute.sampling import accept, sample
 from ..wire import protocol as p
 
 MAX_ASKING_SESSIONS = 4096  # sessions whose ask the tail keeps; beyond it the oldest is forgotten
@@ -107,23 +107,32 @@ class SessionAsks:
         run out: every draft kept is a token this tail would have sampled, and the last TOKEN
         is the one after them. With a temperature this is the standard acceptance rule for a
         deterministic draft (a point mass): the draft is kept with probability p(draft), and
-        otherwise the token comes from p without it, renormalized."""
+        otherwise the token comes from p without it, renormalized. A draft model's drafts of a
+        sampling request come with the distribution q each was drawn from (``draft_q``): each
+        is kept with min(1, p/q), else the token comes from norm(max(0, p - q))
+        (``sampling.accept``)."""
         tokens = []
         for i, logits in enumerate(rows):
-            tokens.append(self.token(msg, pos + i, logits))
+            drafted = (msg.drafts[i], msg.draft_q[i]) if msg.draft_q and i < len(msg.drafts) else None
+            tokens.append(self.token(msg, pos + i, logits, drafted))
             if i == len(msg.drafts) or tokens[-1].token != msg.drafts[i]:
                 break
         return tokens
 
-    def token(self, msg: p.Forward, pos: int, logits: torch.Tensor) -> p.Token:
-        """The TOKEN sampled from ``logits`` (vocab,) for position ``pos``, as the session asked."""
+    def token(self, msg: p.Forward, pos: int, logits: torch.Tensor,
+              drafted: tuple[int, p.DraftDist] | None = None) -> p.Token:
+        """The TOKEN sampled from ``logits`` (vocab,) for position ``pos``, as the session asked;
+        ``drafted``: a draft model's token there and its q, kept or corrected by the acceptance rule."""
+        def pick(final: torch.Tensor) -> int:
+            return accept(final, msg.sampling, pos, *drafted) if drafted else sample(final, msg.sampling, pos)
+
         ask = self._asks.get(msg.session) if self._asks else None
         if ask is None:
-            return p.Token(msg.session, msg.step, sample(logits, msg.sampling, pos), pos)
+            return p.Token(msg.session, msg.step, pick(logits), pos)
         sampled = ask.adjust(logits) if ask.penalties is not None else logits
         if ask.matcher is not None:
             sampled = ask.matcher.mask(sampled, owned=ask.penalties is not None)
-        token = sample(sampled, msg.sampling, pos)
+        token = pick(sampled)
         if ask.penalties is not None:
             ask.counts[token] += 1
         if ask.matcher is not None:

@@ -21,7 +21,9 @@ from ..compute.grammar import problem as grammar_problem
 from ..net.peer_liveness import splice
 from ..wire import protocol as p
 from ..wire.liveness import LINK_GRACE, PEER_SILENCE, PING_INTERVAL, TRACKER_SILENCE
+from ..wire.route_drafts import RouteSpeculation
 from .audit import AuditConfig, Auditor
+from .draft_model import DraftModel
 from .prefixes import PrefixIndex
 from .route_session import RequestError, RouteSession, Transport, encode_prompt, new_session_id
 from .speculation import DraftYield, Speculation, SpeculationConfig, speculation_counts
@@ -69,8 +71,10 @@ class ServedModel:
 
 class Head:
     def __init__(self, config: HeadConfig, host: HeadHost, node_id: str, model: ServedModel, counters: Counter,
-                 prefixes: PrefixIndex | None = None, audit: AuditConfig = AuditConfig(audit_rate=0.0)):
+                 prefixes: PrefixIndex | None = None, audit: AuditConfig = AuditConfig(audit_rate=0.0),
+                 draft: DraftModel | None = None):
         self.config = config
+        self.draft = draft  # the draft model (``--draft``) that drafts beside prompt lookup; None: lookup alone
         self.prefixes = prefixes if prefixes is not None else PrefixIndex()  # what ended requests left on hops
         self.host = host
         self.node_id = node_id
@@ -83,6 +87,7 @@ class Head:
         self.pending_routes: deque[tuple[str, float]] = deque()
         # the chance a draft is kept, per n-gram length, learnt from every request headed: new ones start from it
         self.draft_yield = DraftYield.prior(config.speculation)
+        self.routes = RouteSpeculation()  # drafts and trips per route of the requests it headed, for /metrics
         # steps re-run on replicas (fabric/node/audit.py); it is the RouteSessions' transport
         self.auditor = Auditor(audit, host, node_id, model.model_id, model.fingerprint, counters,
                                route_around=self.route_around)
@@ -113,6 +118,7 @@ class Head:
                           tool_syntax=tool_syntax(req, syntax),
                           speculation=Speculation(self.config.speculation, shared=self.draft_yield)
                           if self.config.speculation.enabled and req.speculation else None)
+        self._bind_draft(rs)
         self.sessions[rs.session] = rs
         self.clients[rs.session] = identity
         self.requests[(identity, req.request_id)] = rs.session
@@ -121,6 +127,15 @@ class Head:
         self.auditor.draw(rs.session, prompt + list(req.resume))  # audited or not, it looks the same
         reused = self.prefixes.match(prompt + list(req.resume), req.route, tenant_of(req))
         self._emit(rs, rs.start(reused))
+
+    def _bind_draft(self, rs: RouteSession) -> None:
+        """A drafting request gets the draft model too, if the head has one, unless it samples with
+        a seed of its own: prompt lookup's drafts keep its text the text of one-token steps, draw
+        for draw, whatever the steps' sizes; a draft model's, under the acceptance rule, would make
+        it depend on how many drafts each step carried, which timings decide."""
+        sampling = rs.request.sampling
+        if self.draft is not None and rs.speculation is not None and (not sampling.temperature or sampling.seed is None):
+            rs.speculation.drafter = self.draft.bind(rs.session, rs.sampling)
 
     def _check_route(self, identity: bytes, req: p.Generate) -> None:
         """Refuse (ProtocolError) a request this node cannot start: not its head, a request id
@@ -225,12 +240,14 @@ class Head:
                 self.host.reply(identity, event)
         if rs.finished:
             self._count_speculation(rs)  # before it leaves ``sessions``: whoever sees it gone sees it counted
+            if rs.speculation is not None:
+                rs.speculation.close()  # its draft model's KV goes
             self.sessions.pop(rs.session, None)
             self.requests.pop((self.clients.pop(rs.session, b""), rs.request.request_id), None)
             self.auditor.ended(rs.session)
             if rs.finished != "error":  # the hops keep its KV (CLOSE, CANCEL): later requests may start from it
                 self.prefixes.add(rs.session, rs.held_ids, rs.route, tenant_of(rs.request))
-            self._report(rs)
+            self.routes.record(self._report(rs))
         elif time.monotonic() - rs.reported_at >= self.config.progress_interval:
             self._report(rs)  # progress for every request, streamed or not
 
@@ -241,14 +258,16 @@ class Head:
             self.counters["spec_drafted"] += spec.drafted
             self.counters["spec_kept"] += spec.kept
 
-    def _report(self, rs: RouteSession) -> None:
+    def _report(self, rs: RouteSession) -> p.Report:
         rs.reported_at = time.monotonic()
-        self.host.to_tracker(p.Report(
+        report = p.Report(
             request_id=rs.request_id, node_id=self.node_id, model=self.model.model_id, route=rs.route,
             prompt_tokens=rs.prompt_tokens, completion_tokens=len(rs.generated), elapsed=rs.elapsed,
             final=rs.finished is not None, finish_reason=rs.finished, api_key=rs.request.api_key,
             max_tokens=rs.request.max_tokens, prefilled=rs.prefilled, prefill_tokens=rs.prefill.total,
-            resumed=rs.resumed, ref=rs.ref, **speculation_counts(rs.speculation)))
+            resumed=rs.resumed, ref=rs.ref, **speculation_counts(rs.speculation))
+        self.host.to_tracker(report)
+        return report
 
     # -- failover -----------------------------------------------------------------------
 

@@ -35,6 +35,7 @@ from ..wire.liveness import PEER_SILENCE, PING_INTERVAL
 from . import telemetry
 from .asks import SessionAsks
 from .config import NodeConfig
+from .draft_model import DraftModel
 from .head import Head, ServedModel
 from .hops import HopRunner
 from .housekeeping import Housekeeping
@@ -115,7 +116,7 @@ class Node(SessionControl, Replies):
         # a node that keeps no KV of ended requests offers none to reuse either
         prefixes = PrefixIndex(max_entries=0 if self.kv.retained.budget <= 0 else MAX_PREFIXES)
         return Head(self.config.head, self, self.config.node_id, model, self.counters, prefixes=prefixes,
-                    audit=self.config.audit)
+                    audit=self.config.audit, draft=draft_model(self.config, tokenizer, self.vocab))
 
     # -- main loop ----------------------------------------------------------------------
 
@@ -398,7 +399,15 @@ class Node(SessionControl, Replies):
         kept = self.kv.retained
         return telemetry.Load(self.config.node_id, len(self.kv), self.kv.nbytes(), len(self.head or ()),
                               len(self.scheduler), self.counters.copy(), kept.bytes, kept.budget, len(kept),
-                              kept.stats.copy())
+                              kept.stats.copy(), self.head.routes.view() if self.head is not None else {})
+
+
+def draft_model(c: NodeConfig, tokenizer, vocab: int) -> DraftModel | None:
+    """The head's draft model ``--draft`` names, if any (ModelError: its vocabulary is not the model's)."""
+    if c.draft is None or not c.head.speculation.enabled:
+        return None
+    return DraftModel.load(c.draft, tokenizer, vocab, dtype=c.dtype, device=c.device, quant=c.draft_quant,
+                           cache_root=c.cache_root, progress=c.progress)
 
 
 def tail_grammars(config: NodeConfig, vocab: int, model_config) -> Grammars:

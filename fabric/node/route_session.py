@@ -268,10 +268,11 @@ class RouteSession:
 
     def _step(self) -> None:
         """Send the next decode step: the last token, and the drafts after it if any."""
-        drafts = []
+        drafts, q = [], ()
         if self.speculation is not None:
             drafts = self.speculation.drafts(self.history, self.request.max_tokens - len(self.generated) - 1)
-        self._send(self.history[-1:] + drafts, pos=len(self.history) - 1, drafts=drafts)
+            q = tuple(self.speculation.q)  # a draft model's distributions (a sampling request), else none
+        self._send(self.history[-1:] + drafts, pos=len(self.history) - 1, drafts=drafts, draft_q=q)
         self.decoding = True
 
     def _logprobs(self, msg: Token) -> TokenLogprobs | None:
@@ -437,10 +438,10 @@ class RouteSession:
 
     # -- internals ----------------------------------------------------------------------
 
-    def _send(self, ids: list[int], pos: int, reuse: str = "", drafts: list[int] = ()) -> None:
+    def _send(self, ids: list[int], pos: int, reuse: str = "", drafts: list[int] = (), draft_q: tuple = ()) -> None:
         """Send ``ids`` from ``pos`` along the route as one step (each hop may run a long
         prefill in slices, passed on as chunks of the same step); the last ``drafts`` of them
-        drafted, for the tail to verify."""
+        drafted, for the tail to verify (``draft_q``: the distributions a draft model drew them from)."""
         self.step += 1
         self.sent_at = time.monotonic()
         self.decoding = False  # a prompt, a re-prefill or a re-send: no decode step's trip
@@ -460,7 +461,7 @@ class RouteSession:
                       end_layer=head.end_layer, route=self.route[1:], reply_to=self.reply_to,
                       sampling=self.sampling, reply_key=self.reply_key, wire_dtype=self.wire_dtype, reuse=reuse,
                       logprobs=self.request.logprobs if opens else -1, penalties=penalties if opens else None,
-                      grammar=grammar if opens else None, drafts=tuple(drafts))
+                      grammar=grammar if opens else None, drafts=tuple(drafts), draft_q=draft_q)
         self.transport.forward(head, msg, torch.tensor([ids], dtype=torch.int64))  # (1, q)
 
     def _finish(self, reason: str, tail: str = "") -> list[Event]:

@@ -32,14 +32,24 @@ fast route (loopback, a GPU: the trip is mostly compute) c is large and k small;
 the trip is mostly waiting, c is small and k large; a draft pays at all only where a > c.
 A session that has not drafted for ``pause_steps`` decode steps probes with one draft after
 a 3-gram match (its text may have turned repetitive); a probe that fails doubles the wait.
+
+A head with a draft model (``--draft``, fabric/node/draft_model.py) has a second source: the
+model's guesses, with a yield of their own (the slot after the n-grams') and a cost that adds
+the model's own time per draft (``model_s``, spent at the head before the step leaves) to the
+hops'. Each step takes the source with the most tokens per unit of trip: prompt lookup where
+it has a match that pays (a copy), else the model; neither where neither pays. A useless draft
+model (its drafts seldom kept) is switched off by the same rule and probed now and then.
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from ..wire.protocol import MAX_DRAFTS
 
 MAX_NGRAM = 3  # the longest n-gram looked up; shorter ones are tried after it, down to one token
+MODEL = MAX_NGRAM + 1  # the draft model's place among the sources (n-grams of 1..MAX_NGRAM tokens, then it)
 MAX_PROBE_AFTER = 512  # decode steps between probes at most, however often they failed
 
 
@@ -73,6 +83,17 @@ def best_drafts(first: float, then: float, cost: float, max_drafts: int) -> int:
     """The k of 0..max_drafts with the most tokens per unit of trip, E(k) / (1 + k cost)
     (``cost``: one draft's share of a plain trip); the smallest such k on a tie."""
     return max(range(max_drafts + 1), key=lambda k: (tokens_per_trip(first, then, k) / (1 + k * cost), -k))
+
+
+class Drafter(Protocol):
+    """A draft model, bound to one session (fabric/node/draft_model.py)."""
+
+    def propose(self, history: list[int], k: int) -> tuple[list[int], list]:
+        """Up to ``k`` drafts after ``history``, and the distribution each was drawn from (a
+        sampling request's DraftDists; [] for point masses)."""
+        ...
+
+    def close(self) -> None: ...  # the session ended: its draft KV goes
 
 
 class Lookup:
@@ -121,7 +142,7 @@ def _average(old: float | None, new: float, weight: float) -> float:
 class DraftYield:
     """The chance a step's first draft is kept (``first``) and the chance a later one is, once
     the ones before it were (``then``), per length of the n-gram that proposed them (index
-    n - 1), as moving averages. Two, not one: drafts hold in runs (a quoted phrase, a line of
+    n - 1; index MODEL - 1: the draft model's), as moving averages. Two, not one: drafts hold in runs (a quoted phrase, a line of
     code that comes back), so after a kept draft the next is likelier kept than the first
     was. A head keeps one that every session it heads learns into, and each session starts
     from a copy of it: a request starts from what the head's recent requests found (chat,
@@ -133,7 +154,7 @@ class DraftYield:
 
     @classmethod
     def prior(cls, config: SpeculationConfig) -> "DraftYield":
-        return cls([config.prior_accept] * MAX_NGRAM, [config.prior_accept] * MAX_NGRAM)
+        return cls([config.prior_accept] * MODEL, [config.prior_accept] * MODEL)
 
     def copy(self) -> "DraftYield":
         return DraftYield(list(self.first), list(self.then))
@@ -156,12 +177,16 @@ class Speculation:
     config: SpeculationConfig
     shared: DraftYield | None = None  # its head's, learnt into too; None: a yield of its own from the prior
     lookup: Lookup = field(default_factory=Lookup)
+    drafter: Drafter | None = None  # the head's draft model for this session; None: prompt lookup alone
     yields: DraftYield | None = None  # its own, from a copy of ``shared`` (or the prior)
     size: int = 0  # drafts the next step may carry (``adaptive`` False)
     plain_s: float | None = None  # moving average of a plain step's trip, seconds (None: none timed yet)
     draft_s: float | None = None  # ...and of what a verification step's trip took beyond it, per draft
+    model_s: float | None = None  # ...and of the draft model's own time per draft, at the head
+    model_at: int = -(1 << 30)  # the history's length when the draft model last drafted
     streams: int = 1  # requests its head heads now (set by the head): they share the hops' passes
-    matched: int = 0  # the n-gram length that proposed the pending step's drafts
+    matched: int = 0  # the source of the pending step's drafts: its n-gram's length, or MODEL
+    q: list = field(default_factory=list)  # the pending step's drafts' distributions (a draft model's, sampling)
     idle: int = 0  # decode steps since this session last drafted
     probe_after: int = 0  # idle steps before a probe (one draft after a 3-gram), doubled while probes fail
     probing: bool = False  # the pending step is such a probe
@@ -179,29 +204,79 @@ class Speculation:
 
     @property
     def cost(self) -> float:
-        """A draft's cost as a share of a plain trip (c, above), counted once per stream."""
+        """A draft's cost at the hops as a share of a plain trip (c, above), counted once per
+        stream. At least ``min_cost`` while the head heads more than one request (a pass shared
+        by many streams times a draft's few positions as noise); one stream's timing is its own."""
         c = self.config.min_cost
         if self.plain_s and self.draft_s is not None:
-            c = max(c, self.draft_s / self.plain_s)
+            c = max(c, self.draft_s / self.plain_s) if self.streams > 1 else self.draft_s / self.plain_s
         return c * max(1, self.streams)
+
+    @property
+    def model_cost(self) -> float:
+        """A draft model's draft: the hops' cost and the model's own time, as a share of a plain trip."""
+        own = self.model_s / self.plain_s if self.plain_s and self.model_s is not None else self.config.min_cost
+        return self.cost + own * max(1, self.streams)
 
     def drafts(self, history: list[int], room: int) -> list[int]:
         """The drafts for the step after ``history``, at most ``room`` (tokens the request may
-        still take, less the one every step yields); [] for a plain one-token step."""
+        still take, less the one every step yields); [] for a plain one-token step. A draft
+        model's distributions for them, if any, are left in ``q``."""
         n = self.lookup.match_length(history)  # indexes the new tokens, drafting or not
+        self.q = []
         if self.stopped or room <= 0:
             return []
         if not self.config.adaptive:
+            if self.drafter is not None and n < MAX_NGRAM:
+                return self._model(history, min(self.size, room))
             return self.lookup.propose(history, min(self.size, room))
-        y = self.yields
-        k = best_drafts(y.first[n - 1], y.then[n - 1], self.cost, self.config.max_drafts) if n else 0
+        source, k = self._best(n)
+        if source == MODEL and self.plain_s is None and self.trips:
+            return []  # the model's own time counts against a plain trip: time one before drafting on
         if k == 0:
             self.idle += 1
-            if n < MAX_NGRAM or self.idle < self.probe_after:
+            if self.idle < self.probe_after or (source := self._probe(n)) == 0:
                 return []
-            k, self.probing = 1, True  # none paid lately: try one after the likeliest kind of match
-        self.matched = n
+            k, self.probing = 1, True  # none paid lately: try one
+        self.matched = source
+        if source == MODEL:
+            return self._model(history, min(k, room))
         return self.lookup.propose(history, min(k, room))
+
+    def _best(self, n: int) -> tuple[int, int]:
+        """(source, k) with the most tokens per unit of trip: the n-gram match (if any) at the
+        hops' cost, the draft model (if any) at its own; k 0 where no draft pays."""
+        y, best = self.yields, (0, 0, 1.0)  # (source, k, tokens per unit of trip)
+        for source, cost in ((n, self.cost), (MODEL, self.model_cost if self.drafter else None)):
+            if not source or cost is None:
+                continue
+            first, then = y.first[source - 1], y.then[source - 1]
+            k = best_drafts(first, then, cost, self.config.max_drafts)
+            value = tokens_per_trip(first, then, k) / (1 + k * cost)
+            if k and value > best[2]:
+                best = (source, k, value)
+        return best[0], best[1]
+
+    def _probe(self, n: int) -> int:
+        """The source to probe with one draft: lookup after a 3-gram match (its text may have turned
+        repetitive), else the draft model if even a draft always kept would pay at its cost; 0: none."""
+        if n == MAX_NGRAM:
+            return n
+        if self.drafter is not None and best_drafts(1.0, 1.0, self.model_cost, self.config.max_drafts):
+            return MODEL
+        return 0
+
+    def _model(self, history: list[int], k: int) -> list[int]:
+        """The draft model's ``k`` drafts, its time per draft learnt from steps that follow one of
+        its own: a first step, or one after plain steps, first feeds it every token it missed
+        (the prompt, the plain steps' tokens), a one-off that is no draft's cost."""
+        started = time.perf_counter()
+        drafts, self.q = self.drafter.propose(history, k)
+        if drafts and 0 <= len(history) - self.model_at <= self.config.max_drafts + 1:
+            spent = (time.perf_counter() - started) / len(drafts)
+            self.model_s = _average(self.model_s, spent, self.config.smoothing)
+        self.model_at = len(history)
+        return drafts
 
     def answered(self, drafted: int, kept: int, trip_s: float) -> None:
         """A decode step came back after ``trip_s`` seconds: ``kept`` of its ``drafted`` drafts
@@ -225,6 +300,11 @@ class Speculation:
     def stop(self) -> None:
         """No more drafts for this session (a hop could not cut its KV back)."""
         self.stopped = True
+
+    def close(self) -> None:
+        """The request ended: the draft model's KV for it goes."""
+        if self.drafter is not None:
+            self.drafter.close()
 
 
 def speculation_counts(spec: Speculation | None) -> dict[str, int]:

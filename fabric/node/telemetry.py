@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
-from ..metrics import Sample
+from ..metrics import Sample, speculation_samples
 from ..wire import protocol as p
 from .config import NodeConfig
 
@@ -54,6 +54,7 @@ class Load:
     kept_budget: int  # most bytes of KV kept
     kept_sessions: int  # ended sessions whose KV is kept
     kept_stats: Mapping[str, int]  # hits, misses, reused_tokens, evictions
+    routes: Mapping[str, list] = field(default_factory=dict)  # speculation per route of requests it headed (a view)
 
 
 def registration(me: Identity) -> p.Register:
@@ -84,7 +85,7 @@ def metrics(load: Load) -> list[Sample]:
     for name in COUNTERS[1:]:
         rows.append(Sample(f"node_{name}_total", f"{name.replace('_', ' ')} on this node", c[name],
                            "counter", labels))
-    return rows + _kv_reuse_metrics(load, labels)
+    return rows + _kv_reuse_metrics(load, labels) + speculation_samples(load.routes, "node", labels)
 
 
 def _kv_reuse_metrics(load: Load, labels: dict) -> list[Sample]:

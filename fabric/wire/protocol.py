@@ -90,6 +90,7 @@ MAX_HARDWARE_TEXT = 256  # characters of a hardware value
 MAX_REF = 64  # characters of a REPORT's ref (a head's attempt id) and of its finish_reason
 MAX_COUNT = (1 << 31) - 1  # a REPORT's token counts
 MAX_DRAFTS = 8  # drafted tokens one FORWARD may ask the tail to verify (the step then carries one more position)
+MAX_DRAFT_Q = 64  # tokens of one drafted position's distribution (``DraftDist``) a FORWARD may carry
 
 
 class ErrorCode:
@@ -251,6 +252,28 @@ class Sampling:
             raise ProtocolError("top_p must be in (0, 1]", ErrorCode.BAD_REQUEST)
         if self.seed is not None and not (0 <= self.seed <= MAX_SEED):
             raise ProtocolError("seed must be in [0, 2**63)", ErrorCode.BAD_REQUEST)
+
+
+@dataclass(frozen=True)
+class DraftDist:
+    """The distribution a draft model sampled one drafted token from: q over ``ids`` (every
+    other token has q = 0), so the tail can apply the standard acceptance rule (keep the draft
+    with min(1, p/q), else sample from norm(max(0, p - q)))."""
+
+    ids: tuple[int, ...]
+    probs: tuple[float, ...]
+
+    def validate(self) -> None:
+        if not 1 <= len(self.ids) <= MAX_DRAFT_Q or len(self.probs) != len(self.ids):
+            raise ProtocolError(f"a draft's distribution pairs 1 to {MAX_DRAFT_Q} ids with their probabilities")
+        if len(set(self.ids)) != len(self.ids) or not all(0 <= t <= MAX_TOKEN_ID for t in self.ids):
+            raise ProtocolError("a draft's distribution names each token id in [0, 2**31) once")
+        if not all(0.0 <= q <= 1.0 for q in self.probs) or abs(sum(self.probs) - 1.0) > 1e-3:
+            raise ProtocolError("a draft's probabilities are in [0, 1] and sum to 1")
+
+    def prob(self, token: int) -> float:
+        """q(token): 0 for a token the distribution does not name."""
+        return self.probs[self.ids.index(token)] if token in self.ids else 0.0
 
 
 @dataclass(frozen=True)
@@ -465,7 +488,7 @@ class Forward(Message):
     """
 
     KIND: ClassVar[Kind] = Kind.FORWARD
-    SPARSE: ClassVar[frozenset[str]] = frozenset({"logprobs", "penalties", "grammar", "drafts"})
+    SPARSE: ClassVar[frozenset[str]] = frozenset({"logprobs", "penalties", "grammar", "drafts", "draft_q"})
     session: str
     step: int
     pos: int
@@ -489,6 +512,9 @@ class Forward(Message):
     # a verification step: the last len(drafts) of its q positions hold these drafted tokens (q = len + 1); the
     # tail samples every position and answers a TOKEN per draft it would have sampled itself, plus the next one
     drafts: tuple[int, ...] = ()
+    # a draft model's drafts, on a request that samples: the distribution each was drawn from (one per draft,
+    # which it must give a probability > 0); (): each draft is a point mass (prompt lookup, a greedy draft)
+    draft_q: tuple[DraftDist, ...] = ()
 
     def validate(self) -> None:
         if not -1 <= self.logprobs <= MAX_TOP_LOGPROBS:
@@ -520,6 +546,9 @@ class Forward(Message):
     def _check_drafts(self, q: int) -> None:
         """A verification step is a decode step and its drafts, nothing more: the tail's extra
         work (logits of len(drafts) + 1 positions) stays bounded by MAX_DRAFTS."""
+        if len(self.draft_q) != (len(self.drafts) if self.draft_q else 0) or not all(
+                q.prob(t) > 0 for t, q in zip(self.drafts, self.draft_q)):
+            raise ProtocolError("draft_q gives one distribution per draft, each with the draft at a probability > 0")
         if not self.drafts:
             return
         if len(self.drafts) > MAX_DRAFTS or not all(0 <= t <= MAX_TOKEN_ID for t in self.drafts):

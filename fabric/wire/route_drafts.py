@@ -1,18 +1,17 @@
-"""Speculation per route, from the heads' completion reports: how many trips through the
-route the requests took, the drafts they carried and those the tail kept. Pure, bounded.
+"""Speculation per route, from completion reports: how many trips through the route the
+requests took, the drafts they carried and those the tail kept. Pure, bounded.
 
-A head knows its own requests only; the tracker sees every head's, so it is where a route's
-figures add up: the share of drafts kept (acceptance) and the tokens one trip through the
-hops yielded (1 for a plain step, up to 1 + drafts for a verification). ``meshnet status``,
-the dashboard's swarm view and the tracker's /metrics show them.
+A head adds up its own requests (a node's /metrics); the tracker sees every head's, so it is
+where a route's figures add up for the swarm: the share of drafts kept (acceptance) and the
+tokens one trip through the hops yielded (1 for a plain step, up to 1 + drafts for a
+verification). ``meshnet status``, the dashboard's swarm view and the tracker's /metrics show them.
 """
 from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from fabric.metrics import Sample
-from fabric.wire.protocol import Report
+from .protocol import Report
 
 MAX_ROUTES = 256  # routes remembered; the one least recently reported goes first
 
@@ -67,23 +66,7 @@ class RouteSpeculation:
         """{model: [{"route": [node, ...], "requests", "trips", "drafted", "kept", "acceptance",
         "tokens_per_trip"}, ...]}, most recently reported first."""
         out: dict[str, list[dict]] = {}
-        for (model, route), row in reversed(self._routes.items()):
+        # a copy first (one C call): a node's /metrics thread reads this while its loop records
+        for (model, route), row in reversed(list(self._routes.items())):
             out.setdefault(model, []).append({"route": route.split(">"), **row.view()})
         return out
-
-
-def speculation_samples(view: dict[str, list[dict]]) -> list[Sample]:
-    """The tracker's /metrics rows for ``RouteSpeculation.view()``: per (model, route), the
-    counters, and acceptance and tokens per trip as gauges."""
-    rows = []
-    for model, routes in view.items():
-        for r in routes:
-            labels = {"model": model, "route": ">".join(r["route"])}
-            rows += [Sample(f"tracker_route_spec_{name}_total", f"{what} of requests on the route that drafted",
-                            r[name], "counter", labels)
-                     for name, what in (("trips", "decode trips"), ("drafted", "drafts sent"), ("kept", "drafts kept"))]
-            rows += [Sample("tracker_route_spec_acceptance", "share of drafts the tail kept", r["acceptance"] or 0.0,
-                            labels=labels),
-                     Sample("tracker_route_spec_tokens_per_trip", "tokens one trip through the route yielded",
-                            r["tokens_per_trip"] or 0.0, labels=labels)]
-    return rows
