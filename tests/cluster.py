@@ -18,7 +18,7 @@ from fabric.wire import protocol as p
 from fabric.wire.shard import Shard
 from fabric.cli.supervision import stop_processes
 from tests.support import at_once, free_port, wait_for
-from tests.zygote import ZYGOTE
+from tests.zygote import SCRIPTS, ZYGOTE
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -129,7 +129,11 @@ class ProcessCluster:
                "XDG_DATA_HOME": str(self.tmp / "data"), "XDG_RUNTIME_DIR": str(self.runtime_dir), **(env or {})}
         keys = ["--keys", str(self.keys)] if self.keys else []
         argv = ["--log-level", "info", *args, *keys]
-        forked = ZYGOTE.spawn(argv, env, ROOT, log.fileno(), log.fileno()) if self._forks(entry, args) else None
+        forked = None
+        if self._forks(entry, args):
+            script = None if entry[0] == "-m" else Path(entry[0])
+            forked = ZYGOTE.spawn([*entry[1:], *argv] if script else argv, env, ROOT, log.fileno(), log.fileno(),
+                                  script)
         proc = forked or subprocess.Popen([sys.executable, *entry, *argv], stdout=log, stderr=subprocess.STDOUT,
                                           env=env, cwd=ROOT)
         log.close()
@@ -138,9 +142,11 @@ class ProcessCluster:
 
     @staticmethod
     def _forks(entry: tuple[str, ...], args: tuple[str, ...]) -> bool:
-        """Whether a process is a plain ``meshnet node``, which the test zygote forks, already
-        imported, instead of starting an interpreter that imports torch again (tests/zygote.py)."""
-        return entry == ("-m", "fabric.cli") and args[:1] == ("node",)
+        """Whether a process is a ``meshnet node``, plain or patched by a test script (a liar),
+        which the test zygote forks, already imported, instead of starting an interpreter that
+        imports torch again (tests/zygote.py)."""
+        plain = entry == ("-m", "fabric.cli") or (entry and Path(entry[0]) in SCRIPTS)
+        return bool(plain) and args[:1] == ("node",)
 
     def secure(self) -> None:
         """Restart the tracker with a fresh swarm key set; start nodes after this."""

@@ -3,11 +3,18 @@ from __future__ import annotations
 import os
 
 import pytest
+import torch
 import zmq
 
 from tests.cluster import ProcessCluster, ThreadCluster
 from tests.support.areas import REQUIRE_ENV, skip_area, skipped_areas
 from tests.tiny_models import make_model
+
+# One compute thread in the test process. Its models are tiny (hidden sizes of 64 to 256): a
+# second OpenMP thread gains nothing on them and spins on a core that the nodes, the tracker and
+# the other processes of a test need; on a 2-core machine under load it made the in-process
+# GGUF family checks six times as costly in CPU. Node processes keep their own --threads.
+torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="session")

@@ -30,12 +30,12 @@ from fabric.compute.models import (
     resolve,
 )
 from fabric.compute.quant import Int4Linear
-from fabric.compute.reference import load_quantized_reference
 from fabric.wire.shard import Shard
 from tests.support import free_port
 from tests.support.areas import skip_area
 from tests.test_processes import token_ids
-from tests.test_quant import reference_tokens, split_tokens
+from tests.support.references import quantized_reference
+from tests.test_quant import greedy_tokens, split_tokens
 
 MODEL = "smollm2-135m"
 QUESTIONS = ["What is the capital of France?", "Write a haiku about the sea."]
@@ -195,8 +195,8 @@ def test_the_default_modes_split_equals_its_single_process_in_the_same_chunks(xd
     prompt = chat_prompt(source, QUESTIONS[1], cache)
     scheme, _ = pick_quant("auto", source)
     assert scheme == "int4"
-    expected = reference_tokens(source.directory, prompt, 24, scheme, chunk=7, gguf_file=source.gguf_file,
-                                cache_root=cache)
+    reference = quantized_reference(source.directory, source.gguf_file, scheme, cache)
+    expected = greedy_tokens(reference, prompt, 24, chunk=7)
     assert len(set(expected)) > 3
     assert split_tokens(MODEL, 3, prompt, 24, chunk=7, scheme=scheme, cache_root=cache) == expected
 
@@ -212,8 +212,7 @@ def test_default_nodes_give_the_default_single_process_tokens(process_cluster):
     status = process_cluster.wait_nodes(["head", "tail"], MODEL)
     assert all(n["fingerprint"].endswith(":int4") for n in status["nodes"]), status["nodes"]
     cache = process_cluster.cache / "meshnet"
-    reference = load_quantized_reference(source.directory, gguf_file=source.gguf_file, scheme="int4",
-                                         cache_root=cache)
+    reference = quantized_reference(source.directory, source.gguf_file, "int4", cache)
     with process_cluster.client() as client:
         for question in QUESTIONS:
             ids = torch.tensor([chat_prompt(source, question, cache)])

@@ -36,6 +36,12 @@ def reference_tokens(model_dir, prompt: list[int], n: int, scheme: str = "int8",
     in pieces of ``chunk`` tokens as the split does: in bfloat16, runs are bit-equal only
     when they compute in the same order (the rule in tests/tiny_models.py)."""
     model = load_quantized_reference(model_dir, gguf_file=gguf_file, scheme=scheme, cache_root=cache_root)
+    return greedy_tokens(model, prompt, n, chunk)
+
+
+def greedy_tokens(model, prompt: list[int], n: int, chunk: int | None = None) -> list[int]:
+    """``model``'s greedy continuation of ``prompt`` (``n`` tokens at most, prefilled in pieces
+    of ``chunk``), as ``reference_tokens`` decodes."""
     ids = torch.tensor([prompt])
     out = model.generate(ids, max_new_tokens=n, do_sample=False, eos_token_id=EOS, pad_token_id=0,
                          attention_mask=torch.ones_like(ids), prefill_chunk_size=chunk)

@@ -143,12 +143,12 @@ def reference_reply(prompt: str, max_new_tokens: int = 256) -> str:
     from transformers import AutoTokenizer
 
     from fabric.compute.models import ALIASES, alias_path, pick_quant, resolve
-    from fabric.compute.reference import load_quantized_reference
+    from tests.support.references import quantized_reference
 
     path = alias_path(ALIASES["smollm2-135m"])
     scheme, _ = pick_quant("auto", resolve("smollm2-135m"))
     tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-    model = load_quantized_reference(path.parent, gguf_file=path.name, scheme=scheme)
+    model = quantized_reference(path.parent, path.name, scheme)
     ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
                                         return_tensors="pt", return_dict=True)["input_ids"]
     with torch.no_grad():

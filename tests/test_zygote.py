@@ -48,3 +48,19 @@ def test_a_node_with_another_home_gets_a_fresh_interpreter(cluster, tiny_models,
     cluster.start_node("a", str(tiny_models("llama")), "0-5", None, env={"XDG_CACHE_HOME": str(tmp_path / "other")})
     assert not isinstance(cluster.procs["a"], Forked)
     cluster.wait_nodes(["a"], tiny_models("llama").name)
+
+
+def test_a_lying_node_is_forked_and_still_lies(cluster, tiny_models):
+    """tests/liar_node.py patches the executor, then runs meshnet: forked, it runs as
+    ``python tests/liar_node.py`` would, and its tail's tokens are not the model's."""
+    from tests.test_fabric_equivalence import generated_ids, prompt_ids
+    from tests.tiny_models import reference_greedy
+
+    model = tiny_models("llama")
+    cluster.start_node("a", str(model), "0-2")
+    cluster.start_node("b", str(model), "3-5", liar=True)
+    assert isinstance(cluster.procs["b"], Forked), "the lying node was not forked"
+    cluster.wait_nodes(["a", "b"], model.name)
+    with cluster.client() as client:
+        lied = generated_ids(client, model.name)
+    assert lied != reference_greedy(model, prompt_ids(model), len(lied))

@@ -11,7 +11,8 @@ back as a ``subprocess.Popen``'s would (``Forked``).
 What a fork cannot give a child is anything read once when a library loads: OpenMP's and
 oneDNN's environment, and the constants huggingface_hub computes from ``XDG_CACHE_HOME`` or
 ``HOME``. So ``Zygote.spawn`` forks only where those are the server's own (``same_start``) and
-the command is a node started through ``fabric.cli``; everything else, such as a node under
+the command is a node started through ``fabric.cli``, directly or by a test script of
+``SCRIPTS`` that patches it first (a lying node); everything else, such as a node under
 ``python -X importtime`` or with another home, gets a fresh interpreter. Set
 ``MESHNET_TEST_FORK=0`` to give every node one.
 
@@ -41,6 +42,8 @@ READ_LATER = {"XDG_DATA_HOME", "XDG_RUNTIME_DIR", "PYTEST_CURRENT_TEST"}
 # the model families the tests run: their transformers modules are imported once, here
 FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "mistral", "gemma2", "gemma3", "phi3", "mixtral")
 HEADER = struct.Struct("!I")
+# test scripts that patch a node, then run fabric.cli's main: forked as ``python SCRIPT ARGV`` would run
+SCRIPTS = (ROOT / "tests" / "liar_node.py", ROOT / "tests" / "corrupt_share_node.py")
 
 
 def same_start(env: dict, base: dict) -> bool:
@@ -150,7 +153,7 @@ def _read(conn: socket.socket, size: int) -> bytes:
 
 
 def _run(request: dict, fds: list[int]) -> None:
-    """The child: become ``python -m fabric.cli ARGV`` and never return."""
+    """The child: become ``python -m fabric.cli ARGV`` (or ``python SCRIPT ARGV``) and never return."""
     ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: no child outlives the server
     for target, fd in enumerate(fds):
         os.dup2(fd, target)
@@ -161,12 +164,9 @@ def _run(request: dict, fds: list[int]) -> None:
     os.environ.clear()
     os.environ.update(request["env"])
     os.chdir(request["cwd"])
-    sys.argv = [str(ROOT / "fabric" / "cli" / "__main__.py"), *request["argv"]]
     code = 1
     try:
-        from fabric.cli import main
-
-        code = main(request["argv"])
+        code = _main(request.get("script"), request["argv"])
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
         if isinstance(exc.code, str):
@@ -177,6 +177,23 @@ def _run(request: dict, fds: list[int]) -> None:
     except BaseException:  # noqa: BLE001 - as the interpreter would: the traceback, status 1
         traceback.print_exc()
     _exit(code)
+
+
+def _main(script: str | None, argv: list[str]) -> int:
+    """``fabric.cli``'s main on ``argv``; or the test script ``script`` run as ``__main__`` with
+    its own directory first on the path, as ``python SCRIPT ARGV`` runs it (tests/liar_node.py:
+    a node with a patch, then ``fabric.cli``'s main)."""
+    if script is None:
+        sys.argv = [str(ROOT / "fabric" / "cli" / "__main__.py"), *argv]
+        from fabric.cli import main
+
+        return main(argv)
+    import runpy
+
+    sys.argv = [script, *argv]
+    sys.path[0] = os.path.dirname(script)
+    runpy.run_path(script, run_name="__main__")
+    return 0
 
 
 def _exit(code: int) -> None:
@@ -265,9 +282,12 @@ class Zygote:
         self.proc: subprocess.Popen | None = None
         self.lock = threading.Lock()
 
-    def spawn(self, argv: list[str], env: dict, cwd: Path, stdout: int, stderr: int) -> Forked | None:
-        """Fork ``meshnet ARGV`` (a ``node`` command) with the files ``stdout``/``stderr``; None
-        where a fork would not start as a fresh interpreter would (see the module's docstring)."""
+    def spawn(self, argv: list[str], env: dict, cwd: Path, stdout: int, stderr: int,
+              script: Path | None = None) -> Forked | None:
+        """Fork ``meshnet ARGV`` (a ``node`` command), or ``python SCRIPT ARGV`` for a test script
+        that patches a node and then runs ``fabric.cli`` (tests/liar_node.py), with the files
+        ``stdout``/``stderr``; None where a fork would not start as a fresh interpreter would
+        (see the module's docstring)."""
         if os.environ.get("MESHNET_TEST_FORK", "1") == "0":
             return None
         with self.lock:
@@ -279,11 +299,12 @@ class Zygote:
         except OSError:  # the server died: start fresh
             conn.close()
             return None
-        body = json.dumps({"argv": argv, "env": env, "cwd": str(cwd)}).encode()
+        request = {"argv": argv, "env": env, "cwd": str(cwd), "script": str(script) if script else None}
+        body = json.dumps(request).encode()
         with open(os.devnull, "rb") as stdin:
             socket.send_fds(conn, [HEADER.pack(len(body))], [stdin.fileno(), stdout, stderr])
         conn.sendall(body)
-        return Forked(conn, [sys.executable, "-m", "fabric.cli", *argv])
+        return Forked(conn, [sys.executable, *([str(script)] if script else ["-m", "fabric.cli"]), *argv])
 
     def _started(self, env: dict) -> bool:
         if self.proc is not None:
