@@ -138,6 +138,7 @@ class BlockLinear(nn.Module):
         self._kernel = kernel()
         if self._kernel is None:
             raise RuntimeError("the qmatmul kernel cannot be built here: keep these weights on int8")
+        self._job, self._at = None, None  # the weights' part of the kernel's job, built once
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features)  # (rows, in)
@@ -146,12 +147,23 @@ class BlockLinear(nn.Module):
         x2 = x2.contiguous()
         y = torch.empty(x2.shape[0], self.out_features, dtype=x2.dtype)  # (rows, out)
         if x2.shape[0]:
-            done = self._kernel.meshnet_qmatmul(ctypes.byref(_job(self, x2, y, x2.shape[0])), torch.get_num_threads())
-            if done:
+            job = self._job_for(x2, y)
+            if self._kernel.meshnet_qmatmul(ctypes.byref(job), torch.get_num_threads()):
                 raise MemoryError("qmatmul: no memory for its working rows")
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
         return y.to(x.dtype).view(*x.shape[:-1], self.out_features)
+
+    def _job_for(self, x: torch.Tensor, y: torch.Tensor) -> _QJob:
+        """The kernel's job for rows ``x`` into ``y``: the weights' pointers are kept from the
+        last call while the weights stay where they were (a Python call costs as much as a
+        small matmul)."""
+        if self._job is None or self._at != self.codes.data_ptr():
+            self._job, self._at = _job(self, None, None, 0), self.codes.data_ptr()
+        job = self._job
+        job.x, job.y, job.rows = x.data_ptr(), y.data_ptr(), x.shape[0]
+        job.xfmt, job.yfmt = _FORMATS[x.dtype], _FORMATS[y.dtype]
+        return job
 
     def dequantized(self) -> torch.Tensor:
         """The float32 weight (out, in) the kernel multiplies by (for checks)."""

@@ -21,18 +21,17 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <immintrin.h>
 
 #define BLOCK 32
 #define SUPER 256   /* Q5_K's super-block */
-#define OUTS 4      /* outputs that share each row's load of x */
+#define OUTS 8      /* outputs that share each load of a row of x (and threads split by tiles of this many) */
 #define FUSED_ROWS 2 /* up to this many rows, weights are dequantized in registers, per row group */
 #define ROWS 2      /* rows that share each load of a dequantized weight */
 
 typedef float v16 __attribute__((vector_size(64)));
 typedef int32_t i16 __attribute__((vector_size(64)));
 typedef uint32_t u16 __attribute__((vector_size(64)));
-typedef uint8_t b16 __attribute__((vector_size(16)));
-typedef int8_t s16 __attribute__((vector_size(16)));
 
 enum { Q5_0 = 0, Q5_1 = 1, Q5_K = 2, Q8_0 = 3 };
 enum { F_BF16 = 0, F_F32 = 2 };
@@ -54,6 +53,41 @@ typedef struct { v16 lo, hi; } W32;  /* a block's 32 weights (or products) */
 static inline v16 splat(float x) { return (v16){x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
 static inline v16 at16(const float *p) { v16 x; memcpy(&x, p, sizeof x); return x; }
 static inline void put16(float *p, v16 x) { memcpy(p, &x, sizeof x); }
+
+/* 16 bytes widened to 16 int32 lanes (GCC's __builtin_convertvector does this byte by byte). */
+static inline i16 widen_u8(const uint8_t *p) {
+#if defined(__AVX512F__)
+    return (i16)_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
+#elif defined(__AVX2__)
+    __m128i b = _mm_loadu_si128((const __m128i *)p);
+    __m256i lo = _mm256_cvtepu8_epi32(b), hi = _mm256_cvtepu8_epi32(_mm_srli_si128(b, 8));
+    i16 r;
+    memcpy(&r, &lo, 32);
+    memcpy((char *)&r + 32, &hi, 32);
+    return r;
+#else
+    i16 r;
+    for (int l = 0; l < 16; l++) r[l] = p[l];
+    return r;
+#endif
+}
+
+static inline i16 widen_s8(const int8_t *p) {
+#if defined(__AVX512F__)
+    return (i16)_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p));
+#elif defined(__AVX2__)
+    __m128i b = _mm_loadu_si128((const __m128i *)p);
+    __m256i lo = _mm256_cvtepi8_epi32(b), hi = _mm256_cvtepi8_epi32(_mm_srli_si128(b, 8));
+    i16 r;
+    memcpy(&r, &lo, 32);
+    memcpy((char *)&r + 32, &hi, 32);
+    return r;
+#else
+    i16 r;
+    for (int l = 0; l < 16; l++) r[l] = p[l];
+    return r;
+#endif
+}
 
 static inline float sum32(W32 a) {  /* one fixed tree */
     v16 x = a.lo + a.hi;
@@ -78,20 +112,23 @@ static inline __attribute__((always_inline)) W32 weights(const QJob *j, int kind
     }
     W32 w;
     if (kind == Q8_0) {
-        s16 c0, c1;
-        memcpy(&c0, j->codes + at * BLOCK, 16);
-        memcpy(&c1, j->codes + at * BLOCK + 16, 16);
-        w.lo = __builtin_convertvector(__builtin_convertvector(c0, i16), v16) * step;
-        w.hi = __builtin_convertvector(__builtin_convertvector(c1, i16), v16) * step;
+        const int8_t *c = (const int8_t *)j->codes + at * BLOCK;
+        w.lo = __builtin_convertvector(widen_s8(c), v16) * step;
+        w.hi = __builtin_convertvector(widen_s8(c + 16), v16) * step;
         return w;
     }
+    u16 n = (u16)widen_u8(j->codes + at * (BLOCK / 2));
+    uint32_t h = j->high[at];
+    u16 lo = n & 15, hi = n >> 4;
+#if defined(__AVX512F__)
+    lo = (u16)_mm512_mask_or_epi32((__m512i)lo, (__mmask16)h, (__m512i)lo, _mm512_set1_epi32(16));
+    hi = (u16)_mm512_mask_or_epi32((__m512i)hi, (__mmask16)(h >> 16), (__m512i)hi, _mm512_set1_epi32(16));
+#else
     static const u16 lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
-    b16 c;
-    memcpy(&c, j->codes + at * (BLOCK / 2), 16);
-    u16 n = __builtin_convertvector(c, u16);
-    u16 h = (u16){0} + j->high[at];
-    u16 lo = (n & 15) | (((h >> lane) & 1) << 4);
-    u16 hi = (n >> 4) | (((h >> (lane + 16)) & 1) << 4);
+    u16 hv = (u16){0} + h;
+    lo |= ((hv >> lane) & 1) << 4;
+    hi |= ((hv >> (lane + 16)) & 1) << 4;
+#endif
     w.lo = __builtin_convertvector(lo, v16) * step + min;  /* code * step exact: one rounding */
     w.hi = __builtin_convertvector(hi, v16) * step + min;
     return w;
