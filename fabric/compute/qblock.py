@@ -39,8 +39,8 @@ class FileBlocks:
     shape: tuple[int, int]  # (out, in)
     codes: torch.Tensor  # 5-bit: (out, in / 2) uint8 nibbles (byte j: inputs j and j + 16); Q8_0: (out, in) int8
     high: torch.Tensor | None  # 5-bit: (out, in / 32) int32, bit i the fifth bit of the block's input i
-    d: torch.Tensor  # (out, in / 32) float16 steps; Q5_K: (out, in / 256, 2) d and dmin
-    m: torch.Tensor | None  # Q5_1: (out, in / 32) float16 minima
+    d: torch.Tensor  # (out, in / 32) float16 steps, as int16 bits; Q5_K: (out, in / 256, 2) d and dmin
+    m: torch.Tensor | None  # Q5_1: (out, in / 32) float16 minima, as int16 bits
     sm: torch.Tensor | None  # Q5_K: (out, in / 32, 2) uint8 6-bit sc and m
 
     def tensors(self) -> dict[str, torch.Tensor]:
@@ -70,20 +70,29 @@ def blocks_from_raw(raw: np.ndarray, type_name: str) -> FileBlocks:
 def _q5_k(raw: np.ndarray) -> FileBlocks:
     """Q5_K's 176-byte super-blocks (d, dmin, 12 bytes of 6-bit sc and m, 32 of fifth bits,
     128 of nibbles) in the kernel's layout."""
-    from .gguf_grid import _scale_min_k4
-
     rows = raw.shape[0]
     sup = raw.reshape(rows, -1, 176)
     n = sup.shape[1] * SUPER
-    sc, m = _scale_min_k4(sup[..., 4:16])  # (rows, supers, 8) each
+    sc, m = scale_min_k4(sup[..., 4:16])  # (rows, supers, 8) each
     qh, qs = sup[..., 16:48], sup[..., 48:176].reshape(rows, -1, 4, 1, 32)  # block pairs share their bytes
     low = (qs >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 1, 2, 1)) & 15  # (rows, supers, 4, 2, 32)
     fifth = (qh[:, :, None, :] >> np.arange(8, dtype=np.uint8)[None, None, :, None]) & 1  # (rows, supers, 8, 32)
     codes = low.reshape(rows, -1, 8, 32) | (fifth << 4)
     nib, high = _packed5(codes.reshape(rows, -1, 32))
-    d = np.ascontiguousarray(sup[..., 0:4]).view(np.float16).reshape(rows, -1, 2)
+    d = np.ascontiguousarray(sup[..., 0:4]).view(np.int16).reshape(rows, -1, 2)  # float16 bits
     sm = np.stack([sc, m], -1).reshape(rows, -1, 2).astype(np.uint8)
     return FileBlocks("Q5_K", (rows, n), _t(nib.reshape(rows, n // 2)), _t(high), _t(d), None, _t(sm))
+
+
+def scale_min_k4(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """llama.cpp's ``get_scale_min_k4`` for all 8 blocks of a Q4_K / Q5_K super-block: 12
+    bytes -> eight 6-bit scales and eight 6-bit mins."""
+    s = scales.astype(np.uint8)
+    lo, hi = s[..., 0:4], s[..., 4:8]
+    tail = s[..., 8:12]
+    sc = np.concatenate([lo & 63, (tail & 0xF) | ((lo >> 6) << 4)], axis=-1)
+    m = np.concatenate([hi & 63, (tail >> 4) | ((hi >> 6) << 4)], axis=-1)
+    return sc, m
 
 
 def _packed5(codes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -94,7 +103,8 @@ def _packed5(codes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _f16(two_bytes: np.ndarray) -> torch.Tensor:
-    return _t(np.ascontiguousarray(two_bytes).view(np.float16)[..., 0])
+    """float16 values as their int16 bits: a module's ``.to(dtype)`` casts float parameters, never these."""
+    return _t(np.ascontiguousarray(two_bytes).view(np.int16)[..., 0])
 
 
 def _t(a: np.ndarray) -> torch.Tensor:

@@ -28,6 +28,7 @@
 #define OUTS 8      /* outputs that share each load of a row of x (and threads split by tiles of this many) */
 #define FUSED_ROWS 2 /* up to this many rows, weights are dequantized in registers, per row group */
 #define ROWS 2      /* rows that share each load of a dequantized weight */
+#define BOUTS 4     /* outputs a buffered pass holds at once (BOUTS x ROWS x 2 accumulators) */
 
 typedef float v16 __attribute__((vector_size(64)));
 typedef int32_t i16 __attribute__((vector_size(64)));
@@ -169,7 +170,7 @@ static inline __attribute__((always_inline)) void fused(const QJob *j, const flo
 /* As fused, the weights read from wb: (nout, in) float32, dequantized once for every row. */
 static inline __attribute__((always_inline)) void buffered(const QJob *j, const float *x, const float *wb,
                                                            int64_t o, int nout, int64_t r, int nrows) {
-    W32 acc[OUTS][ROWS];
+    W32 acc[BOUTS][ROWS];
     for (int k = 0; k < nout; k++)
         for (int i = 0; i < nrows; i++) acc[k][i].lo = acc[k][i].hi = splat(0.0f);
     for (int64_t at = 0; at < j->in; at += BLOCK) {
@@ -205,14 +206,18 @@ static void buffered_tile(const QJob *j, const float *x, float *wb, int kind, in
             put16(wb + k * j->in + b * BLOCK, w.lo);
             put16(wb + k * j->in + b * BLOCK + 16, w.hi);
         }
-    int64_t r = 0;
-    for (; r + ROWS <= j->rows; r += ROWS) {
-        if (nout == OUTS) buffered(j, x, wb, o, OUTS, r, ROWS);
-        else for (int k = 0; k < nout; k++) buffered(j, x, wb + k * j->in, o + k, 1, r, ROWS);
-    }
-    for (; r < j->rows; r++) {
-        if (nout == OUTS) buffered(j, x, wb, o, OUTS, r, 1);
-        else for (int k = 0; k < nout; k++) buffered(j, x, wb + k * j->in, o + k, 1, r, 1);
+    for (int k = 0; k < nout; k += BOUTS) {
+        const float *w = wb + k * j->in;
+        int n = nout - k < BOUTS ? nout - k : BOUTS;
+        int64_t r = 0;
+        for (; r + ROWS <= j->rows; r += ROWS) {
+            if (n == BOUTS) buffered(j, x, w, o + k, BOUTS, r, ROWS);
+            else for (int i = 0; i < n; i++) buffered(j, x, w + i * j->in, o + k + i, 1, r, ROWS);
+        }
+        for (; r < j->rows; r++) {
+            if (n == BOUTS) buffered(j, x, w, o + k, BOUTS, r, 1);
+            else for (int i = 0; i < n; i++) buffered(j, x, w + i * j->in, o + k + i, 1, r, 1);
+        }
     }
 }
 
