@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from fabric.compute.gguf_load import EMBED_TENSOR, GGUFTensors, dequantize, wanted
-from fabric.compute.model_ref import GRID_TYPES, INT8_TYPES, pick_quant
+from fabric.compute.model_ref import BLOCK_TYPES, GRID_TYPES, INT8_TYPES, pick_quant
 from fabric.compute.models import load_shard, resolve
 from fabric.wire.shard import Shard
 from tests.gguf_models import FAMILIES_GGUF, TYPES, q4_k_m_mix, write_gguf
@@ -34,10 +34,10 @@ SPARE_PROMPTS = ([1, 40, 2, 90, 31, 7, 200, 15, 66, 4, 18, 130, 57, 9, 211, 3, 8
                  [1, 300, 22, 6, 48, 190, 11, 85, 2, 61, 240, 36, 5, 170, 13, 99, 42, 7, 260, 30])
 NEW_TOKENS = 8
 CHUNK = 6  # prefill slices, as a head cuts a long prompt
-DEFAULT_TYPES = ("Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q5_K", "Q6_K", "Q8_0", "F16", "Q2_K", "IQ4_XS", "mix")
+DEFAULT_TYPES = ("Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0", "F16", "Q2_K", "IQ4_XS", "mix")
 # a shard's weights in memory against its share of the file, at most (README, "Which GGUF types run how")
 MEMORY_CEILING = {"Q4_0": 1.25, "Q4_1": 1.25, "Q4_K": 1.25, "Q6_K": 1.25, "Q8_0": 1.0, "mix": 1.25, "F16": 1.0,
-                  "Q5_0": 1.5, "Q5_1": 1.5, "Q5_K": 1.5}
+                  "Q5_0": 1.1, "Q5_1": 1.1, "Q5_K": 1.1}  # Q5_*: the file's own blocks (fabric.compute.qblock)
 
 
 @pytest.fixture(scope="module")
@@ -92,9 +92,10 @@ def test_default_split_gives_the_single_process_tokens_on_the_same_kernels(gguf_
     assert split_tokens(path, 2, PROMPT, NEW_TOKENS, chunk=CHUNK, scheme=scheme) == expected
 
 
-@pytest.mark.parametrize("kind", ["Q4_0", "Q4_K", "Q5_K", "Q6_K", "Q8_0", "F16", "Q3_K", "mix"])
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_K", "Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0", "F16", "Q3_K", "mix"])
 def test_each_type_sits_on_its_own_kernel(gguf_file, kind):
-    """Q4_* on int4 with the file's codes, Q5_*/Q6_K/Q8_0 on int8, the rest in bfloat16."""
+    """Q4_* on int4 with the file's codes, Q5_* on the qmatmul kernel with the file's blocks,
+    Q6_K/Q8_0 on int8, the rest in bfloat16."""
     path = gguf_file("llama", kind)
     source = resolve(str(path))
     scheme, _ = pick_quant("auto", source)
@@ -104,7 +105,8 @@ def test_each_type_sits_on_its_own_kernel(gguf_file, kind):
     types = {"mix": ("Q4_K", "Q6_K")}.get(kind, (kind,))
     want = set()
     for t in types:
-        want.add("Int4Linear" if t in GRID_TYPES else "Int8Linear" if t in INT8_TYPES else "Linear")
+        want.add("Int4Linear" if t in GRID_TYPES else "BlockLinear" if t in BLOCK_TYPES
+                 else "Int8Linear" if t in INT8_TYPES else "Linear")
     assert set(kernels) == want, kernels
     if "Linear" in want:
         assert all(m.weight.dtype == torch.bfloat16 for layer in weights.layers.values() for m in layer.modules()

@@ -12,10 +12,15 @@ gives each block 6-bit multipliers ``sc`` and ``m``: each weight ``d * sc * q - 
   is the kernel's bfloat16 scale and zero, rounded from the file's step and minimum
   (measured on SmolLM2-135M's Q4_1 layers: at most 0.09 of a step, 0.012 on average; no
   code moves).
-- Q5_0, Q5_1, Q5_K, Q6_K and Q8_0 have no exact home: torch's int8 kernel keeps one scale
-  per output row, not per block of 32, so their weights are re-rounded onto their row's
-  int8 grid (``Int8Linear.from_linear``): 255 levels a row, finer than the file's 32 or 64
-  a block unless a block's range is far below its row's.
+- Q5_0, Q5_1 and Q5_K have no torch kernel: they keep the file's codes and block parameters
+  and run on our own (``fabric.compute.qblock.BlockLinear``, fabric/compute/kernels/qmatmul.c),
+  each weight the file's own float32 weight (:func:`blocks_of` checks it bit for bit at load).
+  Where that kernel cannot be built they are re-rounded onto int8, as Q6_K and Q8_0 are.
+- Q6_K and Q8_0: torch's int8 kernel keeps one scale per output row, not per block, so their
+  weights are re-rounded onto their row's int8 grid (``Int8Linear.from_linear``): 255 levels a
+  row, finer than the file's 64 or 255 a block unless a block's range is far below its row's.
+  (Q8_0 on the qmatmul kernel is exact but measured slower than int8 at one row:
+  docs/BENCHMARKS.md, "The qmatmul kernel".)
 - Float tensors (F32, F16, BF16), and the types no kernel here holds (Q2_K, Q3_K, the IQ
   types), keep their float form (:data:`KEEP`): bfloat16 in the default mode.
 
@@ -26,13 +31,19 @@ weight is exactly ``minimum + code * step``; anything else keeps no grid.
 """
 from __future__ import annotations
 
+import functools
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from .model_ref import GRID_TYPES, OWN_GRID_TYPES
+from . import qblock
+from .model_ref import BLOCK_TYPES, GRID_TYPES, OWN_GRID_TYPES
+from .qblock import FileBlocks, scale_min_k4
+
+log = logging.getLogger(__name__)
 
 BLOCK = 32  # weights per llama.cpp block of Q4_0, Q4_1 and Q8_0 (and per Q4_K sub-block)
 KEEP = "keep"  # a linear that stays in its float form (the model's dtype)
@@ -45,6 +56,10 @@ class FileGrid:
     codes: torch.Tensor  # (out, in) uint8, 0..15
     scale: torch.Tensor  # (out, in / 32) float32: each block's step (the file's float16)
     minimum: torch.Tensor  # (out, in / 32) float32: the weight of code 0 (Q4_1: m; Q4_0: -8 d)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.codes.shape)
 
     def weight(self) -> torch.Tensor:
         """The float32 weight (out, in) the file's blocks give (for checks)."""
@@ -75,33 +90,26 @@ def _q4_k_params(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     blocks = np.ascontiguousarray(raw).reshape(raw.shape[0], -1, 144)  # (rows, supers, d dmin scales[12] qs[128])
     d = blocks[..., 0:2].copy().view(np.float16).astype(np.float32)  # (rows, supers, 1)
     dmin = blocks[..., 2:4].copy().view(np.float16).astype(np.float32)
-    sc, m = _scale_min_k4(blocks[..., 4:16])  # (rows, supers, 8) each
+    sc, m = scale_min_k4(blocks[..., 4:16])  # (rows, supers, 8) each
     step = (d * sc.astype(np.float32)).reshape(raw.shape[0], -1)
     minimum = -(dmin * m.astype(np.float32)).reshape(raw.shape[0], -1)
     return step, minimum
 
 
-def _scale_min_k4(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """llama.cpp's ``get_scale_min_k4`` for all 8 blocks: 12 bytes -> eight 6-bit scales and mins."""
-    s = scales.astype(np.uint8)
-    lo, hi = s[..., 0:4], s[..., 4:8]
-    tail = s[..., 8:12]
-    sc = np.concatenate([lo & 63, (tail & 0xF) | ((lo >> 6) << 4)], axis=-1)
-    m = np.concatenate([hi & 63, (tail >> 4) | ((hi >> 6) << 4)], axis=-1)
-    return sc, m
-
-
 def placement_of(weight: np.ndarray, raw: np.ndarray, type_name: str, scheme: str,
-                 process: Callable[[np.ndarray], np.ndarray | None]) -> FileGrid | str | None:
+                 process: Callable[[np.ndarray], np.ndarray | None]) -> FileGrid | FileBlocks | str | None:
     """Where a linear stored as ``type_name`` goes under ``scheme``: its :class:`FileGrid`
-    (the int4 kernel with the file's codes), :data:`KEEP` (its float form), or None (the
-    scheme's own kernel: int8 under ``gguf`` and ``int8``, a fitted int4 grid under ``int4``).
+    (the int4 kernel with the file's codes), its :class:`FileBlocks` (the qmatmul kernel,
+    Q5_* under ``gguf``), :data:`KEEP` (its float form), or None (the scheme's own kernel:
+    int8 under ``gguf`` and ``int8``, a fitted int4 grid under ``int4``).
 
     ``gguf`` is each type on its own kernel (module docstring); ``int4`` keeps a 4-bit file
     grid and fits the rest; ``int8`` re-rounds everything. The lm_head is int8 under every
     scheme (``fabric.compute.quant.LM_HEAD_SCHEME``)."""
     if scheme == "gguf" and type_name not in OWN_GRID_TYPES:
         return KEEP
+    if scheme == "gguf" and type_name in BLOCK_TYPES:
+        return blocks_of(weight, raw, type_name, process)
     if scheme not in ("gguf", "int4") or type_name not in GRID_TYPES:
         return None
     return grid_of(weight, raw, type_name, process)
@@ -132,3 +140,42 @@ def grid_of(weight: np.ndarray, raw: np.ndarray, type_name: str,
     if not torch.equal(grid.weight(), w):
         return None  # not a pure reordering of the file's blocks
     return grid
+
+
+def blocks_of(weight: np.ndarray, raw: np.ndarray, type_name: str,
+              process: Callable[[np.ndarray], np.ndarray | None]) -> FileBlocks | None:
+    """The file's blocks of a Q5_* linear whose processed float32 weight is ``weight`` (out, in),
+    rows in the model's order, for the qmatmul kernel. None (the int8 kernel) where the kernel
+    cannot be built (warned once), the processor does more than reorder rows, or the kernel's
+    weights are not the file's, bit for bit."""
+    if qblock.kernel() is None:
+        _warn_no_kernel()
+        return None
+    if weight.ndim != 2 or weight.shape[1] % BLOCK:
+        return None
+    order = row_order(process, weight.shape)
+    if order is None:
+        return None
+    blocks = qblock.blocks_from_raw(np.ascontiguousarray(raw)[order], type_name)
+    exact = torch.from_numpy(np.ascontiguousarray(weight, dtype=np.float32))
+    if blocks.shape != weight.shape or not torch.equal(qblock.file_weights(blocks), exact):
+        return None
+    return blocks
+
+
+def row_order(process: Callable[[np.ndarray], np.ndarray | None], shape: tuple[int, int]) -> np.ndarray | None:
+    """Which file row each of the model's rows is (``process`` reorders rows: llama.cpp's Q and
+    K permutation undone), or None where it does anything else."""
+    rows = process(np.broadcast_to(np.arange(shape[0], dtype=np.float32)[:, None], shape).copy())
+    if rows is None or rows.shape != tuple(shape) or not (rows == rows[:, :1]).all():
+        return None
+    order = rows[:, 0].astype(np.int64)
+    if not np.array_equal(np.sort(order), np.arange(shape[0])):
+        return None
+    return order
+
+
+@functools.cache
+def _warn_no_kernel() -> None:
+    log.warning("the qmatmul kernel is not built here: %s weights are re-rounded onto int8 rows "
+                "(1.45x the file's bytes, no longer the file's weights)", "/".join(sorted(BLOCK_TYPES)))

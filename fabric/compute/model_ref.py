@@ -125,8 +125,9 @@ SCHEME_OF_TYPE = {"Q4_0": "int4", "Q4_1": "int4", "Q8_0": "int8"}  # files of on
 UNQUANTIZED = {"F32"}  # small tensors llama.cpp keeps in float32 (norms, routers): no say in the choice
 # each on its own kernel under "gguf" (fabric.compute.gguf_grid)
 GRID_TYPES = frozenset({"Q4_0", "Q4_1", "Q4_K"})  # on the int4 kernel with the file's own codes
-INT8_TYPES = frozenset({"Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0"})  # re-rounded onto the int8 kernel's rows
-OWN_GRID_TYPES = GRID_TYPES | INT8_TYPES
+BLOCK_TYPES = frozenset({"Q5_0", "Q5_1", "Q5_K"})  # as the file stores them, on our qmatmul kernel
+INT8_TYPES = frozenset({"Q6_K", "Q8_0"})  # re-rounded onto the int8 kernel's rows
+OWN_GRID_TYPES = GRID_TYPES | BLOCK_TYPES | INT8_TYPES
 FLOAT16_TYPES = {"F16", "BF16"}  # bfloat16 under "gguf"
 LOW_BIT_TYPES = {"Q2_K", "Q3_K", "IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ4_NL",
                  "IQ4_XS", "TQ1_0", "TQ2_0"}  # loaded, dequantized to bfloat16 under "gguf" (one warning)

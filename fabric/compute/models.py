@@ -386,7 +386,7 @@ def grid_modules(model: nn.Module, grids: dict[str, FileGrid]) -> dict[nn.Module
             module = model.get_submodule(name.removesuffix(".weight"))
         except AttributeError:
             continue
-        if isinstance(module, nn.Linear) and (grid == KEEP or tuple(module.weight.shape) == tuple(grid.codes.shape)):
+        if isinstance(module, nn.Linear) and (grid == KEEP or tuple(module.weight.shape) == tuple(grid.shape)):
             found[module] = grid
     return found
 

@@ -48,6 +48,7 @@ from torch import nn
 
 if TYPE_CHECKING:
     from .gguf_grid import FileGrid
+    from .qblock import FileBlocks
 
 SCHEMES = ("int8", "int4", "gguf")  # gguf: each GGUF tensor type on its own kernel (fabric.compute.gguf_grid)
 LM_HEAD_SCHEME = {"int4": "int8", "gguf": "int8"}  # the lm_head's scheme under each scheme (default: the same)
@@ -176,13 +177,17 @@ def int4_fits(linear: nn.Linear, group_size: int = INT4_GROUP) -> bool:
     return in_f % group_size == 0 and out_f % 16 == 0
 
 
-def _quantize_linear(linear: nn.Linear, scheme: str, grid: FileGrid | str | None = None) -> nn.Module:
+def _quantize_linear(linear: nn.Linear, scheme: str, grid: FileGrid | FileBlocks | str | None = None) -> nn.Module:
     """``linear`` on ``scheme``'s kernel; ``grid`` is its place from the file
-    (``fabric.compute.gguf_grid.placement_of``): a FileGrid, KEEP (stays as it is) or None."""
+    (``fabric.compute.gguf_grid.placement_of``): a FileGrid, FileBlocks (the qmatmul kernel),
+    KEEP (stays as it is) or None."""
     from .gguf_grid import KEEP
+    from .qblock import BlockLinear, FileBlocks
 
-    if grid == KEEP:
+    if isinstance(grid, str) and grid == KEEP:
         return linear
+    if isinstance(grid, FileBlocks):
+        return BlockLinear(grid, linear.bias)
     if scheme in ("int4", "gguf") and grid is not None and int4_fits(linear):
         return Int4Linear.from_grid(grid, linear.bias)
     if scheme == "int4" and int4_fits(linear):
