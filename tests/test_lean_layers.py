@@ -121,3 +121,19 @@ def test_other_shards_keep_the_modules(tiny_models):
     weights.config._attn_implementation = "sdpa"
     assert ShardExecutor(weights, KVStore())._lean is None
     assert attention.NAME != "sdpa"
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_lean_layers_run_the_q5_blocks_kernel_as_the_modules_do(tmp_path, family):
+    """A Q5 linear (qblock.BlockLinear, the file's own blocks) is no int4, int8 or float
+    linear: the lean layer calls the module, and the bits stay the modules' bits."""
+    from fabric.compute.qblock import BlockLinear, kernel
+    from tests.gguf_models import write_gguf
+    from tests.test_qmatmul import q5_mix
+
+    assert kernel() is not None, "the qmatmul kernel could not be built here"
+    ex = _executor(write_gguf(family, tmp_path, q5_mix), "gguf")
+    assert ex._lean is not None
+    assert any(isinstance(m, BlockLinear) for m in ex.w.layers[0].modules())
+    same = _lean_against_modules(ex)
+    assert all(same) and len(same) == 10, same

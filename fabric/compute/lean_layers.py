@@ -53,9 +53,11 @@ def _kernel(linear: nn.Module) -> Proj:
     elif isinstance(linear, Int8Linear):
         w, s = linear.weight, linear.scales
         mm = lambda x: torch._weight_int8pack_mm(x, w, s)  # noqa: E731
-    else:  # a float linear: addmm with its bias, as nn.Linear
+    elif isinstance(linear, nn.Linear):  # a float linear: addmm with its bias, as nn.Linear
         w, b = linear.weight, linear.bias
         return lambda x: F.linear(x, w, b)  # noqa: E731
+    else:  # a kernel of its own (qblock.BlockLinear: the file's Q5 blocks): the module itself
+        return linear
     if linear.bias is None:
         return mm
     bias = linear.bias
