@@ -55,40 +55,33 @@ static inline v16 splat(float x) { return (v16){x, x, x, x, x, x, x, x, x, x, x,
 static inline v16 at16(const float *p) { v16 x; memcpy(&x, p, sizeof x); return x; }
 static inline void put16(float *p, v16 x) { memcpy(p, &x, sizeof x); }
 
-/* 16 bytes widened to 16 int32 lanes (GCC's __builtin_convertvector does this byte by byte). */
-static inline i16 widen_u8(const uint8_t *p) {
+/* 16 bytes widened to 16 int32 lanes (GCC's __builtin_convertvector does this byte by byte):
+   widen_u8 for unsigned codes, widen_s8 for signed ones. */
 #if defined(__AVX512F__)
-    return (i16)_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
+#define WIDEN(name, type, cvt512, cvt256)                                        \
+    static inline i16 name(const type *p) {                                      \
+        return (i16)cvt512(_mm_loadu_si128((const __m128i *)p));                 \
+    }
 #elif defined(__AVX2__)
-    __m128i b = _mm_loadu_si128((const __m128i *)p);
-    __m256i lo = _mm256_cvtepu8_epi32(b), hi = _mm256_cvtepu8_epi32(_mm_srli_si128(b, 8));
-    i16 r;
-    memcpy(&r, &lo, 32);
-    memcpy((char *)&r + 32, &hi, 32);
-    return r;
+#define WIDEN(name, type, cvt512, cvt256)                                        \
+    static inline i16 name(const type *p) {                                      \
+        __m128i b = _mm_loadu_si128((const __m128i *)p);                         \
+        __m256i lo = cvt256(b), hi = cvt256(_mm_srli_si128(b, 8));               \
+        i16 r;                                                                   \
+        memcpy(&r, &lo, 32);                                                     \
+        memcpy((char *)&r + 32, &hi, 32);                                        \
+        return r;                                                                \
+    }
 #else
-    i16 r;
-    for (int l = 0; l < 16; l++) r[l] = p[l];
-    return r;
+#define WIDEN(name, type, cvt512, cvt256)                                        \
+    static inline i16 name(const type *p) {                                      \
+        i16 r;                                                                   \
+        for (int l = 0; l < 16; l++) r[l] = p[l];                                \
+        return r;                                                                \
+    }
 #endif
-}
-
-static inline i16 widen_s8(const int8_t *p) {
-#if defined(__AVX512F__)
-    return (i16)_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p));
-#elif defined(__AVX2__)
-    __m128i b = _mm_loadu_si128((const __m128i *)p);
-    __m256i lo = _mm256_cvtepi8_epi32(b), hi = _mm256_cvtepi8_epi32(_mm_srli_si128(b, 8));
-    i16 r;
-    memcpy(&r, &lo, 32);
-    memcpy((char *)&r + 32, &hi, 32);
-    return r;
-#else
-    i16 r;
-    for (int l = 0; l < 16; l++) r[l] = p[l];
-    return r;
-#endif
-}
+WIDEN(widen_u8, uint8_t, _mm512_cvtepu8_epi32, _mm256_cvtepu8_epi32)
+WIDEN(widen_s8, int8_t, _mm512_cvtepi8_epi32, _mm256_cvtepi8_epi32)
 
 static inline float sum32(W32 a) {  /* one fixed tree */
     v16 x = a.lo + a.hi;
