@@ -13,8 +13,11 @@ from tests.tiny_models import make_model
 # One compute thread in the test process. Its models are tiny (hidden sizes of 64 to 256): a
 # second OpenMP thread gains nothing on them and spins on a core that the nodes, the tracker and
 # the other processes of a test need; on a 2-core machine under load it made the in-process
-# GGUF family checks six times as costly in CPU. Node processes keep their own --threads.
-torch.set_num_threads(1)
+# GGUF family checks six times as costly in CPU. Node processes keep their own --threads. A run
+# that names its thread count (OMP_NUM_THREADS=2 python -m pytest ...: the exactness checks on
+# other thread counts) keeps it.
+if "OMP_NUM_THREADS" not in os.environ:
+    torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="session")
