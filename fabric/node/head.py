@@ -240,6 +240,7 @@ class Head:
                 self.host.reply(identity, event)
         if rs.finished:
             self._count_speculation(rs)  # before it leaves ``sessions``: whoever sees it gone sees it counted
+            self.routes.record(self._report(rs))  # (its route's figures too)
             if rs.speculation is not None:
                 rs.speculation.close()  # its draft model's KV goes
             self.sessions.pop(rs.session, None)
@@ -247,7 +248,6 @@ class Head:
             self.auditor.ended(rs.session)
             if rs.finished != "error":  # the hops keep its KV (CLOSE, CANCEL): later requests may start from it
                 self.prefixes.add(rs.session, rs.held_ids, rs.route, tenant_of(rs.request))
-            self.routes.record(self._report(rs))
         elif time.monotonic() - rs.reported_at >= self.config.progress_interval:
             self._report(rs)  # progress for every request, streamed or not
 
