@@ -547,7 +547,7 @@ class Forward(Message):
         """A verification step is a decode step and its drafts, nothing more: the tail's extra
         work (logits of len(drafts) + 1 positions) stays bounded by MAX_DRAFTS."""
         if len(self.draft_q) != (len(self.drafts) if self.draft_q else 0) or not all(
-                q.prob(t) > 0 for t, q in zip(self.drafts, self.draft_q)):
+                dist.prob(t) > 0 for t, dist in zip(self.drafts, self.draft_q)):
             raise ProtocolError("draft_q gives one distribution per draft, each with the draft at a probability > 0")
         if not self.drafts:
             return
