@@ -96,7 +96,8 @@ def test_up_serves_the_model_split_in_two_and_ctrl_c_stops_every_process(tiny_mo
            "XDG_DATA_HOME": str(tmp_path / "data"), "XDG_CONFIG_HOME": str(tmp_path / "config"),
            "XDG_RUNTIME_DIR": str(tmp_path / "run")}  # its nodes' compute lock: theirs alone
     up = subprocess.Popen([sys.executable, "-m", "fabric.cli", "up", "--model", str(model), "--nodes", "2",
-                           "--port", str(port), "--tracker", tracker, "--pub", f"tcp://127.0.0.1:{free_port()}"],
+                           "--port", str(port), "--tracker", tracker, "--pub", f"tcp://127.0.0.1:{free_port()}",
+                           "--draft", str(model)],  # the model drafting for itself: the text stays the same
                           cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     children: list = []
     try:
@@ -108,6 +109,8 @@ def test_up_serves_the_model_split_in_two_and_ctrl_c_stops_every_process(tiny_mo
         assert any(f"http://127.0.0.1:{port}" in line for line in lines), "".join(lines)
         children = psutil.Process(up.pid).children(recursive=True)
         assert len(children) == 4  # tracker, two nodes, web UI
+        drafting = [c.cmdline()[c.cmdline().index("--layers") + 1] for c in children if "--draft" in c.cmdline()]
+        assert len(drafting) == 1 and drafting[0].startswith("0-")  # the head of every request, alone
         with Client(tracker, timeout=60) as client:
             assert generated_ids(client, model.name) == reference_greedy(model, prompt_ids(model), NEW_TOKENS)
         body = json.dumps({"model": model.name, "messages": MESSAGES, "max_tokens": 4}).encode()

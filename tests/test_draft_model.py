@@ -153,22 +153,27 @@ def test_a_draft_model_with_another_vocabulary_is_refused(pair, tmp_path):
     assert "--draft other" in str(refused.value) and "\n" not in str(refused.value)
 
 
-def test_meshnet_node_refuses_such_a_draft_in_one_line(pair, tmp_path):
+@pytest.mark.parametrize("command", ["node", "up"])
+def test_meshnet_node_and_up_refuse_such_a_draft_in_one_line(pair, tmp_path, command):
     import os
     import subprocess
     import sys
 
     from tests.cluster import ROOT
+    from tests.support import free_port
 
     model, _, _ = pair
     other = with_other_tokenizer(model, tmp_path / "other")
     env = {**os.environ, "XDG_DATA_HOME": str(tmp_path / "data"), "XDG_CACHE_HOME": str(tmp_path / "cache")}
-    out = subprocess.run([sys.executable, "-m", "fabric.cli", "--log-level", "error", "node", "--model", str(model),
-                          "--layers", "0-5", "--draft", str(other), "--compute-lock", "none", "--no-progress"],
-                         capture_output=True, text=True, timeout=120, cwd=ROOT, env=env)
+    where = (["--layers", "0-5", "--compute-lock", "none", "--no-progress"] if command == "node" else
+             ["--tracker", f"tcp://127.0.0.1:{free_port()}", "--pub", f"tcp://127.0.0.1:{free_port()}",
+              "--port", str(free_port())])
+    out = subprocess.run([sys.executable, "-m", "fabric.cli", "--log-level", "error", command, "--model", str(model),
+                          "--draft", str(other), *where], capture_output=True, text=True, timeout=120, cwd=ROOT, env=env)
     lines = [line for line in out.stderr.splitlines() if line.strip()]
     assert out.returncode == 2 and len(lines) == 1 and "Traceback" not in out.stderr, out.stderr  # before any load
     assert "--draft other: its tokenizer differs" in lines[0]
+    assert "meshnet is up" not in out.stdout
 
 
 def split(cluster, model, draft, family: str):

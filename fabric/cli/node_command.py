@@ -256,20 +256,27 @@ def _draft_model(args) -> dict:
     """NodeConfig's draft and draft_quant for ``--draft`` (its --quant picked as the model's is)."""
     if not args.draft:
         return {}
+    source = checked_draft(args.draft, args.model, args.model_id)
+    quant = picked_quant(args.quant, args.draft, args.device)
+    return {"draft": source, "draft_quant": None if quant == "none" else quant}
+
+
+def checked_draft(draft: str, model: str, model_id: str | None = None):
+    """``draft``'s ModelSource, once its tokenizer is known to map every token as ``model``'s
+    does (compared before any weights load); CommandError in one line otherwise."""
     from ..compute.gguf_info import check_reference
     from ..compute.models import ModelError, default_cache_root, load_tokenizer, resolve
     from ..node.draft_model import check_vocabulary
 
     try:
-        check_reference(args.draft)
-        source = resolve(args.draft)
-        cache = default_cache_root()  # the vocabularies are compared before any weights load
-        check_vocabulary(load_tokenizer(source, cache), load_tokenizer(resolve(args.model, args.model_id), cache),
+        check_reference(draft)
+        source = resolve(draft)
+        cache = default_cache_root()
+        check_vocabulary(load_tokenizer(source, cache), load_tokenizer(resolve(model, model_id), cache),
                          source.path.name)
     except ModelError as exc:
         raise CommandError(str(exc) if str(exc).startswith("--draft") else f"--draft: {exc}") from None
-    quant = picked_quant(args.quant, args.draft, args.device)
-    return {"draft": source, "draft_quant": None if quant == "none" else quant}
+    return source
 
 
 def _compute_lock(value: str | None, device: str) -> str | None:

@@ -10,6 +10,7 @@ import threading
 from ..flags import CommandError, count, endpoint, port, positive_count
 from ..wire.liveness import DEFAULT_PUB, DEFAULT_TRACKER
 from .memory_plan import balanced_shards, check_device_flags, picked_quant
+from .node_command import checked_draft
 from .options import device_flags, keys_flag, load_security, quant_flag
 from .ports import refuse_ports_in_use
 from .supervision import supervise
@@ -35,6 +36,10 @@ def add_parser(sub) -> None:
                    help="torch threads per node, 0 for all cores; the nodes compute one at a time "
                         "(default %(default)s)")
     quant_flag(p)
+    p.add_argument("--draft", default=None, metavar="MODEL",
+                   help="a small model sharing the model's tokenizer that drafts beside the text lookup, loaded "
+                        "whole on the node that holds layer 0 (the head of every request); see `meshnet node "
+                        "--help` (default: none)")
     keys_flag(p)
     p.set_defaults(func=cmd_up)
 
@@ -61,10 +66,11 @@ def cmd_up(args) -> int:
     security = load_security(args, f"{args.keys}/id.key (the key pair `meshnet up` runs its tracker with)")
     args.quant = picked_quant(args.quant, args.model, args.device)  # every node gets the one answer
     shards = _shards(args.model, args.nodes, args.dtype, args.quant)
+    if args.draft:
+        checked_draft(args.draft, args.model)  # refused in one line before anything starts
     refuse_ports_in_use({"the tracker, --tracker": args.tracker, "its feed, --pub": args.pub,
                           "the web UI, --port": f"tcp://{args.host}:{args.port}"},
                          "`meshnet up` (or a tracker or web UI)")
-    threads = ["--threads", str(args.threads)] if args.threads else []
     devices = node_devices(args.device, len(shards), _cuda_count(args.device))
     log.info("starting a tracker, %d nodes (layers %s on %s; nodes of one device compute one at a time, "
              "%s torch threads each) and the web UI; loading weights…", len(shards), ", ".join(map(str, shards)),
@@ -72,17 +78,25 @@ def cmd_up(args) -> int:
     me = [sys.executable, "-m", "fabric.cli", "--log-level", args.log_level,
           *(["--config", args.config] if args.config else [])]  # nodes read its [node] table too
     keys = ["--keys", args.keys] if args.keys else []
-    # nodes on one device (this machine's cores, or one GPU) compute one at a time, each with all of it: every
-    # node locks its device's default compute lock, as nodes started by hand on this machine do
     commands = [[*me, "tracker", "--bind", args.tracker, "--pub", args.pub, *keys]]
-    commands += [[*me, "node", "--model", args.model, "--layers", str(s), "--tracker", args.tracker, *threads,
-                  "--device", device, "--dtype", args.dtype, "--quant", args.quant, "--no-progress", *keys]
-                 for s, device in zip(shards, devices)]
+    commands += node_commands(args, shards, devices, [*me, "node"], keys)
     commands.append([*me, "webui", "--tracker", args.tracker, "--pub", args.pub, "--host", args.host,
                      "--port", str(args.port), *keys])
     url = f"http://{args.host}:{args.port}"
     return supervise(commands, announce=functools.partial(_announce_when_ready, args.tracker, len(shards), url,
                                                           security))
+
+
+def node_commands(args, shards: list, devices: list[str], node: list[str], keys: list[str]) -> list[list[str]]:
+    """Each node's command line. Nodes on one device (this machine's cores, or one GPU) compute one
+    at a time, each with all of it: every node locks its device's default compute lock, as nodes
+    started by hand on this machine do. ``--draft`` goes to the node holding layer 0 alone: it
+    heads every request."""
+    threads = ["--threads", str(args.threads)] if args.threads else []
+    return [[*node, "--model", args.model, "--layers", str(s), "--tracker", args.tracker, *threads,
+             "--device", device, "--dtype", args.dtype, "--quant", args.quant, "--no-progress", *keys,
+             *(["--draft", args.draft] if args.draft and s.start == 0 else [])]
+            for s, device in zip(shards, devices)]
 
 
 def node_devices(device: str, nodes: int, gpus: int) -> list[str]:
