@@ -140,12 +140,19 @@ class DotLinear(nn.Module):
         kind, packed = pack_int8(weight, scales)
         return cls(kind, packed, weight.shape[1], weight.shape[0], bias)
 
+    @staticmethod
+    def joinable(parts: list[nn.Module]) -> bool:
+        """Can ``parts`` be one module (:meth:`concatenated`)? Not for other kinds or inputs, or
+        a part before the last not in whole tiles."""
+        return (all(isinstance(p, DotLinear) for p in parts) and len({(p.kind, p.in_features) for p in parts}) == 1
+                and not any(p.out_features % TILE for p in parts[:-1]))
+
     @classmethod
     def concatenated(cls, parts: list[DotLinear]) -> DotLinear | None:
-        """One module whose outputs are ``parts``' side by side (the same bits per output), or
-        None where they cannot share one: other kinds or inputs, or a part not in whole tiles."""
+        """One module whose outputs are ``parts``' side by side (each output's bits as its part
+        gives them: an output's arithmetic is its own), or None where not :meth:`joinable`."""
         first = parts[0]
-        if len({(p.kind, p.in_features) for p in parts}) != 1 or any(p.out_features % TILE for p in parts[:-1]):
+        if not cls.joinable(parts):
             return None
         bias = None
         if any(p.bias is not None for p in parts):
