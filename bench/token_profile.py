@@ -10,10 +10,13 @@ milliseconds per token for each part, and the wall time per token without the pr
     python bench/token_profile.py --threads 2
     python bench/token_profile.py --modules              # transformers' modules, as before the lean layers
     python bench/token_profile.py --compare 4            # lean against modules, CPU ms/token, alternated
+    python bench/token_profile.py --q8dot 6 --threads 2  # torch's kernels against MESHNET_Q8DOT=1, alternated
 """
 from __future__ import annotations
 
 import argparse
+import os
+import statistics
 import time
 
 import torch
@@ -76,6 +79,42 @@ def compare(ex, rounds: int, tokens: int) -> None:
           f"modules / lean median {ratios[len(ratios) // 2]:.2f}x")
 
 
+def against_q8dot(model: str, rounds: int, tokens: int) -> None:
+    """The default mode on torch's kernels and on the q8dot kernel (``MESHNET_Q8DOT=1``), two
+    executors in one process, alternated: wall and CPU (process) ms per decode token, and the
+    greedy tokens' agreement."""
+    executors = {}
+    for name, switch in (("torch", "0"), ("q8dot", "1")):
+        os.environ["MESHNET_Q8DOT"] = switch
+        executors[name] = load(model)
+    os.environ.pop("MESHNET_Q8DOT")
+    ids = torch.randint(100, 20000, (1, 100), generator=torch.Generator().manual_seed(0))
+    wall: dict[str, list[float]] = {"torch": [], "q8dot": []}
+    cpu: dict[str, list[float]] = {"torch": [], "q8dot": []}
+    picked: dict[str, list[int]] = {}
+    for r in range(rounds):
+        for name in ("torch", "q8dot") if r % 2 == 0 else ("q8dot", "torch"):
+            ex = executors[name]
+            last = ex.w.shard.num_layers - 1
+            logits = ex.run(f"r{r}", 0, last, ids, 0).logits
+            t, c = time.perf_counter(), time.process_time()
+            seq = []
+            for p in range(100, 100 + tokens):
+                token = logits.argmax().view(1, 1)
+                seq.append(token.item())
+                logits = ex.run(f"r{r}", 0, last, token, p).logits
+            wall[name].append((time.perf_counter() - t) / tokens * 1e3)
+            cpu[name].append((time.process_time() - c) / tokens * 1e3)
+            picked[name] = seq
+    same = next((i for i, (a, b) in enumerate(zip(picked["torch"], picked["q8dot"])) if a != b), tokens)
+    for name in wall:
+        print(f"{name:6} wall ms/token {[round(v, 2) for v in wall[name]]} median {statistics.median(wall[name]):.2f}; "
+              f"CPU {statistics.median(cpu[name]):.2f}")
+    ratios = [t / q for t, q in zip(wall["torch"], wall["q8dot"])]
+    print(f"torch / q8dot, wall, median of {rounds} rounds: {statistics.median(ratios):.2f}x; "
+          f"greedy tokens agree for the first {same} of {tokens}")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="smollm2-135m")
@@ -85,8 +124,13 @@ def main() -> int:
     parser.add_argument("--modules", action="store_true", help="run transformers' modules, not the lean layers")
     parser.add_argument("--compare", type=int, default=0, metavar="ROUNDS",
                         help="only compare lean layers with the modules, CPU time, this many rounds (1 thread)")
+    parser.add_argument("--q8dot", type=int, default=0, metavar="ROUNDS",
+                        help="only compare torch's kernels with MESHNET_Q8DOT=1, this many rounds")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    if args.q8dot:
+        against_q8dot(args.model, args.q8dot, args.tokens)
+        return 0
     _timed_attention()
     ex = load(args.model)
     if args.compare:
