@@ -22,6 +22,7 @@ import time
 import torch
 
 ATTENTION = "meshnet attention (C kernel and its set-up)"
+Q8DOT = "meshnet q8dot matmul (C kernel and its call)"
 PARTS = {
     "int4 matmul": ("aten::_weight_int4pack_mm_for_cpu",),
     "int8 matmul": ("aten::_weight_int8pack_mm",),
@@ -39,6 +40,20 @@ def _timed_attention() -> None:
             return inner(*args, **kwargs)
 
     attention._native = labelled
+
+
+def _timed_q8dot() -> None:
+    """The q8dot kernel (``MESHNET_Q8DOT=1``) is no torch operator either: label its calls
+    (before the model loads: the lean layers keep the bound method)."""
+    from fabric.compute.q8dot import DotLinear
+
+    inner = DotLinear.forward
+
+    def labelled(self, x):
+        with torch.profiler.record_function(Q8DOT):
+            return inner(self, x)
+
+    DotLinear.forward = labelled
 
 
 def load(model: str):
@@ -132,6 +147,7 @@ def main() -> int:
         against_q8dot(args.model, args.q8dot, args.tokens)
         return 0
     _timed_attention()
+    _timed_q8dot()
     ex = load(args.model)
     if args.compare:
         compare(ex, args.compare, args.tokens)
@@ -155,15 +171,16 @@ def main() -> int:
     ops = {e.key: e.self_cpu_time_total / 1e3 / args.tokens for e in prof.key_averages()}
     counts = {e.key: e.count / args.tokens for e in prof.key_averages()}
     parts = {name: sum(ops.get(k, 0.0) for k in keys) for name, keys in PARTS.items()}
-    parts["attention"] = next((e.cpu_time_total / 1e3 / args.tokens for e in prof.key_averages()
-                               if e.key == ATTENTION), 0.0)
+    for name, label in (("attention", ATTENTION), ("q8dot matmul", Q8DOT)):
+        parts[name] = next((e.cpu_time_total / 1e3 / args.tokens for e in prof.key_averages() if e.key == label), 0.0)
     parts["everything else"] = profiled - sum(parts.values())
     print(f"{args.model}, default mode, {args.threads} thread(s), {args.tokens} tokens after {args.prompt}:")
     print(f"  wall {wall:.2f} ms/token ({cpu:.2f} CPU ms) without the profiler, {profiled:.2f} with it")
     for name, ms in parts.items():
         print(f"  {name:<14} {ms:6.2f} ms/token")
     print(f"  torch ops per token: {sum(counts.values()):.0f}")
-    top = sorted(((ms, k) for k, ms in ops.items() if k not in sum(PARTS.values(), (ATTENTION,))), reverse=True)[:12]
+    top = sorted(((ms, k) for k, ms in ops.items() if k not in sum(PARTS.values(), (ATTENTION, Q8DOT))),
+                 reverse=True)[:12]
     for ms, k in top:
         print(f"    {k:<40} {ms:6.3f} ms/token  {counts[k]:5.0f} calls/token")
     return 0

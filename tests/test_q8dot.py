@@ -25,7 +25,7 @@ from gguf.quants import dequantize
 from fabric.compute import gguf_grid, q8dot
 from fabric.compute.q8dot import DotLinear
 from tests.gguf_models import encode, write_gguf
-from tests.test_invariant import default_mode, differences
+from tests.test_invariant import default_mode, differences, smollm2
 from tests.test_lean_layers import _lean_against_modules
 
 KINDS = ("Q4_0", "Q4_1", "Q4_K", "Q8_0", "int8 rows")
@@ -159,8 +159,9 @@ def test_the_avx2_and_plain_builds_give_the_same_bits(tmp_path, flags, path):
     for kind in KINDS:
         layer, _, _ = layer_of(kind, shape=(40, 512), seed=7)
         here = layer(x)
-        layer._kernel = other
+        layer._kernel, layer._job = other, None  # the job is built anew on the other build
         assert torch.equal(layer(x), here), kind
+        assert layer._run is other.meshnet_q8dot  # it ran there
 
 
 def test_parts_side_by_side_give_each_parts_bits():
@@ -196,3 +197,10 @@ def test_without_the_switch_the_default_mode_keeps_torchs_kernels(tmp_path, monk
     monkeypatch.setenv("MESHNET_Q8DOT", "1")
     monkeypatch.setenv("MESHNET_NATIVE", "0")
     assert not q8dot.wanted()
+
+
+def test_the_same_bits_on_smollm2s_q4_1_file_on_the_kernel(switched_on):
+    ex = default_mode(smollm2())
+    assert isinstance(ex.w.lm_head, DotLinear) and ex._lean is not None
+    found = differences(ex)
+    assert found == dict.fromkeys(found, 0) and len(found) == 7, found

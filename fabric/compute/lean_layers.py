@@ -58,7 +58,7 @@ def _kernel(linear: nn.Module) -> Proj:
         w, b = linear.weight, linear.bias
         return lambda x: F.linear(x, w, b)  # noqa: E731
     elif isinstance(linear, DotLinear):  # the q8dot kernel (MESHNET_Q8DOT), bias included
-        return linear.forward
+        return linear.rows
     else:  # a kernel of its own (qblock.BlockLinear: the file's Q5 blocks): the module itself
         return linear
     if linear.bias is None:

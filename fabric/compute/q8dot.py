@@ -175,20 +175,29 @@ class DotLinear(nn.Module):
         x2 = x.reshape(-1, self.in_features)  # (rows, in)
         if x2.dtype not in _FORMATS:
             x2 = x2.float()
-        x2 = x2.contiguous()
-        y = torch.empty(x2.shape[0], self.out_features, dtype=x2.dtype)  # (rows, out)
-        if x2.shape[0]:
-            if self._job is None or self._at != self.packed.data_ptr():
-                self._at = self.packed.data_ptr()
-                self._job = _DJob(self._at, None, None, 0, self.in_features, self.out_features, KINDS[self.kind], 0, 0)
-            job = self._job
-            job.x, job.y, job.rows = x2.data_ptr(), y.data_ptr(), x2.shape[0]
-            job.xfmt = job.yfmt = _FORMATS[x2.dtype]
-            if self._kernel.meshnet_q8dot(ctypes.byref(job), torch.get_num_threads()):
+        return self.rows(x2.contiguous()).to(x.dtype).view(*x.shape[:-1], self.out_features)
+
+    def rows(self, x: torch.Tensor) -> torch.Tensor:
+        """x (rows, in) contiguous, bfloat16 or float32 -> (rows, out) in its dtype, bias added:
+        the product with nothing around it (the lean layers call it a hundred times a token)."""
+        x = x if x.is_contiguous() else x.contiguous()
+        y = torch.empty(x.shape[0], self.out_features, dtype=x.dtype)  # (rows, out)
+        if x.shape[0]:
+            job = self._job_for()
+            job.x, job.y, job.rows = x.data_ptr(), y.data_ptr(), x.shape[0]
+            job.xfmt = job.yfmt = _FORMATS[x.dtype]
+            if self._run(self._ref, torch.get_num_threads()):
                 raise MemoryError("q8dot: no memory for the quantized rows")
-        if self.bias is not None:
-            y = y + self.bias.to(y.dtype)
-        return y.to(x.dtype).view(*x.shape[:-1], self.out_features)
+        return y if self.bias is None else y + self.bias.to(y.dtype)
+
+    def _job_for(self) -> _DJob:
+        """The kernel's job, its weights' part kept from the last call while they stay where
+        they were (a Python call costs as much as a small product)."""
+        if self._job is None or self._at != self.packed.data_ptr():
+            self._at = self.packed.data_ptr()
+            self._job = _DJob(self._at, None, None, 0, self.in_features, self.out_features, KINDS[self.kind], 0, 0)
+            self._ref, self._run = ctypes.byref(self._job), self._kernel.meshnet_q8dot
+        return self._job
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
