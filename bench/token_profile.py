@@ -10,15 +10,19 @@ milliseconds per token for each part, and the wall time per token without the pr
     python bench/token_profile.py --threads 2
     python bench/token_profile.py --modules              # transformers' modules, as before the lean layers
     python bench/token_profile.py --compare 4            # lean against modules, CPU ms/token, alternated
+    python bench/token_profile.py --q8dot 6 --threads 2  # torch's kernels against MESHNET_Q8DOT=1, alternated
 """
 from __future__ import annotations
 
 import argparse
+import os
+import statistics
 import time
 
 import torch
 
 ATTENTION = "meshnet attention (C kernel and its set-up)"
+Q8DOT = "meshnet q8dot matmul (C kernel and its call)"
 PARTS = {
     "int4 matmul": ("aten::_weight_int4pack_mm_for_cpu",),
     "int8 matmul": ("aten::_weight_int8pack_mm",),
@@ -36,6 +40,20 @@ def _timed_attention() -> None:
             return inner(*args, **kwargs)
 
     attention._native = labelled
+
+
+def _timed_q8dot() -> None:
+    """The q8dot kernel (``MESHNET_Q8DOT=1``) is no torch operator either: label its calls
+    (before the model loads: the lean layers keep the bound method)."""
+    from fabric.compute.q8dot import DotLinear
+
+    inner = DotLinear.forward
+
+    def labelled(self, x):
+        with torch.profiler.record_function(Q8DOT):
+            return inner(self, x)
+
+    DotLinear.forward = labelled
 
 
 def load(model: str):
@@ -76,6 +94,42 @@ def compare(ex, rounds: int, tokens: int) -> None:
           f"modules / lean median {ratios[len(ratios) // 2]:.2f}x")
 
 
+def against_q8dot(model: str, rounds: int, tokens: int) -> None:
+    """The default mode on torch's kernels and on the q8dot kernel (``MESHNET_Q8DOT=1``), two
+    executors in one process, alternated: wall and CPU (process) ms per decode token, and the
+    greedy tokens' agreement."""
+    executors = {}
+    for name, switch in (("torch", "0"), ("q8dot", "1")):
+        os.environ["MESHNET_Q8DOT"] = switch
+        executors[name] = load(model)
+    os.environ.pop("MESHNET_Q8DOT")
+    ids = torch.randint(100, 20000, (1, 100), generator=torch.Generator().manual_seed(0))
+    wall: dict[str, list[float]] = {"torch": [], "q8dot": []}
+    cpu: dict[str, list[float]] = {"torch": [], "q8dot": []}
+    picked: dict[str, list[int]] = {}
+    for r in range(rounds):
+        for name in ("torch", "q8dot") if r % 2 == 0 else ("q8dot", "torch"):
+            ex = executors[name]
+            last = ex.w.shard.num_layers - 1
+            logits = ex.run(f"r{r}", 0, last, ids, 0).logits
+            t, c = time.perf_counter(), time.process_time()
+            seq = []
+            for p in range(100, 100 + tokens):
+                token = logits.argmax().view(1, 1)
+                seq.append(token.item())
+                logits = ex.run(f"r{r}", 0, last, token, p).logits
+            wall[name].append((time.perf_counter() - t) / tokens * 1e3)
+            cpu[name].append((time.process_time() - c) / tokens * 1e3)
+            picked[name] = seq
+    same = next((i for i, (a, b) in enumerate(zip(picked["torch"], picked["q8dot"])) if a != b), tokens)
+    for name in wall:
+        print(f"{name:6} wall ms/token {[round(v, 2) for v in wall[name]]} median {statistics.median(wall[name]):.2f}; "
+              f"CPU {statistics.median(cpu[name]):.2f}")
+    ratios = [t / q for t, q in zip(wall["torch"], wall["q8dot"])]
+    print(f"torch / q8dot, wall, median of {rounds} rounds: {statistics.median(ratios):.2f}x; "
+          f"greedy tokens agree for the first {same} of {tokens}")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="smollm2-135m")
@@ -85,9 +139,15 @@ def main() -> int:
     parser.add_argument("--modules", action="store_true", help="run transformers' modules, not the lean layers")
     parser.add_argument("--compare", type=int, default=0, metavar="ROUNDS",
                         help="only compare lean layers with the modules, CPU time, this many rounds (1 thread)")
+    parser.add_argument("--q8dot", type=int, default=0, metavar="ROUNDS",
+                        help="only compare torch's kernels with MESHNET_Q8DOT=1, this many rounds")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    if args.q8dot:
+        against_q8dot(args.model, args.q8dot, args.tokens)
+        return 0
     _timed_attention()
+    _timed_q8dot()
     ex = load(args.model)
     if args.compare:
         compare(ex, args.compare, args.tokens)
@@ -111,15 +171,16 @@ def main() -> int:
     ops = {e.key: e.self_cpu_time_total / 1e3 / args.tokens for e in prof.key_averages()}
     counts = {e.key: e.count / args.tokens for e in prof.key_averages()}
     parts = {name: sum(ops.get(k, 0.0) for k in keys) for name, keys in PARTS.items()}
-    parts["attention"] = next((e.cpu_time_total / 1e3 / args.tokens for e in prof.key_averages()
-                               if e.key == ATTENTION), 0.0)
+    for name, label in (("attention", ATTENTION), ("q8dot matmul", Q8DOT)):
+        parts[name] = next((e.cpu_time_total / 1e3 / args.tokens for e in prof.key_averages() if e.key == label), 0.0)
     parts["everything else"] = profiled - sum(parts.values())
     print(f"{args.model}, default mode, {args.threads} thread(s), {args.tokens} tokens after {args.prompt}:")
     print(f"  wall {wall:.2f} ms/token ({cpu:.2f} CPU ms) without the profiler, {profiled:.2f} with it")
     for name, ms in parts.items():
         print(f"  {name:<14} {ms:6.2f} ms/token")
     print(f"  torch ops per token: {sum(counts.values()):.0f}")
-    top = sorted(((ms, k) for k, ms in ops.items() if k not in sum(PARTS.values(), (ATTENTION,))), reverse=True)[:12]
+    top = sorted(((ms, k) for k, ms in ops.items() if k not in sum(PARTS.values(), (ATTENTION, Q8DOT))),
+                 reverse=True)[:12]
     for ms, k in top:
         print(f"    {k:<40} {ms:6.3f} ms/token  {counts[k]:5.0f} calls/token")
     return 0

@@ -229,7 +229,7 @@ def head_rows(tensors: GGUFTensors, info: GGUFTensorInfo) -> nn.Module:
     (``fabric.compute.quant.LM_HEAD_SCHEME``), built ROWS_PER_SLICE rows at a time so that the
     float32 copy never exists whole: each row's scale is its own, so slices give what the
     whole would."""
-    from .quant import Int8Linear, quantize_weight
+    from .quant import Int8Linear, on_dot_kernel, quantize_weight
 
     vocab = info.shape[0]
     weight = scales = None
@@ -241,7 +241,7 @@ def head_rows(tensors: GGUFTensors, info: GGUFTensorInfo) -> nn.Module:
             weight = torch.empty((vocab, block.shape[1]), dtype=torch.int8)
             scales = torch.empty(vocab, dtype=torch.bfloat16)
         weight[at:at + len(block)], scales[at:at + len(block)] = quantize_weight(block)
-    return Int8Linear(weight, scales)
+    return on_dot_kernel(Int8Linear(weight, scales))  # the q8dot kernel where MESHNET_Q8DOT asks for it
 
 
 class GGUFEmbedding(nn.Module):

@@ -35,6 +35,7 @@ from torch import nn
 
 from . import attention as invariant
 from . import mixed, native
+from .q8dot import DotLinear
 from .quant import Int4Linear, Int8Linear
 
 log = logging.getLogger(__name__)
@@ -56,6 +57,8 @@ def _kernel(linear: nn.Module) -> Proj:
     elif isinstance(linear, nn.Linear):  # a float linear: addmm with its bias, as nn.Linear
         w, b = linear.weight, linear.bias
         return lambda x: F.linear(x, w, b)  # noqa: E731
+    elif isinstance(linear, DotLinear):  # the q8dot kernel (MESHNET_Q8DOT), bias included
+        return linear.rows
     else:  # a kernel of its own (qblock.BlockLinear: the file's Q5 blocks): the module itself
         return linear
     if linear.bias is None:
@@ -66,6 +69,8 @@ def _kernel(linear: nn.Module) -> Proj:
 
 def _fusable(linears: list[nn.Module]) -> bool:
     kinds = {type(m) for m in linears}
+    if kinds == {DotLinear}:
+        return DotLinear.joinable(linears)
     if kinds == {Int4Linear}:
         return len({m.group_size for m in linears}) == 1 and len({m.in_features for m in linears}) == 1
     return kinds == {Int8Linear} and len({m.in_features for m in linears}) == 1
@@ -75,6 +80,8 @@ def _fuse_weights(linears: list[nn.Module]) -> nn.Module:
     """One module whose outputs are ``linears``' outputs side by side; each part's weight
     becomes a view of the fused one (int8 and packed int4 rows are whole output rows)."""
     first = linears[0]
+    if isinstance(first, DotLinear):
+        return DotLinear.concatenated(linears)
     weight = torch.cat([m.weight for m in linears])
     bias = None
     if any(m.bias is not None for m in linears):
@@ -98,13 +105,21 @@ def _fused(linears: list[nn.Module]) -> Proj:
         probe = torch.randn(PROBE_ROWS, linears[0].in_features, generator=torch.Generator().manual_seed(0))
         probe = probe.to(torch.bfloat16)
         if torch.equal(_kernel(fused)(probe), torch.cat([p(probe) for p in parts], dim=1)):
-            at = 0
-            for m in linears:  # the modules now read the fused weight: one copy in memory
-                m.weight = nn.Parameter(fused.weight[at:at + m.out_features], requires_grad=False)
-                at += m.out_features
+            _share(fused, linears)
             return _kernel(fused)
         log.info("a fused projection changed bits on this CPU: q/k/v and gate/up stay apart")
     return lambda x: torch.cat([p(x) for p in parts], dim=1)  # noqa: E731
+
+
+def _share(fused: nn.Module, linears: list[nn.Module]) -> None:
+    """The modules now read the fused weight: one copy in memory."""
+    if isinstance(fused, DotLinear):
+        fused.share(linears)
+        return
+    at = 0
+    for m in linears:
+        m.weight = nn.Parameter(fused.weight[at:at + m.out_features], requires_grad=False)
+        at += m.out_features
 
 
 def _norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

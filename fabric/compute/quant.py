@@ -46,6 +46,8 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from . import q8dot
+
 if TYPE_CHECKING:
     from .gguf_grid import FileGrid
     from .qblock import FileBlocks
@@ -188,11 +190,22 @@ def _quantize_linear(linear: nn.Linear, scheme: str, grid: FileGrid | FileBlocks
         return linear
     if isinstance(grid, FileBlocks):
         return BlockLinear(grid, linear.bias)
+    dot = q8dot.wanted()  # MESHNET_Q8DOT: the int8-activation kernel (fabric.compute.q8dot)
     if scheme in ("int4", "gguf") and grid is not None and int4_fits(linear):
-        return Int4Linear.from_grid(grid, linear.bias)
+        return q8dot.DotLinear.from_grid(grid, linear.bias) if dot else Int4Linear.from_grid(grid, linear.bias)
     if scheme == "int4" and int4_fits(linear):
         return Int4Linear.from_linear(linear)
-    return Int8Linear.from_linear(linear)  # int8, gguf's re-rounded types, or an int4 shape the kernel cannot take
+    int8 = Int8Linear.from_linear(linear)  # int8, gguf's re-rounded types, or an int4 shape the kernel cannot take
+    return on_dot_kernel(int8) if dot else int8
+
+
+def on_dot_kernel(layer: Int8Linear) -> nn.Module:
+    """``layer``'s int8 rows and scales on the q8dot kernel (``MESHNET_Q8DOT``), where it is asked
+    for and built; else ``layer`` itself."""
+    if not q8dot.wanted():
+        return layer
+    return q8dot.DotLinear.from_int8(layer.weight.data, layer.scales.data.float(),
+                                     None if layer.bias is None else layer.bias.data)
 
 
 def _swap_linears(module: nn.Module, scheme: str, grids: Mapping[nn.Module, FileGrid | str]) -> int:

@@ -1,0 +1,413 @@
+/* y = x @ W^T for decode-sized x, llama.cpp's arithmetic: x quantized to int8, integer dot products.
+ *
+ * Each row of x is quantized per block of 32 inputs, in one fixed order: d = absmax / 127,
+ * q = round-to-nearest-even(x / d) in -127..127 (x times 1 / d, as llama.cpp's q8_0), with the
+ * block's sum of codes s kept for the minimum term. Weights are unsigned codes u with a step
+ * and a minimum per block of 32 (w = minimum + u * step), so one integer dot product sum(u q)
+ * per block serves every kind:
+ *   K4_F16, K4_F32: 4-bit codes (Q4_0: minimum -8 step; Q4_1: the file's m; Q4_K: d sc and
+ *                   -dmin m), the step and minimum per block as float16 (where exact) or float32;
+ *   K8_F16:         Q8_0, int8 codes stored as u = c + 128, the file's float16 step per block;
+ *   K8_ROW:         int8 codes per output row (u = c + 128) and a float32 scale per row.
+ * For int8 the minimum term is -128 s (an integer), so every kind's block sum is exact in int32.
+ *
+ * Per output and block (b): int4: accs += (float)sum(u q) * (step * d_b), accm += minimum * (d_b s_b);
+ * int8: acc += (float)(sum(u q) - 128 s_b) * (step * d_b) (K8_ROW: * d_b, times the row's scale at
+ * the end). Blocks in order, one output per lane: the order is fixed whatever the batch size,
+ * the row group or the thread count, so a row computed alone gives the bits it gives in any
+ * batch. Threads split tiles of 16 outputs, never a sum. The three instruction paths (AVX-512
+ * VNNI, AVX2 with maddubs, plain C; chosen when compiled) compute the same integers and then the
+ * same float32 operations, multiply-adds written as fused ones, so they give the same bits.
+ *
+ * Layout: tiles of 16 outputs (the last padded with zero weights); a tile holds its blocks in
+ * order. A block's codes are 8 groups of 4 inputs, each group a 64-byte register: output k's 4
+ * codes at bytes 4k..4k+3 (what a dot product of 4 bytes per 32-bit lane wants). int4: register
+ * j (0..3) holds group j in its low nibbles and group j + 4 in its high ones (256 bytes); int8:
+ * 8 registers (512 bytes). Then the block's 16 steps (and 16 minima) for int4 and K8_F16;
+ * K8_ROW keeps its 16 row scales after the tile's last block.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <immintrin.h>
+
+#define BLOCK 32
+#define TILE 16
+#define RG 4 /* rows that share each unpacked block of weights */
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define PATH_VNNI 1
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define PATH_AVX2 1
+#endif
+
+enum { K4_F16 = 0, K4_F32 = 1, K8_ROW = 2, K8_F16 = 3 };
+enum { F_BF16 = 0, F_F32 = 2 };
+
+typedef struct {
+    const uint8_t *w; /* (tiles, tile_bytes) */
+    const void *x;    /* (rows, in), contiguous, xfmt */
+    void *y;          /* (rows, out), contiguous, yfmt */
+    int64_t rows, in, out;
+    int kind, xfmt, yfmt;
+} DJob;
+
+typedef struct {   /* x quantized: per row, per block */
+    int8_t *q;     /* (rows, in) */
+    float *d;      /* (rows, in / 32) steps */
+    float *c;      /* (rows, in / 32) d * s, the minimum term's factor */
+    int32_t *s;    /* (rows, in / 32) sums of codes */
+} Acts;
+
+static inline int64_t block_bytes(int kind) {
+    switch (kind) {
+    case K4_F16: return 256 + 64;
+    case K4_F32: return 256 + 128;
+    case K8_F16: return 512 + 32;
+    default: return 512;
+    }
+}
+
+int64_t meshnet_q8dot_tile_bytes(int kind, int64_t in) {
+    return (in / BLOCK) * block_bytes(kind) + (kind == K8_ROW ? TILE * 4 : 0);
+}
+
+static inline float load_x(const DJob *j, int64_t at) {
+    if (j->xfmt == F_F32) return ((const float *)j->x)[at];
+    uint32_t bits = (uint32_t)((const uint16_t *)j->x)[at] << 16;
+    float v;
+    memcpy(&v, &bits, 4);
+    return v;
+}
+
+/* One row's block: codes, step, and its sum; the same scalar IEEE operations on every path. */
+static void quantize_block(const DJob *j, int64_t at, int8_t *q, float *d, float *c, int32_t *s) {
+    float v[BLOCK], amax = 0.0f;
+    for (int i = 0; i < BLOCK; i++) {
+        v[i] = load_x(j, at + i);
+        amax = fmaxf(amax, fabsf(v[i]));
+    }
+    float step = amax / 127.0f, inv = step != 0.0f ? 1.0f / step : 0.0f;
+    int32_t sum = 0;
+    for (int i = 0; i < BLOCK; i++) {
+        int32_t code = (int32_t)nearbyintf(v[i] * inv);
+        code = code > 127 ? 127 : code < -127 ? -127 : code;
+        q[i] = (int8_t)code;
+        sum += code;
+    }
+    *d = step;
+    *s = sum;
+    *c = step * (float)sum;
+}
+
+static void quantize(const DJob *j, Acts *a) {
+    int64_t nb = j->in / BLOCK;
+    for (int64_t r = 0; r < j->rows; r++)
+        for (int64_t b = 0; b < nb; b++) {
+            int64_t k = r * nb + b;
+            quantize_block(j, r * j->in + b * BLOCK, a->q + r * j->in + b * BLOCK, a->d + k, a->c + k, a->s + k);
+        }
+}
+
+static inline float f16(const uint8_t *p) {
+    _Float16 h;
+    memcpy(&h, p, 2);
+    return (float)h;
+}
+
+static void store(const DJob *j, int64_t r, int64_t o, float v) {
+    if (j->yfmt == F_F32) {
+        ((float *)j->y)[r * j->out + o] = v;
+        return;
+    }
+    uint32_t bits;
+    memcpy(&bits, &v, 4);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) bits |= 0x00400000u; /* NaN stays NaN */
+    else bits += 0x7fffu + ((bits >> 16) & 1u);                   /* round to nearest even */
+    ((uint16_t *)j->y)[r * j->out + o] = (uint16_t)(bits >> 16);
+}
+
+static inline int32_t word(const int8_t *p) {
+    int32_t v;
+    memcpy(&v, p, 4);
+    return v;
+}
+
+/* ---- AVX-512 VNNI: 16 outputs a register, one 4-byte dot product a lane ---- */
+#if defined(PATH_VNNI)
+static inline __attribute__((always_inline)) __m512i dot_block(const __m512i w[8], const int8_t *xq) {
+    __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
+    for (int g = 0; g < 8; g += 2) {
+        s0 = _mm512_dpbusd_epi32(s0, w[g], _mm512_set1_epi32(word(xq + 4 * g)));
+        s1 = _mm512_dpbusd_epi32(s1, w[g + 1], _mm512_set1_epi32(word(xq + 4 * g + 4)));
+    }
+    return _mm512_add_epi32(s0, s1);
+}
+
+static inline __attribute__((always_inline)) void k4_rows(const DJob *j, const Acts *a, const uint8_t *tw,
+                                                          int64_t r0, const int R, float out[RG][TILE], const int half) {
+    int64_t nb = j->in / BLOCK, bb = block_bytes(half ? K4_F16 : K4_F32);
+    __m512 accs[RG], accm[RG];
+    for (int r = 0; r < R; r++) accs[r] = accm[r] = _mm512_setzero_ps();
+    const __m512i low = _mm512_set1_epi8(0x0f);
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = tw + b * bb;
+        __m512i w[8];
+        for (int g = 0; g < 4; g++) {
+            __m512i v = _mm512_loadu_si512(blk + 64 * g);
+            w[g] = _mm512_and_si512(v, low);
+            w[g + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+        }
+        __m512 step, min;
+        if (half) {
+            step = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + 256)));
+            min = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + 288)));
+        } else {
+            step = _mm512_loadu_ps(blk + 256);
+            min = _mm512_loadu_ps(blk + 320);
+        }
+        for (int r = 0; r < R; r++) {
+            int64_t k = (r0 + r) * nb + b;
+            __m512i s = dot_block(w, a->q + (r0 + r) * j->in + b * BLOCK);
+            accs[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(step, _mm512_set1_ps(a->d[k])), accs[r]);
+            accm[r] = _mm512_fmadd_ps(min, _mm512_set1_ps(a->c[k]), accm[r]);
+        }
+    }
+    for (int r = 0; r < R; r++) _mm512_storeu_ps(out[r], _mm512_add_ps(accs[r], accm[r]));
+}
+
+static inline __attribute__((always_inline)) void k8_rows(const DJob *j, const Acts *a, const uint8_t *tw,
+                                                          int64_t r0, const int R, float out[RG][TILE], const int per_block) {
+    int64_t nb = j->in / BLOCK, bb = block_bytes(per_block ? K8_F16 : K8_ROW);
+    __m512 acc[RG];
+    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = tw + b * bb;
+        __m512i w[8];
+        for (int g = 0; g < 8; g++) w[g] = _mm512_loadu_si512(blk + 64 * g);
+        __m512 step = per_block ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + 512))) : _mm512_setzero_ps();
+        for (int r = 0; r < R; r++) {
+            int64_t k = (r0 + r) * nb + b;
+            __m512i s = dot_block(w, a->q + (r0 + r) * j->in + b * BLOCK);
+            __m512 f = _mm512_cvtepi32_ps(_mm512_sub_epi32(s, _mm512_set1_epi32(128 * a->s[k])));
+            acc[r] = per_block ? _mm512_fmadd_ps(f, _mm512_mul_ps(step, _mm512_set1_ps(a->d[k])), acc[r])
+                               : _mm512_fmadd_ps(f, _mm512_set1_ps(a->d[k]), acc[r]);
+        }
+    }
+    __m512 scale = per_block ? _mm512_setzero_ps() : _mm512_loadu_ps(tw + nb * bb);
+    for (int r = 0; r < R; r++) _mm512_storeu_ps(out[r], per_block ? acc[r] : _mm512_mul_ps(acc[r], scale));
+}
+
+/* ---- AVX2: each tile in two halves of 8 outputs; maddubs, int8 by the sign trick ---- */
+#elif defined(PATH_AVX2)
+static inline __attribute__((always_inline)) void k4_rows(const DJob *j, const Acts *a, const uint8_t *tw,
+                                                          int64_t r0, const int R, float out[RG][TILE], const int half) {
+    int64_t nb = j->in / BLOCK, bb = block_bytes(half ? K4_F16 : K4_F32);
+    const __m256i low = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
+    for (int h = 0; h < 2; h++) {
+        __m256 accs[RG], accm[RG];
+        for (int r = 0; r < R; r++) accs[r] = accm[r] = _mm256_setzero_ps();
+        for (int64_t b = 0; b < nb; b++) {
+            const uint8_t *blk = tw + b * bb;
+            __m256i w[8];
+            for (int g = 0; g < 4; g++) {
+                __m256i v = _mm256_loadu_si256((const __m256i *)(blk + 64 * g + 32 * h));
+                w[g] = _mm256_and_si256(v, low);
+                w[g + 4] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+            }
+            __m256 step, min;
+            if (half) {
+                step = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 256 + 16 * h)));
+                min = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 288 + 16 * h)));
+            } else {
+                step = _mm256_loadu_ps((const float *)(blk + 256) + 8 * h);
+                min = _mm256_loadu_ps((const float *)(blk + 320) + 8 * h);
+            }
+            for (int r = 0; r < R; r++) {
+                int64_t k = (r0 + r) * nb + b;
+                const int8_t *xq = a->q + (r0 + r) * j->in + b * BLOCK;
+                __m256i p = _mm256_setzero_si256();  /* 8 pairs of at most 2 * 15 * 127: no int16 overflow */
+                for (int g = 0; g < 8; g++) p = _mm256_add_epi16(p, _mm256_maddubs_epi16(w[g], _mm256_set1_epi32(word(xq + 4 * g))));
+                __m256i s = _mm256_madd_epi16(p, ones);
+                accs[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(step, _mm256_set1_ps(a->d[k])), accs[r]);
+                accm[r] = _mm256_fmadd_ps(min, _mm256_set1_ps(a->c[k]), accm[r]);
+            }
+        }
+        for (int r = 0; r < R; r++) _mm256_storeu_ps(out[r] + 8 * h, _mm256_add_ps(accs[r], accm[r]));
+    }
+}
+
+static inline __attribute__((always_inline)) void k8_rows(const DJob *j, const Acts *a, const uint8_t *tw,
+                                                          int64_t r0, const int R, float out[RG][TILE], const int per_block) {
+    int64_t nb = j->in / BLOCK, bb = block_bytes(per_block ? K8_F16 : K8_ROW);
+    const __m256i flip = _mm256_set1_epi8((char)0x80), ones = _mm256_set1_epi16(1);
+    for (int h = 0; h < 2; h++) {
+        __m256 acc[RG];
+        for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
+        for (int64_t b = 0; b < nb; b++) {
+            const uint8_t *blk = tw + b * bb;
+            __m256i w[8], mag[8];
+            for (int g = 0; g < 8; g++) {  /* the signed code u - 128, and its magnitude */
+                w[g] = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(blk + 64 * g + 32 * h)), flip);
+                mag[g] = _mm256_abs_epi8(w[g]);
+            }
+            __m256 step = per_block ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 512 + 16 * h)))
+                                    : _mm256_setzero_ps();
+            for (int r = 0; r < R; r++) {
+                int64_t k = (r0 + r) * nb + b;
+                const int8_t *xq = a->q + (r0 + r) * j->in + b * BLOCK;
+                __m256i s = _mm256_setzero_si256();
+                for (int g = 0; g < 8; g++) {  /* |c| (q signed as c): pairs of at most 2 * 128 * 127 */
+                    __m256i p = _mm256_maddubs_epi16(mag[g], _mm256_sign_epi8(_mm256_set1_epi32(word(xq + 4 * g)), w[g]));
+                    s = _mm256_add_epi32(s, _mm256_madd_epi16(p, ones));
+                }
+                __m256 f = _mm256_cvtepi32_ps(s);
+                acc[r] = per_block ? _mm256_fmadd_ps(f, _mm256_mul_ps(step, _mm256_set1_ps(a->d[k])), acc[r])
+                                   : _mm256_fmadd_ps(f, _mm256_set1_ps(a->d[k]), acc[r]);
+            }
+        }
+        __m256 scale = per_block ? _mm256_setzero_ps() : _mm256_loadu_ps((const float *)(tw + nb * bb) + 8 * h);
+        for (int r = 0; r < R; r++) _mm256_storeu_ps(out[r] + 8 * h, per_block ? acc[r] : _mm256_mul_ps(acc[r], scale));
+    }
+}
+
+/* ---- plain C: the same integers, the same float32 operations, a lane at a time ---- */
+#else
+static inline float f32_at(const uint8_t *p) {
+    float v;
+    memcpy(&v, p, 4);
+    return v;
+}
+
+static inline __attribute__((always_inline)) void k4_rows(const DJob *j, const Acts *a, const uint8_t *tw,
+                                                          int64_t r0, const int R, float out[RG][TILE], const int half) {
+    int64_t nb = j->in / BLOCK, bb = block_bytes(half ? K4_F16 : K4_F32);
+    for (int r = 0; r < R; r++)
+        for (int k = 0; k < TILE; k++) {
+            float accs = 0.0f, accm = 0.0f;
+            for (int64_t b = 0; b < nb; b++) {
+                const uint8_t *blk = tw + b * bb;
+                const int8_t *xq = a->q + (r0 + r) * j->in + b * BLOCK;
+                int32_t s = 0;
+                for (int g = 0; g < 8; g++)
+                    for (int e = 0; e < 4; e++) {
+                        uint8_t byte = blk[64 * (g % 4) + 4 * k + e];
+                        s += (g < 4 ? byte & 15 : byte >> 4) * xq[4 * g + e];
+                    }
+                float step = half ? f16(blk + 256 + 2 * k) : f32_at(blk + 256 + 4 * k);
+                float min = half ? f16(blk + 288 + 2 * k) : f32_at(blk + 320 + 4 * k);
+                int64_t at = (r0 + r) * nb + b;
+                accs = fmaf((float)s, step * a->d[at], accs);
+                accm = fmaf(min, a->c[at], accm);
+            }
+            out[r][k] = accs + accm;
+        }
+}
+
+static inline __attribute__((always_inline)) void k8_rows(const DJob *j, const Acts *a, const uint8_t *tw,
+                                                          int64_t r0, const int R, float out[RG][TILE], const int per_block) {
+    int64_t nb = j->in / BLOCK, bb = block_bytes(per_block ? K8_F16 : K8_ROW);
+    for (int r = 0; r < R; r++)
+        for (int k = 0; k < TILE; k++) {
+            float acc = 0.0f;
+            for (int64_t b = 0; b < nb; b++) {
+                const uint8_t *blk = tw + b * bb;
+                const int8_t *xq = a->q + (r0 + r) * j->in + b * BLOCK;
+                int32_t s = 0;
+                for (int g = 0; g < 8; g++)
+                    for (int e = 0; e < 4; e++) s += ((int32_t)blk[64 * g + 4 * k + e] - 128) * xq[4 * g + e];
+                int64_t at = (r0 + r) * nb + b;
+                acc = per_block ? fmaf((float)s, f16(blk + 512 + 2 * k) * a->d[at], acc) : fmaf((float)s, a->d[at], acc);
+            }
+            out[r][k] = per_block ? acc : acc * f32_at(tw + nb * bb + 4 * k);
+        }
+}
+#endif
+
+/* The row count a constant in each copy, so the accumulators stay in registers. */
+#define BY_ROWS(fn, j, a, tw, r0, nrows, out, flag)              \
+    switch (nrows) {                                             \
+    case 1: fn(j, a, tw, r0, 1, out, flag); break;               \
+    case 2: fn(j, a, tw, r0, 2, out, flag); break;               \
+    case 3: fn(j, a, tw, r0, 3, out, flag); break;               \
+    default: fn(j, a, tw, r0, 4, out, flag); break;              \
+    }
+
+/* Rows r0.. (at most RG) of one tile; the kind a constant in each copy. */
+static void tile(const DJob *j, const Acts *a, int64_t t, int64_t r0, int nrows) {
+    const uint8_t *tw = j->w + t * meshnet_q8dot_tile_bytes(j->kind, j->in);
+    float out[RG][TILE];
+    switch (j->kind) {
+    case K4_F16: BY_ROWS(k4_rows, j, a, tw, r0, nrows, out, 1); break;
+    case K4_F32: BY_ROWS(k4_rows, j, a, tw, r0, nrows, out, 0); break;
+    case K8_F16: BY_ROWS(k8_rows, j, a, tw, r0, nrows, out, 1); break;
+    default: BY_ROWS(k8_rows, j, a, tw, r0, nrows, out, 0); break;
+    }
+    int64_t o = t * TILE, n = j->out - o < TILE ? j->out - o : TILE;
+    for (int r = 0; r < nrows; r++)
+        for (int64_t k = 0; k < n; k++) store(j, r0 + r, o + k, out[r][k]);
+}
+
+static int acts_alloc(Acts *a, int64_t rows, int64_t in) {
+    int64_t nb = in / BLOCK;
+    a->q = malloc((size_t)(rows * in) + 64);
+    a->d = malloc(sizeof(float) * (size_t)(rows * nb));
+    a->c = malloc(sizeof(float) * (size_t)(rows * nb));
+    a->s = malloc(sizeof(int32_t) * (size_t)(rows * nb));
+    return a->q && a->d && a->c && a->s;
+}
+
+static void acts_free(Acts *a) {
+    free(a->q);
+    free(a->d);
+    free(a->c);
+    free(a->s);
+}
+
+/* Runs `job` on `threads` threads. Returns 0; -1 where working memory could not be had, -2 for
+   inputs not in whole blocks. */
+int meshnet_q8dot(const DJob *job, int threads) {
+    if (job->in % BLOCK) return -2;
+    Acts a;
+    if (!acts_alloc(&a, job->rows, job->in)) {
+        acts_free(&a);
+        return -1;
+    }
+    quantize(job, &a);
+    int64_t tiles = (job->out + TILE - 1) / TILE;
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
+    for (int64_t t = 0; t < tiles; t++)
+        for (int64_t r = 0; r < job->rows; r += RG)
+            tile(job, &a, t, r, job->rows - r < RG ? (int)(job->rows - r) : RG);
+    acts_free(&a);
+    return 0;
+}
+
+/* x's quantization as the kernel makes it (for checks): q (rows, in), d and s (rows, in / 32). */
+int meshnet_q8dot_quantize(const DJob *job, int8_t *q, float *d, int32_t *s) {
+    if (job->in % BLOCK) return -2;
+    Acts a;
+    if (!acts_alloc(&a, job->rows, job->in)) {
+        acts_free(&a);
+        return -1;
+    }
+    quantize(job, &a);
+    int64_t nb = job->in / BLOCK;
+    memcpy(q, a.q, (size_t)(job->rows * job->in));
+    memcpy(d, a.d, sizeof(float) * (size_t)(job->rows * nb));
+    memcpy(s, a.s, sizeof(int32_t) * (size_t)(job->rows * nb));
+    acts_free(&a);
+    return 0;
+}
+
+/* The instruction path this build took: 2 AVX-512 VNNI, 1 AVX2, 0 plain C. */
+int meshnet_q8dot_path(void) {
+#if defined(PATH_VNNI)
+    return 2;
+#elif defined(PATH_AVX2)
+    return 1;
+#else
+    return 0;
+#endif
+}

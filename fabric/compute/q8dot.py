@@ -1,0 +1,220 @@
+"""Linears on our int8-activation kernel (fabric/compute/kernels/q8dot.c), llama.cpp's arithmetic.
+
+torch's weight-only kernels multiply bfloat16 rows by dequantized weights; for a decode step
+(a few rows) that streams the weights at ~5 GB/s on one thread. llama.cpp quantizes each
+row to int8 per block of 32 and takes integer dot products (AVX-512 VNNI here, AVX2 or plain C
+elsewhere): :class:`DotLinear` does the same with a GGUF's own 4-bit codes (Q4_0, Q4_1, Q4_K:
+the file's step and minimum per block, float16 where that is exact, else float32) or with
+int8 codes (the lm_head's int8 rows and their scales, or Q8_0 blocks). Every row's output is
+the same bits alone or in any batch, on any thread count (the kernel's comment says how).
+
+Opt-in: ``MESHNET_Q8DOT=1``, read as a shard loads (:func:`enabled`); without it, or without a
+C compiler (``fabric.compute.native``), the default mode stays on torch's kernels. The
+activations' int8 rounding is an extra approximation torch's path does not make (top-1
+agreement: docs/BENCHMARKS.md).
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+
+import numpy as np
+import torch
+from torch import nn
+
+from . import native
+
+BLOCK = 32
+TILE = 16  # outputs a register holds; tiles are padded to it
+KINDS = {"int4_f16": 0, "int4_f32": 1, "int8_row": 2, "q8_0": 3}  # kernels/q8dot.c's enum
+_FORMATS = {torch.bfloat16: 0, torch.float32: 2}
+
+
+def enabled() -> bool:
+    """True where ``MESHNET_Q8DOT`` asks for the kernel and native kernels are on."""
+    asked = os.environ.get("MESHNET_Q8DOT", "0").strip().lower() in ("1", "on", "true", "yes")
+    return asked and native.enabled()
+
+
+def kernel() -> ctypes.CDLL | None:
+    """The built q8dot kernel, or None where it cannot be had (``fabric.compute.native``)."""
+    lib = native.library("q8dot")
+    if lib is not None:
+        lib.meshnet_q8dot_tile_bytes.restype = ctypes.c_int64
+        lib.meshnet_q8dot_tile_bytes.argtypes = [ctypes.c_int, ctypes.c_int64]
+    return lib
+
+
+def wanted() -> bool:
+    """The kernel asked for (:func:`enabled`) and built here."""
+    return enabled() and kernel() is not None
+
+
+class _DJob(ctypes.Structure):
+    """kernels/q8dot.c's ``DJob``."""
+    _fields_ = [("w", ctypes.c_void_p), ("x", ctypes.c_void_p), ("y", ctypes.c_void_p),
+                ("rows", ctypes.c_int64), ("in_", ctypes.c_int64), ("out", ctypes.c_int64),
+                ("kind", ctypes.c_int), ("xfmt", ctypes.c_int), ("yfmt", ctypes.c_int)]
+
+
+def _tiled(a: np.ndarray, out: int) -> np.ndarray:
+    """Rows (out, ...) padded with zeros to whole tiles: (tiles, 16, ...)."""
+    pad = -out % TILE
+    if pad:
+        a = np.concatenate([a, np.zeros((pad, *a.shape[1:]), dtype=a.dtype)])
+    return a.reshape(-1, TILE, *a.shape[1:])
+
+
+def _groups(codes: np.ndarray) -> np.ndarray:
+    """Codes (out, in) uint8 as (tiles, blocks, 8 groups, 16 outputs, 4 inputs): a register per group."""
+    out, n = codes.shape
+    t = _tiled(codes, out).reshape(-1, TILE, n // BLOCK, 8, 4)  # (tiles, 16, blocks, groups, 4)
+    return t.transpose(0, 2, 3, 1, 4)
+
+
+def _per_block(values: np.ndarray, out: int) -> np.ndarray:
+    """(out, blocks) values as (tiles, blocks, 16 * itemsize) bytes."""
+    t = np.ascontiguousarray(_tiled(values, out).transpose(0, 2, 1))  # (tiles, blocks, 16)
+    return t.view(np.uint8).reshape(t.shape[0], t.shape[1], -1)
+
+
+def pack_int4(codes: torch.Tensor, step: torch.Tensor, minimum: torch.Tensor) -> tuple[str, torch.Tensor]:
+    """4-bit codes (out, in) in 0..15 with a float32 step and minimum per (out, block of 32):
+    w = minimum + code * step. Returns (kind, packed (tiles, tile bytes) uint8); the step and
+    minimum are kept as float16 where every one is exactly a float16, else as float32."""
+    c = codes.numpy().astype(np.uint8)
+    out = c.shape[0]
+    s, m = step.float().numpy(), minimum.float().numpy()
+    exact = (np.array_equal(s.astype(np.float16).astype(np.float32), s)
+             and np.array_equal(m.astype(np.float16).astype(np.float32), m))
+    dtype, kind = (np.float16, "int4_f16") if exact else (np.float32, "int4_f32")
+    g = _groups(c)  # (tiles, blocks, 8, 16, 4)
+    nib = (g[:, :, :4] | (g[:, :, 4:] << 4)).reshape(g.shape[0], g.shape[1], -1)  # (tiles, blocks, 256)
+    blocks = np.concatenate([nib, _per_block(s.astype(dtype), out), _per_block(m.astype(dtype), out)], -1)
+    return kind, torch.from_numpy(np.ascontiguousarray(blocks.reshape(blocks.shape[0], -1)))
+
+
+def pack_int8(codes: torch.Tensor, scales: torch.Tensor) -> tuple[str, torch.Tensor]:
+    """int8 codes (out, in) and a step per output row (out,) or per (out, block of 32) (Q8_0,
+    float16 steps): w = code * step. Returns (kind, packed (tiles, tile bytes) uint8)."""
+    c = codes.numpy().view(np.int8)
+    out = c.shape[0]
+    g = _groups((c.astype(np.int16) + 128).astype(np.uint8))  # unsigned codes u = c + 128
+    body = g.reshape(g.shape[0], g.shape[1], -1)  # (tiles, blocks, 512)
+    if scales.dim() == 2:
+        blocks = np.concatenate([body, _per_block(scales.numpy().astype(np.float16), out)], -1)
+        return "q8_0", torch.from_numpy(np.ascontiguousarray(blocks.reshape(blocks.shape[0], -1)))
+    row = np.ascontiguousarray(_tiled(scales.float().numpy(), out)).view(np.uint8)  # (tiles, 64)
+    return "int8_row", torch.from_numpy(np.concatenate([body.reshape(body.shape[0], -1), row], -1))
+
+
+class DotLinear(nn.Module):
+    """``y = x @ W.T + bias`` on kernels/q8dot.c: x's rows quantized to int8 per block of 32,
+    W as :func:`pack_int4` / :func:`pack_int8` hold it; returned in x's dtype (bfloat16 or
+    float32; others go through float32). ``packed`` is a frozen parameter, so
+    ``ShardWeights.parameter_bytes()`` counts it."""
+
+    def __init__(self, kind: str, packed: torch.Tensor, in_features: int, out_features: int,
+                 bias: torch.Tensor | None = None):
+        super().__init__()
+        self._kernel = kernel()
+        if self._kernel is None:
+            raise RuntimeError("the q8dot kernel cannot be built here: keep torch's kernels")
+        if in_features % BLOCK or packed.shape[1] != self._kernel.meshnet_q8dot_tile_bytes(KINDS[kind], in_features):
+            raise ValueError(f"{kind} weights of {tuple(packed.shape)} bytes do not hold {in_features} inputs")
+        self.kind, self.in_features, self.out_features = kind, in_features, out_features
+        self.packed = nn.Parameter(packed.contiguous(), requires_grad=False)  # (tiles, tile bytes) uint8
+        self.bias = None if bias is None else nn.Parameter(bias.to(torch.bfloat16), requires_grad=False)
+        self._job, self._at = None, None  # the weights' part of the kernel's job, built once
+
+    @classmethod
+    def from_grid(cls, grid, bias: torch.Tensor | None = None) -> DotLinear:
+        """A GGUF's Q4_0 / Q4_1 / Q4_K blocks (``fabric.compute.gguf_grid.FileGrid``), exactly."""
+        kind, packed = pack_int4(grid.codes, grid.scale, grid.minimum)
+        out, n = grid.codes.shape
+        return cls(kind, packed, n, out, bias)
+
+    @classmethod
+    def from_int8(cls, weight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None) -> DotLinear:
+        """int8 rows (out, in) with a scale per row (``quant.Int8Linear``'s), or Q8_0's per block."""
+        kind, packed = pack_int8(weight, scales)
+        return cls(kind, packed, weight.shape[1], weight.shape[0], bias)
+
+    @staticmethod
+    def joinable(parts: list[nn.Module]) -> bool:
+        """Can ``parts`` be one module (:meth:`concatenated`)? Not for other kinds or inputs, or
+        a part before the last not in whole tiles."""
+        return (all(isinstance(p, DotLinear) for p in parts) and len({(p.kind, p.in_features) for p in parts}) == 1
+                and not any(p.out_features % TILE for p in parts[:-1]))
+
+    @classmethod
+    def concatenated(cls, parts: list[DotLinear]) -> DotLinear | None:
+        """One module whose outputs are ``parts``' side by side (each output's bits as its part
+        gives them: an output's arithmetic is its own), or None where not :meth:`joinable`."""
+        first = parts[0]
+        if not cls.joinable(parts):
+            return None
+        bias = None
+        if any(p.bias is not None for p in parts):
+            bias = torch.cat([p.bias if p.bias is not None else torch.zeros(p.out_features, dtype=torch.bfloat16)
+                              for p in parts])
+        return cls(first.kind, torch.cat([p.packed for p in parts]), first.in_features,
+                   sum(p.out_features for p in parts), bias)
+
+    def share(self, parts: list[DotLinear]) -> None:
+        """Make ``parts``' weights views of this module's (one copy in memory); ``self`` is their
+        :meth:`concatenated`."""
+        at = 0
+        for p in parts:
+            tiles = p.packed.shape[0]
+            p.packed = nn.Parameter(self.packed[at:at + tiles], requires_grad=False)
+            p._job = None
+            at += tiles
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x2 = x.reshape(-1, self.in_features)  # (rows, in)
+        if x2.dtype not in _FORMATS:
+            x2 = x2.float()
+        return self.rows(x2.contiguous()).to(x.dtype).view(*x.shape[:-1], self.out_features)
+
+    def rows(self, x: torch.Tensor) -> torch.Tensor:
+        """x (rows, in) contiguous, bfloat16 or float32 -> (rows, out) in its dtype, bias added:
+        the product with nothing around it (the lean layers call it a hundred times a token)."""
+        x = x if x.is_contiguous() else x.contiguous()
+        y = torch.empty(x.shape[0], self.out_features, dtype=x.dtype)  # (rows, out)
+        if x.shape[0]:
+            job = self._job_for()
+            job.x, job.y, job.rows = x.data_ptr(), y.data_ptr(), x.shape[0]
+            job.xfmt = job.yfmt = _FORMATS[x.dtype]
+            if self._run(self._ref, torch.get_num_threads()):
+                raise MemoryError("q8dot: no memory for the quantized rows")
+        return y if self.bias is None else y + self.bias.to(y.dtype)
+
+    def _job_for(self) -> _DJob:
+        """The kernel's job, its weights' part kept from the last call while they stay where
+        they were (a Python call costs as much as a small product)."""
+        if self._job is None or self._at != self.packed.data_ptr():
+            self._at = self.packed.data_ptr()
+            self._job = _DJob(self._at, None, None, 0, self.in_features, self.out_features, KINDS[self.kind], 0, 0)
+            self._ref, self._run = ctypes.byref(self._job), self._kernel.meshnet_q8dot
+        return self._job
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"bias={self.bias is not None}, {self.kind} on q8dot")
+
+
+def quantized_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The kernel's quantization of rows x (rows, in) bfloat16 or float32 (for checks): codes
+    (rows, in) int8, steps (rows, in / 32) float32, sums of codes (rows, in / 32) int32."""
+    lib = kernel()
+    x = x.contiguous() if x.dtype in _FORMATS else x.float().contiguous()
+    rows, n = x.shape
+    q = torch.empty(rows, n, dtype=torch.int8)
+    d = torch.empty(rows, n // BLOCK, dtype=torch.float32)
+    s = torch.empty(rows, n // BLOCK, dtype=torch.int32)
+    job = _DJob(None, x.data_ptr(), None, rows, n, 0, 0, _FORMATS[x.dtype], 0)
+    if lib.meshnet_q8dot_quantize(ctypes.byref(job), ctypes.c_void_p(q.data_ptr()), ctypes.c_void_p(d.data_ptr()),
+                                  ctypes.c_void_p(s.data_ptr())):
+        raise ValueError("q8dot: rows not in whole blocks of 32")
+    return q, d, s

@@ -1,0 +1,206 @@
+"""The q8dot kernel (fabric/compute/kernels/q8dot.c, ``fabric.compute.q8dot``): rows quantized to
+int8 per block of 32, integer dot products with a GGUF's 4-bit codes or with int8 codes.
+
+- its rows' quantization is llama.cpp's q8_0 (step absmax / 127, codes rounded to nearest even);
+- its products are a float64 product of the same quantized rows and the file's weights within
+  float32 accumulation (tight), and the float product of the rows themselves within the rows'
+  rounding (loose), for Q4_0, Q4_1, Q4_K, Q8_0 and int8 rows;
+- a row's output is the same bits alone and in batches of 2..16, on 1 and 2 threads, and on the
+  AVX2 and plain C builds of the same source;
+- behind ``MESHNET_Q8DOT=1`` a GGUF's default mode runs on it, batch-invariant, lean layers and
+  modules alike.
+"""
+from __future__ import annotations
+
+import ctypes
+import shutil
+import subprocess
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize
+
+from fabric.compute import gguf_grid, q8dot
+from fabric.compute.q8dot import DotLinear
+from tests.gguf_models import encode, write_gguf
+from tests.test_invariant import default_mode, differences, smollm2
+from tests.test_lean_layers import _lean_against_modules
+
+KINDS = ("Q4_0", "Q4_1", "Q4_K", "Q8_0", "int8 rows")
+SHAPES = {"Q4_K": (40, 512)}  # outputs not whole tiles of 16; Q4_K's rows whole super-blocks
+EPS = torch.finfo(torch.float32).eps
+
+
+@pytest.fixture(scope="module", autouse=True)
+def kernel_built():
+    if q8dot.kernel() is None:
+        pytest.fail("the q8dot kernel could not be built here")
+
+
+def layer_of(kind: str, shape=None, seed: int = 0) -> tuple[DotLinear, torch.Tensor, torch.Tensor]:
+    """(the kernel's linear, the float32 weight (out, in) it holds, |each block term's weight|)."""
+    out, n = shape or SHAPES.get(kind, (40, 160))
+    w = np.random.default_rng(seed).standard_normal((out, n)).astype(np.float32)
+    if kind == "int8 rows":
+        codes = torch.randint(-127, 128, (out, n), dtype=torch.int8, generator=torch.Generator().manual_seed(seed))
+        scales = torch.rand(out, generator=torch.Generator().manual_seed(seed + 1)) * 0.02
+        weight = codes.float() * scales[:, None]
+        return DotLinear.from_int8(codes, scales), weight, weight.abs()
+    raw = encode(w, kind)
+    exact = dequantize(raw, GGMLQuantizationType[kind])
+    if kind == "Q8_0":
+        blocks = raw.reshape(out, -1, 34)
+        d = torch.from_numpy(blocks[..., :2].copy().view(np.float16)[..., 0])
+        codes = torch.from_numpy(blocks[..., 2:].copy().view(np.int8).reshape(out, n))
+        weight = torch.from_numpy(exact)
+        return DotLinear.from_int8(codes, d), weight, weight.abs()
+    grid = gguf_grid.grid_of(exact, raw, kind, lambda a: a)
+    bound = grid.minimum.abs().repeat_interleave(32, 1) + grid.codes.float() * grid.scale.abs().repeat_interleave(32, 1)
+    return DotLinear.from_grid(grid), grid.weight(), bound
+
+
+def quantized(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernel's rows (rows, in) as floats, and each element's step."""
+    q, d, _ = q8dot.quantized_rows(x)
+    steps = d.repeat_interleave(32, 1)
+    return q.double() * steps.double(), steps
+
+
+def test_rows_are_quantized_as_llama_cpps_q8_0():
+    x = torch.randn(7, 96, generator=torch.Generator().manual_seed(0)) * 3
+    x[2, :32] = 0.0  # a block of zeros: step 0, codes 0
+    x[3, 40] = -50.0  # an outlier: its block's codes shrink around it
+    q, d, s = q8dot.quantized_rows(x)
+    blocks = x.numpy().reshape(7, 3, 32)
+    step = np.abs(blocks).max(-1) / np.float32(127)
+    inv = np.where(step == 0, np.float32(0), np.float32(1) / np.where(step == 0, 1, step)).astype(np.float32)
+    codes = np.rint(blocks * inv[..., None]).astype(np.int8)
+    assert np.array_equal(d.numpy(), step) and np.array_equal(q.numpy(), codes.reshape(7, 96))
+    assert np.array_equal(s.numpy(), codes.astype(np.int32).sum(-1)) and q[3, 40] == -127
+    assert torch.equal(q8dot.quantized_rows(x.bfloat16())[0], q8dot.quantized_rows(x.bfloat16().float())[0])
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_products_are_the_quantized_rows_times_the_files_weights(kind):
+    layer, weight, term = layer_of(kind, seed=1)
+    nb = weight.shape[1] // 32
+    expect_kind = {"Q4_K": "int4_f32", "Q8_0": "q8_0", "int8 rows": "int8_row"}.get(kind, "int4_f16")
+    assert layer.kind == expect_kind
+    for rows in (1, 2, 3, 5, 16, 17, 64):
+        x = torch.randn(rows, weight.shape[1], generator=torch.Generator().manual_seed(rows))
+        xq, steps = quantized(x)
+        y = layer(x).double()
+        tight = 4 * (nb + 3) * EPS * (xq.abs() @ term.double().T) + 1e-30
+        assert ((y - xq @ weight.double().T).abs() <= tight).all(), rows
+        rounding = (steps.double() / 2) @ weight.double().abs().T  # |x - xq| <= step / 2, element by element
+        assert ((y - x.double() @ weight.double().T).abs() <= rounding + tight).all(), rows
+        assert ((y - x.double() @ weight.double().T).abs() > tight).any(), rows  # the rows were quantized
+
+
+def test_the_tight_check_can_fail():
+    layer, weight, term = layer_of("Q4_1", seed=2)
+    x = torch.randn(4, weight.shape[1])
+    xq, _ = quantized(x)
+    off = weight.clone()
+    off[3, 70] += weight[3].abs().max()  # one weight moved
+    tight = 4 * 8 * EPS * (xq.abs() @ term.double().T)
+    assert ((layer(x).double() - xq @ off.double().T).abs() > tight).any()
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_rows_output_is_the_same_bits_in_any_batch(kind, threads):
+    layer, weight, _ = layer_of(kind, seed=3)
+    x = torch.randn(16, weight.shape[1], generator=torch.Generator().manual_seed(4)).bfloat16()
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        alone = torch.cat([layer(x[r:r + 1]) for r in range(16)])
+        for size in range(2, 17):
+            batched = torch.cat([layer(x[at:at + size]) for at in range(0, 16, size)])
+            assert torch.equal(batched, alone), size
+        assert torch.equal(layer(x[[5, 0, 15, 9, 9]]), alone[[5, 0, 15, 9, 9]])  # other rows beside it
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_a_row_is_the_same_bits_on_one_thread_and_on_two():
+    layer, weight, _ = layer_of("Q4_1", shape=(200, 256), seed=5)
+    x = torch.randn(9, 256).bfloat16()
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = layer(x)
+        torch.set_num_threads(2)
+        assert torch.equal(layer(x), one)
+    finally:
+        torch.set_num_threads(before)
+
+
+def _build(tmp_path, flags: list[str]) -> ctypes.CDLL:
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    target = tmp_path / f"q8dot{len(flags)}.so"
+    source = q8dot.native.SOURCES / "q8dot.c"
+    subprocess.run([compiler, "-O3", *flags, "-fopenmp", "-shared", "-fPIC", "-std=gnu11", "-o", str(target),
+                    str(source), "-lm"], check=True, capture_output=True, timeout=120)
+    lib = ctypes.CDLL(str(target))
+    lib.meshnet_q8dot_tile_bytes.restype = ctypes.c_int64
+    lib.meshnet_q8dot_tile_bytes.argtypes = [ctypes.c_int, ctypes.c_int64]
+    return lib
+
+
+@pytest.mark.parametrize("flags,path", [(["-mavx2", "-mfma", "-mf16c"], 1), ([], 0)])
+def test_the_avx2_and_plain_builds_give_the_same_bits(tmp_path, flags, path):
+    other = _build(tmp_path, flags)
+    assert other.meshnet_q8dot_path() == path
+    x = torch.randn(6, 512, generator=torch.Generator().manual_seed(6)).bfloat16()
+    for kind in KINDS:
+        layer, _, _ = layer_of(kind, shape=(40, 512), seed=7)
+        here = layer(x)
+        layer._kernel, layer._job = other, None  # the job is built anew on the other build
+        assert torch.equal(layer(x), here), kind
+        assert layer._run is other.meshnet_q8dot  # it ran there
+
+
+def test_parts_side_by_side_give_each_parts_bits():
+    parts = [layer_of("Q4_1", shape=(out, 160), seed=out)[0] for out in (48, 16, 40)]
+    fused = DotLinear.concatenated(parts)
+    x = torch.randn(5, 160).bfloat16()
+    assert torch.equal(fused(x), torch.cat([p(x) for p in parts], 1))
+    assert DotLinear.concatenated([parts[2], parts[0]]) is None  # 40 outputs: not whole tiles
+    assert DotLinear.concatenated([parts[0], layer_of("Q4_K", shape=(16, 256))[0]]) is None
+
+
+@pytest.fixture
+def switched_on(monkeypatch):
+    monkeypatch.setenv("MESHNET_Q8DOT", "1")
+
+
+@pytest.mark.parametrize("family,kind", [("llama", "Q4_1"), ("qwen2", "Q4_0"), ("llama", "Q4_K")])
+def test_the_default_mode_on_the_kernel_is_batch_invariant(tmp_path, switched_on, family, kind):
+    ex = default_mode(write_gguf(family, tmp_path, kind))
+    linears = {type(m).__name__ for layer in ex.w.layers.values() for m in layer.modules() if "Linear" in type(m).__name__}
+    assert linears == {"DotLinear"} and isinstance(ex.w.lm_head, DotLinear), linears
+    assert ex._lean is not None
+    found = differences(ex)
+    assert found == dict.fromkeys(found, 0) and len(found) == 7, found
+    same = _lean_against_modules(ex)
+    assert all(same) and len(same) == 10, same
+
+
+def test_without_the_switch_the_default_mode_keeps_torchs_kernels(tmp_path, monkeypatch):
+    monkeypatch.delenv("MESHNET_Q8DOT", raising=False)
+    ex = default_mode(write_gguf("llama", tmp_path, "Q4_1"))
+    assert {type(m).__name__ for m in ex.w.layers[0].modules() if "Linear" in type(m).__name__} == {"Int4Linear"}
+    monkeypatch.setenv("MESHNET_Q8DOT", "1")
+    monkeypatch.setenv("MESHNET_NATIVE", "0")
+    assert not q8dot.wanted()
+
+
+def test_the_same_bits_on_smollm2s_q4_1_file_on_the_kernel(switched_on):
+    ex = default_mode(smollm2())
+    assert isinstance(ex.w.lm_head, DotLinear) and ex._lean is not None
+    found = differences(ex)
+    assert found == dict.fromkeys(found, 0) and len(found) == 7, found
