@@ -63,3 +63,11 @@ def test_another_cpu_gets_its_own_build(monkeypatch, tmp_path, compiler):
     monkeypatch.setattr(native, "_cpu", lambda: "flags : sse2")
     assert build(monkeypatch, tmp_path) is not None
     assert len(list((tmp_path / "meshnet" / "kernels").glob("attention-*.so"))) == 2
+
+
+def test_a_small_product_runs_on_one_thread_and_a_large_one_on_all():
+    from fabric.compute.native import WORK_PER_THREAD, threads_for
+
+    assert threads_for(576 * 576, 2) == 1  # a SmolLM2 projection for one row: waking a worker costs more
+    assert threads_for(2048 * 2048, 2) == 2 and threads_for(49152 * 576, 8) == 8
+    assert threads_for(3 * WORK_PER_THREAD, 8) == 3 and threads_for(10 ** 9, 1) == 1 and threads_for(0, 4) == 1

@@ -128,7 +128,8 @@ def by_kernel(kernel: ctypes.CDLL, query: torch.Tensor, key: torch.Tensor, value
                (keep.stride(0) if keep is not None and keep.shape[0] > 1 else 0, keep.stride(1) if keep is not None else 0),
                b, heads, key.shape[1], q, k, d, _FORMATS[query.dtype],
                scaling if scaling is not None else d ** -0.5, softcap or 0.0)
-    if kernel.meshnet_attention(ctypes.byref(job), torch.get_num_threads()):
+    threads = native.threads_for(b * heads * q * k * d, torch.get_num_threads())  # a decode step's is small
+    if kernel.meshnet_attention(ctypes.byref(job), threads):
         raise MemoryError("attention: no memory for the scores")
     return out
 

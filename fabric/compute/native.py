@@ -29,11 +29,23 @@ log = logging.getLogger(__name__)
 SOURCES = Path(__file__).with_name("kernels")
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11"]
 BUILD_TIMEOUT_S = 120
+# Multiply-adds a kernel call gives each thread at least. Waking an OpenMP worker costs more than a
+# small product saves (a node's workers sleep between regions, fabric/cli/torch_env.py): a
+# SmolLM2-135M token is ~150 products of 0.3-0.9 M multiply-adds, and one node at 2 threads
+# decoded at 0.5x its speed at 1 thread until those ran on one (docs/BENCHMARKS.md, "Threads
+# for small products"). A kernel's bits never depend on its thread count.
+WORK_PER_THREAD = 2_000_000
 
 
 def enabled() -> bool:
     """False where the user turned the kernels off (``MESHNET_NATIVE=0``)."""
     return os.environ.get("MESHNET_NATIVE", "1").strip().lower() not in ("0", "off", "false", "no")
+
+
+@functools.cache
+def threads_for(work: int, threads: int) -> int:
+    """How many of ``threads`` a kernel call of ``work`` multiply-adds runs on."""
+    return max(1, min(threads, work // WORK_PER_THREAD))
 
 
 @functools.cache

@@ -186,7 +186,8 @@ class DotLinear(nn.Module):
             job = self._job_for()
             job.x, job.y, job.rows = x.data_ptr(), y.data_ptr(), x.shape[0]
             job.xfmt = job.yfmt = _FORMATS[x.dtype]
-            if self._run(self._ref, torch.get_num_threads()):
+            threads = native.threads_for(x.shape[0] * self.in_features * self.out_features, torch.get_num_threads())
+            if self._run(self._ref, threads):
                 raise MemoryError("q8dot: no memory for the quantized rows")
         return y if self.bias is None else y + self.bias.to(y.dtype)
 

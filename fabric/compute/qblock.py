@@ -158,7 +158,8 @@ class BlockLinear(nn.Module):
         y = torch.empty(x2.shape[0], self.out_features, dtype=x2.dtype)  # (rows, out)
         if x2.shape[0]:
             job = self._job_for(x2, y)
-            if self._kernel.meshnet_qmatmul(ctypes.byref(job), torch.get_num_threads()):
+            threads = native.threads_for(x2.shape[0] * self.in_features * self.out_features, torch.get_num_threads())
+            if self._kernel.meshnet_qmatmul(ctypes.byref(job), threads):
                 raise MemoryError("qmatmul: no memory for its working rows")
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
