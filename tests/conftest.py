@@ -160,3 +160,12 @@ def pytest_sessionfinish(session, exitstatus):
 
 def _required() -> bool:
     return os.environ.get(REQUIRE_ENV) == "1"
+
+
+@pytest.fixture
+def split_every_call(monkeypatch):
+    """Our C kernels split even the smallest call over every torch thread (a node gives each
+    thread at least ``native.WORK_PER_THREAD``), so that a test's thread count is what runs."""
+    from fabric.compute import native
+
+    monkeypatch.setattr(native, "WORK_PER_THREAD", 1)

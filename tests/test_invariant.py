@@ -32,6 +32,8 @@ from fabric.wire.shard import Shard
 from tests.support.areas import skip_area
 from tests.tiny_models import FAMILIES
 
+pytestmark = pytest.mark.usefixtures("split_every_call")  # kernels split even small calls by threads
+
 REPO = Path(__file__).resolve().parent.parent
 PROMPT = 300  # past one tile of keys (attention.TILE)
 STEPS = 5  # decode positions after the prompt

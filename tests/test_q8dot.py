@@ -28,6 +28,8 @@ from tests.gguf_models import encode, write_gguf
 from tests.test_invariant import default_mode, differences, smollm2
 from tests.test_lean_layers import _lean_against_modules
 
+pytestmark = pytest.mark.usefixtures("split_every_call")  # kernels split even small calls by threads
+
 KINDS = ("Q4_0", "Q4_1", "Q4_K", "Q8_0", "int8 rows")
 SHAPES = {"Q4_K": (40, 512)}  # outputs not whole tiles of 16; Q4_K's rows whole super-blocks
 EPS = torch.finfo(torch.float32).eps

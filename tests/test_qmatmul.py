@@ -24,6 +24,8 @@ from fabric.wire.shard import Shard
 from tests.gguf_models import encode, write_gguf
 from tests.test_quant import reference_tokens, split_tokens
 
+pytestmark = pytest.mark.usefixtures("split_every_call")  # kernels split even small calls by threads
+
 SHAPES = {  # (out, in): outputs not a multiple of the kernel's tile of 8, inputs not of 256 where the type allows
     "Q5_0": [(37, 96), (8, 32), (130, 576)],
     "Q5_1": [(40, 64), (3, 160)],

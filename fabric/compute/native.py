@@ -42,7 +42,6 @@ def enabled() -> bool:
     return os.environ.get("MESHNET_NATIVE", "1").strip().lower() not in ("0", "off", "false", "no")
 
 
-@functools.cache
 def threads_for(work: int, threads: int) -> int:
     """How many of ``threads`` a kernel call of ``work`` multiply-adds runs on."""
     return max(1, min(threads, work // WORK_PER_THREAD))
