@@ -169,3 +169,10 @@ def split_every_call(monkeypatch):
     from fabric.compute import native
 
     monkeypatch.setattr(native, "WORK_PER_THREAD", 1)
+
+
+@pytest.fixture
+def torchs_kernels(monkeypatch):
+    """A GGUF's default mode on torch's weight-only kernels, not q8dot (``MESHNET_Q8DOT=0``): for
+    tests of those modules themselves."""
+    monkeypatch.setenv("MESHNET_Q8DOT", "0")

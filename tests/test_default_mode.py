@@ -140,6 +140,7 @@ def test_q4_0_blocks_keep_their_codes_through_a_row_permutation():
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("torchs_kernels")  # the torch modules themselves (q8dot: tests/test_q8dot.py)
 def test_a_q4_1_layer_runs_on_the_files_own_codes_steps_and_minima(xdg_cache):
     source, cache = need_model(), xdg_cache / "meshnet"
     int4 = load_shard(source, Shard(0, 0, 30), quant="int4", progress=False, cache_root=cache)

@@ -64,6 +64,7 @@ def test_lean_layers_give_the_modules_bits(tiny_models, family, quant):
     assert all(same) and len(same) == 10, same
 
 
+@pytest.mark.usefixtures("torchs_kernels")  # the torch modules themselves (q8dot: tests/test_q8dot.py)
 def test_lean_layers_give_the_modules_bits_on_smollm2s_q4_1_file():
     ex = _executor(smollm2(), "gguf")
     assert ex._lean is not None

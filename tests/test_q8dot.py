@@ -192,10 +192,14 @@ def test_the_default_mode_on_the_kernel_is_batch_invariant(tmp_path, switched_on
     assert all(same) and len(same) == 10, same
 
 
-def test_without_the_switch_the_default_mode_keeps_torchs_kernels(tmp_path, monkeypatch):
+def test_the_kernel_is_a_gguf_s_default_and_switched_off_torchs_kernels_stay(tmp_path, tiny_models, monkeypatch):
     monkeypatch.delenv("MESHNET_Q8DOT", raising=False)
-    ex = default_mode(write_gguf("llama", tmp_path, "Q4_1"))
-    assert {type(m).__name__ for m in ex.w.layers[0].modules() if "Linear" in type(m).__name__} == {"Int4Linear"}
+    file = write_gguf("llama", tmp_path, "Q4_1")
+    kinds = lambda ex: {type(m).__name__ for m in ex.w.layers[0].modules() if "Linear" in type(m).__name__}  # noqa: E731
+    assert kinds(default_mode(file)) == {"DotLinear"}
+    assert kinds(default_mode(tiny_models("llama"))) == {"Int8Linear"}  # a float model's --quant int8: torch's
+    monkeypatch.setenv("MESHNET_Q8DOT", "0")
+    assert kinds(default_mode(file)) == {"Int4Linear"}
     monkeypatch.setenv("MESHNET_Q8DOT", "1")
     monkeypatch.setenv("MESHNET_NATIVE", "0")
     assert not q8dot.wanted()

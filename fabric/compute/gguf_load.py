@@ -224,12 +224,12 @@ def groups(infos: list[GGUFTensorInfo], shard: Shard, tied: bool,
         yield i, [t for t in chosen if layer_of(t.name) == i]
 
 
-def head_rows(tensors: GGUFTensors, info: GGUFTensorInfo) -> nn.Module:
+def head_rows(tensors: GGUFTensors, info: GGUFTensorInfo, scheme: str) -> nn.Module:
     """The int8 lm_head of tensor ``info`` (vocab, hidden), as every scheme holds it
     (``fabric.compute.quant.LM_HEAD_SCHEME``), built ROWS_PER_SLICE rows at a time so that the
     float32 copy never exists whole: each row's scale is its own, so slices give what the
-    whole would."""
-    from .quant import Int8Linear, on_dot_kernel, quantize_weight
+    whole would. On the q8dot kernel where ``scheme`` puts the file's layers there."""
+    from .quant import Int8Linear, file_on_dot, on_dot_kernel, quantize_weight
 
     vocab = info.shape[0]
     weight = scales = None
@@ -241,7 +241,8 @@ def head_rows(tensors: GGUFTensors, info: GGUFTensorInfo) -> nn.Module:
             weight = torch.empty((vocab, block.shape[1]), dtype=torch.int8)
             scales = torch.empty(vocab, dtype=torch.bfloat16)
         weight[at:at + len(block)], scales[at:at + len(block)] = quantize_weight(block)
-    return on_dot_kernel(Int8Linear(weight, scales))  # the q8dot kernel where MESHNET_Q8DOT asks for it
+    head = Int8Linear(weight, scales)
+    return on_dot_kernel(head) if file_on_dot(scheme) else head
 
 
 class GGUFEmbedding(nn.Module):

@@ -369,7 +369,7 @@ def _load_gguf(source: ModelSource, cache_root: Path | None, model, config, shar
             block = model.model.layers[layer].to(dtype)
             quantize_modules([block], None, quant, grid_modules(model, placement))
         release_freed_memory()  # each layer's float copies, before the next: the peak stays one layer's
-    lm_head = head_rows(tensors, head_info) if head_info is not None else None
+    lm_head = head_rows(tensors, head_info, quant) if head_info is not None else None
     _warn_kept(tensors, shard, quant)
     del converter, tensors
     release_freed_memory()

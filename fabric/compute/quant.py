@@ -179,10 +179,11 @@ def int4_fits(linear: nn.Linear, group_size: int = INT4_GROUP) -> bool:
     return in_f % group_size == 0 and out_f % 16 == 0
 
 
-def _quantize_linear(linear: nn.Linear, scheme: str, grid: FileGrid | FileBlocks | str | None = None) -> nn.Module:
+def _quantize_linear(linear: nn.Linear, scheme: str, grid: FileGrid | FileBlocks | str | None = None,
+                     dot: bool = False) -> nn.Module:
     """``linear`` on ``scheme``'s kernel; ``grid`` is its place from the file
     (``fabric.compute.gguf_grid.placement_of``): a FileGrid, FileBlocks (the qmatmul kernel),
-    KEEP (stays as it is) or None."""
+    KEEP (stays as it is) or None. ``dot``: 4-bit grids and int8 rows on the q8dot kernel."""
     from .gguf_grid import KEEP
     from .qblock import BlockLinear, FileBlocks
 
@@ -190,7 +191,6 @@ def _quantize_linear(linear: nn.Linear, scheme: str, grid: FileGrid | FileBlocks
         return linear
     if isinstance(grid, FileBlocks):
         return BlockLinear(grid, linear.bias)
-    dot = q8dot.wanted()  # MESHNET_Q8DOT: the int8-activation kernel (fabric.compute.q8dot)
     if scheme in ("int4", "gguf") and grid is not None and int4_fits(linear):
         return q8dot.DotLinear.from_grid(grid, linear.bias) if dot else Int4Linear.from_grid(grid, linear.bias)
     if scheme == "int4" and int4_fits(linear):
@@ -200,24 +200,24 @@ def _quantize_linear(linear: nn.Linear, scheme: str, grid: FileGrid | FileBlocks
 
 
 def on_dot_kernel(layer: Int8Linear) -> nn.Module:
-    """``layer``'s int8 rows and scales on the q8dot kernel (``MESHNET_Q8DOT``), where it is asked
-    for and built; else ``layer`` itself."""
+    """``layer``'s int8 rows and scales on the q8dot kernel (a GGUF's default mode, unless
+    ``MESHNET_Q8DOT=0``), where it is built; else ``layer`` itself."""
     if not q8dot.wanted():
         return layer
     return q8dot.DotLinear.from_int8(layer.weight.data, layer.scales.data.float(),
                                      None if layer.bias is None else layer.bias.data)
 
 
-def _swap_linears(module: nn.Module, scheme: str, grids: Mapping[nn.Module, FileGrid | str]) -> int:
+def _swap_linears(module: nn.Module, scheme: str, grids: Mapping[nn.Module, FileGrid | str], dot: bool) -> int:
     """Replace every nn.Linear below ``module`` (one at a time); how many were replaced."""
     count = 0
     for name, child in list(module.named_children()):
         if isinstance(child, nn.Linear):
-            setattr(module, name, _quantize_linear(child, scheme, grids.get(child)))
+            setattr(module, name, _quantize_linear(child, scheme, grids.get(child), dot))
             del child
             count += 1
         else:
-            count += _swap_linears(child, scheme, grids)
+            count += _swap_linears(child, scheme, grids, dot)
     return count
 
 
@@ -229,22 +229,31 @@ def quantize_modules(layers: Iterable[nn.Module], lm_head: nn.Module | None = No
 
     ``grids``: linears whose weights a GGUF stores on a 4-bit grid (``fabric.compute.gguf_grid``);
     under int4 they keep it. ``lm_head`` may share its weight with the token embedding: the
-    new Int8Linear holds its own int8 copy and never touches the shared float tensor.
+    new Int8Linear holds its own int8 copy and never touches the shared float tensor. A GGUF's
+    default mode (int4 or gguf with the file's grids) runs on the q8dot kernel (:func:`file_on_dot`).
     """
     if scheme not in SCHEMES:
         raise ValueError(f"unknown quantization {scheme!r}; choose one of {', '.join(SCHEMES)}")
+    dot = grids is not None and file_on_dot(scheme)
     out = []
     for layer in layers:
         if isinstance(layer, nn.Linear):
             raise TypeError("pass decoder layers, not bare nn.Linear modules")
-        _swap_linears(layer, scheme, grids or {})
+        _swap_linears(layer, scheme, grids or {}, dot)
         out.append(layer)
     head = None
     if lm_head is not None:
         # under int4 the lm_head stays int8 (LM_HEAD_SCHEME): measured, docs/BENCHMARKS.md
-        head = (_quantize_linear(lm_head, LM_HEAD_SCHEME.get(scheme, scheme)) if isinstance(lm_head, nn.Linear)
-                else lm_head)
+        head = lm_head
+        if isinstance(lm_head, nn.Linear):
+            head = _quantize_linear(lm_head, LM_HEAD_SCHEME.get(scheme, scheme), None, dot)
     return out, head
+
+
+def file_on_dot(scheme: str | None) -> bool:
+    """A GGUF's linears and lm_head under ``scheme`` run on the q8dot kernel: its default modes
+    (int4 and gguf, the file's own grids), unless ``MESHNET_Q8DOT=0`` or it cannot be built."""
+    return scheme in ("int4", "gguf") and q8dot.wanted()
 
 
 def quantize(module, scheme: str = "int8", grids: Mapping[nn.Module, FileGrid | str] | None = None):
