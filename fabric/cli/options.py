@@ -22,8 +22,9 @@ def keys_flag(p: argparse.ArgumentParser) -> None:
 def quant_flag(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quant", default="auto", choices=["auto", "none", "int8", "int4", "gguf"],
                    help="weight-only quantized layers, computed in bfloat16 on the CPU. auto (default): a GGUF on "
-                        "its own grid (gguf: Q4_0/Q4_1/Q4_K layers on the int4 kernels with the file's codes, "
-                        "Q5_* on the file's own blocks (a C kernel), Q6_K/Q8_0 re-rounded onto int8, float16 in bfloat16; a float32 file, other weights, "
+                        "its own grid (gguf: Q4_0/Q4_1/Q4_K layers on the file's codes and Q6_K/Q8_0 "
+                        "re-rounded onto int8, on an int8-activation kernel as llama.cpp computes; Q5_* on the "
+                        "file's own blocks; float16 in bfloat16; a float32 file, other weights, "
                         "a GPU: none); none: every layer in --dtype (with --dtype float32: exact, the tokens "
                         "of transformers in float32); int8, int4: every linear onto that kernel")
 
