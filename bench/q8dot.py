@@ -15,15 +15,15 @@ the kernel is faster), and the weights' GB/s through the kernel.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "bench"))
+from qmatmul import alternated  # noqa: E402  (the same alternated timing as the qmatmul bench)
 
 SHAPES = {  # name: (out, in, weights): int4 projections, int8 lm_heads
     "smol qkv": (960, 576, "int4"), "smol o": (576, 576, "int4"), "smol gate_up": (3072, 576, "int4"),
@@ -31,21 +31,6 @@ SHAPES = {  # name: (out, in, weights): int4 projections, int8 lm_heads
     "1.7b o": (2048, 2048, "int4"), "1.7b up": (8192, 2048, "int4"), "1.7b down": (2048, 8192, "int4"),
 }
 DEFAULT = "smol o,smol up,smol down,smol lm_head,1.7b o,1.7b up,1.7b down"
-
-
-def timed(fn, x: torch.Tensor, budget_s: float = 0.04) -> float:
-    """Seconds per call: as many calls as fit ``budget_s`` (at least 3), the best of 3 such rounds' means."""
-    fn(x)
-    start = time.perf_counter()
-    fn(x)
-    n = max(3, int(budget_s / max(time.perf_counter() - start, 1e-7)))
-    best = float("inf")
-    for _ in range(3):
-        start = time.perf_counter()
-        for _ in range(n):
-            fn(x)
-        best = min(best, (time.perf_counter() - start) / n)
-    return best
 
 
 def pair(shape: tuple[int, int, str]):
@@ -91,11 +76,7 @@ def main() -> None:
                 torch.set_num_threads(threads)
                 for rows in (int(r) for r in args.rows.split(",")):
                     x = torch.randn(rows, n).to(torch.bfloat16)
-                    q_t, t_t = [], []
-                    for rep in range(args.reps):
-                        for fn, times in [(ours, q_t), (theirs, t_t)][:: 1 if rep % 2 == 0 else -1]:
-                            times.append(timed(fn, x))
-                    q, t = statistics.median(q_t), statistics.median(t_t)
+                    q, t = alternated(ours, theirs, x, args.reps)
                     print(f"{name:14} {f'{out}x{n}':>12} {threads:3} {rows:4} {q * 1e6:9.1f} {t * 1e6:9.1f} "
                           f"{t / q:6.2f} {nbytes / q / 1e9:6.1f}", flush=True)
 

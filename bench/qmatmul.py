@@ -35,11 +35,9 @@ SHAPES = {  # (out, in) of a model's projections
 def timed(fn, x: torch.Tensor, budget_s: float = 0.05) -> float:
     """Seconds per call: as many calls as fit ``budget_s`` (at least 3), the best of 3 such rounds' means."""
     fn(x)
-    n = 1
     start = time.perf_counter()
     fn(x)
-    one = max(time.perf_counter() - start, 1e-7)
-    n = max(3, int(budget_s / one))
+    n = max(3, int(budget_s / max(time.perf_counter() - start, 1e-7)))
     best = float("inf")
     for _ in range(3):
         start = time.perf_counter()
@@ -63,6 +61,16 @@ def pair(type_name: str, shape: tuple[int, int]):
     return ours, int8, nbytes
 
 
+
+def alternated(ours, theirs, x: torch.Tensor, reps: int) -> tuple[float, float]:
+    """Median seconds per call of ``ours`` and ``theirs`` on x, timed in alternating order."""
+    mine, other = [], []
+    for rep in range(reps):
+        for fn, times in [(ours, mine), (theirs, other)][:: 1 if rep % 2 == 0 else -1]:
+            times.append(timed(fn, x))
+    return statistics.median(mine), statistics.median(other)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[1])
     parser.add_argument("--threads", type=int, default=1)
@@ -83,12 +91,7 @@ def main() -> None:
                 ours, int8, (qb, ib) = pair(type_name, shape)
                 for rows in (int(r) for r in args.rows.split(",")):
                     x = torch.randn(rows, shape[1]).to(torch.bfloat16)
-                    q_t, i_t = [], []
-                    for rep in range(args.reps):
-                        order = [(ours, q_t), (int8, i_t)][:: 1 if rep % 2 == 0 else -1]
-                        for layer, out in order:
-                            out.append(timed(layer, x))
-                    q, i = statistics.median(q_t), statistics.median(i_t)
+                    q, i = alternated(ours, int8, x, args.reps)
                     print(f"{type_name:6} {name:18} {rows:5} {q * 1e6:11.1f} {i * 1e6:9.1f} {i / q:6.2f}  "
                           f"{qb / ib:.2f}", flush=True)
 

@@ -29,6 +29,7 @@ from fabric.compute.executor import Chunk, ShardExecutor, Step
 from fabric.compute.kv import KVStore
 from fabric.compute.models import ALIASES, alias_path, load_config, load_shard, resolve
 from fabric.wire.shard import Shard
+from tests.support import on_threads
 from tests.support.areas import skip_area
 from tests.tiny_models import FAMILIES
 
@@ -226,19 +227,10 @@ def test_a_query_gives_the_same_bits_alone_in_a_chunk_in_a_batch_on_any_thread_c
     chunk, _ = attention.attention(_Module, query, key, value, None)
     if path == "C kernel":  # the torch path's matmuls may split their work by threads
         other = 1 if torch.get_num_threads() > 1 else 2
-        assert torch.equal(_on_threads(other, attention.attention, _Module, query, key, value, None)[0], chunk)
+        assert torch.equal(on_threads(other, attention.attention, _Module, query, key, value, None)[0], chunk)
     alone = [attention.attention(_Module, query[:1, :, i:i + 1], key[:1, :, :261 + i], value[:1, :, :261 + i], None)[0]
              for i in range(40)]
     assert all(torch.equal(one[0, 0], chunk[0, i]) for i, one in enumerate(alone))
-
-
-def _on_threads(n: int, fn, *args):
-    threads = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        return fn(*args)
-    finally:
-        torch.set_num_threads(threads)
 
 
 def test_only_a_bfloat16_shard_on_a_cpu_attends_this_way():

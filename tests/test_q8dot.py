@@ -25,6 +25,7 @@ from gguf.quants import dequantize
 from fabric.compute import gguf_grid, q8dot
 from fabric.compute.q8dot import DotLinear
 from tests.gguf_models import encode, write_gguf
+from tests.support import on_threads
 from tests.test_invariant import default_mode, differences, smollm2
 from tests.test_lean_layers import _lean_against_modules
 
@@ -131,14 +132,7 @@ def test_a_rows_output_is_the_same_bits_in_any_batch(kind, threads):
 def test_a_row_is_the_same_bits_on_one_thread_and_on_two():
     layer, weight, _ = layer_of("Q4_1", shape=(200, 256), seed=5)
     x = torch.randn(9, 256).bfloat16()
-    before = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        one = layer(x)
-        torch.set_num_threads(2)
-        assert torch.equal(layer(x), one)
-    finally:
-        torch.set_num_threads(before)
+    assert torch.equal(on_threads(2, layer, x), on_threads(1, layer, x))
 
 
 def _build(tmp_path, flags: list[str]) -> ctypes.CDLL:

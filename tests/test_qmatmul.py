@@ -22,6 +22,7 @@ from fabric.compute import gguf_grid, native, qblock
 from fabric.compute.models import load_config, load_shard, pick_quant, resolve
 from fabric.wire.shard import Shard
 from tests.gguf_models import encode, write_gguf
+from tests.support import on_threads
 from tests.test_quant import reference_tokens, split_tokens
 
 pytestmark = pytest.mark.usefixtures("split_every_call")  # kernels split even small calls by threads
@@ -99,14 +100,7 @@ def test_a_row_is_the_same_bits_on_one_thread_and_on_two():
     raw, _ = file_tensor("Q5_K", (70, 512), seed=4)
     layer = qblock.BlockLinear(qblock.blocks_from_raw(raw, "Q5_K"))
     x = torch.randn(9, 512).bfloat16()
-    before = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        one = layer(x)
-        torch.set_num_threads(2)
-        assert torch.equal(layer(x), one)
-    finally:
-        torch.set_num_threads(before)
+    assert torch.equal(on_threads(2, layer, x), on_threads(1, layer, x))
 
 
 def test_rows_the_model_reorders_are_found_and_anything_else_refused():

@@ -63,3 +63,15 @@ class FakeClock:
 
     def __call__(self) -> float:
         return self.now
+
+
+def on_threads(n: int, fn, *args):
+    """``fn(*args)`` with torch (and the kernels it drives) on ``n`` threads."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        return fn(*args)
+    finally:
+        torch.set_num_threads(threads)

@@ -365,16 +365,23 @@ static void acts_free(Acts *a) {
     free(a->s);
 }
 
-/* Runs `job` on `threads` threads. Returns 0; -1 where working memory could not be had, -2 for
-   inputs not in whole blocks. */
-int meshnet_q8dot(const DJob *job, int threads) {
+/* x's rows quantized into `a`: 0; -1 where working memory could not be had, -2 for inputs not in
+   whole blocks. */
+static int quantized(const DJob *job, Acts *a) {
     if (job->in % BLOCK) return -2;
-    Acts a;
-    if (!acts_alloc(&a, job->rows, job->in)) {
-        acts_free(&a);
+    if (!acts_alloc(a, job->rows, job->in)) {
+        acts_free(a);
         return -1;
     }
-    quantize(job, &a);
+    quantize(job, a);
+    return 0;
+}
+
+/* Runs `job` on `threads` threads. Returns 0, or what `quantized` returns. */
+int meshnet_q8dot(const DJob *job, int threads) {
+    Acts a;
+    int failed = quantized(job, &a);
+    if (failed) return failed;
     int64_t tiles = (job->out + TILE - 1) / TILE;
 #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
     for (int64_t t = 0; t < tiles; t++)
@@ -386,13 +393,9 @@ int meshnet_q8dot(const DJob *job, int threads) {
 
 /* x's quantization as the kernel makes it (for checks): q (rows, in), d and s (rows, in / 32). */
 int meshnet_q8dot_quantize(const DJob *job, int8_t *q, float *d, int32_t *s) {
-    if (job->in % BLOCK) return -2;
     Acts a;
-    if (!acts_alloc(&a, job->rows, job->in)) {
-        acts_free(&a);
-        return -1;
-    }
-    quantize(job, &a);
+    int failed = quantized(job, &a);
+    if (failed) return failed;
     int64_t nb = job->in / BLOCK;
     memcpy(q, a.q, (size_t)(job->rows * job->in));
     memcpy(d, a.d, sizeof(float) * (size_t)(job->rows * nb));
