@@ -140,7 +140,7 @@ def main() -> int:
     parser.add_argument("--compare", type=int, default=0, metavar="ROUNDS",
                         help="only compare lean layers with the modules, CPU time, this many rounds (1 thread)")
     parser.add_argument("--q8dot", type=int, default=0, metavar="ROUNDS",
-                        help="only compare torch's kernels with MESHNET_Q8DOT=1, this many rounds")
+                        help="only compare torch's kernels (MESHNET_Q8DOT=0) with the q8dot kernel, this many rounds")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     if args.q8dot:
@@ -154,6 +154,12 @@ def main() -> int:
         return 0
     if args.modules:
         ex._lean = None
+    profile(ex, args)
+    return 0
+
+
+def profile(ex, args) -> None:
+    """Time ``args.tokens`` decode steps, then profile as many, and print where a token goes."""
     last = ex.w.shard.num_layers - 1
     ids = torch.randint(100, 20000, (1, args.prompt), generator=torch.Generator().manual_seed(0))
     logits = ex.run("s", 0, last, ids, 0).logits
@@ -183,7 +189,6 @@ def main() -> int:
                  reverse=True)[:12]
     for ms, k in top:
         print(f"    {k:<40} {ms:6.3f} ms/token  {counts[k]:5.0f} calls/token")
-    return 0
 
 
 if __name__ == "__main__":
