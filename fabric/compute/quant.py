@@ -200,10 +200,8 @@ def _quantize_linear(linear: nn.Linear, scheme: str, grid: FileGrid | FileBlocks
 
 
 def on_dot_kernel(layer: Int8Linear) -> nn.Module:
-    """``layer``'s int8 rows and scales on the q8dot kernel (a GGUF's default mode, unless
-    ``MESHNET_Q8DOT=0``), where it is built; else ``layer`` itself."""
-    if not q8dot.wanted():
-        return layer
+    """``layer``'s int8 rows and scales on the q8dot kernel; the caller has decided it runs there
+    (:func:`file_on_dot`)."""
     return q8dot.DotLinear.from_int8(layer.weight.data, layer.scales.data.float(),
                                      None if layer.bias is None else layer.bias.data)
 
