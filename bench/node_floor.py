@@ -130,6 +130,8 @@ def main() -> int:
     import torch  # noqa: F401
 
     stage("torch")
+    if not args.keep_all:
+        torch_env.leave_out_compiler_and_collectives()
     if parsed.layers is None:
         from fabric.compute.models import load_config, resolve
 

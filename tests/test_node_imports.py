@@ -9,11 +9,15 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import pytest
+
 from fabric.cli.torch_env import NOT_IN_A_NODE
 from tests.test_processes import token_ids
 
 IMPORTTIME = ("-X", "importtime", "-m", "fabric.cli")
-NEVER = {*NOT_IN_A_NODE, "quart", "hypercorn", "webui"}  # the web UI runs in its own process
+NEVER = {*NOT_IN_A_NODE, "quart", "hypercorn", "webui",  # the web UI runs in its own process
+         "sympy"}  # torch's symbolic shapes, for meta tensors and the compiler (fabric/compute/empty.py)
+COMPILER = ("torch._inductor", "torch.onnx", "torch.distributed.tensor")  # a node never compiles nor joins a group
 
 
 def imported(log: Path) -> list[str]:
@@ -27,9 +31,10 @@ def loaded(modules: set[str], packages: set[str]) -> list[str]:
     return sorted({m.split(".")[0] for m in modules if "." in m and m.split(".")[0] in packages})
 
 
+@pytest.mark.parametrize("family", ["llama", "qwen3_moe"])
 def test_nodes_import_neither_the_web_ui_nor_what_they_leave_out_nor_anything_mid_request(process_cluster,
-                                                                                           tiny_models):
-    model = tiny_models("llama")
+                                                                                           tiny_models, family):
+    model = tiny_models(family)
     for name, layers in (("a", "0-2"), ("b", "3-5")):
         process_cluster._spawn(name, "node", "--model", str(model), "--layers", layers, "--node-id", name,
                                "--tracker", process_cluster.endpoint, "--threads", "1", "--no-progress",
@@ -43,5 +48,6 @@ def test_nodes_import_neither_the_web_ui_nor_what_they_leave_out_nor_anything_mi
     assert "fabric.node.node" in head and "fabric.node.node" in tail, "the logs list no imports"
     for modules in (head, tail):
         assert not loaded(modules, NEVER), loaded(modules, NEVER)
+        assert not modules.intersection(COMPILER), modules.intersection(COMPILER)
     mid = {n: sorted(after - before) for n, before, after in zip("ab", at_start, (head, tail)) if after - before}
     assert not mid, f"imported in the middle of a request, where a missing package would fail it: {mid}"

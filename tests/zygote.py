@@ -56,8 +56,10 @@ def same_start(env: dict, base: dict) -> bool:
 
 def preload() -> None:
     """Import what a node imports, after setting what a node sets before torch loads
-    (``fabric.cli.node_command.prepare_process``, with the float32 kernels' OpenMP spin)."""
-    from fabric.cli.torch_env import grouped_kv_attention, leave_out_unused_packages, omp_workers_nap
+    (``fabric.cli.node_command.prepare_process``, with the float32 kernels' OpenMP spin) and
+    after torch loads (``leave_out_compiler_and_collectives``)."""
+    from fabric.cli.torch_env import (grouped_kv_attention, leave_out_compiler_and_collectives,
+                                      leave_out_unused_packages, omp_workers_nap)
 
     omp_workers_nap()
     grouped_kv_attention()
@@ -65,6 +67,8 @@ def preload() -> None:
     import importlib
 
     import torch  # noqa: F401
+
+    leave_out_compiler_and_collectives()
     import transformers  # noqa: F401
 
     import fabric.cli.node_command  # noqa: F401

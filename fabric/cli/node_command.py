@@ -35,7 +35,8 @@ from .options import (
 )
 from .peers_command import assigned_shard, from_peers
 from .ports import listening, refuse_ports_in_use
-from .torch_env import grouped_kv_attention, leave_out_unused_packages, omp_workers_nap
+from .torch_env import (grouped_kv_attention, leave_out_compiler_and_collectives, leave_out_unused_packages,
+                        omp_workers_nap)
 
 log = logging.getLogger("meshnet")
 
@@ -178,6 +179,7 @@ def cmd_node(args) -> int:
     prepare_process(args)
     import torch
 
+    leave_out_compiler_and_collectives()
     from ..compute.model_ref import ModelError
     from ..node import Node
 

@@ -70,3 +70,56 @@ def leave_out_unused_packages(names=NOT_IN_A_NODE) -> list[str]:
     for name in left:
         sys.modules[name] = None
     return left
+
+
+def leave_out_compiler_and_collectives() -> None:
+    """After torch loads, before transformers does: a node neither compiles nor joins a
+    torch.distributed group, so the libraries' import-time uses of either load nothing.
+
+    transformers' model code imports, at import time, torch.distributed.tensor (when
+    ``torch.distributed.is_available()``) and torch._dynamo (for decorators such as
+    ``@torch._dynamo.assume_constant_result`` and ``@torch.compiler.disable``), which bring
+    torch._inductor, torch.onnx and sympy: about 70 MiB of every node's runtime floor
+    (``python bench/node_floor.py``), a tenth of a 1.7B half-model node.
+    - ``torch.distributed.is_available()`` answers False in this process, as on a torch built
+      without it, a build transformers supports.
+    - ``torch._dynamo`` is a stand-in until something asks it for more than the decorators that
+      are the function itself in eager execution; then the real module loads and answers, so
+      nothing breaks, it only costs the memory again (tests/test_node_imports.py checks that a
+      node of each family serves without it).
+    A no-op where the real torch._dynamo is already loaded."""
+    import sys
+
+    import torch
+
+    if "torch._dynamo" in sys.modules:
+        return
+    torch.distributed.is_available = lambda: False
+    compiler = _CompilerNotLoaded("torch._dynamo")
+    compiler.__path__ = [os.path.join(os.path.dirname(torch.__file__), "_dynamo")]  # its submodules load as files
+    sys.modules["torch._dynamo"] = compiler
+
+
+def _as_is(fn=None, *_, **__):
+    """A compiler decorator in eager execution: the function itself (``disable()`` with no function
+    first returns the decorator)."""
+    return fn if fn is not None else _as_is
+
+
+class _CompilerNotLoaded(__import__("types").ModuleType):
+    """torch._dynamo until a caller needs the compiler: the eager-only decorators answer as
+    themselves, anything else loads the real module (and answers from it from then on)."""
+
+    AS_IS = ("assume_constant_result", "allow_in_graph", "disable")
+
+    def __getattr__(self, name: str):
+        if name.startswith("__"):  # inspect and importlib probe modules' dunders: no reason to load
+            raise AttributeError(name)
+        if name in self.AS_IS:
+            return _as_is
+        import importlib
+        import sys
+
+        if sys.modules.get("torch._dynamo") is self:
+            del sys.modules["torch._dynamo"]
+        return getattr(importlib.import_module("torch._dynamo"), name)

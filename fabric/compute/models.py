@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from ..wire.shard import Shard
+from .empty import empty_model, one_layer
 from .gguf_grid import FileGrid
 from .gguf_manifest import fingerprint_of, manifest_for
 from .gguf_load import (
@@ -67,15 +68,7 @@ log = logging.getLogger(__name__)
 
 def layer_bytes(config, dtype: torch.dtype) -> int:
     """Bytes one decoder layer's weights take in ``dtype`` (from the architecture, no weights)."""
-    from transformers import AutoModelForCausalLM
-
-    fields = {**config.to_dict(), "num_hidden_layers": 1}
-    if fields.get("layer_types"):
-        fields["layer_types"] = fields["layer_types"][:1]
-    one = config.__class__.from_dict(fields)
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(one)
-    params = sum(t.numel() for t in model.model.layers[0].parameters())
+    params = sum(t.numel() for t in one_layer(config).parameters())
     return params * torch.empty((), dtype=dtype).element_size()
 
 
@@ -201,11 +194,8 @@ def fingerprint(source: ModelSource, config, quant: str | None = None, cache_roo
 def file_placement(source: ModelSource, scheme: str, cache_root: Path | None = None) -> dict[str, FileGrid | str]:
     """Every linear's place on the kernels under ``scheme`` in a GGUF file, by parameter name
     (for a single-process reference computing as ``load_shard(quant=scheme)`` does)."""
-    from transformers import AutoModelForCausalLM
-
     config = load_config(source, cache_root)
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
+    model = empty_model(config)
     n = config.num_hidden_layers
     tensors, converter = _gguf_tensors(source, cache_root), Converter(model, config)
     placement: dict[str, FileGrid | str] = {}
@@ -302,8 +292,6 @@ def load_shard(source: ModelSource, shard: Shard, *, dtype: torch.dtype = torch.
     bfloat16 whatever ``dtype`` says and puts the decoder layers' linears and the lm_head on
     the weight-only kernels, a layer at a time as they load.
     """
-    from transformers import AutoModelForCausalLM
-
     check_device(device, quant)
     if quant in (None, "none"):
         quant = None
@@ -314,8 +302,7 @@ def load_shard(source: ModelSource, shard: Shard, *, dtype: torch.dtype = torch.
     config = load_config(source, cache_root)
     if config.num_hidden_layers != shard.num_layers:
         raise ModelError(f"model has {config.num_hidden_layers} layers, shard expects {shard.num_layers}")
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
+    model = empty_model(config)
     tied = bool(getattr(config, "tie_word_embeddings", False))
     if source.kind == "gguf":
         lazy_embed, lm_head = _load_gguf(source, cache_root, model, config, shard, tied, dtype, quant, progress)

@@ -287,15 +287,11 @@ def quantize(module, scheme: str = "int8", grids: Mapping[nn.Module, FileGrid | 
 def quantized_layer_bytes(config, scheme: str) -> int:
     """Bytes one decoder layer holds under ``scheme`` (from the architecture, no weights):
     what ``fabric.compute.models.layer_bytes`` gives for float dtypes, for ``--memory`` planning."""
-    from transformers import AutoModelForCausalLM
+    from .empty import one_layer
 
     if scheme not in SCHEMES:
         raise ValueError(f"unknown quantization {scheme!r}; choose one of {', '.join(SCHEMES)}")
-    d = {**config.to_dict(), "num_hidden_layers": 1}
-    if d.get("layer_types"):
-        d["layer_types"] = d["layer_types"][:1]
-    with torch.device("meta"):
-        layer = AutoModelForCausalLM.from_config(config.__class__.from_dict(d)).model.layers[0]
+    layer = one_layer(config)
     total, linear_params = 0, set()
     for m in layer.modules():
         if isinstance(m, nn.Linear):
