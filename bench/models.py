@@ -53,15 +53,16 @@ GEMMA3_270M = dict(hidden=640, layers=18, intermediate=2048, heads=4, kv_heads=1
 SMOLLM_VOCAB = 49152
 FLOOR = """
 import gc, psutil
-from fabric.cli.torch_env import leave_out_unused_packages
+from fabric.cli.torch_env import leave_out_compiler_and_collectives, leave_out_unused_packages
 leave_out_unused_packages()  # as a node process does before torch loads
-import torch, transformers
+import torch
+leave_out_compiler_and_collectives()  # and after
+import transformers
 import fabric.node, fabric.cli
+from fabric.compute.empty import empty_model
 from fabric.compute.models import default_cache_root, load_config, load_tokenizer, resolve
 from fabric.compute.quant import release_freed_memory
-from transformers import AutoModelForCausalLM
-with torch.device("meta"):  # the config and tokenizer read as a node reads them: parsed once, cached
-    AutoModelForCausalLM.from_config(load_config(resolve({path!r}), default_cache_root()))
+empty_model(load_config(resolve({path!r}), default_cache_root()))  # as a node builds it: parsed once, cached
 gc.collect()
 release_freed_memory()  # as a node does once loaded: what loading freed goes back to the OS
 tail = psutil.Process().memory_info().rss
