@@ -83,17 +83,8 @@ class Node(SessionControl, Replies):
         self.benchmark = self.hops.benchmark(config.shard, config.dtype)
         self.auth = start_authenticator(self.ctx, config.security) if config.security else None
         self.key = config.security.public_text if config.security else ""  # peers dial us with it
-        self.router = self.ctx.socket(zmq.ROUTER)
-        serve_securely(self.router, config.security)
-        self.router.setsockopt(zmq.LINGER, 0)
-        # a reply to a connection that closed fails (EHOSTUNREACH) instead of vanishing: that
-        # client is gone, and the requests it opened stop (``_periodic``); ZeroMQ's heartbeat
-        # closes a connection whose far end went silent without closing it
-        self.router.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        self.router.setsockopt(zmq.HEARTBEAT_IVL, int(PING_INTERVAL * 1000))
-        self.router.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(PEER_SILENCE * 1000))
+        self.router = bound_router(self.ctx, config)
         self._gone: set[bytes] = set()  # identities whose connection closed, for the head
-        self.router.bind(config.bind)
         self.endpoint = config.advertise or self.router.getsockopt(zmq.LAST_ENDPOINT).decode()
         self.poller = zmq.Poller()
         h = config.head
@@ -403,6 +394,21 @@ class Node(SessionControl, Replies):
         return telemetry.Load(self.config.node_id, len(self.kv), self.kv.nbytes(), len(self.head or ()),
                               len(self.scheduler), self.counters.copy(), kept.bytes, kept.budget, len(kept),
                               kept.stats.copy(), self.head.routes.view() if self.head is not None else {})
+
+
+def bound_router(ctx: zmq.Context, config: NodeConfig) -> zmq.Socket:
+    """A node's ROUTER, bound to ``--bind``."""
+    router = ctx.socket(zmq.ROUTER)
+    serve_securely(router, config.security)
+    router.setsockopt(zmq.LINGER, 0)
+    # a reply to a connection that closed fails (EHOSTUNREACH) instead of vanishing: that
+    # client is gone, and the requests it opened stop (``_periodic``); ZeroMQ's heartbeat
+    # closes a connection whose far end went silent without closing it
+    router.setsockopt(zmq.ROUTER_MANDATORY, 1)
+    router.setsockopt(zmq.HEARTBEAT_IVL, int(PING_INTERVAL * 1000))
+    router.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(PEER_SILENCE * 1000))
+    router.bind(config.bind)
+    return router
 
 
 def draft_model(c: NodeConfig, tokenizer, vocab: int) -> DraftModel | None:
