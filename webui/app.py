@@ -8,6 +8,7 @@ builds the real client and runs the app under hypercorn until Ctrl-C (or SIGTERM
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import signal
 from pathlib import Path
@@ -121,7 +122,11 @@ def serve(config: WebUIConfig, *, client_factory: ClientFactory | None = None) -
     """Serve until Ctrl-C or SIGTERM, then shut down cleanly (closing the fabric client).
 
     ``client_factory(config)`` builds the client; by default ``fabric.client.AsyncClient``.
+    What is loaded by now lives as long as the process: frozen out of the garbage collector's
+    walks, a full collection (~230k objects, over 100 ms) no longer stalls every open stream.
     """
+    gc.collect()
+    gc.freeze()
     asyncio.run(serve_async(config, client_factory=client_factory))
 
 
