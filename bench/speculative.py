@@ -46,6 +46,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -85,14 +86,15 @@ def node_names(count: int) -> list[str]:
 
 def measure(agents: dict, model: str, tokens: int, reps: int, prompts=tuple(PROMPTS)) -> dict:
     """Per mode (``agents``: mode -> an Agent of its cluster) and prompt: the median decode tok/s
-    of ``reps`` runs after a warm-up, and its token ids. With both modes' clusters up, each run
-    of one is followed by one of the other (off first, then on first), so a drift of the
-    machine's speed weighs on both."""
+    of ``reps`` runs after a warm-up, and its token ids; with drafts, the share of drafts kept
+    and the tokens per trip (the tracker's counts, every run of the prompt). With both modes'
+    clusters up, each run of one is followed by one of the other (off first, then on first), so
+    a drift of the machine's speed weighs on both."""
     out = {mode: {} for mode in agents}
     for name, text in PROMPTS.items():
         if name not in prompts:
             continue
-        runs, ids = {mode: [] for mode in agents}, {}
+        runs, ids, before = {mode: [] for mode in agents}, {}, drafts_so_far(agents.get("on"), model)
         for rep in range(reps + 1):
             for mode in (list(agents) if rep % 2 else list(agents)[::-1]):
                 events = list(agents[mode].generate(model, [{"role": "user", "content": text}], tokens, timeout=300))
@@ -104,7 +106,28 @@ def measure(agents: dict, model: str, tokens: int, reps: int, prompts=tuple(PROM
         for mode in agents:
             out[mode][name] = {"tok_s": statistics.median(runs[mode]), "runs": runs[mode], "ids": ids[mode],
                                "tokens": len(ids[mode])}
+        if "on" in agents:
+            out["on"][name] |= drafts_since(agents["on"], model, before, reps + 1)
     return out
+
+
+def drafts_so_far(agent, model: str) -> tuple[int, int, int, int]:
+    """(requests, trips, drafted, kept) the tracker has counted for ``model``, every route."""
+    if agent is None:
+        return 0, 0, 0, 0
+    rows = agent.status().get("speculation", {}).get(model, [])
+    return tuple(sum(r[k] for r in rows) for k in ("requests", "trips", "drafted", "kept"))
+
+
+def drafts_since(agent, model: str, before: tuple, requests: int) -> dict:
+    """The share of drafts kept and the tokens per trip of the ``requests`` since ``before``
+    (their final reports reach the tracker after their last token: waited for, 10 s at most)."""
+    deadline = time.monotonic() + 10
+    while (now := drafts_so_far(agent, model))[0] - before[0] < requests and time.monotonic() < deadline:
+        time.sleep(0.2)
+    trips, drafted, kept = (a - b for a, b in zip(now[1:], before[1:]))
+    return {"acceptance": kept / drafted if drafted else None,
+            "tokens_per_trip": (trips + kept) / trips if trips else None}
 
 
 def loopback(model: str, layers: list[str], work: Path, cache: Path, args) -> dict:
@@ -244,22 +267,33 @@ def report(results: dict, args) -> dict:
     rows = {}
     print(f"\nmodel {args.model_label}, {args.tokens} new tokens, median of {args.reps} runs, "
           f"{args.nodes} nodes x 1 thread, load {min(args.loads):.2f}-{max(args.loads):.2f} during the run\n")
-    print(f"{'configuration':<30}{'prompt':<7}{'tokens':>7}{'off tok/s':>10}{'on tok/s':>10}{'on/off':>8}  ids")
+    print(f"{'configuration':<30}{'prompt':<7}{'tokens':>7}{'off tok/s':>10}{'on tok/s':>10}{'on/off':>8}"
+          f"{'kept':>6}{'tok/trip':>9}  ids")
     for config, modes in results.items():
         if config.endswith("streams"):
-            rows[config] = {k: modes[k] for k in ("off_tok_s", "on_tok_s", "ratio")} | {"same_ids": True}
+            head = modes["counters"]["on"].get(NODE_NAMES[0], {})
+            drafted, kept = head.get("spec_drafted", 0), head.get("spec_kept", 0)  # the head's, warm-up included
+            rows[config] = {k: modes[k] for k in ("off_tok_s", "on_tok_s", "ratio")} | {
+                "same_ids": True, "acceptance": kept / drafted if drafted else None, "tokens_per_trip": None}
             print(f"{config:<30}{'mixed':<7}{args.tokens:>7}{modes['off_tok_s']:>10.2f}{modes['on_tok_s']:>10.2f}"
-                  f"{modes['ratio']:>8.2f}  (aggregate; median of the rounds' ratios)")
+                  f"{modes['ratio']:>8.2f}{_share(rows[config]['acceptance']):>6}"
+                  f"{_share(rows[config]['tokens_per_trip']):>9}  (aggregate; median of the rounds' ratios)")
             continue
         for prompt in args.prompts:
             off, on = modes["off"][prompt], modes["on"][prompt]
             row = {"off_tok_s": off["tok_s"], "on_tok_s": on["tok_s"], "ratio": on["tok_s"] / off["tok_s"],
-                   "tokens": off["tokens"], "same_ids": on["ids"] == off["ids"]}
+                   "tokens": off["tokens"], "same_ids": on["ids"] == off["ids"],
+                   "acceptance": on.get("acceptance"), "tokens_per_trip": on.get("tokens_per_trip")}
             rows[f"{config} {prompt}"] = row
             print(f"{config:<30}{prompt:<7}{row['tokens']:>7}{row['off_tok_s']:>10.2f}{row['on_tok_s']:>10.2f}"
-                  f"{row['ratio']:>8.2f}  {'same' if row['same_ids'] else 'DIFFER'}")
+                  f"{row['ratio']:>8.2f}{_share(row['acceptance']):>6}{_share(row['tokens_per_trip']):>9}"
+                  f"  {'same' if row['same_ids'] else 'DIFFER'}")
     print()
     return rows
+
+
+def _share(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
 
 
 def main(argv: list[str] | None = None) -> int:
