@@ -237,7 +237,8 @@ def wave(tracker: str, model: str, streams: int, tokens: int) -> float:
                                          max_tokens=tokens, ignore_eos=True):
                 counts[i] += len(event.token_ids)
 
-    return sum(counts) / at_once(one, streams)
+    elapsed = at_once(one, streams)  # first: the counts are the threads' once they are done
+    return sum(counts) / elapsed
 
 
 def delayed(model: str, layers: list[str], mode: str, work: Path, cache: Path, args) -> dict:
