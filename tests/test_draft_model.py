@@ -103,29 +103,32 @@ def test_a_step_takes_the_source_that_pays_most_and_a_useless_draft_model_is_swi
     assert drafter.closed
 
 
-def test_the_draft_model_s_catch_up_counts_against_it_and_its_times_are_the_head_s():
-    """A draft model that sat out the history must be fed what it missed before it drafts: in a
-    head heading 8 requests that time is every stream's, and neither a step nor a probe of the
-    model pays (40 tokens to catch up at 1.5 ms each: 60 ms against a 120 ms trip); one
-    stream still drafts. Without the catch-up's cost (a control: the rule before) the crowd
-    probes. The times are learnt into the head's DraftTiming: per draft from a step that follows
-    the model's own, per token fed from one that catches up."""
+def test_a_probe_of_the_draft_model_pays_its_catching_up_and_its_times_are_the_head_s():
+    """A draft model that sat out the history must be fed what it missed before it drafts. A
+    probe pays that alone: in a head heading 8 requests that time is every stream's, and with 40
+    tokens to catch up at 1.5 ms each (60 ms against a 120 ms trip) no probe of the model pays,
+    where one stream still drafts. Without the catching up's cost (a control: the rule before)
+    the crowd probes. The times are learnt into the head's DraftTiming: per draft from a step
+    that follows the model's own, per token fed from one that catches up."""
     config = SpeculationConfig(pause_steps=1)
     history = list(range(100, 140))  # 40 tokens, no n-gram in them twice: no lookup
 
     def spec(streams: int, feed_s: float | None) -> Speculation:
         timing = DraftTiming(feed_s=feed_s, plain_s=0.12)  # per draft: untimed (a probe never follows its own step)
         s = Speculation(config, drafter=FakeDrafter([7] * 6), timing=timing, streams=streams)
-        s.yields.first[MODEL - 1] = s.yields.then[MODEL - 1] = 0.9
+        s.yields.first[MODEL - 1] = s.yields.then[MODEL - 1] = 0.6
         return s
 
-    assert spec(1, 0.0015).drafts(history, 10)  # one stream: pays, catching up included
+    assert spec(1, 0.0015).drafts(history, 10)  # one stream: pays
     crowd = spec(8, 0.0015)
     assert [crowd.drafts(history, 10) for _ in range(3)] == [[]] * 3 and crowd.drafter.calls == 0
-    assert spec(8, None).drafts(history, 10) == [7]  # (the control: a probe where catching up looks free)
+    control = spec(8, None)
+    assert control.drafts(history, 10) == [7] and control.probing  # a probe, where catching up looks free
     timing = DraftTiming()
+    timing.learn(0.06, 1, 40, 1.0)  # a probe: one pass over 40 tokens fed
+    assert timing.feed_s == pytest.approx(0.0015) and timing.model_s is None
     timing.learn(0.036, 3, 0, 1.0)  # 3 drafts after the model's own step
-    timing.learn(0.096, 3, 40, 1.0)  # 3 drafts after catching up 40 tokens
+    timing.learn(0.084, 3, 40, 1.0)  # 3 drafts after catching up 40 tokens: the first from that pass
     assert timing.model_s == pytest.approx(0.012) and timing.feed_s == pytest.approx(0.0015)
     s = spec(1, None)
     s.timing = DraftTiming()

@@ -35,15 +35,16 @@ a 3-gram match (its text may have turned repetitive); a probe that fails doubles
 
 A head with a draft model (``--draft``, fabric/node/draft_model.py) has a second source: the
 model's guesses, with a yield of their own (the slot after the n-grams') and a cost that adds
-the model's own time at the head, spent before the step leaves, to the hops': its time per
-draft, and, where it sat out earlier steps (a prompt, tokens of plain or lookup steps), its
-time to be fed what it missed, once (``DraftTiming``: learnt by every request the head heads,
-for the model and the machine are the head's). The head's time, like the hops', is every
-stream's: while it runs the model, the other requests it heads wait, so it counts n times too.
-Each step takes the source with the most tokens per unit of trip: prompt lookup where it has
-a match that pays (a copy), else the model; neither where neither pays. A useless draft model
-(its drafts seldom kept) is switched off by the same rule and probed now and then, where even
-drafts always kept would pay for the probe's time, catching up included.
+the model's own time per draft, spent at the head before the step leaves, to the hops'. The
+head's time, like the hops', is every stream's: while it runs the model, the other requests it
+heads wait, so it counts n times too. Each step takes the source with the most tokens per unit
+of trip: prompt lookup where it has a match that pays (a copy), else the model; neither where
+neither pays. A useless draft model (its drafts seldom kept) is switched off by the same rule
+and probed now and then, where even drafts always kept would pay. A model that sat out steps
+(plain, or lookup's) must first be fed what it missed: a step that drafts on from there repays
+that once over the steps that follow, but a probe, a single step, pays it alone, so a probe
+counts it (40 tokens fed are some 50 ms; with 8 streams, 3 of their trips). The model's times
+(``DraftTiming``) are the head's, learnt by every request it heads, as the yields are.
 """
 from __future__ import annotations
 
@@ -185,8 +186,8 @@ class DraftTiming:
     """What a head's draft model costs, as moving averages learnt by every request the head
     heads (a new one starts from them): its time per draft (one token's pass: the first feeds
     the tail's token, the rest each the draft before), per token it is fed to catch up with a
-    history it did not follow, and the route's plain trip, which a new request weighs those
-    against until it has timed its own."""
+    history it did not follow (a pass over many tokens: far less per token than a draft), and
+    the route's plain trip, which a new request weighs those against until it has timed its own."""
 
     model_s: float | None = None  # seconds per draft, from steps that follow one of the model's own
     feed_s: float | None = None  # seconds per token fed to catch up (a chunk: far less than a draft's)
@@ -194,12 +195,16 @@ class DraftTiming:
 
     def learn(self, spent: float, drafts: int, fed: int, smoothing: float) -> None:
         """A call of ``spent`` seconds drafted ``drafts`` after catching up ``fed`` tokens (0:
-        it followed one of its own, bar the tail's token and what the tail rejected)."""
+        it followed one of its own, bar the tail's token and what the tail rejected). Catching
+        up is one pass over the ``fed`` tokens, which gives the first draft; each later draft is
+        a pass of its own (a draft's time where known, else as much as a token fed)."""
         if not fed:
             self.model_s = _average(self.model_s, spent / drafts, smoothing)
             return
-        drafting = drafts * self.model_s if self.model_s is not None else spent * drafts / (fed + drafts)
-        self.feed_s = _average(self.feed_s, max(0.0, spent - drafting) / fed, smoothing)
+        if self.model_s is None:
+            self.feed_s = _average(self.feed_s, spent / (fed + drafts - 1), smoothing)
+            return
+        self.feed_s = _average(self.feed_s, max(0.0, spent - (drafts - 1) * self.model_s) / fed, smoothing)
 
 
 @dataclass
@@ -254,7 +259,8 @@ class Speculation:
 
     def catch_up_cost(self, history: list[int]) -> float:
         """The draft model's time to be fed what it missed of ``history`` (0 where it drafted the
-        step before), as a share of a plain trip, once per stream; 0 until timed."""
+        step before), as a share of a plain trip, once per stream; 0 until timed (the first
+        catching up times it)."""
         t, behind, trip = self.timing, self._behind(history), self._trip
         if not behind or t.feed_s is None or not trip:
             return 0.0
@@ -284,7 +290,7 @@ class Speculation:
             if self.drafter is not None and n < MAX_NGRAM:
                 return self._model(history, min(self.size, room))
             return self.lookup.propose(history, min(self.size, room))
-        source, k = self._best(n, self.catch_up_cost(history) if self.drafter else 0.0)
+        source, k = self._best(n)
         if source == MODEL and self.plain_s is None and self.trips:
             return []  # the model's own time counts against a plain trip: time one before drafting on
         if k == 0:
@@ -297,24 +303,24 @@ class Speculation:
             return self._model(history, min(k, room))
         return self.lookup.propose(history, min(k, room))
 
-    def _best(self, n: int, catch_up: float) -> tuple[int, int]:
+    def _best(self, n: int) -> tuple[int, int]:
         """(source, k) with the most tokens per unit of trip: the n-gram match (if any) at the
-        hops' cost, the draft model (if any) at its own, ``catch_up`` included; k 0 where no draft pays."""
+        hops' cost, the draft model (if any) at its own; k 0 where no draft pays."""
         y, best = self.yields, (0, 0, 1.0)  # (source, k, tokens per unit of trip)
-        for source, cost, fixed in ((n, self.cost, 0.0), (MODEL, self.model_cost if self.drafter else None, catch_up)):
+        for source, cost in ((n, self.cost), (MODEL, self.model_cost if self.drafter else None)):
             if not source or cost is None:
                 continue
             first, then = y.first[source - 1], y.then[source - 1]
-            k = best_drafts(first, then, cost, self.config.max_drafts, fixed)
-            value = trip_value(first, then, k, cost, fixed)
+            k = best_drafts(first, then, cost, self.config.max_drafts)
+            value = trip_value(first, then, k, cost)
             if k and value > best[2]:
                 best = (source, k, value)
         return best[0], best[1]
 
     def _probe(self, n: int, history: list[int]) -> int:
         """The source to probe with one draft: lookup after a 3-gram match (its text may have turned
-        repetitive), else the draft model if even drafts always kept would pay at its cost, catching
-        up included; 0: none."""
+        repetitive), else the draft model if even drafts always kept would pay at its cost, its
+        catching up with what it missed included (a probe pays it alone); 0: none."""
         if n == MAX_NGRAM:
             return n
         if self.drafter is not None and best_drafts(1.0, 1.0, self.model_cost, self.config.max_drafts,
