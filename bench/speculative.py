@@ -4,7 +4,8 @@ without (``--speculate off``), paired in one run, on copy-heavy and open prompts
 
     python bench/speculative.py [--tiny] [--model REF] [--tokens N] [--reps R] [--delay-ms D]
                                 [--nodes N] [--streams S] [--streams-only] [--no-netbed] [--no-loopback]
-                                [--draft MODEL | --draft-random] [--prompts P,..] [--json OUT] [--keep-logs]
+                                [--quant Q] [--draft MODEL [--draft-quant Q] | --draft-random]
+                                [--prompts P,..] [--json OUT] [--keep-logs]
 
 ``--nodes`` nodes (2 by default: a head and a tail, an even share of the layers each, 1 torch
 thread), a tracker and a client agent (tests/netbed_client.py), greedy chat requests of
@@ -30,7 +31,10 @@ drift of the machine's speed weighs on both; the ratio is the median of the roun
 
 ``--draft MODEL`` gives the drafting head a draft model (``meshnet node --draft``) beside prompt
 lookup; ``--draft-random`` one of random weights (2 layers, the model's tokenizer: drafts that
-are never kept, the lower bound). ``--prompts`` runs only the named prompts.
+are never kept, the lower bound). ``--quant`` is every node's, both modes (``none``: the route
+exact, in float32); ``--draft-quant`` the draft's (its file's own grid by default, so an exact
+route of a GGUF drafts from the same file on the 4-bit kernel). ``--prompts`` runs only the
+named prompts.
 """
 from __future__ import annotations
 
@@ -42,6 +46,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -81,14 +86,15 @@ def node_names(count: int) -> list[str]:
 
 def measure(agents: dict, model: str, tokens: int, reps: int, prompts=tuple(PROMPTS)) -> dict:
     """Per mode (``agents``: mode -> an Agent of its cluster) and prompt: the median decode tok/s
-    of ``reps`` runs after a warm-up, and its token ids. With both modes' clusters up, each run
-    of one is followed by one of the other (off first, then on first), so a drift of the
-    machine's speed weighs on both."""
+    of ``reps`` runs after a warm-up, and its token ids; with drafts, the share of drafts kept
+    and the tokens per trip (the tracker's counts, every run of the prompt). With both modes'
+    clusters up, each run of one is followed by one of the other (off first, then on first), so
+    a drift of the machine's speed weighs on both."""
     out = {mode: {} for mode in agents}
     for name, text in PROMPTS.items():
         if name not in prompts:
             continue
-        runs, ids = {mode: [] for mode in agents}, {}
+        runs, ids, before = {mode: [] for mode in agents}, {}, drafts_so_far(agents.get("on"), model)
         for rep in range(reps + 1):
             for mode in (list(agents) if rep % 2 else list(agents)[::-1]):
                 events = list(agents[mode].generate(model, [{"role": "user", "content": text}], tokens, timeout=300))
@@ -100,7 +106,28 @@ def measure(agents: dict, model: str, tokens: int, reps: int, prompts=tuple(PROM
         for mode in agents:
             out[mode][name] = {"tok_s": statistics.median(runs[mode]), "runs": runs[mode], "ids": ids[mode],
                                "tokens": len(ids[mode])}
+        if "on" in agents:
+            out["on"][name] |= drafts_since(agents["on"], model, before, reps + 1)
     return out
+
+
+def drafts_so_far(agent, model: str) -> tuple[int, int, int, int]:
+    """(requests, trips, drafted, kept) the tracker has counted for ``model``, every route."""
+    if agent is None:
+        return 0, 0, 0, 0
+    rows = agent.status().get("speculation", {}).get(model, [])
+    return tuple(sum(r[k] for r in rows) for k in ("requests", "trips", "drafted", "kept"))
+
+
+def drafts_since(agent, model: str, before: tuple, requests: int) -> dict:
+    """The share of drafts kept and the tokens per trip of the ``requests`` since ``before``
+    (their final reports reach the tracker after their last token: waited for, 10 s at most)."""
+    deadline = time.monotonic() + 10
+    while (now := drafts_so_far(agent, model))[0] - before[0] < requests and time.monotonic() < deadline:
+        time.sleep(0.2)
+    trips, drafted, kept = (a - b for a, b in zip(now[1:], before[1:]))
+    return {"acceptance": kept / drafted if drafted else None,
+            "tokens_per_trip": (trips + kept) / trips if trips else None}
 
 
 def loopback(model: str, layers: list[str], work: Path, cache: Path, args) -> dict:
@@ -110,7 +137,7 @@ def loopback(model: str, layers: list[str], work: Path, cache: Path, args) -> di
         for mode in MODES:
             (work / mode).mkdir(parents=True, exist_ok=True)
             cluster = clusters[mode] = ProcessCluster(work / mode, cache)
-            names = start_nodes(cluster, model, layers, mode, draft=args.draft)
+            names = start_nodes(cluster, model, layers, mode, args)
             client_log = open(work / mode / "client.log", "ab")
             proc = subprocess.Popen([sys.executable, "-m", "tests.netbed_client", "--tracker", cluster.endpoint],
                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=client_log, cwd=REPO,
@@ -126,8 +153,8 @@ def loopback(model: str, layers: list[str], work: Path, cache: Path, args) -> di
             cluster.close()
 
 
-def start_nodes(cluster: ProcessCluster, model: str, layers: list[str], mode: str,
-                metrics: dict | None = None, draft: str = "") -> list[str]:
+def start_nodes(cluster: ProcessCluster, model: str, layers: list[str], mode: str, args,
+                metrics: dict | None = None) -> list[str]:
     """The route's nodes; with ``metrics``, each serves /metrics on a port noted there by name."""
     names = node_names(len(layers))
     for name, span in zip(names, layers):
@@ -135,14 +162,16 @@ def start_nodes(cluster: ProcessCluster, model: str, layers: list[str], mode: st
         if metrics is not None:
             metrics[name] = free_port()
             extra = ("--metrics-port", str(metrics[name]))
-        cluster.start_node(name, model, span, None, *node_flags(name, mode, draft), *extra)
+        cluster.start_node(name, model, span, None, *node_flags(name, mode, args), *extra)
     return names
 
 
-def node_flags(name: str, mode: str, draft: str) -> tuple[str, ...]:
-    """A node's flags in ``mode``: the drafting head gets the draft model, if any."""
-    with_draft = ("--draft", draft) if draft and mode == "on" and name == NODE_NAMES[0] else ()
-    return ("--speculate", mode, "--audit-rate", "0", *with_draft)
+def node_flags(name: str, mode: str, args) -> tuple[str, ...]:
+    """A node's flags in ``mode``: every node's ``--quant``; the drafting head gets the draft
+    model, if any, on its ``--draft-quant``."""
+    with_draft = (("--draft", args.draft, "--draft-quant", args.draft_quant)
+                  if args.draft and mode == "on" and name == NODE_NAMES[0] else ())
+    return ("--speculate", mode, "--audit-rate", "0", "--quant", args.quant, *with_draft)
 
 
 def random_draft(model: str, directory: Path, cache: Path) -> str:
@@ -175,7 +204,7 @@ def crowded(model: str, layers: list[str], work: Path, cache: Path, args) -> dic
         for mode in MODES:
             (work / f"streams-{mode}").mkdir(parents=True, exist_ok=True)
             cluster = clusters[mode] = ProcessCluster(work / f"streams-{mode}", cache)
-            names = start_nodes(cluster, model, layers, mode, ports[mode], draft=args.draft)
+            names = start_nodes(cluster, model, layers, mode, args, ports[mode])
             cluster.wait_nodes(names, model_id(model), timeout=600)
         rounds = []
         for rep in range(args.reps + 1):
@@ -208,7 +237,8 @@ def wave(tracker: str, model: str, streams: int, tokens: int) -> float:
                                          max_tokens=tokens, ignore_eos=True):
                 counts[i] += len(event.token_ids)
 
-    return sum(counts) / at_once(one, streams)
+    elapsed = at_once(one, streams)  # first: the counts are the threads' once they are done
+    return sum(counts) / elapsed
 
 
 def delayed(model: str, layers: list[str], mode: str, work: Path, cache: Path, args) -> dict:
@@ -218,7 +248,7 @@ def delayed(model: str, layers: list[str], mode: str, work: Path, cache: Path, a
             bed.add_host(host, delay=args.delay_ms / 1000)
         bed.start_tracker("tracker")
         for name, span in zip(names, layers):
-            bed.start_node(name, model, span, *node_flags(name, mode, args.draft))
+            bed.start_node(name, model, span, *node_flags(name, mode, args))
         with bed.client("client", timeout=300) as agent:
             agent.wait_nodes(names, model_id(model), timeout=600, procs=bed.procs)
             result = measure({mode: agent}, model_id(model), args.tokens, args.reps, args.prompts)[mode]
@@ -237,23 +267,34 @@ def layer_spans(model: str, cache: Path, nodes: int) -> list[str]:
 def report(results: dict, args) -> dict:
     rows = {}
     print(f"\nmodel {args.model_label}, {args.tokens} new tokens, median of {args.reps} runs, "
-          f"{args.nodes} nodes x 1 thread, load {os.getloadavg()[0]:.2f}\n")
-    print(f"{'configuration':<30}{'prompt':<7}{'tokens':>7}{'off tok/s':>10}{'on tok/s':>10}{'on/off':>8}  ids")
+          f"{args.nodes} nodes x 1 thread, load {min(args.loads):.2f}-{max(args.loads):.2f} during the run\n")
+    print(f"{'configuration':<30}{'prompt':<7}{'tokens':>7}{'off tok/s':>10}{'on tok/s':>10}{'on/off':>8}"
+          f"{'kept':>6}{'tok/trip':>9}  ids")
     for config, modes in results.items():
         if config.endswith("streams"):
-            rows[config] = {k: modes[k] for k in ("off_tok_s", "on_tok_s", "ratio")} | {"same_ids": True}
+            head = modes["counters"]["on"].get(NODE_NAMES[0], {})
+            drafted, kept = head.get("spec_drafted", 0), head.get("spec_kept", 0)  # the head's, warm-up included
+            rows[config] = {k: modes[k] for k in ("off_tok_s", "on_tok_s", "ratio")} | {
+                "same_ids": True, "acceptance": kept / drafted if drafted else None, "tokens_per_trip": None}
             print(f"{config:<30}{'mixed':<7}{args.tokens:>7}{modes['off_tok_s']:>10.2f}{modes['on_tok_s']:>10.2f}"
-                  f"{modes['ratio']:>8.2f}  (aggregate; median of the rounds' ratios)")
+                  f"{modes['ratio']:>8.2f}{_share(rows[config]['acceptance']):>6}"
+                  f"{_share(rows[config]['tokens_per_trip']):>9}  (aggregate; median of the rounds' ratios)")
             continue
         for prompt in args.prompts:
             off, on = modes["off"][prompt], modes["on"][prompt]
             row = {"off_tok_s": off["tok_s"], "on_tok_s": on["tok_s"], "ratio": on["tok_s"] / off["tok_s"],
-                   "tokens": off["tokens"], "same_ids": on["ids"] == off["ids"]}
+                   "tokens": off["tokens"], "same_ids": on["ids"] == off["ids"],
+                   "acceptance": on.get("acceptance"), "tokens_per_trip": on.get("tokens_per_trip")}
             rows[f"{config} {prompt}"] = row
             print(f"{config:<30}{prompt:<7}{row['tokens']:>7}{row['off_tok_s']:>10.2f}{row['on_tok_s']:>10.2f}"
-                  f"{row['ratio']:>8.2f}  {'same' if row['same_ids'] else 'DIFFER'}")
+                  f"{row['ratio']:>8.2f}{_share(row['acceptance']):>6}{_share(row['tokens_per_trip']):>9}"
+                  f"  {'same' if row['same_ids'] else 'DIFFER'}")
     print()
     return rows
+
+
+def _share(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -272,6 +313,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-netbed", action="store_true", help="loopback only")
     parser.add_argument("--no-loopback", action="store_true", help="the delayed bed only")
     parser.add_argument("--draft", default="", help="a draft model for the drafting head (meshnet node --draft)")
+    parser.add_argument("--quant", default="auto", choices=["auto", "none", "int8", "int4", "gguf"],
+                        help="every node's --quant, both modes (none: exact, float32) (default %(default)s)")
+    parser.add_argument("--draft-quant", default="auto", choices=["auto", "none", "int8", "int4", "gguf"],
+                        help="the drafting head's --draft-quant (default %(default)s: the draft file's own grid)")
     parser.add_argument("--draft-random", action="store_true",
                         help="a draft model of random weights with the model's tokenizer (the lower bound)")
     parser.add_argument("--prompts", default=",".join(PROMPTS), type=lambda v: tuple(v.split(",")),
@@ -292,6 +337,12 @@ def main(argv: list[str] | None = None) -> int:
             subprocess.run(["rm", "-rf", str(work)], check=False)
 
 
+def stage(args, what: str) -> None:
+    """Say what starts, with the machine's load average (1 minute), kept for the report."""
+    args.loads = [*getattr(args, "loads", []), os.getloadavg()[0]]
+    log(f"{what} (load {args.loads[-1]:.2f})")
+
+
 def run(args, work: Path, cache: Path) -> int:
     model = args.model
     if args.tiny:
@@ -304,14 +355,17 @@ def run(args, work: Path, cache: Path) -> int:
         return 2
     if args.draft_random:
         args.draft = random_draft(model, work / "random-draft", cache)
-    args.model_label += f", draft {'of random weights' if args.draft_random else args.draft}" if args.draft else ""
+    args.model_label += f", --quant {args.quant}" if args.quant != "auto" else ""
+    if args.draft:
+        args.model_label += (f", draft {'of random weights' if args.draft_random else args.draft}"
+                             + (f" (--draft-quant {args.draft_quant})" if args.draft_quant != "auto" else ""))
     layers = layer_spans(model, cache, args.nodes)
     results = {}
     if not args.streams_only and not args.no_loopback:
-        log("loopback, speculation off and on alternating")
+        stage(args, "loopback, speculation off and on alternating")
         results["loopback"] = loopback(model, layers, work / "loopback", cache, args)
     if args.streams:
-        log(f"loopback, {args.streams} streams, speculation off and on alternating")
+        stage(args, f"loopback, {args.streams} streams, speculation off and on alternating")
         results[f"loopback {args.streams} streams"] = crowded(model, layers, work, cache, args)
     reason = "--no-netbed" if args.no_netbed or args.streams_only else netbed.unavailable()
     if reason:
@@ -320,12 +374,13 @@ def run(args, work: Path, cache: Path) -> int:
         name = f"{4 * args.delay_ms:g} ms round trip" + (f", {args.nodes} nodes" if args.nodes != 2 else "")
         results[name] = {}
         for mode in MODES:
-            log(f"{name}, speculation {mode}")
+            stage(args, f"{name}, speculation {mode}")
             results[name][mode] = delayed(model, layers, mode, work / f"delayed-{mode}", cache, args)
+    stage(args, "done")
     rows = report(results, args)
     if args.json:
         Path(args.json).write_text(json.dumps({"model": args.model_label, "tokens": args.tokens, "reps": args.reps,
-                                               "figures": rows}, indent=2))
+                                               "loads": args.loads, "figures": rows}, indent=2))
     return 0 if all(r["same_ids"] for r in rows.values()) else 1
 
 

@@ -14,7 +14,7 @@ from fabric.compute.model_ref import ModelError
 from fabric.compute.models import load_tokenizer, resolve
 from fabric.compute.sampling import accept, propose
 from fabric.node.draft_model import DraftModel
-from fabric.node.speculation import MODEL, Speculation, SpeculationConfig
+from fabric.node.speculation import MODEL, DraftTiming, Speculation, SpeculationConfig
 from fabric.wire import protocol as p
 from tests.support import wait_for
 from tests.tiny_models import make_draft, reference_greedy, with_other_tokenizer
@@ -89,7 +89,7 @@ def test_a_step_takes_the_source_that_pays_most_and_a_useless_draft_model_is_swi
     spec.answered(len(got), len(got), 0.1)
     assert spec.drafts([1, 2, 3, 9, 8, 7], 10) == [] and drafter.calls == 1  # no plain trip timed yet: one is
     spec.answered(0, 0, 0.1)
-    spec.model_s = 0.001  # the model's own time per draft: 1% of a trip
+    spec.timing.model_s = 0.001  # the model's own time per draft: 1% of a trip
     for _ in range(8):
         spec.drafts([1, 2, 3, 9, 8], 10)
         spec.answered(3, 0, 0.101)  # none kept
@@ -97,10 +97,47 @@ def test_a_step_takes_the_source_that_pays_most_and_a_useless_draft_model_is_swi
     assert [spec.drafts([1, 2, 3, 9, 8], 10) for _ in range(4)] == [[], [], [], [7]]  # off, then a probe
     assert drafter.calls == calls + 1 and spec.probing
     spec.answered(1, 1, 0.101)
-    spec.model_s = 0.5  # a model as slow as five trips: no draft of it could pay, so none is probed either
+    spec.timing.model_s = 0.5  # a model as slow as five trips: no draft of it could pay, so none is probed either
     assert [spec.drafts([1, 2, 3, 9, 8], 10) for _ in range(40)] == [[]] * 40 and drafter.calls == calls + 1
     spec.close()
     assert drafter.closed
+
+
+def test_a_probe_of_the_draft_model_pays_its_catching_up_and_its_times_are_the_head_s():
+    """A draft model that sat out the history must be fed what it missed before it drafts. A
+    probe pays that alone: in a head heading 8 requests that time is every stream's, and with 40
+    tokens to catch up at 1.5 ms each (60 ms against a 120 ms trip) no probe of the model pays,
+    where one stream still drafts. Without the catching up's cost (a control: the rule before)
+    the crowd probes. The times are learnt into the head's DraftTiming: per draft from a step
+    that follows the model's own, per token fed from one that catches up."""
+    config = SpeculationConfig(pause_steps=1)
+    history = list(range(100, 140))  # 40 tokens, no n-gram in them twice: no lookup
+
+    def spec(streams: int, feed_s: float | None) -> Speculation:
+        timing = DraftTiming(feed_s=feed_s, plain_s=0.12)  # per draft: untimed (a probe never follows its own step)
+        s = Speculation(config, drafter=FakeDrafter([7] * 6), timing=timing, streams=streams)
+        s.yields.first[MODEL - 1] = s.yields.then[MODEL - 1] = 0.6
+        return s
+
+    assert spec(1, 0.0015).drafts(history, 10)  # one stream: pays
+    crowd = spec(8, 0.0015)
+    assert [crowd.drafts(history, 10) for _ in range(3)] == [[]] * 3 and crowd.drafter.calls == 0
+    control = spec(8, None)
+    assert control.drafts(history, 10) == [7] and control.probing  # a probe, where catching up looks free
+    timing = DraftTiming()
+    timing.learn(0.06, 1, 40, 1.0)  # a probe: one pass over 40 tokens fed
+    assert timing.feed_s == pytest.approx(0.0015) and timing.model_s is None
+    timing.learn(0.036, 3, 0, 1.0)  # 3 drafts after the model's own step
+    timing.learn(0.084, 3, 40, 1.0)  # 3 drafts after catching up 40 tokens: the first from that pass
+    assert timing.model_s == pytest.approx(0.012) and timing.feed_s == pytest.approx(0.0015)
+    s = spec(1, None)
+    s.timing = DraftTiming()
+    s.drafts(history, 10)  # the first step feeds the prompt: a time per token fed
+    assert s.timing.feed_s is not None and s.timing.model_s is None
+    s.answered(3, 3, 0.1)
+    s.answered(0, 0, 0.1)  # (a plain trip timed)
+    s.drafts(history + [7, 7, 7, 9], 10)  # after its own step: a time per draft
+    assert s.timing.model_s is not None
 
 
 @pytest.fixture(scope="module")

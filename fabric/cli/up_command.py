@@ -10,7 +10,7 @@ import threading
 from ..flags import CommandError, count, endpoint, port, positive_count
 from ..wire.liveness import DEFAULT_PUB, DEFAULT_TRACKER
 from .memory_plan import balanced_shards, check_device_flags, picked_quant
-from .node_command import checked_draft
+from .node_command import check_draft_device, checked_draft, draft_quant_flag
 from .options import device_flags, keys_flag, load_security, quant_flag
 from .ports import refuse_ports_in_use
 from .supervision import supervise
@@ -40,6 +40,7 @@ def add_parser(sub) -> None:
                    help="a small model sharing the model's tokenizer that drafts beside the text lookup, loaded "
                         "whole on the node that holds layer 0 (the head of every request); see `meshnet node "
                         "--help` (default: none)")
+    draft_quant_flag(p, "each node's")
     keys_flag(p)
     p.set_defaults(func=cmd_up)
 
@@ -68,6 +69,7 @@ def cmd_up(args) -> int:
     shards = _shards(args.model, args.nodes, args.dtype, args.quant)
     if args.draft:
         checked_draft(args.draft, args.model)  # refused in one line before anything starts
+        check_draft_device(args.device, args.draft_quant)
     refuse_ports_in_use({"the tracker, --tracker": args.tracker, "its feed, --pub": args.pub,
                           "the web UI, --port": f"tcp://{args.host}:{args.port}"},
                          "`meshnet up` (or a tracker or web UI)")
@@ -95,7 +97,7 @@ def node_commands(args, shards: list, devices: list[str], node: list[str], keys:
     threads = ["--threads", str(args.threads)] if args.threads else []
     return [[*node, "--model", args.model, "--layers", str(s), "--tracker", args.tracker, *threads,
              "--device", device, "--dtype", args.dtype, "--quant", args.quant, "--no-progress", *keys,
-             *(["--draft", args.draft] if args.draft and s.start == 0 else [])]
+             *(["--draft", args.draft, "--draft-quant", args.draft_quant] if args.draft and s.start == 0 else [])]
             for s, device in zip(shards, devices)]
 
 

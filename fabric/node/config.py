@@ -28,10 +28,11 @@ class NodeConfig:
     device: str = "cpu"
     dtype: torch.dtype = torch.float32
     quant: str | None = None  # "int8" / "int4": weight-only quantized shard (bfloat16 compute, CPU)
-    # a head's draft model (``--draft``): loaded whole on the same device in the same dtype, it drafts beside
-    # prompt lookup; it must share the served model's tokenizer. None: prompt lookup alone
+    # a head's draft model (``--draft``): loaded whole on the same device, it drafts beside prompt lookup; it
+    # must share the served model's tokenizer. None: prompt lookup alone
     draft: ModelSource | None = None
-    draft_quant: str | None = None  # its weight-only kernels, as ``quant`` (``--quant`` picked for its file)
+    draft_quant: str | None = None  # its weight-only kernels, as ``quant`` (``--draft-quant`` picked for its file)
+    draft_dtype: torch.dtype | None = None  # its compute dtype (bfloat16 under draft_quant); None: ``dtype``
     node_id: str = field(default_factory=lambda: "node-" + secrets.token_hex(4))
     kv_idle_timeout: float = 300.0  # free a session's KV after this long unused
     max_sessions: int = 64  # concurrent sessions this node keeps KV for

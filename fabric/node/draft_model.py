@@ -36,6 +36,7 @@ from ..wire.shard import Shard
 log = logging.getLogger(__name__)
 
 MAX_DRAFT_SESSIONS = 256  # sessions whose draft KV the head keeps; past it the least recently drafted goes
+WARM_UP = "warm-up"  # the session of the pass run at load (no request's: theirs are random secrets)
 
 
 def check_vocabulary(draft_tokenizer, tokenizer, name: str) -> None:
@@ -69,7 +70,16 @@ class DraftModel:
         weights = load_shard(source, Shard(0, layers - 1, layers), dtype=dtype, device=device, progress=progress,
                              cache_root=cache_root, quant=quant)
         log.info("drafting with %s (%d layers)", source.model_id, layers)
-        return cls(ShardExecutor(weights, KVStore()), vocab)
+        model = cls(ShardExecutor(weights, KVStore()), vocab)
+        model.warm_up()
+        return model
+
+    def warm_up(self) -> None:
+        """Run the model once on two tokens, so that what its first pass does once (building a
+        kernel for this machine, the first allocations: a second or more) is done at load, not
+        in a request's first step, whose time teaches the head what the model costs."""
+        self.propose(WARM_UP, [0, 0], 2, Sampling())
+        self.forget(WARM_UP)
 
     def propose(self, session: str, history: list[int], k: int,
                 sampling: Sampling) -> tuple[list[int], list[DraftDist]]:

@@ -26,7 +26,7 @@ from .audit import AuditConfig, Auditor
 from .draft_model import DraftModel
 from .prefixes import PrefixIndex
 from .route_session import RequestError, RouteSession, Transport, encode_prompt, new_session_id
-from .speculation import DraftYield, Speculation, SpeculationConfig, speculation_counts
+from .speculation import DraftTiming, DraftYield, Speculation, SpeculationConfig, speculation_counts
 from .tool_use import constrained, syntax_of, tool_syntax
 
 log = logging.getLogger(__name__)
@@ -87,6 +87,7 @@ class Head:
         self.pending_routes: deque[tuple[str, float]] = deque()
         # the chance a draft is kept, per n-gram length, learnt from every request headed: new ones start from it
         self.draft_yield = DraftYield.prior(config.speculation)
+        self.draft_timing = DraftTiming()  # what its draft model costs (--draft), learnt likewise
         self.routes = RouteSpeculation()  # drafts and trips per route of the requests it headed, for /metrics
         # steps re-run on replicas (fabric/node/audit.py); it is the RouteSessions' transport
         self.auditor = Auditor(audit, host, node_id, model.model_id, model.fingerprint, counters,
@@ -116,7 +117,8 @@ class Head:
                           reply_to=self.host.endpoint, reply_key=self.host.key, transport=self.auditor,
                           seed=secrets.randbits(62), wire_dtype=self.config.wire_dtype,
                           tool_syntax=tool_syntax(req, syntax),
-                          speculation=Speculation(self.config.speculation, shared=self.draft_yield)
+                          speculation=Speculation(self.config.speculation, shared=self.draft_yield,
+                                                  timing=self.draft_timing)
                           if self.config.speculation.enabled and req.speculation else None)
         self._bind_draft(rs)
         self.sessions[rs.session] = rs

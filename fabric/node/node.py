@@ -415,8 +415,8 @@ def draft_model(c: NodeConfig, tokenizer, vocab: int) -> DraftModel | None:
     """The head's draft model ``--draft`` names, if any (ModelError: its vocabulary is not the model's)."""
     if c.draft is None or not c.head.speculation.enabled:
         return None
-    return DraftModel.load(c.draft, tokenizer, vocab, dtype=c.dtype, device=c.device, quant=c.draft_quant,
-                           cache_root=c.cache_root, progress=c.progress)
+    return DraftModel.load(c.draft, tokenizer, vocab, dtype=c.draft_dtype or c.dtype, device=c.device,
+                           quant=c.draft_quant, cache_root=c.cache_root, progress=c.progress)
 
 
 def tail_grammars(config: NodeConfig, vocab: int, model_config) -> Grammars:

@@ -35,10 +35,16 @@ a 3-gram match (its text may have turned repetitive); a probe that fails doubles
 
 A head with a draft model (``--draft``, fabric/node/draft_model.py) has a second source: the
 model's guesses, with a yield of their own (the slot after the n-grams') and a cost that adds
-the model's own time per draft (``model_s``, spent at the head before the step leaves) to the
-hops'. Each step takes the source with the most tokens per unit of trip: prompt lookup where
-it has a match that pays (a copy), else the model; neither where neither pays. A useless draft
-model (its drafts seldom kept) is switched off by the same rule and probed now and then.
+the model's own time per draft, spent at the head before the step leaves, to the hops'. The
+head's time, like the hops', is every stream's: while it runs the model, the other requests it
+heads wait, so it counts n times too. Each step takes the source with the most tokens per unit
+of trip: prompt lookup where it has a match that pays (a copy), else the model; neither where
+neither pays. A useless draft model (its drafts seldom kept) is switched off by the same rule
+and probed now and then, where even drafts always kept would pay. A model that sat out steps
+(plain, or lookup's) must first be fed what it missed: a step that drafts on from there repays
+that once over the steps that follow, but a probe, a single step, pays it alone, so a probe
+counts it (40 tokens fed are some 50 ms; with 8 streams, 3 of their trips). The model's times
+(``DraftTiming``) are the head's, learnt by every request it heads, as the yields are.
 """
 from __future__ import annotations
 
@@ -79,10 +85,16 @@ def tokens_per_trip(first: float, then: float, k: int) -> float:
     return 1 + first * sum(then ** i for i in range(k))
 
 
-def best_drafts(first: float, then: float, cost: float, max_drafts: int) -> int:
-    """The k of 0..max_drafts with the most tokens per unit of trip, E(k) / (1 + k cost)
-    (``cost``: one draft's share of a plain trip); the smallest such k on a tie."""
-    return max(range(max_drafts + 1), key=lambda k: (tokens_per_trip(first, then, k) / (1 + k * cost), -k))
+def best_drafts(first: float, then: float, cost: float, max_drafts: int, fixed: float = 0.0) -> int:
+    """The k of 0..max_drafts with the most tokens per unit of trip, E(k) / (1 + fixed + k cost)
+    (``cost``: one draft's share of a plain trip; ``fixed``: a drafting step's share beyond its
+    drafts, none for k = 0); the smallest such k on a tie."""
+    return max(range(max_drafts + 1), key=lambda k: (trip_value(first, then, k, cost, fixed), -k))
+
+
+def trip_value(first: float, then: float, k: int, cost: float, fixed: float = 0.0) -> float:
+    """Tokens per unit of a plain trip of a step of ``k`` drafts (``best_drafts``)."""
+    return tokens_per_trip(first, then, k) / (1 + (fixed if k else 0.0) + k * cost)
 
 
 class Drafter(Protocol):
@@ -170,6 +182,32 @@ class DraftYield:
 
 
 @dataclass
+class DraftTiming:
+    """What a head's draft model costs, as moving averages learnt by every request the head
+    heads (a new one starts from them): its time per draft (one token's pass: the first feeds
+    the tail's token, the rest each the draft before), per token it is fed to catch up with a
+    history it did not follow (a pass over many tokens: far less per token than a draft), and
+    the route's plain trip, which a new request weighs those against until it has timed its own."""
+
+    model_s: float | None = None  # seconds per draft, from steps that follow one of the model's own
+    feed_s: float | None = None  # seconds per token fed to catch up (a chunk: far less than a draft's)
+    plain_s: float | None = None  # a plain step's trip, of the requests the head heads lately
+
+    def learn(self, spent: float, drafts: int, fed: int, smoothing: float) -> None:
+        """A call of ``spent`` seconds drafted ``drafts`` after catching up ``fed`` tokens (0:
+        it followed one of its own, bar the tail's token and what the tail rejected). Catching
+        up is one pass over the ``fed`` tokens, which gives the first draft; each later draft is
+        a pass of its own (a draft's time where known, else as much as a token fed)."""
+        if not fed:
+            self.model_s = _average(self.model_s, spent / drafts, smoothing)
+            return
+        if self.model_s is None:
+            self.feed_s = _average(self.feed_s, spent / (fed + drafts - 1), smoothing)
+            return
+        self.feed_s = _average(self.feed_s, max(0.0, spent - (drafts - 1) * self.model_s) / fed, smoothing)
+
+
+@dataclass
 class Speculation:
     """One session's drafting: how many to send next (``drafts``), learning from each step's
     answer (``answered``). The counts (steps, trips, drafted, kept) are what reports show."""
@@ -178,12 +216,12 @@ class Speculation:
     shared: DraftYield | None = None  # its head's, learnt into too; None: a yield of its own from the prior
     lookup: Lookup = field(default_factory=Lookup)
     drafter: Drafter | None = None  # the head's draft model for this session; None: prompt lookup alone
+    timing: DraftTiming = field(default_factory=DraftTiming)  # the draft model's costs: its head's, learnt into
     yields: DraftYield | None = None  # its own, from a copy of ``shared`` (or the prior)
     size: int = 0  # drafts the next step may carry (``adaptive`` False)
     plain_s: float | None = None  # moving average of a plain step's trip, seconds (None: none timed yet)
     draft_s: float | None = None  # ...and of what a verification step's trip took beyond it, per draft
-    model_s: float | None = None  # ...and of the draft model's own time per draft, at the head
-    model_at: int = -(1 << 30)  # the history's length when the draft model last drafted
+    model_at: int = -1  # the history's length when the draft model last drafted (-1: never)
     streams: int = 1  # requests its head heads now (set by the head): they share the hops' passes
     matched: int = 0  # the source of the pending step's drafts: its n-gram's length, or MODEL
     q: list = field(default_factory=list)  # the pending step's drafts' distributions (a draft model's, sampling)
@@ -215,8 +253,30 @@ class Speculation:
     @property
     def model_cost(self) -> float:
         """A draft model's draft: the hops' cost and the model's own time, as a share of a plain trip."""
-        own = self.model_s / self.plain_s if self.plain_s and self.model_s is not None else self.config.min_cost
+        t, trip = self.timing, self._trip
+        own = t.model_s / trip if trip and t.model_s is not None else self.config.min_cost
         return self.cost + own * max(1, self.streams)
+
+    def catch_up_cost(self, history: list[int]) -> float:
+        """The draft model's time to be fed what it missed of ``history`` (0 where it drafted the
+        step before), as a share of a plain trip, once per stream; 0 until timed (the first
+        catching up times it)."""
+        t, behind, trip = self.timing, self._behind(history), self._trip
+        if not behind or t.feed_s is None or not trip:
+            return 0.0
+        return behind * t.feed_s / trip * max(1, self.streams)
+
+    @property
+    def _trip(self) -> float | None:
+        """A plain trip, to weigh the draft model's time against: the session's own, else (its
+        first steps) its head's recent requests'."""
+        return self.plain_s or self.timing.plain_s
+
+    def _behind(self, history: list[int]) -> int:
+        """Tokens of ``history`` the draft model must be fed before it drafts: 0 where it drafted
+        the step before (it then holds all but the tail's token and what the tail rejected)."""
+        behind = len(history) - max(self.model_at, 0)
+        return 0 if self.model_at >= 0 and behind <= self.config.max_drafts + 1 else behind
 
     def drafts(self, history: list[int], room: int) -> list[int]:
         """The drafts for the step after ``history``, at most ``room`` (tokens the request may
@@ -235,7 +295,7 @@ class Speculation:
             return []  # the model's own time counts against a plain trip: time one before drafting on
         if k == 0:
             self.idle += 1
-            if self.idle < self.probe_after or (source := self._probe(n)) == 0:
+            if self.idle < self.probe_after or (source := self._probe(n, history)) == 0:
                 return []
             k, self.probing = 1, True  # none paid lately: try one
         self.matched = source
@@ -252,29 +312,30 @@ class Speculation:
                 continue
             first, then = y.first[source - 1], y.then[source - 1]
             k = best_drafts(first, then, cost, self.config.max_drafts)
-            value = tokens_per_trip(first, then, k) / (1 + k * cost)
+            value = trip_value(first, then, k, cost)
             if k and value > best[2]:
                 best = (source, k, value)
         return best[0], best[1]
 
-    def _probe(self, n: int) -> int:
+    def _probe(self, n: int, history: list[int]) -> int:
         """The source to probe with one draft: lookup after a 3-gram match (its text may have turned
-        repetitive), else the draft model if even a draft always kept would pay at its cost; 0: none."""
+        repetitive), else the draft model if even drafts always kept would pay at its cost, its
+        catching up with what it missed included (a probe pays it alone); 0: none."""
         if n == MAX_NGRAM:
             return n
-        if self.drafter is not None and best_drafts(1.0, 1.0, self.model_cost, self.config.max_drafts):
+        if self.drafter is not None and best_drafts(1.0, 1.0, self.model_cost, self.config.max_drafts,
+                                                    self.catch_up_cost(history)):
             return MODEL
         return 0
 
     def _model(self, history: list[int], k: int) -> list[int]:
-        """The draft model's ``k`` drafts, its time per draft learnt from steps that follow one of
-        its own: a first step, or one after plain steps, first feeds it every token it missed
-        (the prompt, the plain steps' tokens), a one-off that is no draft's cost."""
-        started = time.perf_counter()
+        """The draft model's ``k`` drafts, timed: its time per draft learnt from steps that follow
+        one of its own; a first step, or one after steps it sat out, first feeds it every token it
+        missed (the prompt, those steps' tokens), which teaches its time per token fed."""
+        started, behind = time.perf_counter(), self._behind(history)
         drafts, self.q = self.drafter.propose(history, k)
-        if drafts and 0 <= len(history) - self.model_at <= self.config.max_drafts + 1:
-            spent = (time.perf_counter() - started) / len(drafts)
-            self.model_s = _average(self.model_s, spent, self.config.smoothing)
+        if drafts:
+            self.timing.learn(time.perf_counter() - started, len(drafts), behind, self.config.smoothing)
         self.model_at = len(history)
         return drafts
 
@@ -285,6 +346,7 @@ class Speculation:
         self.steps += 1
         if not drafted:
             self.plain_s = _average(self.plain_s, trip_s, c.smoothing)
+            self.timing.plain_s = _average(self.timing.plain_s, trip_s, c.smoothing)
             return
         if self.plain_s is not None:
             self.draft_s = _average(self.draft_s, max(0.0, trip_s - self.plain_s) / drafted, c.smoothing)
