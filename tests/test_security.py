@@ -131,12 +131,19 @@ def _head_hidden_bytes(model_dir) -> bytes:
 
 
 def _pong(endpoint: str, security, server_key: bytes) -> bool:
+    """Whether a PING from a DEALER with ``security`` is answered. A refused handshake may leave
+    the DEALER with no pipe to queue the PING in, and its send would block for ever: that, too,
+    is no answer."""
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.SNDTIMEO, 1000)
     try:
         dial_securely(sock, security, server_key)
         sock.connect(endpoint)
-        sock.send_multipart(p.encode(p.Ping(5)))
+        try:
+            sock.send_multipart(p.encode(p.Ping(5)))
+        except zmq.Again:
+            return False
         return bool(sock.poll(1000)) and isinstance(p.decode(sock.recv_multipart())[0], p.Pong)
     finally:
         sock.close()
