@@ -34,7 +34,9 @@ lookup; ``--draft-random`` one of random weights (2 layers, the model's tokenize
 are never kept, the lower bound). ``--quant`` is every node's, both modes (``none``: the route
 exact, in float32); ``--draft-quant`` the draft's (its file's own grid by default, so an exact
 route of a GGUF drafts from the same file on the 4-bit kernel). ``--prompts`` runs only the
-named prompts.
+named prompts. Each row also gives the share of drafts kept and the tokens per decode trip
+(the tracker's counts of the prompt's runs; the crowded case: the share kept, from the
+drafting head's counters), and the report the load average (1 minute) over the run.
 """
 from __future__ import annotations
 
