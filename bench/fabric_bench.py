@@ -529,7 +529,19 @@ def _last_before(events: list, t: int):
     return events[i] if i >= 0 else None
 
 
-def hop_breakdown(c: Cluster, sessions: list[str]) -> dict:
+def traced_sessions(runs: list[dict], skip: int = 1) -> list[str]:
+    """The sessions every node of a traced cluster computed, in the order the head began them,
+    less the first ``skip`` (the warm-up). A head names a route session itself (a request's id
+    is the client's), so the timed sessions are read from the trace."""
+    everywhere = set.intersection(*({session for session, _ in r} for r in runs)) - {"__bench__"}
+    first: dict[str, int] = {}
+    for (session, _), e in runs[0].items():
+        if session in everywhere:
+            first[session] = min(first.get(session, e[6]), e[6])
+    return sorted(first, key=first.get)[skip:]
+
+
+def hop_breakdown(c: Cluster) -> dict:
     """Per decode step of the timed sessions: compute per node, forward legs, return leg (µs)."""
     traces = [load_trace(trace) for _, _, trace in c.nodes]
     if not traces or not all(t.get("run") for t in traces):
@@ -537,7 +549,7 @@ def hop_breakdown(c: Cluster, sessions: list[str]) -> dict:
     runs = [{(e[1], e[2]): e for e in t["run"]} for t in traces]
     head, tail = traces[0], traces[-1]
     rows = []
-    for s in sessions:
+    for s in traced_sessions(runs):
         positions = sorted(pos for (sess, pos), e in runs[0].items() if sess == s and e[3] == 1)
         for pos in positions:
             if (s, pos + 1) not in runs[0] or not all((s, pos) in r for r in runs):
@@ -778,8 +790,7 @@ def analyse(args, cores, main, diag, results, reference, raw, half) -> dict:
                 "n_quiet": len(quiet), "n_all": len(runs), "noisy": len(quiet) < MIN_QUIET,
                 "failed": [r["error"] for r in every + results.get(f"{key}-warmup", []) if r.get("error")],
                 "cut_short": sum(1 for r in every if r.get("aborted")),
-                "foreign_load": median([r["foreign_load"] for r in use]),
-                "sessions": [r["request_id"] for r in use if "request_id" in r]}
+                "foreign_load": median([r["foreign_load"] for r in use])}
 
     def ids_check(key):
         runs = [r for r in results.get(key, []) + results.get(f"{key}-warmup", [])
@@ -816,7 +827,7 @@ def analyse(args, cores, main, diag, results, reference, raw, half) -> dict:
         r["ratio_noisy"] = r["noisy"] or vs["noisy"]
 
     rawsum = raw.summary()
-    trace = {c.key: hop_breakdown(c, everything[c.key]["sessions"]) for c in diag}
+    trace = {c.key: hop_breakdown(c) for c in diag}
     t1, t2 = trace.get("diag-1n-1t") or {}, trace.get("diag-2n-1t") or {}
     hop_us = (t2["overhead_us"] - t1["overhead_us"]) if t1 and t2 else None
     d1, d2 = everything["diag-1n-1t"]["tps"], everything["diag-2n-1t"]["tps"]
@@ -851,8 +862,6 @@ def analyse(args, cores, main, diag, results, reference, raw, half) -> dict:
         "hop": summary["hop_ratio"] is not None and summary["hop_ratio"] <= TARGETS["hop_ratio"],
         "memory": all(m["ratio"] is not None and m["ratio"] <= TARGETS["memory_ratio"] for m in mem.values()),
     }
-    for r in rows + diag_rows:
-        r.pop("sessions", None)
     return {"throughput": rows, "diagnostics": diag_rows, "hop_trace": trace, "raw_rtt": rawsum,
             "memory": mem, "memory_by_layers": by_layers, "summary": summary,
             "reference_tokens": len(ref_ids), "reference_ids": ref_ids}

@@ -10,11 +10,11 @@ clock is system-wide, so timestamps from different node processes can be compare
 - ``run``      ShardExecutor.run: layer compute for one hop (session, pos, q, t0, t1)
 - ``pass``     HopRunner.run: one forward pass, each hop of it as [session, pos, tokens, decode] (t0, t1)
 - ``gc``       a garbage collection: generation, objects collected (t0, t1)
-- ``inbound``  Node._inbound: a frame from the ROUTER, decode + dispatch (t0, t1)
+- ``inbound``  Node.inbound: a frame from the ROUTER, decode + dispatch (t0, t1)
 - ``dispatch`` Node._dispatch: entered after decode (message kind, t0)
-- ``forward``  Node._forward: hand a hop to the next node or the local queue (local?, t0, t1)
+- ``forward``  Node.forward: hand a hop to the next node or the local queue (local?, t0, t1)
 - ``sample``   tail sampling (t0, t1)
-- ``reply``    Node._reply: an event or error to a client (t0, t1)
+- ``reply``    Node.reply: an event or error to a client (t0, t1)
 - ``on_token`` RouteSession.on_token at the head, incl. detokenization (t0, t1)
 
 The records are kept in memory (a tuple append per event) and written as JSON lines
@@ -49,7 +49,8 @@ def _wrap(owner, name: str, make) -> None:
 
 
 def install() -> None:
-    import fabric.node as node_mod
+    import fabric.node.asks as asks_mod
+    import fabric.node.node as node_mod
     from fabric.compute.executor import ShardExecutor
     from fabric.node.hops import HopRunner
     from fabric.node.route_session import RouteSession
@@ -100,10 +101,10 @@ def install() -> None:
         return wrapper
 
     def reply(orig):
-        def wrapper(self, identity, message):
+        def wrapper(self, identity, message, buffers=()):
             t0 = _now()
             try:
-                return orig(self, identity, message)
+                return orig(self, identity, message, buffers)
             finally:
                 add(("reply", type(message).__name__, t0, _now()))
         return wrapper
@@ -135,11 +136,11 @@ def install() -> None:
     gc.callbacks.append(collected)
     _wrap(ShardExecutor, "run", run)
     _wrap(HopRunner, "run", one_pass)
-    _wrap(node_mod.Node, "_inbound", inbound)
+    _wrap(node_mod.Node, "inbound", inbound)
     _wrap(node_mod.Node, "_dispatch", dispatch)
-    _wrap(node_mod.Node, "_forward", forward)
-    _wrap(node_mod.Node, "_reply", reply)
-    _wrap(node_mod, "sample", sample)
+    _wrap(node_mod.Node, "forward", forward)
+    _wrap(node_mod.Node, "reply", reply)
+    _wrap(asks_mod, "sample", sample)
     _wrap(RouteSession, "on_token", on_token)
 
 
