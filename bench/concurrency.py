@@ -3,7 +3,7 @@
 
     python bench/concurrency.py [--model smollm2-135m] [--streams 1,2,4,8] [--tokens 48] [--reps 3]
                                 [--plot OUT.png] [--device cpu|cuda] [--dtype float32|bfloat16]
-                                [--node-args "--kv-cache-gib 0"]
+                                [--node-args "--kv-cache-gib 0"] [--avx2]
 
 Starts a tracker and a 2-node split (``python -m fabric.cli ...``, as ``meshnet up`` does:
 all cores each and one compute lock) and drives it with N concurrent ``fabric.Client``
@@ -23,10 +23,16 @@ share of the CPU that other tenants used while it ran.
 Every wave sends the same prompts, so with the nodes' default KV cache a wave's requests
 start from the KV that the previous wave's kept (only the last prompt token is computed);
 ``--node-args "--kv-cache-gib 0"`` measures them prefilled in full, as the baseline does.
+
+``--avx2`` runs everything, nodes and baseline, on the code an AVX2-only CPU runs: torch's
+AVX2 kernels (``ATEN_CPU_CAPABILITY``, oneDNN's and MKL's instruction limits) and meshnet's C
+kernels built for ``x86-64-v3`` (``MESHNET_NATIVE_ARCH``). The memory system and the clock stay
+this machine's.
 """
 from __future__ import annotations
 
 import argparse
+import os
 import subprocess
 import sys
 import tempfile
@@ -37,6 +43,10 @@ from statistics import median
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+AVX2 = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2",
+        "MESHNET_NATIVE_ARCH": "x86-64-v3"}
+if __name__ == "__main__" and "--avx2" in sys.argv and any(os.environ.get(k) != v for k, v in AVX2.items()):
+    os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **AVX2})  # before torch loads
 
 from fabric import Client
 from fabric.compute.models import resolve
@@ -168,6 +178,8 @@ def main() -> int:
     parser.add_argument("--threads", type=int, default=0,
                         help="torch threads per node (default: all cores, as `meshnet up`)")
     add_device_args(parser)
+    parser.add_argument("--avx2", action="store_true", help="torch's and meshnet's AVX2 code paths only, as on "
+                        "an AVX2-only CPU (set before torch loads: the script starts itself again)")
     args = parser.parse_args()
     counts = [int(n) for n in args.streams.split(",")]
     from bench.fabric_bench import (
@@ -203,6 +215,10 @@ def report(args, counts: list[int], rounds: list[dict]) -> None:
     print(f"concurrency on a 2-node split of {args.model} ({args.dtype} on {args.device}), "
           f"{args.tokens} tokens per stream, median of {len(rounds)} round(s)"
           + (f", nodes with {args.node_args}" if args.node_args else ""))
+    import torch
+
+    print(f"  torch's CPU kernels: {torch.backends.cpu.get_cpu_capability()}; meshnet's C kernels built for "
+          f"-march={os.environ.get('MESHNET_NATIVE_ARCH') or 'native'}")
     for i, r in enumerate(rounds, 1):
         waves = ", ".join(f"{n}: {r[n]:.1f}" for n in counts)
         print(f"  round {i}: batch-8 {r['baseline']:.1f} tok/s; streams {waves}; "

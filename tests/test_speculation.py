@@ -76,9 +76,10 @@ def test_a_session_times_its_route_and_stops_drafting_where_it_does_not_pay():
     (c = 0.1) on a route the head has alone. Drafts that hold as these did pay there (k = 2);
     with 2 streams on the same hops a draft costs twice that and k falls. A cost measured
     below ``min_cost`` counts as that while the head heads more than one request (a shared
-    pass times a draft's positions as noise); one stream's own timing counts as measured. After drafts that seldom hold, none are sent, until a
-    probe (one draft after a 3-gram match) once ``pause_steps`` steps passed without any; a
-    probe that fails doubles the wait."""
+    pass times a draft's positions as noise); one stream's own timing counts as measured. After
+    drafts that seldom hold, none are sent, until a probe (one draft after a 3-gram match) once
+    ``pause_steps`` steps passed without any; a probe that fails doubles the wait. A session
+    that shares its head with other requests never probes."""
     config = SpeculationConfig(max_drafts=6, pause_steps=3, prior_accept=0.5, smoothing=0.5)
     spec = Speculation(config)
     history = [1, 2, 3, 4] * 4  # ends with a 3-gram seen before
@@ -103,6 +104,10 @@ def test_a_session_times_its_route_and_stops_drafting_where_it_does_not_pay():
     spec.answered(1, 0, 0.101)  # it fails: twice as long before the next
     assert [spec.drafts(history, 10) for _ in range(6)] == [[]] * 5 + [[1]]
     assert spec.drafts([5, 6, 7, 8, 9, 6] * 1, 10) == []  # only a 1-gram match: no probe after it
+    spec.streams = 2
+    assert [spec.drafts(history, 10) for _ in range(24)] == [[]] * 24  # a shared pass: no probe however long
+    spec.streams = 1
+    assert spec.drafts(history, 10) == [1]  # alone again: the probe that was due
     spec.stop()
     assert spec.drafts(history, 10) == []
 

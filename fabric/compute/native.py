@@ -9,7 +9,9 @@ compiler, the flags and the CPU, so a CPU or compiler change builds anew and a h
 shared by two machines never loads the other's.
 
 Where there is no compiler, or ``MESHNET_NATIVE=0``, ``library`` returns None after one
-warning and the caller keeps its torch path.
+warning and the caller keeps its torch path. ``MESHNET_NATIVE_ARCH`` names another ``-march``
+target: ``x86-64-v3`` builds the AVX2 code an AVX2-only CPU runs, on a CPU that has more
+(with ``ATEN_CPU_CAPABILITY=avx2`` for torch's own kernels: ``bench/concurrency.py --avx2``).
 """
 from __future__ import annotations
 
@@ -27,7 +29,7 @@ from fabric.compute.model_ref import default_cache_root
 
 log = logging.getLogger(__name__)
 SOURCES = Path(__file__).with_name("kernels")
-FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11"]
+FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC", "-std=gnu11"]
 BUILD_TIMEOUT_S = 120
 # Multiply-adds a kernel call gives each thread at least. Waking an OpenMP worker costs more than a
 # small product saves (a node's workers sleep between regions, fabric/cli/torch_env.py): a
@@ -40,6 +42,11 @@ WORK_PER_THREAD = 2_000_000
 def enabled() -> bool:
     """False where the user turned the kernels off (``MESHNET_NATIVE=0``)."""
     return os.environ.get("MESHNET_NATIVE", "1").strip().lower() not in ("0", "off", "false", "no")
+
+
+def flags() -> list[str]:
+    """The compiler's flags: this CPU's instruction set unless ``MESHNET_NATIVE_ARCH`` names one."""
+    return [*FLAGS, f"-march={os.environ.get('MESHNET_NATIVE_ARCH', '').strip() or 'native'}"]
 
 
 def threads_for(work: int, threads: int) -> int:
@@ -67,14 +74,14 @@ def library(name: str) -> ctypes.CDLL | None:
 def _built(name: str, compiler: str) -> Path:
     """The shared object for ``name``: the cached one, or one built now."""
     source = SOURCES / f"{name}.c"
-    key = hashlib.sha256(source.read_bytes() + "\0".join([_version(compiler), *FLAGS, _cpu()]).encode())
+    key = hashlib.sha256(source.read_bytes() + "\0".join([_version(compiler), *flags(), _cpu()]).encode())
     target = default_cache_root() / "kernels" / f"{name}-{key.hexdigest()[:16]}.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as scratch:  # concurrent builders never meet
         built = Path(scratch) / target.name
-        done = subprocess.run([compiler, *FLAGS, "-o", str(built), str(source), "-lm"],
+        done = subprocess.run([compiler, *flags(), "-o", str(built), str(source), "-lm"],
                               capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
         if done.returncode:
             raise OSError(done.stderr or f"{compiler} exited {done.returncode}")
