@@ -105,25 +105,28 @@ def test_a_step_takes_the_source_that_pays_most_and_a_useless_draft_model_is_swi
 
 def test_a_probe_of_the_draft_model_pays_its_catching_up_and_its_times_are_the_head_s():
     """A draft model that sat out the history must be fed what it missed before it drafts. A
-    probe pays that alone: in a head heading 8 requests that time is every stream's, and with 40
-    tokens to catch up at 1.5 ms each (60 ms against a 120 ms trip) no probe of the model pays,
-    where one stream still drafts. Without the catching up's cost (a control: the rule before)
-    the crowd probes. The times are learnt into the head's DraftTiming: per draft from a step
-    that follows the model's own, per token fed from one that catches up."""
+    probe pays that alone: with 40 tokens to catch up at 10 ms each (400 ms against a 120 ms
+    trip) no probe of a model whose drafts cost half a trip pays, where without the catching
+    up's cost (a control: the rule before) it probes. A request that shares its head with
+    others never probes: its probe's positions would be theirs to pay. The times are learnt
+    into the head's DraftTiming: per draft from a step that follows the model's own, per token
+    fed from one that catches up."""
     config = SpeculationConfig(pause_steps=1)
     history = list(range(100, 140))  # 40 tokens, no n-gram in them twice: no lookup
 
     def spec(streams: int, feed_s: float | None) -> Speculation:
-        timing = DraftTiming(feed_s=feed_s, plain_s=0.12)  # per draft: untimed (a probe never follows its own step)
+        timing = DraftTiming(model_s=0.06, feed_s=feed_s, plain_s=0.12)  # a draft: half a trip
         s = Speculation(config, drafter=FakeDrafter([7] * 6), timing=timing, streams=streams)
-        s.yields.first[MODEL - 1] = s.yields.then[MODEL - 1] = 0.6
+        s.yields.first[MODEL - 1] = s.yields.then[MODEL - 1] = 0.5  # too seldom kept to draft on
+        s.trips = 1  # (past its first step)
         return s
 
-    assert spec(1, 0.0015).drafts(history, 10)  # one stream: pays
-    crowd = spec(8, 0.0015)
-    assert [crowd.drafts(history, 10) for _ in range(3)] == [[]] * 3 and crowd.drafter.calls == 0
-    control = spec(8, None)
+    slow = spec(1, 0.01)
+    assert [slow.drafts(history, 10) for _ in range(3)] == [[]] * 3 and slow.drafter.calls == 0
+    control = spec(1, None)
     assert control.drafts(history, 10) == [7] and control.probing  # a probe, where catching up looks free
+    crowd = spec(8, None)
+    assert [crowd.drafts(history, 10) for _ in range(3)] == [[]] * 3 and crowd.drafter.calls == 0
     timing = DraftTiming()
     timing.learn(0.06, 1, 40, 1.0)  # a probe: one pass over 40 tokens fed
     assert timing.feed_s == pytest.approx(0.0015) and timing.model_s is None
@@ -131,7 +134,8 @@ def test_a_probe_of_the_draft_model_pays_its_catching_up_and_its_times_are_the_h
     timing.learn(0.084, 3, 40, 1.0)  # 3 drafts after catching up 40 tokens: the first from that pass
     assert timing.model_s == pytest.approx(0.012) and timing.feed_s == pytest.approx(0.0015)
     s = spec(1, None)
-    s.timing = DraftTiming()
+    s.timing, s.trips = DraftTiming(), 0
+    s.yields.first[MODEL - 1] = s.yields.then[MODEL - 1] = 0.6
     s.drafts(history, 10)  # the first step feeds the prompt: a time per token fed
     assert s.timing.feed_s is not None and s.timing.model_s is None
     s.answered(3, 3, 0.1)

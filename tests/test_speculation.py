@@ -112,6 +112,26 @@ def test_a_session_times_its_route_and_stops_drafting_where_it_does_not_pay():
     assert spec.drafts(history, 10) == []
 
 
+def test_a_request_in_a_crowd_starts_from_what_a_draft_cost_its_head_s_others():
+    """In a pass shared by 8 streams one draft made the pass 36% longer (9 rows of float32
+    where 8 ran). A new request in the crowd counts that before it has drafted itself, and so
+    sends none after a 3-gram a fresh head would draft on; a request alone keeps its own cost."""
+    from fabric.node.speculation import DraftTiming
+
+    config = SpeculationConfig(max_drafts=6, prior_accept=0.5, smoothing=0.5)
+    history = [1, 2, 3, 4] * 4
+    timing = DraftTiming()
+    first = Speculation(config, timing=timing, streams=8)
+    assert first.drafts(history, 10) == [1]  # untimed: the least cost, 0.05 a stream
+    first.answered(0, 0, 0.100)  # a plain trip of the crowd's pass
+    first.matched = 3
+    first.answered(1, 0, 0.136)  # one draft: 36 ms more
+    assert timing.crowd == pytest.approx(0.36)
+    assert Speculation(config, timing=timing, streams=8).drafts(history, 10) == []
+    assert Speculation(config, timing=DraftTiming(), streams=8).drafts(history, 10) == [1]  # (a control)
+    assert Speculation(config, timing=timing, streams=1).cost == config.min_cost  # alone: its own
+
+
 def test_a_head_s_requests_start_from_what_its_earlier_requests_found():
     """Sessions of one head learn into its DraftYield, per n-gram length, and a new session starts
     from it: after chat-like requests whose drafts after a 1-gram failed, a new request in a

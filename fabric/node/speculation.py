@@ -190,11 +190,16 @@ class DraftTiming:
     heads (a new one starts from them): its time per draft (one token's pass: the first feeds
     the tail's token, the rest each the draft before), per token it is fed to catch up with a
     history it did not follow (a pass over many tokens: far less per token than a draft), and
-    the route's plain trip, which a new request weighs those against until it has timed its own."""
+    the route's plain trip, which a new request weighs those against until it has timed its own;
+    and what a draft cost the hops in a pass shared with other streams (``crowd``), which a new
+    request in a crowd counts until it has timed its own drafts: in such a pass one draft can
+    cost far more than its position (8 rows of float32 and a verification's 2 positions: 9 rows,
+    1.36x the 8 rows' pass on this machine's matrix kernels)."""
 
     model_s: float | None = None  # seconds per draft, from steps that follow one of the model's own
     feed_s: float | None = None  # seconds per token fed to catch up (a chunk: far less than a draft's)
     plain_s: float | None = None  # a plain step's trip, of the requests the head heads lately
+    crowd: float | None = None  # a draft's cost at the hops as a share of a plain trip, timed in shared passes
 
     def learn(self, spent: float, drafts: int, fed: int, smoothing: float) -> None:
         """A call of ``spent`` seconds drafted ``drafts`` after catching up ``fed`` tokens (0:
@@ -247,11 +252,13 @@ class Speculation:
     def cost(self) -> float:
         """A draft's cost at the hops as a share of a plain trip (c, above), counted once per
         stream. At least ``min_cost`` while the head heads more than one request (a pass shared
-        by many streams times a draft's few positions as noise); one stream's timing is its own."""
-        c = self.config.min_cost
-        if self.plain_s and self.draft_s is not None:
-            c = max(c, self.draft_s / self.plain_s) if self.streams > 1 else self.draft_s / self.plain_s
-        return c * max(1, self.streams)
+        by many streams times a draft's few positions as noise); one stream's timing is its own. A
+        request in a crowd that has not timed a draft yet counts what its head's others timed."""
+        own = self.draft_s / self.plain_s if self.plain_s and self.draft_s is not None else None
+        if self.streams == 1:
+            return self.config.min_cost if own is None else own
+        timed = own if own is not None else self.timing.crowd
+        return max(self.config.min_cost, timed or 0.0) * self.streams
 
     @property
     def model_cost(self) -> float:
@@ -353,6 +360,8 @@ class Speculation:
             return
         if self.plain_s is not None:
             self.draft_s = _average(self.draft_s, max(0.0, trip_s - self.plain_s) / drafted, c.smoothing)
+            if self.streams > 1:
+                self.timing.crowd = _average(self.timing.crowd, self.draft_s / self.plain_s, c.smoothing)
         self.trips, self.drafted, self.kept = self.trips + 1, self.drafted + drafted, self.kept + kept
         if self.matched:
             for yields in filter(None, (self.yields, self.shared)):
