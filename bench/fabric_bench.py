@@ -8,9 +8,9 @@
 1. Decode tokens/s: single-process transformers (``AutoModelForCausalLM.from_pretrained(dir,
    gguf_file=...)``, greedy ``generate``, same dtype, device and thread count) against the fabric with
    1, 2 and 3 nodes on loopback, started and driven exactly as users do: ``python -m
-   fabric.cli tracker ...`` and ``python -m fabric.cli node ... --threads T --compute-lock F``
-   subprocesses (even split, T = all cores and one lock file F per cluster, as ``meshnet
-   up``), then ``fabric.Client(tracker).generate(model, messages=..., max_tokens=N)``; decode tok/s is timed from the first
+   fabric.cli tracker ...`` and ``python -m fabric.cli node ... --compute-lock F``
+   subprocesses (even split, no ``--threads``: every core, one-token passes on one where the
+   node finds that no slower; one lock file F per cluster, as ``meshnet up``), then ``fabric.Client(tracker).generate(model, messages=..., max_tokens=N)``; decode tok/s is timed from the first
    token event to the done event (transformers: first streamed token to the end). The
    fabric's greedy token ids are checked against the single process's.
 2. Added latency per hop against a raw pyzmq DEALER->ROUTER echo round trip of one hidden
@@ -229,7 +229,7 @@ class Cluster:
     key: str  # e.g. "fabric-2"
     label: str
     shards: list  # fabric.wire.shard.Shard
-    threads: int
+    threads: int | str  # "auto": no --threads, as `meshnet up` (every core; one-token passes on one where no slower)
     traced: bool = False  # diagnostic: nodes run bench/trace_node.py (same CLI, timing hooks)
     profile_dir: Path | None = None
     tracker: str = ""
@@ -258,9 +258,9 @@ def start_cluster(procs: Procs, c: Cluster, model: str, tmp: Path, extra: tuple[
         py, "-m", "fabric.cli", "--log-level", "warning", "tracker", "--bind", c.tracker,
         "--pub", f"tcp://127.0.0.1:{pub}", "--db", str(tmp / f"{c.key}-ledger.db")])
     for i, shard in enumerate(c.shards):
-        node_args = ["node", "--model", model, "--layers", str(shard), "--tracker", c.tracker,
-                     "--threads", str(c.threads), "--compute-lock", str(tmp / f"{c.key}.lock"), "--no-progress",
-                     *extra]
+        threads = [] if c.threads == "auto" else ["--threads", str(c.threads)]
+        node_args = ["node", "--model", model, "--layers", str(shard), "--tracker", c.tracker, *threads,
+                     "--compute-lock", str(tmp / f"{c.key}.lock"), "--no-progress", *extra]
         env, trace = {}, None
         if c.traced or c.profile_dir:
             argv = [py, str(REPO / "bench" / "trace_node.py"), "--log-level", "warning", *node_args]
@@ -701,7 +701,7 @@ def run(args, state: dict) -> dict:
         extra = device_args(args)
         # phase A: what users run, threads per node as `meshnet up` assigns them
         main = [Cluster(f"fabric-{n}", f"fabric {n} node{'s' * (n > 1)}", even_split(num_layers, n),
-                        cores) for n in (1, 2, 3)]  # all cores each, as `meshnet up`
+                        "auto") for n in (1, 2, 3)]  # no --threads, as `meshnet up`
         for c in main:
             start_cluster(procs, c, args.model, tmp, extra)
         log("loading the single-process baseline while the nodes load")

@@ -85,6 +85,13 @@ def _riding(ex: ShardExecutor, ids: torch.Tensor) -> list[torch.Tensor]:
     return out
 
 
+def _steps_on_other_threads(ex: ShardExecutor, ids: torch.Tensor) -> list[torch.Tensor]:
+    """The target's one-token steps on another thread count than its prompt's, as a node that
+    runs one-token passes on one thread (fabric/node/hops.py, ``step_threads``) computes them."""
+    other = 1 if torch.get_num_threads() > 1 else 2
+    return [_prefill(ex, "threads", ids[:, :PROMPT], 64)] + on_threads(other, _steps_alone, ex, "threads", ids)
+
+
 def _prompts_together(ex: ShardExecutor, ids: torch.Tensor) -> list[torch.Tensor]:
     """The target's prompt in one pass with two others, one of them longer."""
     last = ex.w.shard.num_layers - 1
@@ -103,6 +110,7 @@ def differences(ex: ShardExecutor, seed: int = 0, chunks_only: bool = False) -> 
     if not chunks_only:
         ways |= {f"batch of {rows}": _batched(ex, ids, rows) for rows in (1, 3, 8)}
         ways["beside a chunk"] = _riding(ex, ids)
+        ways["steps on another thread count"] = _steps_on_other_threads(ex, ids)
         if ex.batchable(0, ex.w.shard.num_layers - 1):
             ways["prompts together"] = _prompts_together(ex, ids)
     return {name: sum(not torch.equal(a, b) for a, b in zip(rows, base)) for name, rows in ways.items()}
@@ -129,12 +137,12 @@ def test_a_positions_logits_are_the_same_bits_however_it_was_computed(tiny_model
     ex = default_mode(tiny_models(family))
     assert ex.w.config._attn_implementation == attention.NAME
     found = differences(ex)
-    assert found == dict.fromkeys(found, 0) and len(found) == 7, found  # every way ran, none differs
+    assert found == dict.fromkeys(found, 0) and len(found) == 8, found  # every way ran, none differs
 
 
 def test_the_same_bits_on_smollm2s_q4_1_file():
     found = differences(default_mode(smollm2()))
-    assert found == dict.fromkeys(found, 0) and len(found) == 7, found
+    assert found == dict.fromkeys(found, 0) and len(found) == 8, found
 
 
 def test_sdpa_attention_fails_the_same_check():
@@ -159,7 +167,7 @@ def test_the_same_bits_on_other_cpus_kernels(tiny_models, kernels):
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
     found = json.loads(out.stdout.splitlines()[-1])
-    assert found == dict.fromkeys(found, 0) and len(found) == 7, found
+    assert found == dict.fromkeys(found, 0) and len(found) == 8, found
 
 
 # --------------------------------------------------------------------------- the function itself

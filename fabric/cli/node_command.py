@@ -57,7 +57,9 @@ def add_parser(sub) -> None:
     _node_relay_flags(p)
     device_flags(p, "the")
     quant_flag(p)
-    p.add_argument("--threads", type=count, default=0, help="torch threads, 0 for all cores (default %(default)s)")
+    p.add_argument("--threads", type=count, default=0,
+                   help="torch threads, 0 for all cores, with one-token decode passes on one thread where a "
+                        "check at load finds that no slower (default %(default)s)")
     p.add_argument("--compute-lock", default=None, metavar="FILE",
                    help="nodes on one machine that lock the same file compute one at a time, each with every "
                         "thread; `none`: compute whenever this node likes (default: one file per device for "
@@ -249,7 +251,7 @@ def _node_config(args, security):
                       compute_lock=_compute_lock(args.compute_lock, args.device),
                       hop_timeout=args.hop_timeout, heartbeat_interval=args.heartbeat,
                       audit_rate=args.audit_rate, audit_tolerance=args.audit_tolerance,
-                      drain_timeout=args.drain_timeout,
+                      drain_timeout=args.drain_timeout, tune_threads=not args.threads and args.device == "cpu",
                       cache_root=default_cache_root(), progress=not args.no_progress,
                       share_bytes_per_s=args.share_mbps * 125_000,
                       security=security, relay=args.relay, relay_fallback=args.relay_fallback,

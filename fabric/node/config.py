@@ -40,6 +40,9 @@ class NodeConfig:
     kv_cache_bytes: int | None = None  # ended sessions' KV kept for reuse; None: a share of free memory (kv.py)
     compute_lock: str | None = None  # a file nodes sharing this machine lock while they compute (one at a time);
     # None: no lock (`meshnet node` gives its device's default file, see compute_lock.default_path)
+    # one-token passes on one thread where that is no slower, measured at load (HopRunner.tune_step_threads):
+    # `meshnet node` without --threads
+    tune_threads: bool = False
     max_frame_bytes: int = 64 << 20  # largest tensor buffer accepted from a peer
     cache_root: Path | None = None  # where parsed GGUF metadata is cached
     share_bytes_per_s: float = 0.0  # bytes/s of its model file handed to peers fetching layers; 0: no cap

@@ -5,6 +5,7 @@ output or the exception it raised (a cache miss included), for the node to pass 
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections import Counter
@@ -20,6 +21,10 @@ from .scheduler import HopScheduler, Work
 log = logging.getLogger(__name__)
 
 SLOW_HOP_S = 5.0  # a hop this long is logged: it stalls every session queued behind it
+# One thread takes one-token passes where its step is at most this much slower than on every thread: the
+# second thread's wake-ups at each hand-off between nodes cost more (docs/BENCHMARKS.md, "Threads for a
+# one-token pass").
+ONE_THREAD_SLACK = 1.02
 
 
 def check_forward(msg: p.Forward, tensor: torch.Tensor, shard: Shard, hidden_size: int, context: int = 0,
@@ -46,6 +51,7 @@ class HopRunner:
         self.executor = executor
         self.lock = lock
         self.counters = counters  # the node's: hops, batches, chunks and seconds are counted here
+        self.step_threads = 0  # torch threads of a one-token pass (``tune_step_threads``); 0: as set for all
 
     def wait(self, scheduler: HopScheduler) -> float:
         """Seconds the loop may poll for: until the queued work is due, else 50 ms (a compute
@@ -78,7 +84,7 @@ class HopRunner:
         chunks riding last; or short chunks of prompts); returns a result per hop, when it
         began and how long it took (perf_counter). Between ``ready()`` and ``done()`` the
         lock is held already; otherwise ``run`` blocks until it is."""
-        with self.lock:
+        with self.lock, self._threads(batch):
             started = time.perf_counter()
             try:
                 results = self._run(batch)
@@ -120,16 +126,58 @@ class HopRunner:
             log.warning("a hop of %d session(s) took %.1f s (layers %d-%d, %d tokens at position %d)", len(batch),
                         elapsed, first.msg.start_layer, first.msg.end_layer, first.tokens, first.msg.pos)
 
+    @contextlib.contextmanager
+    def _threads(self, batch: list[Work]):
+        """A one-token pass on ``step_threads``, where set; anything else on every thread."""
+        every = torch.get_num_threads()
+        one_token = len(batch) == 1 and batch[0].tokens == 1
+        if not self.step_threads or not one_token or self.step_threads == every:
+            yield
+            return
+        torch.set_num_threads(self.step_threads)
+        try:
+            yield
+        finally:
+            torch.set_num_threads(every)
+
+    def tune_step_threads(self, shard: Shard, dtype: torch.dtype, reps: int = 5) -> int:
+        """Run one-token passes on one thread where this shard's one-token step is no slower on it
+        than on all of torch's threads (within ``ONE_THREAD_SLACK``; best of ``reps`` each,
+        alternated, under the compute lock). A pass of one row leaves a second thread little to
+        do, and each pass wakes it, on cores the node that hands it the next step may still use.
+        Its bits are what a one-thread run of the same code gives. Returns the choice (0: every
+        thread). Prompts, batches and verification steps keep every thread."""
+        every = torch.get_num_threads()
+        if every == 1:
+            return 0
+        best = {1: float("inf"), every: float("inf")}
+        with self.lock:
+            self._step(shard, dtype)  # warm
+            for _ in range(reps):
+                for n in best:
+                    torch.set_num_threads(n)
+                    try:
+                        best[n] = min(best[n], self._step(shard, dtype))
+                    finally:
+                        torch.set_num_threads(every)
+        self.executor.kv.drop("__bench__")
+        self.step_threads = 1 if best[1] <= best[every] * ONE_THREAD_SLACK else 0
+        log.info("a one-token step of layers %s: %.1f ms on one thread, %.1f ms on %d: one-token passes on %s",
+                 shard, best[1] * 1e3, best[every] * 1e3, every, "one thread" if self.step_threads else f"{every}")
+        return self.step_threads
+
     def benchmark(self, shard: Shard, dtype: torch.dtype, reps: int = 3) -> float:
         """Layer-steps per second for one decode token on a fixed workload."""
+        best = min(self._step(shard, dtype) for _ in range(reps))
+        self.executor.kv.drop("__bench__")
+        return shard.size / max(best, 1e-9)
+
+    def _step(self, shard: Shard, dtype: torch.dtype) -> float:
+        """Seconds for one token through the shard from position 0 (session ``__bench__``)."""
         ex = self.executor
         x = (torch.zeros((1, 1), dtype=torch.int64) if shard.is_first
              else torch.zeros((1, 1, ex.hidden_size), dtype=dtype))
-        best = float("inf")
-        for _ in range(reps):
-            t = time.perf_counter()
-            ex.run("__bench__", shard.start, shard.end, x, 0)
-            ex.finish()
-            best = min(best, time.perf_counter() - t)
-        ex.kv.drop("__bench__")
-        return shard.size / max(best, 1e-9)
+        t = time.perf_counter()
+        ex.run("__bench__", shard.start, shard.end, x, 0)
+        ex.finish()
+        return time.perf_counter() - t

@@ -81,6 +81,8 @@ class Node(SessionControl, Replies):
                          self.counters)
         self.scheduler = HopScheduler(config.scheduler, self.kv, self.executor.batchable, self._lock.shared)
         self.benchmark = self.hops.benchmark(config.shard, config.dtype)
+        if config.tune_threads:
+            self.hops.tune_step_threads(config.shard, config.dtype)
         self.auth = start_authenticator(self.ctx, config.security) if config.security else None
         self.key = config.security.public_text if config.security else ""  # peers dial us with it
         self.router = bound_router(self.ctx, config)
