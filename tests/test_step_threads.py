@@ -80,3 +80,13 @@ def test_a_one_token_pass_on_one_thread_gives_what_one_thread_gives(runner, two_
     torch.set_num_threads(1)
     (plain,), _, _ = hops.run([_work([8], pos=3)])
     assert torch.equal(tuned.logits, plain.logits)
+
+
+def test_a_shard_too_slow_to_check_keeps_every_thread(runner, two_threads, monkeypatch):
+    """A step long enough that the check would hold the node's start past its budget is no small
+    one: the shard keeps every thread, after one step timed."""
+    hops, shard = runner
+    calls = []
+    monkeypatch.setattr(hops, "_step", lambda *a: calls.append(torch.get_num_threads()) or 1.0)
+    assert hops.tune_step_threads(shard, torch.float32) == 0 == hops.step_threads
+    assert calls == [2]

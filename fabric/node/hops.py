@@ -25,6 +25,7 @@ SLOW_HOP_S = 5.0  # a hop this long is logged: it stalls every session queued be
 # second thread's wake-ups at each hand-off between nodes cost more (docs/BENCHMARKS.md, "Threads for a
 # one-token pass").
 ONE_THREAD_SLACK = 1.02
+TUNE_BUDGET_S = 3.0  # a shard whose check would take longer keeps every thread (its step is no small one)
 
 
 def check_forward(msg: p.Forward, tensor: torch.Tensor, shard: Shard, hidden_size: int, context: int = 0,
@@ -152,7 +153,9 @@ class HopRunner:
             return 0
         best = {1: float("inf"), every: float("inf")}
         with self.lock:
-            self._step(shard, dtype)  # warm
+            if self._step(shard, dtype) * 2 * reps > TUNE_BUDGET_S:  # (a warm-up too)
+                self.executor.kv.drop("__bench__")
+                return 0
             for _ in range(reps):
                 for n in best:
                     torch.set_num_threads(n)

@@ -194,7 +194,7 @@ class DraftTiming:
     and what a draft cost the hops in a pass shared with other streams (``crowd``), which a new
     request in a crowd counts until it has timed its own drafts: in such a pass one draft can
     cost far more than its position (8 rows of float32 and a verification's 2 positions: 9 rows,
-    1.36x the 8 rows' pass on this machine's matrix kernels)."""
+    1.36x the 8 rows' pass on one CPU's matrix kernels, docs/BENCHMARKS.md)."""
 
     model_s: float | None = None  # seconds per draft, from steps that follow one of the model's own
     feed_s: float | None = None  # seconds per token fed to catch up (a chunk: far less than a draft's)
@@ -255,7 +255,7 @@ class Speculation:
         by many streams times a draft's few positions as noise); one stream's timing is its own. A
         request in a crowd that has not timed a draft yet counts what its head's others timed."""
         own = self.draft_s / self.plain_s if self.plain_s and self.draft_s is not None else None
-        if self.streams == 1:
+        if self.streams <= 1:
             return self.config.min_cost if own is None else own
         timed = own if own is not None else self.timing.crowd
         return max(self.config.min_cost, timed or 0.0) * self.streams
