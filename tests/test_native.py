@@ -71,3 +71,16 @@ def test_a_small_product_runs_on_one_thread_and_a_large_one_on_all():
     assert threads_for(576 * 576, 2) == 1  # a SmolLM2 projection for one row: waking a worker costs more
     assert threads_for(2048 * 2048, 2) == 2 and threads_for(49152 * 576, 8) == 8
     assert threads_for(3 * WORK_PER_THREAD, 8) == 3 and threads_for(10 ** 9, 1) == 1 and threads_for(0, 4) == 1
+
+
+@pytest.mark.skipif(__import__("platform").machine() not in ("x86_64", "AMD64"), reason="x86-64 targets")
+def test_another_target_builds_apart_and_runs_that_targets_code(monkeypatch, tmp_path, compiler):
+    """``MESHNET_NATIVE_ARCH=x86-64-v3`` builds the AVX2 code an AVX2-only CPU runs, beside this
+    CPU's own build, never in its place (bench/concurrency.py --avx2)."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setenv("MESHNET_NATIVE_ARCH", "x86-64-v3")
+    avx2 = native.library.__wrapped__("q8dot")
+    assert avx2 is not None and avx2.meshnet_q8dot_path() == 1  # the AVX2 path (0: plain C, 2: AVX-512 VNNI)
+    monkeypatch.delenv("MESHNET_NATIVE_ARCH")
+    assert native.library.__wrapped__("q8dot") is not None
+    assert len(list((tmp_path / "meshnet" / "kernels").glob("q8dot-*.so"))) == 2
