@@ -145,8 +145,11 @@ class Terminal:
     """``meshnet`` on a pseudo-terminal that is its controlling terminal, so that a typed ^C
     is the SIGINT a keyboard sends; stderr goes to a file."""
 
-    # the child makes the terminal its own before it becomes meshnet (no fork in this threaded process)
-    LAUNCH = ("import fcntl, os, sys, termios; os.setsid(); fcntl.ioctl(0, termios.TIOCSCTTY, 0); "
+    # the child makes the terminal its own before it becomes meshnet (no fork in this threaded process), and
+    # takes SIGINT's default as a shell gives its foreground job: a suite started in the background (`cmd &`
+    # in a script) runs with SIGINT ignored, and an ignored SIGINT stays ignored across exec
+    LAUNCH = ("import fcntl, os, signal, sys, termios; os.setsid(); fcntl.ioctl(0, termios.TIOCSCTTY, 0); "
+              "signal.signal(signal.SIGINT, signal.SIG_DFL); "
               "os.execv(sys.executable, [sys.executable, '-m', 'fabric.cli', *sys.argv[1:]])")
 
     def __init__(self, args: list[str], env: dict, stderr: Path):
