@@ -47,6 +47,20 @@ def check_forward(msg: p.Forward, tensor: torch.Tensor, shard: Shard, hidden_siz
         p.check_vocab((int(tensor.min()), int(tensor.max())), vocab, "layer 0's input_ids")
 
 
+@contextlib.contextmanager
+def on_threads(n: int):
+    """torch (and the kernels it drives) on ``n`` threads within, on as many as before after."""
+    every = torch.get_num_threads()
+    if n == every:
+        yield
+        return
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(every)
+
+
 class HopRunner:
     def __init__(self, executor: ShardExecutor, lock: ComputeLock, counters: Counter):
         self.executor = executor
@@ -85,7 +99,7 @@ class HopRunner:
         chunks riding last; or short chunks of prompts); returns a result per hop, when it
         began and how long it took (perf_counter). Between ``ready()`` and ``done()`` the
         lock is held already; otherwise ``run`` blocks until it is."""
-        with self.lock, self._threads(batch):
+        with self.lock, on_threads(self._threads(batch)):
             started = time.perf_counter()
             try:
                 results = self._run(batch)
@@ -127,19 +141,11 @@ class HopRunner:
             log.warning("a hop of %d session(s) took %.1f s (layers %d-%d, %d tokens at position %d)", len(batch),
                         elapsed, first.msg.start_layer, first.msg.end_layer, first.tokens, first.msg.pos)
 
-    @contextlib.contextmanager
-    def _threads(self, batch: list[Work]):
-        """A one-token pass on ``step_threads``, where set; anything else on every thread."""
-        every = torch.get_num_threads()
+    def _threads(self, batch: list[Work]) -> int:
+        """The torch threads ``batch`` runs on: ``step_threads`` for a one-token pass, where set; else
+        every thread."""
         one_token = len(batch) == 1 and batch[0].tokens == 1
-        if not self.step_threads or not one_token or self.step_threads == every:
-            yield
-            return
-        torch.set_num_threads(self.step_threads)
-        try:
-            yield
-        finally:
-            torch.set_num_threads(every)
+        return self.step_threads if self.step_threads and one_token else torch.get_num_threads()
 
     def tune_step_threads(self, shard: Shard, dtype: torch.dtype, reps: int = 5) -> int:
         """Run one-token passes on one thread where this shard's one-token step is no slower on it
@@ -152,18 +158,16 @@ class HopRunner:
         if every == 1:
             return 0
         best = {1: float("inf"), every: float("inf")}
-        with self.lock:
-            if self._step(shard, dtype) * 2 * reps > TUNE_BUDGET_S:  # (a warm-up too)
-                self.executor.kv.drop("__bench__")
-                return 0
-            for _ in range(reps):
-                for n in best:
-                    torch.set_num_threads(n)
-                    try:
-                        best[n] = min(best[n], self._step(shard, dtype))
-                    finally:
-                        torch.set_num_threads(every)
-        self.executor.kv.drop("__bench__")
+        try:
+            with self.lock:
+                if self._step(shard, dtype) * 2 * reps > TUNE_BUDGET_S:  # (a warm-up too)
+                    return 0
+                for _ in range(reps):
+                    for n in best:
+                        with on_threads(n):
+                            best[n] = min(best[n], self._step(shard, dtype))
+        finally:
+            self.executor.kv.drop("__bench__")
         self.step_threads = 1 if best[1] <= best[every] * ONE_THREAD_SLACK else 0
         log.info("a one-token step of layers %s: %.1f ms on one thread, %.1f ms on %d: one-token passes on %s",
                  shard, best[1] * 1e3, best[every] * 1e3, every, "one thread" if self.step_threads else f"{every}")

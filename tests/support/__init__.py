@@ -76,12 +76,9 @@ class FakeClock:
 
 
 def on_threads(n: int, fn, *args):
-    """``fn(*args)`` with torch (and the kernels it drives) on ``n`` threads."""
-    import torch
+    """``fn(*args)`` with torch (and the kernels it drives) on ``n`` threads, as a node runs a
+    one-token pass (fabric.node.hops.on_threads)."""
+    from fabric.node.hops import on_threads as threads
 
-    threads = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
+    with threads(n):
         return fn(*args)
-    finally:
-        torch.set_num_threads(threads)
