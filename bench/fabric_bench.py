@@ -513,7 +513,7 @@ def load_trace(path: Path) -> dict[str, list]:
         e = json.loads(line)
         by_kind.setdefault(e[0], []).append(e)
     for events in by_kind.values():
-        events.sort(key=lambda e: e[-2] if e[0] in ("run", "inbound", "forward", "reply", "sample", "on_token")
+        events.sort(key=lambda e: e[-2] if e[0] in ("run", "inbound", "forward", "reply", "sample", "on_token", "after")
                     else e[-1])
     return by_kind
 

@@ -16,6 +16,8 @@ clock is system-wide, so timestamps from different node processes can be compare
 - ``sample``   tail sampling (t0, t1)
 - ``reply``    Node.reply: an event or error to a client (t0, t1)
 - ``on_token`` RouteSession.on_token at the head, incl. detokenization (t0, t1)
+- ``after``    Node._after_hop: what one hop of a pass sends on (session, t0, t1)
+- ``split``    at exit: each kind of kernel call's learnt thread count (fabric/compute/splits.py)
 
 The records are kept in memory (a tuple append per event) and written as JSON lines
 when the node exits (SIGTERM/SIGINT stop it cleanly). With ``MESHNET_BENCH_PROFILE=FILE``
@@ -127,6 +129,15 @@ def install() -> None:
                 add(("on_token", self.session, getattr(msg, "pos", None), t0, _now()))
         return wrapper
 
+    def after_hop(orig):
+        def wrapper(self, work, result):
+            t0 = _now()
+            try:
+                return orig(self, work, result)
+            finally:
+                add(("after", work.session, t0, _now()))
+        return wrapper
+
     def collected(phase: str, info: dict) -> None:
         if phase == "start":
             collected.t0 = _now()
@@ -139,6 +150,7 @@ def install() -> None:
     _wrap(node_mod.Node, "inbound", inbound)
     _wrap(node_mod.Node, "_dispatch", dispatch)
     _wrap(node_mod.Node, "forward", forward)
+    _wrap(node_mod.Node, "_after_hop", after_hop)
     _wrap(node_mod.Node, "reply", reply)
     _wrap(asks_mod, "sample", sample)
     _wrap(RouteSession, "on_token", on_token)
@@ -146,8 +158,11 @@ def install() -> None:
 
 def _dump(path: str) -> None:
     tmp = path + ".tmp"
+    from fabric.compute import splits
+
+    chosen = [("split", repr(key), threads) for key, (threads, _) in splits.SPLITS.chosen.items()]
     with open(tmp, "w") as fh:
-        for event in EVENTS:
+        for event in [*EVENTS, *chosen]:
             fh.write(json.dumps(event) + "\n")
     os.replace(tmp, path)
 

@@ -165,10 +165,12 @@ def _required() -> bool:
 @pytest.fixture
 def split_every_call(monkeypatch):
     """Our C kernels split even the smallest call over every torch thread (a node gives each
-    thread at least ``native.WORK_PER_THREAD``), so that a test's thread count is what runs."""
-    from fabric.compute import native
+    thread at least ``native.WORK_PER_THREAD``, and times middling calls on one thread against
+    all: ``fabric.compute.splits``), so that a test's thread count is what runs."""
+    from fabric.compute import native, splits
 
     monkeypatch.setattr(native, "WORK_PER_THREAD", 1)
+    monkeypatch.setattr(splits, "LEARN_BELOW", 0)
 
 
 @pytest.fixture

@@ -157,7 +157,7 @@ def test_the_avx2_and_plain_builds_give_the_same_bits(tmp_path, flags, path):
         here = layer(x)
         layer._kernel, layer._job = other, None  # the job is built anew on the other build
         assert torch.equal(layer(x), here), kind
-        assert layer._run is other.meshnet_q8dot  # it ran there
+        assert layer._call.func is other.meshnet_q8dot  # it ran there
 
 
 def test_parts_side_by_side_give_each_parts_bits():

@@ -34,13 +34,14 @@ and CUDA keep transformers' SDPA.
 from __future__ import annotations
 
 import ctypes
+import functools
 
 import torch
 from torch.nn import functional as F
 from transformers import AttentionInterface
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
-from fabric.compute import native
+from fabric.compute import native, splits
 
 NAME = "meshnet_invariant"
 ROW_BLOCK = 16  # the rows of a matmul come in whole blocks of this many
@@ -128,8 +129,9 @@ def by_kernel(kernel: ctypes.CDLL, query: torch.Tensor, key: torch.Tensor, value
                (keep.stride(0) if keep is not None and keep.shape[0] > 1 else 0, keep.stride(1) if keep is not None else 0),
                b, heads, key.shape[1], q, k, d, _FORMATS[query.dtype],
                scaling if scaling is not None else d ** -0.5, softcap or 0.0)
-    threads = native.threads_for(b * heads * q * k * d, torch.get_num_threads())  # a decode step's is small
-    if kernel.meshnet_attention(ctypes.byref(job), threads):
+    shape = ("attention", b.bit_length(), heads, q.bit_length(), k.bit_length(), d)  # calls alike share a thread count
+    call = functools.partial(kernel.meshnet_attention, ctypes.byref(job))  # (threads) -> rc
+    if splits.run(shape, b * heads * q * k * d, torch.get_num_threads(), call):  # a decode step's is small
         raise MemoryError("attention: no memory for the scores")
     return out
 

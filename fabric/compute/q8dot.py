@@ -18,13 +18,14 @@ does: top-1 agreement with float32 0.951 against torch's 0.960-0.978, perplexity
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 
 import numpy as np
 import torch
 from torch import nn
 
-from . import native
+from . import native, splits
 
 BLOCK = 32
 TILE = 16  # outputs a register holds; tiles are padded to it
@@ -128,6 +129,7 @@ class DotLinear(nn.Module):
         self.packed = nn.Parameter(packed.contiguous(), requires_grad=False)  # (tiles, tile bytes) uint8
         self.bias = None if bias is None else nn.Parameter(bias.to(torch.bfloat16), requires_grad=False)
         self._job, self._at = None, None  # the weights' part of the kernel's job, built once
+        self._shape = ("q8dot", kind, in_features, out_features)  # what calls alike share their thread count by
 
     @classmethod
     def from_grid(cls, grid, bias: torch.Tensor | None = None) -> DotLinear:
@@ -188,8 +190,8 @@ class DotLinear(nn.Module):
             job = self._job_for()
             job.x, job.y, job.rows = x.data_ptr(), y.data_ptr(), x.shape[0]
             job.xfmt = job.yfmt = _FORMATS[x.dtype]
-            threads = native.threads_for(x.shape[0] * self.in_features * self.out_features, torch.get_num_threads())
-            if self._run(self._ref, threads):
+            work = x.shape[0] * self.in_features * self.out_features
+            if splits.run((self._shape, x.shape[0].bit_length()), work, torch.get_num_threads(), self._call):
                 raise MemoryError("q8dot: no memory for the quantized rows")
         return y if self.bias is None else y + self.bias.to(y.dtype)
 
@@ -199,7 +201,7 @@ class DotLinear(nn.Module):
         if self._job is None or self._at != self.packed.data_ptr():
             self._at = self.packed.data_ptr()
             self._job = _DJob(self._at, None, None, 0, self.in_features, self.out_features, KINDS[self.kind], 0, 0)
-            self._ref, self._run = ctypes.byref(self._job), self._kernel.meshnet_q8dot
+            self._call = functools.partial(self._kernel.meshnet_q8dot, ctypes.byref(self._job))  # (threads) -> rc
         return self._job
 
     def extra_repr(self) -> str:

@@ -16,13 +16,14 @@ warns once): that keeps the default mode batch-invariant and fast, at 1.45x the 
 from __future__ import annotations
 
 import ctypes
+import functools
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 from torch import nn
 
-from . import native
+from . import native, splits
 
 BLOCK = 32
 SUPER = 256  # Q5_K's super-block
@@ -149,6 +150,7 @@ class BlockLinear(nn.Module):
         if self._kernel is None:
             raise RuntimeError("the qmatmul kernel cannot be built here: keep these weights on int8")
         self._job, self._at = None, None  # the weights' part of the kernel's job, built once
+        self._shape = ("qmatmul", self.kind, self.in_features, self.out_features)  # calls alike share a thread count
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features)  # (rows, in)
@@ -158,8 +160,9 @@ class BlockLinear(nn.Module):
         y = torch.empty(x2.shape[0], self.out_features, dtype=x2.dtype)  # (rows, out)
         if x2.shape[0]:
             job = self._job_for(x2, y)
-            threads = native.threads_for(x2.shape[0] * self.in_features * self.out_features, torch.get_num_threads())
-            if self._kernel.meshnet_qmatmul(ctypes.byref(job), threads):
+            work = x2.shape[0] * self.in_features * self.out_features
+            call = functools.partial(self._kernel.meshnet_qmatmul, ctypes.byref(job))  # (threads) -> rc
+            if splits.run((self._shape, x2.shape[0].bit_length()), work, torch.get_num_threads(), call):
                 raise MemoryError("qmatmul: no memory for its working rows")
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
