@@ -1355,11 +1355,21 @@ MESSAGE_TYPES: dict[Kind, type[Message]] = {
 # --------------------------------------------------------------------------- encode
 
 
+@functools.cache
+def _field_names(cls: type) -> tuple[str, ...]:
+    return tuple(f.name for f in dataclasses.fields(cls))
+
+
+_LEAVES = (str, int, float, bytes, type(None))  # bool and the int enums are ints
+
+
 def _plain(value: Any) -> Any:
-    if dataclasses.is_dataclass(value):
-        return {f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, _LEAVES):  # most of a header: the first test, so it costs one
+        return value
     if isinstance(value, (tuple, list)):
         return [_plain(v) for v in value]
+    if dataclasses.is_dataclass(value):
+        return {name: _plain(getattr(value, name)) for name in _field_names(type(value))}
     return value
 
 
@@ -1367,7 +1377,8 @@ def encode(message: Message, buffers: Sequence[Any] = ()) -> list[Any]:
     """Frames for ``message`` (without envelope). ``buffers`` are raw buffer objects."""
     if len(buffers) != len(message.tensors):
         raise ValueError("one buffer per tensor spec")
-    header = _plain(message)
+    header = {name: None if name == "tensors" else _plain(getattr(message, name))  # its place kept: set below
+              for name in _field_names(type(message))}
     for name in message.SPARSE:
         if getattr(message, name) == _defaults(type(message))[name]:
             del header[name]
@@ -1454,26 +1465,28 @@ def _defaults(cls: type) -> dict[str, Any]:
 
 
 @functools.cache
-def _schema(cls: type) -> tuple[dict, frozenset]:
-    """Type hints and header field names of a message class (resolved once per class)."""
-    names = frozenset(f.name for f in dataclasses.fields(cls) if f.init and f.name != "tensors")
-    return typing.get_type_hints(cls), names
+def _schema(cls: type) -> tuple[tuple[tuple[str, Any, bool, str], ...], frozenset]:
+    """A message class's header fields, resolved once per class: (name, type hint, required,
+    where) each, and the set of their names."""
+    hints = typing.get_type_hints(cls)
+    fields = tuple((f.name, hints[f.name],
+                    f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING,
+                    f"{cls.__name__}.{f.name}")
+                   for f in dataclasses.fields(cls) if f.init and f.name != "tensors")
+    return fields, frozenset(name for name, _, _, _ in fields)
 
 
 def _build(cls: type, header: dict, specs: tuple[TensorSpec, ...] = ()) -> Any:
     """Build dataclass ``cls`` from a header map, checking every field's type."""
-    hints, names = _schema(cls)
-    unknown = set(header) - names
-    if unknown:
-        raise ProtocolError(f"{cls.__name__}: unknown fields {sorted(unknown)[:5]}")
+    fields, names = _schema(cls)
+    if not names.issuperset(header):
+        raise ProtocolError(f"{cls.__name__}: unknown fields {sorted(set(header) - names)[:5]}")
     kwargs = {}
-    for f in dataclasses.fields(cls):
-        if not f.init or f.name == "tensors":
-            continue
-        if f.name in header:
-            kwargs[f.name] = _coerce(header[f.name], hints[f.name], f"{cls.__name__}.{f.name}")
-        elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-            raise ProtocolError(f"{cls.__name__}: missing field {f.name!r}")
+    for name, hint, required, where in fields:
+        if name in header:
+            kwargs[name] = _coerce(header[name], hint, where)
+        elif required:
+            raise ProtocolError(f"{cls.__name__}: missing field {name!r}")
     if issubclass(cls, Message):
         kwargs["tensors"] = specs
     obj = cls(**kwargs)
@@ -1482,6 +1495,14 @@ def _build(cls: type, header: dict, specs: tuple[TensorSpec, ...] = ()) -> Any:
 
 
 def _coerce(value: Any, hint: Any, where: str) -> Any:
+    if hint is int or hint is str or hint is bool:  # most fields: checked before the generic cases
+        if type(value) is not hint:
+            raise ProtocolError(f"{where} must be {'an int' if hint is int else f'a {hint.__name__}'}")
+        return value
+    if hint is float:
+        if type(value) not in (int, float) or not math.isfinite(value):
+            raise ProtocolError(f"{where} must be a finite number")
+        return float(value)
     origin = typing.get_origin(hint)
     if origin in (typing.Union, types.UnionType):
         if value is None and type(None) in typing.get_args(hint):
@@ -1503,15 +1524,7 @@ def _coerce(value: Any, hint: Any, where: str) -> Any:
         if not isinstance(value, dict):
             raise ProtocolError(f"{where} must be a map")
         return _build(hint, value)
-    if hint is float:
-        if type(value) not in (int, float) or not math.isfinite(value):
-            raise ProtocolError(f"{where} must be a finite number")
-        return float(value)
-    if hint is int:
-        if type(value) is not int:
-            raise ProtocolError(f"{where} must be an int")
-        return value
-    if hint in (str, bool, dict):
+    if hint is dict:
         if type(value) is not hint:
             raise ProtocolError(f"{where} must be a {hint.__name__}")
         return value
