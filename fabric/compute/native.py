@@ -35,7 +35,8 @@ BUILD_TIMEOUT_S = 120
 # small product saves (a node's workers sleep between regions, fabric/cli/torch_env.py): a
 # SmolLM2-135M token is ~150 products of 0.3-0.9 M multiply-adds, and one node at 2 threads
 # decoded at 0.5x its speed at 1 thread until those ran on one (docs/BENCHMARKS.md, "Threads
-# for small products"). A kernel's bits never depend on its thread count.
+# for small products"). Calls between this and a few hundred times it learn their own count
+# (fabric/compute/splits.py). A kernel's bits never depend on its thread count.
 WORK_PER_THREAD = 2_000_000
 
 
