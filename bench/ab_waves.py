@@ -17,7 +17,6 @@ under ``bench/trace_node.py`` and adds each node's median pass time per batch si
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 import tempfile
@@ -48,17 +47,9 @@ def start(procs: fb.Procs, spec: str, model: str, layers: int, tmp: Path, traced
     from fabric.wire.shard import even_split
 
     name, checkout, env, flags = parse(spec)
-    c = fb.Cluster(name, name, even_split(layers, 2), "auto", traced=traced)
-    saved, repo, python_path = dict(os.environ), fb.REPO, fb.python_path
-    os.environ.update(env)
-    if checkout:  # its processes run from there: cwd and PYTHONPATH
-        fb.REPO, fb.python_path = Path(checkout).resolve(), lambda: str(Path(checkout).resolve())
-    try:
-        fb.start_cluster(procs, c, model, tmp, ("--quant", "auto", *flags))
-    finally:
-        os.environ.clear()
-        os.environ.update(saved)
-        fb.REPO, fb.python_path = repo, python_path
+    c = fb.Cluster(name, name, even_split(layers, 2), "auto", traced=traced, env=env,
+                   repo=Path(checkout).resolve() if checkout else fb.REPO)
+    fb.start_cluster(procs, c, model, tmp, ("--quant", "auto", *flags))
     return c
 
 

@@ -73,9 +73,10 @@ QUIET = 0.15  # a timed run is "quiet" when other tenants used at most this shar
 MIN_QUIET = 2  # medians use the quiet runs when there are at least this many, else every run (flagged)
 
 
-def python_path() -> str:
-    """PYTHONPATH for subprocesses: the repository first, then whatever the caller had set."""
-    return os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+def python_path(repo: Path = REPO) -> str:
+    """PYTHONPATH for subprocesses: the repository (``repo``: another checkout's code) first, then
+    whatever the caller had set."""
+    return os.pathsep.join(filter(None, [str(repo), os.environ.get("PYTHONPATH")]))
 
 
 def _relative(path: str) -> str:
@@ -115,11 +116,12 @@ class Procs:
         self.items: list[tuple[str, subprocess.Popen, Path]] = []
         self._preexec = _pdeathsig() if sys.platform.startswith("linux") else None
 
-    def start(self, name: str, argv: list[str], env: dict | None = None) -> subprocess.Popen:
+    def start(self, name: str, argv: list[str], env: dict | None = None, repo: Path = REPO) -> subprocess.Popen:
+        """Start ``argv`` from checkout ``repo`` (its code runs), ``env`` added to this process's."""
         logfile = self.logdir / f"{name}.log"
         with open(logfile, "wb") as out:
-            proc = subprocess.Popen(argv, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                    env={**os.environ, "PYTHONPATH": python_path(), **(env or {})},
+            proc = subprocess.Popen(argv, cwd=repo, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                    env={**os.environ, "PYTHONPATH": python_path(repo), **(env or {})},
                                     start_new_session=True, preexec_fn=self._preexec)
         self.items.append((name, proc, logfile))
         return proc
@@ -232,6 +234,8 @@ class Cluster:
     threads: int | str  # "auto": no --threads, as `meshnet up` (every core; one-token passes on one where no slower)
     traced: bool = False  # diagnostic: nodes run bench/trace_node.py (same CLI, timing hooks)
     profile_dir: Path | None = None
+    repo: Path = REPO  # the checkout whose code its processes run
+    env: dict = field(default_factory=dict)  # added to its processes' environment
     tracker: str = ""
     tracker_proc: subprocess.Popen | None = None
     nodes: list = field(default_factory=list)  # [(shard, Popen, trace path | None)]
@@ -256,14 +260,14 @@ def start_cluster(procs: Procs, c: Cluster, model: str, tmp: Path, extra: tuple[
     c.tracker = f"tcp://127.0.0.1:{port}"
     c.tracker_proc = procs.start(f"{c.key}-tracker", [
         py, "-m", "fabric.cli", "--log-level", "warning", "tracker", "--bind", c.tracker,
-        "--pub", f"tcp://127.0.0.1:{pub}", "--db", str(tmp / f"{c.key}-ledger.db")])
+        "--pub", f"tcp://127.0.0.1:{pub}", "--db", str(tmp / f"{c.key}-ledger.db")], c.env, c.repo)
     for i, shard in enumerate(c.shards):
         threads = [] if c.threads == "auto" else ["--threads", str(c.threads)]
         node_args = ["node", "--model", model, "--layers", str(shard), "--tracker", c.tracker, *threads,
                      "--compute-lock", str(tmp / f"{c.key}.lock"), "--no-progress", *extra]
-        env, trace = {}, None
+        env, trace = dict(c.env), None
         if c.traced or c.profile_dir:
-            argv = [py, str(REPO / "bench" / "trace_node.py"), "--log-level", "warning", *node_args]
+            argv = [py, str(c.repo / "bench" / "trace_node.py"), "--log-level", "warning", *node_args]
             if c.profile_dir:
                 env["MESHNET_BENCH_PROFILE"] = str(c.profile_dir / f"{c.key}-node{i}-{shard}.prof")
             else:
@@ -271,7 +275,7 @@ def start_cluster(procs: Procs, c: Cluster, model: str, tmp: Path, extra: tuple[
                 env["MESHNET_BENCH_TRACE"] = str(trace)
         else:
             argv = [py, "-m", "fabric.cli", "--log-level", "warning", *node_args]
-        c.nodes.append((shard, procs.start(f"{c.key}-node{i}-{shard}", argv, env), trace))
+        c.nodes.append((shard, procs.start(f"{c.key}-node{i}-{shard}", argv, env, c.repo), trace))
 
 
 def memory(proc: subprocess.Popen) -> tuple[int, int]:
