@@ -76,6 +76,20 @@ def device_args(args: argparse.Namespace) -> tuple[str, ...]:
     return ("--device", args.device, "--dtype", args.dtype, "--quant", args.quant)
 
 
+def up_flags(model: str, node_args: tuple[str, ...] | list[str], nodes: int) -> list[str]:
+    """What `meshnet up` adds to the flags of its ``nodes`` nodes (``up_command.decode_threads``),
+    for nodes run with ``node_args`` (their last ``--device`` and ``--quant``, else the defaults)."""
+    from fabric.cli.memory_plan import picked_quant
+    from fabric.cli.up_command import decode_threads
+
+    def last(flag: str, default: str) -> str:
+        at = max((i for i, a in enumerate(node_args) if a == flag), default=-1)
+        return node_args[at + 1] if 0 <= at < len(node_args) - 1 else default
+
+    device = last("--device", "cpu")
+    return decode_threads(device, picked_quant(last("--quant", "auto"), model, device), nodes)
+
+
 def start_cluster(model: str, nodes: int, tmp: Path, threads: int = 0,
                   node_args: tuple[str, ...] = (), shards: list | None = None,
                   ready_s: float = 300) -> tuple[list[subprocess.Popen], str]:
@@ -83,7 +97,8 @@ def start_cluster(model: str, nodes: int, tmp: Path, threads: int = 0,
     routable within ``ready_s`` seconds."""
     tracker = f"tcp://127.0.0.1:{free_port()}"
     me = [sys.executable, "-m", "fabric.cli", "--log-level", "warning"]
-    threads_args = ["--threads", str(threads)] if threads else []  # default: all cores, as `meshnet up`
+    # default: all cores, and decode passes at once where quantized, as `meshnet up`
+    threads_args = ["--threads", str(threads)] if threads else up_flags(model, node_args, len(shards or [0] * nodes))
     procs = [subprocess.Popen([*me, "tracker", "--bind", tracker, "--pub", f"tcp://127.0.0.1:{free_port()}",
                                "--db", str(tmp / "ledger.sqlite3")], cwd=REPO)]
     from fabric.compute.models import load_config

@@ -63,7 +63,7 @@ if str(REPO) not in sys.path:
 import psutil  # noqa: E402
 
 sys.path.insert(0, str(REPO / "bench"))
-from concurrency import add_device_args, device_args  # noqa: E402
+from concurrency import add_device_args, device_args, up_flags  # noqa: E402
 
 from tests.support import free_port  # noqa: E402
 
@@ -262,7 +262,9 @@ def start_cluster(procs: Procs, c: Cluster, model: str, tmp: Path, extra: tuple[
         py, "-m", "fabric.cli", "--log-level", "warning", "tracker", "--bind", c.tracker,
         "--pub", f"tcp://127.0.0.1:{pub}", "--db", str(tmp / f"{c.key}-ledger.db")], c.env, c.repo)
     for i, shard in enumerate(c.shards):
-        threads = [] if c.threads == "auto" else ["--threads", str(c.threads)]
+        threads = (["--threads", str(c.threads)] if c.threads != "auto"
+                   else up_flags(model, extra, len(c.shards)) if c.repo == REPO  # another checkout: its own defaults
+                   else [])
         node_args = ["node", "--model", model, "--layers", str(shard), "--tracker", c.tracker, *threads,
                      "--compute-lock", str(tmp / f"{c.key}.lock"), "--no-progress", *extra]
         env, trace = dict(c.env), None

@@ -60,6 +60,11 @@ def add_parser(sub) -> None:
     p.add_argument("--threads", type=count, default=0,
                    help="torch threads, 0 for all cores, with one-token decode passes on one thread where a "
                         "check at load finds that no slower (default %(default)s)")
+    p.add_argument("--decode-threads", type=count, default=0, metavar="N",
+                   help="run passes of decode steps alone on N threads without the compute lock, so that nodes "
+                        "of one machine decode at once, each on its share of the cores (`meshnet up` gives each "
+                        "node cores / nodes); prompts keep the lock and every thread; 0: every pass under the "
+                        "lock (default %(default)s)")
     p.add_argument("--compute-lock", default=None, metavar="FILE",
                    help="nodes on one machine that lock the same file compute one at a time, each with every "
                         "thread; `none`: compute whenever this node likes (default: one file per device for "
@@ -248,7 +253,7 @@ def _node_config(args, security):
                       prefill_slice=args.prefill_slice_ms / 1000, wire_dtype=args.wire_dtype,
                       speculation=SpeculationConfig(enabled=args.speculate == "on"),
                       **_draft_model(args),
-                      compute_lock=_compute_lock(args.compute_lock, args.device),
+                      compute_lock=_compute_lock(args.compute_lock, args.device), decode_threads=args.decode_threads,
                       hop_timeout=args.hop_timeout, heartbeat_interval=args.heartbeat,
                       audit_rate=args.audit_rate, audit_tolerance=args.audit_tolerance,
                       drain_timeout=args.drain_timeout, tune_threads=not args.threads and args.device == "cpu",

@@ -3,6 +3,7 @@ this machine, supervised together."""
 from __future__ import annotations
 
 import functools
+import os
 import logging
 import sys
 import threading
@@ -33,8 +34,9 @@ def add_parser(sub) -> None:
                    help="tracker PUB endpoint (default %(default)s)")
     device_flags(p, "each node's", "; plain cuda deals the nodes out over every GPU")
     p.add_argument("--threads", type=count, default=0,
-                   help="torch threads per node, 0 for all cores; the nodes compute one at a time "
-                        "(default %(default)s)")
+                   help="torch threads per node, 0 for all cores; the nodes compute one at a time, "
+                        "except that with 0 on CPU their decode passes run at once, each node's on its share "
+                        "of the cores (default %(default)s)")
     quant_flag(p)
     p.add_argument("--draft", default=None, metavar="MODEL",
                    help="a small model sharing the model's tokenizer that drafts beside the text lookup, loaded "
@@ -92,13 +94,27 @@ def cmd_up(args) -> int:
 def node_commands(args, shards: list, devices: list[str], node: list[str], keys: list[str]) -> list[list[str]]:
     """Each node's command line. Nodes on one device (this machine's cores, or one GPU) compute one
     at a time, each with all of it: every node locks its device's default compute lock, as nodes
-    started by hand on this machine do. ``--draft`` goes to the node holding layer 0 alone: it
+    started by hand on this machine do; on CPU cores their decode passes run at once, each on its
+    share (``decode_threads``). ``--draft`` goes to the node holding layer 0 alone: it
     heads every request."""
-    threads = ["--threads", str(args.threads)] if args.threads else []
+    threads = (["--threads", str(args.threads)] if args.threads
+               else decode_threads(args.device, args.quant, len(shards)))
     return [[*node, "--model", args.model, "--layers", str(s), "--tracker", args.tracker, *threads,
              "--device", device, "--dtype", args.dtype, "--quant", args.quant, "--no-progress", *keys,
              *(["--draft", args.draft, "--draft-quant", args.draft_quant] if args.draft and s.start == 0 else [])]
             for s, device in zip(shards, devices)]
+
+
+def decode_threads(device: str, quant: str, nodes: int) -> list[str]:
+    """``--decode-threads`` for quantized nodes sharing this machine's cores: each decodes on its
+    share of them, at the same time as the others, so the streams run as a pipeline of groups
+    (prompts still take every core in turn). Nothing for one node, GPUs, or float weights
+    (``--quant none``): a float pass is bound by memory, which the nodes share, and runs about as
+    long for one stream as for eight, so one gathered batch at a time is faster there
+    (docs/BENCHMARKS.md, "Decode passes at once")."""
+    if device != "cpu" or quant == "none" or nodes < 2:
+        return []
+    return ["--decode-threads", str(max(1, len(os.sched_getaffinity(0)) // nodes))]
 
 
 def node_devices(device: str, nodes: int, gpus: int) -> list[str]:

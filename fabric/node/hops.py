@@ -62,11 +62,13 @@ def on_threads(n: int):
 
 
 class HopRunner:
-    def __init__(self, executor: ShardExecutor, lock: ComputeLock, counters: Counter):
+    def __init__(self, executor: ShardExecutor, lock: ComputeLock, counters: Counter, decode_threads: int = 0):
         self.executor = executor
         self.lock = lock
         self.counters = counters  # the node's: hops, batches, chunks and seconds are counted here
         self.step_threads = 0  # torch threads of a one-token pass (``tune_step_threads``); 0: as set for all
+        self.decode_threads = decode_threads  # threads of a decode pass, run without the lock; 0: under it
+        self._bare = False  # ``ready()`` let a decode pass run without the lock
 
     def wait(self, scheduler: HopScheduler) -> float:
         """Seconds the loop may poll for: until the queued work is due, else 50 ms (a compute
@@ -80,9 +82,19 @@ class HopRunner:
         awaited for one) and this node holds the lock (``done()`` lets it go). While another
         node of this machine holds it, a thread waits for it and the loop goes on answering
         pings and heartbeats; the batch is picked once the lock is granted, from what is
-        queued then."""
+        queued then.
+
+        With ``decode_threads``, a batch of decode steps alone runs at once, without the lock,
+        on that many threads: nodes of one machine then decode at the same time, each on its
+        share of the cores (a decode pass gains little from more threads: its products are
+        small), while prompts, verification steps and replays take the lock and every thread
+        (docs/BENCHMARKS.md, "Decode passes at once")."""
+        due = bool(len(scheduler)) and scheduler.wait(time.monotonic()) == 0
+        if due and self.decode_threads and scheduler.narrow():
+            self._bare = True
+            return True
         asked = self.lock.pending
-        if not asked and not (len(scheduler) and scheduler.wait(time.monotonic()) == 0):
+        if not asked and not due:
             return False
         if self.lock.request():
             return True
@@ -92,14 +104,18 @@ class HopRunner:
 
     def done(self) -> None:
         """Let the compute lock ``ready()`` took go."""
-        self.lock.release()
+        if self._bare:
+            self._bare = False
+        else:
+            self.lock.release()
 
     def run(self, batch: list[Work]) -> tuple[list[StepResult | Exception], float, float]:
         """Run ``batch`` (one hop; decode steps over the same layers, perhaps with prompts'
         chunks riding last; or short chunks of prompts); returns a result per hop, when it
         began and how long it took (perf_counter). Between ``ready()`` and ``done()`` the
         lock is held already; otherwise ``run`` blocks until it is."""
-        with self.lock, on_threads(self._threads(batch)):
+        bare = self._bare and all(w.decode for w in batch)
+        with contextlib.nullcontext() if bare else self.lock, on_threads(self._threads(batch, bare)):
             started = time.perf_counter()
             try:
                 results = self._run(batch)
@@ -141,9 +157,11 @@ class HopRunner:
             log.warning("a hop of %d session(s) took %.1f s (layers %d-%d, %d tokens at position %d)", len(batch),
                         elapsed, first.msg.start_layer, first.msg.end_layer, first.tokens, first.msg.pos)
 
-    def _threads(self, batch: list[Work]) -> int:
-        """The torch threads ``batch`` runs on: ``step_threads`` for a one-token pass, where set; else
-        every thread."""
+    def _threads(self, batch: list[Work], bare: bool) -> int:
+        """The torch threads ``batch`` runs on: ``decode_threads`` for a decode pass without the lock;
+        ``step_threads`` for a one-token pass, where set; else every thread."""
+        if bare:
+            return self.decode_threads
         one_token = len(batch) == 1 and batch[0].tokens == 1
         return self.step_threads if self.step_threads and one_token else torch.get_num_threads()
 

@@ -76,10 +76,11 @@ class Node(SessionControl, Replies):
         # the start, so another thread can copy the counter while this one updates it.
         self.counters: Counter[str] = Counter({k: 0 for k in COUNTERS})
         self._lock = ComputeLock(config.compute_lock)
-        self.hops = HopRunner(self.executor, self._lock, self.counters)
+        self.hops = HopRunner(self.executor, self._lock, self.counters, config.decode_threads)
         self.taps = Taps(self.executor, self._lock, config.node_id, kernels(config.device, config.dtype, config.quant),
                          self.counters)
-        self.scheduler = HopScheduler(config.scheduler, self.kv, self.executor.batchable, self._lock.shared)
+        self.scheduler = HopScheduler(config.scheduler, self.kv, self.executor.batchable, self._lock.shared,
+                                      gather=not config.decode_threads)
         self.benchmark = self.hops.benchmark(config.shard, config.dtype)
         if config.tune_threads:
             self.hops.tune_step_threads(config.shard, config.dtype)

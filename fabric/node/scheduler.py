@@ -125,11 +125,13 @@ class HopScheduler:
     nodes on this machine take turns with this one at the compute."""
 
     def __init__(self, config: SchedulerConfig, live: Collection[str],
-                 batchable: Callable[[int, int], bool] = lambda start, end: True, shared_lock: bool = False):
+                 batchable: Callable[[int, int], bool] = lambda start, end: True, shared_lock: bool = False,
+                 gather: bool = True):
         self.config = config
         self.live = live
         self.batchable = batchable
         self.shared_lock = shared_lock
+        self.gather = gather  # decode batches wait for the sessions due here (False: they run as they come)
         self.queue: deque[Work] = deque()
         self.replays: deque[Replay] = deque()  # audits' re-runs for heads, each one pass of its own
         self.ran_prefill = False  # the last pass moved a prefill on (alone or riding): decode steps go next
@@ -197,9 +199,13 @@ class HopScheduler:
         and streams that fell into two groups (a long pass, a prompt arriving) merge again.
         When such a wait runs out without them, each group may be queued at the node the
         other waits on: for RECENT_CYCLES cycles the batch waits only a pass's time, or the
-        two nodes would wait on each other at every token."""
+        two nodes would wait on each other at every token.
+
+        Without ``gather`` (nodes that decode at once: HopRunner's decode threads) a decode batch
+        runs as soon as it can: the streams then fall into groups that keep every node busy, a
+        pipeline, where one group would leave all nodes but one idle."""
         decode = self._first(decode=True) or next((w for w in self.queue if w.verifies), None)
-        gather = decode is not None and (all(w.decode or w.verifies for w in self.queue) or self._rides(decode))
+        gather = self.gather and decode is not None and (all(w.decode or w.verifies for w in self.queue) or self._rides(decode))
         yield_to_decode = self.ran_prefill and self.shared_lock
         queued = {w.session for w in self.queue}
         due = self._due(now, queued) if gather or yield_to_decode else []
@@ -228,6 +234,11 @@ class HopScheduler:
         return [s for s, t in self.last_decode.items() if s not in queued and now - t < horizon and s in self.live]
 
     # -- what ---------------------------------------------------------------------------
+
+    def narrow(self) -> bool:
+        """Whether the next batch is decode steps alone: no prompt, verification step or replay
+        is queued (each of those takes a pass of every thread)."""
+        return bool(self.queue) and not self.replays and all(w.decode for w in self.queue)
 
     def next_batch(self) -> list[Work]:
         """The next hops to run as one forward pass: queued decode steps over the same layers,

@@ -21,7 +21,7 @@
 #include <string.h>
 
 #define LANES 16
-#define ROWS 8 /* rows whose scores are summed together, one accumulator each */
+#define ROWS 8 /* rows whose scores are summed together at most, one accumulator each */
 #define MAX_ROWS 64 /* rows of one work item: their scores stay in the cache */
 
 typedef float v16 __attribute__((vector_size(64)));
@@ -42,8 +42,9 @@ typedef struct {
 typedef struct {  /* one work item: rows first..first + n of key head kvh in batch row b */
     const Job *j;
     int b, kvh, first, n, dp, stop, width;
-    float *qf, *qt, *kt, *vb, *s, *acc, *total;  /* qt: qf by blocks of ROWS rows, each (d, ROWS) */
-    int *ends;                      /* per row: one past its last key; then per block of ROWS rows */
+    int rg;                         /* rows that share each block of keys and values: 1, 2, 4 or ROWS */
+    float *qf, *qt, *kt, *vb, *s, *acc, *total;  /* qt: qf by blocks of rg rows, each (d, rg) */
+    int *ends;                      /* per row: one past its last key */
 } Item;
 
 static inline v16 splat(float x) { return (v16){x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
@@ -171,21 +172,21 @@ static void keys_across(const Item *it, int at) {
     }
 }
 
-/* The scores of rows row..row + ROWS (those past the item's last are zeros and not kept) against
+/* The scores of rows row..row + R (those past the item's last are zeros and not kept) against
  * keys at..at + 16, masked to -inf. */
-static void block_scores(const Item *it, int row, int at) {
+static inline __attribute__((always_inline)) void scores_of(const Item *it, int row, int at, const int R) {
     const Job *j = it->j;
-    if (at >= span(it, row, ROWS)) return;  /* past every one of the rows' keys: never read */
-    const float *q = it->qt + row * it->dp;  /* (d, ROWS) */
+    if (at >= span(it, row, R)) return;  /* past every one of the rows' keys: never read */
+    const float *q = it->qt + row * it->dp;  /* (d, R) */
     v16 acc[ROWS];
-    for (int r = 0; r < ROWS; r++) acc[r] = splat(0.0f);
+    for (int r = 0; r < R; r++) acc[r] = splat(0.0f);
     for (int i = 0; i < j->d; i++) {
         v16 k = at16(it->kt + i * LANES);
-        for (int r = 0; r < ROWS; r++) acc[r] += splat(q[i * ROWS + r]) * k;
+        for (int r = 0; r < R; r++) acc[r] += splat(q[i * R + r]) * k;
     }
     i16 keys;
     for (int l = 0; l < LANES; l++) keys[l] = at + l;
-    for (int r = 0; r < ROWS && row + r < it->n; r++) {
+    for (int r = 0; r < R && row + r < it->n; r++) {
         int qi = (it->first + row + r) / (j->heads / j->kv_heads);
         v16 x = acc[r] * j->scale;
         if (j->softcap > 0)
@@ -201,11 +202,23 @@ static void block_scores(const Item *it, int row, int at) {
     }
 }
 
+/* scores_of for the item's rows per group: each count compiled apart, so the loops unroll (a decode
+ * step's item holds the query heads of one key head: one row for most models, 2-8 under grouped
+ * queries, and more rows per group would only add zeros). */
+static void block_scores(const Item *it, int row, int at) {
+    switch (it->rg) {
+    case 1: scores_of(it, row, at, 1); break;
+    case 2: scores_of(it, row, at, 2); break;
+    case 4: scores_of(it, row, at, 4); break;
+    default: scores_of(it, row, at, ROWS);
+    }
+}
+
 /* Each row's scores become weights exp(score - max), and total[] their sums. */
 static void weigh(const Item *it) {
     for (int r = 0; r < it->n; r++) {
         float *s = it->s + (int64_t)r * it->width;
-        int width = (span(it, r / ROWS * ROWS, ROWS) + LANES - 1) / LANES * LANES;
+        int width = (span(it, r / it->rg * it->rg, it->rg) + LANES - 1) / LANES * LANES;
         v16 top = splat(-INFINITY), sum = splat(0.0f);
         for (int at = 0; at < width; at += LANES) {
             v16 x = at16(s + at);
@@ -222,24 +235,30 @@ static void weigh(const Item *it) {
     }
 }
 
-/* acc[row] += the weights of keys at..at + keys times their values, key by key; ROWS rows at a
+/* acc[row] += the weights of keys at..at + keys times their values, key by key; R rows at a
  * time share each load of a value (rows past the item's last have weights 0). */
-static inline void add_rows(const Item *it, int at, int keys) {
-    for (int r = 0; r < it->n; r += ROWS) {
-        if (at >= span(it, r, ROWS)) continue;  /* the rows' weights here are 0 */
+static inline __attribute__((always_inline)) void add_rows(const Item *it, int at, int keys, const int R) {
+    for (int r = 0; r < it->n; r += R) {
+        if (at >= span(it, r, R)) continue;  /* the rows' weights here are 0 */
         const float *w = it->s + (int64_t)r * it->width + at;
         float *out = it->acc + r * it->dp;
         for (int c = 0; c < it->dp; c += LANES) {
             v16 a[ROWS];
-            for (int k = 0; k < ROWS; k++) a[k] = at16(out + k * it->dp + c);
+            for (int k = 0; k < R; k++) a[k] = at16(out + k * it->dp + c);
             const float *v = it->vb + c;
             for (int l = 0; l < keys; l++, v += it->dp) {
                 v16 x = at16(v);
-                for (int k = 0; k < ROWS; k++) a[k] += splat(w[k * it->width + l]) * x;
+                for (int k = 0; k < R; k++) a[k] += splat(w[k * it->width + l]) * x;
             }
-            for (int k = 0; k < ROWS; k++) put16(out + k * it->dp + c, a[k]);
+            for (int k = 0; k < R; k++) put16(out + k * it->dp + c, a[k]);
         }
     }
+}
+
+/* add_rows with the key count and the rows per group as constants where they are common. */
+static inline __attribute__((always_inline)) void add_rows_of(const Item *it, int at, int keys, const int R) {
+    if (keys == LANES) add_rows(it, at, LANES, R);  /* a constant count: the loop unrolls */
+    else add_rows(it, at, keys, R);
 }
 
 static void add_values(const Item *it, int at) {
@@ -248,8 +267,12 @@ static void add_values(const Item *it, int at) {
     for (int l = 0; l < keys; l++)
         load(it->vb + l * it->dp, j->v, it->b * j->sv[0] + it->kvh * j->sv[1] + (int64_t)(at + l) * j->sv[2],
              j->d, it->dp, j->fmt);
-    if (keys == LANES) add_rows(it, at, LANES);  /* a constant count: the loop unrolls */
-    else add_rows(it, at, keys);
+    switch (it->rg) {
+    case 1: add_rows_of(it, at, keys, 1); break;
+    case 2: add_rows_of(it, at, keys, 2); break;
+    case 4: add_rows_of(it, at, keys, 4); break;
+    default: add_rows_of(it, at, keys, ROWS);
+    }
 }
 
 /* Row `row` of the item's key head: query head *h at position *qi (rows run position-major, so
@@ -269,14 +292,16 @@ static void run_item(Item *it) {
         it->ends[r] = row_end(j, it->b, qi);
         it->stop = it->ends[r] > it->stop ? it->ends[r] : it->stop;
     }
-    int whole = (it->n + ROWS - 1) / ROWS * ROWS;  /* rows past the last: zeros, weighing nothing */
+    int rg = it->n >= ROWS ? ROWS : it->n > 2 ? 4 : it->n;  /* the rows' arithmetic is the same for any */
+    it->rg = rg;
+    int whole = (it->n + rg - 1) / rg * rg;  /* rows past the last: zeros, weighing nothing */
     memset(it->qf + it->n * it->dp, 0, sizeof(float) * (whole - it->n) * it->dp);
     for (int r = 0; r < whole; r++)
-        for (int i = 0; i < it->dp; i++) it->qt[(r / ROWS * it->dp + i) * ROWS + r % ROWS] = it->qf[r * it->dp + i];
+        for (int i = 0; i < it->dp; i++) it->qt[(r / rg * it->dp + i) * rg + r % rg] = it->qf[r * it->dp + i];
     it->width = (it->stop + LANES - 1) / LANES * LANES;
     for (int at = 0; at < it->width; at += LANES) {
         keys_across(it, at);
-        for (int row = 0; row < it->n; row += ROWS) block_scores(it, row, at);
+        for (int row = 0; row < it->n; row += rg) block_scores(it, row, at);
     }
     weigh(it);
     memset(it->s + (int64_t)it->n * it->width, 0, sizeof(float) * (whole - it->n) * it->width);

@@ -1,0 +1,130 @@
+"""Decode passes at once (``--decode-threads``): nodes sharing a machine's compute lock run passes
+of decode steps alone without it, each on its share of the cores, and stop gathering their
+streams into one batch, so the streams run as a pipeline of groups. Prompts keep the lock."""
+from __future__ import annotations
+
+import threading
+from collections import Counter
+
+import pytest
+import torch
+
+from fabric.cli.up_command import decode_threads
+from fabric.compute.compute_lock import ComputeLock
+from fabric.compute.executor import ShardExecutor
+from fabric.compute.kv import KVStore
+from fabric.compute.models import load_shard, resolve
+from fabric.node.hops import HopRunner
+from fabric.node.scheduler import HopScheduler, Replay, SchedulerConfig, Work
+from fabric.wire import protocol as p
+from fabric.wire.shard import Shard
+
+
+def _work(tokens: list[int], session: str, pos: int = 0, drafts: tuple[int, ...] = ()) -> Work:
+    spec = p.TensorSpec("int64", (1, len(tokens)))
+    msg = p.Forward(session=session, step=1, pos=pos, start_layer=0, end_layer=5, route=(), reply_to="tcp://h:1",
+                    tensors=(spec,), drafts=drafts)
+    return Work(msg, torch.tensor([tokens]))
+
+
+@pytest.fixture
+def two_threads():
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture
+def held(tmp_path):
+    """The compute lock file, held by another node of the machine (another open file: flock
+    locks belong to the open file, so this process's own lock conflicts with it)."""
+    other = ComputeLock(str(tmp_path / "compute.lock"))
+    other.acquire()
+    yield str(tmp_path / "compute.lock")
+    other.release()
+    other.close()
+
+
+def _node(tiny_models, lock_path: str, decode: int) -> tuple[HopRunner, HopScheduler, list[int]]:
+    """A runner and scheduler as a node builds them, over a tiny llama's 6 layers, with two sessions
+    prefilled (without the lock: the test holds it elsewhere); the threads of each pass are kept."""
+    kv = KVStore()
+    runner = HopRunner(ShardExecutor(load_shard(resolve(str(tiny_models("llama"))), Shard(0, 5, 6), progress=False),
+                                     kv), ComputeLock(lock_path), Counter(), decode_threads=decode)
+    scheduler = HopScheduler(SchedulerConfig(), kv, shared_lock=True, gather=not decode)
+    for session in "ab":
+        runner.executor.run(session, 0, 5, torch.tensor([[5, 6, 7]]), 0)
+    seen: list[int] = []
+    for name in ("run", "run_batch", "run_mixed", "run_prefills"):
+        inner = getattr(runner.executor, name)
+        setattr(runner.executor, name, lambda *a, inner=inner, **kw: seen.append(torch.get_num_threads()) or inner(*a, **kw))
+    return runner, scheduler, seen
+
+
+def _in_time(call, seconds: float = 20.0):
+    """``call()``'s result; fails where it blocks (on a lock it must not wait for) past ``seconds``."""
+    out = []
+    t = threading.Thread(target=lambda: out.append(call()), daemon=True)
+    t.start()
+    t.join(seconds)
+    assert out, "blocked"
+    return out[0]
+
+
+def test_decode_steps_run_at_once_on_their_threads_while_another_node_holds_the_lock(tiny_models, held,
+                                                                                    two_threads):
+    runner, scheduler, seen = _node(tiny_models, held, decode=1)
+    scheduler.push(_work([8], "a", pos=3))
+    scheduler.push(_work([9], "b", pos=3))
+    assert runner.ready(scheduler)  # the other node computes, and these go ahead
+    batch = scheduler.next_batch()
+    results, _, _ = _in_time(lambda: runner.run(batch))
+    runner.done()
+    assert [r.logits.dim() for r in results] == [1, 1]  # the tail's (the shard holds every layer)
+    assert seen == [1] and torch.get_num_threads() == 2  # one thread for the pass, every thread after
+
+
+@pytest.mark.parametrize("other", ["prompt", "verification", "replay"])
+def test_a_prompt_a_verification_or_a_replay_still_waits_for_the_lock(tiny_models, held, two_threads, other):
+    runner, scheduler, _ = _node(tiny_models, held, decode=1)
+    scheduler.push(_work([8], "a", pos=3))
+    if other == "prompt":
+        scheduler.push(_work([1, 2, 3], "c"))
+    elif other == "verification":
+        scheduler.push(_work([9, 10, 11], "b", pos=3, drafts=(10, 11)))
+    else:
+        assert scheduler.push_replay(Replay(msg=None, tensor=None))
+    assert not scheduler.narrow()
+    assert not runner.ready(scheduler) and runner.lock.pending  # its waiter waits for the other node
+    runner.lock.close()
+
+
+def test_without_decode_threads_decode_steps_wait_for_the_lock_too(tiny_models, held, two_threads):
+    runner, scheduler, _ = _node(tiny_models, held, decode=0)
+    scheduler.push(_work([8], "a", pos=3))
+    assert scheduler.narrow() and not runner.ready(scheduler)
+    runner.lock.close()
+
+
+def test_nodes_that_decode_at_once_do_not_gather_their_streams():
+    """A gathering node waits up to a pass for the sessions due (one batch for all streams: the
+    other nodes idle meanwhile); one that decodes at once runs what is queued, and the streams
+    fall into groups that keep every node busy."""
+    for gather, waits in ((True, True), (False, False)):
+        s = HopScheduler(SchedulerConfig(), {"a", "b"}, gather=gather)
+        s.push(_work([8], "a", pos=40))
+        s.decode_batch_s = s.pass_s = 0.04
+        s.cycle_s = 0.1
+        s.last_decode = {"a": 9.9, "b": 9.95}  # "b" decoded here just now, and is due
+        assert (s.wait(10.0) > 0) == waits
+
+
+def test_meshnet_up_gives_quantized_cpu_nodes_their_share_of_the_cores(monkeypatch):
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(8)))
+    assert decode_threads("cpu", "gguf", 2) == ["--decode-threads", "4"]
+    assert decode_threads("cpu", "int4", 3) == ["--decode-threads", "2"]
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0})
+    assert decode_threads("cpu", "int8", 2) == ["--decode-threads", "1"]
+    # float weights (one gathered batch is faster), one node, a GPU: as before
+    assert decode_threads("cpu", "none", 2) == decode_threads("cpu", "gguf", 1) == decode_threads("cuda", "gguf", 2) == []
