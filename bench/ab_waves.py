@@ -58,14 +58,15 @@ def node_cpu(c: fb.Cluster) -> float:
 
 
 def passes(c: fb.Cluster) -> str:
-    """Each traced node's median pass time (ms) per batch size of decode steps."""
+    """Each traced node's median pass time (ms) per batch size of decode steps, and how many such
+    passes ran (in brackets)."""
     out = []
     for i, (_, _, path) in enumerate(c.nodes):
         by: dict[int, list[float]] = {}
         for e in fb.load_trace(path).get("pass", []):
             if all(hop[3] for hop in e[1]):
                 by.setdefault(len(e[1]), []).append((e[3] - e[2]) / 1e6)
-        out.append(f"node {i}: " + ", ".join(f"{k} rows {statistics.median(v):.2f} ms"
+        out.append(f"node {i}: " + ", ".join(f"{k} rows {statistics.median(v):.2f} ms ({len(v)})"
                                              for k, v in sorted(by.items()) if len(v) > 5))
     return "; ".join(out)
 

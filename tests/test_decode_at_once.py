@@ -107,17 +107,26 @@ def test_without_decode_threads_decode_steps_wait_for_the_lock_too(tiny_models, 
     runner.lock.close()
 
 
-def test_nodes_that_decode_at_once_do_not_gather_their_streams():
-    """A gathering node waits up to a pass for the sessions due (one batch for all streams: the
-    other nodes idle meanwhile); one that decodes at once runs what is queued, and the streams
-    fall into groups that keep every node busy."""
-    for gather, waits in ((True, True), (False, False)):
-        s = HopScheduler(SchedulerConfig(), {"a", "b"}, gather=gather)
+def test_nodes_that_decode_at_once_wait_only_for_their_own_group():
+    """A gathering node waits up to a pass for every session due (one batch for all streams: the
+    other nodes idle meanwhile). One that decodes at once waits only for the sessions that ran in
+    the same pass here last time (the node before sends them one by one), never for another
+    group, which is computing at another node."""
+    def node(gather: bool) -> HopScheduler:
+        s = HopScheduler(SchedulerConfig(), {"a", "b", "c"}, gather=gather)
         s.push(_work([8], "a", pos=40))
         s.decode_batch_s = s.pass_s = 0.04
         s.cycle_s = 0.1
-        s.last_decode = {"a": 9.9, "b": 9.95}  # "b" decoded here just now, and is due
-        assert (s.wait(10.0) > 0) == waits
+        s.last_decode = {"a": 9.9, "b": 9.95, "c": 9.95}  # "b" and "c": another group, due here
+        return s
+
+    assert node(gather=True).wait(10.0) == pytest.approx(0.04)
+    assert node(gather=False).wait(10.0) == 0
+    mates = node(gather=False)
+    mates.last_decode["b"] = 9.9  # "b" ran with "a": on its way
+    assert mates.wait(10.0) == pytest.approx(0.04)
+    mates.push(_work([9], "b", pos=40))
+    assert mates.wait(10.001) == 0 and [w.session for w in mates.next_batch()] == ["a", "b"]
 
 
 def test_meshnet_up_gives_quantized_cpu_nodes_their_share_of_the_cores(monkeypatch):

@@ -202,20 +202,21 @@ class HopScheduler:
         two nodes would wait on each other at every token.
 
         Without ``gather`` (nodes that decode at once: HopRunner's decode threads) a decode batch
-        runs as soon as it can: the streams then fall into groups that keep every node busy, a
-        pipeline, where one group would leave all nodes but one idle."""
+        waits only for the rest of its group, the sessions that ran in the same pass here last
+        time (the node before sends them one after another): the streams then run as groups that
+        keep every node busy, a pipeline, where one group would leave all nodes but one idle."""
         decode = self._first(decode=True) or next((w for w in self.queue if w.verifies), None)
-        gather = self.gather and decode is not None and (all(w.decode or w.verifies for w in self.queue) or self._rides(decode))
+        gather = decode is not None and (all(w.decode or w.verifies for w in self.queue) or self._rides(decode))
         yield_to_decode = self.ran_prefill and self.shared_lock
         queued = {w.session for w in self.queue}
-        due = self._due(now, queued) if gather or yield_to_decode else []
+        due = self._awaited(now, queued) if gather else self._due(now, queued) if yield_to_decode else []
         if not due or len(queued) >= self.config.max_batch:
             self.gather_since = None
             return 0.0
         if self.gather_since is None:
             self.gather_since = now
         limit = GATHER_PER_DECODE * (self.pass_s or 0.0) if gather else (self.cycle_s or 0.0)
-        merging = gather and self.shared_lock and now >= self.merge_after
+        merging = gather and self.gather and self.shared_lock and now >= self.merge_after
         if merging:
             limit = max(limit, self.cycle_s or 0.0)
         left = self.gather_since + limit - now
@@ -227,6 +228,15 @@ class HopScheduler:
                 self.merge_after = now + RECENT_CYCLES * (self.cycle_s or 0.0)
             return 0.0
         return left
+
+    def _awaited(self, now: float, queued: set[str]) -> list[str]:
+        """The sessions a decode batch waits for: those due here; without ``gather``, only those
+        that ran here in the same pass as a queued one (their last decode began together)."""
+        due = self._due(now, queued)
+        if self.gather or not due:
+            return due
+        passes = {self.last_decode.get(w.session) for w in self.queue if w.decode or w.verifies}
+        return [s for s in due if self.last_decode[s] in passes]
 
     def _due(self, now: float, queued: set[str]) -> list[str]:
         """Sessions that decoded here lately, hold KV, and have nothing queued."""
