@@ -326,3 +326,16 @@ def test_timing_learns_the_decode_rhythm_and_drop_forgets_a_session():
     s.drop("a")
     assert [w.session for w in s.queue] == ["b"] and s.last_decode == {"b": 1.2}
 
+
+
+def test_a_verification_step_takes_the_streams_turn_between_a_long_prompts_slices():
+    """A verification step (a decode step and its drafts) is no decode step, but it is a stream's:
+    between slices of a long prompt it runs, where it once waited behind every slice (a stream
+    that drafted stood still for the whole prefill: 7-8 s on 2,000 tokens)."""
+    msg = p.Forward(session="v", step=0, pos=40, start_layer=0, end_layer=1, route=(), reply_to="x", drafts=(7, 8))
+    s = scheduler([work("long", 0, 2000)], ["v"], busy=32)
+    first = s.next_batch()
+    assert [(w.session, w.tokens) for w in first] == [("long", 32)]
+    s.push(Work(msg, Tokens(0, 3)))
+    assert [w.session for w in s.next_batch()] == ["v"]  # the streams' turn
+    assert [w.session for w in s.next_batch()] == ["long"]  # then the prompt's

@@ -326,17 +326,23 @@ class HopScheduler:
     def _first(self, decode: bool) -> Work | None:
         """The first queued hop of that kind whose session has nothing queued before it (a
         session's hops run in order), or None."""
+        return self._first_where(lambda w: w.decode == decode)
+
+    def _first_where(self, wanted: Callable[[Work], bool]) -> Work | None:
         earlier: set[str] = set()
         for w in self.queue:
-            if w.decode == decode and w.session not in earlier:
+            if wanted(w) and w.session not in earlier:
                 return w
             earlier.add(w.session)
         return None
 
     def take(self, decode: bool) -> Work:
         """Remove and return the first queued hop of the wanted kind whose session has
-        nothing queued before it (a session's hops run in order), else the first hop."""
-        w = self._first(decode)
+        nothing queued before it (a session's hops run in order), else the first hop. The
+        streams' turn (``decode``) with no decode step queued goes to a verification step (a
+        decode step and its drafts) before a prompt: one queued behind a long prompt's slices
+        would otherwise wait for all of them, and its stream with it."""
+        w = self._first(decode) or (self._first_where(lambda w: w.verifies) if decode else None)
         if w is None:
             return self.queue.popleft()
         self.queue.remove(w)
