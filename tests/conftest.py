@@ -178,3 +178,12 @@ def torchs_kernels(monkeypatch):
     """A GGUF's default mode on torch's weight-only kernels, not q8dot (``MESHNET_Q8DOT=0``): for
     tests of those modules themselves."""
     monkeypatch.setenv("MESHNET_Q8DOT", "0")
+
+
+@pytest.fixture
+def two_threads():
+    """torch on two threads within the test (a node's threads on a 2-core machine), as before after."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(before)

@@ -28,14 +28,6 @@ def _work(tokens: list[int], session: str, pos: int = 0, drafts: tuple[int, ...]
 
 
 @pytest.fixture
-def two_threads():
-    before = torch.get_num_threads()
-    torch.set_num_threads(2)
-    yield
-    torch.set_num_threads(before)
-
-
-@pytest.fixture
 def held(tmp_path):
     """The compute lock file, held by another node of the machine (another open file: flock
     locks belong to the open file, so this process's own lock conflicts with it)."""

@@ -18,14 +18,6 @@ from fabric.wire.shard import Shard
 
 
 @pytest.fixture
-def two_threads():
-    before = torch.get_num_threads()
-    torch.set_num_threads(2)
-    yield
-    torch.set_num_threads(before)
-
-
-@pytest.fixture
 def runner(tiny_models):
     source = resolve(str(tiny_models("llama")))
     shard = Shard(0, 5, 6)

@@ -57,19 +57,7 @@ def add_parser(sub) -> None:
     _node_relay_flags(p)
     device_flags(p, "the")
     quant_flag(p)
-    p.add_argument("--threads", type=count, default=0,
-                   help="torch threads, 0 for all cores, with one-token decode passes on one thread where a "
-                        "check at load finds that no slower (default %(default)s)")
-    p.add_argument("--decode-threads", type=count, default=0, metavar="N",
-                   help="run passes of decode steps alone on N threads without the compute lock, so that nodes "
-                        "of one machine decode at once, each on its share of the cores (`meshnet up` gives each "
-                        "node cores / nodes); prompts keep the lock and every thread; 0: every pass under the "
-                        "lock (default %(default)s)")
-    p.add_argument("--compute-lock", default=None, metavar="FILE",
-                   help="nodes on one machine that lock the same file compute one at a time, each with every "
-                        "thread; `none`: compute whenever this node likes (default: one file per device for "
-                        f"this user, {default_lock('DEVICE', os.environ)}, so nodes started one by one on a "
-                        "machine take turns)")
+    _node_compute_flags(p)
     p.add_argument("--max-sessions", type=positive_count, default=64, help="sessions this node keeps KV for")
     p.add_argument("--kv-cache-gib", type=non_negative, default=None, metavar="GIB",
                    help="GiB of ended requests' KV this node keeps, so that a later request sharing their start "
@@ -95,6 +83,23 @@ def add_parser(sub) -> None:
     p.add_argument("--no-progress", action="store_true", help="no progress bar while loading")
     metrics_flag(p)
     p.set_defaults(func=cmd_node)
+
+
+def _node_compute_flags(p: argparse.ArgumentParser) -> None:
+    """How a node shares its machine's cores: its threads, its decode passes, the compute lock."""
+    p.add_argument("--threads", type=count, default=0,
+                   help="torch threads, 0 for all cores, with one-token decode passes on one thread where a "
+                        "check at load finds that no slower (default %(default)s)")
+    p.add_argument("--decode-threads", type=count, default=0, metavar="N",
+                   help="run passes of decode steps alone on N threads without the compute lock, so that nodes "
+                        "of one machine decode at once, each on its share of the cores (`meshnet up` gives each "
+                        "node cores / nodes); prompts keep the lock and every thread; 0: every pass under the "
+                        "lock (default %(default)s)")
+    p.add_argument("--compute-lock", default=None, metavar="FILE",
+                   help="nodes on one machine that lock the same file compute one at a time, each with every "
+                        "thread; `none`: compute whenever this node likes (default: one file per device for "
+                        f"this user, {default_lock('DEVICE', os.environ)}, so nodes started one by one on a "
+                        "machine take turns)")
 
 
 def _node_head_flags(p: argparse.ArgumentParser) -> None:

@@ -3,8 +3,8 @@ this machine, supervised together."""
 from __future__ import annotations
 
 import functools
-import os
 import logging
+import os
 import sys
 import threading
 

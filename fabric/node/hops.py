@@ -72,8 +72,9 @@ class HopRunner:
 
     def wait(self, scheduler: HopScheduler) -> float:
         """Seconds the loop may poll for: until the queued work is due, else 50 ms (a compute
-        lock granted meanwhile ends the poll at once: its ``fileno()`` is polled)."""
-        if not len(scheduler) or self.lock.pending:
+        lock granted meanwhile ends the poll at once: its ``fileno()`` is polled). Decode steps
+        that run without the lock wait for no grant."""
+        if not len(scheduler) or (self.lock.pending and not (self.decode_threads and scheduler.narrow())):
             return 0.05
         return scheduler.wait(time.monotonic())
 
@@ -89,12 +90,11 @@ class HopRunner:
         share of the cores (a decode pass gains little from more threads: its products are
         small), while prompts, verification steps and replays take the lock and every thread
         (docs/BENCHMARKS.md, "Decode passes at once")."""
-        due = bool(len(scheduler)) and scheduler.wait(time.monotonic()) == 0
-        if due and self.decode_threads and scheduler.narrow():
+        if self.decode_threads and scheduler.narrow() and scheduler.wait(time.monotonic()) == 0:
             self._bare = True
             return True
         asked = self.lock.pending
-        if not asked and not due:
+        if not asked and not (len(scheduler) and scheduler.wait(time.monotonic()) == 0):
             return False
         if self.lock.request():
             return True

@@ -131,7 +131,7 @@ class HopScheduler:
         self.live = live
         self.batchable = batchable
         self.shared_lock = shared_lock
-        self.gather = gather  # decode batches wait for the sessions due here (False: they run as they come)
+        self.gather = gather  # decode batches wait for every session due here (False: for their own group)
         self.queue: deque[Work] = deque()
         self.replays: deque[Replay] = deque()  # audits' re-runs for heads, each one pass of its own
         self.ran_prefill = False  # the last pass moved a prefill on (alone or riding): decode steps go next
