@@ -8,6 +8,7 @@ default mode's split gives the tokens of one transformers process computing the 
 """
 from __future__ import annotations
 
+import threading
 
 import numpy as np
 import pytest
@@ -220,3 +221,35 @@ def test_default_nodes_give_the_default_single_process_tokens(process_cluster):
             want = reference.generate(ids, max_new_tokens=24, do_sample=False, attention_mask=torch.ones_like(ids))
             events = list(client.generate(MODEL, messages=[{"role": "user", "content": question}], max_tokens=24))
             assert token_ids(events) == want[0, ids.shape[1]:].tolist()
+
+
+@pytest.mark.slow
+def test_nodes_that_decode_at_once_give_concurrent_streams_the_single_process_tokens(process_cluster):
+    """``meshnet up``'s quantized nodes decode at once (``--decode-threads``): passes of decode steps
+    without the compute lock, on one thread, their streams waiting only for their own group. Three
+    streams at once, batched however they fall, each get the greedy tokens of one process."""
+    source = need_model()
+    process_cluster.start_node("head", MODEL, "0-14", None, "--decode-threads", "1")
+    process_cluster.start_node("tail", MODEL, "15-29", None, "--decode-threads", "1")
+    process_cluster.wait_nodes(["head", "tail"], MODEL)
+    cache = process_cluster.cache / "meshnet"
+    reference = quantized_reference(source.directory, source.gguf_file, "int4", cache)
+    questions = [*QUESTIONS, "Name three colours."]
+    want = {}
+    for question in questions:
+        ids = torch.tensor([chat_prompt(source, question, cache)])
+        out = reference.generate(ids, max_new_tokens=24, do_sample=False, attention_mask=torch.ones_like(ids))
+        want[question] = out[0, ids.shape[1]:].tolist()
+    got = {}
+
+    def stream(question: str) -> None:
+        with process_cluster.client() as client:
+            got[question] = token_ids(client.generate(MODEL, messages=[{"role": "user", "content": question}],
+                                                      max_tokens=24))
+
+    threads = [threading.Thread(target=stream, args=(q,)) for q in questions]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert got == want
