@@ -261,10 +261,10 @@ def start_cluster(procs: Procs, c: Cluster, model: str, tmp: Path, extra: tuple[
     c.tracker_proc = procs.start(f"{c.key}-tracker", [
         py, "-m", "fabric.cli", "--log-level", "warning", "tracker", "--bind", c.tracker,
         "--pub", f"tcp://127.0.0.1:{pub}", "--db", str(tmp / f"{c.key}-ledger.db")], c.env, c.repo)
+    threads = (["--threads", str(c.threads)] if c.threads != "auto"
+               else up_flags(model, extra, len(c.shards)) if c.repo == REPO  # another checkout: its own defaults
+               else [])
     for i, shard in enumerate(c.shards):
-        threads = (["--threads", str(c.threads)] if c.threads != "auto"
-                   else up_flags(model, extra, len(c.shards)) if c.repo == REPO  # another checkout: its own defaults
-                   else [])
         node_args = ["node", "--model", model, "--layers", str(shard), "--tracker", c.tracker, *threads,
                      "--compute-lock", str(tmp / f"{c.key}.lock"), "--no-progress", *extra]
         env, trace = dict(c.env), None
