@@ -96,6 +96,32 @@ def test_batch_groups_keep_every_session_exact_as_members_come_and_go(tiny_model
     assert sum(ex.kv.get(f"s{i}").nbytes() for i in range(4)) > 0
 
 
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_a_batch_spread_over_the_group_runs_only_its_own_rows(tiny_models, family, monkeypatch):
+    """Streams that run as two groups (a pipeline over the nodes) hold rows spread over the
+    batch group. A pass runs every row from its batch's first to its last, so their rows are
+    brought side by side first: each pass then runs only its own rows, rows move once, not at
+    every pass, and every session's tokens stay those it gets alone."""
+    from fabric.compute.rows import RowGroup
+
+    ex = ShardExecutor(load_shard(resolve(str(tiny_models(family))), Shard(0, 5, 6), progress=False), KVStore())
+    expected = [greedy_alone(ex, f"alone{i}", p, 14) for i, p in enumerate(PROMPTS)]
+    run = Sessions(ex)
+    for i in range(4):
+        run.prefill(i)
+    run.step([0, 1, 2, 3])  # rows 0..3, in that order
+    widths, swaps, inputs, swap = [], [], ex._row_inputs, RowGroup.swap
+    monkeypatch.setattr(ex, "_row_inputs", lambda steps, rows, lo, hi: widths.append(hi - lo) or inputs(steps, rows, lo, hi))
+    monkeypatch.setattr(RowGroup, "swap", lambda group, a, b: swaps.append((a, b)) or swap(group, a, b))
+    for _ in range(5):
+        run.step([0, 2])
+        run.step([3, 1])
+    assert widths == [2] * 10
+    assert len(swaps) == 1
+    run.finish(14)
+    assert run.tokens == expected
+
+
 def test_rows_packed_and_grown_under_churn_stay_exact(tiny_models, monkeypatch):
     """Buffers with hardly any room to spare are rebuilt every few steps: more sessions
     than rows, rows that skip steps (holes in their columns) and get packed once the one

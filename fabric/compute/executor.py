@@ -352,16 +352,6 @@ class ShardExecutor(HopKV):
         of the session's own (a row would widen every row of the group by its length)."""
         return kv.group is not None and chunk.step.drafts > 0 and not chunk.reuse and chunk.step.pos == kv.length
 
-    def _rows(self, steps: list[Step], kvs: list[SessionKV]) -> tuple[RowGroup, list[int], int, int]:
-        """The batch group over the steps' layers, each step's session in it (joining a
-        free row if not yet): (group, each step's row, lo, hi) for a pass over rows lo..hi."""
-        group = self._group_for(steps[0].start, steps[0].end)
-        for step, kv in zip(steps, kvs):
-            if kv.group is not group:
-                self._join(group, step.session, kv)
-        rows = [kv.row for kv in kvs]
-        return group, rows, min(rows), max(rows) + 1
-
     def _row_inputs(self, steps: list[Step], rows: list[int], lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Hidden states (hi - lo, 1, hidden) and position ids (hi - lo, 1) of rows lo..hi: each
         step's at its row, a dummy (token 0 at position 0) at a row without one."""

@@ -71,6 +71,32 @@ class HopKV:
         if not group.members() and group is self.group:
             self.group = None  # nobody left: its buffers go
 
+    def _rows(self, steps, kvs: list[SessionKV]) -> tuple[RowGroup, list[int], int, int]:
+        """The batch group over the steps' layers, each step's session in it (joining a free
+        row if not yet) and the steps' rows side by side: (group, each step's row, lo, hi) for
+        a pass over rows lo..hi."""
+        group = self._group_for(steps[0].start, steps[0].end)
+        for step, kv in zip(steps, kvs):
+            if kv.group is not group:
+                self._join(group, step.session, kv)
+        rows = [kv.row for kv in kvs]
+        if max(rows) + 1 - min(rows) > len(rows):
+            rows = self._close_up(group, kvs)
+        return group, rows, min(rows), max(rows) + 1
+
+    def _close_up(self, group: RowGroup, kvs: list[SessionKV]) -> list[int]:
+        """Move the rows of ``kvs`` next to each other (the rows they displace take their
+        places): a pass runs every row from its first to its last, those between as masked
+        dummies, so a batch spread over the group would cost the whole group's pass. Rows move
+        only when the line-up changes (streams that run as two groups keep a half each).
+        Returns the kvs' rows."""
+        for a, b in group.gathering([kv.row for kv in kvs]):
+            group.swap(a, b)
+            for row in (a, b):
+                if group.sessions[row] is not None:
+                    self.kv.get(group.sessions[row]).row = row
+        return [kv.row for kv in kvs]
+
     def _new_cache(self):
         from .cache import new_cache
 

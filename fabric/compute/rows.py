@@ -93,6 +93,23 @@ class RowGroup:
         to ask from another thread (metrics)."""
         return self.columns * self.column_bytes
 
+    def gathering(self, rows: list[int]) -> list[tuple[int, int]]:
+        """Swaps of rows that bring ``rows`` side by side: into the window of as many rows
+        that holds most of them already (the first such window)."""
+        n, inside = len(rows), set(rows)
+        start = max(range(len(self.sessions) - n + 1), key=lambda w: (len(inside.intersection(range(w, w + n))), -w))
+        holes = [r for r in range(start, start + n) if r not in inside]
+        return list(zip([r for r in rows if not start <= r < start + n], holes))
+
+    def swap(self, a: int, b: int) -> None:
+        """Rows ``a`` and ``b`` trade places: their positions, lengths and sessions."""
+        n, there, back = int(max(self.lengths[a], self.lengths[b])), [a, b], [b, a]
+        for i in self.keys:
+            self.keys[i][there, :, :n] = self.keys[i][back, :, :n]
+            self.values[i][there, :, :n] = self.values[i][back, :, :n]
+        self.lengths[there] = self.lengths[back]
+        self.sessions[a], self.sessions[b] = self.sessions[b], self.sessions[a]
+
     # -- one forward pass over rows lo..hi ------------------------------------------------
 
     def step_cache(self, lo: int, hi: int) -> "RowsStep":
