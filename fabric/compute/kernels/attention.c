@@ -43,7 +43,7 @@ typedef struct {  /* one work item: rows first..first + n of key head kvh in bat
     const Job *j;
     int b, kvh, first, n, dp, stop, width;
     int rg;                         /* rows that share each block of keys and values: 1, 2, 4 or ROWS */
-    float *qf, *qt, *kt, *vb, *s, *acc, *total;  /* qt: qf by blocks of rg rows, each (d, rg) */
+    float *qf, *qt, *kt, *s, *acc, *total;  /* qt: qf by blocks of rg rows, each (d, rg) */
     int *ends;                      /* per row: one past its last key */
 } Item;
 
@@ -51,6 +51,7 @@ static inline v16 splat(float x) { return (v16){x, x, x, x, x, x, x, x, x, x, x,
 static inline v16 at16(const float *p) { v16 x; memcpy(&x, p, sizeof x); return x; }
 static inline void put16(float *p, v16 x) { memcpy(p, &x, sizeof x); }
 static inline v16 pick(i16 mask, v16 yes, v16 no) { return (v16)(((i16)yes & mask) | ((i16)no & ~mask)); }
+
 
 /* n values of `base` from `at` as float32 (every format here widens exactly), zeros up to `to`. */
 static void load(float *restrict dst, const void *base, int64_t at, int n, int to, int fmt) {
@@ -67,6 +68,30 @@ static void load(float *restrict dst, const void *base, int64_t at, int n, int t
         memcpy(dst, (const float *)base + at, sizeof(float) * n);
     }
     memset(dst + n, 0, sizeof(float) * (to - n));
+}
+
+typedef uint16_t h16 __attribute__((vector_size(32)));
+typedef _Float16 f16x16 __attribute__((vector_size(32)));
+
+/* Elements at..at + 16 of `base` as float32 in a register (every format here widens exactly);
+ * n < 16: zeros past the first n. */
+static inline v16 take16(const void *base, int64_t at, int n, int fmt) {
+    if (n == LANES) {
+        if (fmt == F_BF16) {
+            h16 h;
+            memcpy(&h, (const uint16_t *)base + at, sizeof h);
+            return (v16)(__builtin_convertvector(h, i16) << 16);
+        }
+        if (fmt == F_F16) {
+            f16x16 h;
+            memcpy(&h, (const _Float16 *)base + at, sizeof h);
+            return __builtin_convertvector(h, v16);
+        }
+        return at16((const float *)base + at);
+    }
+    float x[LANES];
+    load(x, base, at, n, LANES, fmt);
+    return at16(x);
 }
 
 static void store(void *base, int64_t at, const float *src, int n, int fmt) {
@@ -152,22 +177,16 @@ static inline int span(const Item *it, int row, int n) {
     return end;
 }
 
-/* Keys at..at + 16 as it->kt (d, 16): float32, transposed, zeros past stop. it->vb holds them
- * first, as rows. */
+/* Keys at..at + 16 as it->kt (d, 16): float32, transposed, zeros past stop. */
 static void keys_across(const Item *it, int at) {
     const Job *j = it->j;
-    for (int l = 0; l < LANES; l++) {
-        if (at + l < it->stop)
-            load(it->vb + l * it->dp, j->k, it->b * j->sk[0] + it->kvh * j->sk[1] + (int64_t)(at + l) * j->sk[2],
-                 j->d, it->dp, j->fmt);
-        else
-            memset(it->vb + l * it->dp, 0, sizeof(float) * it->dp);
-    }
+    int64_t first = it->b * j->sk[0] + it->kvh * j->sk[1] + (int64_t)at * j->sk[2];
     for (int c = 0; c < it->dp; c += LANES) {
         v16 rows[LANES];
-        for (int l = 0; l < LANES; l++) rows[l] = at16(it->vb + l * it->dp + c);
-        transpose16(rows);
         int n = j->d - c < LANES ? j->d - c : LANES;
+        for (int l = 0; l < LANES; l++)
+            rows[l] = at + l < it->stop ? take16(j->k, first + l * j->sk[2] + c, n, j->fmt) : splat(0.0f);
+        transpose16(rows);
         for (int i = 0; i < n; i++) put16(it->kt + (c + i) * LANES, rows[i]);
     }
 }
@@ -245,9 +264,11 @@ static inline __attribute__((always_inline)) void add_rows(const Item *it, int a
         for (int c = 0; c < it->dp; c += LANES) {
             v16 a[ROWS];
             for (int k = 0; k < R; k++) a[k] = at16(out + k * it->dp + c);
-            const float *v = it->vb + c;
-            for (int l = 0; l < keys; l++, v += it->dp) {
-                v16 x = at16(v);
+            const Job *j = it->j;
+            int n = j->d - c < LANES ? j->d - c : LANES;
+            int64_t v = it->b * j->sv[0] + it->kvh * j->sv[1] + (int64_t)at * j->sv[2] + c;
+            for (int l = 0; l < keys; l++, v += j->sv[2]) {
+                v16 x = take16(j->v, v, n, j->fmt);
                 for (int k = 0; k < R; k++) a[k] += splat(w[k * it->width + l]) * x;
             }
             for (int k = 0; k < R; k++) put16(out + k * it->dp + c, a[k]);
@@ -262,11 +283,7 @@ static inline __attribute__((always_inline)) void add_rows_of(const Item *it, in
 }
 
 static void add_values(const Item *it, int at) {
-    const Job *j = it->j;
     int keys = it->stop - at < LANES ? it->stop - at : LANES;
-    for (int l = 0; l < keys; l++)
-        load(it->vb + l * it->dp, j->v, it->b * j->sv[0] + it->kvh * j->sv[1] + (int64_t)(at + l) * j->sv[2],
-             j->d, it->dp, j->fmt);
     switch (it->rg) {
     case 1: add_rows_of(it, at, keys, 1); break;
     case 2: add_rows_of(it, at, keys, 2); break;
@@ -324,7 +341,7 @@ int meshnet_attention(const Job *job, int threads) {
     per = per < MAX_ROWS ? per : MAX_ROWS;
     int parts = (rows + per - 1) / per;
     int64_t width = (job->nk + LANES - 1) / LANES * LANES;
-    size_t floats = (size_t)per * dp * 3 + (size_t)dp * LANES * 2 + (size_t)per * width + 2 * (size_t)per;
+    size_t floats = (size_t)per * dp * 3 + (size_t)dp * LANES + (size_t)per * width + 2 * (size_t)per;
     int failed = 0;
 #pragma omp parallel num_threads(threads) reduction(|| : failed)
     {
@@ -340,8 +357,7 @@ int meshnet_attention(const Job *job, int threads) {
             it.qt = it.qf + (size_t)per * dp;
             it.acc = it.qt + (size_t)per * dp;
             it.kt = it.acc + (size_t)per * dp;
-            it.vb = it.kt + (size_t)dp * LANES;
-            it.total = it.vb + (size_t)dp * LANES;
+            it.total = it.kt + (size_t)dp * LANES;
             it.ends = (int *)(it.total + per);
             it.s = it.total + 2 * per;
             run_item(&it);
