@@ -13,7 +13,7 @@ from fabric.compute.compute_lock import ComputeLock
 from fabric.compute.executor import ShardExecutor
 from fabric.compute.kv import KVStore
 from fabric.compute.models import load_shard, resolve
-from fabric.node.audit import AuditConfig, Auditor
+from fabric.node.audit import TAP_GRACE_S, AuditConfig, Auditor
 from fabric.node.scheduler import HopScheduler, Replay, SchedulerConfig, Work
 from fabric.node.taps import Taps, kernels
 from fabric.node.verdicts import Claim, Outcome, disagreement, distance, judge, sketch
@@ -151,7 +151,8 @@ class Rig:
             self.tail_tap(i, pos, 1, seed, **tap)
 
     def end(self):
-        self.auditor.ended(self.session)
+        self.auditor.ended(self.session, now=0.0)
+        self.auditor.tick(TAP_GRACE_S)  # the replay starts once the last taps had time to come
 
     def own_layers(self, n: int | None = None):
         """This head's own re-run (stage 0) answers: hidden states of the replayed positions."""
@@ -202,8 +203,24 @@ def test_the_rate_is_the_share_of_requests_kept():
     drawn = 0
     for i in range(4000):
         drawn += rig.auditor.draw(f"s{i}", PROMPT)
-        rig.auditor.ended(f"s{i}")  # nothing ran: nothing to replay
+        rig.auditor.ended(f"s{i}", now=0.0)  # nothing ran: nothing to replay
+        rig.auditor.tick(TAP_GRACE_S)
     assert 0.22 < drawn / 4000 < 0.28 and len(rig.auditor.kept) <= 1 and set(rig.auditor.tap_ids) == {"s"}
+
+
+def test_a_tap_that_follows_the_last_token_still_counts():
+    """Hops send a pass's taps after all its tokens: the last step's tap may reach the head
+    after the request ended there. The replay waits TAP_GRACE_S for it."""
+    late, never = Rig(), Rig()
+    for rig in (late, never):
+        rig.serve(HONEST[:-1])
+        rig.step(3, [9], len(PROMPT) + 2)
+        rig.auditor.ended(rig.session, now=0.0)
+    late.tail_tap(3, len(PROMPT) + 2, 1, HONEST[-1])
+    for rig in (late, never):
+        assert not any(isinstance(msg, p.Audit) for _, msg, _ in rig.host.sent)  # not before the grace
+        rig.auditor.tick(TAP_GRACE_S)
+    assert [rig.host.sent[-1][2][0].shape[1] for rig in (late, never)] == [len(PROMPT) + 3, len(PROMPT) + 2]
 
 
 def _replay(rig: Rig, first: list[int], second: list[int] | None = None, *replicas: p.Hop):

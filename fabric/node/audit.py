@@ -60,6 +60,9 @@ log = logging.getLogger(__name__)
 
 MAX_KEPT = 64  # sessions whose taps a head keeps at once (drawn, running or being replayed); more are not drawn
 MAX_RERUNS = 8  # replays in flight at once; a session that ends beyond that is not replayed
+# A drawn session's replay starts this long after it ended: hops send a step's tap after the whole
+# pass's tokens and forwards (fabric/node/node.py), so the last step's taps may follow its last token.
+TAP_GRACE_S = 0.5
 
 
 @dataclass(frozen=True)
@@ -90,6 +93,7 @@ class Auditor:
         self.open_taps: set[str] = set()  # ...the same ids, to look a tap up by
         self.kept: dict[str, Claims] = {}  # tap id -> the claims of a drawn session
         self.reruns: dict[str, Rerun] = {}  # an open AUDIT's or REPLICAS_REQUEST's id -> its replay
+        self.closing: dict[str, float] = {}  # tap id of a drawn session that ended -> when its replay starts
         self.convicted: set[str] = set()  # nodes this head found lying
 
     def draw(self, session: str, ids: list[int]) -> bool:
@@ -117,9 +121,17 @@ class Auditor:
     def control(self, hop: p.Hop, message: p.Cancel | p.Close) -> None:
         self.host.control(hop, message)
 
-    def ended(self, session: str) -> None:
-        """The request ended: replay a stretch of it if it was drawn."""
+    def ended(self, session: str, now: float | None = None) -> None:
+        """The request ended: if it was drawn, replay a stretch of it once its last taps are in
+        (``tick``, TAP_GRACE_S on)."""
         tap = self.tap_ids.pop(session, "")
+        if tap in self.kept:
+            self.closing[tap] = (time.monotonic() if now is None else now) + TAP_GRACE_S
+        else:
+            self.open_taps.discard(tap)
+
+    def _replay(self, tap: str) -> None:
+        """Replay a stretch of the drawn session whose taps ``tap`` names, which ended."""
         self.open_taps.discard(tap)
         claims = self.kept.get(tap)
         if claims is None:
@@ -320,8 +332,12 @@ class Auditor:
     # -- time ---------------------------------------------------------------------------
 
     def tick(self, now: float) -> None:
-        """Give up replays that waited the timeout for the tracker or a replica (a mismatch
-        seen by then is reported unsettled); forget drawn sessions that never ended here."""
+        """Start the replays of drawn sessions that ended TAP_GRACE_S ago; give up replays that
+        waited the timeout for the tracker or a replica (a mismatch seen by then is reported
+        unsettled); forget drawn sessions that never ended here."""
+        for tap in [t for t, due in self.closing.items() if now >= due]:
+            del self.closing[tap]
+            self._replay(tap)
         stale = {id(r): r for r in self.reruns.values() if now - r.moved >= self.config.audit_timeout}
         for rerun in stale.values():
             if rerun.mismatch is not None:

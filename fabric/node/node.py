@@ -21,8 +21,8 @@ import torch
 import zmq
 
 from ..compute.compute_lock import ComputeLock
-from ..compute.executor import CacheMissError, ShardExecutor, StepResult
-from ..compute.grammar import GrammarError, Grammars
+from ..compute.executor import ShardExecutor
+from ..compute.grammar import Grammars
 from ..compute.kv import KVStore, default_budget
 from ..compute.models import fingerprint, load_shard, load_tokenizer
 from ..compute.quant import release_freed_memory
@@ -43,6 +43,7 @@ from .idle_trim import IdleTrim
 from .leave import Departure
 from .links import Links
 from .owners import SELF, Owners
+from .pass_on import PassOn
 from .peers import Peers
 from .prefixes import MAX_PREFIXES, PrefixIndex
 from .replies import Replies
@@ -55,8 +56,10 @@ from .telemetry import COUNTERS
 
 log = logging.getLogger(__name__)
 
+TAP_KIND = bytes([p.Kind.AUDIT_TAP])  # the kind frame of an AUDIT_TAP
 
-class Node(SessionControl, Replies):
+
+class Node(PassOn, SessionControl, Replies):
     def __init__(self, config: NodeConfig, ctx: zmq.Context | None = None):
         self.config = config
         # a secured node owns its context: one ZAP handler per context
@@ -88,6 +91,7 @@ class Node(SessionControl, Replies):
         self.key = config.security.public_text if config.security else ""  # peers dial us with it
         self.router = bound_router(self.ctx, config)
         self._gone: set[bytes] = set()  # identities whose connection closed, for the head
+        self._taps: list[list[zmq.Frame]] = []  # AUDIT_TAPs read this turn of the loop, answered after its batch
         self.endpoint = config.advertise or self.router.getsockopt(zmq.LAST_ENDPOINT).decode()
         self.poller = zmq.Poller()
         h = config.head
@@ -141,6 +145,7 @@ class Node(SessionControl, Replies):
                     finally:
                         self.hops.done()
                         self.idle_trim.worked(time.monotonic())
+                self._parked_taps()
                 self.share.pump(now := time.monotonic(), self.reply)  # chunks for peers fetching layers, within the cap
                 if self.housekeeping.due(now):
                     self._periodic(now)
@@ -176,6 +181,9 @@ class Node(SessionControl, Replies):
             except zmq.Again:
                 return
             if sock is self.router:
+                if len(frames) > 2 and frames[2].bytes == TAP_KIND:
+                    self._taps.append(frames)  # kept for an audit at most: read after the batch that may be due
+                    continue
                 self.inbound(frames[0].bytes, frames[1:])
             elif sock in self.peers:
                 error = self.peers.received(sock, frames)
@@ -183,6 +191,13 @@ class Node(SessionControl, Replies):
                     self._to_head(error.session, error)
             else:
                 self.links.received(sock, frames)
+
+    def _parked_taps(self) -> None:
+        """The AUDIT_TAPs ``_drain`` put aside: a pass's taps follow its TOKENs and FORWARDs
+        (fabric/node/pass_on.py), and a head reads them after the batch those let it run."""
+        taps, self._taps = self._taps, []
+        for frames in taps:
+            self.inbound(frames[0].bytes, frames[1:])
 
     def _periodic(self, now: float) -> None:
         self.links.tick(now)
@@ -279,52 +294,6 @@ class Node(SessionControl, Replies):
             self.head.deliver(session, msg)
 
     # -- running hops -------------------------------------------------------------------
-
-    def _run(self, batch: list[Work] | list[Replay]) -> None:
-        if isinstance(batch[0], Replay):  # an audit's re-run for a head
-            self.send_tensors(batch[0].msg.reply_to, batch[0].msg.reply_key, *self.taps.replay(batch[0]))
-            return
-        results, started, elapsed = self.hops.run(batch)
-        self.scheduler.ran(batch, started, elapsed)
-        for work, result in zip(batch, results):
-            try:
-                self._after_hop(work, result)
-            except Exception as exc:
-                log.exception("could not pass on session %s", work.session)
-                self._after_hop(work, exc)
-
-    def _after_hop(self, work: Work, result: StepResult | Exception) -> None:
-        """Send what a hop produced: the next FORWARD, the tail's TOKEN, or a failure; after each
-        piece of a long prefill (all but the tail's last, which its TOKEN answers), PROGRESS to the
-        head too: however long the prompt, the head hears it move."""
-        msg = work.msg
-        try:  # the tail: what the session asked of its tokens, and the tokens (none at other hops)
-            tokens = self.asks.at_tail(msg, msg.pos + work.tokens, result)
-        except GrammarError as exc:
-            tokens, result = [], exc
-        if msg.audit and msg.start_layer and isinstance(result, StepResult):  # every step past the head: its sketch
-            self.send_tensors(msg.reply_to, msg.reply_key, *self.taps.tap(work, result, tokens))
-        if work.reports_progress and isinstance(result, StepResult) and result.logits is None:
-            self._progress(msg, msg.pos + work.tokens)
-        if isinstance(result, CacheMissError):
-            self.counters["cache_miss"] += 1
-            self._send(msg.reply_to, msg.reply_key, p.CacheMiss(msg.session, msg.step, self.config.node_id,
-                                                                 result.have))
-        elif isinstance(result, Exception):
-            code = p.ErrorCode.BAD_REQUEST if isinstance(result, GrammarError) else p.ErrorCode.INTERNAL
-            self.counters["hop_errors"] += code == p.ErrorCode.INTERNAL
-            self._drop_session(msg.session)
-            self._send(msg.reply_to, msg.reply_key, p.Error(code, f"{type(result).__name__}: {result}",
-                                                            session=msg.session, step=msg.step, node=self.config.node_id))
-        elif tokens:  # the tail: layers end here (a verification step: a TOKEN per draft kept, and one more)
-            for token in tokens:
-                self._send(msg.reply_to, msg.reply_key, token)
-        elif msg.route:
-            nxt = msg.route[0]
-            out = dataclasses.replace(msg, start_layer=nxt.start_layer, end_layer=nxt.end_layer, route=msg.route[1:],
-                                      tensors=())
-            self.forward(nxt, out, result.hidden)
-        # else: the tail filled its KV with a prefill chunk that more chunks follow
 
     # -- outbound (the Transport of RouteSession, the host of Head and Links) -----------
 
