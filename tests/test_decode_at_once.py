@@ -15,7 +15,7 @@ from fabric.compute.executor import ShardExecutor
 from fabric.compute.kv import KVStore
 from fabric.compute.models import load_shard, resolve
 from fabric.node.hops import HopRunner
-from fabric.node.scheduler import HopScheduler, Replay, SchedulerConfig, Work
+from fabric.node.scheduler import SPLIT_FROM, HopScheduler, Replay, SchedulerConfig, Work
 from fabric.wire import protocol as p
 from fabric.wire.shard import Shard
 
@@ -119,6 +119,24 @@ def test_nodes_that_decode_at_once_wait_only_for_their_own_group():
     assert mates.wait(10.0) == pytest.approx(0.04)
     mates.push(_work([9], "b", pos=40))
     assert mates.wait(10.001) == 0 and [w.session for w in mates.next_batch()] == ["a", "b"]
+
+
+@pytest.mark.parametrize("streams", [7, 8, 9, 16])
+def test_many_streams_run_as_two_groups_where_nodes_decode_at_once(streams):
+    """One group leaves every node but one idle; at nodes that decode at once (each on its own
+    cores) SPLIT_FROM streams or more run as two groups, one computing here while the other is at
+    the next node. A gathering node runs one batch."""
+    sessions = [f"s{i}" for i in range(streams)]
+
+    def batches(gather: bool) -> list[int]:
+        s = HopScheduler(SchedulerConfig(), set(sessions), gather=gather)
+        s.last_decode = dict.fromkeys(sessions, 9.9)
+        for session in sessions:
+            s.push(_work([8], session, pos=40))
+        return [len(s.next_batch()) for _ in range(2) if len(s)]
+
+    assert batches(gather=True) == [streams]
+    assert batches(gather=False) == ([streams] if streams < SPLIT_FROM else [(streams + 1) // 2, streams // 2])
 
 
 def test_meshnet_up_gives_quantized_cpu_nodes_their_share_of_the_cores(monkeypatch):

@@ -34,6 +34,10 @@ MIN_SLICE_S = 0.02  # ...and at least this long (alone: a slice reads all the we
 IDLE_SLICE_S = 0.25  # ...and with no stream decoding here, this long
 GATHER_PER_DECODE = 1.0  # a decode batch waits at most this many passes' time for sessions still due
 RECENT_CYCLES = 3.0  # a session is due here while its last decode step is this many of its cycles old
+# Nodes that decode at once (no gathering) run this many sessions decoding through them, and more, as
+# two groups of half each: one group's pass at this node while the other's is at the next
+# (docs/BENCHMARKS.md, "Two groups, a pipeline"). Fewer run as one group.
+SPLIT_FROM = 8
 MAX_CYCLE_JUMP = 2.0  # one gap between a session's decode steps counts as this many cycles at most
 WAITING_REPORT_S = 0.5  # how often a node tells heads that their sessions' hops wait in its queue
 
@@ -210,7 +214,7 @@ class HopScheduler:
         yield_to_decode = self.ran_prefill and self.shared_lock
         queued = {w.session for w in self.queue}
         due = self._awaited(now, queued) if gather else self._due(now, queued) if yield_to_decode else []
-        if not due or len(queued) >= self.config.max_batch:
+        if not due or len(queued) >= self._decode_cap():
             self.gather_since = None
             return 0.0
         if self.gather_since is None:
@@ -279,13 +283,14 @@ class HopScheduler:
         if not self.batchable(*first.span):
             return [first]
         batch, rest, tokens = [first], deque(), first.tokens
+        cap = self._decode_cap() if decode else self.config.max_batch
         taken = {first.session}  # a session has at most one hop in a batch
         waiting: set[str] = set()  # sessions with a hop left behind: their later hops wait too
         while self.queue:
             w = self.queue.popleft()
             same = w.span == first.span and w.session not in taken and w.session not in waiting
             alike = w.decode if decode else w.short_chunk
-            fits = len(batch) < self.config.max_batch and (decode or tokens + w.tokens <= PREFILL_BATCH_TOKENS)
+            fits = len(batch) < cap and (decode or tokens + w.tokens <= PREFILL_BATCH_TOKENS)
             if same and alike and fits:
                 batch.append(w)
                 taken.add(w.session)
@@ -295,6 +300,15 @@ class HopScheduler:
                 waiting.add(w.session)
         self.queue = rest
         return batch
+
+    def _decode_cap(self) -> int:
+        """Decode steps one batch takes at most: ``max_batch``; without ``gather``, half of the
+        sessions decoding here where they are SPLIT_FROM or more, so that they run as two groups
+        (the steps left over go in the next pass)."""
+        if self.gather:
+            return self.config.max_batch
+        decoding = sum(s in self.live for s in self.last_decode)
+        return min(self.config.max_batch, -(-decoding // 2)) if decoding >= SPLIT_FROM else self.config.max_batch
 
     def _rides(self, decode: Work | None) -> bool:
         """A queued prompt can ride a decode batch that starts with ``decode``."""
