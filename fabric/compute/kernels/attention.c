@@ -3,8 +3,9 @@
  * Every row is computed by the same loops in the same order, whichever chunk, batch or thread it
  * came in:
  *   - a score is the sum over the head, index by index in order, then scaled;
- *   - the softmax is in float32: its sum runs in 16 lanes over keys in blocks of 16 and ends in
- *     one fixed tree, where a masked key, or a key past the row's last, adds an exact 0;
+ *   - the softmax is in float32: its sum runs in LANES lanes over keys in blocks of LANES (16
+ *     where the CPU has AVX-512, else 8) and ends in one fixed tree, where a masked key, or a key
+ *     past the row's last, adds an exact 0;
  *   - the values are added key by key, in order.
  * So a position gives the same bits in a prefill chunk of any size, in a one-token step and in a
  * decode batch of any size, for any thread count (fabric/compute/attention.py says why that
@@ -20,12 +21,16 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define LANES 16
+#if defined(__AVX512F__)
+#define LANES 16 /* a vector's floats: one register */
+#else
+#define LANES 8 /* (AVX2: 16 lanes would live in pairs of registers, and spill) */
+#endif
 #define ROWS 8 /* rows whose scores are summed together at most, one accumulator each */
 #define MAX_ROWS 64 /* rows of one work item: their scores stay in the cache */
 
-typedef float v16 __attribute__((vector_size(64)));
-typedef int32_t i16 __attribute__((vector_size(64)));
+typedef float vf __attribute__((vector_size(4 * LANES)));
+typedef int32_t vi __attribute__((vector_size(4 * LANES)));
 
 enum { F_BF16 = 0, F_F16 = 1, F_F32 = 2 };
 
@@ -47,10 +52,16 @@ typedef struct {  /* one work item: rows first..first + n of key head kvh in bat
     int *ends;                      /* per row: one past its last key */
 } Item;
 
-static inline v16 splat(float x) { return (v16){x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
-static inline v16 at16(const float *p) { v16 x; memcpy(&x, p, sizeof x); return x; }
-static inline void put16(float *p, v16 x) { memcpy(p, &x, sizeof x); }
-static inline v16 pick(i16 mask, v16 yes, v16 no) { return (v16)(((i16)yes & mask) | ((i16)no & ~mask)); }
+static inline vf splat(float x) {
+#if LANES == 16
+    return (vf){x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x};
+#else
+    return (vf){x, x, x, x, x, x, x, x};
+#endif
+}
+static inline vf get(const float *p) { vf x; memcpy(&x, p, sizeof x); return x; }
+static inline void put(float *p, vf x) { memcpy(p, &x, sizeof x); }
+static inline vf pick(vi mask, vf yes, vf no) { return (vf)(((vi)yes & mask) | ((vi)no & ~mask)); }
 
 
 /* n values of `base` from `at` as float32 (every format here widens exactly), zeros up to `to`. */
@@ -70,28 +81,28 @@ static void load(float *restrict dst, const void *base, int64_t at, int n, int t
     memset(dst + n, 0, sizeof(float) * (to - n));
 }
 
-typedef uint16_t h16 __attribute__((vector_size(32)));
-typedef _Float16 f16x16 __attribute__((vector_size(32)));
+typedef uint16_t hv __attribute__((vector_size(2 * LANES)));
+typedef _Float16 hfv __attribute__((vector_size(2 * LANES)));
 
-/* Elements at..at + 16 of `base` as float32 in a register (every format here widens exactly);
- * n < 16: zeros past the first n. */
-static inline v16 take16(const void *base, int64_t at, int n, int fmt) {
+/* Elements at..at + LANES of `base` as float32 in a register (every format here widens exactly);
+ * n < LANES: zeros past the first n. */
+static inline vf take(const void *base, int64_t at, int n, int fmt) {
     if (n == LANES) {
         if (fmt == F_BF16) {
-            h16 h;
+            hv h;
             memcpy(&h, (const uint16_t *)base + at, sizeof h);
-            return (v16)(__builtin_convertvector(h, i16) << 16);
+            return (vf)(__builtin_convertvector(h, vi) << 16);
         }
         if (fmt == F_F16) {
-            f16x16 h;
+            hfv h;
             memcpy(&h, (const _Float16 *)base + at, sizeof h);
-            return __builtin_convertvector(h, v16);
+            return __builtin_convertvector(h, vf);
         }
-        return at16((const float *)base + at);
+        return get((const float *)base + at);
     }
     float x[LANES];
     load(x, base, at, n, LANES, fmt);
-    return at16(x);
+    return get(x);
 }
 
 static void store(void *base, int64_t at, const float *src, int n, int fmt) {
@@ -113,49 +124,61 @@ static void store(void *base, int64_t at, const float *src, int n, int fmt) {
 
 /* exp(x) for x <= 0 (a score minus its row's maximum): 2^n * p(r), |r| <= ln2/2, within 2 ulp;
  * exactly 0 below the float range, as for a masked key's -inf. */
-static inline v16 exp16(v16 x) {
-    i16 under = x < splat(-87.0f);
-    v16 v = pick(under, splat(-87.0f), x);
-    v16 n = (v * 1.44269504f + 12582912.0f) - 12582912.0f;
-    v16 r = (v - n * 0.693145752f) - n * 1.42860677e-06f;
-    v16 p = splat(1.98756912e-4f);
+static inline vf expv(vf x) {
+    vi under = x < splat(-87.0f);
+    vf v = pick(under, splat(-87.0f), x);
+    vf n = (v * 1.44269504f + 12582912.0f) - 12582912.0f;
+    vf r = (v - n * 0.693145752f) - n * 1.42860677e-06f;
+    vf p = splat(1.98756912e-4f);
     p = p * r + 1.39819994e-3f;
     p = p * r + 8.33345205e-3f;
     p = p * r + 4.16657962e-2f;
     p = p * r + 1.66666657e-1f;
     p = p * r + 5.0e-1f;
     p = p * r * r + r + 1.0f;
-    v16 scale = (v16)((__builtin_convertvector(n, i16) + 127) << 23);
+    vf scale = (vf)((__builtin_convertvector(n, vi) + 127) << 23);
     return pick(under, splat(0.0f), p * scale);
 }
 
-static inline float sum16(v16 x) {  /* one fixed tree */
+static inline float sumv(vf x) {  /* one fixed tree */
+#if LANES == 16
     float a[8], b[4];
     for (int l = 0; l < 8; l++) a[l] = x[l] + x[l + 8];
     for (int l = 0; l < 4; l++) b[l] = a[l] + a[l + 4];
+#else
+    float b[4];
+    for (int l = 0; l < 4; l++) b[l] = x[l] + x[l + 4];
+#endif
     return (b[0] + b[2]) + (b[1] + b[3]);
 }
 
-/* Rows r[0..15] become their transpose, in four stages of shuffles: at stage h, rows i and i + h
- * swap their blocks of h columns. */
-static void transpose16(v16 *r) {
-    static const i16 lo[4] = {
+/* Rows r[0..LANES - 1] become their transpose, in log2(LANES) stages of shuffles: at stage h,
+ * rows i and i + h swap their blocks of h columns. */
+static void transpose(vf *r) {
+#if LANES == 16
+    enum { STAGES = 4 };
+    static const vi lo[STAGES] = {
         {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23},
         {0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27},
         {0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29},
         {0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30}};
-    static const i16 hi[4] = {
+    static const vi hi[STAGES] = {
         {8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31},
         {4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31},
         {2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31},
         {1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31}};
+#else
+    enum { STAGES = 3 };
+    static const vi lo[STAGES] = {{0, 1, 2, 3, 8, 9, 10, 11}, {0, 1, 8, 9, 4, 5, 12, 13}, {0, 8, 2, 10, 4, 12, 6, 14}};
+    static const vi hi[STAGES] = {{4, 5, 6, 7, 12, 13, 14, 15}, {2, 3, 10, 11, 6, 7, 14, 15}, {1, 9, 3, 11, 5, 13, 7, 15}};
+#endif
 #pragma GCC unroll 4
-    for (int stage = 0; stage < 4; stage++) {
-        int h = 8 >> stage;
+    for (int stage = 0; stage < STAGES; stage++) {
+        int h = (LANES / 2) >> stage;
 #pragma GCC unroll 8
         for (int pair = 0; pair < LANES / 2; pair++) {
             int i = pair / h * 2 * h + pair % h;  /* the pair's first row: i & h == 0 */
-            v16 a = r[i], b = r[i + h];
+            vf a = r[i], b = r[i + h];
             r[i] = __builtin_shuffle(a, b, lo[stage]);
             r[i + h] = __builtin_shuffle(a, b, hi[stage]);
         }
@@ -177,47 +200,47 @@ static inline int span(const Item *it, int row, int n) {
     return end;
 }
 
-/* Keys at..at + 16 as it->kt (d, 16): float32, transposed, zeros past stop. */
+/* Keys at..at + LANES as it->kt (d, LANES): float32, transposed, zeros past stop. */
 static void keys_across(const Item *it, int at) {
     const Job *j = it->j;
     int64_t first = it->b * j->sk[0] + it->kvh * j->sk[1] + (int64_t)at * j->sk[2];
     for (int c = 0; c < it->dp; c += LANES) {
-        v16 rows[LANES];
+        vf rows[LANES];
         int n = j->d - c < LANES ? j->d - c : LANES;
         for (int l = 0; l < LANES; l++)
-            rows[l] = at + l < it->stop ? take16(j->k, first + l * j->sk[2] + c, n, j->fmt) : splat(0.0f);
-        transpose16(rows);
-        for (int i = 0; i < n; i++) put16(it->kt + (c + i) * LANES, rows[i]);
+            rows[l] = at + l < it->stop ? take(j->k, first + l * j->sk[2] + c, n, j->fmt) : splat(0.0f);
+        transpose(rows);
+        for (int i = 0; i < n; i++) put(it->kt + (c + i) * LANES, rows[i]);
     }
 }
 
 /* The scores of rows row..row + R (those past the item's last are zeros and not kept) against
- * keys at..at + 16, masked to -inf. */
+ * keys at..at + LANES, masked to -inf. */
 static inline __attribute__((always_inline)) void scores_of(const Item *it, int row, int at, const int R) {
     const Job *j = it->j;
     if (at >= span(it, row, R)) return;  /* past every one of the rows' keys: never read */
     const float *q = it->qt + row * it->dp;  /* (d, R) */
-    v16 acc[ROWS];
+    vf acc[ROWS];
     for (int r = 0; r < R; r++) acc[r] = splat(0.0f);
     for (int i = 0; i < j->d; i++) {
-        v16 k = at16(it->kt + i * LANES);
+        vf k = get(it->kt + i * LANES);
         for (int r = 0; r < R; r++) acc[r] += splat(q[i * R + r]) * k;
     }
-    i16 keys;
+    vi keys;
     for (int l = 0; l < LANES; l++) keys[l] = at + l;
     for (int r = 0; r < R && row + r < it->n; r++) {
         int qi = (it->first + row + r) / (j->heads / j->kv_heads);
-        v16 x = acc[r] * j->scale;
+        vf x = acc[r] * j->scale;
         if (j->softcap > 0)
             for (int l = 0; l < LANES; l++) x[l] = tanhf(x[l] / j->softcap) * j->softcap;
-        i16 on = keys < it->stop;
+        vi on = keys < it->stop;
         if (j->keep) {
             const uint8_t *m = j->keep + it->b * j->skeep[0] + qi * j->skeep[1];
             for (int l = 0; l < LANES; l++) on[l] = on[l] && m[at + l] ? -1 : 0;
         } else {
             on &= keys <= j->nk - j->nq + qi;
         }
-        put16(it->s + (int64_t)(row + r) * it->width + at, pick(on, x, splat(-INFINITY)));
+        put(it->s + (int64_t)(row + r) * it->width + at, pick(on, x, splat(-INFINITY)));
     }
 }
 
@@ -238,19 +261,19 @@ static void weigh(const Item *it) {
     for (int r = 0; r < it->n; r++) {
         float *s = it->s + (int64_t)r * it->width;
         int width = (span(it, r / it->rg * it->rg, it->rg) + LANES - 1) / LANES * LANES;
-        v16 top = splat(-INFINITY), sum = splat(0.0f);
+        vf top = splat(-INFINITY), sum = splat(0.0f);
         for (int at = 0; at < width; at += LANES) {
-            v16 x = at16(s + at);
+            vf x = get(s + at);
             top = pick(x > top, x, top);
         }
         float m = -INFINITY;
         for (int l = 0; l < LANES; l++) m = top[l] > m ? top[l] : m;
         for (int at = 0; at < width; at += LANES) {  /* a row with no key to attend: zeros */
-            v16 w = m == -INFINITY ? splat(0.0f) : exp16(at16(s + at) - m);
-            put16(s + at, w);
+            vf w = m == -INFINITY ? splat(0.0f) : expv(get(s + at) - m);
+            put(s + at, w);
             sum += w;
         }
-        it->total[r] = sum16(sum);
+        it->total[r] = sumv(sum);
     }
 }
 
@@ -262,16 +285,16 @@ static inline __attribute__((always_inline)) void add_rows(const Item *it, int a
         const float *w = it->s + (int64_t)r * it->width + at;
         float *out = it->acc + r * it->dp;
         for (int c = 0; c < it->dp; c += LANES) {
-            v16 a[ROWS];
-            for (int k = 0; k < R; k++) a[k] = at16(out + k * it->dp + c);
+            vf a[ROWS];
+            for (int k = 0; k < R; k++) a[k] = get(out + k * it->dp + c);
             const Job *j = it->j;
             int n = j->d - c < LANES ? j->d - c : LANES;
             int64_t v = it->b * j->sv[0] + it->kvh * j->sv[1] + (int64_t)at * j->sv[2] + c;
             for (int l = 0; l < keys; l++, v += j->sv[2]) {
-                v16 x = take16(j->v, v, n, j->fmt);
+                vf x = take(j->v, v, n, j->fmt);
                 for (int k = 0; k < R; k++) a[k] += splat(w[k * it->width + l]) * x;
             }
-            for (int k = 0; k < R; k++) put16(out + k * it->dp + c, a[k]);
+            for (int k = 0; k < R; k++) put(out + k * it->dp + c, a[k]);
         }
     }
 }
@@ -327,7 +350,7 @@ static void run_item(Item *it) {
     for (int r = 0, h, qi; r < it->n; r++) {
         row_at(it, r, &h, &qi);
         float inv = it->total[r] > 0 ? 1.0f / it->total[r] : 0.0f;
-        for (int c = 0; c < it->dp; c += LANES) put16(it->acc + r * it->dp + c, at16(it->acc + r * it->dp + c) * inv);
+        for (int c = 0; c < it->dp; c += LANES) put(it->acc + r * it->dp + c, get(it->acc + r * it->dp + c) * inv);
         store(j->out, (((int64_t)it->b * j->nq + qi) * j->heads + h) * j->d, it->acc + r * it->dp, j->d, j->fmt);
     }
 }
