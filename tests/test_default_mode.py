@@ -31,11 +31,12 @@ from fabric.compute.models import (
     resolve,
 )
 from fabric.compute.quant import Int4Linear
+from fabric.node.scheduler import SPLIT_FROM
 from fabric.wire.shard import Shard
 from tests.support import free_port
 from tests.support.areas import skip_area
-from tests.test_processes import token_ids
 from tests.support.references import quantized_reference
+from tests.test_processes import token_ids
 from tests.test_quant import greedy_tokens, split_tokens
 
 MODEL = "smollm2-135m"
@@ -226,15 +227,18 @@ def test_default_nodes_give_the_default_single_process_tokens(process_cluster):
 @pytest.mark.slow
 def test_nodes_that_decode_at_once_give_concurrent_streams_the_single_process_tokens(process_cluster):
     """``meshnet up``'s quantized nodes decode at once (``--decode-threads``): passes of decode steps
-    without the compute lock, on one thread, their streams waiting only for their own group. Three
-    streams at once, batched however they fall, each get the greedy tokens of one process."""
+    without the compute lock, on one thread, their streams waiting only for their own group, and
+    SPLIT_FROM streams or more run as two groups (one computing at each node). Eight streams at
+    once, batched however they fall, each get the greedy tokens of one process."""
     source = need_model()
     process_cluster.start_node("head", MODEL, "0-14", None, "--decode-threads", "1")
     process_cluster.start_node("tail", MODEL, "15-29", None, "--decode-threads", "1")
     process_cluster.wait_nodes(["head", "tail"], MODEL)
     cache = process_cluster.cache / "meshnet"
     reference = quantized_reference(source.directory, source.gguf_file, "int4", cache)
-    questions = [*QUESTIONS, "Name three colours."]
+    questions = [*QUESTIONS, "Name three colours.", "What is 12 times 12?", "Who wrote Hamlet?",
+                 "Give me a word that rhymes with cat.", "What do bees make?", "Say hello in Spanish."]
+    assert len(questions) >= SPLIT_FROM
     want = {}
     for question in questions:
         ids = torch.tensor([chat_prompt(source, question, cache)])
