@@ -61,7 +61,7 @@ log = logging.getLogger(__name__)
 MAX_KEPT = 64  # sessions whose taps a head keeps at once (drawn, running or being replayed); more are not drawn
 MAX_RERUNS = 8  # replays in flight at once; a session that ends beyond that is not replayed
 # A drawn session's replay starts this long after it ended: hops send a step's tap after the whole
-# pass's tokens and forwards (fabric/node/node.py), so the last step's taps may follow its last token.
+# pass's tokens and forwards (fabric/node/pass_on.py), so the last step's taps may follow its last token.
 TAP_GRACE_S = 0.5
 
 

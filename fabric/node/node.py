@@ -293,8 +293,6 @@ class Node(PassOn, SessionControl, Replies):
         if self.head is not None:
             self.head.deliver(session, msg)
 
-    # -- running hops -------------------------------------------------------------------
-
     # -- outbound (the Transport of RouteSession, the host of Head and Links) -----------
 
     def forward(self, hop: p.Hop, message: p.Forward, tensor: torch.Tensor) -> None:
