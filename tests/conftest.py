@@ -183,7 +183,7 @@ def torchs_kernels(monkeypatch):
 @pytest.fixture
 def two_threads():
     """torch on two threads within the test (a node's threads on a 2-core machine), as before after."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(2)
-    yield
-    torch.set_num_threads(before)
+    from fabric.node.hops import on_threads
+
+    with on_threads(2):
+        yield
