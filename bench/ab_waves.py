@@ -3,9 +3,11 @@
     python bench/ab_waves.py old@/tmp/old new                 # another checkout against this one
     python bench/ab_waves.py P S10:GOMP_SPINCOUNT=10000       # an environment variable
     python bench/ab_waves.py t1:--threads=1 auto --reps 6     # a node flag
+    python bench/ab_waves.py up h15:layers=15                 # the head's layer count
 
 Each argument is a cluster: ``NAME[@CHECKOUT][:SETTING,...]``, a SETTING being ``VAR=value`` in
-its processes' environment or ``--flag[=value]`` for its nodes; ``@CHECKOUT`` runs another
+its processes' environment, ``--flag[=value]`` for its nodes, or ``layers=N`` for a head of N
+layers (the tail takes the rest; default `meshnet up`'s split); ``@CHECKOUT`` runs another
 checkout's code (``git worktree add /tmp/old HEAD~3``, or ``git archive REV | tar -x -C DIR``).
 Every cluster is started as `meshnet up` starts its nodes (no ``--threads``, the default
 ``--quant auto``) and kept up; then, ``--reps`` times, each runs a wave of 1 and of 8 concurrent
@@ -29,25 +31,29 @@ import concurrency  # noqa: E402
 import fabric_bench as fb  # noqa: E402
 
 
-def parse(spec: str) -> tuple[str, str, dict[str, str], list[str]]:
-    """NAME[@CHECKOUT][:SETTING,...] -> (name, checkout, environment, node flags)."""
+def parse(spec: str) -> tuple[str, str, dict[str, str], list[str], int]:
+    """NAME[@CHECKOUT][:SETTING,...] -> (name, checkout, environment, node flags, head's layers or 0)."""
     head, _, rest = spec.partition(":")
     name, _, checkout = head.partition("@")
-    env, flags = {}, []
+    env, flags, split = {}, [], 0
     for setting in filter(None, rest.split(",")):
-        if setting.startswith("--"):
+        if setting.startswith("layers="):
+            split = int(setting.partition("=")[2])
+        elif setting.startswith("--"):
             flags += setting.split("=", 1)
         else:
             var, _, value = setting.partition("=")
             env[var] = value
-    return name, checkout, env, flags
+    return name, checkout, env, flags, split
 
 
 def start(procs: fb.Procs, spec: str, model: str, layers: int, tmp: Path, traced: bool) -> fb.Cluster:
-    from fabric.wire.shard import even_split
+    from fabric.wire.shard import Shard
 
-    name, checkout, env, flags = parse(spec)
-    c = fb.Cluster(name, name, even_split(layers, 2), "auto", traced=traced, env=env,
+    name, checkout, env, flags, split = parse(spec)
+    shards = ([Shard(0, split - 1, layers), Shard(split, layers - 1, layers)] if split
+              else concurrency.up_split(model, ("--quant", "auto", *flags), 2))
+    c = fb.Cluster(name, name, shards, "auto", traced=traced, env=env,
                    repo=Path(checkout).resolve() if checkout else fb.REPO)
     fb.start_cluster(procs, c, model, tmp, ("--quant", "auto", *flags))
     return c

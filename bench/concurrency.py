@@ -79,22 +79,39 @@ def device_args(args: argparse.Namespace) -> tuple[str, ...]:
 def up_flags(model: str, node_args: tuple[str, ...] | list[str], nodes: int) -> list[str]:
     """What `meshnet up` adds to the flags of its ``nodes`` nodes (``up_command.decode_threads``),
     for nodes run with ``node_args`` (their last ``--device`` and ``--quant``, else the defaults)."""
-    from fabric.cli.memory_plan import picked_quant
     from fabric.cli.up_command import decode_threads
+
+    device, _, quant = _as_up(model, node_args)
+    return decode_threads(device, quant, nodes)
+
+
+def up_split(model: str, node_args: tuple[str, ...] | list[str], nodes: int) -> list:
+    """The shards `meshnet up` gives ``nodes`` nodes run with ``node_args`` (``up_command.up_shards``:
+    balanced by what each holds, so the tail, which holds the lm_head, takes fewer layers)."""
+    from fabric.cli.up_command import up_shards
+
+    _, dtype, quant = _as_up(model, node_args)
+    return up_shards(model, nodes, dtype, quant)
+
+
+def _as_up(model: str, node_args: tuple[str, ...] | list[str]) -> tuple[str, str, str]:
+    """(device, dtype, quant) of nodes run with ``node_args`` (their last of each flag, else the
+    defaults), the quantization resolved as `meshnet up` resolves it."""
+    from fabric.cli.memory_plan import picked_quant
 
     def last(flag: str, default: str) -> str:
         at = max((i for i, a in enumerate(node_args) if a == flag), default=-1)
         return node_args[at + 1] if 0 <= at < len(node_args) - 1 else default
 
     device = last("--device", "cpu")
-    return decode_threads(device, picked_quant(last("--quant", "auto"), model, device), nodes)
+    return device, last("--dtype", "float32"), picked_quant(last("--quant", "auto"), model, device)
 
 
 def start_cluster(model: str, nodes: int, tmp: Path, threads: int = 0,
                   node_args: tuple[str, ...] = (), shards: list | None = None,
                   ready_s: float = 300) -> tuple[list[subprocess.Popen], str]:
-    """A tracker and ``nodes`` nodes of ``model``, split evenly unless ``shards`` says how,
-    routable within ``ready_s`` seconds."""
+    """A tracker and ``nodes`` nodes of ``model``, routable within ``ready_s`` seconds; split as
+    ``shards`` says, else as `meshnet up` splits (evenly where ``threads`` is given)."""
     tracker = f"tcp://127.0.0.1:{free_port()}"
     me = [sys.executable, "-m", "fabric.cli", "--log-level", "warning"]
     # default: all cores, and decode passes at once where quantized, as `meshnet up`
@@ -104,7 +121,8 @@ def start_cluster(model: str, nodes: int, tmp: Path, threads: int = 0,
     from fabric.compute.models import load_config
 
     layers = load_config(resolve(model)).num_hidden_layers
-    for shard in shards or even_split(layers, nodes):
+    shards = shards or (even_split(layers, nodes) if threads else up_split(model, node_args, nodes))
+    for shard in shards:
         procs.append(subprocess.Popen([*me, "node", "--model", model, "--layers", str(shard), "--tracker",
                                        tracker, *threads_args, "--compute-lock", str(tmp / "compute.lock"),
                                        "--no-progress", *node_args], cwd=REPO))

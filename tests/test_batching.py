@@ -246,6 +246,28 @@ def test_a_prompt_in_chunks_riding_decode_passes_equals_each_alone(tiny_models, 
         assert got[:len(expected)] == expected and len(expected) >= 3
 
 
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_a_mixed_pass_on_the_tail_reads_its_lm_head_once_for_every_row_it_owes(tiny_models, family):
+    """Decode steps and two prompts' last chunks in one pass on the tail: one lm_head call gives
+    the logits of every one of them, each the bits it gets alone (the default mode's kernels are
+    batch-invariant), and a chunk that owes no logits gets none."""
+    source = resolve(str(tiny_models(family)))
+    ours, alone = (ShardExecutor(load_shard(source, Shard(0, 5, 6), progress=False, quant="int8"), KVStore())
+                   for _ in range(2))
+    names, chunks = ["d0", "d1"], {"p": list(range(40, 51)), "q": list(range(60, 67)), "r": [70, 71, 72]}
+    for ex in (ours, alone):
+        ex.run_prefills([Step(n, 0, 5, torch.tensor([p]), 0) for n, p in zip(names, PROMPTS)])
+    calls, head = [], ours.w.lm_head
+    ours.w.lm_head = lambda x: calls.append(x.shape[0]) or head(x)
+    steps = [Step(n, 0, 5, torch.tensor([[3 + i]]), len(PROMPTS[i])) for i, n in enumerate(names)]
+    got = ours.run_mixed(steps, [Chunk(Step(n, 0, 5, torch.tensor([ids]), 0), n != "r") for n, ids in chunks.items()])
+    assert calls == [4]  # two steps' rows and the two chunks' last positions
+    expected = alone.run_batch(steps) + [alone.run(n, 0, 5, torch.tensor([ids]), 0) for n, ids in chunks.items()]
+    for g, e in zip(got[:4], expected):
+        assert torch.equal(g.logits, e.logits)
+    assert got[4].logits is None and got[4].hidden is None
+
+
 def test_short_prompts_ride_together_and_a_miss_costs_only_its_own_chunk(tiny_models):
     """Two whole prompts ride in one decode pass beside a chunk whose kept KV is gone: the
     streams and the prompts get their single-process tokens, the lost chunk a cache miss."""

@@ -75,12 +75,13 @@ def _batched(ex: ShardExecutor, ids: torch.Tensor, rows: int) -> list[torch.Tens
     return out
 
 
-def _riding(ex: ShardExecutor, ids: torch.Tensor) -> list[torch.Tensor]:
-    """The target's decode steps in mixed passes, beside another prompt's chunks."""
-    last, target = ex.w.shard.num_layers - 1, "riding"
+def _riding(ex: ShardExecutor, ids: torch.Tensor, logits: bool = False) -> list[torch.Tensor]:
+    """The target's decode steps in mixed passes, beside another prompt's chunks; with ``logits``
+    the chunks owe their last position's logits too, from the same lm_head call as the step's."""
+    last, target, rider = ex.w.shard.num_layers - 1, f"riding-{logits}", f"rider-{logits}"
     out = [_prefill(ex, target, ids[:, :PROMPT], 64)]
     for k, p in enumerate(range(PROMPT, PROMPT + STEPS)):
-        chunk = Chunk(Step("rider", 0, last, torch.arange(k * 23, (k + 1) * 23)[None] + 5, k * 23), logits=False)
+        chunk = Chunk(Step(rider, 0, last, torch.arange(k * 23, (k + 1) * 23)[None] + 5, k * 23), logits=logits)
         out.append(ex.run_mixed([Step(target, 0, last, ids[:, p:p + 1], p)], [chunk])[0].logits)
     return out
 
@@ -110,6 +111,7 @@ def differences(ex: ShardExecutor, seed: int = 0, chunks_only: bool = False) -> 
     if not chunks_only:
         ways |= {f"batch of {rows}": _batched(ex, ids, rows) for rows in (1, 3, 8)}
         ways["beside a chunk"] = _riding(ex, ids)
+        ways["beside a chunk owing logits"] = _riding(ex, ids, logits=True)
         ways["steps on another thread count"] = _steps_on_other_threads(ex, ids)
         if ex.batchable(0, ex.w.shard.num_layers - 1):
             ways["prompts together"] = _prompts_together(ex, ids)
@@ -137,12 +139,12 @@ def test_a_positions_logits_are_the_same_bits_however_it_was_computed(tiny_model
     ex = default_mode(tiny_models(family))
     assert ex.w.config._attn_implementation == attention.NAME
     found = differences(ex)
-    assert found == dict.fromkeys(found, 0) and len(found) == 8, found  # every way ran, none differs
+    assert found == dict.fromkeys(found, 0) and len(found) == 9, found  # every way ran, none differs
 
 
 def test_the_same_bits_on_smollm2s_q4_1_file():
     found = differences(default_mode(smollm2()))
-    assert found == dict.fromkeys(found, 0) and len(found) == 8, found
+    assert found == dict.fromkeys(found, 0) and len(found) == 9, found
 
 
 def test_sdpa_attention_fails_the_same_check():
@@ -167,7 +169,7 @@ def test_the_same_bits_on_other_cpus_kernels(tiny_models, kernels):
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
     found = json.loads(out.stdout.splitlines()[-1])
-    assert found == dict.fromkeys(found, 0) and len(found) == 8, found
+    assert found == dict.fromkeys(found, 0) and len(found) == 9, found
 
 
 # --------------------------------------------------------------------------- the function itself

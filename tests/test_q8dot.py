@@ -181,7 +181,7 @@ def test_the_default_mode_on_the_kernel_is_batch_invariant(tmp_path, switched_on
     assert linears == {"DotLinear"} and isinstance(ex.w.lm_head, DotLinear), linears
     assert ex._lean is not None
     found = differences(ex)
-    assert found == dict.fromkeys(found, 0) and len(found) == 8, found
+    assert found == dict.fromkeys(found, 0) and len(found) == 9, found
     same = _lean_against_modules(ex)
     assert all(same) and len(same) == 10, same
 
@@ -203,4 +203,4 @@ def test_the_same_bits_on_smollm2s_q4_1_file_on_the_kernel(switched_on):
     ex = default_mode(smollm2())
     assert isinstance(ex.w.lm_head, DotLinear) and ex._lean is not None
     found = differences(ex)
-    assert found == dict.fromkeys(found, 0) and len(found) == 8, found
+    assert found == dict.fromkeys(found, 0) and len(found) == 9, found

@@ -47,7 +47,7 @@ def add_parser(sub) -> None:
     p.set_defaults(func=cmd_up)
 
 
-def _shards(model: str, nodes: int, dtype_name: str, quant: str) -> list:
+def up_shards(model: str, nodes: int, dtype_name: str, quant: str) -> list:
     """``nodes`` shards of ``model``'s layers, balanced by the memory each node will hold (the
     ends of the model hold more: ``memory_plan.balanced_shards``); CommandError for an unknown model."""
     import torch
@@ -68,7 +68,7 @@ def cmd_up(args) -> int:
     # checked here, so a bad key directory fails before anything starts; up's tracker runs with DIR's key pair
     security = load_security(args, f"{args.keys}/id.key (the key pair `meshnet up` runs its tracker with)")
     args.quant = picked_quant(args.quant, args.model, args.device)  # every node gets the one answer
-    shards = _shards(args.model, args.nodes, args.dtype, args.quant)
+    shards = up_shards(args.model, args.nodes, args.dtype, args.quant)
     if args.draft:
         checked_draft(args.draft, args.model)  # refused in one line before anything starts
         check_draft_device(args.device, args.draft_quant)

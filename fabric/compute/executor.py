@@ -139,14 +139,39 @@ class ShardExecutor(HopKV):
 
     def _chunk_done(self, kv: SessionKV, step: Step, hidden: torch.Tensor, logits: bool) -> StepResult:
         """After a pass over ``step``'s positions (``hidden`` (1, q, hidden) their output)."""
+        self._chunk_kept(kv, step)
+        return self._outputs(hidden, step.end, [], [(0, Chunk(step, logits))])[0]
+
+    @staticmethod
+    def _chunk_kept(kv: SessionKV, step: Step) -> None:
         kv.length, kv.drafted = step.pos + step.inputs.shape[1], step.drafts
         kv.touch()
-        if not logits and self._tail(step.end):
-            return StepResult(hidden=None, logits=None)
-        if step.drafts and self._tail(step.end):
-            rows = self._result(hidden[0, -step.drafts - 1:, None], step.end)  # one row per position: (n, 1, hidden)
-            return StepResult(hidden=None, logits=rows[-1].logits, verify=torch.stack([r.logits for r in rows]))
-        return self._result(hidden, step.end)[0]
+
+    def _outputs(self, hidden: torch.Tensor, end: int, rows: list[int], chunks: list[tuple[int, Chunk]]) -> list[StepResult]:
+        """A pass's results from its output ``hidden`` (1, n, hidden): the decode steps' at
+        positions ``rows``, then each chunk's, its positions from ``at`` on. On the tail every row
+        of logits the pass owes (the steps', a chunk's last position, or its drafts' and one more)
+        comes from one lm_head call: a single read of its weights serves them all, and a row's
+        logits are the same bits in any batch where the lm_head is batch-invariant."""
+        if not self._tail(end):
+            steps = self._result(hidden[0, rows, None], end) if rows else []
+            return steps + [StepResult(hidden=hidden[:, at:at + c.step.inputs.shape[1]], logits=None) for at, c in chunks]
+        wanted, counts = list(rows), []
+        for at, chunk in chunks:
+            q, n = chunk.step.inputs.shape[1], (chunk.step.drafts + 1) * chunk.logits
+            wanted += range(at + q - n, at + q)
+            counts.append(n)
+        logits = self._result(hidden[0, wanted, None], end) if wanted else []  # one row per position
+        out, taken = logits[:len(rows)], len(rows)
+        for n, (_, chunk) in zip(counts, chunks):
+            mine, taken = logits[taken:taken + n], taken + n
+            if not mine:
+                out.append(StepResult(hidden=None, logits=None))
+            elif chunk.step.drafts:
+                out.append(StepResult(hidden=None, logits=mine[-1].logits, verify=torch.stack([r.logits for r in mine])))
+            else:
+                out.append(mine[0])
+        return out
 
     def _tail(self, end: int) -> bool:
         return end == self.w.shard.num_layers - 1
@@ -333,17 +358,16 @@ class ShardExecutor(HopKV):
         with rows_and_chunks(self.w.config):
             hidden = self._layers(torch.cat(parts, dim=1), torch.cat(positions, dim=1),
                                   (rows_cache.mask(self.w.dtype) if steps else None, masks), cache, start, end)
-        out = []
         if steps:
             self._advance(group, rows, kvs)
-            out = self._result(hidden[0, [r - lo for r in rows], None], end)  # (b, 1, hidden)
-        at = hi - lo
+        at, owed = hi - lo, []
         for (chunk, kv), part, q in zip(chunks, caches, sizes):
             if part is not kv.cache:
                 part.done()
-            out.append(self._chunk_done(kv, chunk.step, hidden[:, at:at + q], chunk.logits))
+            self._chunk_kept(kv, chunk.step)
+            owed.append((at, chunk))
             at += q
-        return out
+        return self._outputs(hidden, end, [r - lo for r in rows], owed)
 
     @staticmethod
     def _in_row(kv: SessionKV, chunk: Chunk) -> bool:
