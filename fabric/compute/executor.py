@@ -139,13 +139,8 @@ class ShardExecutor(HopKV):
 
     def _chunk_done(self, kv: SessionKV, step: Step, hidden: torch.Tensor, logits: bool) -> StepResult:
         """After a pass over ``step``'s positions (``hidden`` (1, q, hidden) their output)."""
-        self._chunk_kept(kv, step)
+        _kept(kv, step)
         return self._outputs(hidden, step.end, [], [(0, Chunk(step, logits))])[0]
-
-    @staticmethod
-    def _chunk_kept(kv: SessionKV, step: Step) -> None:
-        kv.length, kv.drafted = step.pos + step.inputs.shape[1], step.drafts
-        kv.touch()
 
     def _outputs(self, hidden: torch.Tensor, end: int, rows: list[int], chunks: list[tuple[int, Chunk]]) -> list[StepResult]:
         """A pass's results from its output ``hidden`` (1, n, hidden): the decode steps' at
@@ -364,7 +359,7 @@ class ShardExecutor(HopKV):
         for (chunk, kv), part, q in zip(chunks, caches, sizes):
             if part is not kv.cache:
                 part.done()
-            self._chunk_kept(kv, chunk.step)
+            _kept(kv, chunk.step)
             owed.append((at, chunk))
             at += q
         return self._outputs(hidden, end, [r - lo for r in rows], owed)
@@ -409,3 +404,9 @@ class ShardExecutor(HopKV):
                 masks[kind] = makers[kind](config=self.w.config, inputs_embeds=hidden, attention_mask=None,
                                            cache=kv.cache, position_ids=position_ids, layer_idx=i)
         return masks
+
+
+def _kept(kv: SessionKV, step: Step) -> None:
+    """A chunk's positions are in its session's KV now."""
+    kv.length, kv.drafted = step.pos + step.inputs.shape[1], step.drafts
+    kv.touch()
