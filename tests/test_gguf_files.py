@@ -415,3 +415,30 @@ def test_models_file_refuses_a_file_no_node_can_run_in_one_line(files, kind):
     out = meshnet("models", str(files[kind]))
     assert out.returncode == 1
     one_error_line(out, *BAD[kind])
+
+
+@pytest.mark.parametrize("family,types", [("llama", "Q4_K"), ("qwen3", "Q8_0"), ("gemma3", "F16"), ("llama", q4_k_m_mix),
+                                          ("qwen2", {"attn_v": "Q5_1", "ffn_down": "BF16", "*": "Q4_0"})])
+def test_the_tensor_index_is_gguf_readers_table_without_parsing_every_field(tmp_path, family, types):
+    """``tensor_index`` reads the header itself (gguf-py's reader turns every metadata field into
+    arrays, seconds for a real vocabulary): each entry is the one GGUFReader gives."""
+    from fabric.compute.gguf_load import tensor_index
+
+    path = write_gguf(family, tmp_path, types, num_layers=2)
+    reader = gguf.GGUFReader(str(path))
+    expected = [{"name": t.name, "tensor_type": int(t.tensor_type), "offset": int(t.data_offset),
+                 "dtype": t.data.dtype.str, "shape": tuple(t.data.shape)} for t in reader.tensors]
+    assert tensor_index(path) == expected and len({e["dtype"] for e in expected}) >= 2
+
+
+def test_a_damaged_tensor_table_is_named(tmp_path):
+    from fabric.compute.gguf_load import tensor_index
+
+    path = write_gguf("llama", tmp_path, "Q4_0", num_layers=1)
+    info = gguf_info.read_header(path).tensors[0]
+    data = bytearray(path.read_bytes())
+    at = data.index(info.name.encode()) + len(info.name) + 4 + 8 * len(info.shape)  # the tensor's type id
+    data[at:at + 4] = struct.pack("<I", 999)
+    path.write_bytes(bytes(data))
+    with pytest.raises(ModelError, match="cannot read its tensor table"):
+        tensor_index(path)

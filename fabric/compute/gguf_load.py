@@ -62,16 +62,31 @@ class GGUFTensorInfo:
 
 
 def tensor_index(path: Path) -> list[dict]:
-    """Tensor table of a GGUF file (GGUFReader parses every metadata field: seconds)."""
-    from gguf import GGUFReader
+    """Tensor table of a GGUF file, each entry as gguf-py's GGUFReader gives it (its data's
+    dtype and shape: the elements of a float or integer type, the bytes of a quantized one),
+    read by ``gguf_info.read_header``: the reader parses every metadata field into arrays,
+    10 s or more for a 49k-token vocabulary on a slow CPU."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quant_shape_to_byte_shape
 
-    try:
-        reader = GGUFReader(str(path))
-    except (ValueError, OSError, IndexError) as exc:  # truncated, or not GGUF at all
-        raise ModelError(f"{path.name}: cannot read its tensor table ({exc}); the file may be truncated") from None
-    return [dataclasses.asdict(GGUFTensorInfo(t.name, int(t.tensor_type), int(t.data_offset),
-                                              t.data.dtype.str, tuple(t.data.shape)))
-            for t in reader.tensors]
+    from .gguf_info import read_header
+
+    out, seen = [], set()
+    for t in read_header(path).tensors:
+        if t.name in seen or t.nbytes is None:
+            why = f"a second tensor named {t.name}" if t.name in seen else f"{t.name} has unknown {t.type_name}"
+            raise ModelError(f"{path.name}: cannot read its tensor table ({why}); the file may be damaged")
+        seen.add(t.name)
+        qtype, dims = GGMLQuantizationType(t.type_id), tuple(reversed(t.shape))
+        whole = _ELEMENTS.get(qtype.name)
+        dtype, shape = (np.dtype(whole).newbyteorder("<"), dims) if whole else (np.dtype(np.uint8),
+                                                                               quant_shape_to_byte_shape(dims, qtype))
+        out.append(dataclasses.asdict(GGUFTensorInfo(t.name, t.type_id, t.offset, dtype.str, tuple(shape))))
+    return out
+
+
+_ELEMENTS = {"F16": np.float16, "F32": np.float32, "F64": np.float64, "I8": np.int8, "I16": np.int16,
+             "I32": np.int32, "I64": np.int64}  # types whose data GGUFReader gives as elements, not bytes
 
 
 @dataclass

@@ -15,6 +15,7 @@ embedding as the GGUF stores it and dequantizes just the rows it looks up
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -88,14 +89,40 @@ def _metadata_dir(source: ModelSource, cache_root: Path | None) -> tuple[Path, s
     if not (target / "config.json").is_file():
         log.info("parsing GGUF metadata of %s once (cached in %s)", source.path.name, target)
         tmp = Path(tempfile.mkdtemp(dir=_mkdir(target.parent)))
-        AutoConfig.from_pretrained(source.directory, gguf_file=source.gguf_file).save_pretrained(tmp)
-        _cache_tokenizer(AutoTokenizer.from_pretrained(source.directory, gguf_file=source.gguf_file), tmp)
+        with _one_metadata_parse():
+            AutoConfig.from_pretrained(source.directory, gguf_file=source.gguf_file).save_pretrained(tmp)
+            _cache_tokenizer(AutoTokenizer.from_pretrained(source.directory, gguf_file=source.gguf_file), tmp)
         (tmp / TENSOR_INDEX).write_text(json.dumps(tensor_index(source.path)))
         try:
             tmp.rename(target)
         except OSError:  # another process finished first
             shutil.rmtree(tmp, ignore_errors=True)
     return target, None
+
+
+@contextlib.contextmanager
+def _one_metadata_parse() -> Iterator[None]:
+    """transformers parses a GGUF's whole metadata for its config, and for most families again for
+    the tokenizer's config (10-15 s each for a 49k-token vocabulary on a slow CPU). Within this
+    block the second parse of a file is a copy of the first's result."""
+    import copy
+
+    from transformers import modeling_gguf_pytorch_utils as gguf_utils
+
+    parse, parsed = gguf_utils.load_gguf_checkpoint, {}
+
+    def once(path, return_tensors=False, **kwargs):
+        if return_tensors or kwargs:
+            return parse(path, return_tensors=return_tensors, **kwargs)
+        if str(path) not in parsed:
+            parsed[str(path)] = parse(path, return_tensors=False)
+        return copy.deepcopy(parsed[str(path)])
+
+    gguf_utils.load_gguf_checkpoint = once
+    try:
+        yield
+    finally:
+        gguf_utils.load_gguf_checkpoint = parse
 
 
 TOKENIZER_FROM_FILE = "tokenizer-from-gguf"  # marker: the saved tokenizer did not encode as the file's own
