@@ -442,3 +442,23 @@ def test_a_damaged_tensor_table_is_named(tmp_path):
     path.write_bytes(bytes(data))
     with pytest.raises(ModelError, match="cannot read its tensor table"):
         tensor_index(path)
+
+
+def test_a_first_start_parses_the_files_metadata_once_for_its_config_and_tokenizer(tmp_path, monkeypatch):
+    """transformers parses a llama GGUF's whole metadata for the config and again for the
+    tokenizer's; the one-time cache of config and tokenizer needs it once, and puts it back."""
+    from transformers import modeling_gguf_pytorch_utils as gguf_utils
+
+    from fabric.compute import models
+
+    parse, calls = gguf_utils.load_gguf_checkpoint, []
+
+    def counted(path, return_tensors=False, **kwargs):
+        calls.append(return_tensors)
+        return parse(path, return_tensors=return_tensors, **kwargs)
+
+    monkeypatch.setattr(gguf_utils, "load_gguf_checkpoint", counted)
+    source = resolve(str(write_gguf("llama", tmp_path, "Q8_0", num_layers=1)))
+    directory, _ = models._metadata_dir(source, tmp_path / "cache")
+    assert calls == [False] and gguf_utils.load_gguf_checkpoint is counted
+    assert (directory / "config.json").is_file() and models.load_tokenizer(source, tmp_path / "cache")("hi")["input_ids"]

@@ -21,6 +21,7 @@ import json
 import logging
 import shutil
 import tempfile
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -100,6 +101,9 @@ def _metadata_dir(source: ModelSource, cache_root: Path | None) -> tuple[Path, s
     return target, None
 
 
+_ONE_PARSE = threading.Lock()
+
+
 @contextlib.contextmanager
 def _one_metadata_parse() -> Iterator[None]:
     """transformers parses a GGUF's whole metadata for its config, and for most families again for
@@ -109,7 +113,7 @@ def _one_metadata_parse() -> Iterator[None]:
 
     from transformers import modeling_gguf_pytorch_utils as gguf_utils
 
-    parse, parsed = gguf_utils.load_gguf_checkpoint, {}
+    parsed = {}
 
     def once(path, return_tensors=False, **kwargs):
         if return_tensors or kwargs:
@@ -118,11 +122,12 @@ def _one_metadata_parse() -> Iterator[None]:
             parsed[str(path)] = parse(path, return_tensors=False)
         return copy.deepcopy(parsed[str(path)])
 
-    gguf_utils.load_gguf_checkpoint = once
-    try:
-        yield
-    finally:
-        gguf_utils.load_gguf_checkpoint = parse
+    with _ONE_PARSE:  # one block at a time: each puts back what it found
+        parse, gguf_utils.load_gguf_checkpoint = gguf_utils.load_gguf_checkpoint, once
+        try:
+            yield
+        finally:
+            gguf_utils.load_gguf_checkpoint = parse
 
 
 TOKENIZER_FROM_FILE = "tokenizer-from-gguf"  # marker: the saved tokenizer did not encode as the file's own
