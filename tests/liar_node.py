@@ -17,7 +17,7 @@ import sys
 from fabric.compute.executor import ShardExecutor
 
 MODES = ("all", "decode")
-_honest_result = ShardExecutor._result
+_honest_result, _honest_outputs = ShardExecutor._result, ShardExecutor._outputs
 
 
 def _lying_result(self, hidden, end):
@@ -25,9 +25,22 @@ def _lying_result(self, hidden, end):
 
 
 def _decode_lying_result(self, hidden, end):
-    if hidden.shape[1] != 1:  # a prompt or a chunk of one (q > 1): honest
+    if hidden.shape[1] != 1 or getattr(self, "_liar_honest", False):  # a prompt's positions: honest
         return _honest_result(self, hidden, end)
     return _lying_result(self, hidden, end)  # decode steps: (b, 1, hidden), each row one session's step
+
+
+def _decode_lying_outputs(self, hidden, end, rows, chunks):
+    """A pass's decode steps lie, and so do verifications and one-position chunks; a prompt's
+    chunk of several positions does not (each chunk from an lm_head call of its own here)."""
+    out = _honest_outputs(self, hidden, end, rows, []) if rows else []
+    for chunk in chunks:
+        self._liar_honest = chunk[1].step.drafts == 0 and chunk[1].step.inputs.shape[1] > 1
+        try:
+            out += _honest_outputs(self, hidden, end, [], [chunk])
+        finally:
+            self._liar_honest = False
+    return out
 
 
 def lie(mode: str = "all") -> None:
@@ -35,6 +48,12 @@ def lie(mode: str = "all") -> None:
     if mode not in MODES:
         raise SystemExit(f"--lie takes one of {', '.join(MODES)}, not {mode!r}")
     ShardExecutor._result = _lying_result if mode == "all" else _decode_lying_result
+    ShardExecutor._outputs = _honest_outputs if mode == "all" else _decode_lying_outputs
+
+
+def honest() -> None:
+    """Put the honest executor back (a test that lied in its own process)."""
+    ShardExecutor._result, ShardExecutor._outputs = _honest_result, _honest_outputs
 
 
 if __name__ == "__main__":

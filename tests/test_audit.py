@@ -396,7 +396,7 @@ def test_a_replay_in_one_pass_agrees_with_the_steps_a_tail_ran_one_by_one(tail):
         liar.lie("decode")
         lying = _decode(tail, taps, x, prompt=5)
     finally:
-        ShardExecutor._result = liar._honest_result
+        liar.honest()
     assert torch.equal(lying[0][1][1], tapped[0][1][1])  # its prefill: honest
     claim = Claim("tail", torch.cat([t[1][1] for t in lying]), (4, 5, 6, 7, 8), tokens=())
     assert "positions apart" in disagreement(claim, replica)
