@@ -51,11 +51,12 @@ def start(procs: fb.Procs, spec: str, model: str, layers: int, tmp: Path, traced
     from fabric.wire.shard import Shard
 
     name, checkout, env, flags, split = parse(spec)
+    node_args = ("--quant", "auto", *flags)
     shards = ([Shard(0, split - 1, layers), Shard(split, layers - 1, layers)] if split
-              else concurrency.up_split(model, ("--quant", "auto", *flags), 2))
+              else concurrency.up_split(model, node_args, 2))
     c = fb.Cluster(name, name, shards, "auto", traced=traced, env=env,
                    repo=Path(checkout).resolve() if checkout else fb.REPO)
-    fb.start_cluster(procs, c, model, tmp, ("--quant", "auto", *flags))
+    fb.start_cluster(procs, c, model, tmp, node_args)
     return c
 
 
