@@ -17,7 +17,8 @@ operands, so every output is the same bits, in about a quarter as many:
 - RMSNorm is ATen's ``rms_norm`` without a weight (the same upcast, mean of squares, rsqrt
   and cast back as transformers' eight calls, in one), then the weight's product;
 - the attention kernel (fabric/compute/attention.py) is called directly, each mask turned
-  into the kernel's once a pass; it reads q and k in place through their strides;
+  into the kernel's once a pass (a mixed pass's too: each part's); it reads q and k in place
+  through their strides;
 - residual adds write into the fresh output of o_proj and down_proj (a + b is b + a).
 
 The cache is the pass's own (a session's,
@@ -25,6 +26,8 @@ the batch group's rows, a mixed pass's parts): ``update`` as the modules call it
 families, float32 (exact mode) and CUDA keep transformers' modules.
 """
 from __future__ import annotations
+
+import functools
 
 import logging
 from collections.abc import Callable
@@ -215,11 +218,11 @@ class LeanStack:
         converted once a pass), or a mixed pass's split over rows and chunks around it; None
         for anything else (the modules run)."""
         impl = self.config._attn_implementation
+        kernel = native.library("attention") if impl in (invariant.NAME, mixed.NAME) else None
         if impl == invariant.NAME:
-            kernel = native.library("attention")
             return _KernelPass(kernel) if kernel is not None else invariant.attention
         if impl == mixed.NAME and mixed.INNER.get() is invariant.attention:
-            return mixed.attention
+            return functools.partial(mixed.attention, inner=_KernelPass(kernel)) if kernel is not None else mixed.attention
         return None
 
     def run(self, hidden: torch.Tensor, tables: dict, masks, cache, kinds: list[str], start: int, end: int,

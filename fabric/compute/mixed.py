@@ -57,12 +57,13 @@ class ChunksAndRows:
         return starts
 
 
-def attention(module, query: torch.Tensor, key, value, attention_mask, **kwargs) -> tuple[torch.Tensor, None]:
+def attention(module, query: torch.Tensor, key, value, attention_mask, inner=None, **kwargs) -> tuple[torch.Tensor, None]:
     """query (1, heads, n + q..., head_dim); key and value: the rows' (None: no rows), then
     each chunk's; attention_mask: (the rows' mask, [(q, mask) of each chunk]). Returns (1,
-    n + q..., heads, head_dim), as every attention function of transformers does."""
+    n + q..., heads, head_dim), as every attention function of transformers does. ``inner``:
+    how each part attends (default ``INNER``'s)."""
     rows_mask, chunks = attention_mask
-    inner = INNER.get()
+    inner = inner or INNER.get()
     n = key[0].shape[0] if key[0] is not None else 0
     out = []
     if n:
