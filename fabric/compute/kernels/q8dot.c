@@ -207,64 +207,76 @@ static inline __attribute__((always_inline)) void k8_rows(const DJob *j, const A
  * on an AVX2-only CPU (`bench/q8dot.py`, docs/BENCHMARKS.md). */
 #elif defined(PATH_AVX2)
 #define GROUPED_FROM 2 /* rows from which the grouped order pays */
-static inline __attribute__((always_inline)) void k4_held(const DJob *j, const Acts *a, const uint8_t *tw,
-                                                          int64_t r0, const int R, float out[RG][TILE], const int half) {
-    int64_t nb = j->in / BLOCK, bb = block_bytes(half ? K4_F16 : K4_F32);
-    const __m256i low = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
-    for (int h = 0; h < 2; h++) {
-        __m256 accs[RG], accm[RG];
-        for (int r = 0; r < R; r++) accs[r] = accm[r] = _mm256_setzero_ps();
-        for (int64_t b = 0; b < nb; b++) {
-            const uint8_t *blk = tw + b * bb;
-            __m256i w[8];
-            for (int g = 0; g < 4; g++) {
-                __m256i v = _mm256_loadu_si256((const __m256i *)(blk + 64 * g + 32 * h));
-                w[g] = _mm256_and_si256(v, low);
-                w[g + 4] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
-            }
-            __m256 step, min;
-            if (half) {
-                step = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 256 + 16 * h)));
-                min = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 288 + 16 * h)));
-            } else {
-                step = _mm256_loadu_ps((const float *)(blk + 256) + 8 * h);
-                min = _mm256_loadu_ps((const float *)(blk + 320) + 8 * h);
-            }
-            for (int r = 0; r < R; r++) {
-                int64_t k = (r0 + r) * nb + b;
-                const int8_t *xq = a->q + (r0 + r) * j->in + b * BLOCK;
-                __m256i p = _mm256_setzero_si256();  /* 8 pairs of at most 2 * 15 * 127: no int16 overflow */
-                for (int g = 0; g < 8; g++) p = _mm256_add_epi16(p, _mm256_maddubs_epi16(w[g], _mm256_set1_epi32(word(xq + 4 * g))));
-                __m256i s = _mm256_madd_epi16(p, ones);
-                accs[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(step, _mm256_set1_ps(a->d[k])), accs[r]);
-                accm[r] = _mm256_fmadd_ps(min, _mm256_set1_ps(a->c[k]), accm[r]);
-            }
+
+/* Each row's sum(u q) over one block's 8 outputs of half h, as 16 int16 pairs (int4: 8 pairs of
+ * at most 2 * 15 * 127 each, no overflow). */
+static inline __attribute__((always_inline)) void k4_sums(const uint8_t *blk, const int8_t *xq, int64_t in,
+                                                          const int R, const int h, __m256i p[RG]) {
+    const __m256i low = _mm256_set1_epi8(0x0f);
+    for (int r = 0; r < R; r++) p[r] = _mm256_setzero_si256();
+    if (R < GROUPED_FROM) {  /* held */
+        __m256i w[8];
+        for (int g = 0; g < 4; g++) {
+            __m256i v = _mm256_loadu_si256((const __m256i *)(blk + 64 * g + 32 * h));
+            w[g] = _mm256_and_si256(v, low);
+            w[g + 4] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
         }
-        for (int r = 0; r < R; r++) _mm256_storeu_ps(out[r] + 8 * h, _mm256_add_ps(accs[r], accm[r]));
+        for (int r = 0; r < R; r++)
+            for (int g = 0; g < 8; g++)
+                p[r] = _mm256_add_epi16(p[r], _mm256_maddubs_epi16(w[g], _mm256_set1_epi32(word(xq + r * in + 4 * g))));
+        return;
+    }
+    for (int g = 0; g < 4; g++) {  /* grouped */
+        __m256i v = _mm256_loadu_si256((const __m256i *)(blk + 64 * g + 32 * h));
+        __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+        for (int r = 0; r < R; r++) {
+            const int8_t *x = xq + r * in + 4 * g;
+            p[r] = _mm256_add_epi16(p[r], _mm256_maddubs_epi16(lo, _mm256_set1_epi32(word(x))));
+            p[r] = _mm256_add_epi16(p[r], _mm256_maddubs_epi16(hi, _mm256_set1_epi32(word(x + 16))));
+        }
     }
 }
 
-static inline __attribute__((always_inline)) void k4_grouped(const DJob *j, const Acts *a, const uint8_t *tw,
-                                                             int64_t r0, const int R, float out[RG][TILE], const int half) {
+/* Each row's sum(c q) over one block's 8 outputs of half h, in int32: maddubs of |c| and q signed
+ * as c (pairs of at most 2 * 128 * 127), widened at once. */
+static inline __attribute__((always_inline)) void k8_sums(const uint8_t *blk, const int8_t *xq, int64_t in,
+                                                          const int R, const int h, __m256i s[RG]) {
+    const __m256i flip = _mm256_set1_epi8((char)0x80), ones = _mm256_set1_epi16(1);
+    for (int r = 0; r < R; r++) s[r] = _mm256_setzero_si256();
+    if (R < GROUPED_FROM) {  /* held */
+        __m256i w[8], mag[8];
+        for (int g = 0; g < 8; g++) {  /* the signed code u - 128, and its magnitude */
+            w[g] = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(blk + 64 * g + 32 * h)), flip);
+            mag[g] = _mm256_abs_epi8(w[g]);
+        }
+        for (int r = 0; r < R; r++)
+            for (int g = 0; g < 8; g++) {
+                __m256i p = _mm256_maddubs_epi16(mag[g], _mm256_sign_epi8(_mm256_set1_epi32(word(xq + r * in + 4 * g)), w[g]));
+                s[r] = _mm256_add_epi32(s[r], _mm256_madd_epi16(p, ones));
+            }
+        return;
+    }
+    for (int g = 0; g < 8; g++) {  /* grouped */
+        __m256i w = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(blk + 64 * g + 32 * h)), flip);
+        __m256i mag = _mm256_abs_epi8(w);
+        for (int r = 0; r < R; r++) {
+            __m256i p = _mm256_maddubs_epi16(mag, _mm256_sign_epi8(_mm256_set1_epi32(word(xq + r * in + 4 * g)), w));
+            s[r] = _mm256_add_epi32(s[r], _mm256_madd_epi16(p, ones));
+        }
+    }
+}
+
+static inline __attribute__((always_inline)) void k4_rows(const DJob *j, const Acts *a, const uint8_t *tw,
+                                                          int64_t r0, const int R, float out[RG][TILE], const int half) {
     int64_t nb = j->in / BLOCK, bb = block_bytes(half ? K4_F16 : K4_F32);
-    const __m256i low = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
+    const __m256i ones = _mm256_set1_epi16(1);
     for (int h = 0; h < 2; h++) {
         __m256 accs[RG], accm[RG];
         for (int r = 0; r < R; r++) accs[r] = accm[r] = _mm256_setzero_ps();
         for (int64_t b = 0; b < nb; b++) {
             const uint8_t *blk = tw + b * bb;
-            const int8_t *xq = a->q + r0 * j->in + b * BLOCK;
-            __m256i p[RG];  /* 8 pairs of at most 2 * 15 * 127: no int16 overflow */
-            for (int r = 0; r < R; r++) p[r] = _mm256_setzero_si256();
-            for (int g = 0; g < 4; g++) {  /* a register of codes at a time, for every row */
-                __m256i v = _mm256_loadu_si256((const __m256i *)(blk + 64 * g + 32 * h));
-                __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
-                for (int r = 0; r < R; r++) {
-                    const int8_t *x = xq + r * j->in + 4 * g;
-                    p[r] = _mm256_add_epi16(p[r], _mm256_maddubs_epi16(lo, _mm256_set1_epi32(word(x))));
-                    p[r] = _mm256_add_epi16(p[r], _mm256_maddubs_epi16(hi, _mm256_set1_epi32(word(x + 16))));
-                }
-            }
+            __m256i p[RG];
+            k4_sums(blk, a->q + r0 * j->in + b * BLOCK, j->in, R, h, p);
             __m256 step, min;
             if (half) {
                 step = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 256 + 16 * h)));
@@ -284,66 +296,16 @@ static inline __attribute__((always_inline)) void k4_grouped(const DJob *j, cons
     }
 }
 
-static inline __attribute__((always_inline)) void k4_rows(const DJob *j, const Acts *a, const uint8_t *tw,
-                                                          int64_t r0, const int R, float out[RG][TILE], const int half) {
-    if (R < GROUPED_FROM) k4_held(j, a, tw, r0, R, out, half);
-    else k4_grouped(j, a, tw, r0, R, out, half);
-}
-
-static inline __attribute__((always_inline)) void k8_held(const DJob *j, const Acts *a, const uint8_t *tw,
+static inline __attribute__((always_inline)) void k8_rows(const DJob *j, const Acts *a, const uint8_t *tw,
                                                           int64_t r0, const int R, float out[RG][TILE], const int per_block) {
     int64_t nb = j->in / BLOCK, bb = block_bytes(per_block ? K8_F16 : K8_ROW);
-    const __m256i flip = _mm256_set1_epi8((char)0x80), ones = _mm256_set1_epi16(1);
     for (int h = 0; h < 2; h++) {
         __m256 acc[RG];
         for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
         for (int64_t b = 0; b < nb; b++) {
             const uint8_t *blk = tw + b * bb;
-            __m256i w[8], mag[8];
-            for (int g = 0; g < 8; g++) {  /* the signed code u - 128, and its magnitude */
-                w[g] = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(blk + 64 * g + 32 * h)), flip);
-                mag[g] = _mm256_abs_epi8(w[g]);
-            }
-            __m256 step = per_block ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 512 + 16 * h)))
-                                    : _mm256_setzero_ps();
-            for (int r = 0; r < R; r++) {
-                int64_t k = (r0 + r) * nb + b;
-                const int8_t *xq = a->q + (r0 + r) * j->in + b * BLOCK;
-                __m256i s = _mm256_setzero_si256();
-                for (int g = 0; g < 8; g++) {  /* |c| (q signed as c): pairs of at most 2 * 128 * 127 */
-                    __m256i p = _mm256_maddubs_epi16(mag[g], _mm256_sign_epi8(_mm256_set1_epi32(word(xq + 4 * g)), w[g]));
-                    s = _mm256_add_epi32(s, _mm256_madd_epi16(p, ones));
-                }
-                __m256 f = _mm256_cvtepi32_ps(s);
-                acc[r] = per_block ? _mm256_fmadd_ps(f, _mm256_mul_ps(step, _mm256_set1_ps(a->d[k])), acc[r])
-                                   : _mm256_fmadd_ps(f, _mm256_set1_ps(a->d[k]), acc[r]);
-            }
-        }
-        __m256 scale = per_block ? _mm256_setzero_ps() : _mm256_loadu_ps((const float *)(tw + nb * bb) + 8 * h);
-        for (int r = 0; r < R; r++) _mm256_storeu_ps(out[r] + 8 * h, per_block ? acc[r] : _mm256_mul_ps(acc[r], scale));
-    }
-}
-
-static inline __attribute__((always_inline)) void k8_grouped(const DJob *j, const Acts *a, const uint8_t *tw,
-                                                          int64_t r0, const int R, float out[RG][TILE], const int per_block) {
-    int64_t nb = j->in / BLOCK, bb = block_bytes(per_block ? K8_F16 : K8_ROW);
-    const __m256i flip = _mm256_set1_epi8((char)0x80), ones = _mm256_set1_epi16(1);
-    for (int h = 0; h < 2; h++) {
-        __m256 acc[RG];
-        for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
-        for (int64_t b = 0; b < nb; b++) {
-            const uint8_t *blk = tw + b * bb;
-            const int8_t *xq = a->q + r0 * j->in + b * BLOCK;
             __m256i s[RG];
-            for (int r = 0; r < R; r++) s[r] = _mm256_setzero_si256();
-            for (int g = 0; g < 8; g++) {  /* a group at a time for every row: no register spills */
-                __m256i w = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(blk + 64 * g + 32 * h)), flip);
-                __m256i mag = _mm256_abs_epi8(w);  /* |c| (q signed as c): pairs of at most 2 * 128 * 127 */
-                for (int r = 0; r < R; r++) {
-                    __m256i p = _mm256_maddubs_epi16(mag, _mm256_sign_epi8(_mm256_set1_epi32(word(xq + r * j->in + 4 * g)), w));
-                    s[r] = _mm256_add_epi32(s[r], _mm256_madd_epi16(p, ones));
-                }
-            }
+            k8_sums(blk, a->q + r0 * j->in + b * BLOCK, j->in, R, h, s);
             __m256 step = per_block ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 512 + 16 * h)))
                                     : _mm256_setzero_ps();
             for (int r = 0; r < R; r++) {
@@ -356,12 +318,6 @@ static inline __attribute__((always_inline)) void k8_grouped(const DJob *j, cons
         __m256 scale = per_block ? _mm256_setzero_ps() : _mm256_loadu_ps((const float *)(tw + nb * bb) + 8 * h);
         for (int r = 0; r < R; r++) _mm256_storeu_ps(out[r] + 8 * h, per_block ? acc[r] : _mm256_mul_ps(acc[r], scale));
     }
-}
-
-static inline __attribute__((always_inline)) void k8_rows(const DJob *j, const Acts *a, const uint8_t *tw,
-                                                          int64_t r0, const int R, float out[RG][TILE], const int per_block) {
-    if (R < GROUPED_FROM) k8_held(j, a, tw, r0, R, out, per_block);
-    else k8_grouped(j, a, tw, r0, R, out, per_block);
 }
 
 /* ---- plain C: the same integers, the same float32 operations, a lane at a time ---- */
