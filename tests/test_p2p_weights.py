@@ -375,3 +375,25 @@ def test_in_a_secured_swarm_the_fetch_travels_under_curve_and_a_stranger_gets_no
     assert manifest_for(copy).digest == manifest_for(model_file).digest
     plain = pull(process_cluster, home(tmp_path, "stranger"), timeout=60)  # no keys: the tracker does not answer
     assert plain.returncode == 1 and "cannot ask the tracker" in plain.stderr, plain.stderr
+
+
+def test_a_fetch_asks_the_tracker_again_while_it_lists_no_holder_then_names_what_it_lists(monkeypatch):
+    """A holder that missed heartbeats on a busy machine (expired, registered again) or that starts
+    beside this node is found; with none after HOLDERS_WAIT, one line names what the tracker lists."""
+    from fabric.fetch import pull
+    from fabric.fetch.holders import NoHolders
+
+    holder = {"id": "a", "model": MODEL, "endpoint": "tcp://10.0.0.1:6000", "layers": [0, 14]}
+    answers = [{"nodes": []}, {"nodes": [{"model": "other", "endpoint": "tcp://x:1"}]}, {"nodes": [holder]}]
+    monkeypatch.setattr(pull, "_status", lambda *args: answers.pop(0))
+    monkeypatch.setattr(pull, "HOLDERS_POLL", 0.0)
+    said = []
+    assert [h.node for h in pull._holders(MODEL, "tcp://t:5555", None, said.append)] == ["a"] and not answers
+    assert len(said) == 1 and "no node serves tiny yet" in said[0]
+
+    now = [0.0]
+    monkeypatch.setattr(pull, "_status", lambda *args: {"nodes": [{"model": "other", "endpoint": "tcp://x:1"}]})
+    monkeypatch.setattr(pull.time, "sleep", lambda s: now.__setitem__(0, now[0] + 1.0))
+    with pytest.raises(NoHolders, match=r"no node serves tiny \(the tracker at tcp://t:5555 lists: other\)"):
+        pull._holders(MODEL, "tcp://t:5555", None, said.append, clock=lambda: now[0])
+    assert now[0] == pull.HOLDERS_WAIT  # it asked for the whole wait, no longer

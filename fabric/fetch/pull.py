@@ -3,6 +3,7 @@ find a finished partial copy here, else fetch one from the swarm."""
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -17,6 +18,10 @@ from .report import FetchReporter
 log = logging.getLogger(__name__)
 
 TRACKER_WAIT = 5.0  # seconds to wait for the tracker's list of nodes
+# seconds to go on asking while the tracker lists no node of the model: one that starts or restarts
+# beside this one, or that missed heartbeats on a busy machine and registers again, is listed soon
+HOLDERS_WAIT = 10.0
+HOLDERS_POLL = 0.5
 
 
 def local_copy(directory: Path, model: str, layers: str | None) -> Path | None:
@@ -38,7 +43,7 @@ def fetch_layers(model: str, layers: str | None, tracker: str, security: Securit
     if found is not None:
         say(f"layers {layers} of {model} are here already: {found}")
         return found
-    holders = _holders(model, tracker, security)
+    holders = _holders(model, tracker, security, say)
     fetcher = Fetcher(model, holders, security)
     fetcher.reporter = reporter = FetchReporter(tracker, security, model)
     error = ""
@@ -75,19 +80,33 @@ def fetch_layers(model: str, layers: str | None, tracker: str, security: Securit
         fetcher.close()
 
 
-def _holders(model: str, tracker: str, security: Security | None):
+def _holders(model: str, tracker: str, security: Security | None, say: Callable[[str], None] = print,
+             clock: Callable[[], float] = time.monotonic):
+    """The nodes the tracker lists for ``model``, asked again for up to ``HOLDERS_WAIT`` seconds
+    while it lists none; NoHolders (one line: what it lists) after that."""
+    deadline, said = clock() + HOLDERS_WAIT, False
+    while True:
+        status = _status(model, tracker, security)
+        holders = holders_of(status, model)
+        if holders:
+            return holders
+        listed = sorted({n.get("model") for n in status.get("nodes", []) if n.get("model")})
+        if clock() >= deadline:
+            raise NoHolders(f"no node serves {model} (the tracker at {tracker} lists: {', '.join(listed) or 'none'})")
+        if not said:
+            say(f"no node serves {model} yet; asking the tracker again for up to {HOLDERS_WAIT:.0f} s")
+            said = True
+        time.sleep(HOLDERS_POLL)
+
+
+def _status(model: str, tracker: str, security: Security | None) -> dict:
     from ..client import Client, FabricError
 
     try:
         with Client(tracker, timeout=TRACKER_WAIT, security=security) as client:
-            status = client.status()
+            return client.status()
     except FabricError as exc:
         raise NoHolders(f"cannot ask the tracker at {tracker} who serves {model}: {exc}") from None
-    holders = holders_of(status, model)
-    if not holders:
-        listed = sorted({n.get("model") for n in status.get("nodes", []) if n.get("model")})
-        raise NoHolders(f"no node serves {model} (the tracker at {tracker} lists: {', '.join(listed) or 'none'})")
-    return holders
 
 
 def _bar(total: int, have: int, what: str, shown: bool):
