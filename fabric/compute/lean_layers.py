@@ -28,7 +28,6 @@ families, float32 (exact mode) and CUDA keep transformers' modules.
 from __future__ import annotations
 
 import functools
-
 import logging
 from collections.abc import Callable
 
