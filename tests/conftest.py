@@ -39,6 +39,13 @@ def xdg_cache(tmp_path_factory):
     return tmp_path_factory.mktemp("xdg-cache")
 
 
+@pytest.fixture(scope="session")
+def cache_root(xdg_cache):
+    """meshnet's cache under the session's XDG cache (``default_cache_root`` of its processes):
+    an in-process load given it keeps a GGUF's parsed metadata there, as a node does."""
+    return xdg_cache / "meshnet"
+
+
 @pytest.fixture
 def thread_cluster():
     cluster = ThreadCluster()

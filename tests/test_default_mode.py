@@ -143,8 +143,8 @@ def test_q4_0_blocks_keep_their_codes_through_a_row_permutation():
 
 @pytest.mark.slow
 @pytest.mark.usefixtures("torchs_kernels")  # the torch modules themselves (q8dot: tests/test_q8dot.py)
-def test_a_q4_1_layer_runs_on_the_files_own_codes_steps_and_minima(xdg_cache):
-    source, cache = need_model(), xdg_cache / "meshnet"
+def test_a_q4_1_layer_runs_on_the_files_own_codes_steps_and_minima(cache_root):
+    source, cache = need_model(), cache_root
     int4 = load_shard(source, Shard(0, 0, 30), quant="int4", progress=False, cache_root=cache)
     exact = load_shard(source, Shard(0, 0, 30), progress=False, cache_root=cache)  # float32, dequantized
     tensors = models._gguf_tensors(source, cache)
@@ -193,8 +193,8 @@ def test_node_and_up_pick_the_files_grid_by_default(xdg_cache, monkeypatch):
 
 
 @pytest.mark.slow
-def test_the_default_modes_split_equals_its_single_process_in_the_same_chunks(xdg_cache):
-    source, cache = need_model(), xdg_cache / "meshnet"
+def test_the_default_modes_split_equals_its_single_process_in_the_same_chunks(cache_root):
+    source, cache = need_model(), cache_root
     prompt = chat_prompt(source, QUESTIONS[1], cache)
     scheme, _ = pick_quant("auto", source)
     assert scheme == "int4"

@@ -118,14 +118,13 @@ def differences(ex: ShardExecutor, seed: int = 0, chunks_only: bool = False) -> 
     return {name: sum(not torch.equal(a, b) for a, b in zip(rows, base)) for name, rows in ways.items()}
 
 
-def default_mode(model: str | Path, attn: str | None = None, cache: Path | None = None) -> ShardExecutor:
-    """A whole model's default-mode executor; ``cache``: an XDG cache (``xdg_cache``) where a
-    GGUF's parsed metadata is kept, as a node keeps it (SmolLM2's takes 15 s to parse)."""
+def default_mode(model: str | Path, attn: str | None = None, cache_root: Path | None = None) -> ShardExecutor:
+    """A whole model's default-mode executor; ``cache_root`` (the fixture's) keeps a GGUF's parsed
+    metadata, as a node keeps it (SmolLM2's takes 15 s to parse)."""
     source = resolve(str(model))
-    root = cache / "meshnet" if cache is not None else None
-    layers = load_config(source, root).num_hidden_layers
+    layers = load_config(source, cache_root).num_hidden_layers
     quant = "int4" if source.kind == "gguf" else "int8"
-    weights = load_shard(source, Shard(0, layers - 1, layers), progress=False, quant=quant, cache_root=root)
+    weights = load_shard(source, Shard(0, layers - 1, layers), progress=False, quant=quant, cache_root=cache_root)
     if attn is not None:
         weights.config._attn_implementation = attn
     return ShardExecutor(weights, KVStore())
@@ -148,9 +147,9 @@ def test_a_positions_logits_are_the_same_bits_however_it_was_computed(tiny_model
 # SmolLM2's file, its default mode on the q8dot kernel: tests/test_q8dot.py
 
 
-def test_sdpa_attention_fails_the_same_check(xdg_cache):
+def test_sdpa_attention_fails_the_same_check(cache_root):
     """The negative control: the attention the default mode had before gives other bits."""
-    found = differences(default_mode(smollm2(), attn="sdpa", cache=xdg_cache), chunks_only=True)
+    found = differences(default_mode(smollm2(), attn="sdpa", cache_root=cache_root), chunks_only=True)
     assert found["chunks of 7"] > 0, found
 
 

@@ -25,12 +25,11 @@ from tests.test_invariant import smollm2
 SERVED = ("llama", "qwen2", "qwen3", "mistral")
 
 
-def _executor(model, quant: str | None = "int8", dtype=torch.bfloat16, cache: Path | None = None) -> ShardExecutor:
+def _executor(model, quant: str | None = "int8", dtype=torch.bfloat16, cache_root: Path | None = None) -> ShardExecutor:
     source = resolve(str(model))
-    root = cache / "meshnet" if cache is not None else None  # an XDG cache: a GGUF's metadata parsed once
-    layers = load_config(source, root).num_hidden_layers
+    layers = load_config(source, cache_root).num_hidden_layers
     return ShardExecutor(load_shard(source, Shard(0, layers - 1, layers), progress=False, quant=quant,
-                                    dtype=dtype, cache_root=root), KVStore())
+                                    dtype=dtype, cache_root=cache_root), KVStore())
 
 
 def _passes(ex: ShardExecutor, tag: str) -> list[torch.Tensor]:
@@ -68,8 +67,8 @@ def test_lean_layers_give_the_modules_bits(tiny_models, family, quant):
 
 
 @pytest.mark.usefixtures("torchs_kernels")  # the torch modules themselves (q8dot: tests/test_q8dot.py)
-def test_lean_layers_give_the_modules_bits_on_smollm2s_q4_1_file(xdg_cache):
-    ex = _executor(smollm2(), "gguf", cache=xdg_cache)
+def test_lean_layers_give_the_modules_bits_on_smollm2s_q4_1_file(cache_root):
+    ex = _executor(smollm2(), "gguf", cache_root=cache_root)
     assert ex._lean is not None
     attn = ex.w.layers[0].self_attn
     assert attn.q_proj.weight.untyped_storage().data_ptr() == attn.v_proj.weight.untyped_storage().data_ptr()

@@ -228,18 +228,17 @@ def test_pull_errors_say_what_is_wrong(sharded, tmp_path, tiny_models):
 # --------------------------------------------------------------------------- aliases through pip
 
 
-def test_a_gguf_head_keeps_the_embedding_quantized_and_looks_up_the_same_rows(xdg_cache):
+def test_a_gguf_head_keeps_the_embedding_quantized_and_looks_up_the_same_rows(cache_root):
     from fabric.compute.models import GGUFEmbedding
 
     if alias_path(ALIASES["smollm2-135m"]) is None:
         skip_area("smollm2", "smollm2-135m is not installed here")
     source = resolve("smollm2-135m")
-    cache = xdg_cache / "meshnet"  # the file's metadata parsed once, as a node keeps it
-    full = load_shard(source, Shard(0, 29, 30), progress=False, cache_root=cache)  # its lm_head needs the embedding whole
+    full = load_shard(source, Shard(0, 29, 30), progress=False, cache_root=cache_root)  # its lm_head needs the embedding whole
     ids = torch.arange(full.config.vocab_size).reshape(4, -1)
     want = full.embed(ids)
     for dtype in (torch.float32, torch.bfloat16):
-        head = load_shard(source, Shard(0, 14, 30), dtype=dtype, progress=False, cache_root=cache)
+        head = load_shard(source, Shard(0, 14, 30), dtype=dtype, progress=False, cache_root=cache_root)
         assert isinstance(head.embed, GGUFEmbedding) and type(full.embed) is torch.nn.Embedding
         rows = head.embed(ids)
         assert rows.dtype == dtype and torch.equal(rows, want.to(dtype))  # every row, bit for bit

@@ -199,8 +199,8 @@ def test_the_kernel_is_a_gguf_s_default_and_switched_off_torchs_kernels_stay(tmp
     assert not q8dot.wanted()
 
 
-def test_the_same_bits_on_smollm2s_q4_1_file_on_the_kernel(switched_on, xdg_cache):
-    ex = default_mode(smollm2(), cache=xdg_cache)
+def test_the_same_bits_on_smollm2s_q4_1_file_on_the_kernel(switched_on, cache_root):
+    ex = default_mode(smollm2(), cache_root=cache_root)
     assert isinstance(ex.w.lm_head, DotLinear) and ex._lean is not None
     found = differences(ex)
     assert found == dict.fromkeys(found, 0) and len(found) == 9, found

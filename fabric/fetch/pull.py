@@ -90,8 +90,8 @@ def _holders(model: str, tracker: str, security: Security | None, say: Callable[
         holders = holders_of(status, model)
         if holders:
             return holders
-        listed = sorted({n.get("model") for n in status.get("nodes", []) if n.get("model")})
         if clock() >= deadline:
+            listed = sorted({n.get("model") for n in status.get("nodes", []) if n.get("model")})
             raise NoHolders(f"no node serves {model} (the tracker at {tracker} lists: {', '.join(listed) or 'none'})")
         if not said:
             say(f"no node serves {model} yet; asking the tracker again for up to {HOLDERS_WAIT:.0f} s")
