@@ -29,6 +29,9 @@ CASES = [
     (HERMES, f"Let me look.\n<tool_call>\n{W}\n</tool_call>\n<tool_call>\n{A}\n</tool_call>", "Let me look.",
      [("get_weather", {"city": "Paris"}), ("add", {"a": 1, "b": 2})]),
     (HERMES, f"<tool_call>\n{W}", None, [("get_weather", {"city": "Paris"})]),  # ended before its closing tag
+    (HERMES, f"<tool_call>\n{W}\n</tool_call", None, [("get_weather", {"city": "Paris"})]),  # max_tokens cut the tag
+    (HERMES, f"<tool_call>\n{A}\n</tool_call>\n<tool_call>\n{W}\n<", None,
+     [("add", {"a": 1, "b": 2}), ("get_weather", {"city": "Paris"})]),
     (HERMES, '<tool_call>\n{"name": "add", "arguments": "{\\"a\\": 1, \\"b\\": 2}"}\n</tool_call>', None,
      [("add", {"a": 1, "b": 2})]),  # arguments written as JSON text
     (LLAMA3, '{"name": "get_weather", "parameters": {"city": "Paris"}}', None, [("get_weather", {"city": "Paris"})]),
@@ -41,6 +44,7 @@ CASES = [
 # (syntax, text): looks like a call, is not one: all of it stays content
 NOT_CALLS = [
     (HERMES, '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}\n</tool_call>'),  # a brace short
+    (HERMES, '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Par\n</tool_call'),  # cut in its JSON
     (HERMES, '<tool_call>\n{"name": "rm_rf", "arguments": {}}\n</tool_call>'),  # not an offered function
     (HERMES, '<tool_call>\n{"name": "add", "arguments": [1, 2]}\n</tool_call>'),  # arguments not an object
     (HERMES, "I would use <tool_call> tags here."),

@@ -149,9 +149,7 @@ def parse_reply(text: str, syntax: Syntax, names) -> tuple[str | None, list[Tool
 def _calls(text: str, syntax: Syntax, names: frozenset[str]) -> tuple[list[ToolCall], str]:
     """(calls, text after them) of a held block; ValueError when it is not calls."""
     if syntax.closing:  # hermes: exactly one call between the markers
-        body = text[len(syntax.opening):]
-        body = body[:-len(syntax.closing)] if body.endswith(syntax.closing) else body
-        return [_call(json.loads(body), syntax, names)], ""
+        return [_call(json.loads(_unclosed(text[len(syntax.opening):], syntax.closing)), syntax, names)], ""
     body = text.strip().removeprefix(syntax.opening).removeprefix(PYTHON_TAG).lstrip()
     decoder = json.JSONDecoder()
     if syntax.array:
@@ -169,6 +167,14 @@ def _calls(text: str, syntax: Syntax, names: frozenset[str]) -> tuple[list[ToolC
         if not rest.startswith(";"):
             raise ValueError("text after a call")
         at = len(body) - len(rest[1:].lstrip())
+
+
+def _unclosed(body: str, closing: str) -> str:
+    """``body`` less its closing marker: the whole marker, or as much of it as a reply cut short
+    (``max_tokens``) got to write, so that a call whose JSON was complete is still a call."""
+    end = body.rstrip()
+    cut = next((n for n in range(len(closing), 0, -1) if end.endswith(closing[:n])), 0)
+    return end[:len(end) - cut] if cut else body
 
 
 def _call(found: object, syntax: Syntax, names: frozenset[str]) -> ToolCall:
