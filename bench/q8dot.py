@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """The q8dot kernel (int8 activations, integer dot products) against torch's weight-only kernels.
 
-    python bench/q8dot.py [--threads 1,2] [--rows 1,2,4,8] [--reps 5] [--shapes ...]
+    python bench/q8dot.py [--threads 1,2] [--rows 1,2,4,8] [--reps 5] [--shapes ...] [--pipe]
 
 For each shape (SmolLM2-135M's projections and lm_head, and a 1.7B model's), random weights
 are held two ways with the same codes: 4-bit (a Q4_1-like grid: float16 step and minimum per
@@ -11,11 +11,21 @@ block of 32) as ``Int4Linear`` on ``torch._weight_int4pack_mm_for_cpu`` and as
 torch operator itself; the module's ``forward``). Each rep times both, alternated (which goes
 first alternates too); printed: the median time of each and the ratio torch / q8dot (above 1:
 the kernel is faster), and the weights' GB/s through the kernel.
+
+``--pipe`` (a build on the AVX2 path): how near each call comes to the CPU's integer multiply
+rate, measured first by a loop of independent ``vpmaddubsw`` (8 chains, one thread), alone and
+each widened by a ``vpmaddwd``. The AVX2 path makes one ``vpmaddubsw`` per 32 products (8
+outputs by 4 inputs of a row); an int8 product widens each at once. ``pipe`` = the call's
+``vpmaddubsw`` at the loop's rate (alone for int4, widened for int8) over the call's time,
+per thread.
 """
 from __future__ import annotations
 
 import argparse
+import os
+import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import torch
@@ -54,6 +64,56 @@ def pair(shape: tuple[int, int, str]):
     return (lambda x: torch._weight_int4pack_mm_for_cpu(x, wt, gs, sz)), ours.forward, ours.packed.numel()
 
 
+MADDUBS_LOOP = r"""
+#include <immintrin.h>
+#include <stdio.h>
+#include <time.h>
+static double now(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return t.tv_sec + t.tv_nsec * 1e-9;
+}
+int main(void) {  /* 8 independent chains: vpmaddubsw alone (int4), then each with the vpmaddwd that widens it (int8) */
+    __m256i a[8], acc[8], b = _mm256_set1_epi8(3), ones = _mm256_set1_epi16(1);
+    for (int i = 0; i < 8; i++) { a[i] = _mm256_set1_epi8((char)(i + 1)); acc[i] = _mm256_setzero_si256(); }
+    long n = 20000000;
+    double t = now();
+    for (long k = 0; k < n; k++) {
+        for (int i = 0; i < 8; i++) acc[i] = _mm256_add_epi16(acc[i], _mm256_maddubs_epi16(a[i], b));
+        __asm__ volatile("" : "+x"(b));
+    }
+    double alone = now() - t;
+    t = now();
+    for (long k = 0; k < n; k++) {
+        for (int i = 0; i < 8; i++) acc[i] = _mm256_add_epi32(acc[i], _mm256_madd_epi16(_mm256_maddubs_epi16(a[i], b), ones));
+        __asm__ volatile("" : "+x"(b));
+    }
+    double widened = now() - t;
+    __m256i s = acc[0];
+    for (int i = 1; i < 8; i++) s = _mm256_add_epi16(s, acc[i]);
+    printf("%.6g %.6g %d\\n", 8.0 * n / alone, 8.0 * n / widened, _mm256_extract_epi16(s, 0));
+    return 0;
+}
+"""
+
+
+def maddubs_rates(reps: int = 3) -> dict[str, float]:
+    """This core's ``vpmaddubsw`` (256-bit) a second, alone ("int4") and each widened by a
+    ``vpmaddwd`` ("int8"): the best of ``reps`` runs of the loop."""
+    with tempfile.TemporaryDirectory() as d:
+        source, binary = os.path.join(d, "loop.c"), os.path.join(d, "loop")
+        Path(source).write_text(MADDUBS_LOOP)
+        subprocess.run([os.environ.get("CC", "cc"), "-O2", "-mavx2", source, "-o", binary], check=True)
+        runs = [subprocess.run([binary], capture_output=True, text=True, check=True).stdout.split() for _ in range(reps)]
+    return {"int4": max(float(r[0]) for r in runs), "int8": max(float(r[1]) for r in runs)}
+
+
+def multiplies(shape: tuple[int, int, str]) -> int:
+    """The ``vpmaddubsw`` the AVX2 path makes for one row (tiles of 16 outputs; 32 products each)."""
+    out, n, _ = shape
+    return -(-out // 16) * 16 * n // 32
+
+
 class _Grid:
     def __init__(self, codes, scale, minimum):
         self.codes, self.scale, self.minimum = codes, scale, minimum
@@ -65,9 +125,12 @@ def main() -> None:
     parser.add_argument("--rows", default="1,2,4,8")
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--shapes", default=DEFAULT, help=f"of: {', '.join(SHAPES)}")
+    parser.add_argument("--pipe", action="store_true", help="each call against the CPU's vpmaddubsw rate (AVX2 path)")
     args = parser.parse_args()
+    rate = _pipe_rates() if args.pipe else {}
     print(f"time per call, median of {args.reps} alternated reps; ratio = torch / q8dot (above 1: q8dot faster)")
-    print(f"{'shape':14} {'out x in':>12} {'thr':>3} {'rows':>4} {'q8dot us':>9} {'torch us':>9} {'ratio':>6} {'GB/s':>6}")
+    print(f"{'shape':14} {'out x in':>12} {'thr':>3} {'rows':>4} {'q8dot us':>9} {'torch us':>9} {'ratio':>6} {'GB/s':>6}"
+          + (f" {'pipe':>5}" if rate else ""))
     with torch.inference_mode():
         for name in args.shapes.split(","):
             theirs, ours, nbytes = pair(SHAPES[name])
@@ -78,7 +141,23 @@ def main() -> None:
                     x = torch.randn(rows, n).to(torch.bfloat16)
                     q, t = alternated(ours, theirs, x, args.reps)
                     print(f"{name:14} {f'{out}x{n}':>12} {threads:3} {rows:4} {q * 1e6:9.1f} {t * 1e6:9.1f} "
-                          f"{t / q:6.2f} {nbytes / q / 1e9:6.1f}", flush=True)
+                          f"{t / q:6.2f} {nbytes / q / 1e9:6.1f}"
+                          + (f" {rows * multiplies(SHAPES[name]) / rate[SHAPES[name][2]] / q / threads:5.0%}"
+                             if rate else ""), flush=True)
+
+
+def _pipe_rates() -> dict[str, float]:
+    """The loop's rates, said; none where the kernel does not take the AVX2 path."""
+    from fabric.compute.q8dot import kernel
+
+    lib = kernel()
+    if lib is None or lib.meshnet_q8dot_path() != 1:
+        print("--pipe: this build does not take the AVX2 path; no pipe column")
+        return {}
+    rates = maddubs_rates()
+    print(f"this core, 256-bit vpmaddubsw a second: {rates['int4'] / 1e9:.2f} G alone, {rates['int8'] / 1e9:.2f} G "
+          "each widened by a vpmaddwd (pipe: int4 products against the first, int8 against the second)")
+    return rates
 
 
 if __name__ == "__main__":
