@@ -68,6 +68,8 @@ def cmd_up(args) -> int:
     # checked here, so a bad key directory fails before anything starts; up's tracker runs with DIR's key pair
     security = load_security(args, f"{args.keys}/id.key (the key pair `meshnet up` runs its tracker with)")
     args.quant = picked_quant(args.quant, args.model, args.device)  # every node gets the one answer
+    log.info("%s: sizing its layers for %d nodes (this loads torch: up to a minute on a slow machine)…", args.model,
+             args.nodes)
     shards = up_shards(args.model, args.nodes, args.dtype, args.quant)
     if args.draft:
         checked_draft(args.draft, args.model)  # refused in one line before anything starts
