@@ -134,7 +134,8 @@ def main() -> None:
     with torch.inference_mode():
         for name in args.shapes.split(","):
             theirs, ours, nbytes = pair(SHAPES[name])
-            out, n, _ = SHAPES[name]
+            out, n, kind = SHAPES[name]
+            pipe_per_row = multiplies(SHAPES[name]) / rate[kind] if rate else 0.0  # seconds at the loop's rate
             for threads in (int(t) for t in args.threads.split(",")):
                 torch.set_num_threads(threads)
                 for rows in (int(r) for r in args.rows.split(",")):
@@ -142,8 +143,7 @@ def main() -> None:
                     q, t = alternated(ours, theirs, x, args.reps)
                     print(f"{name:14} {f'{out}x{n}':>12} {threads:3} {rows:4} {q * 1e6:9.1f} {t * 1e6:9.1f} "
                           f"{t / q:6.2f} {nbytes / q / 1e9:6.1f}"
-                          + (f" {rows * multiplies(SHAPES[name]) / rate[SHAPES[name][2]] / q / threads:5.0%}"
-                             if rate else ""), flush=True)
+                          + (f" {rows * pipe_per_row / q / threads:5.0%}" if rate else ""), flush=True)
 
 
 def _pipe_rates() -> dict[str, float]:

@@ -5,9 +5,9 @@ head_dim), every layer's keys and values views of one tensor (so a row's move ov
 layer is one copy, not one per layer and side): row r holds one session's positions, in
 order, in its first ``lengths[r]`` columns. A decode step of the sessions in rows lo..hi is
 one forward pass that reads rows lo..hi in place and writes each row's new position into
-the column after its last, so a step copies nothing but the new keys and values. The rest of a row is masked: the columns
-past a shorter row's end, and a row with no step in that pass (it runs as a dummy: what it
-writes past its end is overwritten by its next real step).
+the column after its last, so a step copies nothing but the new keys and values. The rest
+of a row is masked: the columns past a shorter row's end, and a row with no step in that
+pass (it runs as a dummy: what it writes past its end is overwritten by its next real step).
 
 A row's positions sit where a session's own cache keeps them, column = position, so
 attention meets them in the same places either way (fabric/compute/attention.py sums
