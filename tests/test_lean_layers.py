@@ -79,7 +79,7 @@ def test_lean_layers_give_the_modules_bits_on_smollm2s_q4_1_file(cache_root):
 def test_the_check_can_fail(tiny_models):
     """The negative control: a lean layer with another norm epsilon (0.01) gives other bits."""
     ex = _executor(tiny_models("llama"))
-    ex._lean.layers[2].eps = 0.01
+    ex._lean.layers[2].norm1.eps = 0.01
     assert not all(_lean_against_modules(ex))
 
 

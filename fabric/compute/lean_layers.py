@@ -14,8 +14,10 @@ operands, so every output is the same bits, in about a quarter as many:
   (``_fused``), where a mismatch keeps the projections apart;
 - RoPE rotates q and k together, as ``x * cos + swap(x) * sin`` with the sign of
   ``rotate_half`` moved into a per-pass sine table (multiplying by -s rounds as by s);
-- RMSNorm is ATen's ``rms_norm`` without a weight (the same upcast, mean of squares, rsqrt
-  and cast back as transformers' eight calls, in one), then the weight's product;
+- RMSNorm is one call and RoPE another (fabric/compute/lean_ops.py: a C kernel that rounds
+  where torch's operators round, checked against them before it is used), else ATen's
+  ``rms_norm`` without a weight (the same upcast, mean of squares, rsqrt and cast back as
+  transformers' eight calls, in one), then the weight's product;
 - the attention kernel (fabric/compute/attention.py) is called directly, each mask turned
   into the kernel's once a pass (a mixed pass's too: each part's); it reads q and k in place
   through their strides;
@@ -37,6 +39,7 @@ from torch import nn
 
 from . import attention as invariant
 from . import mixed, native
+from .lean_ops import Norm, Rotary
 from .q8dot import DotLinear
 from .quant import Int4Linear, Int8Linear
 
@@ -124,24 +127,10 @@ def _share(fused: nn.Module, linears: list[nn.Module]) -> None:
         at += m.out_features
 
 
-def _norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """transformers' RMSNorm over the last dim, in two calls: ``rms_norm`` without a weight is
-    the same float32 upcast, mean of squares, rsqrt and cast back, in ATen (the same bits:
-    ``tests/test_lean_layers.py``), then the weight's product in x's dtype."""
-    return weight * F.rms_norm(x, (x.shape[-1],), None, eps)
-
-
-def rope_tables(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The rotary tables (b, s, d) as a lean layer applies them to (b, s, heads, d): cos, and
-    sin with rotate_half's sign in its first half."""
-    half = sin.shape[-1] // 2
-    return cos[:, :, None], torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)[:, :, None]
-
-
 class LeanLayer:
     """One decoder layer of the llama family (llama, mistral, qwen2, qwen3), its tensors fetched once."""
 
-    __slots__ = ("qkv", "o", "gate_up", "down", "act", "norm1", "norm2", "eps", "qk_norm", "heads",
+    __slots__ = ("qkv", "o", "gate_up", "down", "act", "norm1", "norm2", "qk_norm", "heads",
                  "kv_heads", "head_dim", "scaling", "intermediate", "layer_idx")
 
     def __init__(self, layer: nn.Module, index: int):
@@ -155,19 +144,18 @@ class LeanLayer:
         self.gate_up = _fused([mlp.gate_proj, mlp.up_proj])
         self.o, self.down = _kernel(attn.o_proj), _kernel(mlp.down_proj)
         self.act = F.silu if type(mlp.act_fn).__name__ in ("SiLUActivation", "SiLU") else mlp.act_fn
-        self.norm1, self.norm2 = layer.input_layernorm.weight, layer.post_attention_layernorm.weight
-        self.eps = layer.input_layernorm.variance_epsilon
+        eps = layer.input_layernorm.variance_epsilon
+        self.norm1, self.norm2 = Norm(layer.input_layernorm.weight, eps), Norm(layer.post_attention_layernorm.weight, eps)
         self.qk_norm = None  # qwen3: RMSNorm over each q and k head, one weight row per head
         if hasattr(attn, "q_norm"):
-            self.qk_norm = (torch.cat([attn.q_norm.weight[None].expand(self.heads, -1),
-                                       attn.k_norm.weight[None].expand(self.kv_heads, -1)]),
-                            attn.q_norm.variance_epsilon)
+            self.qk_norm = Norm(torch.cat([attn.q_norm.weight[None].expand(self.heads, -1),
+                                           attn.k_norm.weight[None].expand(self.kv_heads, -1)]),
+                                attn.q_norm.variance_epsilon)
 
-    def __call__(self, x: torch.Tensor, b: int, s: int, rope: tuple[torch.Tensor, torch.Tensor], mask, cache,
-                 attend) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, b: int, s: int, rope: Rotary, mask, cache, attend) -> torch.Tensor:
         """x (b * s, hidden) bfloat16 -> the layer's output (b * s, hidden), a new tensor."""
-        h = self._attention(_norm(x, self.norm1, self.eps), b, s, rope, mask, cache, attend).add_(x)
-        gate_up = self.gate_up(_norm(h, self.norm2, self.eps))  # (b * s, 2 intermediate)
+        h = self._attention(self.norm1(x), b, s, rope, mask, cache, attend).add_(x)
+        gate_up = self.gate_up(self.norm2(h))  # (b * s, 2 intermediate)
         act = self.act(gate_up[:, :self.intermediate]).mul_(gate_up[:, self.intermediate:])
         return self.down(act).add_(h)  # residual + mlp
 
@@ -177,11 +165,8 @@ class LeanLayer:
         qkv = self.qkv(x)  # (b * s, (heads + 2 kv) d)
         qk = qkv[:, :(heads + kv) * d].view(b, s, heads + kv, d)
         if self.qk_norm is not None:
-            qk = _norm(qk, *self.qk_norm)
-        cos, sin = rope  # (b, s, 1, d)
-        swapped = qk.unflatten(-1, (2, d // 2)).flip(-2).flatten(-2)  # (b, s, heads + kv, d): [x2, x1]
-        qk = qk * cos
-        qk += swapped * sin  # q * cos + rotate_half(q) * sin, for q and k at once
+            qk = self.qk_norm(qk)
+        qk = rope(qk)  # q * cos + rotate_half(q) * sin, for q and k at once
         q = qk[:, :, :heads].transpose(1, 2)  # (b, heads, s, d)
         k = qk[:, :, heads:].transpose(1, 2)  # (b, kv, s, d)
         v = qkv[:, (heads + kv) * d:].view(b, s, kv, d).transpose(1, 2)
@@ -229,7 +214,7 @@ class LeanStack:
         """Layers start..end over ``hidden`` (b, s, hidden); ``tables`` {kind: (cos, sin)},
         ``masks`` one per kind or one for all, ``kinds`` every layer's kind."""
         b, s, n = hidden.shape
-        ropes = {kind: rope_tables(*table) for kind, table in tables.items()}
+        ropes = {kind: Rotary(*table) for kind, table in tables.items()}
         x = hidden.reshape(b * s, n)  # (b * s, hidden)
         for i in range(start, end + 1):
             kind = kinds[i]

@@ -1,0 +1,88 @@
+"""The lean layers' norm and rotary embedding by one C call each give torch's operators' bits.
+
+``fabric.compute.lean_ops`` replaces transformers' RMSNorm (about ten operators) and the rotary
+embedding (five) by a call each to ``kernels/lean.c``. The bits must not move: the lean layers
+promise the modules' bits (tests/test_lean_layers.py), and a node's default mode the same bits
+for a position however it was batched (tests/test_invariant.py). Here each op is checked
+against torch's on rows of the widths the served families use, and the check the kernel must
+pass before it is used is shown able to fail.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fabric.compute import lean_ops, native
+
+# ATen's sum runs in vectors of 16 floats where torch runs its AVX-512 kernels: the kernel
+# matches that order too, but only a machine with AVX-512 can show it, so elsewhere it is
+# only required to match, not to be used.
+ATEN_AVX512 = torch.backends.cpu.get_cpu_capability().upper().startswith("AVX512")
+
+
+def _rows(n: int, rows: int, seed: int = 0) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randn(rows, n, generator=gen) * torch.logspace(-2, 2, rows)[:, None]).bfloat16()
+
+
+@pytest.fixture
+def kernel():
+    if native.library("lean") is None:
+        pytest.skip("no C compiler here: the lean ops run on torch's operators")
+    return native.library("lean")
+
+
+@pytest.mark.parametrize("n", [64, 128, 576, 896, 1000, 2048, 4096])
+@pytest.mark.parametrize("rows", [1, 3, 17])
+def test_the_norm_gives_torchs_bits(kernel, n, rows):
+    weight = _rows(n, 1, seed=n)[0]
+    norm = lean_ops.Norm(weight, 1e-5)
+    assert norm.kernel is not None or ATEN_AVX512, "the kernel did not match torch's order on this CPU"
+    x = _rows(n, rows, seed=rows)
+    assert torch.equal(norm(x), lean_ops.torch_norm(x, weight, 1e-5))
+
+
+def test_the_norm_per_head_reads_q_and_k_in_place(kernel):
+    """qwen3's q and k norms: one weight row per head, the heads read where the q/k/v product
+    wrote them (a view whose rows skip the values)."""
+    heads, kv, d = 6, 2, 128
+    weight = torch.cat([_rows(d, 1, 1).expand(heads - kv, -1), _rows(d, 1, 2).expand(kv, -1)])
+    qkv = _rows((heads + kv) * d, 2 * 5, seed=3)
+    qk = qkv[:, :heads * d].view(2, 5, heads, d)
+    norm = lean_ops.Norm(weight, 1e-6)
+    assert norm.kernel is not None or ATEN_AVX512
+    assert torch.equal(norm(qk), lean_ops.torch_norm(qk, weight, 1e-6))
+
+
+def test_the_order_of_the_sum_is_what_the_check_tells_apart(kernel):
+    """The negative control: the squares added in another order (another vector width, or one
+    by one) give other sums, float for float, so the check that picks the width can fail."""
+    n = 576
+    lanes = lean_ops._lanes(n)
+    if lanes is None:
+        pytest.skip("the kernel's order does not match this CPU's ATen: nothing to tell apart")
+    x = _rows(n, 64, seed=5)
+    want = x.float().pow(2).sum(-1)
+    assert torch.equal(lean_ops.square_sums(x, lanes), want)
+    for other in {8, 16, 1} - {lanes}:
+        assert not torch.equal(lean_ops.square_sums(x, other), want), other
+
+
+@pytest.mark.parametrize("b,s", [(1, 1), (1, 9), (4, 1), (3, 7)])
+def test_the_rotary_embedding_gives_torchs_bits(kernel, b, s):
+    heads, kv, d = 9, 3, 64
+    qkv = _rows((heads + 2 * kv) * d, b * s, seed=b * s)
+    qk = qkv[:, :(heads + kv) * d].view(b, s, heads + kv, d)
+    cos, sin = _rows(d, b * s, seed=11).view(b, s, d), _rows(d, b * s, seed=12).view(b, s, d)
+    rotary = lean_ops.Rotary(cos, sin)
+    assert rotary.kernel is not None
+    assert torch.equal(rotary(qk), lean_ops.torch_rope(qk, rotary.tables))
+
+
+def test_tables_shared_by_a_batchs_rows_are_read_in_place(kernel):
+    """A batch's rows at one position share their tables (a stride of 0 over the batch)."""
+    d = 64
+    cos, sin = (_rows(d, 1, seed=k).view(1, 1, d).expand(4, 1, d) for k in (1, 2))
+    qk = _rows(8 * d, 4, seed=3).view(4, 1, 8, d)
+    rotary = lean_ops.Rotary(cos, sin)
+    assert torch.equal(rotary(qk), lean_ops.torch_rope(qk, rotary.tables))
