@@ -130,6 +130,8 @@ class DotLinear(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias.to(torch.bfloat16), requires_grad=False)
         self._job, self._at = None, None  # the weights' part of the kernel's job, built once
         self._shape = ("q8dot", kind, in_features, out_features)  # what calls alike share their thread count by
+        self._keys: dict[int, tuple] = {}  # rows -> the thread-count key of calls of that many rows
+        self._macs = in_features * out_features  # multiply-adds a row
 
     @classmethod
     def from_grid(cls, grid, bias: torch.Tensor | None = None) -> DotLinear:
@@ -183,24 +185,27 @@ class DotLinear(nn.Module):
 
     def rows(self, x: torch.Tensor) -> torch.Tensor:
         """x (rows, in) contiguous, bfloat16 or float32 -> (rows, out) in its dtype, bias added:
-        the product with nothing around it (the lean layers call it a hundred times a token)."""
+        the product with nothing around it (the lean layers call it a hundred times a token, so
+        what it looks up is looked up once: a Python call costs as much as a small product)."""
         x = x if x.is_contiguous() else x.contiguous()
-        y = torch.empty(x.shape[0], self.out_features, dtype=x.dtype)  # (rows, out)
-        if x.shape[0]:
+        n = x.shape[0]
+        y = torch.empty(n, self.out_features, dtype=x.dtype)  # (rows, out)
+        if n:
             job = self._job_for()
-            job.x, job.y, job.rows = x.data_ptr(), y.data_ptr(), x.shape[0]
+            job.x, job.y, job.rows = x.data_ptr(), y.data_ptr(), n
             job.xfmt = job.yfmt = _FORMATS[x.dtype]
-            work = x.shape[0] * self.in_features * self.out_features
-            if splits.run((self._shape, x.shape[0].bit_length()), work, torch.get_num_threads(), self._call):
+            key = self._keys.get(n) or self._keys.setdefault(n, (self._shape, n.bit_length()))
+            if splits.run(key, n * self._macs, torch.get_num_threads(), self._call):
                 raise MemoryError("q8dot: no memory for the quantized rows")
         return y if self.bias is None else y + self.bias.to(y.dtype)
 
     def _job_for(self) -> _DJob:
         """The kernel's job, its weights' part kept from the last call while they stay where
-        they were (a Python call costs as much as a small product)."""
-        if self._job is None or self._at != self.packed.data_ptr():
-            self._at = self.packed.data_ptr()
-            self._job = _DJob(self._at, None, None, 0, self.in_features, self.out_features, KINDS[self.kind], 0, 0)
+        they were."""
+        at = self._parameters["packed"].data_ptr()
+        if self._job is None or self._at != at:
+            self._at = at
+            self._job = _DJob(at, None, None, 0, self.in_features, self.out_features, KINDS[self.kind], 0, 0)
             self._call = functools.partial(self._kernel.meshnet_q8dot, ctypes.byref(self._job))  # (threads) -> rc
         return self._job
 

@@ -39,6 +39,8 @@ class Splits:
     def run(self, key: Hashable, work: int, threads: int, call: Callable[[int], int]) -> int:
         """``call(n)`` on the thread count chosen for calls of ``key`` doing ``work``
         multiply-adds with ``threads`` allowed; returns what ``call`` returns."""
+        if threads == 1:  # a node's decode threads are often one: nothing to choose
+            return call(1)
         n = native.threads_for(work, threads)
         if n == 1 or work >= LEARN_BELOW:
             return call(n)
