@@ -167,9 +167,13 @@ class LeanLayer:
         if self.qk_norm is not None:
             qk = self.qk_norm(qk)
         qk = rope(qk)  # q * cos + rotate_half(q) * sin, for q and k at once
-        q = qk[:, :, :heads].transpose(1, 2)  # (b, heads, s, d)
-        k = qk[:, :, heads:].transpose(1, 2)  # (b, kv, s, d)
-        v = qkv[:, (heads + kv) * d:].view(b, s, kv, d).transpose(1, 2)
+        # q (b, heads, s, d), k and v (b, kv, s, d): the views qk[:, :, :heads].transpose(1, 2),
+        # qk[:, :, heads:].transpose(1, 2) and qkv[:, (heads + kv) * d:].view(b, s, kv, d).transpose(1, 2),
+        # one operator each instead of two or three
+        st, at, row = qk.stride(), qk.storage_offset(), qkv.stride(0)
+        q = qk.as_strided((b, heads, s, d), (st[0], st[2], st[1], st[3]), at)
+        k = qk.as_strided((b, kv, s, d), (st[0], st[2], st[1], st[3]), at + heads * st[2])
+        v = qkv.as_strided((b, kv, s, d), (s * row, d, row, 1), qkv.storage_offset() + (heads + kv) * d)
         k, v = cache.update(k, v, self.layer_idx)
         out = attend(None, q, k, v, mask, scaling=self.scaling)[0]  # (b, s, heads, d)
         return self.o(out.view(b * s, heads * d))
