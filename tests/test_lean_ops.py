@@ -86,3 +86,12 @@ def test_tables_shared_by_a_batchs_rows_are_read_in_place(kernel):
     qk = _rows(8 * d, 4, seed=3).view(4, 1, 8, d)
     rotary = lean_ops.Rotary(cos, sin)
     assert torch.equal(rotary(qk), lean_ops.torch_rope(qk, rotary.tables))
+
+
+def test_tables_of_another_shape_are_broadcast_as_torch_does(kernel):
+    """Tables the kernel cannot walk position by position (one position for many) go to torch."""
+    d = 64
+    cos, sin = (_rows(d, 1, seed=k).view(1, 1, d) for k in (1, 2))
+    qk = _rows(8 * d, 6, seed=3).view(2, 3, 8, d)
+    rotary = lean_ops.Rotary(cos, sin)
+    assert torch.equal(rotary(qk), lean_ops.torch_rope(qk, rotary.tables))

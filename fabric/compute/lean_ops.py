@@ -87,7 +87,7 @@ class Rotary:
     embedding gives them), applied to q and k at once: ``torch_rope``'s bits, by the C kernel
     where it can read them in place."""
 
-    __slots__ = ("tables", "kernel", "cos_at", "sin_at", "strides")
+    __slots__ = ("tables", "kernel", "cos_at", "sin_at", "strides", "shape")
 
     def __init__(self, cos: torch.Tensor, sin: torch.Tensor):
         self.tables = rope_tables(cos, sin)
@@ -98,12 +98,14 @@ class Rotary:
             self.kernel = _library().meshnet_rope
             self.cos_at, self.sin_at = cos.data_ptr(), sin.data_ptr()
             self.strides = (cos.stride(0) if cos.shape[0] > 1 else 0, cos.stride(1))
+            self.shape = cos.shape[:2]  # (b or 1, s)
 
     def __call__(self, qk: torch.Tensor) -> torch.Tensor:
         """qk (b, s, heads, d): a new contiguous tensor."""
         b, s, heads, d = qk.shape
         st = qk.stride()
-        if self.kernel is None or qk.dtype != torch.bfloat16 or st[3] != 1 or st[2] != d or st[0] != s * st[1]:
+        if (self.kernel is None or qk.dtype != torch.bfloat16 or st[3] != 1 or st[2] != d or st[0] != s * st[1]
+                or self.shape[1] != s or self.shape[0] not in (1, b)):  # the kernel broadcasts a batch of 1 only
             return torch_rope(qk, self.tables)
         out = torch.empty(b, s, heads, d, dtype=torch.bfloat16)
         self.kernel(qk.data_ptr(), b, s, heads, d, st[1], self.cos_at, self.sin_at, *self.strides, out.data_ptr())
