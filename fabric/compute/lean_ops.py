@@ -70,8 +70,9 @@ class Norm:
         out = torch.empty_like(x) if self.groups == 1 else torch.empty(*x.shape, dtype=torch.bfloat16)
         rows = x.numel() // self.n
         run = x.stride(-3) if self.groups > 1 else x.stride(-2)
-        self.kernel(x.data_ptr(), rows, self.n, self.groups, x.stride(-2), run, self.weight.data_ptr(), self.eps,
-                    self.lanes, out.data_ptr())
+        if self.kernel(x.data_ptr(), rows, self.n, self.groups, x.stride(-2), run, self.weight.data_ptr(), self.eps,
+                       self.lanes, out.data_ptr()):
+            raise ValueError(f"the lean norm kernel does not take rows of {self.n} in runs of {self.groups}")
         return out
 
 

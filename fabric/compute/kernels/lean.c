@@ -97,18 +97,23 @@ static float cascade_sum(const float *x, int64_t n, int lanes) {
     return total;
 }
 
+/* The sum of the squares of the n <= WIDEST bfloat16 values of row, each rounded to float32 (as
+ * ATen's pow(2) of the upcast row), added in ATen's order. */
+static float square_sum(const uint16_t *row, int64_t n, int lanes) {
+    float sq[WIDEST];
+    for (int64_t i = 0; i < n; i++)
+        sq[i] = widen(row[i]) * widen(row[i]);
+    return cascade_sum(sq, n, lanes);
+}
+
 /* sums[r] = the sum of the squares of row r of x (rows, n) bfloat16, contiguous, as the norm
  * adds them: what the caller compares with ATen's sum, float for float, before it uses the
  * norm (the norm's rounding to bfloat16 hides most differences of order). */
 int meshnet_square_sums(const uint16_t *x, int64_t rows, int64_t n, int lanes, float *sums) {
     if (n < lanes || n > WIDEST || lanes < 1 || lanes > MAX_LANES)
         return 1;
-    float sq[WIDEST];
-    for (int64_t r = 0; r < rows; r++) {
-        for (int64_t i = 0; i < n; i++)
-            sq[i] = widen(x[r * n + i]) * widen(x[r * n + i]);
-        sums[r] = cascade_sum(sq, n, lanes);
-    }
+    for (int64_t r = 0; r < rows; r++)
+        sums[r] = square_sum(x + r * n, n, lanes);
     return 0;
 }
 
@@ -120,14 +125,11 @@ int meshnet_rms_norm(const uint16_t *x, int64_t rows, int64_t n, int64_t groups,
                      const uint16_t *weight, float eps, int lanes, uint16_t *out) {
     if (n < lanes || n > WIDEST || lanes < 1 || lanes > MAX_LANES || groups < 1 || rows % groups)
         return 1;
-    float sq[WIDEST];
     for (int64_t r = 0; r < rows; r++) {
         const uint16_t *row = x + (r / groups) * x_run + (r % groups) * x_stride;
         const uint16_t *w = weight + (r % groups) * n;
         uint16_t *o = out + r * n;
-        for (int64_t i = 0; i < n; i++)
-            sq[i] = widen(row[i]) * widen(row[i]);
-        float mean = cascade_sum(sq, n, lanes) / (float)n;
+        float mean = square_sum(row, n, lanes) / (float)n;
         float scale = 1.0f / sqrtf(mean + eps);
         for (int64_t i = 0; i < n; i++)
             o[i] = narrow(widen(w[i]) * widen(narrow(widen(row[i]) * scale)));
