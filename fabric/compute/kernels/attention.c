@@ -28,9 +28,12 @@
 #endif
 #define ROWS 8 /* rows whose scores are summed together at most, one accumulator each */
 #define MAX_ROWS 64 /* rows of one work item: their scores stay in the cache */
+#define BLOCKS 2 /* blocks of keys scored in one loop where a group has at most 4 rows: 2 x rows
+                  * independent sums, where one block's rows alone wait on the adder's latency */
 
 typedef float vf __attribute__((vector_size(4 * LANES)));
 typedef int32_t vi __attribute__((vector_size(4 * LANES)));
+typedef uint16_t hv __attribute__((vector_size(2 * LANES)));  /* bfloat16 bits */
 
 enum { F_BF16 = 0, F_F16 = 1, F_F32 = 2 };
 
@@ -47,8 +50,8 @@ typedef struct {
 typedef struct {  /* one work item: rows first..first + n of key head kvh in batch row b */
     const Job *j;
     int b, kvh, first, n, dp, stop, width;
-    int rg;                         /* rows that share each block of keys and values: 1, 2, 4 or ROWS */
-    float *qf, *qt, *kt, *s, *acc, *total;  /* qt: qf by blocks of rg rows, each (d, rg) */
+    int rg;                         /* rows that share each block of keys and values: 1-4 or ROWS */
+    float *qf, *qt, *kt, *s, *acc, *total;  /* qt: qf by blocks of rg rows, each (d, rg); kt: BLOCKS x (dp, LANES) */
     int *ends;                      /* per row: one past its last key */
 } Item;
 
@@ -81,7 +84,6 @@ static void load(float *restrict dst, const void *base, int64_t at, int n, int t
     memset(dst + n, 0, sizeof(float) * (to - n));
 }
 
-typedef uint16_t hv __attribute__((vector_size(2 * LANES)));
 typedef _Float16 hfv __attribute__((vector_size(2 * LANES)));
 
 /* Elements at..at + LANES of `base` as float32 in a register (every format here widens exactly);
@@ -153,37 +155,38 @@ static inline float sumv(vf x) {  /* one fixed tree */
 }
 
 /* Rows r[0..LANES - 1] become their transpose, in log2(LANES) stages of shuffles: at stage h,
- * rows i and i + h swap their blocks of h columns. */
-static void transpose(vf *r) {
+ * rows i and i + h swap their blocks of h columns. One source for float rows and for rows of
+ * bfloat16 bits, which move half the bytes, and within 128-bit lanes under AVX2. */
 #if LANES == 16
-    enum { STAGES = 4 };
-    static const vi lo[STAGES] = {
-        {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23},
-        {0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27},
-        {0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29},
-        {0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30}};
-    static const vi hi[STAGES] = {
-        {8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31},
-        {4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31},
-        {2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31},
-        {1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31}};
+enum { STAGES = 4 };
+#define LOW_HALVES {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23}, \
+    {0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27}, \
+    {0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29}, \
+    {0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30}
+#define HIGH_HALVES {8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31}, \
+    {4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31}, \
+    {2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31}, \
+    {1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31}
 #else
-    enum { STAGES = 3 };
-    static const vi lo[STAGES] = {{0, 1, 2, 3, 8, 9, 10, 11}, {0, 1, 8, 9, 4, 5, 12, 13}, {0, 8, 2, 10, 4, 12, 6, 14}};
-    static const vi hi[STAGES] = {{4, 5, 6, 7, 12, 13, 14, 15}, {2, 3, 10, 11, 6, 7, 14, 15}, {1, 9, 3, 11, 5, 13, 7, 15}};
+enum { STAGES = 3 };
+#define LOW_HALVES {0, 1, 2, 3, 8, 9, 10, 11}, {0, 1, 8, 9, 4, 5, 12, 13}, {0, 8, 2, 10, 4, 12, 6, 14}
+#define HIGH_HALVES {4, 5, 6, 7, 12, 13, 14, 15}, {2, 3, 10, 11, 6, 7, 14, 15}, {1, 9, 3, 11, 5, 13, 7, 15}
 #endif
-#pragma GCC unroll 4
-    for (int stage = 0; stage < STAGES; stage++) {
-        int h = (LANES / 2) >> stage;
-#pragma GCC unroll 8
-        for (int pair = 0; pair < LANES / 2; pair++) {
-            int i = pair / h * 2 * h + pair % h;  /* the pair's first row: i & h == 0 */
-            vf a = r[i], b = r[i + h];
-            r[i] = __builtin_shuffle(a, b, lo[stage]);
-            r[i + h] = __builtin_shuffle(a, b, hi[stage]);
-        }
+#define TRANSPOSE(name, T, MASK)                                                   \
+    static void name(T *r) {                                                       \
+        static const MASK lo[STAGES] = {LOW_HALVES}, hi[STAGES] = {HIGH_HALVES};   \
+        _Pragma("GCC unroll 4") for (int stage = 0; stage < STAGES; stage++) {     \
+            int h = (LANES / 2) >> stage;                                          \
+            _Pragma("GCC unroll 8") for (int pair = 0; pair < LANES / 2; pair++) { \
+                int i = pair / h * 2 * h + pair % h; /* the pair's first row: i & h == 0 */ \
+                T a = r[i], b = r[i + h];                                          \
+                r[i] = __builtin_shuffle(a, b, lo[stage]);                         \
+                r[i + h] = __builtin_shuffle(a, b, hi[stage]);                     \
+            }                                                                      \
+        }                                                                          \
     }
-}
+TRANSPOSE(transpose, vf, vi)
+TRANSPOSE(transpose_bits, hv, hv)
 
 static int row_end(const Job *j, int b, int qi) {
     if (!j->keep) return j->nk - j->nq + qi + 1;
@@ -200,32 +203,35 @@ static inline int span(const Item *it, int row, int n) {
     return end;
 }
 
-/* Keys at..at + LANES as it->kt (d, LANES): float32, transposed, zeros past stop. */
-static void keys_across(const Item *it, int at) {
+/* Keys at..at + LANES as block `b` of it->kt (d, LANES): float32, transposed, zeros past stop. */
+static void keys_across(const Item *it, int at, int b) {
     const Job *j = it->j;
+    float *kt = it->kt + (size_t)b * it->dp * LANES;
     int64_t first = it->b * j->sk[0] + it->kvh * j->sk[1] + (int64_t)at * j->sk[2];
     for (int c = 0; c < it->dp; c += LANES) {
         vf rows[LANES];
         int n = j->d - c < LANES ? j->d - c : LANES;
+        if (n == LANES && j->fmt == F_BF16) {  /* the bits transposed, then widened */
+            hv bits[LANES];
+            for (int l = 0; l < LANES; l++) {
+                bits[l] = (hv){0};
+                if (at + l < it->stop) memcpy(&bits[l], (const uint16_t *)j->k + first + l * j->sk[2] + c, sizeof(hv));
+            }
+            transpose_bits(bits);
+            for (int i = 0; i < LANES; i++) put(kt + (c + i) * LANES, (vf)(__builtin_convertvector(bits[i], vi) << 16));
+            continue;
+        }
         for (int l = 0; l < LANES; l++)
             rows[l] = at + l < it->stop ? take(j->k, first + l * j->sk[2] + c, n, j->fmt) : splat(0.0f);
         transpose(rows);
-        for (int i = 0; i < n; i++) put(it->kt + (c + i) * LANES, rows[i]);
+        for (int i = 0; i < n; i++) put(kt + (c + i) * LANES, rows[i]);
     }
 }
 
-/* The scores of rows row..row + R (those past the item's last are zeros and not kept) against
- * keys at..at + LANES, masked to -inf. */
-static inline __attribute__((always_inline)) void scores_of(const Item *it, int row, int at, const int R) {
+/* Rows row..row + R's sums against keys at..at + LANES (those past the item's last row are not
+ * kept), scaled, capped and masked to -inf, as their scores. */
+static inline __attribute__((always_inline)) void keep_scores(const Item *it, int row, int at, const vf *acc, const int R) {
     const Job *j = it->j;
-    if (at >= span(it, row, R)) return;  /* past every one of the rows' keys: never read */
-    const float *q = it->qt + row * it->dp;  /* (d, R) */
-    vf acc[ROWS];
-    for (int r = 0; r < R; r++) acc[r] = splat(0.0f);
-    for (int i = 0; i < j->d; i++) {
-        vf k = get(it->kt + i * LANES);
-        for (int r = 0; r < R; r++) acc[r] += splat(q[i * R + r]) * k;
-    }
     vi keys;
     for (int l = 0; l < LANES; l++) keys[l] = at + l;
     for (int r = 0; r < R && row + r < it->n; r++) {
@@ -244,15 +250,40 @@ static inline __attribute__((always_inline)) void scores_of(const Item *it, int 
     }
 }
 
+/* The scores of rows row..row + R against the B blocks of keys from `at` in it->kt; a block past
+ * every one of the rows' keys is never read, so not kept. Each score is its own sum over the
+ * head, index by index, however many blocks and rows share the loop. */
+static inline __attribute__((always_inline)) void scores_of(const Item *it, int row, int at, const int R, const int B) {
+    int end = span(it, row, R);
+    if (at >= end) return;
+    const float *q = it->qt + row * it->dp;  /* (d, R) */
+    vf acc[BLOCKS][ROWS];
+    for (int b = 0; b < B; b++)
+        for (int r = 0; r < R; r++) acc[b][r] = splat(0.0f);
+    for (int i = 0; i < it->j->d; i++) {
+        vf k[BLOCKS];
+        for (int b = 0; b < B; b++) k[b] = get(it->kt + ((size_t)b * it->dp + i) * LANES);
+        for (int r = 0; r < R; r++) {
+            vf x = splat(q[i * R + r]);
+            for (int b = 0; b < B; b++) acc[b][r] += x * k[b];
+        }
+    }
+    for (int b = 0; b < B && at + b * LANES < end; b++) keep_scores(it, row, at + b * LANES, acc[b], R);
+}
+
+/* The blocks of keys scored in one loop by groups of rg rows. */
+static inline int blocks_for(int rg) { return rg <= 4 ? BLOCKS : 1; }
+
 /* scores_of for the item's rows per group: each count compiled apart, so the loops unroll (a decode
  * step's item holds the query heads of one key head: one row for most models, 2-8 under grouped
  * queries, and more rows per group would only add zeros). */
 static void block_scores(const Item *it, int row, int at) {
     switch (it->rg) {
-    case 1: scores_of(it, row, at, 1); break;
-    case 2: scores_of(it, row, at, 2); break;
-    case 4: scores_of(it, row, at, 4); break;
-    default: scores_of(it, row, at, ROWS);
+    case 1: scores_of(it, row, at, 1, BLOCKS); break;
+    case 2: scores_of(it, row, at, 2, BLOCKS); break;
+    case 3: scores_of(it, row, at, 3, BLOCKS); break;
+    case 4: scores_of(it, row, at, 4, BLOCKS); break;
+    default: scores_of(it, row, at, ROWS, 1);
     }
 }
 
@@ -278,31 +309,43 @@ static void weigh(const Item *it) {
 }
 
 /* acc[row] += the weights of keys at..at + keys times their values, key by key; R rows at a
- * time share each load of a value (rows past the item's last have weights 0). */
-static inline __attribute__((always_inline)) void add_rows(const Item *it, int at, int keys, const int R) {
+ * time share each load of a value (rows past the item's last have weights 0), and C blocks of
+ * columns share each weight. */
+static inline __attribute__((always_inline)) void add_rows(const Item *it, int at, int keys, const int R, const int C,
+                                                          const int fmt, const int whole) {
+    const Job *j = it->j;
     for (int r = 0; r < it->n; r += R) {
         if (at >= span(it, r, R)) continue;  /* the rows' weights here are 0 */
         const float *w = it->s + (int64_t)r * it->width + at;
         float *out = it->acc + r * it->dp;
-        for (int c = 0; c < it->dp; c += LANES) {
-            vf a[ROWS];
-            for (int k = 0; k < R; k++) a[k] = get(out + k * it->dp + c);
-            const Job *j = it->j;
-            int n = j->d - c < LANES ? j->d - c : LANES;
+        for (int c = 0; c < it->dp; c += C * LANES) {
+            vf a[2][ROWS];
+            for (int b = 0; b < C; b++)
+                for (int k = 0; k < R; k++) a[b][k] = get(out + k * it->dp + c + b * LANES);
+            int n = whole || j->d - c >= LANES ? LANES : j->d - c;
             int64_t v = it->b * j->sv[0] + it->kvh * j->sv[1] + (int64_t)at * j->sv[2] + c;
             for (int l = 0; l < keys; l++, v += j->sv[2]) {
-                vf x = take(j->v, v, n, j->fmt);
-                for (int k = 0; k < R; k++) a[k] += splat(w[k * it->width + l]) * x;
+                vf x[2];
+                for (int b = 0; b < C; b++) x[b] = take(j->v, v + b * LANES, n, fmt);
+                for (int k = 0; k < R; k++) {
+                    vf weight = splat(w[k * it->width + l]);
+                    for (int b = 0; b < C; b++) a[b][k] += weight * x[b];
+                }
             }
-            for (int k = 0; k < R; k++) put(out + k * it->dp + c, a[k]);
+            for (int b = 0; b < C; b++)
+                for (int k = 0; k < R; k++) put(out + k * it->dp + c + b * LANES, a[b][k]);
         }
     }
 }
 
-/* add_rows with the key count and the rows per group as constants where they are common. */
+/* add_rows with the key count, the rows per group and the format as constants where they are
+ * common: the loops unroll, a value's widening is one shift, and groups of up to 4 rows take two
+ * blocks of columns at a time (more independent sums). */
 static inline __attribute__((always_inline)) void add_rows_of(const Item *it, int at, int keys, const int R) {
-    if (keys == LANES) add_rows(it, at, LANES, R);  /* a constant count: the loop unrolls */
-    else add_rows(it, at, keys, R);
+    const Job *j = it->j;
+    if (keys == LANES && j->fmt == F_BF16 && j->d % (2 * LANES) == 0 && R <= 4) add_rows(it, at, LANES, R, 2, F_BF16, 1);
+    else if (keys == LANES && j->fmt == F_BF16 && j->d % LANES == 0) add_rows(it, at, LANES, R, 1, F_BF16, 1);
+    else add_rows(it, at, keys, R, 1, j->fmt, 0);
 }
 
 static void add_values(const Item *it, int at) {
@@ -310,6 +353,7 @@ static void add_values(const Item *it, int at) {
     switch (it->rg) {
     case 1: add_rows_of(it, at, keys, 1); break;
     case 2: add_rows_of(it, at, keys, 2); break;
+    case 3: add_rows_of(it, at, keys, 3); break;
     case 4: add_rows_of(it, at, keys, 4); break;
     default: add_rows_of(it, at, keys, ROWS);
     }
@@ -332,15 +376,16 @@ static void run_item(Item *it) {
         it->ends[r] = row_end(j, it->b, qi);
         it->stop = it->ends[r] > it->stop ? it->ends[r] : it->stop;
     }
-    int rg = it->n >= ROWS ? ROWS : it->n > 2 ? 4 : it->n;  /* the rows' arithmetic is the same for any */
+    int rg = it->n >= ROWS ? ROWS : it->n > 4 ? 4 : it->n;  /* the rows' arithmetic is the same for any */
     it->rg = rg;
     int whole = (it->n + rg - 1) / rg * rg;  /* rows past the last: zeros, weighing nothing */
     memset(it->qf + it->n * it->dp, 0, sizeof(float) * (whole - it->n) * it->dp);
     for (int r = 0; r < whole; r++)
         for (int i = 0; i < it->dp; i++) it->qt[(r / rg * it->dp + i) * rg + r % rg] = it->qf[r * it->dp + i];
     it->width = (it->stop + LANES - 1) / LANES * LANES;
-    for (int at = 0; at < it->width; at += LANES) {
-        keys_across(it, at);
+    int blocks = blocks_for(rg);
+    for (int at = 0; at < it->width; at += blocks * LANES) {
+        for (int b = 0; b < blocks; b++) keys_across(it, at + b * LANES, b);  /* past stop: zeros */
         for (int row = 0; row < it->n; row += rg) block_scores(it, row, at);
     }
     weigh(it);
@@ -364,7 +409,7 @@ int meshnet_attention(const Job *job, int threads) {
     per = per < MAX_ROWS ? per : MAX_ROWS;
     int parts = (rows + per - 1) / per;
     int64_t width = (job->nk + LANES - 1) / LANES * LANES;
-    size_t floats = (size_t)per * dp * 3 + (size_t)dp * LANES + (size_t)per * width + 2 * (size_t)per;
+    size_t floats = (size_t)per * dp * 3 + (size_t)dp * LANES * BLOCKS + (size_t)per * width + 2 * (size_t)per;
     int failed = 0;
 #pragma omp parallel num_threads(threads) reduction(|| : failed)
     {
@@ -380,7 +425,7 @@ int meshnet_attention(const Job *job, int threads) {
             it.qt = it.qf + (size_t)per * dp;
             it.acc = it.qt + (size_t)per * dp;
             it.kt = it.acc + (size_t)per * dp;
-            it.total = it.kt + (size_t)dp * LANES;
+            it.total = it.kt + (size_t)dp * LANES * BLOCKS;
             it.ends = (int *)(it.total + per);
             it.s = it.total + 2 * per;
             run_item(&it);
