@@ -1,11 +1,11 @@
 #!/usr/bin/env python
 """What one decode step costs a node's compute alone: a one-token pass of the default mode.
 
-    python bench/lean_pass.py [--model smollm2-135m] [--other DIR] [--rounds 3] [--steps 20]
+    python bench/lean_pass.py [--model smollm2-135m] [--other DIR] [--rounds 3] [--steps 20] [--context 50]
 
 Loads the model's default-mode executor (the file's own grid, bfloat16, the lean layers; all
-layers and the lm_head in one shard, as ``meshnet up --nodes 1`` holds them), prefills 50
-tokens and times one-token steps on one thread: the median over 5 blocks of ``--steps``
+layers and the lm_head in one shard, as ``meshnet up --nodes 1`` holds them), prefills
+``--context`` tokens and times one-token steps on one thread: the median over 5 blocks of ``--steps``
 steps, in ms a pass. No sockets, no sampling: the time a node's executor takes per token, which
 is what the lean layers' operator count moves (docs/BENCHMARKS.md, *Fewer operators per layer*).
 
@@ -25,11 +25,10 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-PREFILL = 50  # prompt tokens before the timed steps
 BLOCKS = 5  # timed blocks of --steps steps; their median is the figure
 
 
-def measure(model: str, steps: int) -> float:
+def measure(model: str, steps: int, context: int = 50) -> float:
     """ms a one-token pass, in this process (the code on sys.path[0])."""
     import torch
 
@@ -38,8 +37,8 @@ def measure(model: str, steps: int) -> float:
     torch.set_num_threads(1)
     ex = default_mode(model, cache_root=Path.home() / ".cache" / "meshnet")
     last = ex.w.shard.num_layers - 1
-    ex.run("s", 0, last, torch.arange(10, 10 + PREFILL)[None], 0)
-    at, blocks = PREFILL, []
+    ex.run("s", 0, last, torch.arange(10, 10 + context)[None], 0)
+    at, blocks = context, []
     for block in range(BLOCKS + 1):  # the first warms up
         began = time.perf_counter()
         for _ in range(steps):
@@ -50,10 +49,10 @@ def measure(model: str, steps: int) -> float:
     return statistics.median(blocks)
 
 
-def in_process_of(repo: Path, model: str, steps: int) -> float:
+def in_process_of(repo: Path, model: str, steps: int, context: int) -> float:
     """``measure`` in a process of its own whose ``fabric`` and ``tests`` are ``repo``'s."""
     code = (f"import sys; sys.path.insert(0, {str(repo)!r}); sys.path.insert(1, {str(REPO / 'bench')!r}); "
-            f"import lean_pass, json; print(json.dumps(lean_pass.measure({model!r}, {steps})))")
+            f"import lean_pass, json; print(json.dumps(lean_pass.measure({model!r}, {steps}, {context})))")
     done = subprocess.run([sys.executable, "-c", code], cwd=repo, capture_output=True, text=True, timeout=900)
     if done.returncode:
         raise SystemExit(f"{repo}: {done.stderr.strip().splitlines()[-1] if done.stderr.strip() else done.returncode}")
@@ -66,14 +65,15 @@ def main() -> None:
     ap.add_argument("--other", default=None, metavar="DIR", help="another checkout to alternate with this one")
     ap.add_argument("--rounds", type=int, default=3, help="alternations with --other (default: %(default)s)")
     ap.add_argument("--steps", type=int, default=20, help="one-token steps a timed block (default: %(default)s)")
+    ap.add_argument("--context", type=int, default=50, help="prompt tokens before the timed steps (default: %(default)s)")
     args = ap.parse_args()
     if args.other is None:
-        print(f"one-token pass, one thread: {in_process_of(REPO, args.model, args.steps):.1f} ms")
+        print(f"one-token pass, one thread: {in_process_of(REPO, args.model, args.steps, args.context):.1f} ms")
         return
     other, mine = [], []
     for r in range(args.rounds):
-        other.append(in_process_of(Path(args.other).resolve(), args.model, args.steps))
-        mine.append(in_process_of(REPO, args.model, args.steps))
+        other.append(in_process_of(Path(args.other).resolve(), args.model, args.steps, args.context))
+        mine.append(in_process_of(REPO, args.model, args.steps, args.context))
         print(f"round {r + 1}: {args.other} {other[-1]:.1f} ms, this checkout {mine[-1]:.1f} ms")
     a, b = statistics.median(mine), statistics.median(other)
     print(f"median: this checkout {a:.1f} ms a pass, {args.other} {b:.1f} ms: {a / b:.2f}x the time "
