@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """The q8dot kernel (int8 activations, integer dot products) against torch's weight-only kernels.
 
-    python bench/q8dot.py [--threads 1,2] [--rows 1,2,4,8] [--reps 5] [--shapes ...] [--pipe]
+    python bench/q8dot.py [--threads 1,2] [--rows 1,2,4,8] [--reps 5] [--shapes ...] [--pipe] [--cold MIB]
 
 For each shape (SmolLM2-135M's projections and lm_head, and a 1.7B model's), random weights
 are held two ways with the same codes: 4-bit (a Q4_1-like grid: float16 step and minimum per
@@ -11,6 +11,10 @@ block of 32) as ``Int4Linear`` on ``torch._weight_int4pack_mm_for_cpu`` and as
 torch operator itself; the module's ``forward``). Each rep times both, alternated (which goes
 first alternates too); printed: the median time of each and the ratio torch / q8dot (above 1:
 the kernel is faster), and the weights' GB/s through the kernel.
+
+``--cold MIB`` holds enough copies of each shape's weights (other random codes) to fill MIB,
+taken in turn, so each call reads its weights from memory, as a pass's products do (one
+copy stays in the cache between calls, which times the arithmetic alone).
 
 ``--pipe`` (a build on the AVX2 path): how near each call comes to the CPU's integer multiply
 rate, measured first by a loop of independent ``vpmaddubsw`` (8 chains, one thread), alone and
@@ -43,13 +47,13 @@ SHAPES = {  # name: (out, in, weights): int4 projections, int8 lm_heads
 DEFAULT = "smol o,smol up,smol down,smol lm_head,1.7b o,1.7b up,1.7b down"
 
 
-def pair(shape: tuple[int, int, str]):
+def pair(shape: tuple[int, int, str], seed: int = 0):
     """(torch's product, q8dot's product, q8dot's weight bytes) for random weights of ``shape``."""
     from fabric.compute.q8dot import DotLinear
     from fabric.compute.quant import Int4Linear
 
     out, n, kind = shape
-    g = torch.Generator().manual_seed(0)
+    g = torch.Generator().manual_seed(seed)
     if kind == "int8":
         w = torch.randint(-127, 128, (out, n), dtype=torch.int8, generator=g)
         scales = (torch.rand(out, generator=g) * 0.01).to(torch.bfloat16)
@@ -114,6 +118,22 @@ def multiplies(shape: tuple[int, int, str]) -> int:
     return -(-out // 16) * 16 * n // 32
 
 
+def in_turn(shape: tuple[int, int, str], cold_bytes: int):
+    """``pair`` for copies of ``shape``'s weights filling ``cold_bytes`` (one at least), each
+    product calling the next copy."""
+    first = pair(shape)
+    copies = [first] + [pair(shape, seed) for seed in range(1, -(-cold_bytes // first[2]))]
+    turn = {"theirs": 0, "ours": 0}
+
+    def taking(side: int, name: str):
+        def call(x):
+            turn[name] = (turn[name] + 1) % len(copies)
+            return copies[turn[name]][side](x)
+        return call
+
+    return taking(0, "theirs"), taking(1, "ours"), first[2]
+
+
 class _Grid:
     def __init__(self, codes, scale, minimum):
         self.codes, self.scale, self.minimum = codes, scale, minimum
@@ -126,6 +146,8 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--shapes", default=DEFAULT, help=f"of: {', '.join(SHAPES)}")
     parser.add_argument("--pipe", action="store_true", help="each call against the CPU's vpmaddubsw rate (AVX2 path)")
+    parser.add_argument("--cold", type=int, default=0, metavar="MIB",
+                        help="copies of the weights filling MIB, taken in turn: each call reads from memory")
     args = parser.parse_args()
     rate = _pipe_rates() if args.pipe else {}
     print(f"time per call, median of {args.reps} alternated reps; ratio = torch / q8dot (above 1: q8dot faster)")
@@ -133,7 +155,7 @@ def main() -> None:
           + (f" {'pipe':>5}" if rate else ""))
     with torch.inference_mode():
         for name in args.shapes.split(","):
-            theirs, ours, nbytes = pair(SHAPES[name])
+            theirs, ours, nbytes = in_turn(SHAPES[name], args.cold << 20)
             out, n, kind = SHAPES[name]
             pipe_per_row = multiplies(SHAPES[name]) / rate[kind] if rate else 0.0  # seconds at the loop's rate
             for threads in (int(t) for t in args.threads.split(",")):
