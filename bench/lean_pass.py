@@ -25,10 +25,11 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+CONTEXT = 50  # prompt tokens before the timed steps, unless --context says
 BLOCKS = 5  # timed blocks of --steps steps; their median is the figure
 
 
-def measure(model: str, steps: int, context: int = 50) -> float:
+def measure(model: str, steps: int, context: int = CONTEXT) -> float:
     """ms a one-token pass, in this process (the code on sys.path[0])."""
     import torch
 
@@ -65,7 +66,7 @@ def main() -> None:
     ap.add_argument("--other", default=None, metavar="DIR", help="another checkout to alternate with this one")
     ap.add_argument("--rounds", type=int, default=3, help="alternations with --other (default: %(default)s)")
     ap.add_argument("--steps", type=int, default=20, help="one-token steps a timed block (default: %(default)s)")
-    ap.add_argument("--context", type=int, default=50, help="prompt tokens before the timed steps (default: %(default)s)")
+    ap.add_argument("--context", type=int, default=CONTEXT, help="prompt tokens before the timed steps (default: %(default)s)")
     args = ap.parse_args()
     if args.other is None:
         print(f"one-token pass, one thread: {in_process_of(REPO, args.model, args.steps, args.context):.1f} ms")

@@ -30,6 +30,7 @@
 #define MAX_ROWS 64 /* rows of one work item: their scores stay in the cache */
 #define BLOCKS 2 /* blocks of keys scored in one loop where a group has at most 4 rows: 2 x rows
                   * independent sums, where one block's rows alone wait on the adder's latency */
+#define COLUMNS 2 /* blocks of a value's columns summed in one loop where a group has at most 4 rows */
 
 typedef float vf __attribute__((vector_size(4 * LANES)));
 typedef int32_t vi __attribute__((vector_size(4 * LANES)));
@@ -319,13 +320,13 @@ static inline __attribute__((always_inline)) void add_rows(const Item *it, int a
         const float *w = it->s + (int64_t)r * it->width + at;
         float *out = it->acc + r * it->dp;
         for (int c = 0; c < it->dp; c += C * LANES) {
-            vf a[2][ROWS];
+            vf a[COLUMNS][ROWS];
             for (int b = 0; b < C; b++)
                 for (int k = 0; k < R; k++) a[b][k] = get(out + k * it->dp + c + b * LANES);
             int n = whole || j->d - c >= LANES ? LANES : j->d - c;
             int64_t v = it->b * j->sv[0] + it->kvh * j->sv[1] + (int64_t)at * j->sv[2] + c;
             for (int l = 0; l < keys; l++, v += j->sv[2]) {
-                vf x[2];
+                vf x[COLUMNS];
                 for (int b = 0; b < C; b++) x[b] = take(j->v, v + b * LANES, n, fmt);
                 for (int k = 0; k < R; k++) {
                     vf weight = splat(w[k * it->width + l]);
@@ -343,8 +344,9 @@ static inline __attribute__((always_inline)) void add_rows(const Item *it, int a
  * blocks of columns at a time (more independent sums). */
 static inline __attribute__((always_inline)) void add_rows_of(const Item *it, int at, int keys, const int R) {
     const Job *j = it->j;
-    if (keys == LANES && j->fmt == F_BF16 && j->d % (2 * LANES) == 0 && R <= 4) add_rows(it, at, LANES, R, 2, F_BF16, 1);
-    else if (keys == LANES && j->fmt == F_BF16 && j->d % LANES == 0) add_rows(it, at, LANES, R, 1, F_BF16, 1);
+    int whole = keys == LANES && j->fmt == F_BF16;
+    if (whole && j->d % (COLUMNS * LANES) == 0 && R <= 4) add_rows(it, at, LANES, R, COLUMNS, F_BF16, 1);
+    else if (whole && j->d % LANES == 0) add_rows(it, at, LANES, R, 1, F_BF16, 1);
     else add_rows(it, at, keys, R, 1, j->fmt, 0);
 }
 

@@ -214,7 +214,8 @@ static inline __attribute__((always_inline)) void k8_rows(const DJob *j, const A
  * both (the first half: AHEAD bytes on; the second: the same block of the next tile) keeps
  * memory busy while the second computes: a decode step's products stream every weight from
  * memory once, and SmolLM2's 120 products a token took 0.8x the time with this on Zen 1
- * (docs/BENCHMARKS.md, *Weights asked for ahead*). */
+ * (docs/BENCHMARKS.md, *Weights asked for ahead*). Past the last tile it asks for lines no one
+ * reads, which costs nothing more: a prefetch never faults. */
 static inline void ask_ahead(const uint8_t *p, int64_t bytes) {
     for (int64_t at = 0; at < bytes; at += 64) __builtin_prefetch(p + at);
 }
@@ -280,13 +281,14 @@ static inline __attribute__((always_inline)) void k8_sums(const uint8_t *blk, co
 static inline __attribute__((always_inline)) void k4_rows(const DJob *j, const Acts *a, const uint8_t *tw,
                                                           int64_t r0, const int R, float out[RG][TILE], const int half) {
     int64_t nb = j->in / BLOCK, bb = block_bytes(half ? K4_F16 : K4_F32);
+    int64_t next = meshnet_q8dot_tile_bytes(half ? K4_F16 : K4_F32, j->in);
     const __m256i ones = _mm256_set1_epi16(1);
     for (int h = 0; h < 2; h++) {
         __m256 accs[RG], accm[RG];
         for (int r = 0; r < R; r++) accs[r] = accm[r] = _mm256_setzero_ps();
         for (int64_t b = 0; b < nb; b++) {
             const uint8_t *blk = tw + b * bb;
-            ask_ahead(blk + (h ? nb * bb : AHEAD), bb);
+            ask_ahead(blk + (h ? next : AHEAD), bb);
             __m256i p[RG];
             k4_sums(blk, a->q + r0 * j->in + b * BLOCK, j->in, R, h, p);
             __m256 step, min;
