@@ -24,6 +24,7 @@ from ..compute.compute_lock import ComputeLock
 from ..compute.executor import ShardExecutor, StepResult
 from ..compute.sampling import sample
 from ..wire import protocol as p
+from .hops import on_threads
 from .scheduler import Replay, Work
 from .verdicts import sketch
 
@@ -58,12 +59,13 @@ class Taps:
         inputs, logits, sampled = work.tensor, result.logits, -1
         if result.verify is not None and tokens:
             inputs, logits = work.tensor[:, :len(tokens)], result.verify[len(tokens) - 1]  # (1, kept, hidden), (vocab,)
-        tensors = [sketch(inputs)]  # (q, SKETCH_DIM)
-        if logits is not None:
-            sampled = tokens[-1].token if tokens else sample(logits, msg.sampling, msg.pos + inputs.shape[1])
-            tensors.append(sketch(logits))  # (1, SKETCH_DIM)
-        elif result.hidden is not None:
-            tensors.append(sketch(result.hidden))  # (q, SKETCH_DIM)
+        with on_threads(1):  # a sketch is O(width): split, it waits on a core the next node may hold
+            tensors = [sketch(inputs)]  # (q, SKETCH_DIM)
+            if logits is not None:
+                sampled = tokens[-1].token if tokens else sample(logits, msg.sampling, msg.pos + inputs.shape[1])
+                tensors.append(sketch(logits))  # (1, SKETCH_DIM)
+            elif result.hidden is not None:
+                tensors.append(sketch(result.hidden))  # (q, SKETCH_DIM)
         tap = p.AuditTap(msg.audit, msg.session, msg.step, msg.pos, msg.start_layer, msg.end_layer, token=sampled)
         return tap, tensors
 
