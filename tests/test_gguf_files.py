@@ -300,9 +300,15 @@ async def test_the_openai_api_answers_400_for_chats_and_serves_completions(clust
 # 2. meshnet models FILE
 # ----------------------------------------------------------------------------------------------
 
-def meshnet(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+# `python -m fabric.cli ARGS`, then whether torch was imported, on stdout
+REPORT_TORCH = ("import runpy, sys\ntry:\n    runpy.run_module('fabric.cli', run_name='__main__', alter_sys=True)\n"
+                "finally:\n    print('torch:', 'torch' in sys.modules)")
+
+
+def meshnet(*args: str, timeout: float = 60, report_torch: bool = False) -> subprocess.CompletedProcess:
     env = {**os.environ, "COLUMNS": "1000"}
-    return subprocess.run([sys.executable, "-m", "fabric.cli", *args], capture_output=True, text=True, cwd=ROOT,
+    start = ["-c", REPORT_TORCH] if report_torch else ["-m", "fabric.cli"]
+    return subprocess.run([sys.executable, *start, *args], capture_output=True, text=True, cwd=ROOT,
                           timeout=timeout, env=env)
 
 
@@ -403,11 +409,14 @@ def test_the_header_readers_give_model_errors_wherever_a_file_is_cut(files, tmp_
             read(path)
 
 
+@pytest.mark.parametrize("command", [("node", "--layers", "0-1", "--tracker", "127.0.0.1:1"), ("up",)],
+                         ids=["node", "up"])
 @pytest.mark.parametrize("kind", ["mamba2", "type99", "half", "cut-header", "text"])
-def test_node_refuses_a_file_it_cannot_run_in_one_line(files, kind):
-    out = meshnet("node", "--model", str(files[kind]), "--layers", "0-1", "--tracker", "127.0.0.1:1")
+def test_node_and_up_refuse_a_file_they_cannot_run_in_one_line_before_torch_loads(files, kind, command):
+    out = meshnet(command[0], "--model", str(files[kind]), *command[1:], report_torch=True)
     assert out.returncode == 2
     one_error_line(out, *BAD[kind])
+    assert out.stdout.split() == ["torch:", "False"]  # refused in a second, not after torch's five
 
 
 @pytest.mark.parametrize("kind", sorted(BAD))

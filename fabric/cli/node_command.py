@@ -183,6 +183,18 @@ def prepare_process(args) -> None:
     leave_out_unused_packages()
 
 
+def check_runnable(model: str) -> None:
+    """A GGUF file no node can run: one line naming it, before torch loads (a second, not five)
+    and before anything is logged."""
+    from ..compute.gguf_info import check_reference
+    from ..compute.model_ref import ModelError
+
+    try:
+        check_reference(model)
+    except ModelError as exc:
+        raise CommandError(str(exc)) from None
+
+
 def cmd_node(args) -> int:
     _check_node_flags(args)  # first: a flag error answers at once, not after torch has loaded
     security = load_security(args)  # a key directory that cannot work says so now, too
@@ -190,6 +202,7 @@ def cmd_node(args) -> int:
         prepare_process(args)
         check_device_flags(args.device, args.quant)
     from_peers(args)  # no model file here: its layers from the swarm, before torch loads
+    check_runnable(args.model)
     prepare_process(args)
     import torch
 
@@ -220,7 +233,6 @@ def _node_config(args, security):
     """The NodeConfig for ``meshnet node``'s flags: the model's config is read, its weights are not."""
     import torch
 
-    from ..compute.gguf_info import check_reference
     from ..compute.models import (
         ModelError,
         default_cache_root,
@@ -233,10 +245,6 @@ def _node_config(args, security):
     from ..node.speculation import SpeculationConfig
     from ..wire.shard import parse_layers
 
-    try:
-        check_reference(args.model)  # a GGUF file no node can run: one line naming it, before anything is logged
-    except ModelError as exc:
-        raise CommandError(str(exc)) from None
     dtype = torch.bfloat16 if args.dtype == "bfloat16" else torch.float32
     quant = picked_quant(args.quant, args.model, args.device)
     quant = None if quant == "none" else quant

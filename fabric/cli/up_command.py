@@ -11,7 +11,7 @@ import threading
 from ..flags import CommandError, count, endpoint, port, positive_count
 from ..wire.liveness import DEFAULT_PUB, DEFAULT_TRACKER
 from .memory_plan import balanced_shards, check_device_flags, picked_quant
-from .node_command import check_draft_device, checked_draft, draft_quant_flag
+from .node_command import check_draft_device, check_runnable, checked_draft, draft_quant_flag
 from .options import device_flags, keys_flag, load_security, quant_flag
 from .ports import refuse_ports_in_use
 from .supervision import supervise
@@ -64,6 +64,7 @@ def up_shards(model: str, nodes: int, dtype_name: str, quant: str) -> list:
 
 
 def cmd_up(args) -> int:
+    check_runnable(args.model)  # a file no node can run: its one line, before torch loads
     check_device_flags(args.device, args.quant)
     # checked here, so a bad key directory fails before anything starts; up's tracker runs with DIR's key pair
     security = load_security(args, f"{args.keys}/id.key (the key pair `meshnet up` runs its tracker with)")
