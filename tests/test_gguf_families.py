@@ -1,7 +1,8 @@
 """Every family and every common GGUF type, split over nodes' shards, against transformers.
 
 Tiny random models are written as GGUF files (tests/gguf_models.py) in each family and
-tensor type, then:
+tensor type, each type on llama and on more families, each family on several types (not the
+whole cross: ``EXACT_CASES``, ``DEFAULT_CASES``), then:
 
 - exact mode (``--quant none``, float32): two shards chained in process give the greedy
   tokens of transformers' own float32 load of the same file, prefilled in chunks as a head
@@ -73,15 +74,38 @@ def float32_greedy(path: Path, n: int) -> tuple[list[int], list[int]]:
     pytest.fail(f"every prompt meets a near-tie on {path}: add another prompt")
 
 
-@pytest.mark.parametrize("kind", TYPES)
-@pytest.mark.parametrize("family", FAMILIES_GGUF)
+# Exact mode's cases: every type on llama (whose q and k rows a GGUF file stores permuted) and
+# on at least one more family, every family on at least four types; the K-quants on gemma3 and
+# qwen3_moe (a 3-D expert tensor per layer). A type's dequantization does not depend on the
+# family, nor a family's tensor names on the type: the whole cross (105 cases) took 130 s.
+OTHER_TYPES = {
+    "qwen2": ("F16", "Q4_1", "Q5_K", "IQ4_NL"),
+    "qwen3": ("BF16", "Q5_0", "Q6_K", "IQ4_XS"),
+    "phi3": ("F32", "Q4_0", "Q8_0", "Q3_K"),
+    "gemma2": ("F16", "Q5_1", "Q4_K", "Q2_K"),
+    "gemma3": ("Q5_0", "Q4_K", "Q6_K", "Q2_K", "IQ4_XS"),
+    "qwen3_moe": ("Q8_0", "Q4_K", "Q5_K", "Q3_K", "IQ4_NL"),
+}
+EXACT_CASES = [("llama", kind) for kind in TYPES] + [(f, kind) for f, kinds in OTHER_TYPES.items() for kind in kinds]
+
+
+def test_exact_modes_cases_cover_every_family_and_type():
+    families = Counter(family for family, _ in EXACT_CASES)
+    on = {kind: {family for family, k in EXACT_CASES if k == kind} for kind in TYPES}
+    assert set(families) == set(FAMILIES_GGUF) and min(families.values()) >= 4
+    assert all(len(fams) >= 2 and "llama" in fams for fams in on.values()), on
+    assert len(set(EXACT_CASES)) == len(EXACT_CASES)
+
+
+@pytest.mark.parametrize("family,kind", EXACT_CASES)
 def test_exact_split_gives_transformers_float32_tokens(gguf_file, family, kind):
     path = gguf_file(family, kind)
     prompt, expected = float32_greedy(path, NEW_TOKENS)
     assert split_tokens(path, 2, prompt, NEW_TOKENS, chunk=CHUNK, scheme=None) == expected
 
 
-DEFAULT_CASES = ([(family, kind) for family in ("llama", "gemma3") for kind in DEFAULT_TYPES]
+DEFAULT_CASES = ([("llama", kind) for kind in DEFAULT_TYPES]
+                 + [("gemma3", kind) for kind in ("Q4_1", "Q4_K", "Q5_K", "Q6_K", "Q2_K", "mix")]
                  + [(family, kind) for family in FAMILIES_GGUF if family not in ("llama", "gemma3")
                     for kind in ("Q4_0", "Q5_K", "mix")])
 
