@@ -27,6 +27,7 @@ from .memory_plan import (
 )
 from .options import (
     device_flags,
+    layer_range,
     load_security,
     metrics_flag,
     quant_flag,
@@ -48,7 +49,8 @@ def add_parser(sub) -> None:
                    help="a Hugging Face directory, a .gguf file, an alias such as smollm2-135m, or ORG/NAME "
                         "fetched by `meshnet pull` (`meshnet models` lists them)")
     p.add_argument("--model-id", default=None, help="id clients use for this model (default: alias or file name)")
-    p.add_argument("--layers", default=None, help="inclusive range such as 0-14 (default: ask the tracker)")
+    p.add_argument("--layers", default=None, type=layer_range, metavar="A-B",
+                   help="inclusive range such as 0-14 (default: ask the tracker)")
     tracker_flag(p)
     p.add_argument("--bind", default="tcp://127.0.0.1:0", type=endpoint, metavar="ENDPOINT",
                    help="ROUTER endpoint; port 0 picks one (default %(default)s)")
@@ -184,8 +186,8 @@ def prepare_process(args) -> None:
 
 
 def check_runnable(model: str) -> None:
-    """A GGUF file no node can run: one line naming it, before torch loads (a second, not five)
-    and before anything is logged."""
+    """A model that names nothing, or a GGUF file no node can run: one line naming it, before
+    torch loads (a second, not five) and before anything is logged."""
     from ..compute.gguf_info import check_reference
     from ..compute.model_ref import ModelError
 

@@ -64,10 +64,14 @@ def up_shards(model: str, nodes: int, dtype_name: str, quant: str) -> list:
 
 
 def cmd_up(args) -> int:
-    check_runnable(args.model)  # a file no node can run: its one line, before torch loads
-    check_device_flags(args.device, args.quant)
+    if args.device != "cpu":  # a device not here is said first, as `meshnet node` says it (the CPU runs every scheme)
+        check_device_flags(args.device, args.quant)
     # checked here, so a bad key directory fails before anything starts; up's tracker runs with DIR's key pair
     security = load_security(args, f"{args.keys}/id.key (the key pair `meshnet up` runs its tracker with)")
+    check_runnable(args.model)  # a model that names nothing, a port taken: one line, before torch loads
+    refuse_ports_in_use({"the tracker, --tracker": args.tracker, "its feed, --pub": args.pub,
+                          "the web UI, --port": f"tcp://{args.host}:{args.port}"},
+                         "`meshnet up` (or a tracker or web UI)")
     args.quant = picked_quant(args.quant, args.model, args.device)  # every node gets the one answer
     log.info("%s: sizing its layers for %d nodes (this loads torch: up to a minute on a slow machine)…", args.model,
              args.nodes)
@@ -75,9 +79,6 @@ def cmd_up(args) -> int:
     if args.draft:
         checked_draft(args.draft, args.model)  # refused in one line before anything starts
         check_draft_device(args.device, args.draft_quant)
-    refuse_ports_in_use({"the tracker, --tracker": args.tracker, "its feed, --pub": args.pub,
-                          "the web UI, --port": f"tcp://{args.host}:{args.port}"},
-                         "`meshnet up` (or a tracker or web UI)")
     devices = node_devices(args.device, len(shards), _cuda_count(args.device))
     log.info("starting a tracker, %d nodes (layers %s on %s; nodes of one device compute one at a time, "
              "%s torch threads each) and the web UI; loading weights…", len(shards), ", ".join(map(str, shards)),

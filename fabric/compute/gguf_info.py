@@ -367,11 +367,8 @@ def cmd_file(ref: str, as_json: bool) -> int:
 
 
 def check_reference(ref: str) -> None:
-    """:func:`check_runnable` for a model reference that names a GGUF file (an alias, a path);
-    other references pass (``resolve`` reports those that name nothing)."""
-    try:
-        source = resolve(ref)
-    except ModelError:
-        return
+    """ModelError, in one line, where a model reference (an alias, a path, a pulled repository)
+    names nothing or a GGUF file no node can run (:func:`check_runnable`)."""
+    source = resolve(ref)
     if source.kind == "gguf":
         check_runnable(source.path)

@@ -465,14 +465,10 @@ def cmd_pull(args, hub_factory: Callable[[], Hub] = Hub,
 
 def _range_syntax_error(layers: str) -> str | None:
     """Why ``layers`` is no range like 0-14 (the model's own size is checked once its config is here)."""
-    from ..wire.shard import _RANGE, parse_layers
+    from ..wire.shard import parse_range
 
-    m = _RANGE.match(layers)
-    if m is None:
-        try:
-            parse_layers(layers, 1)
-        except ValueError as exc:  # its own words for a malformed range
-            return str(exc)
-    if m is not None and int(m.group(1)) > int(m.group(2)):
-        return f"--layers {layers} runs backwards: give the first layer, then the last"
+    try:
+        parse_range(layers)
+    except ValueError as exc:
+        return str(exc)
     return None

@@ -41,12 +41,20 @@ class Shard:
 _RANGE = re.compile(r"^\s*(\d+)\s*-\s*(\d+)\s*$")
 
 
-def parse_layers(text: str, num_layers: int) -> Shard:
-    """Parse an inclusive range such as ``0-14``; a clear ValueError otherwise."""
+def parse_range(text: str) -> tuple[int, int]:
+    """(start, end) of an inclusive range such as ``0-14``, start <= end; a clear ValueError otherwise."""
     m = _RANGE.match(text)
     if not m:
         raise ValueError(f"--layers takes an inclusive range like 0-14, got {text!r}")
-    return Shard(int(m.group(1)), int(m.group(2)), num_layers)
+    start, end = int(m.group(1)), int(m.group(2))
+    if start > end:
+        raise ValueError(f"--layers {text} runs backwards: give the first layer, then the last")
+    return start, end
+
+
+def parse_layers(text: str, num_layers: int) -> Shard:
+    """Parse an inclusive range such as ``0-14`` of a ``num_layers``-layer model; a clear ValueError otherwise."""
+    return Shard(*parse_range(text), num_layers)
 
 
 def even_split(num_layers: int, parts: int) -> list[Shard]:
