@@ -28,23 +28,32 @@ from tests.support.areas import skip_area
 
 ROOT = Path(__file__).resolve().parent.parent
 
-# Computes the fingerprint the way a node does, in a fresh interpreter with its own HOME.
+# Computes the fingerprints the way a node does (one line per quantization named, "" for
+# none), in a fresh interpreter with its own HOME.
 _PROBE = """
 import sys
 from fabric.compute.models import default_cache_root, fingerprint, load_config, resolve
 source = resolve(sys.argv[1])
-print(fingerprint(source, load_config(source, default_cache_root()), sys.argv[2] or None))
+config = load_config(source, default_cache_root())
+for quant in sys.argv[2:]:
+    print("fingerprint:", fingerprint(source, config, quant or None))
 """
 
 
-def node_fingerprint(ref: str, home: Path, quant: str = "", python: str = sys.executable) -> str:
-    """The fingerprint a node started with HOME=home would register (no XDG overrides)."""
+def node_fingerprints(ref: str, home: Path, *quants: str) -> subprocess.Popen:
+    """The fingerprints (read them with ``read``) a node started with HOME=home would register
+    with each of ``quants`` (no XDG overrides)."""
     home.mkdir(parents=True, exist_ok=True)
     env = {k: v for k, v in os.environ.items() if not k.startswith("XDG_")}
-    proc = subprocess.run([python, "-c", _PROBE, ref, quant], capture_output=True, text=True, cwd=home,
-                          env={**env, "HOME": str(home), "PYTHONPATH": str(ROOT)}, timeout=300)
-    assert proc.returncode == 0, proc.stderr
-    return proc.stdout.strip().splitlines()[-1]
+    return subprocess.Popen([sys.executable, "-c", _PROBE, ref, *quants], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, cwd=home,
+                            env={**env, "HOME": str(home), "PYTHONPATH": str(ROOT)})
+
+
+def read(probe: subprocess.Popen) -> list[str]:
+    out, err = probe.communicate(timeout=300)
+    assert probe.returncode == 0, err
+    return [line.split()[1] for line in out.splitlines() if line.startswith("fingerprint: ")]
 
 
 def test_a_config_loses_its_local_paths(tiny_models, tmp_path):
@@ -99,7 +108,8 @@ def test_the_alias_agrees_across_homes_and_install_paths(tmp_path):
     copy = tmp_path / "site-packages" / installed.parent.name / installed.name
     copy.parent.mkdir(parents=True)
     shutil.copyfile(installed, copy)
-    at_alice = node_fingerprint("smollm2-135m", tmp_path / "home-alice")
-    at_bob = node_fingerprint(str(copy), tmp_path / "home-bob")
+    alice = node_fingerprints("smollm2-135m", tmp_path / "home-alice", "")  # the two at once: a parse takes seconds
+    bob = node_fingerprints(str(copy), tmp_path / "home-bob", "", "int4")
+    (at_alice,), (at_bob, at_bob_int4) = read(alice), read(bob)
     assert at_alice == at_bob
-    assert node_fingerprint(str(copy), tmp_path / "home-bob", "int4") == at_bob + ":int4"
+    assert at_bob_int4 == at_bob + ":int4"
