@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import TextIO
 
 from .client import Client, FabricError, GenerateArgs
-from .flags import CommandError, error_line
+from .flags import CommandError, error_line, refuse_absent_tracker
 from .net.security import Security
 from .wire.protocol import Sampling
 
@@ -70,6 +70,7 @@ def run(config: ChatConfig, words: list[str], stdin: TextIO = sys.stdin, stdout:
     config.check()
     interactive = stdin.isatty() and not words
     prompt = None if interactive else one_prompt(words, stdin)
+    refuse_absent_tracker(config.tracker)  # after the usage errors: a refused port answers at once
     with Client(config.tracker, security=config.security) as client:
         if interactive:
             return Conversation(client, config, stdout).loop()

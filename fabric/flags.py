@@ -1,5 +1,5 @@
 """What every ``meshnet`` command shares: the flag value types, one error line, the help
-format and the version.
+format, the version, and the check that a tracker's port is open at all.
 
 Every refusal reads ``meshnet: error: MESSAGE`` on one line of stderr: a usage error (a
 flag's value cannot work) exits with status 2, a runtime failure with status 1. A value
@@ -12,6 +12,7 @@ import argparse
 import configparser
 import math
 import re
+import socket
 import sys
 from importlib import metadata
 from pathlib import Path
@@ -81,6 +82,23 @@ def endpoint(text: str) -> str:
         return f"tcp://{host}:{port}"
     raise argparse.ArgumentTypeError(f"{text!r} is not an endpoint: expected {ENDPOINT_FORM} (or HOST:PORT), "
                                      "such as tcp://127.0.0.1:5555")
+
+
+def refuse_absent_tracker(tracker: str, before: str = "", status: int = 1) -> None:
+    """CommandError (``status``, its line after ``before``) at once where no tracker can answer
+    at ``tracker``: a tcp:// port whose connection is refused. A client would wait its whole
+    timeout (5-10 s) to say the tracker did not answer; a host that drops packets, or a slow
+    one, is still left to that wait."""
+    if not tracker.startswith("tcp://"):
+        return
+    host, _, number = tracker.removeprefix("tcp://").rpartition(":")
+    try:
+        socket.create_connection((host.strip("[]"), int(number)), timeout=1.0).close()
+    except ConnectionRefusedError:
+        raise CommandError(f"{before}tracker_unavailable: tracker at {tracker} did not answer: nothing listens on "
+                           "that port (is it running? `meshnet tracker` or `meshnet up` starts one)", status) from None
+    except (OSError, ValueError):
+        return
 
 
 def port(text: str) -> int:

@@ -7,7 +7,7 @@ import argparse
 import logging
 from pathlib import Path
 
-from ..flags import CommandError, endpoint
+from ..flags import CommandError, endpoint, refuse_absent_tracker
 from .options import keys_flag, load_security
 
 log = logging.getLogger("meshnet")
@@ -63,6 +63,7 @@ def from_peers(args) -> None:
     from ..fetch.pull import fetch_layers
 
     security = load_security(args)
+    refuse_absent_tracker(args.tracker, f"{why}; nor does a peer serve it: ", 2)
     assign = None if args.layers else (lambda manifest: _assign(args, security, manifest))
     try:
         path = fetch_layers(args.model, args.layers, args.tracker, security, peers_dir(),

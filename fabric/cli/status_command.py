@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import json
 
-from ..flags import CommandError
+from ..flags import CommandError, refuse_absent_tracker
 from .options import load_security, tracker_flag
 from .status_view import format_status
 
@@ -18,7 +18,9 @@ def add_parser(sub) -> None:
 def cmd_status(args) -> int:
     from ..client import Client, FabricError
 
-    with Client(args.tracker, timeout=5.0, security=load_security(args)) as client:
+    security = load_security(args)  # a key directory that cannot work says so first
+    refuse_absent_tracker(args.tracker)
+    with Client(args.tracker, timeout=5.0, security=security) as client:
         try:
             status = client.status()
         except FabricError as exc:
