@@ -27,6 +27,7 @@ from fabric.wire.protocol import ErrorCode, Generate, Hop
 from tests import gguf_models
 from tests.cluster import ROOT, ThreadCluster
 from tests.gguf_models import q4_k_m_mix, write_gguf
+from tests.support import CLI_REPORTING_TORCH
 
 VOCAB = 384  # write_gguf's vocabulary padded to this size: its last 48 entries are free for special tokens
 GEMMA_TOKENS = ("<start_of_turn>", "<end_of_turn>")
@@ -300,14 +301,9 @@ async def test_the_openai_api_answers_400_for_chats_and_serves_completions(clust
 # 2. meshnet models FILE
 # ----------------------------------------------------------------------------------------------
 
-# `python -m fabric.cli ARGS`, then whether torch was imported, on stdout
-REPORT_TORCH = ("import runpy, sys\ntry:\n    runpy.run_module('fabric.cli', run_name='__main__', alter_sys=True)\n"
-                "finally:\n    print('torch:', 'torch' in sys.modules)")
-
-
 def meshnet(*args: str, timeout: float = 60, report_torch: bool = False) -> subprocess.CompletedProcess:
     env = {**os.environ, "COLUMNS": "1000"}
-    start = ["-c", REPORT_TORCH] if report_torch else ["-m", "fabric.cli"]
+    start = ["-c", CLI_REPORTING_TORCH] if report_torch else ["-m", "fabric.cli"]
     return subprocess.run([sys.executable, *start, *args], capture_output=True, text=True, cwd=ROOT,
                           timeout=timeout, env=env)
 

