@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from fabric.client.core import grammar_of
-from fabric.compute.grammar import problem
+from fabric.compute.grammar_text import problem
 from fabric.toolcalls.request import ToolsError, tools_of
 from fabric.wire.protocol import MAX_GRAMMAR, Grammar, GrammarKind, Tools
 

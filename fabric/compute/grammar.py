@@ -12,8 +12,6 @@ No sockets here.
 """
 from __future__ import annotations
 
-import hashlib
-import json
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
@@ -24,49 +22,12 @@ import llguidance.numpy as llnp
 import numpy as np
 import torch
 
-from ..wire.protocol import Grammar, GrammarKind
+from ..wire.protocol import Grammar
+from .grammar_text import GrammarError, digest, problem, to_llguidance
+
+__all__ = ["Grammars", "Matcher", "GrammarError", "digest", "problem", "to_llguidance"]
 
 MAX_COMPILED = 64  # grammars the tail keeps compiled (by digest); beyond it the least recently used goes
-# JSON without optional whitespace: a free model could otherwise pad a reply with spaces to max_tokens
-_COMPACT = {"whitespace_flexible": False}
-
-
-class GrammarError(Exception):
-    """A grammar that does not compile, or tokens it does not allow (a re-prefill's history)."""
-
-
-def to_llguidance(grammar: Grammar) -> str:
-    """llguidance's grammar text for ``grammar``; GrammarError when its source does not parse."""
-    match grammar.kind:
-        case GrammarKind.JSON_OBJECT:
-            return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=_COMPACT)
-        case GrammarKind.JSON_SCHEMA:
-            try:
-                schema = json.loads(grammar.source)
-            except ValueError as exc:
-                raise GrammarError(f"the schema is not JSON: {exc}") from None
-            if not isinstance(schema, (dict, bool)):
-                raise GrammarError("a JSON schema is an object (or true/false)")
-            return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=_COMPACT)
-        case GrammarKind.REGEX:
-            return llguidance.LLMatcher.grammar_from_regex(grammar.source)
-        case GrammarKind.LARK:
-            return llguidance.LLMatcher.grammar_from_lark(grammar.source)
-    raise GrammarError(f"unknown grammar kind {grammar.kind!r}")
-
-
-def problem(grammar: Grammar) -> str:
-    """What is wrong with ``grammar`` ("" when nothing): checked without a tokenizer, so a bad
-    schema is refused where the request comes in, not two hops away."""
-    try:
-        return llguidance.LLMatcher.validate_grammar(to_llguidance(grammar))
-    except (GrammarError, ValueError, TypeError) as exc:
-        return str(exc)
-
-
-def digest(grammar: Grammar) -> str:
-    """What identifies a compiled grammar: its kind and source, not the tokens generated."""
-    return hashlib.sha256(f"{grammar.kind}\0{grammar.source}".encode()).hexdigest()
 
 
 class Matcher:
