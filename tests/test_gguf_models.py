@@ -248,3 +248,24 @@ def test_every_type_loads(type_name, tmp_path, llama_f32):
 def test_mistral_gguf_does_not_load(tmp_path):
     model, _ = _load(tmp_path, write_gguf("mistral", tmp_path, "Q8_0", num_layers=1))
     assert model.config.model_type == "mistral"
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3", "qwen3_moe"])
+def test_meshnets_metadata_parse_gives_transformers_own_result(family, tmp_path):
+    """``models._one_metadata_parse`` hands gguf-py's reader a plain array for its memmap (and
+    the second parse a copy of the first): config, tokenizer and all come out as without it."""
+    import pickle
+
+    from gguf import GGUFReader
+    from transformers import modeling_gguf_pytorch_utils as gguf_utils
+
+    from fabric.compute.models import _one_metadata_parse
+
+    path = str(write_gguf(family, tmp_path, "Q4_K" if family == "llama" else "F16"))
+    plain = gguf_utils.load_gguf_checkpoint(path)
+    with _one_metadata_parse():
+        ours = [gguf_utils.load_gguf_checkpoint(path) for _ in range(2)]
+        assert type(GGUFReader(path).data) is np.ndarray  # not a np.memmap: no subclass per slice
+    assert type(GGUFReader(path).data) is np.memmap  # the block put numpy back
+    assert all(pickle.dumps(parsed) == pickle.dumps(plain) for parsed in ours)
+    assert plain["tokenizer"]["tokens"] and plain["config"]["num_hidden_layers"] == default_num_layers(family)

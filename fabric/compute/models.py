@@ -19,6 +19,7 @@ import contextlib
 import hashlib
 import json
 import logging
+import mmap
 import shutil
 import tempfile
 import threading
@@ -26,6 +27,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -104,13 +106,35 @@ def _metadata_dir(source: ModelSource, cache_root: Path | None) -> tuple[Path, s
 _ONE_PARSE = threading.Lock()
 
 
+class _PlainMaps:
+    """numpy, for gguf-py's reader, but with ``memmap`` a plain array over the same read-only
+    mapping of the file. The reader slices its map about 250,000 times for a 49k-token
+    vocabulary, and a memmap's every slice pays its subclass's bookkeeping: SmolLM2's metadata
+    parsed in 3.8 s instead of 7.6, to the same result (``tests/test_gguf_models.py``)."""
+
+    def __getattr__(self, name: str):
+        return getattr(np, name)
+
+    @staticmethod
+    def memmap(path, mode: str = "r"):
+        if mode != "r":
+            return np.memmap(path, mode=mode)
+        with open(path, "rb") as f:
+            try:
+                return np.frombuffer(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ), dtype=np.uint8)
+            except ValueError:  # an empty file maps to nothing: the reader says what is wrong
+                return np.memmap(path, mode=mode)
+
+
 @contextlib.contextmanager
 def _one_metadata_parse() -> Iterator[None]:
     """transformers parses a GGUF's whole metadata for its config, and for most families again for
     the tokenizer's config (10-15 s each for a 49k-token vocabulary on a slow CPU). Within this
-    block the second parse of a file is a copy of the first's result."""
+    block the second parse of a file is a copy of the first's result, and the parse reads the
+    file through a plain array (``_PlainMaps``)."""
     import copy
 
+    from gguf import gguf_reader
     from transformers import modeling_gguf_pytorch_utils as gguf_utils
 
     parsed = {}
@@ -124,10 +148,11 @@ def _one_metadata_parse() -> Iterator[None]:
 
     with _ONE_PARSE:  # one block at a time: each puts back what it found
         parse, gguf_utils.load_gguf_checkpoint = gguf_utils.load_gguf_checkpoint, once
+        numpy, gguf_reader.np = gguf_reader.np, _PlainMaps()
         try:
             yield
         finally:
-            gguf_utils.load_gguf_checkpoint = parse
+            gguf_utils.load_gguf_checkpoint, gguf_reader.np = parse, numpy
 
 
 TOKENIZER_FROM_FILE = "tokenizer-from-gguf"  # marker: the saved tokenizer did not encode as the file's own
