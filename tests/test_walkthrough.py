@@ -142,13 +142,14 @@ def reference_reply(prompt: str, max_new_tokens: int = 256) -> str:
     import torch
     from transformers import AutoTokenizer
 
-    from fabric.compute.models import ALIASES, alias_path, pick_quant, resolve
+    from fabric.compute.models import ALIASES, _one_metadata_parse, alias_path, pick_quant, resolve
     from tests.support.references import quantized_reference
 
     path = alias_path(ALIASES["smollm2-135m"])
     scheme, _ = pick_quant("auto", resolve("smollm2-135m"))
-    tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-    model = quantized_reference(path.parent, path.name, scheme)
+    with _one_metadata_parse():  # one parse for both, read through a plain array (tests/test_gguf_models.py)
+        tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+        model = quantized_reference(path.parent, path.name, scheme)
     ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
                                         return_tensors="pt", return_dict=True)["input_ids"]
     with torch.no_grad():

@@ -103,7 +103,7 @@ def _metadata_dir(source: ModelSource, cache_root: Path | None) -> tuple[Path, s
     return target, None
 
 
-_ONE_PARSE = threading.Lock()
+_ONE_PARSE = threading.RLock()  # a block within a block (the same thread) puts back the outer one's
 
 
 class _PlainMaps:
