@@ -181,12 +181,14 @@ class ProcessCluster:
         self._spawn(name, "relay", "--bind", endpoint, "--node-timeout", "2", *extra)
         return endpoint
 
-    def start_webui(self, *extra: str) -> str:
-        """``meshnet webui`` on a free port; returns its base URL once it answers."""
+    def start_webui(self, *extra: str, entry: tuple[str, ...] = ("-m", "fabric.cli")) -> str:
+        """``meshnet webui`` on a free port (run by ``entry``, as ``_spawn`` runs it); returns its
+        base URL once it answers."""
         import urllib.request
 
         port = free_port()
-        self._spawn("webui", "webui", "--tracker", self.endpoint, "--pub", self.pub, "--port", str(port), *extra)
+        self._spawn("webui", "webui", "--tracker", self.endpoint, "--pub", self.pub, "--port", str(port), *extra,
+                    entry=entry)
         url = f"http://127.0.0.1:{port}"
 
         def up():

@@ -54,49 +54,14 @@ def test_nodes_import_neither_the_web_ui_nor_what_they_leave_out_nor_anything_mi
     assert not mid, f"imported in the middle of a request, where a missing package would fail it: {mid}"
 
 
-def test_the_web_ui_answers_without_torch_or_transformers(tmp_path):
+def test_the_web_ui_answers_without_torch_or_transformers(process_cluster):
     """The web UI process checks a request's grammar (fabric/compute/grammar_text.py) and
     renders nothing a model computes: it starts in under a second without torch."""
-    import json
-    import signal
-    import subprocess
-    import sys
-    import urllib.error
-    import urllib.request
+    from tests.test_tracker_away import _post
 
-    from tests.cluster import ROOT
-    from tests.support import free_port, wait_for
-
-    port, log = free_port(), tmp_path / "webui.log"
-    with log.open("w") as err:
-        proc = subprocess.Popen([sys.executable, *IMPORTTIME, "webui", "--tracker", f"tcp://127.0.0.1:{free_port()}",
-                                 "--port", str(port)], stderr=err, cwd=ROOT)
-    url = f"http://127.0.0.1:{port}"
-
-    def post(body: dict) -> int:
-        request = urllib.request.Request(f"{url}/v1/chat/completions", json.dumps(body).encode(),
-                                         {"Content-Type": "application/json"})
-        try:
-            with urllib.request.urlopen(request, timeout=30) as reply:
-                return reply.status
-        except urllib.error.HTTPError as exc:
-            return exc.code
-    try:
-        assert wait_for(lambda: _answers(url), timeout=60), log.read_text()[-2000:]
-        bad = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}
-        assert post({"model": "m", "messages": [{"role": "user", "content": "hi"}], "response_format": bad}) == 400
-    finally:
-        proc.send_signal(signal.SIGINT)
-        proc.wait(30)
-    modules = set(imported(log))
+    url = process_cluster.start_webui(entry=IMPORTTIME)
+    bad = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}
+    status, _, _ = _post(url, {"model": "m", "messages": [{"role": "user", "content": "hi"}], "response_format": bad})
+    assert status == 400
+    modules = set(imported(process_cluster.tmp / "webui.log"))
     assert "webui.grammar_fields" in modules and not loaded(modules, {"torch", "transformers"})
-
-
-def _answers(url: str) -> bool:
-    import urllib.request
-
-    try:
-        with urllib.request.urlopen(url, timeout=2) as reply:
-            return reply.status == 200
-    except OSError:
-        return False

@@ -10,7 +10,7 @@ from pathlib import Path
 from ..compute.gguf_manifest import FileManifest
 from ..compute.gguf_partial import find_partial, partial_name
 from ..net.security import Security
-from ..wire.shard import _RANGE, Shard
+from ..wire.shard import Shard, parse_range
 from .fetcher import Fetcher, fetch_plan
 from .holders import NoHolders, holders_of
 from .report import FetchReporter
@@ -26,8 +26,11 @@ HOLDERS_POLL = 0.5
 
 def local_copy(directory: Path, model: str, layers: str | None) -> Path | None:
     """A finished partial copy of ``model`` holding ``layers`` (None: never, the range is not known)."""
-    m = _RANGE.match(layers or "")
-    return find_partial(directory, model, int(m.group(1)), int(m.group(2))) if m else None
+    try:
+        start, end = parse_range(layers or "")
+    except ValueError:
+        return None
+    return find_partial(directory, model, start, end)
 
 
 def fetch_layers(model: str, layers: str | None, tracker: str, security: Security | None, directory: Path,
