@@ -69,7 +69,7 @@ class Norm:
             return torch_norm(x, self.weight, self.eps)
         out = torch.empty_like(x) if self.groups == 1 else torch.empty(*x.shape, dtype=torch.bfloat16)
         rows = x.numel() // self.n
-        run = x.stride(-3) if self.groups > 1 else x.stride(-2)
+        run = _position_stride(x) if self.groups > 1 else x.stride(-2)
         if self.kernel(x.data_ptr(), rows, self.n, self.groups, x.stride(-2), run, self.weight.data_ptr(), self.eps,
                        self.lanes, out.data_ptr()):
             raise ValueError(f"the lean norm kernel does not take rows of {self.n} in runs of {self.groups}")
@@ -105,20 +105,27 @@ class Rotary:
         """qk (b, s, heads, d): a new contiguous tensor."""
         b, s, heads, d = qk.shape
         st = qk.stride()
-        if (self.kernel is None or qk.dtype != torch.bfloat16 or st[3] != 1 or st[2] != d or st[0] != s * st[1]
+        if (self.kernel is None or qk.dtype != torch.bfloat16 or st[3] != 1 or st[2] != d or not _even_rows(qk, heads)
                 or self.shape[1] != s or self.shape[0] not in (1, b)):  # the kernel broadcasts a batch of 1 only
             return torch_rope(qk, self.tables)
         out = torch.empty(b, s, heads, d, dtype=torch.bfloat16)
-        self.kernel(qk.data_ptr(), b, s, heads, d, st[1], self.cos_at, self.sin_at, *self.strides, out.data_ptr())
+        self.kernel(qk.data_ptr(), b, s, heads, d, _position_stride(qk), self.cos_at, self.sin_at, *self.strides,
+                    out.data_ptr())
         return out
 
 
 def _even_rows(x: torch.Tensor, groups: int) -> bool:
     """Whether the kernel can walk x's rows: (rows, n), or (b, s, groups, n) whose positions are
-    evenly spaced (b's stride is s of s's)."""
+    evenly spaced (b's stride is s of s's, or s is 1: a decode batch, whose view of the q/k/v
+    product gives its length-1 dim any stride)."""
     if groups == 1:
         return x.dim() == 2
-    return x.dim() == 4 and x.shape[2] == groups and x.stride(0) == x.shape[1] * x.stride(1)
+    return x.dim() == 4 and x.shape[2] == groups and (x.shape[1] == 1 or x.stride(0) == x.shape[1] * x.stride(1))
+
+
+def _position_stride(x: torch.Tensor) -> int:
+    """The elements between consecutive positions of x (b, s, ...) walked as b * s rows."""
+    return x.stride(0) if x.shape[1] == 1 else x.stride(1)
 
 
 @functools.cache
