@@ -23,7 +23,9 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
 from fabric.compute import gguf_grid, q8dot
-from fabric.compute.q8dot import DotLinear
+import torch.nn.functional as F
+
+from fabric.compute.q8dot import DotLinear, DotMLP
 from tests.gguf_models import encode, write_gguf
 from tests.support import on_threads
 from tests.test_invariant import default_mode, differences, smollm2
@@ -158,6 +160,12 @@ def test_the_avx2_and_plain_builds_give_the_same_bits(tmp_path, flags, path):
         layer._kernel, layer._job = other, None  # the job is built anew on the other build
         assert torch.equal(layer(x), here), kind
         assert layer._call.func is other.meshnet_q8dot  # it ran there
+    gate_up, down = mlp_of("Q4_1")
+    x, h = x[:, :256].contiguous(), x[:, 256:].contiguous()
+    here = DotMLP(gate_up, down)(x, h)
+    for m in (gate_up, down):
+        m._kernel, m._job = other, None
+    assert torch.equal(DotMLP(gate_up, down)(x, h), here)
 
 
 def test_parts_side_by_side_give_each_parts_bits():
@@ -167,6 +175,41 @@ def test_parts_side_by_side_give_each_parts_bits():
     assert torch.equal(fused(x), torch.cat([p(x) for p in parts], 1))
     assert DotLinear.concatenated([parts[2], parts[0]]) is None  # 40 outputs: not whole tiles
     assert DotLinear.concatenated([parts[0], layer_of("Q4_K", shape=(16, 256))[0]]) is None
+
+
+def mlp_of(kind: str, hidden: int = 256, inner: int = 256) -> tuple[DotLinear, DotLinear]:
+    gate, up = (layer_of(kind, shape=(inner, hidden), seed=seed)[0] for seed in (1, 2))
+    return DotLinear.concatenated([gate, up]), layer_of(kind, shape=(hidden, inner), seed=3)[0]
+
+
+def mlp_by_operators(gate_up: DotLinear, down: DotLinear, x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+    """A lean layer's MLP operator by operator (``LeanLayer._mlp``)."""
+    g = gate_up(x)
+    return down(F.silu(g[:, :down.in_features]).mul_(g[:, down.in_features:])).add_(h)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("threads", [1, 2])
+def test_the_mlp_in_one_call_gives_its_operators_bits(kind, threads):
+    gate_up, down = mlp_of(kind)
+    fused = DotMLP(gate_up, down)
+    gen = torch.Generator().manual_seed(4)
+    for rows in (1, 3, 8):
+        x, h = (torch.randn(rows, 256, generator=gen).bfloat16() for _ in range(2))
+        want = on_threads(threads, mlp_by_operators, gate_up, down, x, h)
+        assert torch.equal(on_threads(threads, fused, x, h), want), rows
+
+
+def test_the_mlp_check_can_fail():
+    """The negative control: a silu table one unit off in its last bit gives other bits."""
+    gate_up, down = mlp_of("Q4_1")
+    fused = DotMLP(gate_up, down)
+    x, h = (torch.randn(4, 256, generator=torch.Generator().manual_seed(seed)).bfloat16() for seed in (5, 6))
+    want = mlp_by_operators(gate_up, down, x, h)
+    assert torch.equal(fused(x, h), want)
+    fused.table = (q8dot.silu_table().view(torch.int16) + 1).view(torch.bfloat16)
+    assert not torch.equal(fused(x, h), want)
+    assert not DotMLP.fits(gate_up, layer_of("Q4_1", shape=(256, 160))[0])  # down's inputs are not gate's outputs
 
 
 @pytest.fixture
@@ -179,7 +222,7 @@ def test_the_default_mode_on_the_kernel_is_batch_invariant(tmp_path, switched_on
     ex = default_mode(write_gguf(family, tmp_path, kind))
     linears = {type(m).__name__ for layer in ex.w.layers.values() for m in layer.modules() if "Linear" in type(m).__name__}
     assert linears == {"DotLinear"} and isinstance(ex.w.lm_head, DotLinear), linears
-    assert ex._lean is not None
+    assert ex._lean is not None and all(layer.mlp is not None for layer in ex._lean.layers.values())
     found = differences(ex)
     assert found == dict.fromkeys(found, 0) and len(found) == 9, found
     same = _lean_against_modules(ex)

@@ -99,3 +99,16 @@ def test_the_kernels_choose_through_it_and_keep_their_bits(monkeypatch):
             torch.set_num_threads(previous)
     assert list(learnt.chosen) == [((("q8dot", kind, 1024, 512), 4), 2)]
     assert all(torch.equal(o, outs[0]) for o in outs)
+
+
+def test_settled_answers_what_was_learnt_and_nothing_while_learning(monkeypatch):
+    """A caller that runs two products in one kernel call asks ``settled``: None until ``run``
+    has learnt the kind of call, then the chosen count, counted as calls until it is timed again."""
+    monkeypatch.setattr(splits, "RELEARN", 3)
+    calls = Calls({1: 1e-4, 2: 5e-5, "else": 1.0})
+    s = Splits(clock=calls.clock)
+    assert s.settled("k", MIDDLING, 2) is None
+    run_many(s, calls, 2 * splits.SAMPLES)
+    assert [s.settled("k", MIDDLING, 2) for _ in range(4)] == [2, 2, 2, None]  # then learnt again
+    assert s.settled("k", MIDDLING, 1) == 1 and s.settled("k", native.WORK_PER_THREAD - 1, 8) == 1
+    assert s.settled("k", splits.LEARN_BELOW, 8) == 8

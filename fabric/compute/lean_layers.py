@@ -40,7 +40,7 @@ from torch import nn
 from . import attention as invariant
 from . import mixed, native
 from .lean_ops import Norm, Rotary
-from .q8dot import DotLinear
+from .q8dot import DotLinear, DotMLP
 from .quant import Int4Linear, Int8Linear
 
 log = logging.getLogger(__name__)
@@ -131,7 +131,7 @@ class LeanLayer:
     """One decoder layer of the llama family (llama, mistral, qwen2, qwen3), its tensors fetched once."""
 
     __slots__ = ("qkv", "o", "gate_up", "down", "act", "norm1", "norm2", "qk_norm", "heads",
-                 "kv_heads", "head_dim", "scaling", "intermediate", "layer_idx")
+                 "kv_heads", "head_dim", "scaling", "intermediate", "layer_idx", "mlp")
 
     def __init__(self, layer: nn.Module, index: int):
         attn, mlp = layer.self_attn, layer.mlp
@@ -151,13 +151,35 @@ class LeanLayer:
             self.qk_norm = Norm(torch.cat([attn.q_norm.weight[None].expand(self.heads, -1),
                                            attn.k_norm.weight[None].expand(self.kv_heads, -1)]),
                                 attn.q_norm.variance_epsilon)
+        self.mlp = self._one_call(mlp.down_proj)
 
     def __call__(self, x: torch.Tensor, b: int, s: int, rope: Rotary, mask, cache, attend) -> torch.Tensor:
         """x (b * s, hidden) bfloat16 -> the layer's output (b * s, hidden), a new tensor."""
         h = self._attention(self.norm1(x), b, s, rope, mask, cache, attend).add_(x)
-        gate_up = self.gate_up(self.norm2(h))  # (b * s, 2 intermediate)
+        normed = self.norm2(h)
+        out = self.mlp(normed, h) if self.mlp is not None else None
+        return out if out is not None else self._mlp(normed, h)
+
+    def _mlp(self, x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        """The MLP over the normed rows x (rows, hidden), plus the residual h, operator by operator."""
+        gate_up = self.gate_up(x)  # (rows, 2 intermediate)
         act = self.act(gate_up[:, :self.intermediate]).mul_(gate_up[:, self.intermediate:])
         return self.down(act).add_(h)  # residual + mlp
+
+    def _one_call(self, down: nn.Module) -> DotMLP | None:
+        """The MLP as one kernel call (``DotMLP``) where its projections are on the q8dot kernel
+        and it gives ``_mlp``'s bits on random rows; else None."""
+        gate_up = getattr(self.gate_up, "__self__", None)  # the fused gate/up module, when fused
+        if self.act is not F.silu or not DotMLP.fits(gate_up, down):
+            return None
+        fused = DotMLP(gate_up, down)
+        gen = torch.Generator().manual_seed(1)
+        for rows in (1, PROBE_ROWS):
+            x, h = (torch.randn(rows, down.out_features, generator=gen).bfloat16() for _ in range(2))
+            if not torch.equal(fused.run(x, h, 1, 1), self._mlp(x, h)):
+                log.info("the MLP in one kernel call changed bits on this CPU: its operators keep it")
+                return None
+        return fused
 
     def _attention(self, x: torch.Tensor, b: int, s: int, rope, mask, cache, attend) -> torch.Tensor:
         """Attention over the normed rows x (b * s, hidden): o_proj's output (b * s, hidden)."""

@@ -194,10 +194,13 @@ class DotLinear(nn.Module):
             job = self._job_for()
             job.x, job.y, job.rows = x.data_ptr(), y.data_ptr(), n
             job.xfmt = job.yfmt = _FORMATS[x.dtype]
-            key = self._keys.get(n) or self._keys.setdefault(n, (self._shape, n.bit_length()))
-            if splits.run(key, n * self._macs, torch.get_num_threads(), self._call):
+            if splits.run(self.key(n), n * self._macs, torch.get_num_threads(), self._call):
                 raise MemoryError("q8dot: no memory for the quantized rows")
         return y if self.bias is None else y + self.bias.to(y.dtype)
+
+    def key(self, rows: int) -> tuple:
+        """What calls of ``rows`` rows share their thread count by (``fabric.compute.splits``)."""
+        return self._keys.get(rows) or self._keys.setdefault(rows, (self._shape, rows.bit_length()))
 
     def _job_for(self) -> _DJob:
         """The kernel's job, its weights' part kept from the last call while they stay where
@@ -212,6 +215,59 @@ class DotLinear(nn.Module):
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"bias={self.bias is not None}, {self.kind} on q8dot")
+
+
+class DotMLP:
+    """A llama MLP and the residual after it in one kernel call (kernels/q8dot.c's
+    ``meshnet_q8dot_mlp``): ``down(silu(gate) * up) + residual``, rounded to bfloat16 where
+    torch's operators round. silu is a table of torch's own bfloat16 silu of every bfloat16, so
+    its bits are torch's by construction. A lean layer saves six operator calls a token this way
+    (``fabric/compute/lean_layers.py`` checks the bits against them before it uses one)."""
+
+    __slots__ = ("gate_up", "down", "table", "_fn")
+
+    def __init__(self, gate_up: DotLinear, down: DotLinear):
+        if not self.fits(gate_up, down):
+            raise ValueError("not a gate/up and down pair the fused kernel takes")
+        self.gate_up, self.down, self.table = gate_up, down, silu_table()
+        self._fn = gate_up._kernel.meshnet_q8dot_mlp
+        self._fn.argtypes = [ctypes.POINTER(_DJob), ctypes.POINTER(_DJob), ctypes.c_void_p, ctypes.c_void_p,
+                             ctypes.c_int, ctypes.c_int]
+        self._fn.restype = ctypes.c_int
+
+    @staticmethod
+    def fits(gate_up: nn.Module, down: nn.Module) -> bool:
+        """Both on the kernel, no bias, gate and up side by side over down's inputs, and those
+        in whole vectors (a silu over a row's tail would run torch's scalar code, not its vectors)."""
+        return (isinstance(gate_up, DotLinear) and isinstance(down, DotLinear) and gate_up.bias is None
+                and down.bias is None and gate_up.out_features == 2 * down.in_features
+                and down.out_features == gate_up.in_features and down.in_features % 64 == 0)
+
+    def __call__(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor | None:
+        """x (rows, hidden) normed, residual (rows, hidden), both bfloat16 and contiguous -> a new
+        (rows, hidden); None while the products' thread counts are still being learnt (the
+        caller runs them one by one, which teaches ``fabric.compute.splits``)."""
+        n, threads = x.shape[0], torch.get_num_threads()
+        first = splits.settled(self.gate_up.key(n), n * self.gate_up._macs, threads)
+        second = splits.settled(self.down.key(n), n * self.down._macs, threads)
+        return None if first is None or second is None else self.run(x, residual, first, second)
+
+    def run(self, x: torch.Tensor, residual: torch.Tensor, first: int, second: int) -> torch.Tensor:
+        """The call on ``first`` threads for gate/up and ``second`` for down."""
+        out = torch.empty_like(residual)
+        gate_up, down = self.gate_up._job_for(), self.down._job_for()
+        gate_up.x, gate_up.rows, gate_up.xfmt = x.data_ptr(), x.shape[0], _FORMATS[torch.bfloat16]
+        down.y, down.rows = out.data_ptr(), x.shape[0]
+        if self._fn(gate_up, down, self.table.data_ptr(), residual.data_ptr(), first, second):
+            raise MemoryError("q8dot: no memory for the MLP's rows")
+        return out
+
+
+@functools.cache
+def silu_table() -> torch.Tensor:
+    """torch's bfloat16 silu of every bfloat16, indexed by its bits: (65536,) bfloat16."""
+    every = torch.from_numpy(np.arange(1 << 16, dtype=np.uint16).view(np.int16)).view(torch.bfloat16)
+    return torch.nn.functional.silu(every).contiguous()
 
 
 def quantized_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -53,6 +53,23 @@ class Splits:
             del self.chosen[key]
         return call(chosen[0])
 
+    def settled(self, key: Hashable, work: int, threads: int) -> int | None:
+        """The thread count ``run`` would give such a call now, counted as one call of ``key``;
+        None while calls of ``key`` are still timed (run them through ``run``, which learns).
+        For a caller that runs several products in one kernel call."""
+        if threads == 1:
+            return 1
+        n = native.threads_for(work, threads)
+        if n == 1 or work >= LEARN_BELOW:
+            return n
+        chosen = self.chosen.get((key, n))
+        if chosen is None:
+            return None
+        chosen[1] -= 1
+        if chosen[1] <= 0:
+            del self.chosen[key, n]
+        return chosen[0]
+
     def _trial(self, key: Hashable, n: int, call: Callable[[int], int]) -> int:
         one, every = self.trials.setdefault(key, ([], []))
         threads = 1 if len(one) <= len(every) else n
@@ -71,3 +88,7 @@ SPLITS = Splits()  # the process's: every kernel call shares what was learnt
 
 def run(key: Hashable, work: int, threads: int, call: Callable[[int], int]) -> int:
     return SPLITS.run(key, work, threads, call)
+
+
+def settled(key: Hashable, work: int, threads: int) -> int | None:
+    return SPLITS.settled(key, work, threads)

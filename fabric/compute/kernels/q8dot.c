@@ -455,6 +455,52 @@ int meshnet_q8dot(const DJob *job, int threads) {
     return 0;
 }
 
+static inline float widen16(uint16_t h) {
+    uint32_t bits = (uint32_t)h << 16;
+    float v;
+    memcpy(&v, &bits, 4);
+    return v;
+}
+
+static inline uint16_t narrow16(float v) { /* round to nearest even, as torch's bfloat16 */
+    uint32_t bits;
+    memcpy(&bits, &v, 4);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits | 0x00400000u) >> 16);
+    return (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+}
+
+/* A llama MLP and its residual in one call, bfloat16 throughout, rounding where torch's operators
+ * round: g = gate_up(x) (rows, 2 I) bfloat16; a = bf16(silu(g[:, :I]) * g[:, I:]), silu read from
+ * `silu`, torch's own bfloat16 silu of every bfloat16 (65,536 entries, built by torch); y =
+ * bf16(down(a)); down->y = bf16(y + residual). gate_up->x is the normed rows, gate_up->y and
+ * down->x are ignored (scratch here), down->y receives the output (it may be `residual`).
+ * Returns 0, or what `meshnet_q8dot` returns. */
+int meshnet_q8dot_mlp(const DJob *gate_up, const DJob *down, const uint16_t *silu, const uint16_t *residual,
+                      int threads_gate_up, int threads_down) {
+    const int64_t rows = gate_up->rows, inner = down->in, width = down->out;
+    uint16_t *g = malloc(sizeof(uint16_t) * (size_t)(rows * 2 * inner));
+    uint16_t *a = malloc(sizeof(uint16_t) * (size_t)(rows * inner));
+    uint16_t *y = malloc(sizeof(uint16_t) * (size_t)(rows * width));
+    int rc = -1;
+    if (g && a && y && gate_up->out == 2 * inner) {
+        DJob first = *gate_up, second = *down;
+        first.y = g;
+        first.yfmt = F_BF16;
+        rc = meshnet_q8dot(&first, threads_gate_up);
+        for (int64_t r = 0; rc == 0 && r < rows; r++)
+            for (int64_t i = 0; i < inner; i++)
+                a[r * inner + i] = narrow16(widen16(silu[g[r * 2 * inner + i]]) * widen16(g[r * 2 * inner + inner + i]));
+        second.x = a, second.y = y, second.xfmt = second.yfmt = F_BF16;
+        if (rc == 0) rc = meshnet_q8dot(&second, threads_down);
+        uint16_t *out = (uint16_t *)down->y;
+        for (int64_t k = 0; rc == 0 && k < rows * width; k++) out[k] = narrow16(widen16(y[k]) + widen16(residual[k]));
+    }
+    free(g);
+    free(a);
+    free(y);
+    return rc;
+}
+
 /* x's quantization as the kernel makes it (for checks): q (rows, in), d and s (rows, in / 32). */
 int meshnet_q8dot_quantize(const DJob *job, int8_t *q, float *d, int32_t *s) {
     Acts a;
