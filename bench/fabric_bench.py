@@ -253,6 +253,20 @@ class Cluster:
         return " | ".join(str(s) for s in self.shards)
 
 
+def checkout_up_flags(repo: Path, model: str, extra: tuple[str, ...], nodes: int) -> list[str]:
+    """What `meshnet up` adds to its nodes' flags (``concurrency.up_flags``), as checkout ``repo``'s
+    own code says: a cluster of another checkout runs as that checkout's `meshnet up` would, and one
+    from before such flags existed gets none."""
+    if repo == REPO:
+        return up_flags(model, extra, nodes)
+    code = ("import json, sys; from concurrency import up_flags; "
+            "print(json.dumps(up_flags(*json.loads(sys.argv[1]))))")
+    out = subprocess.run([sys.executable, "-c", code, json.dumps([model, list(extra), nodes])], cwd=repo / "bench",
+                         capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "PYTHONPATH": os.pathsep.join([str(repo / "bench"), python_path(repo)])})
+    return json.loads(out.stdout.strip().splitlines()[-1]) if out.returncode == 0 else []
+
+
 def start_cluster(procs: Procs, c: Cluster, model: str, tmp: Path, extra: tuple[str, ...] = ()) -> None:
     """Start ``c``'s tracker and nodes; ``extra`` goes to every node (``--device``, ``--dtype``)."""
     py = sys.executable
@@ -261,9 +275,8 @@ def start_cluster(procs: Procs, c: Cluster, model: str, tmp: Path, extra: tuple[
     c.tracker_proc = procs.start(f"{c.key}-tracker", [
         py, "-m", "fabric.cli", "--log-level", "warning", "tracker", "--bind", c.tracker,
         "--pub", f"tcp://127.0.0.1:{pub}", "--db", str(tmp / f"{c.key}-ledger.db")], c.env, c.repo)
-    threads = (["--threads", str(c.threads)] if c.threads != "auto"
-               else up_flags(model, extra, len(c.shards)) if c.repo == REPO  # another checkout: its own defaults
-               else [])
+    threads = ["--threads", str(c.threads)] if c.threads != "auto" else checkout_up_flags(c.repo, model, extra,
+                                                                                         len(c.shards))
     for i, shard in enumerate(c.shards):
         node_args = ["node", "--model", model, "--layers", str(shard), "--tracker", c.tracker, *threads,
                      "--compute-lock", str(tmp / f"{c.key}.lock"), "--no-progress", *extra]
