@@ -21,7 +21,10 @@ operands, so every output is the same bits, in about a quarter as many:
 - the attention kernel (fabric/compute/attention.py) is called directly, each mask turned
   into the kernel's once a pass (a mixed pass's too: each part's); it reads q and k in place
   through their strides;
-- residual adds write into the fresh output of o_proj and down_proj (a + b is b + a).
+- residual adds write into the fresh output of o_proj and down_proj (a + b is b + a);
+- on the q8dot kernel the MLP and the residual add after it are one C call
+  (``q8dot.DotMLP``: gate/up, silu from a table of torch's own bfloat16 silu, the product
+  with up, down, the add), used where it gives the operators' bits on random rows.
 
 The cache is the pass's own (a session's,
 the batch group's rows, a mixed pass's parts): ``update`` as the modules call it. Other

@@ -246,7 +246,10 @@ class DotMLP:
     def __call__(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor | None:
         """x (rows, hidden) normed, residual (rows, hidden), both bfloat16 and contiguous -> a new
         (rows, hidden); None while the products' thread counts are still being learnt (the
-        caller runs them one by one, which teaches ``fabric.compute.splits``)."""
+        caller runs them one by one, which teaches ``fabric.compute.splits``), or for rows that are
+        not contiguous."""
+        if not (x.is_contiguous() and residual.is_contiguous()):
+            return None
         n, threads = x.shape[0], torch.get_num_threads()
         first = splits.settled(self.gate_up.key(n), n * self.gate_up._macs, threads)
         second = splits.settled(self.down.key(n), n * self.down._macs, threads)
