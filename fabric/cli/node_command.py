@@ -19,6 +19,7 @@ from ..flags import (
     share,
 )
 from ..wire.liveness import AUDIT_RATE, AUDIT_TOLERANCE
+from ..wire.shard import layer_range
 from .memory_plan import (
     check_device_flags,
     layers_that_fit,
@@ -27,7 +28,6 @@ from .memory_plan import (
 )
 from .options import (
     device_flags,
-    layer_range,
     load_security,
     metrics_flag,
     quant_flag,

@@ -56,16 +56,6 @@ def load_security(args, tracker_key_file: str | None = TRACKER_ID_KEY):
     return security
 
 
-def layer_range(text: str) -> str:
-    """``--layers`` A-B, refused at once where it is no range (whether it fits the model is
-    known once its config is read)."""
-    from ..wire.shard import parse_range
-
-    try:
-        parse_range(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc).removeprefix("--layers ")) from None
-    return text
 
 
 def _device(text: str) -> str:

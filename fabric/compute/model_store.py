@@ -26,6 +26,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..wire.shard import layer_range
+
 log = logging.getLogger(__name__)
 
 INDEX = "model.safetensors.index.json"
@@ -419,7 +421,7 @@ def add_parsers(sub) -> None:
                                    "path to --model instead.")
     p.add_argument("model", metavar="MODEL", help=f"an alias ({aliases}) or a Hugging Face repository id "
                                                   "such as HuggingFaceTB/SmolLM2-135M-Instruct")
-    p.add_argument("--layers", default=None, metavar="A-B",
+    p.add_argument("--layers", default=None, type=layer_range, metavar="A-B",
                    help="fetch only the weight shards that hold layers A-B (inclusive), for a node that serves "
                         "them; a repository kept in one file is fetched whole (default: every layer)")
     p.set_defaults(func=cmd_pull)
@@ -447,8 +449,6 @@ def cmd_pull(args, hub_factory: Callable[[], Hub] = Hub,
     elif args.model not in ALIASES and not is_repo_id(args.model):
         usage = (f"unknown model {args.model!r}: pull an alias ({', '.join(sorted(ALIASES))}) or a Hugging Face "
                  f"repository id such as HuggingFaceTB/SmolLM2-135M-Instruct")
-    elif args.layers:
-        usage = _range_syntax_error(args.layers)
     if usage:
         print(f"meshnet: error: {usage}", file=sys.stderr)
         return 2
@@ -463,12 +463,3 @@ def cmd_pull(args, hub_factory: Callable[[], Hub] = Hub,
     return 0
 
 
-def _range_syntax_error(layers: str) -> str | None:
-    """Why ``layers`` is no range like 0-14 (the model's own size is checked once its config is here)."""
-    from ..wire.shard import parse_range
-
-    try:
-        parse_range(layers)
-    except ValueError as exc:
-        return str(exc)
-    return None

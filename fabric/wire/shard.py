@@ -52,6 +52,18 @@ def parse_range(text: str) -> tuple[int, int]:
     return start, end
 
 
+def layer_range(text: str) -> str:
+    """``--layers`` A-B as an argparse type: refused as the flag is read where it is no range
+    (whether it fits the model is known once its config is read)."""
+    import argparse
+
+    try:
+        parse_range(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc).removeprefix("--layers ")) from None
+    return text
+
+
 def parse_layers(text: str, num_layers: int) -> Shard:
     """Parse an inclusive range such as ``0-14`` of a ``num_layers``-layer model; a clear ValueError otherwise."""
     return Shard(*parse_range(text), num_layers)
