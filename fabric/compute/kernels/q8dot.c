@@ -73,12 +73,22 @@ int64_t meshnet_q8dot_tile_bytes(int kind, int64_t in) {
     return (in / BLOCK) * block_bytes(kind) + (kind == K8_ROW ? TILE * 4 : 0);
 }
 
-static inline float load_x(const DJob *j, int64_t at) {
-    if (j->xfmt == F_F32) return ((const float *)j->x)[at];
-    uint32_t bits = (uint32_t)((const uint16_t *)j->x)[at] << 16;
+static inline float widen16(uint16_t h) {
+    uint32_t bits = (uint32_t)h << 16;
     float v;
     memcpy(&v, &bits, 4);
     return v;
+}
+
+static inline uint16_t narrow16(float v) { /* round to nearest even, as torch's bfloat16; NaN stays NaN */
+    uint32_t bits;
+    memcpy(&bits, &v, 4);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits | 0x00400000u) >> 16);
+    return (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+}
+
+static inline float load_x(const DJob *j, int64_t at) {
+    return j->xfmt == F_F32 ? ((const float *)j->x)[at] : widen16(((const uint16_t *)j->x)[at]);
 }
 
 /* One row's block: codes, step, and its sum; the same scalar IEEE operations on every path. */
@@ -121,11 +131,7 @@ static void store(const DJob *j, int64_t r, int64_t o, float v) {
         ((float *)j->y)[r * j->out + o] = v;
         return;
     }
-    uint32_t bits;
-    memcpy(&bits, &v, 4);
-    if ((bits & 0x7fffffffu) > 0x7f800000u) bits |= 0x00400000u; /* NaN stays NaN */
-    else bits += 0x7fffu + ((bits >> 16) & 1u);                   /* round to nearest even */
-    ((uint16_t *)j->y)[r * j->out + o] = (uint16_t)(bits >> 16);
+    ((uint16_t *)j->y)[r * j->out + o] = narrow16(v);
 }
 
 static inline int32_t word(const int8_t *p) {
@@ -453,20 +459,6 @@ int meshnet_q8dot(const DJob *job, int threads) {
             tile(job, &a, t, r, job->rows - r < RG ? (int)(job->rows - r) : RG);
     acts_free(&a);
     return 0;
-}
-
-static inline float widen16(uint16_t h) {
-    uint32_t bits = (uint32_t)h << 16;
-    float v;
-    memcpy(&v, &bits, 4);
-    return v;
-}
-
-static inline uint16_t narrow16(float v) { /* round to nearest even, as torch's bfloat16 */
-    uint32_t bits;
-    memcpy(&bits, &v, 4);
-    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits | 0x00400000u) >> 16);
-    return (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
 }
 
 /* A llama MLP and its residual in one call, bfloat16 throughout, rounding where torch's operators
