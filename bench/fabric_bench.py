@@ -259,6 +259,8 @@ def checkout_up_flags(repo: Path, model: str, extra: tuple[str, ...], nodes: int
     from before such flags existed gets none."""
     if repo == REPO:
         return up_flags(model, extra, nodes)
+    if not (repo / "bench" / "concurrency.py").is_file():
+        return []
     code = ("import json, sys; from concurrency import up_flags; "
             "print(json.dumps(up_flags(*json.loads(sys.argv[1]))))")
     out = subprocess.run([sys.executable, "-c", code, json.dumps([model, list(extra), nodes])], cwd=repo / "bench",
