@@ -212,6 +212,33 @@ def test_the_mlp_check_can_fail():
     assert not DotMLP.fits(gate_up, layer_of("Q4_1", shape=(256, 160))[0])  # down's inputs are not gate's outputs
 
 
+def after_by_operators(o: DotLinear, norm, gate_up: DotLinear, down: DotLinear, a: torch.Tensor,
+                       x: torch.Tensor) -> torch.Tensor:
+    """What follows a lean layer's attention, operator by operator (``LeanLayer._after_attention``)."""
+    h = o(a).add_(x)
+    return mlp_by_operators(gate_up, down, norm(h), h)
+
+
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_K", "Q8_0"])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_o_proj_the_norm_and_the_mlp_in_one_call_give_their_operators_bits(kind, threads):
+    from fabric.compute.lean_ops import Norm
+
+    gate_up, down = mlp_of(kind)
+    o = layer_of(kind, shape=(256, 512), seed=8)[0]
+    norm = Norm(torch.randn(256, generator=torch.Generator().manual_seed(9)).bfloat16(), 1e-5)
+    if norm.kernel is None:
+        pytest.skip("the norm's C kernel does not give torch's bits here: the MLP's call alone is used")
+    fused = DotMLP(gate_up, down).after(o, norm)
+    gen = torch.Generator().manual_seed(10)
+    for rows in (1, 3, 8):
+        a, x = torch.randn(rows, 512, generator=gen).bfloat16(), torch.randn(rows, 256, generator=gen).bfloat16()
+        want = on_threads(threads, after_by_operators, o, norm, gate_up, down, a, x)
+        assert torch.equal(on_threads(threads, fused.after_attention, a, x), want), rows
+    other = DotMLP(gate_up, down).after(o, Norm(norm.weight * 2, 1e-5))  # the negative control: another weight
+    assert not torch.equal(other.after_attention(a, x), want)
+
+
 @pytest.fixture
 def switched_on(monkeypatch):
     monkeypatch.setenv("MESHNET_Q8DOT", "1")
@@ -222,7 +249,8 @@ def test_the_default_mode_on_the_kernel_is_batch_invariant(tmp_path, switched_on
     ex = default_mode(write_gguf(family, tmp_path, kind))
     linears = {type(m).__name__ for layer in ex.w.layers.values() for m in layer.modules() if "Linear" in type(m).__name__}
     assert linears == {"DotLinear"} and isinstance(ex.w.lm_head, DotLinear), linears
-    assert ex._lean is not None and all(layer.mlp is not None for layer in ex._lean.layers.values())
+    assert ex._lean is not None and all(layer.mlp is not None and layer.mlp.o is not None
+                                        for layer in ex._lean.layers.values())
     found = differences(ex)
     assert found == dict.fromkeys(found, 0) and len(found) == 9, found
     same = _lean_against_modules(ex)

@@ -22,9 +22,10 @@ operands, so every output is the same bits, in about a quarter as many:
   into the kernel's once a pass (a mixed pass's too: each part's); it reads q and k in place
   through their strides;
 - residual adds write into the fresh output of o_proj and down_proj (a + b is b + a);
-- on the q8dot kernel the MLP and the residual add after it are one C call
-  (``q8dot.DotMLP``: gate/up, silu from a table of torch's own bfloat16 silu, the product
-  with up, down, the add), used where it gives the operators' bits on random rows.
+- on the q8dot kernel everything after the attention is one C call (``q8dot.DotMLP``): o_proj
+  and the residual add, the norm (lean.c's, by address), gate/up, silu from a table of torch's
+  own bfloat16 silu, the product with up, down, the add; used where it gives the operators'
+  bits on random rows, else the MLP alone in one call, else the operators.
 
 The cache is the pass's own (a session's,
 the batch group's rows, a mixed pass's parts): ``update`` as the modules call it. Other
@@ -158,7 +159,13 @@ class LeanLayer:
 
     def __call__(self, x: torch.Tensor, b: int, s: int, rope: Rotary, mask, cache, attend) -> torch.Tensor:
         """x (b * s, hidden) bfloat16 -> the layer's output (b * s, hidden), a new tensor."""
-        h = self._attention(self.norm1(x), b, s, rope, mask, cache, attend).add_(x)
+        a = self._attention(self.norm1(x), b, s, rope, mask, cache, attend)
+        out = self.mlp.after_attention(a, x) if self.mlp is not None and self.mlp.o is not None else None
+        return out if out is not None else self._after_attention(a, x)
+
+    def _after_attention(self, a: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """o_proj over the attention's output a, the residual x, the norm and the MLP: each on its own."""
+        h = self.o(a).add_(x)
         normed = self.norm2(h)
         out = self.mlp(normed, h) if self.mlp is not None else None
         return out if out is not None else self._mlp(normed, h)
@@ -182,10 +189,21 @@ class LeanLayer:
             if not torch.equal(fused.run(x, h, 1, 1), self._mlp(x, h)):
                 log.info("the MLP in one kernel call changed bits on this CPU: its operators keep it")
                 return None
+        o = getattr(self.o, "__self__", None)
+        if isinstance(o, DotLinear) and o.bias is None and self.norm2.kernel is not None:
+            self.mlp = fused.after(o, self.norm2)
+            for rows in (1, PROBE_ROWS):
+                a = torch.randn(rows, o.in_features, generator=gen).bfloat16()
+                x = torch.randn(rows, o.out_features, generator=gen).bfloat16()
+                if not torch.equal(fused.run_after(a, x, [1, 1, 1]), self._after_attention(a, x)):
+                    log.info("o_proj, the norm and the MLP in one kernel call changed bits on this CPU: the MLP's "
+                             "call alone keeps them")
+                    fused.o = None
+                    break
         return fused
 
     def _attention(self, x: torch.Tensor, b: int, s: int, rope, mask, cache, attend) -> torch.Tensor:
-        """Attention over the normed rows x (b * s, hidden): o_proj's output (b * s, hidden)."""
+        """Attention over the normed rows x (b * s, hidden): its output (b * s, heads * head_dim), before o_proj."""
         heads, kv, d = self.heads, self.kv_heads, self.head_dim
         qkv = self.qkv(x)  # (b * s, (heads + 2 kv) d)
         qk = qkv[:, :(heads + kv) * d].view(b, s, heads + kv, d)
@@ -201,7 +219,7 @@ class LeanLayer:
         v = qkv.as_strided((b, kv, s, d), (s * row, d, row, 1), qkv.storage_offset() + (heads + kv) * d)
         k, v = cache.update(k, v, self.layer_idx)
         out = attend(None, q, k, v, mask, scaling=self.scaling)[0]  # (b, s, heads, d)
-        return self.o(out.view(b * s, heads * d))
+        return out.view(b * s, heads * d)
 
 
 class _KernelPass:

@@ -217,14 +217,21 @@ class DotLinear(nn.Module):
                 f"bias={self.bias is not None}, {self.kind} on q8dot")
 
 
+class _NormArgs(ctypes.Structure):
+    """kernels/q8dot.c's ``NormArgs``: kernels/lean.c's norm by address, its weight and settings."""
+    _fields_ = [("fn", ctypes.c_void_p), ("weight", ctypes.c_void_p), ("eps", ctypes.c_float), ("lanes", ctypes.c_int)]
+
+
 class DotMLP:
     """A llama MLP and the residual after it in one kernel call (kernels/q8dot.c's
     ``meshnet_q8dot_mlp``): ``down(silu(gate) * up) + residual``, rounded to bfloat16 where
     torch's operators round. silu is a table of torch's own bfloat16 silu of every bfloat16, so
-    its bits are torch's by construction. A lean layer saves six operator calls a token this way
-    (``fabric/compute/lean_layers.py`` checks the bits against them before it uses one)."""
+    its bits are torch's by construction. With :meth:`after`, o_proj, the residual add and the
+    norm before the MLP join the call (:meth:`after_attention`). A lean layer saves up to nine
+    operator calls a layer this way (``fabric/compute/lean_layers.py`` checks the bits against
+    them before it uses one)."""
 
-    __slots__ = ("gate_up", "down", "table", "_fn")
+    __slots__ = ("gate_up", "down", "table", "_fn", "o", "_norm", "_weight", "_after")
 
     def __init__(self, gate_up: DotLinear, down: DotLinear):
         if not self.fits(gate_up, down):
@@ -234,6 +241,43 @@ class DotMLP:
         self._fn.argtypes = [ctypes.POINTER(_DJob), ctypes.POINTER(_DJob), ctypes.c_void_p, ctypes.c_void_p,
                              ctypes.c_int, ctypes.c_int]
         self._fn.restype = ctypes.c_int
+        self.o, self._norm, self._weight, self._after = None, None, None, None
+
+    def after(self, o: DotLinear, norm) -> DotMLP:
+        """Take in what comes before the MLP too (:meth:`after_attention`): o_proj ``o`` and the
+        residual add after it, and the post-attention norm ``norm`` (``lean_ops.Norm`` on its C
+        kernel, one weight row)."""
+        if not (isinstance(o, DotLinear) and o.bias is None and o.out_features == self.gate_up.in_features
+                and norm.kernel is not None and norm.groups == 1 and norm.n == o.out_features):
+            raise ValueError("not an o_proj and norm the fused kernel takes")
+        self.o = o
+        self._norm = _NormArgs(ctypes.cast(norm.kernel, ctypes.c_void_p), norm.weight.data_ptr(), norm.eps, norm.lanes)
+        self._after = self.gate_up._kernel.meshnet_q8dot_after_attention
+        self._after.argtypes = [ctypes.POINTER(_DJob), ctypes.c_void_p, ctypes.POINTER(_NormArgs),
+                                ctypes.POINTER(_DJob), ctypes.POINTER(_DJob), ctypes.c_void_p, ctypes.c_int * 3]
+        self._after.restype = ctypes.c_int
+        self._weight = norm.weight  # read by address: kept alive here
+        return self
+
+    def after_attention(self, a: torch.Tensor, x: torch.Tensor) -> torch.Tensor | None:
+        """a (rows, heads * head_dim) the attention's output, x (rows, hidden) the layer's input,
+        both bfloat16 and contiguous -> the layer's output ``mlp(norm(o(a) + x)) + o(a) + x`` as
+        the operators round it; None as :meth:`__call__` answers None."""
+        if not (a.is_contiguous() and x.is_contiguous()):
+            return None
+        n, threads = a.shape[0], torch.get_num_threads()
+        counts = [splits.settled(m.key(n), n * m._macs, threads) for m in (self.o, self.gate_up, self.down)]
+        return None if None in counts else self.run_after(a, x, counts)
+
+    def run_after(self, a: torch.Tensor, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """:meth:`after_attention` on ``counts`` threads for o, gate/up and down."""
+        out = torch.empty_like(x)
+        o, gate_up, down = self.o._job_for(), self.gate_up._job_for(), self.down._job_for()
+        o.x, o.rows, o.xfmt = a.data_ptr(), a.shape[0], _FORMATS[torch.bfloat16]
+        down.y, down.rows = out.data_ptr(), a.shape[0]
+        if self._after(o, x.data_ptr(), self._norm, gate_up, down, self.table.data_ptr(), (ctypes.c_int * 3)(*counts)):
+            raise MemoryError("q8dot: no memory for the layer's rows")
+        return out
 
     @staticmethod
     def fits(gate_up: nn.Module, down: nn.Module) -> bool:

@@ -493,6 +493,43 @@ int meshnet_q8dot_mlp(const DJob *gate_up, const DJob *down, const uint16_t *sil
     return rc;
 }
 
+/* kernels/lean.c's meshnet_rms_norm, handed over by address (a library of its own). */
+typedef int (*NormFn)(const uint16_t *x, int64_t rows, int64_t n, int64_t groups, int64_t x_stride, int64_t x_run,
+                      const uint16_t *weight, float eps, int lanes, uint16_t *out);
+
+typedef struct {
+    NormFn fn;
+    const uint16_t *weight;
+    float eps;
+    int lanes;
+} NormArgs;
+
+/* What follows a llama layer's attention, in one call: h = bf16(bf16(o(a)) + x), then
+ * meshnet_q8dot_mlp over norm(h) with h as its residual. o->x is the attention's output a
+ * (rows, heads * head_dim) bfloat16, o->y is ignored (scratch here); x (rows, hidden) is the
+ * layer's input; the output goes to down->y. threads: o's, gate/up's, down's. */
+int meshnet_q8dot_after_attention(const DJob *o, const uint16_t *x, const NormArgs *norm, const DJob *gate_up,
+                                  const DJob *down, const uint16_t *silu, const int threads[3]) {
+    const int64_t rows = o->rows, width = o->out;
+    uint16_t *h = malloc(sizeof(uint16_t) * (size_t)(rows * width));
+    uint16_t *normed = malloc(sizeof(uint16_t) * (size_t)(rows * width));
+    int rc = -1;
+    if (h && normed && gate_up->in == width && down->out == width) {
+        DJob first = *o, mlp = *gate_up;
+        first.y = h;
+        first.yfmt = F_BF16;
+        rc = meshnet_q8dot(&first, threads[0]);
+        for (int64_t k = 0; rc == 0 && k < rows * width; k++) h[k] = narrow16(widen16(h[k]) + widen16(x[k]));
+        if (rc == 0 && norm->fn(h, rows, width, 1, width, width, norm->weight, norm->eps, norm->lanes, normed))
+            rc = -2;
+        mlp.x = normed, mlp.rows = rows, mlp.xfmt = F_BF16;
+        if (rc == 0) rc = meshnet_q8dot_mlp(&mlp, down, silu, h, threads[1], threads[2]);
+    }
+    free(h);
+    free(normed);
+    return rc;
+}
+
 /* x's quantization as the kernel makes it (for checks): q (rows, in), d and s (rows, in / 32). */
 int meshnet_q8dot_quantize(const DJob *job, int8_t *q, float *d, int32_t *s) {
     Acts a;
