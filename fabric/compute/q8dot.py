@@ -276,7 +276,7 @@ class DotMLP:
         o.x, o.rows, o.xfmt = a.data_ptr(), a.shape[0], _FORMATS[torch.bfloat16]
         down.y, down.rows = out.data_ptr(), a.shape[0]
         if self._after(o, x.data_ptr(), self._norm, gate_up, down, self.table.data_ptr(), (ctypes.c_int * 3)(*counts)):
-            raise MemoryError("q8dot: no memory for the layer's rows")
+            raise MemoryError("q8dot: no memory for the layer's rows (or a width the norm's kernel does not take)")
         return out
 
     @staticmethod
