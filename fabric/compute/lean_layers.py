@@ -178,7 +178,8 @@ class LeanLayer:
 
     def _one_call(self, down: nn.Module) -> DotMLP | None:
         """The MLP as one kernel call (``DotMLP``) where its projections are on the q8dot kernel
-        and it gives ``_mlp``'s bits on random rows; else None."""
+        and it gives ``_mlp``'s bits on random rows, with o_proj, the residual and the norm before
+        it in the call too where that gives ``_after_attention``'s bits; else None."""
         gate_up = getattr(self.gate_up, "__self__", None)  # the fused gate/up module, when fused
         if self.act is not F.silu or not DotMLP.fits(gate_up, down):
             return None
@@ -191,7 +192,10 @@ class LeanLayer:
                 return None
         o = getattr(self.o, "__self__", None)
         if isinstance(o, DotLinear) and o.bias is None and self.norm2.kernel is not None:
-            self.mlp = fused.after(o, self.norm2)
+            try:
+                self.mlp = fused.after(o, self.norm2)
+            except ValueError:  # shapes the call does not take
+                return fused
             for rows in (1, PROBE_ROWS):
                 a = torch.randn(rows, o.in_features, generator=gen).bfloat16()
                 x = torch.randn(rows, o.out_features, generator=gen).bfloat16()
