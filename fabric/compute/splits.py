@@ -39,25 +39,17 @@ class Splits:
     def run(self, key: Hashable, work: int, threads: int, call: Callable[[int], int]) -> int:
         """``call(n)`` on the thread count chosen for calls of ``key`` doing ``work``
         multiply-adds with ``threads`` allowed; returns what ``call`` returns."""
-        if threads == 1:  # a node's decode threads are often one: nothing to choose
-            return call(1)
-        n = native.threads_for(work, threads)
-        if n == 1 or work >= LEARN_BELOW:
+        n = self.settled(key, work, threads)
+        if n is not None:
             return call(n)
-        key = (key, n)
-        chosen = self.chosen.get(key)
-        if chosen is None:
-            return self._trial(key, n, call)
-        chosen[1] -= 1
-        if chosen[1] <= 0:
-            del self.chosen[key]
-        return call(chosen[0])
+        n = native.threads_for(work, threads)
+        return self._trial((key, n), n, call)
 
     def settled(self, key: Hashable, work: int, threads: int) -> int | None:
-        """The thread count ``run`` would give such a call now, counted as one call of ``key``;
-        None while calls of ``key`` are still timed (run them through ``run``, which learns).
-        For a caller that runs several products in one kernel call."""
-        if threads == 1:
+        """The thread count of such a call now, counted as one call of ``key``; None while calls
+        of ``key`` are still timed (``run`` then times this one). ``run`` asks it first; a caller
+        that runs several products in one kernel call asks it for each."""
+        if threads == 1:  # a node's decode threads are often one: nothing to choose
             return 1
         n = native.threads_for(work, threads)
         if n == 1 or work >= LEARN_BELOW:
