@@ -155,6 +155,7 @@ class LeanLayer:
             self.qk_norm = Norm(torch.cat([attn.q_norm.weight[None].expand(self.heads, -1),
                                            attn.k_norm.weight[None].expand(self.kv_heads, -1)]),
                                 attn.q_norm.variance_epsilon)
+        self.mlp = None  # the operators, until _one_call has checked a call against them
         self.mlp = self._one_call(mlp.down_proj)
 
     def __call__(self, x: torch.Tensor, b: int, s: int, rope: Rotary, mask, cache, attend) -> torch.Tensor:
@@ -183,27 +184,21 @@ class LeanLayer:
         gate_up = getattr(self.gate_up, "__self__", None)  # the fused gate/up module, when fused
         if self.act is not F.silu or not DotMLP.fits(gate_up, down):
             return None
-        fused = DotMLP(gate_up, down)
-        gen = torch.Generator().manual_seed(1)
-        for rows in (1, PROBE_ROWS):
-            x, h = (torch.randn(rows, down.out_features, generator=gen).bfloat16() for _ in range(2))
-            if not torch.equal(fused.run(x, h, 1, 1), self._mlp(x, h)):
-                log.info("the MLP in one kernel call changed bits on this CPU: its operators keep it")
-                return None
+        fused, hidden = DotMLP(gate_up, down), down.out_features
+        if not _agrees(lambda x, h: fused.run(x, h, 1, 1), self._mlp, (hidden, hidden)):
+            log.info("the MLP in one kernel call changed bits on this CPU: its operators keep it")
+            return None
         o = getattr(self.o, "__self__", None)
-        if isinstance(o, DotLinear) and o.bias is None and self.norm2.kernel is not None:
-            try:
-                self.mlp = fused.after(o, self.norm2)
-            except ValueError:  # shapes the call does not take
-                return fused
-            for rows in (1, PROBE_ROWS):
-                a = torch.randn(rows, o.in_features, generator=gen).bfloat16()
-                x = torch.randn(rows, o.out_features, generator=gen).bfloat16()
-                if not torch.equal(fused.run_after(a, x, [1, 1, 1]), self._after_attention(a, x)):
-                    log.info("o_proj, the norm and the MLP in one kernel call changed bits on this CPU: the MLP's "
-                             "call alone keeps them")
-                    fused.o = None
-                    break
+        if not (isinstance(o, DotLinear) and o.bias is None and self.norm2.kernel is not None):
+            return fused
+        try:
+            fused.after(o, self.norm2)
+        except ValueError:  # shapes the call does not take
+            return fused
+        if not _agrees(lambda a, x: fused.run_after(a, x, [1, 1, 1]), self._after_attention, (o.in_features, hidden)):
+            log.info("o_proj, the norm and the MLP in one kernel call changed bits on this CPU: the MLP's call "
+                     "alone keeps them")
+            fused.o = None
         return fused
 
     def _attention(self, x: torch.Tensor, b: int, s: int, rope, mask, cache, attend) -> torch.Tensor:
@@ -224,6 +219,16 @@ class LeanLayer:
         k, v = cache.update(k, v, self.layer_idx)
         out = attend(None, q, k, v, mask, scaling=self.scaling)[0]  # (b, s, heads, d)
         return out.view(b * s, heads * d)
+
+
+def _agrees(fast: Callable, slow: Callable, widths: tuple[int, ...]) -> bool:
+    """Whether ``fast`` gives ``slow``'s bits on random bfloat16 rows (one, and PROBE_ROWS) of ``widths``."""
+    gen = torch.Generator().manual_seed(1)
+    for rows in (1, PROBE_ROWS):
+        args = [torch.randn(rows, width, generator=gen).bfloat16() for width in widths]
+        if not torch.equal(fast(*args), slow(*args)):
+            return False
+    return True
 
 
 class _KernelPass:

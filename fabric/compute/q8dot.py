@@ -263,11 +263,8 @@ class DotMLP:
         """a (rows, heads * head_dim) the attention's output, x (rows, hidden) the layer's input,
         both bfloat16 and contiguous -> the layer's output ``mlp(norm(o(a) + x)) + o(a) + x`` as
         the operators round it; None as :meth:`__call__` answers None."""
-        if not (a.is_contiguous() and x.is_contiguous()):
-            return None
-        n, threads = a.shape[0], torch.get_num_threads()
-        counts = [splits.settled(m.key(n), n * m._macs, threads) for m in (self.o, self.gate_up, self.down)]
-        return None if None in counts else self.run_after(a, x, counts)
+        counts = self._threads(a, x, (self.o, self.gate_up, self.down))
+        return None if counts is None else self.run_after(a, x, counts)
 
     def run_after(self, a: torch.Tensor, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """:meth:`after_attention` on ``counts`` threads for o, gate/up and down."""
@@ -292,12 +289,18 @@ class DotMLP:
         (rows, hidden); None while the products' thread counts are still being learnt (the
         caller runs them one by one, which teaches ``fabric.compute.splits``), or for rows that are
         not contiguous."""
-        if not (x.is_contiguous() and residual.is_contiguous()):
+        counts = self._threads(x, residual, (self.gate_up, self.down))
+        return None if counts is None else self.run(x, residual, *counts)
+
+    @staticmethod
+    def _threads(rows: torch.Tensor, other: torch.Tensor, products: tuple[DotLinear, ...]) -> list[int] | None:
+        """Each product's learnt thread count for a call over ``rows``; None while one is still
+        being learnt, or where ``rows`` or ``other`` is not contiguous."""
+        if not (rows.is_contiguous() and other.is_contiguous()):
             return None
-        n, threads = x.shape[0], torch.get_num_threads()
-        first = splits.settled(self.gate_up.key(n), n * self.gate_up._macs, threads)
-        second = splits.settled(self.down.key(n), n * self.down._macs, threads)
-        return None if first is None or second is None else self.run(x, residual, first, second)
+        n, threads = rows.shape[0], torch.get_num_threads()
+        counts = [splits.settled(m.key(n), n * m._macs, threads) for m in products]
+        return None if None in counts else counts
 
     def run(self, x: torch.Tensor, residual: torch.Tensor, first: int, second: int) -> torch.Tensor:
         """The call on ``first`` threads for gate/up and ``second`` for down."""

@@ -87,6 +87,11 @@ static inline uint16_t narrow16(float v) { /* round to nearest even, as torch's 
     return (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
 }
 
+/* out = bf16(a + b) over n bfloat16s (out may be a or b): torch's residual add. */
+static void add_rows(uint16_t *out, const uint16_t *a, const uint16_t *b, int64_t n) {
+    for (int64_t k = 0; k < n; k++) out[k] = narrow16(widen16(a[k]) + widen16(b[k]));
+}
+
 static inline float load_x(const DJob *j, int64_t at) {
     return j->xfmt == F_F32 ? ((const float *)j->x)[at] : widen16(((const uint16_t *)j->x)[at]);
 }
@@ -484,8 +489,7 @@ int meshnet_q8dot_mlp(const DJob *gate_up, const DJob *down, const uint16_t *sil
                 a[r * inner + i] = narrow16(widen16(silu[g[r * 2 * inner + i]]) * widen16(g[r * 2 * inner + inner + i]));
         second.x = a, second.y = y, second.xfmt = second.yfmt = F_BF16;
         if (rc == 0) rc = meshnet_q8dot(&second, threads_down);
-        uint16_t *out = (uint16_t *)down->y;
-        for (int64_t k = 0; rc == 0 && k < rows * width; k++) out[k] = narrow16(widen16(y[k]) + widen16(residual[k]));
+        if (rc == 0) add_rows((uint16_t *)down->y, y, residual, rows * width);
     }
     free(g);
     free(a);
@@ -519,7 +523,7 @@ int meshnet_q8dot_after_attention(const DJob *o, const uint16_t *x, const NormAr
         first.y = h;
         first.yfmt = F_BF16;
         rc = meshnet_q8dot(&first, threads[0]);
-        for (int64_t k = 0; rc == 0 && k < rows * width; k++) h[k] = narrow16(widen16(h[k]) + widen16(x[k]));
+        if (rc == 0) add_rows(h, h, x, rows * width);
         if (rc == 0 && norm->fn(h, rows, width, 1, width, width, norm->weight, norm->eps, norm->lanes, normed))
             rc = -2;
         mlp.x = normed, mlp.rows = rows, mlp.xfmt = F_BF16;
