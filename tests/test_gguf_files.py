@@ -10,7 +10,6 @@ import logging
 import os
 import struct
 import subprocess
-import sys
 from pathlib import Path
 from unittest import mock
 
@@ -27,7 +26,7 @@ from fabric.wire.protocol import ErrorCode, Generate, Hop
 from tests import gguf_models
 from tests.cluster import ROOT, ThreadCluster
 from tests.gguf_models import q4_k_m_mix, write_gguf
-from tests.support import CLI_REPORTING_TORCH
+from tests.support import cli
 
 VOCAB = 384  # write_gguf's vocabulary padded to this size: its last 48 entries are free for special tokens
 GEMMA_TOKENS = ("<start_of_turn>", "<end_of_turn>")
@@ -303,8 +302,7 @@ async def test_the_openai_api_answers_400_for_chats_and_serves_completions(clust
 
 def meshnet(*args: str, timeout: float = 60, report_torch: bool = False) -> subprocess.CompletedProcess:
     env = {**os.environ, "COLUMNS": "1000"}
-    start = ["-c", CLI_REPORTING_TORCH] if report_torch else ["-m", "fabric.cli"]
-    return subprocess.run([sys.executable, *start, *args], capture_output=True, text=True, cwd=ROOT,
+    return subprocess.run([*cli(report_torch), *args], capture_output=True, text=True, cwd=ROOT,
                           timeout=timeout, env=env)
 
 

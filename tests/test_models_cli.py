@@ -29,7 +29,7 @@ from fabric.compute.models import (
 )
 from fabric.wire.shard import Shard
 from tests.cluster import ROOT, free_port
-from tests.support import CLI_REPORTING_TORCH
+from tests.support import cli
 from tests.support.areas import skip_area
 
 REPO = "test-org/tiny-sharded"
@@ -302,8 +302,7 @@ def meshnet(*args: str, env: dict, timeout: float = 120, script: bool = False,
             report_torch: bool = False) -> subprocess.CompletedProcess:
     full = {k: v for k, v in os.environ.items() if k not in ("MESHNET_CONFIG", "HF_TOKEN")}
     full.update(env, PYTHONPATH=str(ROOT))  # the console script runs this checkout's fabric.cli:main
-    command = (["meshnet"] if script else
-               [sys.executable, "-c", CLI_REPORTING_TORCH] if report_torch else [sys.executable, "-m", "fabric.cli"])
+    command = ["meshnet"] if script else cli(report_torch)
     return subprocess.run([*command, *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=full)
 
 

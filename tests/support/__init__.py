@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import socket
+import sys
 import threading
 import time
 from typing import Callable, TypeVar
@@ -12,6 +13,12 @@ T = TypeVar("T")
 # prints whether torch was imported: "torch: False" for a command that answers without it
 CLI_REPORTING_TORCH = ("import runpy, sys\ntry:\n    runpy.run_module('fabric.cli', run_name='__main__', alter_sys=True)\n"
                        "finally:\n    print('torch:', 'torch' in sys.modules)")
+
+
+def cli(report_torch: bool = False) -> list[str]:
+    """The command that runs this checkout's `meshnet`: ``python -m fabric.cli``, or with
+    ``report_torch`` ``CLI_REPORTING_TORCH`` (stdout then ends with whether torch was imported)."""
+    return [sys.executable, "-c", CLI_REPORTING_TORCH] if report_torch else [sys.executable, "-m", "fabric.cli"]
 
 
 _HANDED_OUT: set[int] = set()
