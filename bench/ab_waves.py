@@ -4,10 +4,12 @@
     python bench/ab_waves.py P S10:GOMP_SPINCOUNT=10000       # an environment variable
     python bench/ab_waves.py t1:--threads=1 auto --reps 6     # a node flag
     python bench/ab_waves.py up h15:layers=15                 # the head's layer count
+    python bench/ab_waves.py one:machines two:machines,--decode-threads=0   # a core and a lock per node
 
 Each argument is a cluster: ``NAME[@CHECKOUT][:SETTING,...]``, a SETTING being ``VAR=value`` in
-its processes' environment, ``--flag[=value]`` for its nodes, or ``layers=N`` for a head of N
-layers (the tail takes the rest; default `meshnet up`'s split); ``@CHECKOUT`` runs another
+its processes' environment, ``--flag[=value]`` for its nodes, ``layers=N`` for a head of N
+layers (the tail takes the rest; default `meshnet up`'s split), or ``machines``: each node
+pinned to a core of its own with a compute lock of its own, as nodes on two machines run; ``@CHECKOUT`` runs another
 checkout's code (``git worktree add /tmp/old HEAD~3``, or ``git archive REV | tar -x -C DIR``).
 Every cluster is started as `meshnet up` starts its nodes (no ``--threads``, the default
 ``--quant auto``) and kept up; then, ``--reps`` times, each runs a wave of 1 and of 8 concurrent
@@ -31,31 +33,34 @@ import concurrency  # noqa: E402
 import fabric_bench as fb  # noqa: E402
 
 
-def parse(spec: str) -> tuple[str, str, dict[str, str], list[str], int]:
-    """NAME[@CHECKOUT][:SETTING,...] -> (name, checkout, environment, node flags, head's layers or 0)."""
+def parse(spec: str) -> tuple[str, str, dict[str, str], list[str], int, bool]:
+    """NAME[@CHECKOUT][:SETTING,...] -> (name, checkout, environment, node flags, head's layers or 0,
+    machines)."""
     head, _, rest = spec.partition(":")
     name, _, checkout = head.partition("@")
-    env, flags, split = {}, [], 0
+    env, flags, split, machines = {}, [], 0, False
     for setting in filter(None, rest.split(",")):
-        if setting.startswith("layers="):
+        if setting == "machines":
+            machines = True
+        elif setting.startswith("layers="):
             split = int(setting.partition("=")[2])
         elif setting.startswith("--"):
             flags += setting.split("=", 1)
         else:
             var, _, value = setting.partition("=")
             env[var] = value
-    return name, checkout, env, flags, split
+    return name, checkout, env, flags, split, machines
 
 
 def start(procs: fb.Procs, spec: str, model: str, layers: int, tmp: Path, traced: bool) -> fb.Cluster:
     from fabric.wire.shard import Shard
 
-    name, checkout, env, flags, split = parse(spec)
+    name, checkout, env, flags, split, machines = parse(spec)
     node_args = ("--quant", "auto", *flags)
     shards = ([Shard(0, split - 1, layers), Shard(split, layers - 1, layers)] if split
               else concurrency.up_split(model, node_args, 2))
     c = fb.Cluster(name, name, shards, "auto", traced=traced, env=env,
-                   repo=Path(checkout).resolve() if checkout else fb.REPO)
+                   repo=Path(checkout).resolve() if checkout else fb.REPO, machines=machines)
     fb.start_cluster(procs, c, model, tmp, node_args)
     return c
 

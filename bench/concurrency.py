@@ -76,15 +76,6 @@ def device_args(args: argparse.Namespace) -> tuple[str, ...]:
     return ("--device", args.device, "--dtype", args.dtype, "--quant", args.quant)
 
 
-def up_flags(model: str, node_args: tuple[str, ...] | list[str], nodes: int) -> list[str]:
-    """What `meshnet up` adds to the flags of its ``nodes`` nodes (``up_command.decode_threads``),
-    for nodes run with ``node_args`` (their last ``--device`` and ``--quant``, else the defaults)."""
-    from fabric.cli.up_command import decode_threads
-
-    device, _, quant = _as_up(model, node_args)
-    return decode_threads(device, quant, nodes)
-
-
 def up_split(model: str, node_args: tuple[str, ...] | list[str], nodes: int) -> list:
     """The shards `meshnet up` gives ``nodes`` nodes run with ``node_args`` (``up_command.up_shards``:
     balanced by what each holds, so the tail, which holds the lm_head, takes fewer layers)."""
@@ -115,7 +106,7 @@ def start_cluster(model: str, nodes: int, tmp: Path, threads: int = 0,
     tracker = f"tcp://127.0.0.1:{free_port()}"
     me = [sys.executable, "-m", "fabric.cli", "--log-level", "warning"]
     # default: all cores, and decode passes at once where quantized, as `meshnet up`
-    threads_args = ["--threads", str(threads)] if threads else up_flags(model, node_args, len(shards or [0] * nodes))
+    threads_args = ["--threads", str(threads)] if threads else []
     procs = [subprocess.Popen([*me, "tracker", "--bind", tracker, "--pub", f"tcp://127.0.0.1:{free_port()}",
                                "--db", str(tmp / "ledger.sqlite3")], cwd=REPO)]
     from fabric.compute.models import load_config

@@ -63,7 +63,7 @@ if str(REPO) not in sys.path:
 import psutil  # noqa: E402
 
 sys.path.insert(0, str(REPO / "bench"))
-from concurrency import add_device_args, device_args, up_flags  # noqa: E402
+from concurrency import add_device_args, device_args  # noqa: E402
 
 from tests.support import free_port  # noqa: E402
 
@@ -236,6 +236,7 @@ class Cluster:
     profile_dir: Path | None = None
     repo: Path = REPO  # the checkout whose code its processes run
     env: dict = field(default_factory=dict)  # added to its processes' environment
+    machines: bool = False  # each node on a core and a compute lock of its own, as if on a machine of its own
     tracker: str = ""
     tracker_proc: subprocess.Popen | None = None
     nodes: list = field(default_factory=list)  # [(shard, Popen, trace path | None)]
@@ -254,12 +255,10 @@ class Cluster:
 
 
 def checkout_up_flags(repo: Path, model: str, extra: tuple[str, ...], nodes: int) -> list[str]:
-    """What `meshnet up` adds to its nodes' flags (``concurrency.up_flags``), as checkout ``repo``'s
-    own code says: a cluster of another checkout runs as that checkout's `meshnet up` would, and one
-    from before such flags existed gets none."""
-    if repo == REPO:
-        return up_flags(model, extra, nodes)
-    if not (repo / "bench" / "concurrency.py").is_file():
+    """What `meshnet up` adds to its nodes' flags, as checkout ``repo``'s own code says: none since its
+    nodes choose their decode threads themselves (``hops.decodes_at_once``); a checkout from before
+    that gives what its ``concurrency.up_flags`` says, one from before such flags existed none."""
+    if repo == REPO or not (repo / "bench" / "concurrency.py").is_file():
         return []
     code = ("import json, sys; from concurrency import up_flags; "
             "print(json.dumps(up_flags(*json.loads(sys.argv[1]))))")
@@ -280,8 +279,9 @@ def start_cluster(procs: Procs, c: Cluster, model: str, tmp: Path, extra: tuple[
     threads = ["--threads", str(c.threads)] if c.threads != "auto" else checkout_up_flags(c.repo, model, extra,
                                                                                          len(c.shards))
     for i, shard in enumerate(c.shards):
+        lock = tmp / (f"{c.key}-{i}.lock" if c.machines else f"{c.key}.lock")
         node_args = ["node", "--model", model, "--layers", str(shard), "--tracker", c.tracker, *threads,
-                     "--compute-lock", str(tmp / f"{c.key}.lock"), "--no-progress", *extra]
+                     "--compute-lock", str(lock), "--no-progress", *extra]
         env, trace = dict(c.env), None
         if c.traced or c.profile_dir:
             argv = [py, str(c.repo / "bench" / "trace_node.py"), "--log-level", "warning", *node_args]
@@ -292,6 +292,8 @@ def start_cluster(procs: Procs, c: Cluster, model: str, tmp: Path, extra: tuple[
                 env["MESHNET_BENCH_TRACE"] = str(trace)
         else:
             argv = [py, "-m", "fabric.cli", "--log-level", "warning", *node_args]
+        if c.machines:
+            argv = ["taskset", "-c", str(sorted(os.sched_getaffinity(0))[i % len(os.sched_getaffinity(0))]), *argv]
         c.nodes.append((shard, procs.start(f"{c.key}-node{i}-{shard}", argv, env, c.repo), trace))
 
 

@@ -3,18 +3,19 @@ of decode steps alone without it, each on its share of the cores, and stop gathe
 streams into one batch, so the streams run as a pipeline of groups. Prompts keep the lock."""
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 from collections import Counter
 
 import pytest
 import torch
 
-from fabric.cli.up_command import decode_threads
-from fabric.compute.compute_lock import ComputeLock
+from fabric.compute.compute_lock import RECOUNT_S, ComputeLock, Members
 from fabric.compute.executor import ShardExecutor
 from fabric.compute.kv import KVStore
 from fabric.compute.models import load_shard, resolve
-from fabric.node.hops import HopRunner
+from fabric.node.hops import HopRunner, decodes_at_once
 from fabric.node.scheduler import SPLIT_FROM, HopScheduler, Replay, SchedulerConfig, Work
 from fabric.wire import protocol as p
 from fabric.wire.shard import Shard
@@ -139,11 +140,71 @@ def test_many_streams_run_as_two_groups_where_nodes_decode_at_once(streams):
     assert batches(gather=False) == ([streams] if streams < SPLIT_FROM else [(streams + 1) // 2, streams // 2])
 
 
-def test_meshnet_up_gives_quantized_cpu_nodes_their_share_of_the_cores(monkeypatch):
+def test_quantized_cpu_nodes_of_a_split_model_decode_at_once_by_default():
+    """`meshnet node` without --decode-threads: a quantized CPU node of a split model decodes at
+    once (its streams a pipeline of groups, on this machine or across machines); float weights (one
+    gathered batch is faster), a GPU, or a node holding every layer (no next node to keep busy)
+    gather as before."""
+    assert decodes_at_once("cpu", "gguf", Shard(0, 14, 30)) and decodes_at_once("cpu", "int4", Shard(15, 29, 30))
+    assert decodes_at_once("cpu", "int8", Shard(3, 5, 30))
+    assert not decodes_at_once("cpu", None, Shard(0, 14, 30)) and not decodes_at_once("cpu", "none", Shard(0, 14, 30))
+    assert not decodes_at_once("cuda:0", "gguf", Shard(0, 14, 30)) and not decodes_at_once("cpu", "gguf", Shard(0, 29, 30))
+
+
+def _recount(members: Members) -> int:
+    members._at = -RECOUNT_S  # the next count looks at the directory again
+    return members.count()
+
+
+def test_nodes_sharing_a_lock_count_one_another_as_they_come_and_go(tmp_path):
+    """Each node holds a file of its own beside the compute lock; the count is who holds one now."""
+    lock = str(tmp_path / "compute.lock")
+    a = Members(lock)
+    assert _recount(a) == 1
+    b = Members(lock)
+    assert _recount(a) == _recount(b) == 2
+    b.close()
+    assert _recount(a) == 1 and len(list((tmp_path / "compute.lock.nodes").iterdir())) == 1
+    assert Members(None).count() == 1  # no lock (--compute-lock none): alone
+    a.close()
+
+
+def test_a_killed_nodes_file_is_not_counted_and_is_removed(tmp_path):
+    """A node killed with SIGKILL cannot remove its file: the kernel drops its flock, and the next
+    count finds the file unheld, removes it and counts the living."""
+    lock = str(tmp_path / "compute.lock")
+    me = Members(lock)
+    code = ("import sys, time; from fabric.compute.compute_lock import Members; m = Members(sys.argv[1]); "
+            "print('in', flush=True); time.sleep(60)")
+    other = subprocess.Popen([sys.executable, "-c", code, lock], stdout=subprocess.PIPE, text=True)
+    try:
+        assert other.stdout.readline().strip() == "in"
+        assert _recount(me) == 2
+        other.kill()
+        other.wait(10)
+        assert _recount(me) == 1
+        assert len(list((tmp_path / "compute.lock.nodes").iterdir())) == 1  # its file is gone, mine stays
+    finally:
+        other.kill()
+        me.close()
+
+
+def test_decode_threads_follow_the_nodes_on_this_machine(tiny_models, tmp_path, monkeypatch):
+    """A node's decode threads are its CPUs over the nodes sharing its lock, at most torch's threads:
+    all of them alone (each of two machines with a node of its own), half with a second node here,
+    all again once it leaves."""
     monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(8)))
-    assert decode_threads("cpu", "gguf", 2) == ["--decode-threads", "4"]
-    assert decode_threads("cpu", "int4", 3) == ["--decode-threads", "2"]
-    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0})
-    assert decode_threads("cpu", "int8", 2) == ["--decode-threads", "1"]
-    # float weights (one gathered batch is faster), one node, a GPU: as before
-    assert decode_threads("cpu", "none", 2) == decode_threads("cpu", "gguf", 1) == decode_threads("cuda", "gguf", 2) == []
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 6)
+    lock = str(tmp_path / "compute.lock")
+    executor = ShardExecutor(load_shard(resolve(str(tiny_models("llama"))), Shard(0, 5, 6), progress=False), KVStore())
+    runner = HopRunner(executor, ComputeLock(lock), Counter(), members=Members(lock))
+    assert runner.decode_threads == 6  # alone: every thread torch has (6 of 8 CPUs)
+    other = Members(lock)
+    runner.members._at = -RECOUNT_S
+    runner.share_cores()
+    assert runner.decode_threads == 4
+    other.close()
+    runner.members._at = -RECOUNT_S
+    runner.share_cores()
+    assert runner.decode_threads == 6
+    runner.members.close()

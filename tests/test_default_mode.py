@@ -8,6 +8,7 @@ default mode's split gives the tokens of one transformers process computing the 
 """
 from __future__ import annotations
 
+import os
 import threading
 
 import numpy as np
@@ -33,7 +34,7 @@ from fabric.compute.models import (
 from fabric.compute.quant import Int4Linear
 from fabric.node.scheduler import SPLIT_FROM
 from fabric.wire.shard import Shard
-from tests.support import free_port
+from tests.support import free_port, wait_for
 from tests.support.areas import skip_area
 from tests.support.references import quantized_reference
 from tests.test_processes import token_ids
@@ -226,14 +227,19 @@ def test_default_nodes_give_the_default_single_process_tokens(process_cluster):
 
 @pytest.mark.slow
 def test_nodes_that_decode_at_once_give_concurrent_streams_the_single_process_tokens(process_cluster):
-    """``meshnet up``'s quantized nodes decode at once (``--decode-threads``): passes of decode steps
-    without the compute lock, on one thread, their streams waiting only for their own group, and
-    SPLIT_FROM streams or more run as two groups (one computing at each node). Eight streams at
-    once, batched however they fall, each get the greedy tokens of one process."""
+    """Quantized nodes of a split model decode at once by default (no ``--decode-threads``, as
+    `meshnet up` and a person start them): passes of decode steps without the compute lock, on
+    their share of the CPUs (the two nodes count each other at the lock they share), their streams
+    waiting only for their own group, and SPLIT_FROM streams or more run as two groups (one
+    computing at each node). Eight streams at once, batched however they fall, each get the greedy
+    tokens of one process."""
     source = need_model()
-    process_cluster.start_node("head", MODEL, "0-14", None, "--decode-threads", "1")
-    process_cluster.start_node("tail", MODEL, "15-29", None, "--decode-threads", "1")
+    process_cluster.start_node("head", MODEL, "0-14", None)
+    process_cluster.start_node("tail", MODEL, "15-29", None)
     process_cluster.wait_nodes(["head", "tail"], MODEL)
+    share = f"{len(os.sched_getaffinity(0)) // 2 or 1} thread(s): {len(os.sched_getaffinity(0))} CPU(s) here, 2 node(s)"
+    for name in ("head", "tail"):
+        assert wait_for(lambda name=name: share in (process_cluster.tmp / f"{name}.log").read_text(), timeout=10)
     cache = process_cluster.cache / "meshnet"
     reference = quantized_reference(source.directory, source.gguf_file, "int4", cache)
     questions = [*QUESTIONS, "Name three colours.", "What is 12 times 12?", "Who wrote Hamlet?",

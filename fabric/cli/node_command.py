@@ -92,11 +92,13 @@ def _node_compute_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=count, default=0,
                    help="torch threads, 0 for all cores, with one-token decode passes on one thread where a "
                         "check at load finds that no slower (default %(default)s)")
-    p.add_argument("--decode-threads", type=count, default=0, metavar="N",
+    p.add_argument("--decode-threads", type=count, default=None, metavar="N",
                    help="run passes of decode steps alone on N threads without the compute lock, so that nodes "
-                        "of one machine decode at once, each on its share of the cores (`meshnet up` gives each "
-                        "node cores / nodes); prompts keep the lock and every thread; 0: every pass under the "
-                        "lock (default %(default)s)")
+                        "of one machine decode at once and the streams run as a pipeline of groups through the "
+                        "nodes; prompts keep the lock and every thread; 0: every pass under the lock, the streams "
+                        "gathered into one batch (default: a quantized CPU node of a split model takes its "
+                        "machine's cores over the nodes sharing its compute lock, counted as they come and go; "
+                        "others 0)")
     p.add_argument("--compute-lock", default=None, metavar="FILE",
                    help="nodes on one machine that lock the same file compute one at a time, each with every "
                         "thread; `none`: compute whenever this node likes (default: one file per device for "

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 import sys
 import threading
 
@@ -98,27 +97,14 @@ def cmd_up(args) -> int:
 def node_commands(args, shards: list, devices: list[str], node: list[str], keys: list[str]) -> list[list[str]]:
     """Each node's command line. Nodes on one device (this machine's cores, or one GPU) compute one
     at a time, each with all of it: every node locks its device's default compute lock, as nodes
-    started by hand on this machine do; on CPU cores their decode passes run at once, each on its
-    share (``decode_threads``). ``--draft`` goes to the node holding layer 0 alone: it
+    started by hand on this machine do, and on CPU cores the quantized ones decode at once, each on
+    its share (``hops.decodes_at_once``). ``--draft`` goes to the node holding layer 0 alone: it
     heads every request."""
-    threads = (["--threads", str(args.threads)] if args.threads
-               else decode_threads(args.device, args.quant, len(shards)))
+    threads = ["--threads", str(args.threads)] if args.threads else []
     return [[*node, "--model", args.model, "--layers", str(s), "--tracker", args.tracker, *threads,
              "--device", device, "--dtype", args.dtype, "--quant", args.quant, "--no-progress", *keys,
              *(["--draft", args.draft, "--draft-quant", args.draft_quant] if args.draft and s.start == 0 else [])]
             for s, device in zip(shards, devices)]
-
-
-def decode_threads(device: str, quant: str, nodes: int) -> list[str]:
-    """``--decode-threads`` for quantized nodes sharing this machine's cores: each decodes on its
-    share of them, at the same time as the others, so the streams run as a pipeline of groups
-    (prompts still take every core in turn). Nothing for one node, GPUs, or float weights
-    (``--quant none``): a float pass is bound by memory, which the nodes share, and runs about as
-    long for one stream as for eight, so one gathered batch at a time is faster there
-    (docs/BENCHMARKS.md, "Decode passes at once")."""
-    if device != "cpu" or quant == "none" or nodes < 2:
-        return []
-    return ["--decode-threads", str(max(1, len(os.sched_getaffinity(0)) // nodes))]
 
 
 def node_devices(device: str, nodes: int, gpus: int) -> list[str]:

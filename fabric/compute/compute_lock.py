@@ -16,14 +16,21 @@ another file, or ``none``.
 """
 from __future__ import annotations
 
+import contextlib
 import fcntl
+import logging
 import os
+import secrets
 import stat
 import threading
+import time
 from collections.abc import Mapping
 from pathlib import Path
 
+log = logging.getLogger(__name__)
+
 NO_LOCK = "none"  # --compute-lock none: this node computes whenever it likes
+RECOUNT_S = 1.0  # Members.count() looks at the directory at most this often
 
 
 class LockDirError(Exception):
@@ -213,3 +220,68 @@ class _Waiter:
     def _close_fds(self) -> None:
         for fd in (self.fd, self._read, self._write):
             os.close(fd)
+
+
+class Members:
+    """The nodes that use one compute lock file now, this one among them, so that each can take
+    its share of the machine's cores. Each holds an exclusive ``flock`` on a file of its own in
+    ``LOCKFILE.nodes/`` while it lives; the kernel lets the lock go when a process dies, so a
+    file nobody holds is a dead node's and is removed. A file joins under a hidden name and is
+    renamed once locked, so it is never counted, or removed, before it is held. No path (or a
+    directory that cannot be made): this node alone."""
+
+    def __init__(self, lock_path: str | None):
+        self.dir = lock_path and lock_path + ".nodes"
+        self._fd: int | None = None
+        self._path = ""
+        self._counted, self._at = 1, -RECOUNT_S
+        if self.dir:
+            try:
+                self._join()
+            except OSError as exc:
+                log.warning("cannot count the nodes sharing %s (%s): counting this node alone", lock_path, exc)
+                self.dir = None
+
+    def _join(self) -> None:
+        os.makedirs(self.dir, mode=0o700, exist_ok=True)
+        name = f"{os.getpid()}-{secrets.token_hex(4)}"
+        hidden = os.path.join(self.dir, "." + name)
+        self._fd = os.open(hidden, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        fcntl.flock(self._fd, fcntl.LOCK_EX)
+        self._path = os.path.join(self.dir, name)
+        os.rename(hidden, self._path)
+
+    def count(self) -> int:
+        """How many nodes hold a file here now (at least 1: this one), looked at once a second."""
+        now = time.monotonic()
+        if self.dir and now - self._at >= RECOUNT_S:
+            self._counted, self._at = max(1, self._look()), now
+        return self._counted
+
+    def _look(self) -> int:
+        alive = 0
+        for entry in os.scandir(self.dir):
+            if entry.name.startswith("."):
+                continue
+            try:
+                fd = os.open(entry.path, os.O_RDONLY | os.O_CLOEXEC)
+            except OSError:
+                continue  # removed meanwhile
+            try:
+                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            except BlockingIOError:
+                alive += 1
+            else:
+                with contextlib.suppress(OSError):
+                    os.unlink(entry.path)  # nobody holds it: its node died
+            finally:
+                os.close(fd)
+        return alive
+
+    def close(self) -> None:
+        """Leave: this node is no longer counted."""
+        if self._fd is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(self._path)
+            os.close(self._fd)
+            self._fd = None

@@ -45,8 +45,9 @@ class NodeConfig:
     tune_threads: bool = False
     # decode passes (decode steps alone) on this many threads outside the compute lock, so that nodes of one
     # machine decode at once, each on its share of the cores, and streams run as a pipeline of groups; 0: every
-    # pass under the lock (HopRunner.ready)
-    decode_threads: int = 0
+    # pass under the lock (HopRunner.ready); None (`meshnet node`'s default): this machine's share of the cores
+    # where the node decodes at once by default (hops.decodes_at_once), else 0
+    decode_threads: int | None = 0
     max_frame_bytes: int = 64 << 20  # largest tensor buffer accepted from a peer
     cache_root: Path | None = None  # where parsed GGUF metadata is cached
     share_bytes_per_s: float = 0.0  # bytes/s of its model file handed to peers fetching layers; 0: no cap

@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import time
 from collections import Counter
 
 import torch
 
-from ..compute.compute_lock import ComputeLock
+from ..compute.compute_lock import ComputeLock, Members
 from ..compute.executor import Chunk, ShardExecutor, Step, StepResult
 from ..wire import protocol as p
 from ..wire.shard import Shard
@@ -61,14 +62,43 @@ def on_threads(n: int):
         torch.set_num_threads(every)
 
 
+def decodes_at_once(device: str, quant: str | None, shard: Shard) -> bool:
+    """Whether a node decodes at once by default (`meshnet node` without ``--decode-threads``): a
+    quantized CPU node of a split model. Its streams then run as a pipeline of groups, one group's
+    pass here while another's is at the next node, on this machine or another, where one gathered
+    batch leaves every node but one idle (docs/BENCHMARKS.md, "Nodes started by hand pipeline
+    too"). Not float weights (a float pass is bound by memory, and runs about as long for one
+    stream as for eight), GPUs, or a node holding the whole model (no other node to keep busy)."""
+    whole = shard.is_first and shard.is_last
+    return device.partition(":")[0] == "cpu" and quant not in (None, "none") and not whole
+
+
 class HopRunner:
-    def __init__(self, executor: ShardExecutor, lock: ComputeLock, counters: Counter, decode_threads: int = 0):
+    def __init__(self, executor: ShardExecutor, lock: ComputeLock, counters: Counter, decode_threads: int = 0,
+                 members: Members | None = None):
         self.executor = executor
         self.lock = lock
         self.counters = counters  # the node's: hops, batches, chunks and seconds are counted here
         self.step_threads = 0  # torch threads of a one-token pass (``tune_step_threads``); 0: as set for all
         self.decode_threads = decode_threads  # threads of a decode pass, run without the lock; 0: under it
+        self.members = members  # with them, decode_threads is this node's share of the cores (``share_cores``)
         self._bare = False  # ``ready()`` let a decode pass run without the lock
+        self._shared = (0, 0)  # the decode threads and the nodes sharing the cores, last logged
+        self.share_cores()
+
+    def share_cores(self) -> None:
+        """With ``members`` (the nodes that share this machine's compute lock), decode on this node's
+        share of the cores: its CPUs over the nodes there now, at most torch's threads. Nodes
+        started by hand then decode at once as `meshnet up`'s do, and one alone on its machine
+        decodes on all of them; a node that joins or leaves changes the share within a second."""
+        if self.members is None:
+            return
+        nodes, cores = self.members.count(), len(os.sched_getaffinity(0))
+        self.decode_threads = max(1, min(torch.get_num_threads(), cores // nodes))
+        if (self.decode_threads, nodes) != self._shared:
+            self._shared = (self.decode_threads, nodes)
+            log.info("decode passes at once on %d thread(s): %d CPU(s) here, %d node(s) sharing them",
+                     self.decode_threads, cores, nodes)
 
     def wait(self, scheduler: HopScheduler) -> float:
         """Seconds the loop may poll for: until the queued work is due, else 50 ms (a compute
@@ -158,12 +188,12 @@ class HopRunner:
                         elapsed, first.msg.start_layer, first.msg.end_layer, first.tokens, first.msg.pos)
 
     def _threads(self, batch: list[Work], bare: bool) -> int:
-        """The torch threads ``batch`` runs on: ``decode_threads`` for a decode pass without the lock;
-        ``step_threads`` for a one-token pass, where set; else every thread."""
-        if bare:
-            return self.decode_threads
+        """The torch threads ``batch`` runs on: ``step_threads`` for a one-token pass, where set (and
+        fewer than a bare pass may take); ``decode_threads`` for another decode pass without the lock;
+        else every thread."""
         one_token = len(batch) == 1 and batch[0].tokens == 1
-        return self.step_threads if self.step_threads and one_token else torch.get_num_threads()
+        every = self.decode_threads if bare else torch.get_num_threads()
+        return min(self.step_threads, every) if self.step_threads and one_token else every
 
     def tune_step_threads(self, shard: Shard, dtype: torch.dtype, reps: int = 5) -> int:
         """Run one-token passes on one thread where this shard's one-token step is no slower on it

@@ -20,7 +20,7 @@ from collections import Counter
 import torch
 import zmq
 
-from ..compute.compute_lock import ComputeLock
+from ..compute.compute_lock import ComputeLock, Members
 from ..compute.executor import ShardExecutor
 from ..compute.grammar import Grammars
 from ..compute.kv import KVStore, default_budget
@@ -37,7 +37,7 @@ from .asks import SessionAsks
 from .config import NodeConfig
 from .draft_model import DraftModel
 from .head import Head, ServedModel
-from .hops import HopRunner
+from .hops import HopRunner, decodes_at_once
 from .housekeeping import Housekeeping
 from .idle_trim import IdleTrim
 from .leave import Departure
@@ -79,11 +79,12 @@ class Node(PassOn, SessionControl, Replies):
         # the start, so another thread can copy the counter while this one updates it.
         self.counters: Counter[str] = Counter({k: 0 for k in COUNTERS})
         self._lock = ComputeLock(config.compute_lock)
-        self.hops = HopRunner(self.executor, self._lock, self.counters, config.decode_threads)
+        self.hops = HopRunner(self.executor, self._lock, self.counters, config.decode_threads or 0,
+                              members=self._members(config))
         self.taps = Taps(self.executor, self._lock, config.node_id, kernels(config.device, config.dtype, config.quant),
                          self.counters)
         self.scheduler = HopScheduler(config.scheduler, self.kv, self.executor.batchable, self._lock.shared,
-                                      gather=not config.decode_threads)
+                                      gather=not self.hops.decode_threads)
         self.benchmark = self.hops.benchmark(config.shard, config.dtype)
         if config.tune_threads:
             self.hops.tune_step_threads(config.shard, config.dtype)
@@ -108,6 +109,14 @@ class Node(PassOn, SessionControl, Replies):
         # (about a quarter of a million objects, 140-170 ms here) no longer stalls a stream's token
         gc.freeze()
         release_freed_memory()  # what loading, the tokenizer and the benchmark left behind goes back to the OS
+
+    @staticmethod
+    def _members(config: NodeConfig) -> Members | None:
+        """Without ``decode_threads`` (None), the nodes sharing this machine's compute lock, where
+        this node decodes at once by default: its decode threads follow their count."""
+        if config.decode_threads is None and decodes_at_once(config.device, config.quant, config.shard):
+            return Members(config.compute_lock)
+        return None
 
     def _head(self, model_config) -> Head:
         tokenizer = load_tokenizer(self.config.source, self.config.cache_root)
@@ -168,6 +177,8 @@ class Node(PassOn, SessionControl, Replies):
         self.links.close()
         self.share.close()
         self._lock.close()
+        if self.hops.members is not None:
+            self.hops.members.close()
         if self.auth is not None:
             self.auth.stop()
         if self._own_ctx:
@@ -201,6 +212,7 @@ class Node(PassOn, SessionControl, Replies):
 
     def _periodic(self, now: float) -> None:
         self.links.tick(now)
+        self.hops.share_cores()
         self.peers.probe(now)
         for session in self.kv.evict_idle():
             self._drop_session(session)  # its KV is gone already: the batch group and gathering forget it too
