@@ -2,6 +2,7 @@
 same file, so two `meshnet node` processes started by hand take turns as `meshnet up`'s do."""
 from __future__ import annotations
 
+import fcntl
 import os
 import select
 import stat
@@ -202,3 +203,46 @@ def test_closing_a_lock_whose_waiter_is_blocked_frees_the_file_once_flock_return
     assert other.request()  # the closed file no longer holds the lock
     other.release()
     other.close()
+
+
+def test_a_pass_lets_the_lock_go_before_its_results_are_sent(tmp_path, tiny_models, ctx):
+    """The node a pass's TOKEN or FORWARD wakes may share this machine's lock: it finds the lock
+    free, instead of asking, waiting in ``flock`` and being woken once the sender is done."""
+    model = tiny_models("llama")
+    path = tmp_path / "compute.lock"
+    node = Node(NodeConfig.build(resolve(str(model)), Shard(0, 5, 6), tracker=None, progress=False,
+                                 node_id="lock-node", compute_lock=str(path)))
+    free_when_sent = []
+    send = node._send
+
+    def watched(endpoint, key, message):
+        if isinstance(message, p.Token):
+            other = os.open(path, os.O_RDWR)  # another node's open file
+            try:
+                fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                free_when_sent.append(True)
+            except BlockingIOError:
+                free_when_sent.append(False)
+            finally:
+                os.close(other)
+        send(endpoint, key, message)
+
+    node._send = watched
+    stop = threading.Event()
+    serving = threading.Thread(target=node.run, args=(stop,), daemon=True)
+    serving.start()
+    head = ctx.socket(zmq.ROUTER)
+    reply_to = f"tcp://127.0.0.1:{head.bind_to_random_port('tcp://127.0.0.1')}"
+    peer = ctx.socket(zmq.DEALER)
+    try:
+        assert node.ready.wait(30)
+        peer.connect(node.endpoint)
+        spec, buf = to_wire(torch.tensor([prompt_ids(model)[:8]]))
+        peer.send_multipart(p.encode(p.Forward(session="lock-test", step=0, pos=0, start_layer=0, end_layer=5,
+                                               route=(), reply_to=reply_to, tensors=(spec,)), [buf]))
+        token = _receive(head, (p.Token,), 60.0)
+        assert token is not None and token.pos == 8
+        assert free_when_sent == [True]
+    finally:
+        stop.set()
+        serving.join(30)

@@ -83,6 +83,7 @@ class HopRunner:
         self.decode_threads = decode_threads  # threads of a decode pass, run without the lock; 0: under it
         self.members = members  # with them, decode_threads is this node's share of the cores (``share_cores``)
         self._bare = False  # ``ready()`` let a decode pass run without the lock
+        self._granted = False  # ``ready()`` said yes, and ``done()`` has not followed yet
         self._shared = (0, 0)  # the decode threads and the nodes sharing the cores, last logged
         self.share_cores()
 
@@ -121,19 +122,25 @@ class HopRunner:
         small), while prompts, verification steps and replays take the lock and every thread
         (docs/BENCHMARKS.md, "Decode passes at once")."""
         if self.decode_threads and scheduler.narrow() and scheduler.wait(time.monotonic()) == 0:
-            self._bare = True
+            self._bare = self._granted = True
             return True
         asked = self.lock.pending
         if not asked and not (len(scheduler) and scheduler.wait(time.monotonic()) == 0):
             return False
         if self.lock.request():
+            self._granted = True
             return True
         if not asked:
             self.counters["lock_waits"] += 1
         return False
 
     def done(self) -> None:
-        """Let the compute lock ``ready()`` took go."""
+        """Let the compute lock ``ready()`` took go, once per grant: as soon as the pass has run,
+        before its results are sent (the node they go to may share this machine's lock), and
+        again, doing nothing, after them."""
+        if not self._granted:
+            return
+        self._granted = False
         if self._bare:
             self._bare = False
         else:

@@ -27,6 +27,7 @@ class PassOn:
             self.send_tensors(batch[0].msg.reply_to, batch[0].msg.reply_key, *self.taps.replay(batch[0]))
             return
         results, started, elapsed = self.hops.run(batch)
+        self.hops.done()  # the lock goes before the results: the node they wake may wait for it on this machine
         self.scheduler.ran(batch, started, elapsed)
         taps = []
         for work, result in zip(batch, results):
