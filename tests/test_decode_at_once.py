@@ -3,6 +3,7 @@ of decode steps alone without it, each on its share of the cores, and stop gathe
 streams into one batch, so the streams run as a pipeline of groups. Prompts keep the lock."""
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 import threading
@@ -208,3 +209,14 @@ def test_decode_threads_follow_the_nodes_on_this_machine(tiny_models, tmp_path, 
     runner.share_cores()
     assert runner.decode_threads == 6
     runner.members.close()
+
+
+def test_a_vanished_directory_keeps_the_last_count(tmp_path):
+    """A cleaned /tmp takes the directory away under a running node: the count stands, no error."""
+    lock = str(tmp_path / "compute.lock")
+    a, b = Members(lock), Members(lock)
+    assert _recount(a) == 2
+    shutil.rmtree(tmp_path / "compute.lock.nodes")
+    assert _recount(a) == 2
+    a.close()
+    b.close()

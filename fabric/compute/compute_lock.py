@@ -255,7 +255,11 @@ class Members:
         """How many nodes hold a file here now (at least 1: this one), looked at once a second."""
         now = time.monotonic()
         if self.dir and now - self._at >= RECOUNT_S:
-            self._counted, self._at = max(1, self._look()), now
+            self._at = now
+            try:
+                self._counted = max(1, self._look())
+            except OSError as exc:  # the directory went (a cleaned /tmp): the last count stands
+                log.warning("cannot count the nodes in %s: %s", self.dir, exc)
         return self._counted
 
     def _look(self) -> int:

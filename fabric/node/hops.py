@@ -73,6 +73,11 @@ def decodes_at_once(device: str, quant: str | None, shard: Shard) -> bool:
     return device.partition(":")[0] == "cpu" and quant not in (None, "none") and not whole
 
 
+def _cpus() -> int:
+    """The CPUs this process may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
 class HopRunner:
     def __init__(self, executor: ShardExecutor, lock: ComputeLock, counters: Counter, decode_threads: int = 0,
                  members: Members | None = None):
@@ -94,7 +99,7 @@ class HopRunner:
         decodes on all of them; a node that joins or leaves changes the share within a second."""
         if self.members is None:
             return
-        nodes, cores = self.members.count(), len(os.sched_getaffinity(0))
+        nodes, cores = self.members.count(), _cpus()
         self.decode_threads = max(1, min(torch.get_num_threads(), cores // nodes))
         if (self.decode_threads, nodes) != self._shared:
             self._shared = (self.decode_threads, nodes)
