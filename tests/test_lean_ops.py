@@ -107,3 +107,28 @@ def test_tables_of_another_shape_are_broadcast_as_torch_does(kernel):
     qk = _rows(8 * d, 6, seed=3).view(2, 3, 8, d)
     rotary = lean_ops.Rotary(cos, sin)
     assert torch.equal(rotary(qk), lean_ops.torch_rope(qk, rotary.tables))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_passs_new_keys_go_into_the_cache_as_index_copy_puts_them(kernel, monkeypatch, dtype):
+    """A decode pass's keys and values (rows, heads, 1, d), views of wider tensors as a layer's
+    products give them, land in the RowGroup's lines in one C call, bit for bit where torch's
+    ``index_copy_`` puts them, which then does not run; float32 (exact mode) keeps torch's."""
+    from fabric.compute.rows import RowGroup
+
+    rows, heads, d = 3, 2, 64
+    group = RowGroup(0, 1)
+    for n, session in enumerate("abc"):
+        group.join(session, {i: (torch.randn(1, heads, 5 + n, d).to(dtype),) * 2 for i in (0, 1)})
+    step = group.step_cache(0, rows)
+    wide = torch.randn(rows, 1, 3 * heads, d).to(dtype)  # a qkv product: k and v are views into it
+    k, v = wide[:, :, heads:2 * heads].transpose(1, 2), wide[:, :, 2 * heads:].transpose(1, 2)
+    want_k, want_v = group.keys[1].clone(), group.values[1].clone()
+    want_k.view(-1, d).index_copy_(0, step.lines, k.reshape(-1, d))
+    want_v.view(-1, d).index_copy_(0, step.lines, v.reshape(-1, d))
+    copies = []
+    monkeypatch.setattr(torch.Tensor, "index_copy_", lambda *a, **kw: copies.append(a))
+    step.update(k, v, 1)
+    assert not copies
+    assert torch.equal(group.keys[1], want_k) and torch.equal(group.values[1], want_v)
+    assert not lean_ops.put_lines(group.keys[1].float(), group.values[1].float(), step.lines, k.float(), v.float())

@@ -191,4 +191,25 @@ def _library() -> ctypes.CDLL | None:
         lib.meshnet_rope.restype = None
         lib.meshnet_square_sums.argtypes = [_PTR, _I64, _I64, ctypes.c_int, _PTR]
         lib.meshnet_square_sums.restype = ctypes.c_int
+        lib.meshnet_put_lines.argtypes = [_PTR, _I64, _I64, _PTR, _I64, _I64, _I64, _I64, _I64, _PTR, _PTR, _PTR]
+        lib.meshnet_put_lines.restype = None
     return lib
+
+
+def put_lines(keys: torch.Tensor, values: torch.Tensor, lines: torch.Tensor, key_states: torch.Tensor,
+              value_states: torch.Tensor) -> bool:
+    """Write key_states and value_states (rows, heads, 1, d) into the lines ``lines`` (int64, one per
+    row and head) of keys and values seen as (lines, d), in one C call: a copy, torch's two
+    ``index_copy_`` calls' bits at a quarter of their time. False (nothing written) where the
+    kernel does not take them: not 16-bit, or a line's d values not contiguous."""
+    lib = _library()
+    d = keys.shape[-1]
+    if (lib is None or keys.element_size() != 2 or key_states.dtype != keys.dtype
+            or value_states.dtype != keys.dtype or key_states.stride(-1) != 1 or value_states.stride(-1) != 1
+            or not (keys.is_contiguous() and values.is_contiguous() and lines.is_contiguous())):
+        return False
+    rows, heads = key_states.shape[:2]
+    lib.meshnet_put_lines(key_states.data_ptr(), key_states.stride(0), key_states.stride(1), value_states.data_ptr(),
+                          value_states.stride(0), value_states.stride(1), rows, heads, d, lines.data_ptr(),
+                          keys.data_ptr(), values.data_ptr())
+    return True

@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 
 from .kv import spare
+from .lean_ops import put_lines
 
 MIN_ROWS = 4  # rows allocated at least; more double
 
@@ -168,9 +169,10 @@ class RowsStep:
                *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
         """key_states, value_states: (hi - lo, kv_heads, 1, head_dim)."""
         keys, values = self.group.keys[layer_idx], self.group.values[layer_idx]
-        d = keys.shape[-1]  # one index_copy_ a side: under half an indexed assignment's time
-        keys.view(-1, d).index_copy_(0, self.lines, key_states.reshape(-1, d))
-        values.view(-1, d).index_copy_(0, self.lines, value_states.reshape(-1, d))
+        if not put_lines(keys, values, self.lines, key_states, value_states):
+            d = keys.shape[-1]  # one index_copy_ a side: under half an indexed assignment's time
+            keys.view(-1, d).index_copy_(0, self.lines, key_states.reshape(-1, d))
+            values.view(-1, d).index_copy_(0, self.lines, value_states.reshape(-1, d))
         return keys[self.lo:self.hi, :, :self.width], values[self.lo:self.hi, :, :self.width]
 
     def mask(self, dtype: torch.dtype) -> torch.Tensor:

@@ -158,3 +158,18 @@ void meshnet_rope(const uint16_t *x, int64_t b, int64_t s_len, int64_t heads, in
         }
     }
 }
+
+/* A decode pass's new keys and values into the cache, one line of d 16-bit values per row and
+ * head: line i = r * heads + h (r < rows, h < heads) comes from k + r * k_row + h * k_head (and
+ * the same of v) and goes to keys + lines[i] * d (and values + lines[i] * d). A copy: the bits
+ * stay as they were. */
+void meshnet_put_lines(const uint16_t *k, int64_t k_row, int64_t k_head, const uint16_t *v, int64_t v_row,
+                       int64_t v_head, int64_t rows, int64_t heads, int64_t d, const int64_t *lines,
+                       uint16_t *keys, uint16_t *values) {
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t h = 0; h < heads; h++) {
+            int64_t line = lines[r * heads + h] * d;
+            memcpy(keys + line, k + r * k_row + h * k_head, (size_t)d * 2);
+            memcpy(values + line, v + r * v_row + h * v_head, (size_t)d * 2);
+        }
+}
