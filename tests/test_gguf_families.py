@@ -183,6 +183,30 @@ def test_a_heads_embedding_reads_its_rows_without_mapping_the_file(gguf_file, ki
         head.embed(torch.tensor([[vocab]]))
 
 
+@pytest.mark.parametrize("kind", ["Q6_K", "Q8_0"])
+def test_a_heads_embedding_keeps_the_rows_it_read_within_its_bound(gguf_file, monkeypatch, kind):
+    """Rows looked up again come from what the embedding kept, not the file; past the bound the
+    oldest go and are read again: the rows equal the whole embedding's either way."""
+    from fabric.compute import gguf_load
+
+    path = gguf_file("llama", kind)
+    embed = load_shard(resolve(str(path)), Shard(0, 1, 4), progress=False).embed
+    tensors = GGUFTensors.open(path)
+    info = tensors.find(EMBED_TENSOR)
+    whole = torch.from_numpy(dequantize(tensors.raw(info), info.tensor_type))
+    tensors.close()
+    read = []
+    rows_of = embed.tensors.rows_of
+    monkeypatch.setattr(embed.tensors, "rows_of", lambda info, ids: read.append(ids.tolist()) or rows_of(info, ids))
+    ids = torch.tensor([[7, 5, 7, 9]])  # (rows 0-3 were read as the head loaded: its probe)
+    assert torch.equal(embed(ids), whole[ids]) and read == [[7, 5, 9]]
+    assert torch.equal(embed(torch.tensor([[9, 5]])), whole[torch.tensor([[9, 5]])]) and len(read) == 1  # kept: no read
+    monkeypatch.setattr(gguf_load, "KEPT_ROW_BYTES", 2 * whole[0].numel() * 4)  # two rows at most
+    assert torch.equal(embed(torch.tensor([[11, 12, 13]])), whole[torch.tensor([[11, 12, 13]])])
+    assert list(embed._kept) == [12, 13] and embed._kept_bytes == 2 * whole[0].numel() * 4
+    assert torch.equal(embed(torch.tensor([[7]])), whole[torch.tensor([[7]])]) and read[-1] == [7]  # evicted: read again
+
+
 # --------------------------------------------------------------------------- real node processes
 
 RAW_PROMPT = "the quick brown fox jumps over the lazy dog"  # words the tiny tokenizer knows
