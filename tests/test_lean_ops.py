@@ -132,3 +132,22 @@ def test_a_passs_new_keys_go_into_the_cache_as_index_copy_puts_them(kernel, monk
     assert not copies
     assert torch.equal(group.keys[1], want_k) and torch.equal(group.values[1], want_v)
     assert not lean_ops.put_lines(group.keys[1].float(), group.values[1].float(), step.lines, k.float(), v.float())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("width,rows", [(49152, 1), (576, 4), (7, 3)])
+def test_an_audits_sketch_in_one_call_gives_index_adds_bits(kernel, monkeypatch, dtype, width, rows):
+    """A tap's count sketch (a tail's logits, a hop's hidden rows, a view with rows apart) by the C
+    kernel: the same float32 bits as torch's ``index_add_`` of the same products in the same
+    order, which then does not run."""
+    from fabric.node import verdicts
+    from fabric.wire.protocol import SKETCH_DIM
+
+    wide = (torch.randn(rows, 2 * width) * torch.logspace(-3, 3, 2 * width)).to(dtype)
+    x = wide[:, :width]  # rows 2 * width apart
+    bucket, sign = verdicts._buckets(width)
+    want = torch.zeros(rows, SKETCH_DIM).index_add_(1, bucket, x.float() * sign)
+    adds = []
+    monkeypatch.setattr(torch.Tensor, "index_add_", lambda *a, **kw: adds.append(a))
+    got = verdicts.sketch(x)
+    assert not adds and got.dtype == torch.float32 and torch.equal(got, want)

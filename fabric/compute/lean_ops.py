@@ -193,7 +193,23 @@ def _library() -> ctypes.CDLL | None:
         lib.meshnet_square_sums.restype = ctypes.c_int
         lib.meshnet_put_lines.argtypes = [_PTR, _I64, _I64, _PTR, _I64, _I64, _I64, _I64, _I64, _PTR, _PTR, _PTR]
         lib.meshnet_put_lines.restype = None
+        lib.meshnet_sketch.argtypes = [_PTR, ctypes.c_int, _I64, _I64, _I64, _PTR, _PTR, _I64, _PTR]
+        lib.meshnet_sketch.restype = None
     return lib
+
+
+def count_sketch(rows: torch.Tensor, bucket: torch.Tensor, sign: torch.Tensor, dim: int) -> torch.Tensor | None:
+    """``out[r, bucket[i]] += rows[r, i] * sign[i]`` in float32 for rows (n, width) of bfloat16 or
+    float32 on the CPU, in one C call, with the bits of torch's ``index_add_`` (the same additions
+    in the same order); None where the kernel does not take them (nothing computed)."""
+    lib = _library()
+    if (lib is None or rows.device.type != "cpu" or rows.dtype not in (torch.bfloat16, torch.float32)
+            or rows.stride(-1) != 1 or bucket.dtype != torch.int64 or sign.dtype != torch.float32):
+        return None
+    out = torch.empty(rows.shape[0], dim, dtype=torch.float32)
+    lib.meshnet_sketch(rows.data_ptr(), rows.dtype == torch.bfloat16, rows.shape[0], rows.shape[1],
+                       rows.stride(0), bucket.data_ptr(), sign.data_ptr(), dim, out.data_ptr())
+    return out
 
 
 def put_lines(keys: torch.Tensor, values: torch.Tensor, lines: torch.Tensor, key_states: torch.Tensor,

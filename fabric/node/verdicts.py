@@ -33,6 +33,7 @@ from enum import StrEnum
 
 import torch
 
+from ..compute.lean_ops import count_sketch
 from ..wire.liveness import AUDIT_TOLERANCE as DEFAULT_TOLERANCE  # relative L2 distance allowed
 from ..wire.protocol import SKETCH_DIM
 
@@ -55,8 +56,12 @@ def sketch(x: torch.Tensor) -> torch.Tensor:
     coordinate, its sign flipped at random, added into one of SKETCH_DIM buckets, in float32
     (a bucket sums width / SKETCH_DIM numbers: rounding stays near 1e-6 of it, far under any
     tolerance). O(width) per row; ||sketch(a) - sketch(b)|| estimates ||a - b|| without bias."""
-    rows = x.detach().reshape(-1, x.shape[-1]).float().cpu()  # (rows, width)
+    rows = x.detach().reshape(-1, x.shape[-1])  # (rows, width)
     bucket, sign = _buckets(rows.shape[1])
+    out = count_sketch(rows, bucket, sign, SKETCH_DIM)  # one C call, the same bits: a tap's cost halved
+    if out is not None:
+        return out
+    rows = rows.float().cpu()
     out = torch.zeros(rows.shape[0], SKETCH_DIM, dtype=torch.float32)
     return out.index_add_(1, bucket, rows * sign)  # (rows, SKETCH_DIM)
 

@@ -173,3 +173,25 @@ void meshnet_put_lines(const uint16_t *k, int64_t k_row, int64_t k_head, const u
             memcpy(values + line, v + r * v_row + h * v_head, (size_t)d * 2);
         }
 }
+
+/* A count sketch of each of `rows` rows of `width` values (bfloat16 where is16, else float32),
+ * rows `stride` elements apart: out[r][bucket[i]] += x[r][i] * sign[i], i in order, in float32,
+ * out (rows, dim) zeroed here. The order of the additions is torch's index_add_ over the
+ * columns, one after another, so the bits are too. */
+void meshnet_sketch(const void *x, int is16, int64_t rows, int64_t width, int64_t stride, const int64_t *bucket,
+                    const float *sign, int64_t dim, float *out) {
+    for (int64_t r = 0; r < rows; r++) {
+        float *o = out + r * dim;
+        for (int64_t j = 0; j < dim; j++)
+            o[j] = 0.0f;
+        if (is16) {
+            const uint16_t *row = (const uint16_t *)x + r * stride;
+            for (int64_t i = 0; i < width; i++)
+                o[bucket[i]] += widen(row[i]) * sign[i];
+        } else {
+            const float *row = (const float *)x + r * stride;
+            for (int64_t i = 0; i < width; i++)
+                o[bucket[i]] += row[i] * sign[i];
+        }
+    }
+}
