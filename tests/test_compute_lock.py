@@ -2,6 +2,7 @@
 same file, so two `meshnet node` processes started by hand take turns as `meshnet up`'s do."""
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
 import select
@@ -130,24 +131,10 @@ def test_a_node_waiting_for_the_lock_answers_pings_and_runs_the_hop_once_it_is_f
     for several seconds while a FORWARD waits at the node: the node answers every PING over
     its ROUTER all that while, and computes the hop, answering with its TOKEN, only once the
     lock is let go."""
-    model = tiny_models("llama")
     path = tmp_path / "compute.lock"
-    node = Node(NodeConfig.build(resolve(str(model)), Shard(0, 5, 6), tracker=None, progress=False,
-                                 node_id="lock-node", compute_lock=str(path)))
-    stop = threading.Event()
-    serving = threading.Thread(target=node.run, args=(stop,), daemon=True)
-    serving.start()
-    head = ctx.socket(zmq.ROUTER)  # stands in for the head: TOKEN and PROGRESS come here
-    reply_to = f"tcp://127.0.0.1:{head.bind_to_random_port('tcp://127.0.0.1')}"
-    peer = ctx.socket(zmq.DEALER)
-    try:
-        assert node.ready.wait(30)
-        peer.connect(node.endpoint)
-        spec, buf = to_wire(torch.tensor([prompt_ids(model)[:8]]))
-        forward = p.Forward(session="lock-test", step=0, pos=0, start_layer=0, end_layer=5, route=(),
-                            reply_to=reply_to, tensors=(spec,))
+    with _lone_node(path, tiny_models("llama"), ctx) as (peer, head, forward):
         with ComputeLock(str(path)):
-            peer.send_multipart(p.encode(forward, [buf]))
+            peer.send_multipart(forward)
             assert wait_for(lambda: _lock_waiters(path) == 1, 30), "the hop never waited for the lock"
             for nonce in range(1, 7):  # pings over ~3 s, each answered while the lock is held
                 peer.send_multipart(p.encode(p.Ping(nonce)))
@@ -158,6 +145,30 @@ def test_a_node_waiting_for_the_lock_answers_pings_and_runs_the_hop_once_it_is_f
         token = _receive(head, (p.Token,), 60.0)
         assert token is not None and token.session == "lock-test" and token.pos == 8
         assert _lock_waiters(path) == 0
+
+
+@contextlib.contextmanager
+def _lone_node(path: Path, model: Path, ctx, wrap=None):
+    """A node of ``model``'s 6 layers serving in a thread with the compute lock at ``path`` (``wrap``
+    sees it first); yields a DEALER connected to it, a ROUTER standing in for the head (TOKEN and
+    PROGRESS come there), and the frames of a FORWARD of 8 prompt tokens answered there. The
+    node has stopped once the block ends."""
+    node = Node(NodeConfig.build(resolve(str(model)), Shard(0, 5, 6), tracker=None, progress=False,
+                                 node_id="lock-node", compute_lock=str(path)))
+    if wrap is not None:
+        wrap(node)
+    stop = threading.Event()
+    serving = threading.Thread(target=node.run, args=(stop,), daemon=True)
+    serving.start()
+    head = ctx.socket(zmq.ROUTER)
+    reply_to = f"tcp://127.0.0.1:{head.bind_to_random_port('tcp://127.0.0.1')}"
+    peer = ctx.socket(zmq.DEALER)
+    try:
+        assert node.ready.wait(30)
+        peer.connect(node.endpoint)
+        spec, buf = to_wire(torch.tensor([prompt_ids(model)[:8]]))
+        yield peer, head, p.encode(p.Forward(session="lock-test", step=0, pos=0, start_layer=0, end_layer=5,
+                                             route=(), reply_to=reply_to, tensors=(spec,)), [buf])
     finally:
         stop.set()
         serving.join(30)
@@ -208,41 +219,28 @@ def test_closing_a_lock_whose_waiter_is_blocked_frees_the_file_once_flock_return
 def test_a_pass_lets_the_lock_go_before_its_results_are_sent(tmp_path, tiny_models, ctx):
     """The node a pass's TOKEN or FORWARD wakes may share this machine's lock: it finds the lock
     free, instead of asking, waiting in ``flock`` and being woken once the sender is done."""
-    model = tiny_models("llama")
     path = tmp_path / "compute.lock"
-    node = Node(NodeConfig.build(resolve(str(model)), Shard(0, 5, 6), tracker=None, progress=False,
-                                 node_id="lock-node", compute_lock=str(path)))
     free_when_sent = []
-    send = node._send
 
-    def watched(endpoint, key, message):
-        if isinstance(message, p.Token):
-            other = os.open(path, os.O_RDWR)  # another node's open file
-            try:
-                fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                free_when_sent.append(True)
-            except BlockingIOError:
-                free_when_sent.append(False)
-            finally:
-                os.close(other)
-        send(endpoint, key, message)
+    def watch(node):
+        send = node._send
 
-    node._send = watched
-    stop = threading.Event()
-    serving = threading.Thread(target=node.run, args=(stop,), daemon=True)
-    serving.start()
-    head = ctx.socket(zmq.ROUTER)
-    reply_to = f"tcp://127.0.0.1:{head.bind_to_random_port('tcp://127.0.0.1')}"
-    peer = ctx.socket(zmq.DEALER)
-    try:
-        assert node.ready.wait(30)
-        peer.connect(node.endpoint)
-        spec, buf = to_wire(torch.tensor([prompt_ids(model)[:8]]))
-        peer.send_multipart(p.encode(p.Forward(session="lock-test", step=0, pos=0, start_layer=0, end_layer=5,
-                                               route=(), reply_to=reply_to, tensors=(spec,)), [buf]))
+        def watched(endpoint, key, message):
+            if isinstance(message, p.Token):
+                other = os.open(path, os.O_RDWR)  # another node's open file
+                try:
+                    fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    free_when_sent.append(True)
+                except BlockingIOError:
+                    free_when_sent.append(False)
+                finally:
+                    os.close(other)
+            send(endpoint, key, message)
+
+        node._send = watched
+
+    with _lone_node(path, tiny_models("llama"), ctx, watch) as (peer, head, forward):
+        peer.send_multipart(forward)
         token = _receive(head, (p.Token,), 60.0)
         assert token is not None and token.pos == 8
-        assert free_when_sent == [True]
-    finally:
-        stop.set()
-        serving.join(30)
+    assert free_when_sent == [True]
