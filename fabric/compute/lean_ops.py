@@ -219,12 +219,12 @@ def put_lines(keys: torch.Tensor, values: torch.Tensor, lines: torch.Tensor, key
     ``index_copy_`` calls' bits at a quarter of their time. False (nothing written) where the
     kernel does not take them: not 16-bit, or a line's d values not contiguous."""
     lib = _library()
-    d = keys.shape[-1]
+    rows, heads, q, d = key_states.shape
     if (lib is None or keys.element_size() != 2 or key_states.dtype != keys.dtype
             or value_states.dtype != keys.dtype or key_states.stride(-1) != 1 or value_states.stride(-1) != 1
+            or q != 1 or d != keys.shape[-1] or value_states.shape != key_states.shape or rows * heads != lines.numel()
             or not (keys.is_contiguous() and values.is_contiguous() and lines.is_contiguous())):
         return False
-    rows, heads = key_states.shape[:2]
     lib.meshnet_put_lines(key_states.data_ptr(), key_states.stride(0), key_states.stride(1), value_states.data_ptr(),
                           value_states.stride(0), value_states.stride(1), rows, heads, d, lines.data_ptr(),
                           keys.data_ptr(), values.data_ptr())
