@@ -205,6 +205,17 @@ class ProcessCluster:
         self.start_node(names[1], str(model), "3-5")
         return self.wait_nodes(list(names), model.name)
 
+    def past_warmup(self, timeout: float = 30.0) -> None:
+        """Wait until the tracker is past its start-up grace (HEARTBEAT_LIVENESS heartbeats): before
+        it, a model nobody serves is answered "the tracker started N s ago: nodes register" (503),
+        not unknown (404). A fast machine gets through a whole test on tiny models within it."""
+        from fabric.wire.liveness import HEARTBEAT_LIVENESS
+
+        def past():
+            with self.client() as c:
+                return c.status()["tracker"]["uptime_s"] > self.heartbeat * HEARTBEAT_LIVENESS
+        assert wait_for(past, timeout), "the tracker never got past its start-up grace"
+
     def kill(self, name: str, sig: int = signal.SIGKILL, wait: float = 10.0) -> None:
         proc = self.procs.pop(name)
         proc.send_signal(sig)
