@@ -201,11 +201,11 @@ def test_decode_threads_follow_the_nodes_on_this_machine(tiny_models, tmp_path, 
     runner = HopRunner(executor, ComputeLock(lock), Counter(), members=Members(lock))
     assert runner.decode_threads == 6  # alone: every thread torch has (6 of 8 CPUs)
     other = Members(lock)
-    runner.members._at = -RECOUNT_S
+    _recount(runner.members)
     runner.share_cores()
     assert runner.decode_threads == 4
     other.close()
-    runner.members._at = -RECOUNT_S
+    _recount(runner.members)
     runner.share_cores()
     assert runner.decode_threads == 6
     runner.members.close()

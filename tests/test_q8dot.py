@@ -143,10 +143,7 @@ def _build(tmp_path, flags: list[str]) -> ctypes.CDLL:
     source = q8dot.native.SOURCES / "q8dot.c"
     subprocess.run([compiler, "-O3", *flags, "-fopenmp", "-shared", "-fPIC", "-std=gnu11", "-o", str(target),
                     str(source), "-lm"], check=True, capture_output=True, timeout=120)
-    lib = ctypes.CDLL(str(target))
-    lib.meshnet_q8dot_tile_bytes.restype = ctypes.c_int64
-    lib.meshnet_q8dot_tile_bytes.argtypes = [ctypes.c_int, ctypes.c_int64]
-    return lib
+    return q8dot.declared(ctypes.CDLL(str(target)))
 
 
 @pytest.mark.parametrize("flags,path", [(["-mavx2", "-mfma", "-mf16c"], 1), ([], 0)])

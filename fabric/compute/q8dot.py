@@ -42,9 +42,20 @@ def enabled() -> bool:
 def kernel() -> ctypes.CDLL | None:
     """The built q8dot kernel, or None where it cannot be had (``fabric.compute.native``)."""
     lib = native.library("q8dot")
-    if lib is not None:
-        lib.meshnet_q8dot_tile_bytes.restype = ctypes.c_int64
-        lib.meshnet_q8dot_tile_bytes.argtypes = [ctypes.c_int, ctypes.c_int64]
+    return declared(lib) if lib is not None else None
+
+
+def declared(lib: ctypes.CDLL) -> ctypes.CDLL:
+    """``lib`` (a build of kernels/q8dot.c) with the argument types of the calls made with Python
+    ints and ctypes structures, set once for the library rather than by each caller."""
+    lib.meshnet_q8dot_tile_bytes.restype = ctypes.c_int64
+    lib.meshnet_q8dot_tile_bytes.argtypes = [ctypes.c_int, ctypes.c_int64]
+    job = ctypes.POINTER(_DJob)
+    lib.meshnet_q8dot_mlp.argtypes = [job, job, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
+    lib.meshnet_q8dot_mlp.restype = ctypes.c_int
+    lib.meshnet_q8dot_after_attention.argtypes = [job, ctypes.c_void_p, ctypes.POINTER(_NormArgs), job, job,
+                                                  ctypes.c_void_p, ctypes.c_int * 3]
+    lib.meshnet_q8dot_after_attention.restype = ctypes.c_int
     return lib
 
 
@@ -237,10 +248,7 @@ class DotMLP:
         if not self.fits(gate_up, down):
             raise ValueError("not a gate/up and down pair the fused kernel takes")
         self.gate_up, self.down, self.table = gate_up, down, silu_table()
-        self._fn = gate_up._kernel.meshnet_q8dot_mlp
-        self._fn.argtypes = [ctypes.POINTER(_DJob), ctypes.POINTER(_DJob), ctypes.c_void_p, ctypes.c_void_p,
-                             ctypes.c_int, ctypes.c_int]
-        self._fn.restype = ctypes.c_int
+        self._fn = gate_up._kernel.meshnet_q8dot_mlp  # its argument types: ``kernel()``
         self.o, self._norm, self._weight, self._after = None, None, None, None
 
     def after(self, o: DotLinear, norm) -> DotMLP:
@@ -252,10 +260,7 @@ class DotMLP:
             raise ValueError("not an o_proj and norm the fused kernel takes")
         self.o = o
         self._norm = _NormArgs(ctypes.cast(norm.kernel, ctypes.c_void_p), norm.weight.data_ptr(), norm.eps, norm.lanes)
-        self._after = self.gate_up._kernel.meshnet_q8dot_after_attention
-        self._after.argtypes = [ctypes.POINTER(_DJob), ctypes.c_void_p, ctypes.POINTER(_NormArgs),
-                                ctypes.POINTER(_DJob), ctypes.POINTER(_DJob), ctypes.c_void_p, ctypes.c_int * 3]
-        self._after.restype = ctypes.c_int
+        self._after = self.gate_up._kernel.meshnet_q8dot_after_attention  # its argument types: ``kernel()``
         self._weight = norm.weight  # read by address: kept alive here
         return self
 
