@@ -340,3 +340,97 @@ def test_a_verification_step_of_a_batched_session_stays_in_its_row(tail):
     ref = tail.run("ref", 0, last, torch.tensor([[9]]), 8).logits  # cut back on its own cache the same way
     assert close(outs[1].logits, ref) and close(outs[1].logits, outs[0].logits)  # b's history is now a's
     assert not close(outs[1].logits, b_out.verify[1])  # (a control: the rejected draft there gave others)
+
+
+# --------------------------------------------------------------------------- steps sent ahead
+
+
+def test_a_step_sent_ahead_is_cut_off_with_the_drafts_it_assumed(tail):
+    """A verification step (3 drafts) and one sent ahead of its answer (a guess and 2 drafts):
+    the hop holds all 7 of their positions after the last confirmed one as drafted, so the next
+    step may come anywhere among them, in place, and finds exactly the positions before it; the
+    logits there are those of a session that never saw the rest. A step before them is a miss."""
+    last = 5
+    prompt = torch.tensor([[1, 17, 40, 99, 23, 61]])  # (1, 6)
+    tail.run("spec", 0, last, prompt, 0)
+    tail.run("spec", 0, last, torch.tensor([[7, 8, 9, 10]]), 6, drafts=3)  # positions 6..9
+    kv = tail.kv.get("spec")
+    assert (kv.length, kv.drafted) == (10, 3)
+    tail.run("spec", 0, last, torch.tensor([[11, 12, 13]]), 10, drafts=2, guess=True)  # positions 10..12
+    assert (kv.length, kv.drafted) == (13, 6)
+    with pytest.raises(CacheMissError):
+        tail.run("spec", 0, last, torch.tensor([[5]]), 6)  # the last confirmed position: not a rollback
+    got = tail.run("spec", 0, last, torch.tensor([[5]]), 8)  # two drafts kept, the third rejected
+    assert tail.rolled_back == 5 and (kv.length, kv.drafted) == (9, 0)
+    tail.run("ref", 0, last, prompt, 0)
+    tail.run("ref", 0, last, torch.tensor([[7, 8]]), 6)
+    want = tail.run("ref", 0, last, torch.tensor([[5]]), 8).logits
+    close = torch.equal if tail.w.dtype == torch.bfloat16 else lambda x, y: torch.allclose(x, y, atol=1e-4)
+    assert close(got.logits, want)
+    tail.run("spec", 0, last, torch.tensor([[6, 2, 3]]), 9, drafts=2)
+    tail.run("spec", 0, last, torch.tensor([[4, 4]]), 12, drafts=1, guess=True)
+    tail.run("spec", 0, last, torch.tensor([[4, 4]]), 14, drafts=1, guess=True)  # a chain of two sent ahead
+    assert (kv.length, kv.drafted) == (16, 6)
+    tail.run("spec", 0, last, torch.tensor([[3]]), 10)  # the first draft kept: everything after it goes
+    assert (kv.length, kv.drafted) == (11, 0) and tail.rolled_back == 5 + 6
+
+
+def test_the_tail_runs_a_step_sent_ahead_only_where_its_guess_held():
+    """The tail answers a step sent ahead (``guess``) only where its last TOKEN of the session
+    was the guess at the step's position: the step before kept every draft and the guess was
+    the token after them. Otherwise nothing (None): no TOKEN, no tap, no count moved."""
+    rows = torch.full((3, 6), -1.0)
+    for i, best in enumerate([3, 1, 4]):
+        rows[i, best] = 1.0
+    asks = SessionAsks()
+    assert [(t.token, t.pos) for t in asks.verify(_forward((3, 1)), 11, rows)] == [(3, 11), (1, 12), (4, 13)]
+    asks.at_tail(_forward((3, 1)), 13, _Result(rows))  # the step before: positions 10..12, its TOKENs 11..13
+    ahead = dataclasses.replace(_forward((3, 1)), pos=13, guess=4)  # it assumed 3 and 1 kept, and 4 after them
+    assert [(t.token, t.pos) for t in asks.at_tail(ahead, 16, _Result(rows))] == [(3, 14), (1, 15), (4, 16)]
+    assert asks.at_tail(dataclasses.replace(ahead, pos=16, guess=5), 19, _Result(rows)) is None  # 4 came there
+    asks.at_tail(_forward((3, 2)), 13, _Result(rows))  # a step whose second draft is rejected: its last TOKEN at 12
+    assert asks.at_tail(ahead, 16, _Result(rows)) is None
+    assert asks.at_tail(dataclasses.replace(ahead, pos=12, guess=1), 15, _Result(rows))  # (a control)
+    asks.forget("s")
+    assert asks.at_tail(ahead, 16, _Result(rows)) is None  # a session the tail does not know: void
+
+
+@dataclasses.dataclass
+class _Result:
+    verify: torch.Tensor
+
+    @property
+    def logits(self) -> torch.Tensor:
+        return self.verify[-1]
+
+
+def test_a_guess_is_a_token_id_on_a_step_with_drafts():
+    ok = dataclasses.replace(_forward((1, 2)), guess=7)
+    ok.validate()
+    assert p.decode(p.encode(ok, [bytes(3 * 8 * 4)]))[0].guess == 7
+    for change in (dict(guess=-2), dict(guess=2 ** 31), dict(drafts=(), tensors=(p.TensorSpec("float32", (1, 1, 8)),))):
+        with pytest.raises(p.ProtocolError):
+            dataclasses.replace(ok, **change).validate()
+    plain = _forward((1, 2))
+    assert b"guess" not in bytes(p.encode(plain, [bytes(3 * 8 * 4)])[2])  # not sent ahead: no byte for it
+
+
+def test_a_step_is_sent_ahead_where_its_drafts_and_guess_likely_hold():
+    """``ahead``: lookup's continuation of the drafts in flight, a guess and drafts after it,
+    where every draft kept and the guess right (first * then^k) times what the step yields
+    beats its positions' cost; never where lookup no longer continues those drafts, in a crowd,
+    from a draft model, or with ``ahead`` off."""
+    history = [1, 2, 3, 4] * 4
+    spec = Speculation(SpeculationConfig(prior_accept=0.9))
+    drafts = spec.drafts(history, 20)
+    assert drafts == [1, 2, 3, 4, 1, 2] and spec.matched == 3
+    ahead = spec.ahead(history, drafts, 20)
+    assert ahead[:3] == [3, 4, 1] and 2 <= len(ahead) <= 7 and spec.aheads == 1
+    assert spec.ahead(history, drafts, 2) == [3, 4]  # room for two tokens: the guess and one draft
+    assert spec.ahead(history, [1, 2, 9], 20) == []  # lookup would not draft 9 there
+    assert spec.ahead(history, [], 20) == [] and spec.ahead(history, drafts, 1) == []
+    poor = Speculation(SpeculationConfig(prior_accept=0.3))
+    assert poor.ahead(history, poor.drafts(history, 20) or [1], 20) == []  # seldom all kept: not worth it
+    assert Speculation(SpeculationConfig(prior_accept=0.9), streams=2).ahead(history, drafts, 20) == []
+    off = Speculation(SpeculationConfig(prior_accept=0.9, ahead=False))
+    assert off.ahead(history, off.drafts(history, 20), 20) == []

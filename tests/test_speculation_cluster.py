@@ -101,6 +101,34 @@ def test_greedy_text_is_the_same_with_and_without_speculation(thread_cluster, ti
     assert tail.counters["hops"] - trips < sum(map(len, plain))  # fewer trips through the tail than tokens
 
 
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["exact", "default"])
+def test_steps_sent_ahead_of_their_answer_keep_the_text(thread_cluster, tiny_models, family, dtype, monkeypatch):
+    """Pipelined speculation: each step is followed, before its answer, by one that assumes its
+    drafts all kept and guesses the token after them. With drafts that always hold, most steps
+    sent ahead hold and the tail answers them; with a wrong draft at every third place, many are
+    void, and the tail answers nothing for them, and every hop cuts their positions off. Either
+    way the text is the text without drafts; without ``ahead`` no step is sent ahead."""
+    model = tiny_models(family)
+    head, tail = split(thread_cluster, model, dtype)
+    prompts = PROMPTS if dtype == torch.bfloat16 else clear_prompts(model)
+    speculate(head, OFF)
+    plain = [generate(thread_cluster, model, prompt) for prompt in prompts]
+    c = head.counters
+    for right in (lambda at, i: True, lambda at, i: (at + i) % 3):
+        monkeypatch.setattr(spec_module.Lookup, "propose", oracle(model, prompts, plain, right))
+        speculate(head, SpeculationConfig(adaptive=False, max_drafts=3, first_drafts=3))
+        assert [generate(thread_cluster, model, prompt) for prompt in prompts] == plain
+    assert wait_for(lambda: c["spec_ahead"] > c["spec_ahead_held"] > 0, 5)
+    assert tail.counters["void_steps"] > 0 and tail.counters["rolled_back"] > 0 and head.counters["rolled_back"] > 0
+    assert tail.counters["cache_miss"] == head.counters["cache_miss"] == 0  # every cut was in place
+    assert wait_for(lambda: not head.head.sessions, 5)  # the last request's counts are in
+    before = c["spec_ahead"], tail.counters["void_steps"]
+    speculate(head, SpeculationConfig(adaptive=False, ahead=False))
+    assert [generate(thread_cluster, model, prompt) for prompt in prompts] == plain
+    assert wait_for(lambda: c["spec_kept"] > 0, 5) and (c["spec_ahead"], tail.counters["void_steps"]) == before
+
+
 def test_drafts_that_never_hold_change_nothing(thread_cluster, tiny_models, monkeypatch):
     model = tiny_models("llama")
     head, tail = split(thread_cluster, model, torch.bfloat16)

@@ -35,6 +35,7 @@ class Step:
     inputs: torch.Tensor
     pos: int
     drafts: int = 0  # the last positions are drafted tokens to verify: the tail computes the logits of drafts + 1
+    guess: bool = False  # sent ahead (FORWARD ``guess``): every position is drafted, as are the last step's
 
 
 @dataclass(frozen=True)
@@ -87,7 +88,7 @@ class ShardExecutor(HopKV):
 
     @torch.inference_mode()
     def run(self, session: str, start: int, end: int, inputs: torch.Tensor, pos: int,
-            logits: bool = True, reuse: str = "", drafts: int = 0) -> StepResult:
+            logits: bool = True, reuse: str = "", drafts: int = 0, guess: bool = False) -> StepResult:
         """Run layers start..end on ``inputs`` at positions pos.. for ``session``.
 
         ``inputs`` is input_ids (1, q) when start is 0, else hidden states (1, q, hidden).
@@ -96,10 +97,11 @@ class ShardExecutor(HopKV):
         the session starts with them (``take_over``); otherwise pos must continue the
         session's cache. Else CacheMissError. ``logits`` False (a prefill chunk that more
         follow) skips the tail's norm and lm_head. ``drafts``: the last positions are drafted
-        tokens, whose logits the tail computes too (a verification step).
+        tokens, whose logits the tail computes too (a verification step); ``guess``: the first
+        is a guess too (a step sent ahead of the last one's answer).
         """
         self.check_span(start, end)
-        step = Step(session, start, end, inputs, pos, drafts)
+        step = Step(session, start, end, inputs, pos, drafts, guess)
         return self._alone(self._chunk_kv(step, reuse), step, logits)
 
     def _alone(self, kv: SessionKV, step: Step, logits: bool) -> StepResult:
@@ -407,6 +409,10 @@ class ShardExecutor(HopKV):
 
 
 def _kept(kv: SessionKV, step: Step) -> None:
-    """A chunk's positions are in its session's KV now."""
-    kv.length, kv.drafted = step.pos + step.inputs.shape[1], step.drafts
+    """A chunk's positions are in its session's KV now (``kv.length`` still the length before
+    it). Its drafts may be cut off by the next step; so may all of a step sent ahead, and what
+    the step it continues drafted."""
+    q = step.inputs.shape[1]
+    drafted = q + (kv.drafted if step.pos == kv.length else 0) if step.guess else step.drafts
+    kv.length, kv.drafted = step.pos + q, drafted
     kv.touch()

@@ -63,6 +63,9 @@ class SessionAsks:
 
     def __init__(self, grammars: Grammars | None = None, bound: int = MAX_ASKING_SESSIONS):
         self._asks: dict[str, Ask] = {}
+        # session -> (pos, token) of the last TOKEN of its last verification step here: what a step sent ahead
+        # of that one's answer (FORWARD ``guess``) assumed, and runs only where it holds
+        self._answered: dict[str, tuple[int, int]] = {}
         self.grammars = grammars  # compiles the grammars sessions ask for; None: none can be asked
         self.bound = bound
 
@@ -84,20 +87,28 @@ class SessionAsks:
         elif self._asks and (msg.pos == 0 or msg.reuse):
             self._asks.pop(msg.session, None)
 
-    def at_tail(self, msg: p.Forward, pos: int, result) -> list[p.Token]:
+    def at_tail(self, msg: p.Forward, pos: int, result) -> list[p.Token] | None:
         """What the tail does with a step that ran (``result`` a StepResult): note what the
         session asks, and the TOKEN sampled from its logits for position ``pos`` (a
         verification step's: ``verify``, one TOKEN per position kept). [] at any other hop, for a
-        failed step, and for a prefill chunk that more chunks follow (no logits)."""
+        failed step, and for a prefill chunk that more chunks follow (no logits). None for a step
+        sent ahead whose guess did not hold (``guess``): void, it answers nothing."""
         if msg.route or isinstance(result, Exception):
             return []
         self.note(msg)
         logits = getattr(result, "logits", None)
         if logits is None:
             return []
-        if msg.drafts and result.verify is not None:
-            return self.verify(msg, pos - len(msg.drafts), result.verify)
-        return [self.token(msg, pos, logits)]
+        if not msg.drafts or result.verify is None:
+            return [self.token(msg, pos, logits)]
+        if msg.guess >= 0 and self._answered.get(msg.session) != (msg.pos, msg.guess):
+            return None
+        tokens = self.verify(msg, pos - len(msg.drafts), result.verify)
+        self._answered.pop(msg.session, None)
+        self._answered[msg.session] = (tokens[-1].pos, tokens[-1].token)
+        if len(self._answered) > self.bound:
+            del self._answered[next(iter(self._answered))]
+        return tokens
 
     def verify(self, msg: p.Forward, pos: int, rows) -> list[p.Token]:
         """The TOKENs of a verification step: for positions pos, pos + 1, ..., each sampled from
@@ -150,11 +161,15 @@ class SessionAsks:
     def forget(self, session: str) -> None:
         if self._asks:
             self._asks.pop(session, None)
+        if self._answered:
+            self._answered.pop(session, None)
 
     def keep(self, known) -> None:
         """Forget the asks of sessions for which ``known(session)`` is False (ended, evicted)."""
         if self._asks:
             self._asks = {s: ask for s, ask in self._asks.items() if known(s)}
+        if self._answered:
+            self._answered = {s: last for s, last in self._answered.items() if known(s)}
 
 
 def logprobs_of(logits: torch.Tensor, token: int, top: int) -> tuple[float, tuple[int, ...], tuple[float, ...]]:

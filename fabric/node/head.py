@@ -254,11 +254,14 @@ class Head:
             self._report(rs)  # progress for every request, streamed or not
 
     def _count_speculation(self, rs: RouteSession) -> None:
-        """An ended request's verifications, for /metrics: trips, drafts sent and kept."""
+        """An ended request's verifications, for /metrics: trips, drafts sent and kept, steps sent
+        ahead and those that held."""
         if (spec := rs.speculation) is not None:
             self.counters["spec_trips"] += spec.trips
             self.counters["spec_drafted"] += spec.drafted
             self.counters["spec_kept"] += spec.kept
+            self.counters["spec_ahead"] += spec.aheads
+            self.counters["spec_ahead_held"] += spec.aheads_held
 
     def _report(self, rs: RouteSession) -> p.Report:
         rs.reported_at = time.monotonic()

@@ -174,11 +174,12 @@ class HopRunner:
             msg = batch[0].msg
             try:
                 return [self.executor.run(msg.session, msg.start_layer, msg.end_layer, batch[0].tensor, msg.pos,
-                                          logits=not msg.more, reuse=msg.reuse, drafts=len(msg.drafts))]
+                                          logits=not msg.more, reuse=msg.reuse, drafts=len(msg.drafts),
+                                          guess=msg.guess >= 0)]
             except Exception as exc:  # CacheMissError included: the node answers per session
                 return [exc]
-        steps = [Step(w.session, w.msg.start_layer, w.msg.end_layer, w.tensor, w.msg.pos, len(w.msg.drafts))
-                 for w in batch]
+        steps = [Step(w.session, w.msg.start_layer, w.msg.end_layer, w.tensor, w.msg.pos, len(w.msg.drafts),
+                      w.msg.guess >= 0) for w in batch]
         if all(w.short_prompt for w in batch):
             return self.executor.run_prefills(steps)  # whole prompts from scratch: one padded batch
         decode = sum(w.decode for w in batch)  # then prompts' chunks riding in the same pass, if any

@@ -56,6 +56,9 @@ class PassOn:
             tokens = self.asks.at_tail(msg, msg.pos + work.tokens, result)
         except GrammarError as exc:
             tokens, result = [], exc
+        if tokens is None:  # a step sent ahead whose guess did not hold: its positions are cut by the next
+            self.counters["void_steps"] += 1
+            return None
         tap = (work, result, tokens) if msg.audit and msg.start_layer and isinstance(result, StepResult) else None
         if work.reports_progress and isinstance(result, StepResult) and result.logits is None:
             self._progress(msg, msg.pos + work.tokens)

@@ -169,6 +169,18 @@ class PrefillProgress:
         return min(self.total, done // (route[-1].end_layer + 1))
 
 
+@dataclass
+class Ahead:
+    """A verification step sent before the pending one was answered (pipelined speculation): it
+    assumes every draft of the pending step kept, and guesses the token the tail answers after
+    them (``ids[0]``); the rest of ``ids`` are its drafts."""
+
+    step: int
+    pos: int
+    ids: list[int]
+    failed: CacheMiss | Error | None = None  # a hop's answer that it failed, kept until it is the pending step
+
+
 def eos_ids(tokenizer, config) -> frozenset[int]:
     ids = {tokenizer.eos_token_id, *_as_list(getattr(config, "eos_token_id", None))}
     return frozenset(i for i in ids if i is not None)
@@ -210,7 +222,8 @@ class RouteSession:
                                  request.sampling.top_p, request.sampling.seed if request.sampling.seed
                                  is not None else seed)
         self.detok = Detokenizer(tokenizer, request.stop)
-        self.step = -1
+        self.step = -1  # the pending step's number: replies of any other are stale
+        self.sent = -1  # the number of the last step sent (the pending one, or one sent ahead of it)
         self.finished: str | None = None
         self.started_at = time.monotonic()
         self.first_token_at: float | None = None
@@ -233,6 +246,8 @@ class RouteSession:
         self.kept = 0  # of those, the ones kept so far
         self.expect = 0  # the position of the pending step's next TOKEN
         self.decoding = False  # the pending step is a decode step, sent once (its trip times the route)
+        self.ahead: Ahead | None = None  # the step sent ahead of the pending one's answer, if any
+        self.pipelined = False  # the pending step was sent ahead: its answer times no trip
 
     # -- inputs -------------------------------------------------------------------------
 
@@ -262,18 +277,58 @@ class RouteSession:
             self.kept += 1
             return events  # the end, or a draft kept: the TOKEN after it follows
         if self.speculation is not None and self.decoding:
-            self.speculation.answered(len(self.drafts), self.kept, time.monotonic() - self.sent_at)
-        self._step()
-        return events
+            trip = None if self.pipelined else time.monotonic() - self.sent_at
+            self.speculation.answered(len(self.drafts), self.kept, trip)
+        ahead, self.ahead = self.ahead, None
+        if ahead is None or self.kept < len(self.drafts) or msg.token != ahead.ids[0]:
+            self._step()  # the step sent ahead, if any, is void: the tail answers nothing, and this one cuts it off
+            return events
+        return events + self._promote(ahead)
 
     def _step(self) -> None:
-        """Send the next decode step: the last token, and the drafts after it if any."""
+        """Send the next decode step: the last token, and the drafts after it if any; and, where
+        it pays, the step after it too, ahead of its answer."""
         drafts, q = [], ()
         if self.speculation is not None:
             drafts = self.speculation.drafts(self.history, self.request.max_tokens - len(self.generated) - 1)
             q = tuple(self.speculation.q)  # a draft model's distributions (a sampling request), else none
         self._send(self.history[-1:] + drafts, pos=len(self.history) - 1, drafts=drafts, draft_q=q)
         self.decoding = True
+        self._send_ahead()
+
+    def _send_ahead(self) -> None:
+        """Send the step after the pending one before its answer comes (``Speculation.ahead``):
+        the guess of the token after its drafts, at the position after them, and drafts after it."""
+        if self.speculation is None or not self.drafts:
+            return
+        room = self.request.max_tokens - len(self.generated) - len(self.drafts) - 1
+        ids = self.speculation.ahead(self.history, self.drafts, room)
+        if not ids:
+            return
+        self.sent += 1
+        self.ahead = Ahead(self.sent, len(self.history) + len(self.drafts), ids)
+        self._forward(ids, self.ahead.pos, self.sent, drafts=ids[1:], guess=ids[0])
+
+    def _promote(self, ahead: Ahead) -> list[Event]:
+        """The step sent ahead holds (every draft before it kept, and its guess the tail's token):
+        it is the pending step now, and the one after it is sent ahead in turn. A hop's failure
+        it met is answered now."""
+        self.step, self.sent_at, self.pipelined = ahead.step, time.monotonic(), True
+        self.drafts, self.kept, self.expect = ahead.ids[1:], 0, ahead.pos + 1
+        self.speculation.aheads_held += 1
+        if isinstance(ahead.failed, CacheMiss):
+            return self.on_cache_miss(ahead.failed)
+        if ahead.failed is not None:
+            return self.on_error(ahead.failed)
+        self._send_ahead()
+        return []
+
+    def _ahead_failed(self, msg: CacheMiss | Error) -> bool:
+        """``msg`` says the step sent ahead failed at a hop: kept for when it is the pending step."""
+        if self.ahead is None or msg.step != self.ahead.step:
+            return False
+        self.ahead.failed = self.ahead.failed or msg
+        return True
 
     def _logprobs(self, msg: Token) -> TokenLogprobs | None:
         """The logprobs of ``msg``'s token as the client reads them, if the request asked (and
@@ -313,7 +368,7 @@ class RouteSession:
         return events[1:] if self.finished else []
 
     def on_cache_miss(self, msg: CacheMiss) -> list[Event]:
-        if self.finished or msg.step != self.step:
+        if self.finished or self._ahead_failed(msg) or msg.step != self.step:
             return []
         self.cache_misses += 1
         if self.speculation is not None and self.drafts:
@@ -326,7 +381,7 @@ class RouteSession:
         return []
 
     def on_error(self, msg: Error) -> list[Event]:
-        if self.finished or (msg.step is not None and msg.step != self.step):
+        if self.finished or self._ahead_failed(msg) or (msg.step is not None and msg.step != self.step):
             return []
         return self.fail(msg.code, f"{msg.node or 'a hop'}: {msg.message}")
 
@@ -441,14 +496,21 @@ class RouteSession:
     def _send(self, ids: list[int], pos: int, reuse: str = "", drafts: list[int] = (), draft_q: tuple = ()) -> None:
         """Send ``ids`` from ``pos`` along the route as one step (each hop may run a long
         prefill in slices, passed on as chunks of the same step); the last ``drafts`` of them
-        drafted, for the tail to verify (``draft_q``: the distributions a draft model drew them from)."""
-        self.step += 1
+        drafted, for the tail to verify (``draft_q``: the distributions a draft model drew them from).
+        It is the pending step: one sent ahead before it is void."""
+        self.sent += 1
+        self.step, self.ahead, self.pipelined = self.sent, None, False
         self.sent_at = time.monotonic()
         self.decoding = False  # a prompt, a re-prefill or a re-send: no decode step's trip
         self.prefill.begin(pos, len(ids) - len(drafts))
         self.drafts, self.kept, self.expect = list(drafts), 0, pos + len(ids) - len(drafts)
         if pos == 0 or reuse:
             self.held = 0  # the hops start the session over: nothing is known held until a TOKEN
+        self._forward(ids, pos, self.step, reuse, drafts, draft_q)
+
+    def _forward(self, ids: list[int], pos: int, step: int, reuse: str = "", drafts: list[int] = (),
+                 draft_q: tuple = (), guess: int = -1) -> None:
+        """The FORWARD of step number ``step`` to the route's first hop."""
         head = self.route[0]
         opens = pos == 0 or bool(reuse)  # the tail hears what the session asks once, on the steps that open it
         penalties = self.request.penalties
@@ -457,11 +519,11 @@ class RouteSession:
         grammar = self.request.grammar
         if grammar is not None:  # the tail's matcher is rebuilt past the tokens generated so far
             grammar = dataclasses.replace(grammar, generated=tuple(self.generated))
-        msg = Forward(session=self.session, step=self.step, pos=pos, start_layer=head.start_layer,
+        msg = Forward(session=self.session, step=step, pos=pos, start_layer=head.start_layer,
                       end_layer=head.end_layer, route=self.route[1:], reply_to=self.reply_to,
                       sampling=self.sampling, reply_key=self.reply_key, wire_dtype=self.wire_dtype, reuse=reuse,
                       logprobs=self.request.logprobs if opens else -1, penalties=penalties if opens else None,
-                      grammar=grammar if opens else None, drafts=tuple(drafts), draft_q=draft_q)
+                      grammar=grammar if opens else None, drafts=tuple(drafts), draft_q=draft_q, guess=guess)
         self.transport.forward(head, msg, torch.tensor([ids], dtype=torch.int64))  # (1, q)
 
     def _finish(self, reason: str, tail: str = "") -> list[Event]:

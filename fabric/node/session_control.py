@@ -14,7 +14,9 @@ from .scheduler import Work
 
 log = logging.getLogger(__name__)
 
-MAX_QUEUED_STEPS = 2  # steps of one session queued at once (a step's prefill chunks count as one): more is BUSY
+# steps of one session queued at once (a step's prefill chunks count as one): more is BUSY. Three: a step, one its
+# head sent ahead of its answer (pipelined speculation), and the step that replaces that one where it was void
+MAX_QUEUED_STEPS = 3
 
 
 class SessionControl:
@@ -74,15 +76,17 @@ class SessionControl:
         return len(self.kv) + len(waiting) >= self.config.max_sessions
 
     def _crowds(self, msg: p.Forward, tokens: int) -> bool:
-        """``msg``, a step of a session here, would queue more than an honest session can: a
-        step beyond the next (the head sends one when the last one's token came), positions
-        already queued, or more positions than the model's context. So a session's queue costs
-        at most one context's prefill, and nobody's flood turns another's steps away."""
+        """``msg``, a step of a session here, would queue more than an honest session can: more
+        steps than MAX_QUEUED_STEPS (the head sends one when the last one's token came, and one
+        ahead of it), positions already queued (but a step sent ahead's, which the next may cut
+        off), or more positions than the model's context. So a session's queue costs at most one
+        context's prefill, and nobody's flood turns another's steps away."""
         mine = [w for w in self.scheduler.queue if w.session == msg.session]
         if not mine:
             return False
         steps = {w.msg.step for w in mine} | {msg.step}
-        start, end = min(w.msg.pos for w in mine), max(w.msg.pos + w.tokens for w in mine)
+        start = min(w.msg.pos for w in mine)
+        end = max((w.msg.pos + w.tokens for w in mine if w.msg.guess < 0), default=0)
         return len(steps) > MAX_QUEUED_STEPS or msg.pos < end or msg.pos + tokens - start > max(self.context, 1)
 
     def _end(self, identity: bytes, msg: p.Cancel | p.Close) -> None:

@@ -75,6 +75,9 @@ class SpeculationConfig:
     # a draft's cost as a share of a plain trip, until both are timed, and at least: in a pass shared by many
     # streams a verification's few extra positions hide in the noise, and a cost of 0 would make any draft pay
     min_cost: float = 0.05
+    # pipelined speculation: while a step's answer is on its way, send the next (``ahead``) where its drafts
+    # are likely kept (``--drafts-ahead off`` turns it off)
+    ahead: bool = True
 
     def __post_init__(self):
         if not 1 <= self.max_drafts <= MAX_DRAFTS or not 1 <= self.first_drafts <= self.max_drafts:
@@ -241,6 +244,8 @@ class Speculation:
     trips: int = 0  # verification steps answered
     drafted: int = 0  # drafts sent in them
     kept: int = 0  # drafts kept of those
+    aheads: int = 0  # steps sent ahead of the answer before them (``ahead``)
+    aheads_held: int = 0  # those whose guess held: the tail ran them
 
     def __post_init__(self):
         self.size = self.size or self.config.first_drafts
@@ -349,16 +354,42 @@ class Speculation:
         self.model_at = len(history)
         return drafts
 
-    def answered(self, drafted: int, kept: int, trip_s: float) -> None:
+    def ahead(self, history: list[int], drafts: list[int], room: int) -> list[int]:
+        """The step to send before the one just sent (``drafts`` after ``history``) is answered:
+        a guess of the token the tail answers after those drafts, and drafts after it, for at
+        most ``room`` tokens; [] where none pays. Prompt lookup's drafts alone (a draft model
+        drafts one step at a time). The step holds where every one of ``drafts`` is kept and
+        the guess too, a chance of first * then^k; it then yields E(m) tokens with no trip of
+        their own, and its m + 1 positions cost the hops m + 1 drafts either way. Only a
+        session its head heads alone sends one: in a pass shared by other streams the
+        positions of a step that did not hold are compute taken from them."""
+        c = self.config
+        if not c.ahead or self.stopped or self.streams > 1 or not drafts or room < 2 or (
+                self.drafter is not None and (self.matched == MODEL or not c.adaptive)):
+            return []
+        m = min(room - 1, c.max_drafts)
+        if c.adaptive:
+            first, then = self.yields.first[self.matched - 1], self.yields.then[self.matched - 1]
+            m = min(m, best_drafts(then, then, self.cost, c.max_drafts))
+            if not m or first * then ** len(drafts) * tokens_per_trip(then, then, m) <= (m + 1) * self.cost:
+                return []
+        proposal = self.lookup.propose(history, len(drafts) + 1 + m)
+        if proposal[:len(drafts)] != drafts or len(proposal) < len(drafts) + 2:
+            return []  # lookup no longer continues the drafts in flight
+        self.aheads += 1
+        return proposal[len(drafts):]
+
+    def answered(self, drafted: int, kept: int, trip_s: float | None) -> None:
         """A decode step came back after ``trip_s`` seconds: ``kept`` of its ``drafted`` drafts
-        held (drafted 0: a plain step). Learn the yield and the cost; size the next step."""
+        held (drafted 0: a plain step). Learn the yield and the cost; size the next step. A step
+        sent ahead has no trip of its own (None): it teaches the yield alone."""
         c = self.config
         self.steps += 1
         if not drafted:
             self.plain_s = _average(self.plain_s, trip_s, c.smoothing)
             self.timing.plain_s = _average(self.timing.plain_s, trip_s, c.smoothing)
             return
-        if self.plain_s is not None:
+        if self.plain_s is not None and trip_s is not None:
             self.draft_s = _average(self.draft_s, max(0.0, trip_s - self.plain_s) / drafted, c.smoothing)
             if self.streams > 1:
                 self.timing.crowd = _average(self.timing.crowd, self.draft_s / self.plain_s, c.smoothing)

@@ -27,6 +27,10 @@ COUNTERS += ("lock_waits", "refused_peers", "closed_peers")
 # positions this hop cut off sessions' KV after the tail rejected them
 COUNTERS += ("spec_trips", "spec_drafted", "spec_kept", "rolled_back")
 
+# pipelined speculation: steps this node headed that were sent ahead of the step before them, those the
+# tail ran (every draft before them kept, and their guess right), and at the tail, those it found void
+COUNTERS += ("spec_ahead", "spec_ahead_held", "void_steps")
+
 
 @dataclass(frozen=True)
 class Identity:

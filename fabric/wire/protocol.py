@@ -488,7 +488,7 @@ class Forward(Message):
     """
 
     KIND: ClassVar[Kind] = Kind.FORWARD
-    SPARSE: ClassVar[frozenset[str]] = frozenset({"logprobs", "penalties", "grammar", "drafts", "draft_q"})
+    SPARSE: ClassVar[frozenset[str]] = frozenset({"logprobs", "penalties", "grammar", "drafts", "draft_q", "guess"})
     session: str
     step: int
     pos: int
@@ -515,6 +515,10 @@ class Forward(Message):
     # a draft model's drafts, on a request that samples: the distribution each was drawn from (one per draft,
     # which it must give a probability > 0); (): each draft is a point mass (prompt lookup, a greedy draft)
     draft_q: tuple[DraftDist, ...] = ()
+    # a verification step sent before the one ahead of it was answered (pipelined speculation): its first
+    # position holds this guess of the token the tail samples there in that step, whose drafts it assumes
+    # all kept; the tail runs it only where both held, and otherwise answers nothing (-1: not a guess)
+    guess: int = -1
 
     def validate(self) -> None:
         if not -1 <= self.logprobs <= MAX_TOP_LOGPROBS:
@@ -549,6 +553,8 @@ class Forward(Message):
         if len(self.draft_q) != (len(self.drafts) if self.draft_q else 0) or not all(
                 dist.prob(t) > 0 for t, dist in zip(self.drafts, self.draft_q)):
             raise ProtocolError("draft_q gives one distribution per draft, each with the draft at a probability > 0")
+        if not -1 <= self.guess <= MAX_TOKEN_ID or (self.guess >= 0 and not self.drafts):
+            raise ProtocolError("guess is a token id in [0, 2**31) on a step with drafts, or -1")
         if not self.drafts:
             return
         if len(self.drafts) > MAX_DRAFTS or not all(0 <= t <= MAX_TOKEN_ID for t in self.drafts):
