@@ -5,7 +5,7 @@ without (``--speculate off``), paired in one run, on copy-heavy and open prompts
     python bench/speculative.py [--tiny] [--model REF] [--tokens N] [--reps R] [--delay-ms D]
                                 [--nodes N] [--streams S] [--streams-only] [--no-netbed] [--no-loopback]
                                 [--quant Q] [--draft MODEL [--draft-quant Q] | --draft-random]
-                                [--prompts P,..] [--json OUT] [--keep-logs]
+                                [--prompts P,..] [--ahead] [--json OUT] [--keep-logs]
 
 ``--nodes`` nodes (2 by default: a head and a tail, an even share of the layers each, 1 torch
 thread), a tracker and a client agent (tests/netbed_client.py), greedy chat requests of
@@ -28,6 +28,9 @@ must be the same). Ratios are on / off of the same configuration, prompt and run
 streams (bench/concurrency.py's prompts, ``--tokens`` each, end of sequence ignored), their
 aggregate tok/s. Both clusters stay up and the waves alternate (off then on, on then off), so a
 drift of the machine's speed weighs on both; the ratio is the median of the rounds' own ratios.
+
+``--ahead`` compares pipelined speculation instead: both heads draft, and the one "on" sends
+each step's successor before its answer comes (``--drafts-ahead on`` against ``off``).
 
 ``--draft MODEL`` gives the drafting head a draft model (``meshnet node --draft``) beside prompt
 lookup; ``--draft-random`` one of random weights (2 layers, the model's tokenizer: drafts that
@@ -173,7 +176,8 @@ def node_flags(name: str, mode: str, args) -> tuple[str, ...]:
     model, if any, on its ``--draft-quant``."""
     with_draft = (("--draft", args.draft, "--draft-quant", args.draft_quant)
                   if args.draft and mode == "on" and name == NODE_NAMES[0] else ())
-    return ("--speculate", mode, "--audit-rate", "0", "--quant", args.quant, *with_draft)
+    speculate = ("--speculate", "on", "--drafts-ahead", mode) if args.ahead else ("--speculate", mode)
+    return (*speculate, "--audit-rate", "0", "--quant", args.quant, *with_draft)
 
 
 def random_draft(model: str, directory: Path, cache: Path) -> str:
@@ -323,6 +327,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="a draft model of random weights with the model's tokenizer (the lower bound)")
     parser.add_argument("--prompts", default=",".join(PROMPTS), type=lambda v: tuple(v.split(",")),
                         help="prompts to run, of %(default)s")
+    parser.add_argument("--ahead", action="store_true",
+                        help="compare pipelined speculation instead: both heads draft, and 'on' sends steps ahead of "
+                             "their answer (--drafts-ahead on against off)")
     parser.add_argument("--json", default=None, help="write the figures here")
     parser.add_argument("--keep-logs", action="store_true", help="keep the work directory (logs) and print it")
     args = parser.parse_args(argv)
@@ -358,6 +365,7 @@ def run(args, work: Path, cache: Path) -> int:
     if args.draft_random:
         args.draft = random_draft(model, work / "random-draft", cache)
     args.model_label += f", --quant {args.quant}" if args.quant != "auto" else ""
+    args.model_label += "; off and on: --drafts-ahead, both drafting" if args.ahead else ""
     if args.draft:
         args.model_label += (f", draft {'of random weights' if args.draft_random else args.draft}"
                              + (f" (--draft-quant {args.draft_quant})" if args.draft_quant != "auto" else ""))

@@ -432,5 +432,60 @@ def test_a_step_is_sent_ahead_where_its_drafts_and_guess_likely_hold():
     poor = Speculation(SpeculationConfig(prior_accept=0.3))
     assert poor.ahead(history, poor.drafts(history, 20) or [1], 20) == []  # seldom all kept: not worth it
     assert Speculation(SpeculationConfig(prior_accept=0.9), streams=2).ahead(history, drafts, 20) == []
-    off = Speculation(SpeculationConfig(prior_accept=0.9, ahead=False))
+    off = Speculation(SpeculationConfig(prior_accept=0.9, ahead="off"))
     assert off.ahead(history, off.drafts(history, 20), 20) == []
+
+
+class _Recorder:
+    """A transport that keeps the FORWARDs a RouteSession sends, and runs none."""
+
+    def __init__(self):
+        self.sent: list[p.Forward] = []
+
+    def forward(self, hop, message, tensor) -> None:
+        self.sent.append(message)
+
+    def control(self, hop, message) -> None:
+        pass
+
+
+def _drafting_session(split, route, ahead: str):
+    from fabric.node.route_session import RouteSession
+
+    _, _, tok, _ = split
+    request = p.Generate(request_id="r", route=route, prompt="x", max_tokens=40)
+    transport = _Recorder()
+    rs = RouteSession(request, [1, 2, 3, 4] * 4, tokenizer=tok, eos=frozenset(), reply_to="tcp://h:1",
+                      transport=transport, seed=7,
+                      speculation=Speculation(SpeculationConfig(adaptive=False, first_drafts=2, max_drafts=3,
+                                                                ahead=ahead)))
+    rs.start()
+    return rs, transport
+
+
+def test_a_head_sends_a_step_ahead_on_routes_that_leave_its_machine_and_follows_the_answers(split):
+    """``auto``: a route whose hops all share the head's host sends no step ahead (its hops take
+    turns on one machine's cores: no wait to fill), one that leaves it does, as ``on`` does any.
+    A step sent ahead whose guess held is the pending step when the step before ends (its
+    TOKENs count; the next one is sent ahead of it); one whose guess did not is ignored (a
+    stray TOKEN of it changes nothing) and the next step goes at the last token taken."""
+    here = (p.Hop("h", "tcp://10.0.0.1:5000", 0, 2), p.Hop("t", "tcp://10.0.0.1:5001", 3, 5))
+    away = (here[0], dataclasses.replace(here[1], endpoint="tcp://10.0.0.2:5000"))
+    for route, ahead, sends in ((here, "auto", False), (away, "auto", True), (here, "on", True), (away, "off", False)):
+        rs, transport = _drafting_session(split, route, ahead)
+        rs.on_token(p.Token("r", rs.step, 1, 16))  # the prompt's token: the first decode step follows
+        assert [m.guess >= 0 for m in transport.sent[1:]] == [False, True][:1 + sends], (route, ahead)
+    rs, transport = _drafting_session(split, away, "auto")
+    rs.on_token(p.Token("r", rs.step, 1, 16))
+    step, guessed = transport.sent[1:3]
+    assert (step.pos, step.drafts, guessed.pos, guessed.guess, guessed.drafts) == (16, (2, 3), 19, 4, (1, 2, 3))
+    for token, pos in ((2, 17), (3, 18), (4, 19)):  # both drafts kept, and the guess was the token after them
+        rs.on_token(p.Token("r", step.step, token, pos))
+    assert rs.step == guessed.step and rs.speculation.aheads_held == 1 and rs.history[-3:] == [2, 3, 4]
+    assert transport.sent[-1].guess == 4 and transport.sent[-1].pos == 23  # the next, ahead of it in turn
+    for token, pos in ((1, 20), (2, 21), (9, 22)):  # its last draft rejected: 9 instead of 3
+        rs.on_token(p.Token("r", guessed.step, token, pos))
+    void, fresh = transport.sent[-2:]
+    assert fresh.guess == -1 and fresh.pos == 22 and fresh.step > void.step and rs.step == fresh.step
+    rs.on_token(p.Token("r", void.step, 1, 24))  # a stray answer of the void step: stale
+    assert rs.history[-1] == 9 and len(rs.generated) == 7

@@ -117,14 +117,14 @@ def test_steps_sent_ahead_of_their_answer_keep_the_text(thread_cluster, tiny_mod
     c = head.counters
     for right in (lambda at, i: True, lambda at, i: (at + i) % 3):
         monkeypatch.setattr(spec_module.Lookup, "propose", oracle(model, prompts, plain, right))
-        speculate(head, SpeculationConfig(adaptive=False, max_drafts=3, first_drafts=3))
+        speculate(head, SpeculationConfig(adaptive=False, max_drafts=3, first_drafts=3, ahead="on"))
         assert [generate(thread_cluster, model, prompt) for prompt in prompts] == plain
     assert wait_for(lambda: c["spec_ahead"] > c["spec_ahead_held"] > 0, 5)
     assert tail.counters["void_steps"] > 0 and tail.counters["rolled_back"] > 0 and head.counters["rolled_back"] > 0
     assert tail.counters["cache_miss"] == head.counters["cache_miss"] == 0  # every cut was in place
     assert wait_for(lambda: not head.head.sessions, 5)  # the last request's counts are in
     before = c["spec_ahead"], tail.counters["void_steps"]
-    speculate(head, SpeculationConfig(adaptive=False, ahead=False))
+    speculate(head, SpeculationConfig(adaptive=False, ahead="off"))
     assert [generate(thread_cluster, model, prompt) for prompt in prompts] == plain
     assert wait_for(lambda: c["spec_kept"] > 0, 5) and (c["spec_ahead"], tail.counters["void_steps"]) == before
 

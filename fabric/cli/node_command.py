@@ -117,11 +117,13 @@ def _node_head_flags(p: argparse.ArgumentParser) -> None:
                         "them with the last one, so one trip through the hops can yield several tokens; the tail "
                         "keeps only those it would have sampled itself, so the text never changes "
                         "(default %(default)s)")
-    p.add_argument("--drafts-ahead", default="on", choices=["on", "off"],
+    p.add_argument("--drafts-ahead", default="auto", choices=["auto", "on", "off"],
                    help="with --speculate on, a request this node heads alone sends its next drafts before the "
-                        "last ones are answered, where lookup expects them all kept (copied text, code): a trip "
-                        "through the hops then yields up to twice the tokens. Drafts that turn out wrong cost "
-                        "the hops some compute, never the text (default %(default)s)")
+                        "last ones are answered, where lookup expects them all kept (copied text, code), so "
+                        "the wait for an answer is spent on the next drafts. Drafts that turn out wrong cost the "
+                        "hops some compute, never the text. auto: only on routes with a hop on another machine "
+                        "(on one machine the hops take turns on its cores and there is no wait to fill) "
+                        "(default %(default)s)")
     p.add_argument("--draft", default=None, metavar="MODEL",
                    help="a small model (a file or directory, as for --model) that drafts beside the text lookup "
                         "on a head: loaded whole on this node's --device, it must share the model's tokenizer "
@@ -273,7 +275,7 @@ def _node_config(args, security):
                       max_sessions=args.max_sessions, max_prompt_tokens=args.max_prompt_tokens,
                       kv_cache_bytes=None if args.kv_cache_gib is None else int(args.kv_cache_gib * (1 << 30)),
                       prefill_slice=args.prefill_slice_ms / 1000, wire_dtype=args.wire_dtype,
-                      speculation=SpeculationConfig(enabled=args.speculate == "on", ahead=args.drafts_ahead == "on"),
+                      speculation=SpeculationConfig(enabled=args.speculate == "on", ahead=args.drafts_ahead),
                       **_draft_model(args),
                       compute_lock=_compute_lock(args.compute_lock, args.device), decode_threads=args.decode_threads,
                       hop_timeout=args.hop_timeout, heartbeat_interval=args.heartbeat,

@@ -37,6 +37,7 @@ import zmq
 
 from ..metrics import Sample
 from ..wire import protocol as p
+from ..wire.protocol import endpoint_host
 from .security import Security, dial, peer_key, serve_securely, start_authenticator
 
 log = logging.getLogger(__name__)
@@ -72,10 +73,6 @@ class Front:
     link: bytes
     owner: str | None  # CURVE key of the node that opened it (secured swarms)
     last_seen: float
-
-
-def endpoint_host(endpoint: str) -> str:
-    return endpoint.split("://", 1)[-1].rsplit(":", 1)[0]
 
 
 def endpoint_port(endpoint: str) -> str:

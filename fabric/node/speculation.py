@@ -48,6 +48,14 @@ and probed now and then, where even drafts always kept would pay. A model that s
 that once over the steps that follow, but a probe, a single step, pays it alone, so a probe
 counts it (40 tokens fed are some 50 ms; with 8 streams, 3 of their trips). The model's times
 (``DraftTiming``) are the head's, learnt by every request it heads, as the yields are.
+
+Pipelined (``ahead``): while a step's answer is on its way back, the head may send the next
+step too, assuming every draft in flight kept and guessing the token after them (what lookup
+proposes there). Where both held, that step's tokens follow the first's without a trip of
+their own; where not, the tail answers nothing for it and the next step cuts its positions
+off. Worth it where the drafts likely hold (first * then^k, the guess counted as one more in
+the run) and only where a trip is mostly waiting: on a route that leaves the head's machine
+(fabric/node/route_session.py decides that), for a request its head heads alone.
 """
 from __future__ import annotations
 
@@ -59,6 +67,7 @@ from ..wire.protocol import MAX_DRAFTS
 
 MAX_NGRAM = 3  # the longest n-gram looked up; shorter ones are tried after it, down to one token
 MODEL = MAX_NGRAM + 1  # the draft model's place among the sources (n-grams of 1..MAX_NGRAM tokens, then it)
+AHEAD = ("auto", "on", "off")  # when a step is sent ahead of its answer (SpeculationConfig.ahead)
 MAX_PROBE_AFTER = 512  # decode steps between probes at most, however often they failed
 
 
@@ -76,12 +85,14 @@ class SpeculationConfig:
     # streams a verification's few extra positions hide in the noise, and a cost of 0 would make any draft pay
     min_cost: float = 0.05
     # pipelined speculation: while a step's answer is on its way, send the next (``ahead``) where its drafts
-    # are likely kept (``--drafts-ahead off`` turns it off)
-    ahead: bool = True
+    # are likely kept: "auto" on routes that leave the head's machine, "on" on any route, "off" never
+    ahead: str = "auto"
 
     def __post_init__(self):
         if not 1 <= self.max_drafts <= MAX_DRAFTS or not 1 <= self.first_drafts <= self.max_drafts:
             raise ValueError(f"drafts per step must be in [1, {MAX_DRAFTS}]")
+        if self.ahead not in AHEAD:
+            raise ValueError(f"ahead is one of {', '.join(AHEAD)}")
 
 
 def tokens_per_trip(first: float, then: float, k: int) -> float:
@@ -364,7 +375,7 @@ class Speculation:
         session its head heads alone sends one: in a pass shared by other streams the
         positions of a step that did not hold are compute taken from them."""
         c = self.config
-        if not c.ahead or self.stopped or self.streams > 1 or not drafts or room < 2 or (
+        if c.ahead == "off" or self.stopped or self.streams > 1 or not drafts or room < 2 or (
                 self.drafter is not None and (self.matched == MODEL or not c.adaptive)):
             return []
         m = min(room - 1, c.max_drafts)

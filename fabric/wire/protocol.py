@@ -221,6 +221,16 @@ class Hop:
         if not 0 <= self.start_layer <= self.end_layer < MAX_LAYERS:
             raise ProtocolError(f"hop layers {self.start_layer}-{self.end_layer} out of range")
 
+    @property
+    def host(self) -> str:
+        """The host of ``endpoint``: hops with the same one run on one machine."""
+        return endpoint_host(self.endpoint)
+
+
+def endpoint_host(endpoint: str) -> str:
+    """``tcp://HOST:PORT`` -> HOST."""
+    return endpoint.split("://", 1)[-1].rsplit(":", 1)[0]
+
 
 def check_chain(route: Sequence[Hop], start: int, code: str = ErrorCode.BAD_FRAME) -> None:
     """A route of at most MAX_HOPS hops, each starting where the one before it ended (the
