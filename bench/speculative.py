@@ -5,7 +5,7 @@ without (``--speculate off``), paired in one run, on copy-heavy and open prompts
     python bench/speculative.py [--tiny] [--model REF] [--tokens N] [--reps R] [--delay-ms D]
                                 [--nodes N] [--streams S] [--streams-only] [--no-netbed] [--no-loopback]
                                 [--quant Q] [--draft MODEL [--draft-quant Q] | --draft-random]
-                                [--prompts P,..] [--ahead] [--json OUT] [--keep-logs]
+                                [--prompts P,..] [--ahead] [--own-locks] [--json OUT] [--keep-logs]
 
 ``--nodes`` nodes (2 by default: a head and a tail, an even share of the layers each, 1 torch
 thread), a tracker and a client agent (tests/netbed_client.py), greedy chat requests of
@@ -31,6 +31,8 @@ drift of the machine's speed weighs on both; the ratio is the median of the roun
 
 ``--ahead`` compares pipelined speculation instead: both heads draft, and the one "on" sends
 each step's successor before its answer comes (``--drafts-ahead on`` against ``off``).
+``--own-locks`` gives each node a compute lock of its own, so that the hosts of the delayed bed
+compute at once as machines of their own do (each node has one torch thread).
 
 ``--draft MODEL`` gives the drafting head a draft model (``meshnet node --draft``) beside prompt
 lookup; ``--draft-random`` one of random weights (2 layers, the model's tokenizer: drafts that
@@ -177,7 +179,9 @@ def node_flags(name: str, mode: str, args) -> tuple[str, ...]:
     with_draft = (("--draft", args.draft, "--draft-quant", args.draft_quant)
                   if args.draft and mode == "on" and name == NODE_NAMES[0] else ())
     speculate = ("--speculate", "on", "--drafts-ahead", mode) if args.ahead else ("--speculate", mode)
-    return (*speculate, "--audit-rate", "0", "--quant", args.quant, *with_draft)
+    own_lock = ("--compute-lock", f"{tempfile.gettempdir()}/meshnet-bench-{os.getpid()}-{name}.lock") \
+        if args.own_locks else ()
+    return (*speculate, "--audit-rate", "0", "--quant", args.quant, *with_draft, *own_lock)
 
 
 def random_draft(model: str, directory: Path, cache: Path) -> str:
@@ -330,6 +334,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ahead", action="store_true",
                         help="compare pipelined speculation instead: both heads draft, and 'on' sends steps ahead of "
                              "their answer (--drafts-ahead on against off)")
+    parser.add_argument("--own-locks", action="store_true",
+                        help="each node a compute lock of its own, as on machines of their own (by default the nodes "
+                             "of this machine take turns, however their hosts are named)")
     parser.add_argument("--json", default=None, help="write the figures here")
     parser.add_argument("--keep-logs", action="store_true", help="keep the work directory (logs) and print it")
     args = parser.parse_args(argv)
