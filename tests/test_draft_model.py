@@ -266,6 +266,11 @@ def test_greedy_text_is_the_same_with_and_without_a_draft_model(thread_cluster, 
         (rows[("node_route_spec_trips_total", route)] + c["spec_kept"]) / rows[("node_route_spec_trips_total", route)],
         abs=1e-3)
     assert not head.head.draft.fed and len(head.head.draft.executor.kv) == 0  # every session's draft KV went
+    # the draft model drafts on past its own drafts for a step sent ahead of their answer, where it holds
+    head.head.config = dataclasses.replace(head.head.config, speculation=SpeculationConfig(adaptive=False, ahead="on"))
+    assert {prompt: generate(thread_cluster, model, prompt) for prompt in plain} == plain
+    assert wait_for(lambda: not head.head.sessions, 5)
+    assert c["spec_ahead"] > c["spec_ahead_held"] > 0
 
 
 def test_sampling_with_a_draft_model(thread_cluster, tiny_models, tmp_path):

@@ -307,12 +307,12 @@ class RouteSession:
         if self.speculation.config.ahead == "auto" and all(h.host == self.route[0].host for h in self.route):
             return  # a route that never leaves this machine has no wait to hide a step's compute in
         room = self.request.max_tokens - len(self.generated) - len(self.drafts) - 1
-        ids = self.speculation.ahead(self.history, self.drafts, room)
+        ids = self.speculation.ahead(self.history, self.drafts, room, greedy=not self.sampling.temperature)
         if not ids:
             return
         self.sent += 1
         self.ahead = Ahead(self.sent, len(self.history) + len(self.drafts), ids)
-        self._forward(ids, self.ahead.pos, self.sent, drafts=ids[1:], guess=ids[0])
+        self._forward(ids, self.ahead.pos, self.sent, drafts=ids[1:], draft_q=tuple(self.speculation.q), guess=ids[0])
 
     def _promote(self, ahead: Ahead) -> list[Event]:
         """The step sent ahead holds (every draft before it kept, and its guess the tail's token):

@@ -313,7 +313,8 @@ class Speculation:
         if self.stopped or room <= 0:
             return []
         if not self.config.adaptive:
-            if self.drafter is not None and n < MAX_NGRAM:
+            self.matched = MODEL if self.drafter is not None and n < MAX_NGRAM else n
+            if self.matched == MODEL:
                 return self._model(history, min(self.size, room))
             return self.lookup.propose(history, min(self.size, room))
         source, k = self._best(n)
@@ -365,30 +366,46 @@ class Speculation:
         self.model_at = len(history)
         return drafts
 
-    def ahead(self, history: list[int], drafts: list[int], room: int) -> list[int]:
+    def ahead(self, history: list[int], drafts: list[int], room: int, greedy: bool = True) -> list[int]:
         """The step to send before the one just sent (``drafts`` after ``history``) is answered:
         a guess of the token the tail answers after those drafts, and drafts after it, for at
-        most ``room`` tokens; [] where none pays. Prompt lookup's drafts alone (a draft model
-        drafts one step at a time). The step holds where every one of ``drafts`` is kept and
-        the guess too, a chance of first * then^k; it then yields E(m) tokens with no trip of
-        their own, and its m + 1 positions cost the hops m + 1 drafts either way. Only a
-        session its head heads alone sends one: in a pass shared by other streams the
-        positions of a step that did not hold are compute taken from them."""
+        most ``room`` tokens; [] where none pays. The step holds where every one of ``drafts``
+        is kept and the guess too, a chance of first * then^k; it then yields E(m) tokens with
+        no trip of their own, and its m + 1 positions cost the hops m + 1 drafts either way.
+        Only a session its head heads alone sends one: in a pass shared by other streams the
+        positions of a step that did not hold are compute taken from them. Drafts from the
+        draft model go on from its own (its distributions left in ``q``), for a greedy request
+        only (a sampled guess seldom is the tail's draw), as many as its time fits in a trip."""
         c = self.config
-        if c.ahead == "off" or self.stopped or self.streams > 1 or not drafts or room < 2 or (
-                self.drafter is not None and (self.matched == MODEL or not c.adaptive)):
+        model = self.matched == MODEL
+        if c.ahead == "off" or self.stopped or self.streams > 1 or not drafts or room < 2 or (model and not greedy):
             return []
-        m = min(room - 1, c.max_drafts)
+        m = min(room - 1, c.max_drafts, self._fits_in_trip() if model else c.max_drafts)
         if c.adaptive:
             first, then = self.yields.first[self.matched - 1], self.yields.then[self.matched - 1]
             m = min(m, best_drafts(then, then, self.cost, c.max_drafts))
-            if not m or first * then ** len(drafts) * tokens_per_trip(then, then, m) <= (m + 1) * self.cost:
+            if m < 1 or first * then ** len(drafts) * tokens_per_trip(then, then, m) <= (m + 1) * self.cost:
                 return []
-        proposal = self.lookup.propose(history, len(drafts) + 1 + m)
-        if proposal[:len(drafts)] != drafts or len(proposal) < len(drafts) + 2:
-            return []  # lookup no longer continues the drafts in flight
+        if m < 1:
+            return []
+        if model:
+            ids = self._model(history + drafts, m + 1)
+            self.q = self.q[1:]  # the guess is a point: only its drafts carry their q
+        else:
+            ids = self.lookup.propose(history, len(drafts) + 1 + m)
+            if ids[:len(drafts)] != drafts:
+                return []  # lookup no longer continues the drafts in flight
+            ids = ids[len(drafts):]
+        if len(ids) < 2:
+            return []
         self.aheads += 1
-        return proposal[len(drafts):]
+        return ids
+
+    def _fits_in_trip(self) -> int:
+        """Drafts after a guess that the draft model makes in a plain trip's time (it makes
+        them at the head while the step before is on its way): all while untimed."""
+        trip, draft = self._trip, self.timing.model_s
+        return self.config.max_drafts if not trip or not draft else int(trip / draft) - 1
 
     def answered(self, drafted: int, kept: int, trip_s: float | None) -> None:
         """A decode step came back after ``trip_s`` seconds: ``kept`` of its ``drafted`` drafts
