@@ -224,9 +224,11 @@ def test_the_next_turn_reuses_only_what_was_kept(thread_cluster, tiny_models, mo
     assert tail.kv.retained.stats["hits"] == 1 and head.kv.retained.stats["hits"] == 1
 
 
-def test_audits_of_speculating_requests_convict_nobody(thread_cluster, tiny_models, monkeypatch):
-    """Every request audited while its head drafts (rejections at every place in a step): the
-    taps of the tail cover only the positions kept, so the replicas' replays agree with every
+@pytest.mark.parametrize("ahead", ["off", "on"])
+def test_audits_of_speculating_requests_convict_nobody(thread_cluster, tiny_models, monkeypatch, ahead):
+    """Every request audited while its head drafts (rejections at every place in a step), with
+    steps sent ahead of their answers or not: the taps of the tail cover only the positions kept
+    (none of a step sent ahead that did not hold), so the replicas' replays agree with every
     hop, and the text is the text without drafts."""
     model = tiny_models("llama")
     head = thread_cluster.add_node(model, 0, 2, 6, "head", audit_rate=1.0)
@@ -236,14 +238,16 @@ def test_audits_of_speculating_requests_convict_nobody(thread_cluster, tiny_mode
     prompts = PROMPTS[:2]
     speculate(head, OFF)
     plain = [generate(thread_cluster, model, prompt) for prompt in prompts]
-    monkeypatch.setattr(spec_module.Lookup, "propose", oracle(model, prompts, plain))
-    speculate(head, SpeculationConfig(adaptive=False))
+    right = lambda at, i: (at + i) % 7 != 3  # noqa: E731 (wrong at every 7th token: steps that hold, some not)
+    monkeypatch.setattr(spec_module.Lookup, "propose", oracle(model, prompts, plain, right))
+    speculate(head, SpeculationConfig(adaptive=False, max_drafts=3, ahead=ahead))
     audits = head.counters["audits"]
     assert [generate(thread_cluster, model, prompt) for prompt in prompts] == plain
     c = head.counters
     assert wait_for(lambda: c["spec_kept"] > 0 and c["audits_passed"] + c["audits_unsettled"] + c["audits_skipped"]
                     >= c["audits"] >= audits + 2, 30)
     assert c["audits_convicted"] == 0 and c["audits_unsettled"] == 0 and c["audits_passed"] >= audits + 2
+    assert (c["spec_ahead"] > c["spec_ahead_held"] > 0 and c["spec_kept"] < c["spec_drafted"]) == (ahead == "on")
 
 
 def test_a_request_can_turn_speculation_off(thread_cluster, tiny_models):
