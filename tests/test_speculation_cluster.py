@@ -166,9 +166,11 @@ def stoppable(cluster, model, name: str) -> tuple[Node, threading.Event]:
     return node, stop
 
 
-def test_a_failover_in_mid_speculation_keeps_the_text(thread_cluster, tiny_models, monkeypatch):
-    """The tail dies while the stream speculates: the head re-prefills the tokens it took (never
-    a draft) on the other tail, and the text is the text without speculation or failover."""
+@pytest.mark.parametrize("ahead", ["off", "on"])
+def test_a_failover_in_mid_speculation_keeps_the_text(thread_cluster, tiny_models, monkeypatch, ahead):
+    """The tail dies while the stream speculates (steps sent ahead of their answers or not):
+    the head re-prefills the tokens it took (never a draft) on the other tail, and the text is
+    the text without speculation or failover."""
     model = tiny_models("llama")
     head = thread_cluster.add_node(model, 0, 2, 6, "head", dtype=torch.bfloat16)
     tails = {name: stoppable(thread_cluster, model, name) for name in ("tail1", "tail2")}
@@ -177,7 +179,7 @@ def test_a_failover_in_mid_speculation_keeps_the_text(thread_cluster, tiny_model
     prompt = PROMPTS[0]
     plain = generate(thread_cluster, model, prompt)
     monkeypatch.setattr(spec_module.Lookup, "propose", oracle(model, [prompt], [plain]))
-    speculate(head, SpeculationConfig(adaptive=False))
+    speculate(head, SpeculationConfig(adaptive=False, ahead=ahead))
     got, victim = [], None
     with thread_cluster.client() as client:
         for event in client.generate(model.name, prompt=prompt, max_tokens=TOKENS):
@@ -188,11 +190,13 @@ def test_a_failover_in_mid_speculation_keeps_the_text(thread_cluster, tiny_model
                 tails[victim][1].set()
     assert got == plain
     assert head.counters["failovers"] >= 1
+    assert wait_for(lambda: not head.head.sessions, 5) and (head.counters["spec_ahead"] > 0) == (ahead == "on")
     for _, stop in tails.values():
         stop.set()
 
 
-def test_the_next_turn_reuses_only_what_was_kept(thread_cluster, tiny_models, monkeypatch):
+@pytest.mark.parametrize("ahead", ["off", "on"])
+def test_the_next_turn_reuses_only_what_was_kept(thread_cluster, tiny_models, monkeypatch, ahead):
     """A speculating request ends with rejected drafts on the hops: the next request that
     continues it starts from the kept KV cut back to the tokens taken, and its text is the
     text of a cold start."""
@@ -208,9 +212,10 @@ def test_the_next_turn_reuses_only_what_was_kept(thread_cluster, tiny_models, mo
     stop = tok.decode(first[20:22], skip_special_tokens=True)  # it ends in mid-step, after a draft kept
     first = generate(thread_cluster, model, prompt, stop=stop)
     monkeypatch.setattr(spec_module.Lookup, "propose", oracle(model, [prompt], [first], right=lambda at, i: i == 0))
-    speculate(head, SpeculationConfig(adaptive=False, first_drafts=4))
+    speculate(head, SpeculationConfig(adaptive=False, first_drafts=4, ahead=ahead))
     assert generate(thread_cluster, model, prompt, stop=stop) == first
     assert wait_for(lambda: head.counters["spec_kept"] > 0, 5)
+    assert wait_for(lambda: not head.head.sessions, 5) and (head.counters["spec_ahead"] > 0) == (ahead == "on")
     follow = prompt + tok.decode(first, skip_special_tokens=True) + " and"
     cold = generate(thread_cluster, model, follow, max_tokens=24)
     assert wait_for(lambda: len(head.kv) == len(tail.kv) == 0, 5)  # every CLOSE so far has ended its session
