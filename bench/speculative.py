@@ -285,10 +285,12 @@ def report(results: dict, args) -> dict:
             head = modes["counters"]["on"].get(NODE_NAMES[0], {})
             drafted, kept = head.get("spec_drafted", 0), head.get("spec_kept", 0)  # the head's, warm-up included
             rows[config] = {k: modes[k] for k in ("off_tok_s", "on_tok_s", "ratio")} | {
-                "same_ids": True, "acceptance": kept / drafted if drafted else None, "tokens_per_trip": None}
+                "same_ids": True, "acceptance": kept / drafted if drafted else None, "tokens_per_trip": None,
+                "drafted": drafted, "rounds": [r["on"] / r["off"] for r in modes["rounds"]]}
             print(f"{config:<30}{'mixed':<7}{args.tokens:>7}{modes['off_tok_s']:>10.2f}{modes['on_tok_s']:>10.2f}"
                   f"{modes['ratio']:>8.2f}{_share(rows[config]['acceptance']):>6}"
-                  f"{_share(rows[config]['tokens_per_trip']):>9}  (aggregate; median of the rounds' ratios)")
+                  f"{_share(rows[config]['tokens_per_trip']):>9}  (aggregate; median of the rounds' ratios "
+                  f"{', '.join(f'{r:.2f}' for r in rows[config]['rounds'])}; {drafted} drafts sent)")
             continue
         for prompt in args.prompts:
             off, on = modes["off"][prompt], modes["on"][prompt]
