@@ -300,9 +300,9 @@ class RouteSession(Failover):
     def _send_ahead(self) -> None:
         """Send the step after the pending one before its answer comes (``Speculation.ahead``):
         the guess of the token after its drafts, at the position after them, and drafts after it.
-        By default only on a route with a hop on another machine: on one machine the hops take turns on its
-        cores (the compute lock), a trip is compute through and through, and a step sent ahead
-        only delays the one before it (0.87-0.91x on loopback, docs/BENCHMARKS.md)."""
+        By default only on a route with a hop on another machine: on one machine the hops take
+        turns on its cores (the compute lock), a trip is compute through and through, and a step
+        sent ahead only delays the one before it (0.87-0.91x on loopback, docs/BENCHMARKS.md)."""
         if self.speculation is None or not self.drafts:
             return
         if self.speculation.config.ahead == "auto" and all(h.host == self.route[0].host for h in self.route):

@@ -50,12 +50,14 @@ counts it (40 tokens fed are some 50 ms; with 8 streams, 3 of their trips). The 
 (``DraftTiming``) are the head's, learnt by every request it heads, as the yields are.
 
 Pipelined (``ahead``): while a step's answer is on its way back, the head may send the next
-step too, assuming every draft in flight kept and guessing the token after them (what lookup
-proposes there). Where both held, that step's tokens follow the first's without a trip of
-their own; where not, the tail answers nothing for it and the next step cuts its positions
-off. Worth it where the drafts likely hold (first * then^k, the guess counted as one more in
-the run) and only where a trip is mostly waiting: on a route that leaves the head's machine
-(fabric/node/route_session.py decides that), for a request its head heads alone.
+step too, assuming every draft in flight kept and guessing the token after them: what lookup
+proposes there, or the draft model, drafting on from its own drafts while the step before is
+on its way (its time hides in the trip). Where both held, that step's tokens follow the
+first's without a trip of their own; where not, the tail answers nothing for it and the next
+step cuts its positions off. Worth it where the drafts likely hold (first * then^k, the guess
+counted as one more in the run) and only where a trip is mostly waiting: on a route that
+leaves the head's machine (fabric/node/route_session.py decides that), for a request its head
+heads alone.
 """
 from __future__ import annotations
 
