@@ -2,6 +2,7 @@
 same file, so two `meshnet node` processes started by hand take turns as `meshnet up`'s do."""
 from __future__ import annotations
 
+import collections
 import contextlib
 import fcntl
 import os
@@ -244,3 +245,72 @@ def test_a_pass_lets_the_lock_go_before_its_results_are_sent(tmp_path, tiny_mode
         token = _receive(head, (p.Token,), 60.0)
         assert token is not None and token.pos == 8
     assert free_when_sent == [True]
+
+
+# --------------------------------------------------------------------------- the core that computed last
+
+
+def test_a_turn_handed_over_names_the_cpu_the_last_pass_ran_on(tmp_path, monkeypatch):
+    """``note_cpu`` writes the CPU and the process into the lock file; ``handed_cpu`` reads the
+    CPU back only where another process noted it (a turn handed over), else -1."""
+    path = str(tmp_path / "compute.lock")
+    mine, theirs = ComputeLock(path), ComputeLock(path)
+    assert mine.handed_cpu() == -1  # nothing noted yet
+    mine.note_cpu(1)
+    assert theirs.handed_cpu() == -1  # this process's own pass: nothing handed over
+    monkeypatch.setattr(os, "getpid", lambda: 4_000_000)  # another process notes its CPU
+    theirs.note_cpu(3)
+    monkeypatch.undo()
+    assert mine.handed_cpu() == 3
+    assert ComputeLock(None).handed_cpu() == -1
+    for lock in (mine, theirs):
+        lock.close()
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs")
+def test_a_one_thread_pass_handed_over_runs_on_the_cpu_that_computed_last(tmp_path, monkeypatch):
+    """A one-thread pass that takes its turn from another node runs on the CPU that node's
+    pass ran on (its thread pinned there for the pass alone) and notes its own; a pass on more
+    threads, a decode pass without the lock, or one after this node's own pass is not pinned."""
+    from fabric.compute.compute_lock import current_cpu
+    from fabric.node.hops import HopRunner
+
+    allowed = os.sched_getaffinity(0)
+    cpu = max(allowed)
+    seen = []
+
+    class Executor:
+        rolled_back = 0
+
+        def run(self, *args, **kwargs):
+            seen.append((os.sched_getaffinity(0), current_cpu()))
+            return None
+
+        def finish(self):
+            pass
+
+    class Work:
+        msg = p.Forward(session="s", step=0, pos=3, start_layer=0, end_layer=2, route=(), reply_to="tcp://h:1")
+        tensor, tokens, decode = torch.zeros((1, 1), dtype=torch.int64), 1, True
+
+    path = str(tmp_path / "compute.lock")
+    lock, other = ComputeLock(path), ComputeLock(path)
+    runner = HopRunner(Executor(), lock, collections.Counter())
+    runner.step_threads = 1
+    monkeypatch.setattr(os, "getpid", lambda: 4_000_000)
+    other.note_cpu(cpu)  # another node's pass ran there
+    monkeypatch.undo()
+    runner.run([Work()])
+    assert seen[-1] == ({cpu}, cpu) and os.sched_getaffinity(0) == allowed  # pinned for the pass alone
+    assert lock.handed_cpu() == -1  # it noted its own CPU: the next turn, if its own, is not pinned
+    runner.run([Work()])
+    assert seen[-1][0] == allowed
+    runner.step_threads = 0  # every thread
+    if torch.get_num_threads() > 1:
+        monkeypatch.setattr(os, "getpid", lambda: 4_000_000)
+        other.note_cpu(cpu)
+        monkeypatch.undo()
+        runner.run([Work()])
+        assert seen[-1][0] == allowed
+    for each in (lock, other):
+        each.close()

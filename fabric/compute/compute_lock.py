@@ -17,6 +17,7 @@ another file, or ``none``.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import fcntl
 import logging
 import os
@@ -136,6 +137,21 @@ class ComputeLock:
             fcntl.flock(self._fd, fcntl.LOCK_UN)
             self._held = False
 
+    def note_cpu(self, cpu: int) -> None:
+        """Record in the file, while holding the lock, the CPU this process's pass ran on."""
+        if self._fd is not None and cpu >= 0:
+            os.pwrite(self._fd, cpu.to_bytes(4, "little") + os.getpid().to_bytes(4, "little"), 0)
+
+    def handed_cpu(self) -> int:
+        """The CPU the last pass under this lock ran on, where another process ran it (a turn
+        handed over, ``note_cpu``); -1 where none was noted or the last was this process's."""
+        if self._fd is None:
+            return -1
+        data = os.pread(self._fd, 8, 0)
+        if len(data) != 8 or int.from_bytes(data[4:], "little") == os.getpid():
+            return -1
+        return int.from_bytes(data[:4], "little")
+
     def __enter__(self) -> "ComputeLock":
         self.acquire()
         return self
@@ -149,6 +165,35 @@ class ComputeLock:
         if self._fd is not None:
             self._waiter.close()
             self._fd = None
+
+
+def current_cpu() -> int:
+    """The CPU the calling thread runs on now (-1 where the C library cannot say)."""
+    global _sched_getcpu
+    if _sched_getcpu is None:
+        try:
+            _sched_getcpu = ctypes.CDLL(None, use_errno=True).sched_getcpu
+        except (OSError, AttributeError):
+            _sched_getcpu = lambda: -1  # noqa: E731
+    return _sched_getcpu()
+
+
+_sched_getcpu = None
+
+
+@contextlib.contextmanager
+def on_cpu(cpu: int):
+    """The calling thread on ``cpu`` alone within (where this process may run there), on the
+    CPUs it had before after."""
+    allowed = os.sched_getaffinity(0) if cpu >= 0 and hasattr(os, "sched_setaffinity") else ()
+    if cpu not in allowed or len(allowed) == 1:
+        yield
+        return
+    os.sched_setaffinity(0, {cpu})
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, allowed)
 
 
 def _try_lock(fd: int) -> bool:

@@ -13,7 +13,7 @@ from collections import Counter
 
 import torch
 
-from ..compute.compute_lock import ComputeLock, Members
+from ..compute.compute_lock import ComputeLock, Members, current_cpu, on_cpu
 from ..compute.executor import Chunk, ShardExecutor, Step, StepResult
 from ..wire import protocol as p
 from ..wire.shard import Shard
@@ -157,7 +157,8 @@ class HopRunner:
         began and how long it took (perf_counter). Between ``ready()`` and ``done()`` the
         lock is held already; otherwise ``run`` blocks until it is."""
         bare = self._bare and all(w.decode for w in batch)
-        with contextlib.nullcontext() if bare else self.lock, on_threads(self._threads(batch, bare)):
+        threads = self._threads(batch, bare)
+        with contextlib.nullcontext() if bare else self.lock, on_threads(threads), self._warm_cpu(bare, threads):
             started = time.perf_counter()
             try:
                 results = self._run(batch)
@@ -168,6 +169,20 @@ class HopRunner:
         elapsed = time.perf_counter() - started
         self._count(batch, elapsed)
         return results, started, elapsed
+
+    @contextlib.contextmanager
+    def _warm_cpu(self, bare: bool, threads: int):
+        """A one-thread pass that takes its turn from another node under a shared compute lock
+        runs on the CPU that node's pass ran on, and notes its own: a core that has just computed
+        runs the next pass faster than one woken from idle (the same steps took 1.11x as long in two
+        processes taking turns where each woke on a CPU of its own, 0.99x pinned to one;
+        docs/BENCHMARKS.md, "The core that computed last")."""
+        if bare or threads != 1 or not self.lock.shared:
+            yield
+            return
+        with on_cpu(self.lock.handed_cpu()):
+            yield
+            self.lock.note_cpu(current_cpu())
 
     def _run(self, batch: list[Work]) -> list[StepResult | Exception]:
         if len(batch) == 1:
