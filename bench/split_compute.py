@@ -1,6 +1,6 @@
 """Is the split's extra compute meshnet's, or the machine's?
 
-    python bench/split_compute.py [--model smollm2-135m] [--rounds 4] [--threads 1] [--tokens 40]
+    python bench/split_compute.py [--model smollm2-135m] [--rounds 4] [--threads 1] [--tokens 40] [--pinned]
 
 `bench/fabric_bench.py` finds two nodes computing more, per token, than one node does for the
 same layers (compute only: hops, sockets and the loop not counted). This script takes the
@@ -12,7 +12,10 @@ fabric out: no nodes, no sockets, no scheduler, only the shard executors of exac
 - **two processes**: each half's executor in a process of its own, the token handed over a
   pipe, as two nodes on one machine take turns.
 
-Rounds alternate the two, so a busy machine's drift falls on both. It prints, per round and as
+``--pinned`` adds two processes whose steps run on one CPU (as a node's one-thread pass
+handed over runs on the CPU the last pass ran on, fabric/node/hops.py ``_warm_cpu``).
+
+Rounds alternate them, so a busy machine's drift falls on all. It prints, per round and as
 medians, the compute per token of each, and the two processes' over the one process's halves.
 The same code runs in both: a ratio above 1 is what the machine charges for taking turns
 between two processes (their caches, the idle core's wake-up), not the fabric.
@@ -21,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing
+import os
 import statistics
 import sys
 import time
@@ -80,24 +84,29 @@ def one_process(model: str, middle: int, threads: int, tokens: int) -> tuple[flo
     return 1e3 * statistics.median(wholes[SKIP:]), 1e3 * statistics.median(halves[SKIP:])
 
 
-def _stage(model: str, start: int, end: int, threads: int, conn) -> None:
+def _stage(model: str, start: int, end: int, threads: int, conn, cpu: int = -1) -> None:
+    from fabric.compute.compute_lock import on_cpu
+
     ex, end = executor(model, start, end, threads)
     conn.send("ready")
     times = []
     while (job := conn.recv()) is not None:
-        took, out = step(ex, end, job[1], job[0])
+        with on_cpu(cpu):
+            took, out = step(ex, end, job[1], job[0])
         times.append(took)
         conn.send(out)
     conn.send(times)
 
 
-def two_processes(model: str, middle: int, threads: int, tokens: int) -> float:
-    """Median ms per token of the halves computed in two processes taking turns."""
+def two_processes(model: str, middle: int, threads: int, tokens: int, cpu: int = -1) -> float:
+    """Median ms per token of the halves computed in two processes taking turns; with ``cpu``,
+    each step's thread pinned there for the step (as a node's one-thread pass handed over runs
+    on the CPU the last pass ran on)."""
     ctx = multiprocessing.get_context("spawn")
     stages = []
     for start, end in ((0, middle), (middle + 1, -1)):
         here, there = ctx.Pipe()
-        proc = ctx.Process(target=_stage, args=(model, start, end, threads, there), daemon=True)
+        proc = ctx.Process(target=_stage, args=(model, start, end, threads, there, cpu), daemon=True)
         proc.start()
         stages.append((here, proc))
     try:
@@ -126,25 +135,33 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--threads", type=int, default=1, help="threads of every executor (default %(default)s)")
     ap.add_argument("--tokens", type=int, default=40, help="timed decode steps a round (default %(default)s)")
+    ap.add_argument("--pinned", action="store_true",
+                    help="also two processes whose steps run on one CPU, the lowest this process may use")
     args = ap.parse_args()
     from fabric.compute.models import load_config, resolve
 
     middle = load_config(resolve(args.model)).num_hidden_layers // 2 - 1
     print(f"split compute: {args.model}, exact mode, layers 0-{middle} | {middle + 1}-, {args.threads} thread(s), "
           f"{args.tokens} steps a round; ms per token of compute (medians)")
-    ones, twos = [], []
+    ones, twos, pinned = [], [], []
+    kinds = (0, 1, 2) if args.pinned else (0, 1)
     for r in range(args.rounds):
-        order = (0, 1) if r % 2 == 0 else (1, 0)
-        for which in order:
+        for which in (kinds if r % 2 == 0 else kinds[::-1]):
             if which == 0:
                 whole, halves = one_process(args.model, middle, args.threads, args.tokens)
                 ones.append(halves)
                 print(f"  round {r + 1}: one process: whole {whole:.1f}, halves {halves:.1f}", flush=True)
-            else:
+            elif which == 1:
                 twos.append(two_processes(args.model, middle, args.threads, args.tokens))
                 print(f"  round {r + 1}: two processes: halves {twos[-1]:.1f}", flush=True)
+            else:
+                pinned.append(two_processes(args.model, middle, args.threads, args.tokens, min(os.sched_getaffinity(0))))
+                print(f"  round {r + 1}: two processes, one CPU: halves {pinned[-1]:.1f}", flush=True)
     one, two = statistics.median(ones), statistics.median(twos)
     print(f"halves in one process {one:.1f} ms, in two processes taking turns {two:.1f} ms: {two / one:.2f}x")
+    if pinned:
+        print(f"two processes taking turns on one CPU {statistics.median(pinned):.1f} ms: "
+              f"{statistics.median(pinned) / one:.2f}x")
 
 
 if __name__ == "__main__":
