@@ -173,10 +173,10 @@ class HopRunner:
     @contextlib.contextmanager
     def _warm_cpu(self, bare: bool, threads: int):
         """A one-thread pass that takes its turn from another node under a shared compute lock
-        runs on the CPU that node's pass ran on, and notes its own: a core that has just computed
-        runs the next pass faster than one woken from idle (the same steps took 1.11x as long in two
-        processes taking turns where each woke on a CPU of its own, 0.99x pinned to one;
-        docs/BENCHMARKS.md, "The core that computed last")."""
+        runs on the CPU that node's pass ran on, and notes its own: a core that has just
+        computed runs the next pass faster than one woken from idle (the same steps took 1.11x
+        as long in two processes taking turns, each waking on a CPU of its own, and 0.99x
+        pinned to one; docs/BENCHMARKS.md, "The core that computed last")."""
         if bare or threads != 1 or not self.lock.shared:
             yield
             return
