@@ -258,9 +258,7 @@ def test_a_turn_handed_over_names_the_cpu_the_last_pass_ran_on(tmp_path, monkeyp
     assert mine.handed_cpu() == -1  # nothing noted yet
     mine.note_cpu(1)
     assert theirs.handed_cpu() == -1  # this process's own pass: nothing handed over
-    monkeypatch.setattr(os, "getpid", lambda: 4_000_000)  # another process notes its CPU
-    theirs.note_cpu(3)
-    monkeypatch.undo()
+    _note_as_another_process(theirs, 3, monkeypatch)
     assert mine.handed_cpu() == 3
     assert ComputeLock(None).handed_cpu() == -1
     for lock in (mine, theirs):
@@ -297,9 +295,7 @@ def test_a_one_thread_pass_handed_over_runs_on_the_cpu_that_computed_last(tmp_pa
     lock, other = ComputeLock(path), ComputeLock(path)
     runner = HopRunner(Executor(), lock, collections.Counter())
     runner.step_threads = 1
-    monkeypatch.setattr(os, "getpid", lambda: 4_000_000)
-    other.note_cpu(cpu)  # another node's pass ran there
-    monkeypatch.undo()
+    _note_as_another_process(other, cpu, monkeypatch)  # another node's pass ran there
     runner.run([Work()])
     assert seen[-1] == ({cpu}, cpu) and os.sched_getaffinity(0) == allowed  # pinned for the pass alone
     assert lock.handed_cpu() == -1  # it noted its own CPU: the next turn, if its own, is not pinned
@@ -307,10 +303,15 @@ def test_a_one_thread_pass_handed_over_runs_on_the_cpu_that_computed_last(tmp_pa
     assert seen[-1][0] == allowed
     runner.step_threads = 0  # every thread
     if torch.get_num_threads() > 1:
-        monkeypatch.setattr(os, "getpid", lambda: 4_000_000)
-        other.note_cpu(cpu)
-        monkeypatch.undo()
+        _note_as_another_process(other, cpu, monkeypatch)
         runner.run([Work()])
         assert seen[-1][0] == allowed
     for each in (lock, other):
         each.close()
+
+
+def _note_as_another_process(lock: ComputeLock, cpu: int, monkeypatch) -> None:
+    """``lock.note_cpu(cpu)`` as a process other than this one would write it."""
+    monkeypatch.setattr(os, "getpid", lambda: 4_000_000)
+    lock.note_cpu(cpu)
+    monkeypatch.undo()

@@ -412,7 +412,8 @@ def _kept(kv: SessionKV, step: Step) -> None:
     """A chunk's positions are in its session's KV now (``kv.length`` still the length before
     it). Its drafts may be cut off by the next step; so may all of a step sent ahead, and what
     the step it continues drafted."""
-    q = step.inputs.shape[1]
-    drafted = q + (kv.drafted if step.pos == kv.length else 0) if step.guess else step.drafts
+    q, drafted = step.inputs.shape[1], step.drafts
+    if step.guess:  # every position, on top of what the step it continues drafted
+        drafted = q + (kv.drafted if step.pos == kv.length else 0)
     kv.length, kv.drafted = step.pos + q, drafted
     kv.touch()

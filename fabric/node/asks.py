@@ -81,9 +81,7 @@ class SessionAsks:
             self._asks.pop(msg.session, None)
             generated = msg.penalties.generated if msg.penalties is not None else ()
             matcher = self._matcher(msg.grammar) if msg.grammar is not None else None
-            self._asks[msg.session] = Ask(msg.logprobs, msg.penalties, Counter(generated), matcher)
-            if len(self._asks) > self.bound:
-                del self._asks[next(iter(self._asks))]
+            self._put(self._asks, msg.session, Ask(msg.logprobs, msg.penalties, Counter(generated), matcher))
         elif self._asks and (msg.pos == 0 or msg.reuse):
             self._asks.pop(msg.session, None)
 
@@ -104,11 +102,15 @@ class SessionAsks:
         if msg.guess >= 0 and self._answered.get(msg.session) != (msg.pos, msg.guess):
             return None
         tokens = self.verify(msg, pos - len(msg.drafts), result.verify)
-        self._answered.pop(msg.session, None)
-        self._answered[msg.session] = (tokens[-1].pos, tokens[-1].token)
-        if len(self._answered) > self.bound:
-            del self._answered[next(iter(self._answered))]
+        self._put(self._answered, msg.session, (tokens[-1].pos, tokens[-1].token))
         return tokens
+
+    def _put(self, table: dict, session: str, value) -> None:
+        """``table[session] = value``, newest last; past ``bound`` sessions the oldest is forgotten."""
+        table.pop(session, None)
+        table[session] = value
+        if len(table) > self.bound:
+            del table[next(iter(table))]
 
     def verify(self, msg: p.Forward, pos: int, rows) -> list[p.Token]:
         """The TOKENs of a verification step: for positions pos, pos + 1, ..., each sampled from

@@ -382,11 +382,13 @@ class Speculation:
         model = self.matched == MODEL
         if c.ahead == "off" or self.stopped or self.streams > 1 or not drafts or room < 2 or (model and not greedy):
             return []
-        m = min(room - 1, c.max_drafts, self._fits_in_trip() if model else c.max_drafts)
+        m = min(room - 1, c.max_drafts)
+        if model:
+            m = min(m, self._fits_in_trip())
         if c.adaptive:
             first, then = self.yields.first[self.matched - 1], self.yields.then[self.matched - 1]
             m = min(m, best_drafts(then, then, self.cost, c.max_drafts))
-            if m < 1 or first * then ** len(drafts) * tokens_per_trip(then, then, m) <= (m + 1) * self.cost:
+            if first * then ** len(drafts) * tokens_per_trip(then, then, m) <= (m + 1) * self.cost:
                 return []
         if m < 1:
             return []
