@@ -136,6 +136,11 @@ def main() -> None:
     if args.trace:
         for c in clusters:
             print(f"{c.key} passes: {passes(c)}")
+            hops = fb.hop_breakdown(c)  # one-stream steps: compute, legs and their parts (µs)
+            if hops:
+                print(f"{c.key} one-stream steps: " + ", ".join(
+                    f"{k[:-3]} {v:.0f}" if isinstance(v, float) else f"{k} {v}" for k, v in hops.items()
+                    if not isinstance(v, list)) + "; compute " + ", ".join(f"{v:.0f}" for v in hops["compute_us"]))
 
 
 if __name__ == "__main__":

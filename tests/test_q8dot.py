@@ -148,21 +148,25 @@ def _build(tmp_path, flags: list[str]) -> ctypes.CDLL:
 
 @pytest.mark.parametrize("flags,path", [(["-mavx2", "-mfma", "-mf16c"], 1), ([], 0)])
 def test_the_avx2_and_plain_builds_give_the_same_bits(tmp_path, flags, path):
+    """Every kind, on one row (the AVX2 path's one sweep), and on 5 and 6 (rows grouped by 4, then
+    a group of one and of two)."""
     other = _build(tmp_path, flags)
     assert other.meshnet_q8dot_path() == path
-    x = torch.randn(6, 512, generator=torch.Generator().manual_seed(6)).bfloat16()
-    for kind in KINDS:
-        layer, _, _ = layer_of(kind, shape=(40, 512), seed=7)
-        here = layer(x)
-        layer._kernel, layer._job = other, None  # the job is built anew on the other build
-        assert torch.equal(layer(x), here), kind
-        assert layer._call.func is other.meshnet_q8dot  # it ran there
-    gate_up, down = mlp_of("Q4_1")
-    x, h = x[:, :256].contiguous(), x[:, 256:].contiguous()
-    here = DotMLP(gate_up, down)(x, h)
-    for m in (gate_up, down):
-        m._kernel, m._job = other, None
-    assert torch.equal(DotMLP(gate_up, down)(x, h), here)
+    gen = torch.Generator().manual_seed(6)
+    for rows in (1, 5, 6):
+        x = torch.randn(rows, 512, generator=gen).bfloat16()
+        for kind in KINDS:
+            layer, _, _ = layer_of(kind, shape=(40, 512), seed=7)
+            here = layer(x)
+            layer._kernel, layer._job = other, None  # the job is built anew on the other build
+            assert torch.equal(layer(x), here), (kind, rows)
+            assert layer._call.func is other.meshnet_q8dot  # it ran there
+        gate_up, down = mlp_of("Q4_1")
+        x, h = x[:, :256].contiguous(), x[:, 256:].contiguous()
+        here = DotMLP(gate_up, down)(x, h)
+        for m in (gate_up, down):
+            m._kernel, m._job = other, None
+        assert torch.equal(DotMLP(gate_up, down)(x, h), here), rows
 
 
 def test_parts_side_by_side_give_each_parts_bits():
