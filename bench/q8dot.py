@@ -2,6 +2,7 @@
 """The q8dot kernel (int8 activations, integer dot products) against torch's weight-only kernels.
 
     python bench/q8dot.py [--threads 1,2] [--rows 1,2,4,8] [--reps 5] [--shapes ...] [--pipe] [--cold MIB]
+                          [--other DIR]
 
 For each shape (SmolLM2-135M's projections and lm_head, and a 1.7B model's), random weights
 are held two ways with the same codes: 4-bit (a Q4_1-like grid: float16 step and minimum per
@@ -15,6 +16,11 @@ the kernel is faster), and the weights' GB/s through the kernel.
 ``--cold MIB`` holds enough copies of each shape's weights (other random codes) to fill MIB,
 taken in turn, so each call reads its weights from memory, as a pass's products do (one
 copy stays in the cache between calls, which times the arithmetic alone).
+
+``--other DIR`` times this checkout's kernel against DIR's (another checkout: ``git worktree add
+/tmp/old HEAD~1``), its ``kernels/q8dot.c`` built with the flags this machine's build takes
+(``MESHNET_NATIVE_ARCH`` included), on the same weights, instead of against torch: ratio = DIR's
+time / this checkout's (above 1: this checkout is faster).
 
 ``--pipe`` (a build on the AVX2 path): how near each call comes to the CPU's integer multiply
 rate, measured first by a loop of independent ``vpmaddubsw`` (8 chains, one thread), alone and
@@ -47,8 +53,9 @@ SHAPES = {  # name: (out, in, weights): int4 projections, int8 lm_heads
 DEFAULT = "smol o,smol up,smol down,smol lm_head,1.7b o,1.7b up,1.7b down"
 
 
-def pair(shape: tuple[int, int, str], seed: int = 0):
-    """(torch's product, q8dot's product, q8dot's weight bytes) for random weights of ``shape``."""
+def pair(shape: tuple[int, int, str], seed: int = 0, other=None):
+    """(torch's product, q8dot's product, q8dot's weight bytes) for random weights of ``shape``;
+    with ``other`` (a built kernel), that kernel's product of the same weights in torch's place."""
     from fabric.compute.q8dot import DotLinear
     from fabric.compute.quant import Int4Linear
 
@@ -58,12 +65,16 @@ def pair(shape: tuple[int, int, str], seed: int = 0):
         w = torch.randint(-127, 128, (out, n), dtype=torch.int8, generator=g)
         scales = (torch.rand(out, generator=g) * 0.01).to(torch.bfloat16)
         ours = DotLinear.from_int8(w, scales.float())
+        if other is not None:
+            return on_kernel(DotLinear.from_int8(w, scales.float()), other), ours.forward, ours.packed.numel()
         return (lambda x: torch._weight_int8pack_mm(x, w, scales)), ours.forward, ours.packed.numel()
     codes = torch.randint(0, 16, (out, n), dtype=torch.uint8, generator=g)
     step = (torch.rand(out, n // 32, generator=g) * 0.01).half().float()
     minimum = (-8 * step).half().float()
     int4 = Int4Linear.packed(codes.to(torch.int32), step, minimum + 8 * step, 32)
     ours = DotLinear.from_grid(_Grid(codes, step, minimum))
+    if other is not None:
+        return on_kernel(DotLinear.from_grid(_Grid(codes, step, minimum)), other), ours.forward, ours.packed.numel()
     wt, gs, sz = int4.weight, int4.group_size, int4.scales_zeros
     return (lambda x: torch._weight_int4pack_mm_for_cpu(x, wt, gs, sz)), ours.forward, ours.packed.numel()
 
@@ -118,11 +129,29 @@ def multiplies(shape: tuple[int, int, str]) -> int:
     return -(-out // 16) * 16 * n // 32
 
 
-def in_turn(shape: tuple[int, int, str], cold_bytes: int):
+def on_kernel(layer, lib):
+    """``layer``'s product on the built kernel ``lib``."""
+    layer._kernel, layer._job = lib, None  # the job is built anew on it
+    return layer.forward
+
+
+def other_kernel(checkout: str, build_dir: str):
+    """``checkout``'s ``kernels/q8dot.c``, built into ``build_dir`` with this machine's flags, loaded."""
+    import ctypes
+
+    from fabric.compute import native, q8dot
+
+    source = Path(checkout) / "fabric" / "compute" / "kernels" / "q8dot.c"
+    target = os.path.join(build_dir, "q8dot_other.so")
+    subprocess.run([os.environ.get("CC", "cc"), *native.flags(), "-o", target, str(source), "-lm"], check=True)
+    return q8dot.declared(ctypes.CDLL(target))
+
+
+def in_turn(shape: tuple[int, int, str], cold_bytes: int, other=None):
     """``pair`` for copies of ``shape``'s weights filling ``cold_bytes`` (one at least), each
     product calling the next copy."""
-    first = pair(shape)
-    copies = [first] + [pair(shape, seed) for seed in range(1, -(-cold_bytes // first[2]))]
+    first = pair(shape, 0, other)
+    copies = [first] + [pair(shape, seed, other) for seed in range(1, -(-cold_bytes // first[2]))]
     turn = {"theirs": 0, "ours": 0}
 
     def taking(side: int, name: str):
@@ -148,14 +177,18 @@ def main() -> None:
     parser.add_argument("--pipe", action="store_true", help="each call against the CPU's vpmaddubsw rate (AVX2 path)")
     parser.add_argument("--cold", type=int, default=0, metavar="MIB",
                         help="copies of the weights filling MIB, taken in turn: each call reads from memory")
+    parser.add_argument("--other", metavar="DIR", help="against DIR's kernel (another checkout) instead of torch")
     args = parser.parse_args()
     rate = _pipe_rates() if args.pipe else {}
-    print(f"time per call, median of {args.reps} alternated reps; ratio = torch / q8dot (above 1: q8dot faster)")
-    print(f"{'shape':14} {'out x in':>12} {'thr':>3} {'rows':>4} {'q8dot us':>9} {'torch us':>9} {'ratio':>6} {'GB/s':>6}"
+    build_dir = tempfile.mkdtemp(prefix="q8dot-other-")
+    other = other_kernel(args.other, build_dir) if args.other else None
+    base = "other" if other is not None else "torch"
+    print(f"time per call, median of {args.reps} alternated reps; ratio = {base} / q8dot (above 1: q8dot faster)")
+    print(f"{'shape':14} {'out x in':>12} {'thr':>3} {'rows':>4} {'q8dot us':>9} {base + ' us':>9} {'ratio':>6} {'GB/s':>6}"
           + (f" {'pipe':>5}" if rate else ""))
     with torch.inference_mode():
         for name in args.shapes.split(","):
-            theirs, ours, nbytes = in_turn(SHAPES[name], args.cold << 20)
+            theirs, ours, nbytes = in_turn(SHAPES[name], args.cold << 20, other)
             out, n, kind = SHAPES[name]
             pipe_per_row = multiplies(SHAPES[name]) / rate[kind] if rate else 0.0  # seconds at the loop's rate
             for threads in (int(t) for t in args.threads.split(",")):

@@ -21,7 +21,8 @@ clock is system-wide, so timestamps from different node processes can be compare
 
 The records are kept in memory (a tuple append per event) and written as JSON lines
 when the node exits (SIGTERM/SIGINT stop it cleanly). With ``MESHNET_BENCH_PROFILE=FILE``
-the whole node runs under cProfile instead and the stats are dumped to FILE at exit.
+the whole node runs under cProfile instead and the stats are dumped to FILE at exit (``{pid}`` in
+FILE: the node's process id, so that every node of a cluster keeps its own).
 Hooks that no longer match the fabric's code are skipped with a note on stderr.
 """
 from __future__ import annotations
@@ -170,7 +171,7 @@ def _dump(path: str) -> None:
 def main(argv: list[str]) -> int:
     from fabric.cli import main as cli_main
 
-    profile_path = os.environ.get("MESHNET_BENCH_PROFILE")
+    profile_path = os.environ.get("MESHNET_BENCH_PROFILE", "").replace("{pid}", str(os.getpid()))
     if profile_path:
         import cProfile
 
