@@ -467,17 +467,16 @@ class RouteSession(Failover):
         """The FORWARD of step number ``step`` to the route's first hop."""
         head = self.route[0]
         opens = pos == 0 or bool(reuse)  # the tail hears what the session asks once, on the steps that open it
-        penalties = self.request.penalties
-        if penalties is not None:  # counted from the tokens generated so far (a re-prefill's, a resumed request's)
-            penalties = dataclasses.replace(penalties, generated=tuple(self.generated))
-        grammar = self.request.grammar
-        if grammar is not None:  # the tail's matcher is rebuilt past the tokens generated so far
-            grammar = dataclasses.replace(grammar, generated=tuple(self.generated))
+        penalties = grammar = None
+        if opens and self.request.penalties is not None:  # counted from the tokens generated so far (a re-prefill's)
+            penalties = dataclasses.replace(self.request.penalties, generated=tuple(self.generated))
+        if opens and self.request.grammar is not None:  # the tail's matcher is rebuilt past the tokens generated
+            grammar = dataclasses.replace(self.request.grammar, generated=tuple(self.generated))
         msg = Forward(session=self.session, step=step, pos=pos, start_layer=head.start_layer,
                       end_layer=head.end_layer, route=self.route[1:], reply_to=self.reply_to,
                       sampling=self.sampling, reply_key=self.reply_key, wire_dtype=self.wire_dtype, reuse=reuse,
-                      logprobs=self.request.logprobs if opens else -1, penalties=penalties if opens else None,
-                      grammar=grammar if opens else None, drafts=tuple(drafts), draft_q=draft_q, guess=guess)
+                      logprobs=self.request.logprobs if opens else -1, penalties=penalties, grammar=grammar,
+                      drafts=tuple(drafts), draft_q=draft_q, guess=guess)
         self.transport.forward(head, msg, torch.tensor([ids], dtype=torch.int64))  # (1, q)
 
     def _finish(self, reason: str, tail: str = "") -> list[Event]:
