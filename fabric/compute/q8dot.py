@@ -3,9 +3,8 @@
 torch's weight-only kernels multiply bfloat16 rows by dequantized weights; for a decode step
 (a few rows) that streams the weights at ~5 GB/s on one thread. llama.cpp quantizes each
 row to int8 per block of 32 and takes integer dot products (AVX-512 VNNI here, AVX2 or plain C
-elsewhere): :class:`DotLinear` does the same with a GGUF's own 4-bit codes (Q4_0, Q4_1: the
-file's step and minimum per block, float16 where that is exact, else float32; Q4_K: the file's
-6-bit multipliers and its super-blocks' d and dmin, multiplied out in the kernel) or with
+elsewhere): :class:`DotLinear` does the same with a GGUF's own 4-bit codes (Q4_0, Q4_1, Q4_K:
+the file's step and minimum per block, float16 where that is exact, else float32) or with
 int8 codes (the lm_head's int8 rows and their scales, or Q8_0 blocks). Every row's output is
 the same bits alone or in any batch, on any thread count (the kernel's comment says how).
 
