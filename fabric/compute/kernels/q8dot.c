@@ -226,7 +226,7 @@ static inline __attribute__((always_inline)) void k8_rows(const DJob *j, const A
  * memory busy while the second computes: a decode step's products stream every weight from
  * memory once, and SmolLM2's 120 products a token took 0.8x the time with this on Zen 1
  * (docs/BENCHMARKS.md, *Weights asked for ahead*). One row reads each block once, both halves
- * together, asking for AHEAD bytes on: its products took 0.7-0.9x the time of two sweeps over
+ * together, asking for AHEAD bytes on: its products took 0.6-0.9x the time of two sweeps over
  * the tile (*One sweep for one row*). Past the last tile it asks for lines no one reads, which
  * costs nothing more: a prefetch never faults. */
 static inline void ask_ahead(const uint8_t *p, int64_t bytes) {
