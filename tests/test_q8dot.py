@@ -169,6 +169,17 @@ def test_the_avx2_and_plain_builds_give_the_same_bits(tmp_path, flags, path):
         assert torch.equal(DotMLP(gate_up, down)(x, h), here), rows
 
 
+def test_a_plain_c_build_is_said_once_as_a_warning(tmp_path, caplog):
+    """Without AVX2 the kernel's plain C path is several times slower: the node says so, once."""
+    plain = _build(tmp_path, [])
+    q8dot._said_path.cache_clear()
+    with caplog.at_level("INFO", logger="fabric.compute.q8dot"):
+        for _ in range(2):
+            q8dot._said_path(plain.meshnet_q8dot_path())
+    assert [r.levelname for r in caplog.records] == ["WARNING"] and "plain C" in caplog.text
+    q8dot._said_path.cache_clear()
+
+
 def test_parts_side_by_side_give_each_parts_bits():
     parts = [layer_of("Q4_1", shape=(out, 160), seed=out)[0] for out in (48, 16, 40)]
     fused = DotLinear.concatenated(parts)

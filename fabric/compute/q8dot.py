@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import logging
 import os
 
 import numpy as np
@@ -26,6 +27,8 @@ import torch
 from torch import nn
 
 from . import native, splits
+
+log = logging.getLogger(__name__)
 
 BLOCK = 32
 TILE = 16  # outputs a register holds; tiles are padded to it
@@ -39,10 +42,27 @@ def enabled() -> bool:
     return not off and native.enabled()
 
 
+PATHS = {2: "AVX-512 VNNI", 1: "AVX2", 0: "plain C"}  # kernels/q8dot.c's meshnet_q8dot_path()
+
+
 def kernel() -> ctypes.CDLL | None:
     """The built q8dot kernel, or None where it cannot be had (``fabric.compute.native``)."""
     lib = native.library("q8dot")
-    return declared(lib) if lib is not None else None
+    if lib is None:
+        return None
+    _said_path(lib.meshnet_q8dot_path())
+    return declared(lib)
+
+
+@functools.cache
+def _said_path(path: int) -> None:
+    """Say once which instructions the kernel was built for: on a CPU without AVX2 its plain C
+    path is several times slower, and a user should hear why."""
+    if path == 0:
+        log.warning("the int8-activation kernel runs its plain C path (this CPU has no AVX2): decode is "
+                    "several times slower than on an AVX2 CPU")
+    else:
+        log.info("the int8-activation kernel runs its %s path", PATHS.get(path, path))
 
 
 def declared(lib: ctypes.CDLL) -> ctypes.CDLL:
