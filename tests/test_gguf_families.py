@@ -38,10 +38,10 @@ NEW_TOKENS = 8
 CHUNK = 6  # prefill slices, as a head cuts a long prompt
 DEFAULT_TYPES = ("Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0", "F16", "Q2_K", "IQ4_XS", "mix")
 # a shard's weights in memory against its share of the file, at most (README, "Which GGUF types run how")
-MEMORY_CEILING = {"Q4_0": 1.25, "Q4_1": 1.25, "Q4_K": 1.4, "Q6_K": 1.25, "Q8_0": 1.0, "mix": 1.4, "F16": 1.0,
+MEMORY_CEILING = {"Q4_0": 1.25, "Q4_1": 1.25, "Q4_K": 1.2, "Q6_K": 1.25, "Q8_0": 1.0, "mix": 1.25, "F16": 1.0,
                   "Q5_0": 1.1, "Q5_1": 1.1, "Q5_K": 1.1}  # Q5_*: the file's own blocks (fabric.compute.qblock)
-# Q4_K: the q8dot kernel keeps a float32 step and minimum per 32 weights (d * sc is not a float16), 24
-# bytes against the file's 18
+# Q4_K: the q8dot kernel keeps the file's 6-bit multipliers (as float16) and its super-blocks' d and
+# dmin, 20.5 bytes per 32 weights against the file's 18; as float32 steps and minima (1.33x) it fails
 
 
 @pytest.fixture(scope="module")

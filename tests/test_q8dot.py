@@ -13,6 +13,7 @@ int8 per block of 32, integer dot products with a GGUF's 4-bit codes or with int
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import shutil
 import subprocess
 
@@ -33,8 +34,8 @@ from tests.test_lean_layers import _lean_against_modules
 
 pytestmark = pytest.mark.usefixtures("split_every_call")  # kernels split even small calls by threads
 
-KINDS = ("Q4_0", "Q4_1", "Q4_K", "Q8_0", "int8 rows")
-SHAPES = {"Q4_K": (40, 512)}  # outputs not whole tiles of 16; Q4_K's rows whole super-blocks
+KINDS = ("Q4_0", "Q4_1", "Q4_K", "Q4_K f32", "Q8_0", "int8 rows")  # "Q4_K f32": its steps and minima as float32
+SHAPES = {"Q4_K": (40, 512), "Q4_K f32": (40, 512)}  # outputs not whole tiles of 16; Q4_K's rows whole super-blocks
 EPS = torch.finfo(torch.float32).eps
 
 
@@ -53,15 +54,18 @@ def layer_of(kind: str, shape=None, seed: int = 0) -> tuple[DotLinear, torch.Ten
         scales = torch.rand(out, generator=torch.Generator().manual_seed(seed + 1)) * 0.02
         weight = codes.float() * scales[:, None]
         return DotLinear.from_int8(codes, scales), weight, weight.abs()
-    raw = encode(w, kind)
-    exact = dequantize(raw, GGMLQuantizationType[kind])
+    file_kind = kind.split()[0]
+    raw = encode(w, file_kind)
+    exact = dequantize(raw, GGMLQuantizationType[file_kind])
     if kind == "Q8_0":
         blocks = raw.reshape(out, -1, 34)
         d = torch.from_numpy(blocks[..., :2].copy().view(np.float16)[..., 0])
         codes = torch.from_numpy(blocks[..., 2:].copy().view(np.int8).reshape(out, n))
         weight = torch.from_numpy(exact)
         return DotLinear.from_int8(codes, d), weight, weight.abs()
-    grid = gguf_grid.grid_of(exact, raw, kind, lambda a: a)
+    grid = gguf_grid.grid_of(exact, raw, file_kind, lambda a: a)
+    if kind == "Q4_K f32":
+        grid = dataclasses.replace(grid, factors=None)
     bound = grid.minimum.abs().repeat_interleave(32, 1) + grid.codes.float() * grid.scale.abs().repeat_interleave(32, 1)
     return DotLinear.from_grid(grid), grid.weight(), bound
 
@@ -91,7 +95,7 @@ def test_rows_are_quantized_as_llama_cpps_q8_0():
 def test_products_are_the_quantized_rows_times_the_files_weights(kind):
     layer, weight, term = layer_of(kind, seed=1)
     nb = weight.shape[1] // 32
-    expect_kind = {"Q4_K": "int4_f32", "Q8_0": "q8_0", "int8 rows": "int8_row"}.get(kind, "int4_f16")
+    expect_kind = {"Q4_K": "int4_k", "Q4_K f32": "int4_f32", "Q8_0": "q8_0", "int8 rows": "int8_row"}.get(kind, "int4_f16")
     assert layer.kind == expect_kind
     for rows in (1, 2, 3, 5, 16, 17, 64):
         x = torch.randn(rows, weight.shape[1], generator=torch.Generator().manual_seed(rows))
@@ -178,6 +182,29 @@ def test_a_plain_c_build_is_said_once_as_a_warning(tmp_path, caplog):
             q8dot._said_path(plain.meshnet_q8dot_path())
     assert [r.levelname for r in caplog.records] == ["WARNING"] and "plain C" in caplog.text
     q8dot._said_path.cache_clear()
+
+
+def test_q4_k_in_its_own_factors_gives_the_float32_steps_bits_in_fewer_bytes():
+    """The file's d, dmin, sc and m (the kernel multiplies them out) against the steps and minima
+    multiplied out as float32: the same values, so the same bits, in 0.85x the bytes."""
+    own, _, _ = layer_of("Q4_K", shape=(48, 768), seed=3)
+    f32, _, _ = layer_of("Q4_K f32", shape=(48, 768), seed=3)
+    assert (own.kind, f32.kind) == ("int4_k", "int4_f32")
+    assert own.packed.numel() <= 0.86 * f32.packed.numel()
+    gen = torch.Generator().manual_seed(2)
+    for rows in (1, 3, 8):
+        x = torch.randn(rows, 768, generator=gen).bfloat16()
+        assert torch.equal(own(x), f32(x)), rows
+    grid = gguf_grid.grid_of(*_q4_k_file(48, 768), lambda a: a)
+    d, dmin, sc, m = grid.factors
+    wrong = (d, dmin, sc, np.where(m > 0, m - 1, m + 1).astype(np.uint8))  # factors that do not give the minima
+    assert q8dot.pack_int4(grid.codes, grid.scale, grid.minimum, wrong)[0] == "int4_f32"
+
+
+def _q4_k_file(out: int, n: int) -> tuple[np.ndarray, np.ndarray, str]:
+    """(the float32 weight a Q4_K file's blocks give, the raw blocks, "Q4_K") of random weights."""
+    raw = encode(np.random.default_rng(5).standard_normal((out, n)).astype(np.float32), "Q4_K")
+    return dequantize(raw, GGMLQuantizationType.Q4_K), raw, "Q4_K"
 
 
 def test_parts_side_by_side_give_each_parts_bits():

@@ -56,6 +56,9 @@ class FileGrid:
     codes: torch.Tensor  # (out, in) uint8, 0..15
     scale: torch.Tensor  # (out, in / 32) float32: each block's step (the file's float16)
     minimum: torch.Tensor  # (out, in / 32) float32: the weight of code 0 (Q4_1: m; Q4_0: -8 d)
+    # Q4_K's factors, rows in the model's order: d and dmin (out, in / 256) float32 (the file's
+    # float16), sc and m (out, in / 32) uint8; scale = d sc and minimum = -(dmin m), exactly
+    factors: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None = None
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -87,13 +90,19 @@ def block_params(raw: np.ndarray, type_name: str) -> tuple[np.ndarray, np.ndarra
 def _q4_k_params(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Q4_K's (step, minimum) per 32-weight block: ``d * sc`` and ``-dmin * m``, computed in
     float32 as llama.cpp (and gguf-py's dequantize) compute them."""
-    blocks = np.ascontiguousarray(raw).reshape(raw.shape[0], -1, 144)  # (rows, supers, d dmin scales[12] qs[128])
-    d = blocks[..., 0:2].copy().view(np.float16).astype(np.float32)  # (rows, supers, 1)
-    dmin = blocks[..., 2:4].copy().view(np.float16).astype(np.float32)
-    sc, m = scale_min_k4(blocks[..., 4:16])  # (rows, supers, 8) each
-    step = (d * sc.astype(np.float32)).reshape(raw.shape[0], -1)
-    minimum = -(dmin * m.astype(np.float32)).reshape(raw.shape[0], -1)
+    d, dmin, sc, m = q4_k_factors(raw)
+    step = (d[..., None] * sc.reshape(*d.shape, 8).astype(np.float32)).reshape(raw.shape[0], -1)
+    minimum = -(dmin[..., None] * m.reshape(*d.shape, 8).astype(np.float32)).reshape(raw.shape[0], -1)
     return step, minimum
+
+
+def q4_k_factors(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Q4_K's d and dmin (rows, super-blocks) float32, sc and m (rows, blocks of 32) uint8."""
+    blocks = np.ascontiguousarray(raw).reshape(raw.shape[0], -1, 144)  # (rows, supers, d dmin scales[12] qs[128])
+    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)  # (rows, supers)
+    dmin = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+    sc, m = scale_min_k4(blocks[..., 4:16])  # (rows, supers, 8) each
+    return d, dmin, sc.reshape(raw.shape[0], -1).astype(np.uint8), m.reshape(raw.shape[0], -1).astype(np.uint8)
 
 
 def placement_of(weight: np.ndarray, raw: np.ndarray, type_name: str, scheme: str,
@@ -136,10 +145,18 @@ def grid_of(weight: np.ndarray, raw: np.ndarray, type_name: str,
     codes = torch.where(s_full == 0, 0.0, torch.round((w - m_full) / torch.where(s_full == 0, 1.0, s_full)))
     if codes.min() < 0 or codes.max() > 15:
         return None
-    grid = FileGrid(codes.to(torch.uint8), s, m)
+    grid = FileGrid(codes.to(torch.uint8), s, m, _factors(raw, type_name, process, weight.shape))
     if not torch.equal(grid.weight(), w):
         return None  # not a pure reordering of the file's blocks
     return grid
+
+
+def _factors(raw: np.ndarray, type_name: str, process: Callable[[np.ndarray], np.ndarray | None],
+             shape: tuple[int, int]) -> tuple | None:
+    """A Q4_K linear's factors (``FileGrid.factors``), rows in the model's order; None for
+    other types, or where the processor does more than reorder rows."""
+    order = row_order(process, shape) if type_name == "Q4_K" else None
+    return None if order is None else tuple(np.ascontiguousarray(a[order]) for a in q4_k_factors(raw))
 
 
 def blocks_of(weight: np.ndarray, raw: np.ndarray, type_name: str,

@@ -3,8 +3,9 @@
 torch's weight-only kernels multiply bfloat16 rows by dequantized weights; for a decode step
 (a few rows) that streams the weights at ~5 GB/s on one thread. llama.cpp quantizes each
 row to int8 per block of 32 and takes integer dot products (AVX-512 VNNI here, AVX2 or plain C
-elsewhere): :class:`DotLinear` does the same with a GGUF's own 4-bit codes (Q4_0, Q4_1, Q4_K:
-the file's step and minimum per block, float16 where that is exact, else float32) or with
+elsewhere): :class:`DotLinear` does the same with a GGUF's own 4-bit codes (Q4_0, Q4_1: the
+file's step and minimum per block, float16 where that is exact, else float32; Q4_K: the file's
+6-bit multipliers and its super-blocks' d and dmin, multiplied out in the kernel) or with
 int8 codes (the lm_head's int8 rows and their scales, or Q8_0 blocks). Every row's output is
 the same bits alone or in any batch, on any thread count (the kernel's comment says how).
 
@@ -32,7 +33,8 @@ log = logging.getLogger(__name__)
 
 BLOCK = 32
 TILE = 16  # outputs a register holds; tiles are padded to it
-KINDS = {"int4_f16": 0, "int4_f32": 1, "int8_row": 2, "q8_0": 3}  # kernels/q8dot.c's enum
+KINDS = {"int4_f16": 0, "int4_f32": 1, "int8_row": 2, "q8_0": 3, "int4_k": 4}  # kernels/q8dot.c's enum
+SUPER = 256  # inputs of a Q4_K super-block: one d and dmin a row
 _FORMATS = {torch.bfloat16: 0, torch.float32: 2}
 
 
@@ -112,13 +114,17 @@ def _per_block(values: np.ndarray, out: int) -> np.ndarray:
     return t.view(np.uint8).reshape(t.shape[0], t.shape[1], -1)
 
 
-def pack_int4(codes: torch.Tensor, step: torch.Tensor, minimum: torch.Tensor) -> tuple[str, torch.Tensor]:
+def pack_int4(codes: torch.Tensor, step: torch.Tensor, minimum: torch.Tensor,
+              factors: tuple | None = None) -> tuple[str, torch.Tensor]:
     """4-bit codes (out, in) in 0..15 with a float32 step and minimum per (out, block of 32):
     w = minimum + code * step. Returns (kind, packed (tiles, tile bytes) uint8); the step and
-    minimum are kept as float16 where every one is exactly a float16, else as float32."""
+    minimum are kept as Q4_K's ``factors`` where given (``FileGrid.factors``: 5.1 bits a weight
+    in all, the file's 4.5), else as float16 where every one is exactly a float16, else as float32."""
     c = codes.numpy().astype(np.uint8)
     out = c.shape[0]
     s, m = step.float().numpy(), minimum.float().numpy()
+    if factors is not None and c.shape[1] % SUPER == 0 and _factored(s, m, factors):
+        return "int4_k", _pack_int4_k(c, factors)
     exact = (np.array_equal(s.astype(np.float16).astype(np.float32), s)
              and np.array_equal(m.astype(np.float16).astype(np.float32), m))
     dtype, kind = (np.float16, "int4_f16") if exact else (np.float32, "int4_f32")
@@ -126,6 +132,29 @@ def pack_int4(codes: torch.Tensor, step: torch.Tensor, minimum: torch.Tensor) ->
     nib = (g[:, :, :4] | (g[:, :, 4:] << 4)).reshape(g.shape[0], g.shape[1], -1)  # (tiles, blocks, 256)
     blocks = np.concatenate([nib, _per_block(s.astype(dtype), out), _per_block(m.astype(dtype), out)], -1)
     return kind, torch.from_numpy(np.ascontiguousarray(blocks.reshape(blocks.shape[0], -1)))
+
+
+def _factored(step: np.ndarray, minimum: np.ndarray, factors: tuple) -> bool:
+    """Whether Q4_K's ``factors`` give ``step`` and ``minimum`` exactly (as the kernel computes them)."""
+    d, dmin, sc, m = factors
+    per = SUPER // BLOCK
+    return (np.array_equal(np.repeat(d, per, 1) * sc.astype(np.float32), step)
+            and np.array_equal(-(np.repeat(dmin, per, 1) * m.astype(np.float32)), minimum))
+
+
+def _pack_int4_k(codes: np.ndarray, factors: tuple) -> torch.Tensor:
+    """kernels/q8dot.c's K4_K tiles: each super-block's 16 d and 16 -dmin, then its 8 blocks' codes,
+    16 sc and 16 m, all float16 (the file's values, exact)."""
+    d, dmin, sc, m = factors
+    out = codes.shape[0]
+    g = _groups(codes)
+    nib = (g[:, :, :4] | (g[:, :, 4:] << 4)).reshape(g.shape[0], g.shape[1], -1)  # (tiles, blocks, 256)
+    half = np.float16
+    blocks = np.concatenate([nib, _per_block(sc.astype(half), out), _per_block(m.astype(half), out)], -1)
+    supers = np.concatenate([_per_block(d.astype(half), out), _per_block((-dmin).astype(half), out)], -1)
+    tiles, nb = blocks.shape[:2]
+    return torch.from_numpy(np.ascontiguousarray(np.concatenate(
+        [supers, blocks.reshape(tiles, nb // 8, -1)], -1).reshape(tiles, -1)))
 
 
 def pack_int8(codes: torch.Tensor, scales: torch.Tensor) -> tuple[str, torch.Tensor]:
@@ -166,8 +195,9 @@ class DotLinear(nn.Module):
 
     @classmethod
     def from_grid(cls, grid, bias: torch.Tensor | None = None) -> DotLinear:
-        """A GGUF's Q4_0 / Q4_1 / Q4_K blocks (``fabric.compute.gguf_grid.FileGrid``), exactly."""
-        kind, packed = pack_int4(grid.codes, grid.scale, grid.minimum)
+        """A GGUF's Q4_0 / Q4_1 / Q4_K blocks (``fabric.compute.gguf_grid.FileGrid``), exactly (Q4_K
+        in its own factors where the grid keeps them)."""
+        kind, packed = pack_int4(grid.codes, grid.scale, grid.minimum, getattr(grid, "factors", None))
         out, n = grid.codes.shape
         return cls(kind, packed, n, out, bias)
 

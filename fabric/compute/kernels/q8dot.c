@@ -7,6 +7,9 @@
  * per block serves every kind:
  *   K4_F16, K4_F32: 4-bit codes (Q4_0: minimum -8 step; Q4_1: the file's m; Q4_K: d sc and
  *                   -dmin m), the step and minimum per block as float16 (where exact) or float32;
+ *   K4_K:           Q4_K as the file holds it: the block's 6-bit multipliers sc and m (float16, exact)
+ *                   and the super-block's float16 d and -dmin, so step = d sc and minimum = (-dmin) m,
+ *                   each exact in float32 (the values K4_F32 would hold, in 0.85x its bytes);
  *   K8_F16:         Q8_0, int8 codes stored as u = c + 128, the file's float16 step per block;
  *   K8_ROW:         int8 codes per output row (u = c + 128) and a float32 scale per row.
  * For int8 the minimum term is -128 s (an integer), so every kind's block sum is exact in int32.
@@ -24,7 +27,10 @@
  * codes at bytes 4k..4k+3 (what a dot product of 4 bytes per 32-bit lane wants). int4: register
  * j (0..3) holds group j in its low nibbles and group j + 4 in its high ones (256 bytes); int8:
  * 8 registers (512 bytes). Then the block's 16 steps (and 16 minima) for int4 and K8_F16;
- * K8_ROW keeps its 16 row scales after the tile's last block.
+ * K8_ROW keeps its 16 row scales after the tile's last block; K4_K its blocks' 16 sc then 16 m where
+ * K4_F16 keeps steps and minima, and each super-block's 16 d then 16 -dmin (float16, 64 bytes) before
+ * its 8 blocks: a sweep reads them in order (at the tile's end they were a second stream, read from
+ * memory once a super-block, and a one-row product of 8192 x 2048 took 1.6-1.9x the time).
  */
 #include <math.h>
 #include <stdint.h>
@@ -42,7 +48,8 @@
 #define PATH_AVX2 1
 #endif
 
-enum { K4_F16 = 0, K4_F32 = 1, K8_ROW = 2, K8_F16 = 3 };
+enum { K4_F16 = 0, K4_F32 = 1, K8_ROW = 2, K8_F16 = 3, K4_K = 4 };
+enum { S_F32 = 0, S_F16 = 1, S_K = 2 }; /* how an int4 kind holds its steps and minima */
 enum { F_BF16 = 0, F_F32 = 2 };
 
 typedef struct {
@@ -64,13 +71,26 @@ static inline int64_t block_bytes(int kind) {
     switch (kind) {
     case K4_F16: return 256 + 64;
     case K4_F32: return 256 + 128;
+    case K4_K: return 256 + 64;
     case K8_F16: return 512 + 32;
     default: return 512;
     }
 }
 
 int64_t meshnet_q8dot_tile_bytes(int kind, int64_t in) {
-    return (in / BLOCK) * block_bytes(kind) + (kind == K8_ROW ? TILE * 4 : 0);
+    return (in / BLOCK) * block_bytes(kind) + (kind == K8_ROW ? TILE * 4 : 0) + (kind == K4_K ? in / 256 * 64 : 0);
+}
+
+static inline int k4_kind(int scales) { return scales == S_K ? K4_K : scales == S_F16 ? K4_F16 : K4_F32; }
+
+/* Where K4_K's super-block of block b keeps its 16 d (and 32 bytes on, 16 -dmin). */
+static inline const uint8_t *k4_super(const uint8_t *tw, int64_t b) {
+    return tw + (b / 8) * (64 + 8 * block_bytes(K4_K));
+}
+
+/* Block b of an int4 tile: K4_K's 8 blocks follow their super-block's 64 bytes. */
+static inline const uint8_t *k4_block(const uint8_t *tw, int64_t b, int64_t bb, int scales) {
+    return scales == S_K ? k4_super(tw, b) + 64 + (b % 8) * bb : tw + b * bb;
 }
 
 static inline float widen16(uint16_t h) {
@@ -157,13 +177,13 @@ static inline __attribute__((always_inline)) __m512i dot_block(const __m512i w[8
 }
 
 static inline __attribute__((always_inline)) void k4_rows(const DJob *j, const Acts *a, const uint8_t *tw,
-                                                          int64_t r0, const int R, float out[RG][TILE], const int half) {
-    int64_t nb = j->in / BLOCK, bb = block_bytes(half ? K4_F16 : K4_F32);
-    __m512 accs[RG], accm[RG];
+                                                          int64_t r0, const int R, float out[RG][TILE], const int scales) {
+    int64_t nb = j->in / BLOCK, bb = block_bytes(k4_kind(scales));
+    __m512 accs[RG], accm[RG], d = _mm512_setzero_ps(), ndmin = _mm512_setzero_ps();  /* K4_K's super-block */
     for (int r = 0; r < R; r++) accs[r] = accm[r] = _mm512_setzero_ps();
     const __m512i low = _mm512_set1_epi8(0x0f);
     for (int64_t b = 0; b < nb; b++) {
-        const uint8_t *blk = tw + b * bb;
+        const uint8_t *blk = k4_block(tw, b, bb, scales);
         __m512i w[8];
         for (int g = 0; g < 4; g++) {
             __m512i v = _mm512_loadu_si512(blk + 64 * g);
@@ -171,7 +191,15 @@ static inline __attribute__((always_inline)) void k4_rows(const DJob *j, const A
             w[g + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
         }
         __m512 step, min;
-        if (half) {
+        if (scales == S_K) {  /* d sc and (-dmin) m: exact products */
+            if (b % 8 == 0) {
+                const uint8_t *sup = k4_super(tw, b);
+                d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)sup));
+                ndmin = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(sup + 32)));
+            }
+            step = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + 256))), d);
+            min = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + 288))), ndmin);
+        } else if (scales == S_F16) {
             step = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + 256)));
             min = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + 288)));
         } else {
@@ -291,10 +319,16 @@ static inline __attribute__((always_inline)) void k8_sums(const uint8_t *blk, co
     }
 }
 
-/* Half h's 8 steps and minima of an int4 block. */
-static inline __attribute__((always_inline)) void k4_scales(const uint8_t *blk, const int half, const int h,
-                                                            __m256 *step, __m256 *min) {
-    if (half) {
+/* Half h's 8 steps and minima of int4 block b (at blk) of tile tw. */
+static inline __attribute__((always_inline)) void k4_scales(const uint8_t *tw, int64_t b, const uint8_t *blk,
+                                                            const int scales, const int h, __m256 *step, __m256 *min) {
+    if (scales == S_K) {  /* d sc and (-dmin) m: exact products */
+        const uint8_t *sup = k4_super(tw, b);
+        *step = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 256 + 16 * h))),
+                              _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sup + 16 * h))));
+        *min = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 288 + 16 * h))),
+                             _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sup + 32 + 16 * h))));
+    } else if (scales == S_F16) {
         *step = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 256 + 16 * h)));
         *min = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 288 + 16 * h)));
     } else {
@@ -304,21 +338,21 @@ static inline __attribute__((always_inline)) void k4_scales(const uint8_t *blk, 
 }
 
 static inline __attribute__((always_inline)) void k4_rows(const DJob *j, const Acts *a, const uint8_t *tw,
-                                                          int64_t r0, const int R, float out[RG][TILE], const int half) {
-    int64_t nb = j->in / BLOCK, bb = block_bytes(half ? K4_F16 : K4_F32);
-    int64_t next = meshnet_q8dot_tile_bytes(half ? K4_F16 : K4_F32, j->in);
+                                                          int64_t r0, const int R, float out[RG][TILE], const int scales) {
+    int64_t nb = j->in / BLOCK, bb = block_bytes(k4_kind(scales));
+    int64_t next = meshnet_q8dot_tile_bytes(k4_kind(scales), j->in);
     const __m256i ones = _mm256_set1_epi16(1);
     if (R == 1) {  /* one sweep: each block's two halves together, the same operations per output */
         __m256 accs[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()}, accm[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
         for (int64_t b = 0; b < nb; b++) {
-            const uint8_t *blk = tw + b * bb;
+            const uint8_t *blk = k4_block(tw, b, bb, scales);
             ask_ahead(blk + AHEAD, bb);
             __m256 d = _mm256_set1_ps(a->d[r0 * nb + b]), c = _mm256_set1_ps(a->c[r0 * nb + b]);
             for (int h = 0; h < 2; h++) {
                 __m256i p[RG];
                 k4_sums(blk, a->q + r0 * j->in + b * BLOCK, j->in, 1, h, p);
                 __m256 step, min;
-                k4_scales(blk, half, h, &step, &min);
+                k4_scales(tw, b, blk, scales, h, &step, &min);
                 accs[h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(p[0], ones)), _mm256_mul_ps(step, d), accs[h]);
                 accm[h] = _mm256_fmadd_ps(min, c, accm[h]);
             }
@@ -330,12 +364,12 @@ static inline __attribute__((always_inline)) void k4_rows(const DJob *j, const A
         __m256 accs[RG], accm[RG];
         for (int r = 0; r < R; r++) accs[r] = accm[r] = _mm256_setzero_ps();
         for (int64_t b = 0; b < nb; b++) {
-            const uint8_t *blk = tw + b * bb;
+            const uint8_t *blk = k4_block(tw, b, bb, scales);
             ask_ahead(blk + (h ? next : AHEAD), bb);
             __m256i p[RG];
             k4_sums(blk, a->q + r0 * j->in + b * BLOCK, j->in, R, h, p);
             __m256 step, min;
-            k4_scales(blk, half, h, &step, &min);
+            k4_scales(tw, b, blk, scales, h, &step, &min);
             for (int r = 0; r < R; r++) {
                 int64_t k = (r0 + r) * nb + b;
                 __m256i s = _mm256_madd_epi16(p[r], ones);
@@ -407,13 +441,13 @@ static inline float f32_at(const uint8_t *p) {
 }
 
 static inline __attribute__((always_inline)) void k4_rows(const DJob *j, const Acts *a, const uint8_t *tw,
-                                                          int64_t r0, const int R, float out[RG][TILE], const int half) {
-    int64_t nb = j->in / BLOCK, bb = block_bytes(half ? K4_F16 : K4_F32);
+                                                          int64_t r0, const int R, float out[RG][TILE], const int scales) {
+    int64_t nb = j->in / BLOCK, bb = block_bytes(k4_kind(scales));
     for (int r = 0; r < R; r++)
         for (int k = 0; k < TILE; k++) {
             float accs = 0.0f, accm = 0.0f;
             for (int64_t b = 0; b < nb; b++) {
-                const uint8_t *blk = tw + b * bb;
+                const uint8_t *blk = k4_block(tw, b, bb, scales);
                 const int8_t *xq = a->q + (r0 + r) * j->in + b * BLOCK;
                 int32_t s = 0;
                 for (int g = 0; g < 8; g++)
@@ -421,8 +455,15 @@ static inline __attribute__((always_inline)) void k4_rows(const DJob *j, const A
                         uint8_t byte = blk[64 * (g % 4) + 4 * k + e];
                         s += (g < 4 ? byte & 15 : byte >> 4) * xq[4 * g + e];
                     }
-                float step = half ? f16(blk + 256 + 2 * k) : f32_at(blk + 256 + 4 * k);
-                float min = half ? f16(blk + 288 + 2 * k) : f32_at(blk + 320 + 4 * k);
+                float step, min;
+                if (scales == S_K) {  /* d sc and (-dmin) m: exact products */
+                    const uint8_t *sup = k4_super(tw, b);
+                    step = f16(blk + 256 + 2 * k) * f16(sup + 2 * k);
+                    min = f16(blk + 288 + 2 * k) * f16(sup + 32 + 2 * k);
+                } else {
+                    step = scales == S_F16 ? f16(blk + 256 + 2 * k) : f32_at(blk + 256 + 4 * k);
+                    min = scales == S_F16 ? f16(blk + 288 + 2 * k) : f32_at(blk + 320 + 4 * k);
+                }
                 int64_t at = (r0 + r) * nb + b;
                 accs = fmaf((float)s, step * a->d[at], accs);
                 accm = fmaf(min, a->c[at], accm);
@@ -465,8 +506,9 @@ static void tile(const DJob *j, const Acts *a, int64_t t, int64_t r0, int nrows)
     const uint8_t *tw = j->w + t * meshnet_q8dot_tile_bytes(j->kind, j->in);
     float out[RG][TILE];
     switch (j->kind) {
-    case K4_F16: BY_ROWS(k4_rows, j, a, tw, r0, nrows, out, 1); break;
-    case K4_F32: BY_ROWS(k4_rows, j, a, tw, r0, nrows, out, 0); break;
+    case K4_F16: BY_ROWS(k4_rows, j, a, tw, r0, nrows, out, S_F16); break;
+    case K4_F32: BY_ROWS(k4_rows, j, a, tw, r0, nrows, out, S_F32); break;
+    case K4_K: BY_ROWS(k4_rows, j, a, tw, r0, nrows, out, S_K); break;
     case K8_F16: BY_ROWS(k8_rows, j, a, tw, r0, nrows, out, 1); break;
     default: BY_ROWS(k8_rows, j, a, tw, r0, nrows, out, 0); break;
     }
