@@ -22,6 +22,10 @@ copy stays in the cache between calls, which times the arithmetic alone).
 (``MESHNET_NATIVE_ARCH`` included), on the same weights, instead of against torch: ratio = DIR's
 time / this checkout's (above 1: this checkout is faster).
 
+The ``q4_k`` shapes (not in the default list) time random weights as a Q4_K file holds them,
+on the kernel's ``int4_k`` (the file's factors, multiplied out in the kernel) against the same
+weights as ``int4_f32`` (float32 steps and minima, 1.17x the bytes), in the torch column.
+
 ``--pipe`` (a build on the AVX2 path): how near each call comes to the CPU's integer multiply
 rate, measured first by a loop of independent ``vpmaddubsw`` (8 chains, one thread), alone and
 each widened by a ``vpmaddwd``. The AVX2 path makes one ``vpmaddubsw`` per 32 products (8
@@ -38,6 +42,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+import numpy as np
 import torch
 
 REPO = Path(__file__).resolve().parent.parent
@@ -49,6 +54,7 @@ SHAPES = {  # name: (out, in, weights): int4 projections, int8 lm_heads
     "smol qkv": (960, 576, "int4"), "smol o": (576, 576, "int4"), "smol gate_up": (3072, 576, "int4"),
     "smol up": (1536, 576, "int4"), "smol down": (576, 1536, "int4"), "smol lm_head": (49152, 576, "int8"),
     "1.7b o": (2048, 2048, "int4"), "1.7b up": (8192, 2048, "int4"), "1.7b down": (2048, 8192, "int4"),
+    "q4_k up": (8192, 2048, "q4_k"), "q4_k down": (2048, 8192, "q4_k"), "q4_k small": (1536, 768, "q4_k"),
 }
 DEFAULT = "smol o,smol up,smol down,smol lm_head,1.7b o,1.7b up,1.7b down"
 
@@ -61,6 +67,8 @@ def pair(shape: tuple[int, int, str], seed: int = 0, other=None):
 
     out, n, kind = shape
     g = torch.Generator().manual_seed(seed)
+    if kind == "q4_k":
+        return _q4_k_pair(out, n, seed)
     if kind == "int8":
         w = torch.randint(-127, 128, (out, n), dtype=torch.int8, generator=g)
         scales = (torch.rand(out, generator=g) * 0.01).to(torch.bfloat16)
@@ -77,6 +85,24 @@ def pair(shape: tuple[int, int, str], seed: int = 0, other=None):
         return on_kernel(DotLinear.from_grid(_Grid(codes, step, minimum)), other), ours.forward, ours.packed.numel()
     wt, gs, sz = int4.weight, int4.group_size, int4.scales_zeros
     return (lambda x: torch._weight_int4pack_mm_for_cpu(x, wt, gs, sz)), ours.forward, ours.packed.numel()
+
+
+def _q4_k_pair(out: int, n: int, seed: int):
+    """Random weights as a Q4_K file holds them: the kernel's ``int4_k`` (the file's factors) and,
+    in torch's place, ``int4_f32`` (the same steps and minima multiplied out as float32)."""
+    import dataclasses
+
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    from fabric.compute import gguf_grid
+    from fabric.compute.q8dot import DotLinear
+    from tests.gguf_models import encode
+
+    raw = encode(np.random.default_rng(seed).standard_normal((out, n)).astype(np.float32), "Q4_K")
+    grid = gguf_grid.grid_of(dequantize(raw, GGMLQuantizationType.Q4_K), raw, "Q4_K", lambda a: a)
+    ours, f32 = DotLinear.from_grid(grid), DotLinear.from_grid(dataclasses.replace(grid, factors=None))
+    return f32.forward, ours.forward, ours.packed.numel()
 
 
 MADDUBS_LOOP = r"""
@@ -190,7 +216,8 @@ def main() -> None:
         for name in args.shapes.split(","):
             theirs, ours, nbytes = in_turn(SHAPES[name], args.cold << 20, other)
             out, n, kind = SHAPES[name]
-            pipe_per_row = multiplies(SHAPES[name]) / rate[kind] if rate else 0.0  # seconds at the loop's rate
+            loop = rate.get("int8" if kind == "int8" else "int4")  # q4_k makes int4's multiplies
+            pipe_per_row = multiplies(SHAPES[name]) / loop if rate else 0.0  # seconds at the loop's rate
             for threads in (int(t) for t in args.threads.split(",")):
                 torch.set_num_threads(threads)
                 for rows in (int(r) for r in args.rows.split(",")):
