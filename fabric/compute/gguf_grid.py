@@ -154,8 +154,10 @@ def grid_of(weight: np.ndarray, raw: np.ndarray, type_name: str,
 def _factors(raw: np.ndarray, type_name: str, process: Callable[[np.ndarray], np.ndarray | None],
              shape: tuple[int, int]) -> tuple | None:
     """A Q4_K linear's factors (``FileGrid.factors``), rows in the model's order; None for
-    other types, or where the processor does more than reorder rows."""
-    order = row_order(process, shape) if type_name == "Q4_K" else None
+    other types, or where the processor does more than reorder rows. The order is read from a
+    block's width of columns, not the whole weight's (a load's peak): ``pack_int4`` checks that
+    the factors give the steps and minima, and packs those where they do not."""
+    order = row_order(process, (shape[0], BLOCK)) if type_name == "Q4_K" else None
     return None if order is None else tuple(np.ascontiguousarray(a[order]) for a in q4_k_factors(raw))
 
 
