@@ -92,15 +92,10 @@ def _q4_k_pair(out: int, n: int, seed: int):
     in torch's place, ``int4_f32`` (the same steps and minima multiplied out as float32)."""
     import dataclasses
 
-    from gguf import GGMLQuantizationType
-    from gguf.quants import dequantize
-
-    from fabric.compute import gguf_grid
     from fabric.compute.q8dot import DotLinear
-    from tests.gguf_models import encode
+    from tests.gguf_models import file_grid
 
-    raw = encode(np.random.default_rng(seed).standard_normal((out, n)).astype(np.float32), "Q4_K")
-    grid = gguf_grid.grid_of(dequantize(raw, GGMLQuantizationType.Q4_K), raw, "Q4_K", lambda a: a)
+    _, grid = file_grid(np.random.default_rng(seed).standard_normal((out, n)).astype(np.float32), "Q4_K")
     ours, f32 = DotLinear.from_grid(grid), DotLinear.from_grid(dataclasses.replace(grid, factors=None))
     return f32.forward, ours.forward, ours.packed.numel()
 
@@ -190,6 +185,8 @@ def in_turn(shape: tuple[int, int, str], cold_bytes: int, other=None):
 
 
 class _Grid:
+    factors = None  # not a Q4_K file's
+
     def __init__(self, codes, scale, minimum):
         self.codes, self.scale, self.minimum = codes, scale, minimum
 
@@ -206,8 +203,7 @@ def main() -> None:
     parser.add_argument("--other", metavar="DIR", help="against DIR's kernel (another checkout) instead of torch")
     args = parser.parse_args()
     rate = _pipe_rates() if args.pipe else {}
-    build_dir = tempfile.mkdtemp(prefix="q8dot-other-")
-    other = other_kernel(args.other, build_dir) if args.other else None
+    other = other_kernel(args.other, tempfile.mkdtemp(prefix="q8dot-other-")) if args.other else None
     base = "other" if other is not None else "torch"
     print(f"time per call, median of {args.reps} alternated reps; ratio = {base} / q8dot (above 1: q8dot faster)")
     print(f"{'shape':14} {'out x in':>12} {'thr':>3} {'rows':>4} {'q8dot us':>9} {base + ' us':>9} {'ratio':>6} {'GB/s':>6}"

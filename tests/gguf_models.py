@@ -273,6 +273,19 @@ def encode(array: np.ndarray, type_name: str) -> np.ndarray:
     return blocks.reshape(*array.shape[:-1], array.shape[-1] // block * size)
 
 
+def file_grid(array: np.ndarray, type_name: str):
+    """(the float32 weight, its ``fabric.compute.gguf_grid.FileGrid``) of ``array`` written as a
+    Q4_0, Q4_1 or Q4_K tensor, rows in the file's order."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    from fabric.compute import gguf_grid
+
+    raw = encode(array, type_name)
+    exact = dequantize(raw, GGMLQuantizationType[type_name])
+    return exact, gguf_grid.grid_of(exact, raw, type_name, lambda a: a)
+
+
 def decode(data: np.ndarray, type_name: str) -> np.ndarray:
     """gguf-py's dequantization of what `encode` returns: float32 in the original shape."""
     import gguf

@@ -23,11 +23,11 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
-from fabric.compute import gguf_grid, q8dot
+from fabric.compute import q8dot
 import torch.nn.functional as F
 
 from fabric.compute.q8dot import DotLinear, DotMLP
-from tests.gguf_models import encode, write_gguf
+from tests.gguf_models import encode, file_grid, write_gguf
 from tests.support import on_threads
 from tests.test_invariant import default_mode, differences, smollm2
 from tests.test_lean_layers import _lean_against_modules
@@ -54,16 +54,14 @@ def layer_of(kind: str, shape=None, seed: int = 0) -> tuple[DotLinear, torch.Ten
         scales = torch.rand(out, generator=torch.Generator().manual_seed(seed + 1)) * 0.02
         weight = codes.float() * scales[:, None]
         return DotLinear.from_int8(codes, scales), weight, weight.abs()
-    file_kind = kind.split()[0]
-    raw = encode(w, file_kind)
-    exact = dequantize(raw, GGMLQuantizationType[file_kind])
     if kind == "Q8_0":
+        raw = encode(w, kind)
         blocks = raw.reshape(out, -1, 34)
         d = torch.from_numpy(blocks[..., :2].copy().view(np.float16)[..., 0])
         codes = torch.from_numpy(blocks[..., 2:].copy().view(np.int8).reshape(out, n))
-        weight = torch.from_numpy(exact)
+        weight = torch.from_numpy(dequantize(raw, GGMLQuantizationType.Q8_0))
         return DotLinear.from_int8(codes, d), weight, weight.abs()
-    grid = gguf_grid.grid_of(exact, raw, file_kind, lambda a: a)
+    _, grid = file_grid(w, kind.split()[0])
     if kind == "Q4_K f32":
         grid = dataclasses.replace(grid, factors=None)
     bound = grid.minimum.abs().repeat_interleave(32, 1) + grid.codes.float() * grid.scale.abs().repeat_interleave(32, 1)
@@ -195,16 +193,10 @@ def test_q4_k_in_its_own_factors_gives_the_float32_steps_bits_in_fewer_bytes():
     for rows in (1, 3, 8):
         x = torch.randn(rows, 768, generator=gen).bfloat16()
         assert torch.equal(own(x), f32(x)), rows
-    grid = gguf_grid.grid_of(*_q4_k_file(48, 768), lambda a: a)
+    _, grid = file_grid(np.random.default_rng(5).standard_normal((48, 768)).astype(np.float32), "Q4_K")
     d, dmin, sc, m = grid.factors
     wrong = (d, dmin, sc, np.where(m > 0, m - 1, m + 1).astype(np.uint8))  # factors that do not give the minima
     assert q8dot.pack_int4(grid.codes, grid.scale, grid.minimum, wrong)[0] == "int4_f32"
-
-
-def _q4_k_file(out: int, n: int) -> tuple[np.ndarray, np.ndarray, str]:
-    """(the float32 weight a Q4_K file's blocks give, the raw blocks, "Q4_K") of random weights."""
-    raw = encode(np.random.default_rng(5).standard_normal((out, n)).astype(np.float32), "Q4_K")
-    return dequantize(raw, GGMLQuantizationType.Q4_K), raw, "Q4_K"
 
 
 def test_parts_side_by_side_give_each_parts_bits():

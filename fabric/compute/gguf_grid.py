@@ -90,10 +90,14 @@ def block_params(raw: np.ndarray, type_name: str) -> tuple[np.ndarray, np.ndarra
 def _q4_k_params(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Q4_K's (step, minimum) per 32-weight block: ``d * sc`` and ``-dmin * m``, computed in
     float32 as llama.cpp (and gguf-py's dequantize) compute them."""
-    d, dmin, sc, m = q4_k_factors(raw)
-    step = (d[..., None] * sc.reshape(*d.shape, 8).astype(np.float32)).reshape(raw.shape[0], -1)
-    minimum = -(dmin[..., None] * m.reshape(*d.shape, 8).astype(np.float32)).reshape(raw.shape[0], -1)
-    return step, minimum
+    return q4_k_steps(*q4_k_factors(raw))
+
+
+def q4_k_steps(d: np.ndarray, dmin: np.ndarray, sc: np.ndarray, m: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(step, minimum) per block of 32, ``d * sc`` and ``-(dmin * m)`` in float32, of Q4_K's
+    factors (:func:`q4_k_factors`'s shapes)."""
+    per = sc.shape[1] // d.shape[1]  # blocks a super-block
+    return np.repeat(d, per, 1) * sc.astype(np.float32), -(np.repeat(dmin, per, 1) * m.astype(np.float32))
 
 
 def q4_k_factors(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:

@@ -136,10 +136,10 @@ def pack_int4(codes: torch.Tensor, step: torch.Tensor, minimum: torch.Tensor,
 
 def _factored(step: np.ndarray, minimum: np.ndarray, factors: tuple) -> bool:
     """Whether Q4_K's ``factors`` give ``step`` and ``minimum`` exactly (as the kernel computes them)."""
-    d, dmin, sc, m = factors
-    per = SUPER // BLOCK
-    return (np.array_equal(np.repeat(d, per, 1) * sc.astype(np.float32), step)
-            and np.array_equal(-(np.repeat(dmin, per, 1) * m.astype(np.float32)), minimum))
+    from .gguf_grid import q4_k_steps
+
+    s, m = q4_k_steps(*factors)
+    return np.array_equal(s, step) and np.array_equal(m, minimum)
 
 
 def _pack_int4_k(codes: np.ndarray, factors: tuple) -> torch.Tensor:
@@ -197,7 +197,7 @@ class DotLinear(nn.Module):
     def from_grid(cls, grid, bias: torch.Tensor | None = None) -> DotLinear:
         """A GGUF's Q4_0 / Q4_1 / Q4_K blocks (``fabric.compute.gguf_grid.FileGrid``), exactly (Q4_K
         in its own factors where the grid keeps them)."""
-        kind, packed = pack_int4(grid.codes, grid.scale, grid.minimum, getattr(grid, "factors", None))
+        kind, packed = pack_int4(grid.codes, grid.scale, grid.minimum, grid.factors)
         out, n = grid.codes.shape
         return cls(kind, packed, n, out, bias)
 

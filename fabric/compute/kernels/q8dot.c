@@ -50,6 +50,8 @@
 
 enum { K4_F16 = 0, K4_F32 = 1, K8_ROW = 2, K8_F16 = 3, K4_K = 4 };
 enum { S_F32 = 0, S_F16 = 1, S_K = 2 }; /* how an int4 kind holds its steps and minima */
+#define SUPER 8        /* K4_K: blocks of a super-block */
+#define SUPER_BYTES 64 /* K4_K: a super-block's 16 d and 16 -dmin, float16 */
 enum { F_BF16 = 0, F_F32 = 2 };
 
 typedef struct {
@@ -78,19 +80,20 @@ static inline int64_t block_bytes(int kind) {
 }
 
 int64_t meshnet_q8dot_tile_bytes(int kind, int64_t in) {
-    return (in / BLOCK) * block_bytes(kind) + (kind == K8_ROW ? TILE * 4 : 0) + (kind == K4_K ? in / 256 * 64 : 0);
+    return (in / BLOCK) * block_bytes(kind) + (kind == K8_ROW ? TILE * 4 : 0)
+           + (kind == K4_K ? in / (BLOCK * SUPER) * SUPER_BYTES : 0);
 }
 
 static inline int k4_kind(int scales) { return scales == S_K ? K4_K : scales == S_F16 ? K4_F16 : K4_F32; }
 
 /* Where K4_K's super-block of block b keeps its 16 d (and 32 bytes on, 16 -dmin). */
 static inline const uint8_t *k4_super(const uint8_t *tw, int64_t b) {
-    return tw + (b / 8) * (64 + 8 * block_bytes(K4_K));
+    return tw + (b / SUPER) * (SUPER_BYTES + SUPER * block_bytes(K4_K));
 }
 
-/* Block b of an int4 tile: K4_K's 8 blocks follow their super-block's 64 bytes. */
+/* Block b of an int4 tile: K4_K's blocks follow their super-block's factors. */
 static inline const uint8_t *k4_block(const uint8_t *tw, int64_t b, int64_t bb, int scales) {
-    return scales == S_K ? k4_super(tw, b) + 64 + (b % 8) * bb : tw + b * bb;
+    return scales == S_K ? k4_super(tw, b) + SUPER_BYTES + (b % SUPER) * bb : tw + b * bb;
 }
 
 static inline float widen16(uint16_t h) {
@@ -191,20 +194,21 @@ static inline __attribute__((always_inline)) void k4_rows(const DJob *j, const A
             w[g + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
         }
         __m512 step, min;
-        if (scales == S_K) {  /* d sc and (-dmin) m: exact products */
-            if (b % 8 == 0) {
+        if (scales == S_F32) {
+            step = _mm512_loadu_ps(blk + 256);
+            min = _mm512_loadu_ps(blk + 320);
+        } else {
+            step = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + 256)));
+            min = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + 288)));
+        }
+        if (scales == S_K) {  /* sc and m times d and -dmin: exact products */
+            if (b % SUPER == 0) {
                 const uint8_t *sup = k4_super(tw, b);
                 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)sup));
                 ndmin = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(sup + 32)));
             }
-            step = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + 256))), d);
-            min = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + 288))), ndmin);
-        } else if (scales == S_F16) {
-            step = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + 256)));
-            min = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + 288)));
-        } else {
-            step = _mm512_loadu_ps(blk + 256);
-            min = _mm512_loadu_ps(blk + 320);
+            step = _mm512_mul_ps(step, d);
+            min = _mm512_mul_ps(min, ndmin);
         }
         for (int r = 0; r < R; r++) {
             int64_t k = (r0 + r) * nb + b;
@@ -322,18 +326,17 @@ static inline __attribute__((always_inline)) void k8_sums(const uint8_t *blk, co
 /* Half h's 8 steps and minima of int4 block b (at blk) of tile tw. */
 static inline __attribute__((always_inline)) void k4_scales(const uint8_t *tw, int64_t b, const uint8_t *blk,
                                                             const int scales, const int h, __m256 *step, __m256 *min) {
-    if (scales == S_K) {  /* d sc and (-dmin) m: exact products */
-        const uint8_t *sup = k4_super(tw, b);
-        *step = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 256 + 16 * h))),
-                              _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sup + 16 * h))));
-        *min = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 288 + 16 * h))),
-                             _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sup + 32 + 16 * h))));
-    } else if (scales == S_F16) {
-        *step = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 256 + 16 * h)));
-        *min = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 288 + 16 * h)));
-    } else {
+    if (scales == S_F32) {
         *step = _mm256_loadu_ps((const float *)(blk + 256) + 8 * h);
         *min = _mm256_loadu_ps((const float *)(blk + 320) + 8 * h);
+        return;
+    }
+    *step = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 256 + 16 * h)));
+    *min = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 288 + 16 * h)));
+    if (scales == S_K) {  /* sc and m times d and -dmin: exact products */
+        const uint8_t *sup = k4_super(tw, b);
+        *step = _mm256_mul_ps(*step, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sup + 16 * h))));
+        *min = _mm256_mul_ps(*min, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sup + 32 + 16 * h))));
     }
 }
 
@@ -455,14 +458,12 @@ static inline __attribute__((always_inline)) void k4_rows(const DJob *j, const A
                         uint8_t byte = blk[64 * (g % 4) + 4 * k + e];
                         s += (g < 4 ? byte & 15 : byte >> 4) * xq[4 * g + e];
                     }
-                float step, min;
-                if (scales == S_K) {  /* d sc and (-dmin) m: exact products */
+                float step = scales == S_F32 ? f32_at(blk + 256 + 4 * k) : f16(blk + 256 + 2 * k);
+                float min = scales == S_F32 ? f32_at(blk + 320 + 4 * k) : f16(blk + 288 + 2 * k);
+                if (scales == S_K) {  /* sc and m times d and -dmin: exact products */
                     const uint8_t *sup = k4_super(tw, b);
-                    step = f16(blk + 256 + 2 * k) * f16(sup + 2 * k);
-                    min = f16(blk + 288 + 2 * k) * f16(sup + 32 + 2 * k);
-                } else {
-                    step = scales == S_F16 ? f16(blk + 256 + 2 * k) : f32_at(blk + 256 + 4 * k);
-                    min = scales == S_F16 ? f16(blk + 288 + 2 * k) : f32_at(blk + 320 + 4 * k);
+                    step *= f16(sup + 2 * k);
+                    min *= f16(sup + 32 + 2 * k);
                 }
                 int64_t at = (r0 + r) * nb + b;
                 accs = fmaf((float)s, step * a->d[at], accs);
