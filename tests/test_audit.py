@@ -220,13 +220,14 @@ def test_a_tap_that_follows_the_last_token_still_counts():
     for rig in (late, never):
         assert not any(isinstance(msg, p.Audit) for _, msg, _ in rig.host.sent)  # not before the grace
         rig.auditor.tick(TAP_GRACE_S)
+        rig.replicas(R1)
     assert [rig.host.sent[-1][2][0].shape[1] for rig in (late, never)] == [len(PROMPT) + 3, len(PROMPT) + 2]
 
 
 def _replay(rig: Rig, first: list[int], second: list[int] | None = None, *replicas: p.Hop):
     rig.end()
-    rig.own_layers()
     rig.replicas(*(replicas or (R1, R2, R3)))
+    rig.own_layers()
     rig.answer(first)
     if second is not None:
         rig.answer(second)
@@ -294,8 +295,8 @@ def test_forged_results_are_ignored_and_each_replica_has_its_own_id():
     rig = Rig()
     rig.serve([10, 91, 92, 93])
     rig.end()
-    rig.own_layers()
     rig.replicas(R1, R2)
+    rig.own_layers()
     first = rig.host.sent[-1][1].audit
     rig.result("f" * 32, torch.stack([logits(s) for s in [10, 91, 92, 93]]))  # an id nobody was sent
     rig.answer(HONEST)
@@ -311,8 +312,8 @@ def test_in_a_curve_swarm_keys_decide_who_answered():
     rig = Rig(key="K-head")
     rig.serve([10, 91, 92, 93], sender="K-tail")
     rig.end()
-    rig.own_layers()
     rig.replicas(R1, R2, suspect_key="K-tail")
+    rig.own_layers()
     rig.answer(HONEST, sender="K-stranger")  # r1's id, from another key: ignored
     assert rig.counters["audit_frames_ignored"] == 1 and rig.asked == ["tcp://r1"]
     rig.answer(HONEST)
@@ -322,9 +323,8 @@ def test_in_a_curve_swarm_keys_decide_who_answered():
     forged = Rig(key="K-head")
     forged.serve([10, 91, 92, 93], sender="K-liar")  # taps of the tail's span from a key not the tail's
     forged.end()
-    forged.own_layers()
     forged.replicas(R1, R2, suspect_key="K-tail")
-    assert forged.verdicts == [] and forged.asked == [] and forged.counters["audits_skipped"] == 1
+    assert forged.verdicts == [] and forged.host.sent == [] and forged.counters["audits_skipped"] == 1
 
 
 def test_a_hop_whose_input_already_differs_is_not_judged():
@@ -335,14 +335,35 @@ def test_a_hop_whose_input_already_differs_is_not_judged():
     rig.auditor.received(p.AuditTap(rig.tap, "s", 0, 0, 3, 4), [sketch(torch.zeros(4, HIDDEN)), sketch(out)])
     rig.tail_tap(0, 0, len(PROMPT), 91, hop=tail)  # its input sketch: not what mid's layers give (zeros)
     rig.end()
-    rig.own_layers()
     ask = rig.host.tracker[-1]
     m1 = p.Hop("m1", "tcp://r1", 3, 4, key="K-r1")
     rig.auditor.replicas(p.Replicas(ask.audit, (m1,)))
+    rig.own_layers()
     rig.result(rig.host.sent[-1][1].audit, torch.zeros(1, len(PROMPT), HIDDEN))  # mid agrees with its replica
     (verdict,) = rig.verdicts
     assert verdict.suspect == "tail" and not verdict.settled and "received other hidden states" in verdict.detail
     assert rig.around == []
+
+
+def test_no_replica_of_the_next_hop_skips_the_audit_before_the_head_replays_its_own_layers():
+    """In a swarm that holds no other copy of the tail's layers (`meshnet up`, most LANs) nobody
+    could check the tail: the head's own replay, a prefill of the stretch that holds its streams
+    up, would be for nothing. It asks the tracker first, and runs nothing."""
+    for hops in ((), (p.Hop("tail", "tcp://tail", 3, 5),)):  # nobody, or only the suspect itself
+        rig = Rig()
+        rig.serve(HONEST)
+        rig.end()
+        assert rig.host.sent == []  # nothing replayed before the tracker answers
+        rig.replicas(*hops)
+        assert rig.host.sent == [] and rig.counters["audits_skipped"] == 1 and rig.auditor.reruns == {}
+    rig = Rig()
+    rig.serve(HONEST)
+    rig.end()
+    rig.replicas(R1)
+    (own,) = rig.host.sent  # a replica can check: the head's own layers first
+    assert own[0] == "tcp://head" and own[1].start_layer == 0
+    rig.own_layers()
+    assert rig.asked == ["tcp://r1"]
 
 
 def test_a_replay_that_hears_nothing_gives_up():

@@ -11,8 +11,9 @@ every step of every request looks the same to a hop, and costs it one small fram
 
 The head draws a share ``audit_rate`` of its requests when they start, tells nobody, and
 keeps the taps of those alone (fabric/node/rerun.py: ``Claims``), dropping the rest on
-arrival. When such a request ends it replays a stretch of it (``Rerun``): its own layers on
-the token ids it sent (it trusts itself), then, hop by hop, the previous stage's output to a
+arrival. When such a request ends it replays a stretch of it (``Rerun``): once the tracker
+names a replica of the first hop past it (none: the audit is skipped before it costs a pass),
+its own layers on the token ids it sent (it trusts itself), then, hop by hop, the previous stage's output to a
 replica of the next hop's layers (REPLICAS_REQUEST, AUDIT) in one pass, and compares the
 replica's output with what the hop said at every position it computed: decode steps as
 well as the prompt. On the tail, a random window of at most MAX_AUDIT_LOGITS positions
@@ -31,7 +32,8 @@ once. In a CURVE swarm each must also come with the key the tracker lists for th
 
 The price: a tap per step per hop (SKETCH_DIM float32 numbers a position: 128 bytes on a
 decode step, a few hundred bytes of sketching work), and per audited request about one
-prefill of its stretch on every layer (two where a hop disagrees). The request whose
+prefill of its stretch on every layer (two where a hop disagrees; none in a swarm that holds
+no replica of the head's next hop, where nobody could check it). The request whose
 replay convicts a liar was already answered by it: an audit cannot hold a token without
 showing which step it checks.
 
@@ -143,7 +145,7 @@ class Auditor:
             return
         rerun = Rerun(claims, n, window, time.monotonic(), tap=tap,
                       input=torch.tensor([claims.ids[:n]], dtype=torch.int64))  # (1, n)
-        self._ask(rerun, claims.route[0])  # stage 0: this node's own layers, through its own scheduler
+        self._ask_tracker(rerun)  # stage 0, this node's own layers, runs once someone can check the next hop
 
     def moved(self, old: str, new: str) -> None:
         """A request went to a new route under a new session id: what was kept of it is dropped
@@ -186,9 +188,11 @@ class Auditor:
             else:
                 self._advance(rerun)
             return True
-        if rerun.stage == 0:  # this node's own layers: the input of the first hop past it
+        if rerun.stage == 0:  # this node's own layers: the input of the first hop past it, whose replicas are known
+            untried = rerun.untried
             rerun.next_stage(tensors[0])
-            self._ask_tracker(rerun)
+            rerun.untried = untried
+            self._advance(rerun)
         else:
             self._answer(rerun, hop, tensors[0])
         return True
@@ -207,11 +211,23 @@ class Auditor:
             return
         skip = {hop.node, self.node_id, *self.convicted}
         rerun.untried = [h for h in msg.hops if h.node not in skip]
-        self._advance(rerun)
+        if rerun.stage > 0:
+            self._advance(rerun)
+        elif rerun.untried:  # someone can check the first hop past this node: its own layers' replay first
+            self._ask(rerun, rerun.claims.route[0])
+        else:  # nobody could: the replay would cost this node's streams a prefill, for nothing
+            self._skip(rerun)
 
     # -- deciding, stage by stage -------------------------------------------------------
 
+    def _skip(self, rerun: Rerun) -> None:
+        hop = rerun.hop
+        log.info("audit of %s skipped: no replica holds layers %d-%d", hop.node, hop.start_layer, hop.end_layer)
+        self._end(rerun, "skipped")
+
     def _ask_tracker(self, rerun: Rerun) -> None:
+        """Ask the tracker who else holds the layers of the hop judged next (at stage 0, before
+        this node replays its own: the first hop past it)."""
         hop = rerun.hop
         if not rerun.claims.rows.get(hop.start_layer):
             log.warning("audit of session %s: %s sent no sketch of layers %d-%d", rerun.claims.session, hop.node,
@@ -269,9 +285,7 @@ class Auditor:
             case Outcome.ASK | Outcome.UNSETTLED if rerun.mismatch is not None:
                 self._report(rerun, rerun.mismatch)
             case Outcome.ASK | Outcome.UNSETTLED:
-                log.info("audit of %s skipped: no replica holds layers %d-%d", rerun.hop.node, rerun.hop.start_layer,
-                         rerun.hop.end_layer)
-                self._end(rerun, "skipped")
+                self._skip(rerun)
             case Outcome.LIAR:
                 self._convict(rerun, verdict)
 

@@ -143,7 +143,8 @@ class Rerun:
 
     @property
     def hop(self) -> p.Hop:
-        return self.claims.route[self.stage]
+        """The hop this stage judges: at stage 0 (this node's own layers, trusted) the first past it."""
+        return self.claims.route[max(self.stage, 1)]
 
     @property
     def tail(self) -> bool:
