@@ -423,6 +423,28 @@ def test_a_replay_in_one_pass_agrees_with_the_steps_a_tail_ran_one_by_one(tail):
     assert "positions apart" in disagreement(claim, replica)
 
 
+def test_a_long_replay_runs_in_slices_and_answers_what_one_pass_gives(tail, tiny_models):
+    """A replay in slices (each a turn between the node's decode batches) gives the outputs of one
+    pass: the tail's logits of the window, a first hop's hidden states of every position."""
+    taps = Taps(tail, ComputeLock(None), "tail", "", Counter())
+    x = torch.randn(1, 9, 64, generator=torch.Generator().manual_seed(4))
+    _, (whole,) = taps.replay(Replay(p.Audit("w", 3, 5, "tcp://head", logits_from=4), x))
+    job = Replay(p.Audit("s", 3, 5, "tcp://head", logits_from=4), x)
+    assert taps.replay(job, 3) is None and taps.replay(job, 3) is None and "audit:s" in tail.kv
+    answer, (sliced,) = taps.replay(job, 3)
+    assert answer.error == "" and sliced.shape == whole.shape == (5, 320) and "audit:s" not in tail.kv
+    assert torch.allclose(sliced, whole, rtol=1e-4, atol=1e-4)
+    first = ShardExecutor(load_shard(resolve(str(tiny_models("llama"))), Shard(0, 2, 6), progress=False), KVStore())
+    taps = Taps(first, ComputeLock(None), "head", "", Counter())
+    ids = torch.arange(3, 12)[None]
+    _, (whole,) = taps.replay(Replay(p.Audit("w", 0, 2, "tcp://head"), ids))
+    job = Replay(p.Audit("s", 0, 2, "tcp://head"), ids)
+    while (answer := taps.replay(job, 4)) is None:
+        pass
+    assert whole.shape == answer[1][0].shape == (1, 9, 64) and torch.allclose(answer[1][0], whole, rtol=1e-4, atol=1e-4)
+    assert taps.counters["audit_replays"] == 2
+
+
 def test_a_replay_it_cannot_run_is_an_error(tail):
     taps = Taps(tail, ComputeLock(None), "tail", "", Counter())
     answer, tensors = taps.replay(Replay(p.Audit("a2", 1, 5, "tcp://head"), torch.zeros(1, 3, 64)))
@@ -446,6 +468,33 @@ def test_replays_take_turns_with_decode_batches_in_the_scheduler():
     assert sched.next_batch() == [replay]  # then the replay, before the next decode batch
     assert [w.session for w in sched.next_batch()] == ["d"]
     assert all(sched.push_replay(replay) for _ in range(8)) and not sched.push_replay(replay)  # bounded
+
+
+def test_a_long_replay_takes_slices_with_decode_batches_between():
+    """A replay of a long stretch would hold every stream here up for a prefill's time: it runs a
+    prompt's slice a turn, the decode batches between, and goes on first at its next turn."""
+    sched = HopScheduler(SchedulerConfig(), live={"d"})
+    sched.slice_tokens["busy"] = 32.0
+    long, short = (Replay(p.Audit(a, 3, 5, "h"), torch.zeros(1, n, 8)) for a, n in (("a", 200), ("b", 40)))
+    assert sched.replay_slice(short) == 40  # under a whole prompt's size: at once
+    decode = p.Forward(session="d", step=1, pos=9, start_layer=3, end_layer=5, route=(), reply_to="h")
+    assert sched.push_replay(long) and sched.push_replay(short)
+    turns = []
+    while len(sched):
+        sched.push(Work(decode, torch.zeros(1, 1, 8)))
+        batch = sched.next_batch()
+        if isinstance(batch[0], Replay):
+            batch[0].done += sched.replay_slice(batch[0])
+            turns.append((batch[0].msg.audit, batch[0].done))
+            if batch[0].done < batch[0].tokens:
+                sched.resume_replay(batch[0])
+        else:
+            turns.append("decode")
+        if len(turns) > 40:
+            break
+    replays = [t for t in turns if t != "decode"]
+    assert replays == [("a", 32), ("a", 64), ("a", 96), ("a", 128), ("a", 160), ("a", 200), ("b", 40)]  # the last 40: at once
+    assert all(turns[i + 1] == "decode" for i, t in enumerate(turns[:-1]) if t != "decode")  # the streams' turn between
 
 
 # --------------------------------------------------------------------------- the tracker's side

@@ -121,16 +121,24 @@ class ShardExecutor(HopKV):
         return self._layers(hidden, position_ids, masks, kv.cache, step.start, step.end)
 
     @torch.inference_mode()
-    def replay(self, session: str, start: int, end: int, inputs: torch.Tensor, logits_from: int = -1) -> torch.Tensor:
-        """An audit's re-run (fabric/node/taps.py): layers start..end on ``inputs`` from position 0
-        for ``session`` (the caller drops it), and the output of every position: hidden states
-        (1, q, hidden), or on the tail the logits of positions logits_from.. ((n, vocab); -1: the last)."""
+    def replay(self, session: str, start: int, end: int, inputs: torch.Tensor, logits_from: int = -1,
+               pos: int = 0) -> torch.Tensor | None:
+        """An audit's re-run (fabric/node/taps.py): layers start..end on ``inputs`` from position
+        ``pos`` for ``session`` (0: a new one; else a replay's next slice, on the KV of the ones
+        before; the caller drops it), and the output of every position: hidden states (1, q,
+        hidden), or on the tail the logits of positions logits_from.. ((n, vocab); -1: the last;
+        None where none of them is in this slice)."""
         self.check_span(start, end)
-        step = Step(session, start, end, inputs, 0)
-        hidden = self._pass(self._chunk_kv(step, ""), step)  # (1, q, hidden)
+        step = Step(session, start, end, inputs, pos)
+        kv = self._chunk_kv(step, "")
+        hidden = self._pass(kv, step)  # (1, q, hidden)
+        _kept(kv, step)
         if not self._tail(end):
             return hidden
-        rows = hidden[0, logits_from if logits_from >= 0 else -1:, :].unsqueeze(1)  # (n, 1, hidden): one row each
+        first = max(logits_from - pos, 0) if logits_from >= 0 else inputs.shape[1] - 1
+        if first >= inputs.shape[1]:
+            return None
+        rows = hidden[0, first:, :].unsqueeze(1)  # (n, 1, hidden): one row each
         return torch.stack([r.logits for r in self._result(rows, end)])  # (n, vocab)
 
     def _chunk_kv(self, step: Step, reuse: str) -> SessionKV:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 
 from ..compute.executor import CacheMissError, StepResult
 from ..compute.grammar import GrammarError
@@ -24,7 +25,7 @@ class PassOn:
 
     def _run(self, batch: list[Work] | list[Replay]) -> None:
         if isinstance(batch[0], Replay):  # an audit's re-run for a head
-            self.send_tensors(batch[0].msg.reply_to, batch[0].msg.reply_key, *self.taps.replay(batch[0]))
+            self._replay(batch[0])
             return
         results, started, elapsed = self.hops.run(batch)
         self.hops.done()  # the lock goes before the results: the node they wake may wait for it on this machine
@@ -38,6 +39,18 @@ class PassOn:
                 self._after_hop(work, exc)
         for tap in filter(None, taps):  # after every session's TOKEN or FORWARD went: the next hop starts sooner
             self._tap(*tap)
+
+    def _replay(self, job: Replay) -> None:
+        """A slice of an audit's re-run: the answer once it is all done, else its next turn queued
+        (a long replay would hold every stream here up for a prefill's time)."""
+        n = self.scheduler.replay_slice(job)
+        began = time.perf_counter()
+        answer = self.taps.replay(job, n)
+        if answer is None:
+            self.scheduler.steer(job.session, n, time.perf_counter() - began)
+            self.scheduler.resume_replay(job)
+        else:
+            self.send_tensors(job.msg.reply_to, job.msg.reply_key, *answer)
 
     def _tap(self, work: Work, result: StepResult, tokens: list[p.Token]) -> None:
         """A step's AUDIT_TAP for its head (every step past the head)."""

@@ -103,10 +103,22 @@ class Work:
 
 @dataclass
 class Replay:
-    """An AUDIT to run for a head (fabric/node/taps.py): its message and input, validated."""
+    """An AUDIT to run for a head (fabric/node/taps.py): its message and input, validated. A long
+    one runs in slices, each a turn between decode batches as a prompt's slice is."""
 
     msg: Any  # a p.Audit
     tensor: Any  # token ids (1, q) or hidden states (1, q, hidden)
+    done: int = 0  # positions run so far
+    outputs: list = dataclasses.field(default_factory=list)  # each slice's output
+
+    @property
+    def session(self) -> str:
+        """The session its KV lives in while it runs (dropped at its end)."""
+        return f"audit:{self.msg.audit}"
+
+    @property
+    def tokens(self) -> int:
+        return self.tensor.shape[1]
 
 
 MAX_REPLAYS = 8  # audits queued here at once; more are refused (the head asks another replica)
@@ -163,6 +175,17 @@ class HopScheduler:
             return False
         self.replays.append(replay)
         return True
+
+    def resume_replay(self, replay: Replay) -> None:
+        """A replay that ran a slice and has more: it goes on at its next turn, before any other."""
+        self.replays.appendleft(replay)
+
+    def replay_slice(self, replay: Replay) -> int:
+        """Positions of ``replay`` to run at this turn: a prompt's slice beside the streams here,
+        all that is left where that is under two slices."""
+        left = replay.tokens - replay.done
+        n = int(self.slice_tokens[self.slice_mode(replay.session)])
+        return left if left < max(2 * n, WHOLE_PREFILL_TOKENS) else n
 
     def drop(self, session: str) -> None:
         """Forget ``session``: its queued hops and its decode rhythm."""
@@ -407,13 +430,18 @@ class HopScheduler:
         """After a full prefill slice run alone, size the next toward its target time. A
         slice costs a fixed part (the weights are read once) plus a part per token, so the
         size is corrected by the ratio of target to measured time, at most 2x per step."""
-        mode = self.slice_mode(work.session)
+        self.steer(work.session, work.tokens, elapsed)
+
+    def steer(self, session: str, tokens: int, elapsed: float) -> None:
+        """``steer_slices`` for ``tokens`` positions of ``session`` run alone in ``elapsed``
+        seconds (a replay's slice too)."""
+        mode = self.slice_mode(session)
         n = self.slice_tokens[mode]
-        if work.tokens < int(n):
+        if tokens < int(n):
             return  # a whole short prompt or a remainder says little about a slice's cost
         target = IDLE_SLICE_S if mode == "idle" else (
             self.config.prefill_slice or max(MIN_SLICE_S, SLICE_PER_DECODE * (self.decode_batch_s or 0.0)))
-        size = work.tokens * min(2.0, max(0.5, target / elapsed))
+        size = tokens * min(2.0, max(0.5, target / elapsed))
         self.slice_tokens[mode] = min(MAX_SLICE_TOKENS, max(MIN_SLICE_TOKENS, size))
 
     def steer_ride(self, work: Work, added: float) -> None:

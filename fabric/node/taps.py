@@ -69,20 +69,29 @@ class Taps:
         tap = p.AuditTap(msg.audit, msg.session, msg.step, msg.pos, msg.start_layer, msg.end_layer, token=sampled)
         return tap, tensors
 
-    def replay(self, job: Replay) -> tuple[p.AuditResult, list[torch.Tensor]]:
-        """Run a queued AUDIT: layers start..end on its input from position 0, in a session that
-        exists only for this call."""
+    def replay(self, job: Replay, tokens: int | None = None) -> tuple[p.AuditResult, list[torch.Tensor]] | None:
+        """Run a queued AUDIT, or its next ``tokens`` positions (None: all that is left): layers
+        start..end on its input from position 0, in a session that exists only for it. None
+        while positions are left (the next call goes on), else the answer."""
         msg: p.Audit = job.msg
-        session = f"audit:{msg.audit}"
-        self.counters["audit_replays"] += 1
+        n = job.tokens - job.done if tokens is None else min(tokens, job.tokens - job.done)
+        self.counters["audit_replays"] += not job.done
         try:
             with self.lock:
-                output = self.executor.replay(session, msg.start_layer, msg.end_layer, job.tensor, msg.logits_from)
+                output = self.executor.replay(job.session, msg.start_layer, msg.end_layer,
+                                              job.tensor[:, job.done:job.done + n],
+                                              msg.logits_from if msg.logits_from >= 0 else job.tokens - 1, job.done)
                 self.executor.finish()
         except Exception as exc:  # layers not held here, a shape the model refuses: the head asks another
             log.warning("could not re-run layers %d-%d for audit %s: %s", msg.start_layer, msg.end_layer,
                         msg.audit, exc)
+            self.executor.kv.drop(job.session)
             return p.AuditResult(msg.audit, error=f"{type(exc).__name__}: {exc}"[:1024]), []
-        finally:
-            self.executor.kv.drop(session)
-        return p.AuditResult(msg.audit), [output]
+        job.done += n
+        if output is not None:
+            job.outputs.append(output)
+        if job.done < job.tokens:
+            return None
+        self.executor.kv.drop(job.session)
+        hidden = job.outputs[0].dim() == 3  # (1, q, hidden) slices, else the tail's (n, vocab)
+        return p.AuditResult(msg.audit), [torch.cat(job.outputs, dim=1 if hidden else 0)]
