@@ -13,7 +13,7 @@ from fabric.compute.compute_lock import ComputeLock
 from fabric.compute.executor import ShardExecutor
 from fabric.compute.kv import KVStore
 from fabric.compute.models import load_shard, resolve
-from fabric.node.audit import TAP_GRACE_S, AuditConfig, Auditor
+from fabric.node.audit import REPLAY_S_PER_POSITION, TAP_GRACE_S, AuditConfig, Auditor
 from fabric.node.scheduler import HopScheduler, Replay, SchedulerConfig, Work
 from fabric.node.taps import Taps, kernels
 from fabric.node.verdicts import Claim, Outcome, disagreement, distance, judge, sketch
@@ -364,6 +364,22 @@ def test_no_replica_of_the_next_hop_skips_the_audit_before_the_head_replays_its_
     assert own[0] == "tcp://head" and own[1].start_layer == 0
     rig.own_layers()
     assert rig.asked == ["tcp://r1"]
+
+
+def test_a_longer_stretch_has_longer_to_answer():
+    """A replica runs a replay in slices between its streams' decode batches: the head waits
+    REPLAY_S_PER_POSITION longer per position before it gives up."""
+    rig = Rig()
+    rig.serve(HONEST)
+    rig.end()
+    rig.replicas(R1)
+    rig.own_layers()
+    (rerun,) = {id(r): r for r in rig.auditor.reruns.values()}.values()
+    due = rerun.moved + rig.auditor.config.audit_timeout
+    rig.auditor.tick(due + 0.5 * REPLAY_S_PER_POSITION * rerun.n)
+    assert rig.counters["audits_skipped"] == 0 and rerun.n == len(PROMPT) + 3
+    rig.auditor.tick(due + REPLAY_S_PER_POSITION * rerun.n)
+    assert rig.counters["audits_skipped"] == 1
 
 
 def test_a_replay_that_hears_nothing_gives_up():

@@ -65,6 +65,9 @@ MAX_RERUNS = 8  # replays in flight at once; a session that ends beyond that is 
 # A drawn session's replay starts this long after it ended: hops send a step's tap after the whole
 # pass's tokens and forwards (fabric/node/pass_on.py), so the last step's taps may follow its last token.
 TAP_GRACE_S = 0.5
+# A replay runs in slices between the streams' decode batches (fabric/node/pass_on.py), so a long
+# stretch takes a while on a busy node: a replay waits this much longer per position it re-runs.
+REPLAY_S_PER_POSITION = 0.005
 
 
 @dataclass(frozen=True)
@@ -347,12 +350,13 @@ class Auditor:
 
     def tick(self, now: float) -> None:
         """Start the replays of drawn sessions that ended TAP_GRACE_S ago; give up replays that
-        waited the timeout for the tracker or a replica (a mismatch seen by then is reported
-        unsettled); forget drawn sessions that never ended here."""
+        waited the timeout (and REPLAY_S_PER_POSITION a position replayed) for the tracker or a
+        replica (a mismatch seen by then is reported unsettled); forget drawn sessions that never ended here."""
         for tap in [t for t, due in self.closing.items() if now >= due]:
             del self.closing[tap]
             self._replay(tap)
-        stale = {id(r): r for r in self.reruns.values() if now - r.moved >= self.config.audit_timeout}
+        stale = {id(r): r for r in self.reruns.values()
+                 if now - r.moved >= self.config.audit_timeout + REPLAY_S_PER_POSITION * r.n}
         for rerun in stale.values():
             if rerun.mismatch is not None:
                 self._report(rerun, rerun.mismatch)
