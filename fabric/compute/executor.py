@@ -77,8 +77,7 @@ class ShardExecutor(HopKV):
         return self.w.config.hidden_size
 
     def finish(self) -> None:
-        """Return once the device has run every queued kernel. CUDA runs a hop after the
-        call returns; a node times hops and holds its compute lock until this."""
+        """Return once the device ran every queued kernel (a node times hops and holds its lock until this)."""
         if self.w.device.type == "cuda":
             torch.cuda.synchronize(self.w.device)
 
@@ -100,8 +99,7 @@ class ShardExecutor(HopKV):
         tokens, whose logits the tail computes too (a verification step); ``guess``: the first
         is a guess too (a step sent ahead of the last one's answer).
         """
-        self.check_span(start, end)
-        step = Step(session, start, end, inputs, pos, drafts, guess)
+        step = Step(session, start, end, inputs, pos, drafts, guess)  # _chunk_kv checks the span
         return self._alone(self._chunk_kv(step, reuse), step, logits)
 
     def _alone(self, kv: SessionKV, step: Step, logits: bool) -> StepResult:
@@ -123,23 +121,18 @@ class ShardExecutor(HopKV):
     @torch.inference_mode()
     def replay(self, session: str, start: int, end: int, inputs: torch.Tensor, logits_from: int = -1,
                pos: int = 0) -> torch.Tensor | None:
-        """An audit's re-run (fabric/node/taps.py): layers start..end on ``inputs`` from position
-        ``pos`` for ``session`` (0: a new one; else a replay's next slice, on the KV of the ones
-        before; the caller drops it), and the output of every position: hidden states (1, q,
-        hidden), or on the tail the logits of positions logits_from.. ((n, vocab); -1: the last;
-        None where none of them is in this slice)."""
-        self.check_span(start, end)
+        """An audit's re-run (fabric/node/taps.py): layers start..end on ``inputs`` at positions pos..
+        for ``session`` (0: a new one, else a replay's next slice; the caller drops it): hidden states
+        (1, q, hidden), or on the tail the logits of positions logits_from.. ((n, vocab); -1: the
+        last; None: none of them in this slice)."""
         step = Step(session, start, end, inputs, pos)
-        kv = self._chunk_kv(step, "")
+        kv = self._chunk_kv(step, "")  # the span checked
         hidden = self._pass(kv, step)  # (1, q, hidden)
         _kept(kv, step)
-        if not self._tail(end):
-            return hidden
         first = max(logits_from - pos, 0) if logits_from >= 0 else inputs.shape[1] - 1
-        if first >= inputs.shape[1]:
-            return None
-        rows = hidden[0, first:, :].unsqueeze(1)  # (n, 1, hidden): one row each
-        return torch.stack([r.logits for r in self._result(rows, end)])  # (n, vocab)
+        if not self._tail(end) or first >= inputs.shape[1]:
+            return None if self._tail(end) else hidden
+        return torch.stack([r.logits for r in self._result(hidden[0, first:, None], end)])  # (n, vocab)
 
     def _chunk_kv(self, step: Step, reuse: str) -> SessionKV:
         self.check_span(step.start, step.end)
