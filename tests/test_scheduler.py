@@ -134,23 +134,23 @@ def test_a_prompt_under_two_slices_or_a_short_one_goes_whole():
 
 def test_slices_are_steered_toward_one_decode_step_beside_streams():
     s = scheduler(live=["a"], busy=80, decode_s=0.05)
-    s.steer_slices(work("long", 0, 80), elapsed=0.2)  # 4x too long: halve (at most 2x a step)
+    s.steer_slices("long", 80, elapsed=0.2)  # 4x too long: halve (at most 2x a step)
     assert s.slice_tokens["busy"] == 40
-    s.steer_slices(work("long", 40, 40), elapsed=0.04)  # a bit short: grow in proportion
+    s.steer_slices("long", 40, elapsed=0.04)  # a bit short: grow in proportion
     assert s.slice_tokens["busy"] == 50
-    s.steer_slices(work("long", 80, 7), elapsed=0.5)  # a remainder: no information
+    s.steer_slices("long", 7, elapsed=0.5)  # a remainder: no information
     assert s.slice_tokens["busy"] == 50
     s.slice_tokens["busy"] = MIN_SLICE_TOKENS + 1
-    s.steer_slices(work("long", 80, MIN_SLICE_TOKENS + 1), elapsed=5.0)  # never below the minimum
+    s.steer_slices("long", MIN_SLICE_TOKENS + 1, elapsed=5.0)  # never below the minimum
     assert s.slice_tokens["busy"] == MIN_SLICE_TOKENS
     alone = scheduler(idle=40)
-    alone.steer_slices(work("long", 0, 40), elapsed=IDLE_SLICE_S / 8)  # alone the target is IDLE_SLICE_S
+    alone.steer_slices("long", 40, elapsed=IDLE_SLICE_S / 8)  # alone the target is IDLE_SLICE_S
     assert alone.slice_tokens["idle"] == 80
 
 
 def test_a_configured_slice_time_is_the_target_beside_streams():
     s = scheduler(live=["a"], busy=40, decode_s=0.05, prefill_slice=0.1)
-    s.steer_slices(work("long", 0, 40), elapsed=0.08)
+    s.steer_slices("long", 40, elapsed=0.08)
     assert s.slice_tokens["busy"] == 50
 
 

@@ -12,9 +12,9 @@ every step of every request looks the same to a hop, and costs it one small fram
 The head draws a share ``audit_rate`` of its requests when they start, tells nobody, and
 keeps the taps of those alone (fabric/node/rerun.py: ``Claims``), dropping the rest on
 arrival. When such a request ends it replays a stretch of it (``Rerun``): once the tracker
-names a replica of the first hop past it (none: the audit is skipped before it costs a pass),
-its own layers on the token ids it sent (it trusts itself), then, hop by hop, the previous stage's output to a
-replica of the next hop's layers (REPLICAS_REQUEST, AUDIT) in one pass, and compares the
+names a replica of the first hop past it (none: the audit is skipped before it costs a
+pass), its own layers on the token ids it sent (it trusts itself), then, hop by hop, the
+previous stage's output to a replica of the next hop's layers (REPLICAS_REQUEST, AUDIT) in one pass, and compares the
 replica's output with what the hop said at every position it computed: decode steps as
 well as the prompt. On the tail, a random window of at most MAX_AUDIT_LOGITS positions
 that produced tokens, logits and tokens. They agree: the replica's output feeds the next
@@ -192,9 +192,7 @@ class Auditor:
                 self._advance(rerun)
             return True
         if rerun.stage == 0:  # this node's own layers: the input of the first hop past it, whose replicas are known
-            untried = rerun.untried
-            rerun.next_stage(tensors[0])
-            rerun.untried = untried
+            rerun.next_stage(tensors[0], rerun.untried)
             self._advance(rerun)
         else:
             self._answer(rerun, hop, tensors[0])
@@ -351,7 +349,8 @@ class Auditor:
     def tick(self, now: float) -> None:
         """Start the replays of drawn sessions that ended TAP_GRACE_S ago; give up replays that
         waited the timeout (and REPLAY_S_PER_POSITION a position replayed) for the tracker or a
-        replica (a mismatch seen by then is reported unsettled); forget drawn sessions that never ended here."""
+        replica (a mismatch seen by then is reported unsettled); forget drawn sessions that never
+        ended here."""
         for tap in [t for t, due in self.closing.items() if now >= due]:
             del self.closing[tap]
             self._replay(tap)

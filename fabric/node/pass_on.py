@@ -47,7 +47,7 @@ class PassOn:
         began = time.perf_counter()
         answer = self.taps.replay(job, n)
         if answer is None:
-            self.scheduler.steer(job.session, n, time.perf_counter() - began)
+            self.scheduler.steer_slices(job.session, n, time.perf_counter() - began)
             self.scheduler.resume_replay(job)
         else:
             self.send_tensors(job.msg.reply_to, job.msg.reply_key, *answer)

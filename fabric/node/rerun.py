@@ -150,9 +150,10 @@ class Rerun:
     def tail(self) -> bool:
         return self.stage == len(self.claims.route) - 1
 
-    def next_stage(self, output: torch.Tensor) -> None:
+    def next_stage(self, output: torch.Tensor, untried: list[p.Hop] | None = None) -> None:
+        """On to the next hop, ``output`` its input; ``untried``: its replicas, where known already."""
         self.stage += 1
-        self.input, self.request, self.suspect_key, self.untried = output, "", "", None
+        self.input, self.request, self.suspect_key, self.untried = output, "", "", untried
         self.asked, self.answers, self.outputs, self.mismatch = {}, [], [], None
 
     def new_id(self) -> str:

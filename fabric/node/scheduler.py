@@ -424,17 +424,13 @@ class HopScheduler:
                     self.cycle_s = _average(self.cycle_s, gap)
                 self.last_decode[work.session] = started
         if not batch[0].decode and len(batch) == 1 and not batch[0].verifies:  # a batch of prompts says nothing
-            self.steer_slices(batch[0], elapsed)  # about one slice's cost
+            self.steer_slices(batch[0].session, batch[0].tokens, elapsed)  # about one slice's cost
 
-    def steer_slices(self, work: Work, elapsed: float) -> None:
-        """After a full prefill slice run alone, size the next toward its target time. A
-        slice costs a fixed part (the weights are read once) plus a part per token, so the
-        size is corrected by the ratio of target to measured time, at most 2x per step."""
-        self.steer(work.session, work.tokens, elapsed)
-
-    def steer(self, session: str, tokens: int, elapsed: float) -> None:
-        """``steer_slices`` for ``tokens`` positions of ``session`` run alone in ``elapsed``
-        seconds (a replay's slice too)."""
+    def steer_slices(self, session: str, tokens: int, elapsed: float) -> None:
+        """After a full slice of ``tokens`` positions of ``session`` (a prefill's, or a replay's)
+        ran alone in ``elapsed`` seconds, size the next toward its target time. A slice costs a
+        fixed part (the weights are read once) plus a part per token, so the size is corrected
+        by the ratio of target to measured time, at most 2x per step."""
         mode = self.slice_mode(session)
         n = self.slice_tokens[mode]
         if tokens < int(n):
