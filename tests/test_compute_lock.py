@@ -72,8 +72,16 @@ def test_node_help_shows_the_default_lock(tmp_path):
 
 
 def _open_files(pid: int) -> set[str]:
-    fds = Path(f"/proc/{pid}/fd")
-    return {os.readlink(fd) for fd in fds.iterdir() if not os.readlink(fd).startswith(("socket:", "pipe:", "anon"))}
+    """The files process ``pid`` holds open (a descriptor it closes while they are read is left out)."""
+    names = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        try:
+            target = os.readlink(fd)
+        except FileNotFoundError:  # closed between the listing and the read: the node's sockets come and go
+            continue
+        if not target.startswith(("socket:", "pipe:", "anon")):
+            names.add(target)
+    return names
 
 
 def test_two_standalone_nodes_take_turns_at_the_default_lock(process_cluster, tiny_models):
