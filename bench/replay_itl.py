@@ -35,8 +35,8 @@ import ab_waves  # noqa: E402
 import fabric_bench as fb  # noqa: E402
 from fabric.client import Client  # noqa: E402
 from fabric.compute.models import default_cache_root, load_config, resolve  # noqa: E402
-from fabric.wire import protocol as p  # noqa: E402
 from fabric.compute.tensors import to_wire  # noqa: E402
+from fabric.wire import protocol as p  # noqa: E402
 
 PROMPT = "Write a long story about a lighthouse keeper."
 
@@ -59,10 +59,13 @@ def one_round(c: fb.Cluster, model: str, positions: int, tokens: int) -> tuple[f
         sender.connect(head.endpoint)
         arrivals: list[float] = []
         sent = answered = 0.0
+        streamed = threading.Event()
 
         def fire() -> None:
             nonlocal sent, answered
             while len(arrivals) < tokens // 4:
+                if streamed.is_set():
+                    return  # the stream ended first (an error): nothing to measure
                 time.sleep(0.005)
             sent = time.perf_counter()
             sender.send_multipart(audit_frames(positions, head.end_layer, f"tcp://127.0.0.1:{port}"))
@@ -76,6 +79,7 @@ def one_round(c: fb.Cluster, model: str, positions: int, tokens: int) -> tuple[f
                                      ignore_eos=True):
             if event.token_ids:
                 arrivals.append(time.perf_counter())
+        streamed.set()
         side.join()
         sender.close(0)
     answers.close(0)
