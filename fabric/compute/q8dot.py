@@ -121,17 +121,23 @@ def pack_int4(codes: torch.Tensor, step: torch.Tensor, minimum: torch.Tensor,
     minimum are kept as Q4_K's ``factors`` where given (``FileGrid.factors``: 5.1 bits a weight
     in all, the file's 4.5), else as float16 where every one is exactly a float16, else as float32."""
     c = codes.numpy().astype(np.uint8)
-    out = c.shape[0]
     s, m = step.float().numpy(), minimum.float().numpy()
     if factors is not None and c.shape[1] % SUPER == 0 and _factored(s, m, factors):
         return "int4_k", _pack_int4_k(c, factors)
     exact = (np.array_equal(s.astype(np.float16).astype(np.float32), s)
              and np.array_equal(m.astype(np.float16).astype(np.float32), m))
     dtype, kind = (np.float16, "int4_f16") if exact else (np.float32, "int4_f32")
-    g = _groups(c)  # (tiles, blocks, 8, 16, 4)
-    nib = (g[:, :, :4] | (g[:, :, 4:] << 4)).reshape(g.shape[0], g.shape[1], -1)  # (tiles, blocks, 256)
-    blocks = np.concatenate([nib, _per_block(s.astype(dtype), out), _per_block(m.astype(dtype), out)], -1)
+    blocks = _int4_blocks(c, s.astype(dtype), m.astype(dtype))
     return kind, torch.from_numpy(np.ascontiguousarray(blocks.reshape(blocks.shape[0], -1)))
+
+
+def _int4_blocks(codes: np.ndarray, first: np.ndarray, second: np.ndarray) -> np.ndarray:
+    """Each block's packed 4-bit codes, then its 16 ``first`` and 16 ``second`` (out, blocks) values
+    (steps and minima, or Q4_K's sc and m): (tiles, blocks, bytes)."""
+    out = codes.shape[0]
+    g = _groups(codes)  # (tiles, blocks, 8, 16, 4)
+    nib = (g[:, :, :4] | (g[:, :, 4:] << 4)).reshape(g.shape[0], g.shape[1], -1)  # (tiles, blocks, 256)
+    return np.concatenate([nib, _per_block(first, out), _per_block(second, out)], -1)
 
 
 def _factored(step: np.ndarray, minimum: np.ndarray, factors: tuple) -> bool:
@@ -147,14 +153,11 @@ def _pack_int4_k(codes: np.ndarray, factors: tuple) -> torch.Tensor:
     16 sc and 16 m, all float16 (the file's values, exact)."""
     d, dmin, sc, m = factors
     out = codes.shape[0]
-    g = _groups(codes)
-    nib = (g[:, :, :4] | (g[:, :, 4:] << 4)).reshape(g.shape[0], g.shape[1], -1)  # (tiles, blocks, 256)
-    half = np.float16
-    blocks = np.concatenate([nib, _per_block(sc.astype(half), out), _per_block(m.astype(half), out)], -1)
-    supers = np.concatenate([_per_block(d.astype(half), out), _per_block((-dmin).astype(half), out)], -1)
+    blocks = _int4_blocks(codes, sc.astype(np.float16), m.astype(np.float16))
+    supers = np.concatenate([_per_block(d.astype(np.float16), out), _per_block((-dmin).astype(np.float16), out)], -1)
     tiles, nb = blocks.shape[:2]
     return torch.from_numpy(np.ascontiguousarray(np.concatenate(
-        [supers, blocks.reshape(tiles, nb // 8, -1)], -1).reshape(tiles, -1)))
+        [supers, blocks.reshape(tiles, nb // (SUPER // BLOCK), -1)], -1).reshape(tiles, -1)))
 
 
 def pack_int8(codes: torch.Tensor, scales: torch.Tensor) -> tuple[str, torch.Tensor]:
