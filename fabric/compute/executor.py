@@ -129,10 +129,10 @@ class ShardExecutor(HopKV):
         kv = self._chunk_kv(step, "")  # the span checked
         hidden = self._pass(kv, step)  # (1, q, hidden)
         _kept(kv, step)
-        first = max(logits_from - pos, 0) if logits_from >= 0 else inputs.shape[1] - 1
-        if not self._tail(end) or first >= inputs.shape[1]:
-            return None if self._tail(end) else hidden
-        return torch.stack([r.logits for r in self._result(hidden[0, first:, None], end)])  # (n, vocab)
+        if not self._tail(end):
+            return hidden
+        rows = hidden[0, max(logits_from - pos, 0) if logits_from >= 0 else -1:, None]  # (n, 1, hidden); none: past it
+        return torch.stack([r.logits for r in self._result(rows, end)]) if len(rows) else None  # (n, vocab)
 
     def _chunk_kv(self, step: Step, reuse: str) -> SessionKV:
         self.check_span(step.start, step.end)
