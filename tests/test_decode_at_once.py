@@ -141,6 +141,25 @@ def test_many_streams_run_as_two_groups_where_nodes_decode_at_once(streams):
     assert batches(gather=False) == ([streams] if streams < SPLIT_FROM else [(streams + 1) // 2, streams // 2])
 
 
+def test_a_burst_of_prompts_decodes_as_two_groups_from_its_first_step():
+    """Prompts that arrive together run their last pieces in one pass (riding a stream's decode
+    step here); each of their sessions decodes here next. Counted among the streams from that
+    pass on, they split into two groups at their first decode step, not a round later (a group of
+    seven and a group of one: one node idles while the other runs the seven)."""
+    sessions = [f"s{i}" for i in range(SPLIT_FROM)]
+    s = HopScheduler(SchedulerConfig(), set(sessions), gather=False)
+    s.last_decode = {"s0": 9.9}  # decoding here already; the others' prompts are queued
+    s.push(_work([8], "s0", pos=40))
+    for session in sessions[1:]:
+        s.push(_work([1, 2, 3], session, pos=0))
+    batch = s.next_batch()
+    assert [w.session for w in batch] == sessions and not any(w.decode for w in batch[1:])
+    s.ran(batch, 10.0, 0.02)
+    for session in sessions:
+        s.push(_work([9], session, pos=41))
+    assert [len(s.next_batch()) for _ in range(2)] == [SPLIT_FROM // 2] * 2
+
+
 def test_quantized_cpu_nodes_of_a_split_model_decode_at_once_by_default():
     """`meshnet node` without --decode-threads: a quantized CPU node of a split model decodes at
     once (its streams a pipeline of groups, on this machine or across machines); float weights (one

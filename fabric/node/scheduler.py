@@ -76,6 +76,12 @@ class Work:
         return bool(self.msg.drafts)
 
     @property
+    def starts_decoding(self) -> bool:
+        """A prompt's last piece (whole, or what follows kept KV): its session's next hop here is
+        a decode step."""
+        return not self.decode and not self.msg.more and not self.msg.drafts
+
+    @property
     def reports_progress(self) -> bool:
         """A piece of a prefill in chunks (one that more follow, or the last, at pos > 0): each hop
         tells the head it ran it. Not a verification step: its TOKENs answer it at once."""
@@ -408,6 +414,7 @@ class HopScheduler:
     def ran(self, batch: list[Work], started: float, elapsed: float) -> None:
         """Learn from a batch that began at ``started`` and took ``elapsed`` seconds."""
         streams = [w for w in batch if w.decode or w.verifies]  # sessions decoding here, drafts or not
+        begun = [w.session for w in batch if w.starts_decoding]  # prompts done: they decode here next
         if batch[0].decode and not batch[-1].decode:  # prompts rode along: they took what the pass took beyond
             riders = [w for w in batch if not w.decode]
             if len(riders) == 1 and not riders[0].verifies:
@@ -423,6 +430,8 @@ class HopScheduler:
                     gap = started - last if self.cycle_s is None else min(started - last, MAX_CYCLE_JUMP * self.cycle_s)
                     self.cycle_s = _average(self.cycle_s, gap)
                 self.last_decode[work.session] = started
+        for session in begun:  # counted among the streams here (two groups: _decode_cap), in this pass's group
+            self.last_decode[session] = started
         if not batch[0].decode and len(batch) == 1 and not batch[0].verifies:  # a batch of prompts says nothing
             self.steer_slices(batch[0].session, batch[0].tokens, elapsed)  # about one slice's cost
 
