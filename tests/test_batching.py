@@ -268,6 +268,34 @@ def test_a_mixed_pass_on_the_tail_reads_its_lm_head_once_for_every_row_it_owes(t
     assert got[4].logits is None and got[4].hidden is None
 
 
+@pytest.mark.parametrize("family", ["llama", "qwen3", "qwen3_moe"])
+def test_a_prompts_last_token_after_kept_kv_joins_the_decode_rows(tiny_models, family):
+    """A request that continues kept KV all but its last token (a chat's next turn, a prompt asked
+    again) is one decode step once its session holds that KV: beside decode steps it joins the
+    batch group's rows, not a chunk's own cache beside them (8 such chunks made a pass 4x a
+    decode pass of 4 rows). Its logits are the bits it gets alone, whether it takes a copy of the
+    kept prefix or the kept KV itself."""
+    source = resolve(str(tiny_models(family)))
+    ours, alone = (ShardExecutor(load_shard(source, Shard(0, 5, 6), progress=False, quant="int8"),
+                                 KVStore(retain_bytes=1 << 30)) for _ in range(2))
+    names, kept = ["d0", "d1"], PROMPTS[1] + [40, 41, 42]
+    for ex in (ours, alone):
+        ex.run_prefills([Step(n, 0, 5, torch.tensor([p]), 0) for n, p in zip(names, PROMPTS)])
+        for old in ("old", "older"):
+            ex.run(old, 0, 5, torch.tensor([kept]), 0)
+            ex.retain(old)
+    steps = [Step(n, 0, 5, torch.tensor([[3 + i]]), len(PROMPTS[i])) for i, n in enumerate(names)]
+    chunks = [Chunk(Step("copy", 0, 5, torch.tensor([[kept[6]]]), 6), reuse="old"),  # a copy of its first 6
+              Chunk(Step("whole", 0, 5, torch.tensor([[50]]), len(kept)), reuse="older")]  # the kept KV itself
+    got = ours.run_mixed(steps, chunks)
+    assert all(ours.kv.get(n).group is ours.group for n in names + ["copy", "whole"])
+    expected = alone.run_batch(steps) + [alone.run(c.step.session, 0, 5, c.step.inputs, c.step.pos, reuse=c.reuse)
+                                         for c in chunks]
+    assert alone.kv.get("copy").group is None  # alone: a chunk on a cache of its own
+    for g, e in zip(got, expected):
+        assert torch.equal(g.logits, e.logits)
+
+
 def test_short_prompts_ride_together_and_a_miss_costs_only_its_own_chunk(tiny_models):
     """Two whole prompts ride in one decode pass beside a chunk whose kept KV is gone: the
     streams and the prompts get their single-process tokens, the lost chunk a cache miss."""

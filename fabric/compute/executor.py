@@ -106,7 +106,7 @@ class ShardExecutor(HopKV):
         """``run`` once the session's KV is found."""
         if kv.group is not None and step.inputs.shape[1] == 1 and (logits or not self._tail(step.end)):
             return self._group_pass([step], [kv])[0]  # a decode step of a row of the group: there, in place
-        if self._in_row(kv, chunk := Chunk(step, logits)):
+        if _in_row(kv, chunk := Chunk(step, logits)):
             return self._mixed_pass([], [], [(chunk, kv)])[0]  # a verification step of a row: there too
         return self._chunk_done(kv, step, self._pass(kv, step), logits)
 
@@ -244,9 +244,10 @@ class ShardExecutor(HopKV):
     def run_mixed(self, steps: list[Step], chunks: list[Chunk]) -> list[StepResult | CacheMissError]:
         """Decode steps (q = 1) of different sessions and chunks of other sessions' prompts, all
         over the same layers, in one forward pass (fabric/compute/mixed.py): the weights are
-        read once for all, so a chunk costs only its own tokens. Returns a result per decode
-        step, as ``run_batch``, then one per chunk (a CacheMissError where a session cannot
-        continue)."""
+        read once for all, so a chunk costs only its own tokens. A prompt's last token after
+        kept KV is a decode step once its session holds that KV: it joins their rows. Returns a
+        result per decode step, as ``run_batch``, then one per chunk (a CacheMissError where a
+        session cannot continue)."""
         results, ready = self._ready(steps)
         kvs: list[SessionKV | CacheMissError] = []
         for chunk in chunks:
@@ -254,16 +255,19 @@ class ShardExecutor(HopKV):
                 kvs.append(self._chunk_kv(chunk.step, chunk.reuse))
             except CacheMissError as miss:
                 kvs.append(miss)
-        live = [(chunk, kv) for chunk, kv in zip(chunks, kvs) if isinstance(kv, SessionKV)]
-        decoding = [steps[n] for n, _ in ready], [kv for _, kv in ready]
-        if live and len(ready) + len(live) > 1:
+        rowed = [n for n, (chunk, kv) in enumerate(zip(chunks, kvs)) if isinstance(kv, SessionKV) and _one_more(chunk)]
+        live = [(c, kv) for n, (c, kv) in enumerate(zip(chunks, kvs)) if isinstance(kv, SessionKV) and n not in rowed]
+        decoding = ([steps[n] for n, _ in ready] + [chunks[n].step for n in rowed],
+                    [kv for _, kv in ready] + [kvs[n] for n in rowed])
+        if live and len(decoding[0]) + len(live) > 1:
             out = iter(self._mixed_pass(*decoding, live))
         else:  # nothing to run beside: each part as it would run alone
-            out = iter((self._group_pass(*decoding) if ready else [])
+            out = iter((self._group_pass(*decoding) if decoding[0] else [])
                        + [self._alone(kv, chunk.step, chunk.logits) for chunk, kv in live])
         for n, _ in ready:
             results[n] = next(out)
-        return results + [kv if isinstance(kv, CacheMissError) else next(out) for kv in kvs]
+        joined = {n: next(out) for n in rowed}
+        return results + [kv if isinstance(kv, CacheMissError) else joined[n] if n in joined else next(out) for n, kv in enumerate(kvs)]
 
     @torch.inference_mode()
     def run_prefills(self, steps: list[Step]) -> list[StepResult]:
@@ -343,7 +347,7 @@ class ShardExecutor(HopKV):
             q, pos = chunk.step.inputs.shape[1], chunk.step.pos
             parts.append(self._embed(start, chunk.step.inputs))  # (1, q, hidden)
             positions.append(torch.arange(pos, pos + q, device=self.w.device)[None])
-            if self._in_row(kv, chunk):  # a verification step of a row: in place, beside the decode steps
+            if _in_row(kv, chunk):  # a verification step of a row: in place, beside the decode steps
                 caches.append(kv.group.chunk(kv.row, q))
                 masks.append((q, caches[-1].mask()))
             else:
@@ -366,13 +370,6 @@ class ShardExecutor(HopKV):
             owed.append((at, chunk))
             at += q
         return self._outputs(hidden, end, [r - lo for r in rows], owed)
-
-    @staticmethod
-    def _in_row(kv: SessionKV, chunk: Chunk) -> bool:
-        """A chunk that stays in its session's row of the batch group: a verification step
-        (a decode step and its drafts) that continues the row. Any other chunk runs on a cache
-        of the session's own (a row would widen every row of the group by its length)."""
-        return kv.group is not None and chunk.step.drafts > 0 and not chunk.reuse and chunk.step.pos == kv.length
 
     def _row_inputs(self, steps: list[Step], rows: list[int], lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Hidden states (hi - lo, 1, hidden) and position ids (hi - lo, 1) of rows lo..hi: each
@@ -407,6 +404,20 @@ class ShardExecutor(HopKV):
                 masks[kind] = makers[kind](config=self.w.config, inputs_embeds=hidden, attention_mask=None,
                                            cache=kv.cache, position_ids=position_ids, layer_idx=i)
         return masks
+
+
+def _in_row(kv: SessionKV, chunk: Chunk) -> bool:
+    """A chunk that stays in its session's row of the batch group: a verification step (a decode
+    step and its drafts) that continues the row. Any other chunk runs on a cache of the session's
+    own (a row would widen every row of the group by its length)."""
+    return kv.group is not None and chunk.step.drafts > 0 and not chunk.reuse and chunk.step.pos == kv.length
+
+
+def _one_more(chunk: Chunk) -> bool:
+    """A prompt's last token after the kept KV it starts from: one decode step, once the session
+    holds that KV (every position gives the same bits as a row of the batch group or alone)."""
+    step = chunk.step
+    return bool(chunk.reuse) and chunk.logits and step.inputs.shape[1] == 1 and not step.drafts and not step.guess
 
 
 def _kept(kv: SessionKV, step: Step) -> None:
