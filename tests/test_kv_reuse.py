@@ -157,6 +157,57 @@ def test_prefix_index_matches_the_longest_start_on_the_same_route():
     assert common_prefix((1, 2, 3), (1, 2, 4, 5)) == 2 and common_prefix((), (1,)) == 0
 
 
+class ScanIndex:
+    """What PrefixIndex answers, by comparing a request with every entry (least recent first)."""
+
+    def __init__(self, max_entries: int, min_tokens: int):
+        self.max_entries, self.min_tokens, self.entries = max_entries, min_tokens, {}
+
+    def add(self, session, ids, route, tenant=""):
+        if len(ids) >= self.min_tokens:
+            self.entries.pop(session, None)
+            self.entries[session] = (tuple(ids), tuple(route), tenant)
+            while len(self.entries) > self.max_entries:
+                del self.entries[next(iter(self.entries))]
+
+    def match(self, ids, route, tenant=""):
+        best = None
+        for name, (held, hops, owner) in self.entries.items():
+            n = min(common_prefix(held, tuple(ids)), len(ids) - 1)
+            if (hops, owner) == (tuple(route), tenant) and n >= self.min_tokens and (best is None or n > best.tokens):
+                best = Reuse(name, n)
+        if best is not None:
+            entry = self.entries.pop(best.session)
+            if best.tokens < len(entry[0]):
+                self.entries[best.session] = entry
+        return best
+
+
+@pytest.mark.parametrize("same_hash", [False, True])
+def test_prefix_index_answers_as_a_scan_of_every_entry(monkeypatch, same_hash):
+    """Requests and ended sessions sharing starts of every length (a system prompt, turns of a
+    chat, one prompt asked again), on two routes and for two tenants: the index finds the match
+    a scan of every entry finds, and leaves the same entries behind. Where every start hashed
+    the same, the index still answers right."""
+    import random
+
+    if same_hash:
+        monkeypatch.setattr(PrefixIndex, "_chain", lambda self, ids, route, tenant: iter([0] * (len(ids) // self.block)))
+    rng = random.Random(7)
+    index, scan = PrefixIndex(max_entries=24, min_tokens=4), ScanIndex(max_entries=24, min_tokens=4)
+    starts = [[rng.randrange(9) for _ in range(rng.randrange(40))] for _ in range(5)]
+    routes = [ROUTE, ROUTE[:1]]
+    for i in range(400):
+        ids = rng.choice(starts) + [rng.randrange(3) for _ in range(rng.randrange(12))]
+        route, tenant = rng.choice(routes), rng.choice(["", "key-2"])
+        if rng.random() < 0.5:
+            index.add(f"s{i}", ids, route, tenant)
+            scan.add(f"s{i}", ids, route, tenant)
+        else:
+            assert index.match(ids, route, tenant) == scan.match(ids, route, tenant)
+        assert list(index._entries) == list(scan.entries)
+
+
 def test_work_that_starts_from_kept_kv_is_a_chunk_and_only_its_first_chunk_takes_it():
     spec = p.TensorSpec("int64", (1, 100))
     msg = p.Forward("s", 0, 40, 0, 2, ROUTE[1:], "tcp://a:1", reuse="old", tensors=(spec,))
