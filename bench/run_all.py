@@ -45,6 +45,8 @@ SCRIPTS = {
     "audit": ([], ["--rounds", "2", "--clients", "2", "--trials", "1"]),
     # a stream's longest gap while its node replays a long audit (in slices, between its decode steps)
     "replay_itl": ([], ["--rounds", "1", "--positions", "1000"]),
+    # what a request costs beside its tokens: the prefix index's match, a burst of prompts after kept KV, ends
+    "session_costs": ([], ["--rounds", "1"]),
     # heads, tails and the tracker stopped and restarted under load: failed requests (target 0), identical answers
     "chaos": (["--json", "OUT/chaos.json"], ["--minutes", "1.5", "--clients", "2", "--json", "OUT/chaos.json"]),
     # two nodes started by hand: their default compute lock against none, and a 3,200-token prompt answered
