@@ -175,6 +175,16 @@ class WindowLayer(DynamicSlidingWindowLayer):
         return self._keys.numel() * self._keys.element_size() + self._values.numel() * self._values.element_size()
 
 
+OTHER = -1  # a layer neither grows nor slides: the library's own
+
+
+def _window(layer) -> int | None:
+    """A layer's sliding window: None for one that grows, OTHER for another kind."""
+    if type(layer) is DynamicLayer:
+        return None
+    return layer.sliding_window if type(layer) is DynamicSlidingWindowLayer else OTHER
+
+
 _WINDOWS: dict[int, tuple[object, list[int | None] | None]] = {}  # id(config): (config, each layer's window)
 
 
@@ -197,22 +207,9 @@ def new_cache(config) -> DynamicCache:
     return cache
 
 
-OTHER = -1  # a layer neither grows nor slides: the library's own
-
-
-def _window(layer) -> int | None:
-    """A layer's sliding window: None for one that grows, OTHER for another kind."""
-    if type(layer) is DynamicLayer:
-        return None
-    return layer.sliding_window if type(layer) is DynamicSlidingWindowLayer else OTHER
-
-
 def _own(layer):
-    if type(layer) is DynamicLayer:
-        return GrowingLayer()
-    if type(layer) is DynamicSlidingWindowLayer:
-        return WindowLayer(layer.sliding_window)
-    return layer
+    window = _window(layer)
+    return GrowingLayer() if window is None else layer if window == OTHER else WindowLayer(window)
 
 
 def trim(cache) -> None:

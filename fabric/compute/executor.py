@@ -255,8 +255,9 @@ class ShardExecutor(HopKV):
                 kvs.append(self._chunk_kv(chunk.step, chunk.reuse))
             except CacheMissError as miss:
                 kvs.append(miss)
-        rowed = [n for n, (chunk, kv) in enumerate(zip(chunks, kvs)) if isinstance(kv, SessionKV) and _one_more(chunk)]
-        live = [(c, kv) for n, (c, kv) in enumerate(zip(chunks, kvs)) if isinstance(kv, SessionKV) and n not in rowed]
+        found = [n for n, kv in enumerate(kvs) if isinstance(kv, SessionKV)]
+        rowed = [n for n in found if _one_more(chunks[n])]
+        live = [(chunks[n], kvs[n]) for n in found if n not in rowed]
         decoding = ([steps[n] for n, _ in ready] + [chunks[n].step for n in rowed],
                     [kv for _, kv in ready] + [kvs[n] for n in rowed])
         if live and len(decoding[0]) + len(live) > 1:
@@ -267,7 +268,7 @@ class ShardExecutor(HopKV):
         for n, _ in ready:
             results[n] = next(out)
         joined = {n: next(out) for n in rowed}
-        return results + [kv if isinstance(kv, CacheMissError) else joined[n] if n in joined else next(out) for n, kv in enumerate(kvs)]
+        return results + [joined[n] if n in joined else next(out) if n in found else kvs[n] for n in range(len(kvs))]
 
     @torch.inference_mode()
     def run_prefills(self, steps: list[Step]) -> list[StepResult]:
