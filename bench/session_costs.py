@@ -10,7 +10,8 @@ own, alternated ``--rounds`` times; the medians and their ratios are printed.
    each followed by 40 or 1,000 ids of its own;
 2. on the head's half of SmolLM2 (layers 0-16, int8, 2 threads): a pass of one decode step
    with seven prompts that continue kept KV all but their last token (a burst of requests that
-   repeat a prompt: `bench/concurrency.py`'s waves), then their ends (the KV kept for reuse).
+   repeat a prompt: `bench/concurrency.py`'s waves), then their ends (the KV kept for reuse),
+   and the end of a session of 2,000 positions that decoded in the batch group.
 """
 from __future__ import annotations
 
@@ -69,8 +70,18 @@ for k in range(12):
     for c in chunks:
         ex.retain(c.step.session)
     ends.append(time.perf_counter() - began)
+long, ids = [], [(7 * i * i + 3 * i) % 40000 + 10 for i in range(2000)]
+for k in range(4):  # a long chat's end: its row of the batch group kept for reuse
+    for name in ("a", "b"):
+        ex.run(f"{name}{k}", 0, 16, torch.tensor([ids]), 0)
+    ex.run_batch([Step(f"{name}{k}", 0, 16, torch.tensor([[5]]), 2000) for name in ("a", "b")])
+    began = time.perf_counter()
+    ex.retain(f"a{k}")
+    long.append(time.perf_counter() - began)
+    ex.retain(f"b{k}")
 print(json.dumps({"pass: 1 decode step + 7 prompts after kept KV": statistics.median(mixed[2:]) * 1e3,
-                  "7 sessions' ends": statistics.median(ends[2:]) * 1e3}))
+                  "7 sessions' ends": statistics.median(ends[2:]) * 1e3,
+                  "a 2,000-position session's end": statistics.median(long[1:]) * 1e3}))
 """
 
 

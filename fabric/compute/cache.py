@@ -61,6 +61,14 @@ class GrowingLayer(DynamicLayer):
             values[:, :, :n] = self.values
         self._keys, self._values = keys, values
 
+    def adopt(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Hold ``keys`` and ``values`` (batch, kv_heads, positions, head_dim), which nothing else
+        writes, as the whole buffer: not copied, no room to spare (a row taken out of the batch
+        group is copied once, not three times on its way to being kept)."""
+        if not self.is_initialized:
+            self.lazy_initialization(keys, values)
+        self._keys, self._values = self.keys, self.values = keys, values
+
     def roll_back(self, pos: int) -> None:
         """Keep the first ``pos`` positions: the rest is forgotten where it lies (views shrink, nothing is copied)."""
         self.keys, self.values = self._keys[:, :, :pos], self._values[:, :, :pos]

@@ -65,8 +65,8 @@ class HopKV:
         if kv is None or kv.group is None:
             return
         group, cache = kv.group, self._new_cache()
-        for i, (keys, values) in group.take(kv.row).items():
-            cache.update(keys, values, i)
+        for i, (keys, values) in group.take(kv.row).items():  # its own copy: the layers hold it as it is
+            cache.layers[i].adopt(keys, values)
         kv.cache, kv.group, kv.row = cache, None, -1
         if not group.members() and group is self.group:
             self.group = None  # nobody left: its buffers go
