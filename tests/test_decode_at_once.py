@@ -160,6 +160,26 @@ def test_a_burst_of_prompts_decodes_as_two_groups_from_its_first_step():
     assert [len(s.next_batch()) for _ in range(2)] == [SPLIT_FROM // 2] * 2
 
 
+def test_streams_a_wait_gave_up_on_still_count_toward_two_groups():
+    """A stream's step that waited a pass's time for the rest of its group in vain runs alone;
+    the group's seven, when they come, are still seven of eight streams here: they run as four
+    and three (the give-up stops the waiting, not the count)."""
+    sessions = [f"s{i}" for i in range(SPLIT_FROM)]
+    s = HopScheduler(SchedulerConfig(), set(sessions), gather=False)
+    s.last_decode, s.cycle_s = {"s0": 9.9}, 0.1
+    s.push(_work([8], "s0", pos=40))
+    for session in sessions[1:]:
+        s.push(_work([1, 2, 3], session, pos=0))
+    s.ran(s.next_batch(), 10.0, 0.02)
+    s.push(_work([9], "s0", pos=41))
+    assert s.wait(10.03) == pytest.approx(0.02) and s.wait(10.06) == 0  # waited for the seven, then gave up
+    alone = s.next_batch()
+    s.ran(alone, 10.06, 0.005)
+    for session in sessions[1:]:
+        s.push(_work([9], session, pos=3))
+    assert [w.session for w in alone] == ["s0"] and [len(s.next_batch()) for _ in range(2)] == [4, 3]
+
+
 def test_quantized_cpu_nodes_of_a_split_model_decode_at_once_by_default():
     """`meshnet node` without --decode-threads: a quantized CPU node of a split model decodes at
     once (its streams a pipeline of groups, on this machine or across machines); float weights (one

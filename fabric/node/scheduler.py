@@ -162,6 +162,7 @@ class HopScheduler:
         self.ride_token_s: float | None = None  # seconds a riding slice adds to a pass per token (moving average)
         self.cycle_s: float | None = None  # seconds between a session's decode steps here (moving average)
         self.last_decode: dict[str, float] = {}  # session -> when its last decode step ran here
+        self.streams: set[str] = set()  # sessions decoding here (a wait for one that gives up keeps it)
         self.gather_since: float | None = None  # when a decode batch began waiting for sessions still due
         self.merge_after = float("-inf")  # no cycle-long wait before this (one waited in vain lately)
         # prefill tokens per slice, steered so a slice takes its target time: riding a decode
@@ -197,6 +198,7 @@ class HopScheduler:
         """Forget ``session``: its queued hops and its decode rhythm."""
         self.queue = deque(w for w in self.queue if w.session != session)
         self.last_decode.pop(session, None)
+        self.streams.discard(session)
 
     def waiting(self, now: float) -> list[Work]:
         """The first queued hop of each session, every WAITING_REPORT_S (else none): a step
@@ -213,6 +215,8 @@ class HopScheduler:
         """Drop the decode times of sessions whose KV is gone."""
         if len(self.last_decode) > len(self.live):
             self.last_decode = {s: t for s, t in self.last_decode.items() if s in self.live}
+        if len(self.streams) > len(self.live):
+            self.streams = {s for s in self.streams if s in self.live}
 
     # -- when ---------------------------------------------------------------------------
 
@@ -336,7 +340,7 @@ class HopScheduler:
         (the steps left over go in the next pass)."""
         if self.gather:
             return self.config.max_batch
-        decoding = sum(s in self.live for s in self.last_decode)
+        decoding = sum(s in self.live for s in self.streams.union(self.last_decode))
         return min(self.config.max_batch, -(-decoding // 2)) if decoding >= SPLIT_FROM else self.config.max_batch
 
     def _rides(self, decode: Work | None) -> bool:
@@ -432,6 +436,7 @@ class HopScheduler:
                 self.last_decode[work.session] = started
         for session in begun:  # counted among the streams here (two groups: _decode_cap), in this pass's group
             self.last_decode[session] = started
+        self.streams.update(begun, (w.session for w in streams))
         if not batch[0].decode and len(batch) == 1 and not batch[0].verifies:  # a batch of prompts says nothing
             self.steer_slices(batch[0].session, batch[0].tokens, elapsed)  # about one slice's cost
 
