@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from fabric.compute.cache import ROOM, SLACK, WindowLayer
-from fabric.compute.executor import CacheMissError, ShardExecutor
+from fabric.compute.executor import CacheMissError, Chunk, ShardExecutor, Step
 from fabric.compute.kv import KVStore
 from fabric.compute.models import load_config, load_shard, resolve
 from fabric.wire.shard import Shard
@@ -137,6 +137,27 @@ def test_kept_kv_serves_a_later_request_whole_and_cut_back(model):
     assert greedy(pair, "t3", turn3, 10, pos=cut, reuse="t2") == reference_greedy(model, turn3, 10)
     assert all("t2" in ex.kv.retained for ex in pair)  # copied: the longer KV stays kept
     assert [ex.kv.retained.stats["hits"] for ex in pair] == [2, 2]
+
+
+def test_a_full_layer_alone_batches_and_takes_riding_prompts_as_the_model_attends(model):
+    """A hop of one full-attention layer batches decode steps (no window on it), so prompts ride
+    its decode passes: each part attends as the model does alone (Gemma 2 caps its scores, its
+    eager path; SDPA cannot), and gets what it gets alone."""
+    source = resolve(str(model))
+    n = load_config(source, None).num_hidden_layers
+    full = next(i for i, kind in enumerate(load_config(source, None).layer_types) if kind == "full_attention")
+    mixed, alone = (ShardExecutor(load_shard(source, Shard(full, full, n), progress=False), KVStore())
+                    for _ in range(2))
+    assert mixed.batchable(full, full)
+    torch.manual_seed(0)
+    hidden = torch.randn(1, 12, mixed.hidden_size)
+    for ex in (mixed, alone):
+        ex.run("s", full, full, hidden[:, :5], 0)
+    step, chunk = Step("s", full, full, hidden[:, 5:6], 5), Step("p", full, full, hidden[:, 6:], 0)
+    got = mixed.run_mixed([step], [Chunk(chunk)])
+    expected = alone.run_batch([step]) + [alone.run("p", full, full, chunk.inputs, 0)]
+    for g, e in zip(got, expected):
+        assert torch.allclose(g.hidden, e.hidden, rtol=1e-5, atol=1e-5)
 
 
 def test_a_cut_past_the_slack_misses_and_a_prefill_from_scratch_gives_the_same_tokens(model):

@@ -17,10 +17,12 @@ This module imports transformers; the executor imports it for a mixed pass.
 from __future__ import annotations
 
 import contextlib
+import sys
 from contextvars import ContextVar
 
 import torch
 from transformers import AttentionInterface
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from . import attention as invariant
@@ -79,12 +81,25 @@ def attention(module, query: torch.Tensor, key, value, attention_mask, inner=Non
 AttentionInterface.register(NAME, attention)
 
 
+def _eager(module, *args, **kwargs):
+    """The attention layer's own model's eager path (Gemma 2's, whose scores are capped: SDPA
+    cannot cap them)."""
+    return sys.modules[type(module).__module__].eager_attention_forward(module, *args, **kwargs)
+
+
+def _inner(name: str):
+    """How a shard whose config names attention ``name`` attends."""
+    if name == invariant.NAME:
+        return invariant.attention
+    return _eager if name == "eager" else ALL_ATTENTION_FUNCTIONS.get(name, sdpa_attention_forward)
+
+
 @contextlib.contextmanager
 def rows_and_chunks(config):
     """The layers built on ``config`` attend with ``attention`` meanwhile, each part as the
-    shard attends otherwise (fabric/compute/attention.py, or SDPA)."""
+    shard attends otherwise (fabric/compute/attention.py, SDPA, or the model's eager path)."""
     before = config._attn_implementation
-    token = INNER.set(invariant.attention if before == invariant.NAME else sdpa_attention_forward)
+    token = INNER.set(_inner(before))
     config._attn_implementation = NAME
     try:
         yield
