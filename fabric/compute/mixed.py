@@ -22,8 +22,8 @@ from contextvars import ContextVar
 
 import torch
 from transformers import AttentionInterface
-from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from . import attention as invariant
 
