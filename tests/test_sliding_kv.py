@@ -144,8 +144,9 @@ def test_a_full_layer_alone_batches_and_takes_riding_prompts_as_the_model_attend
     its decode passes: each part attends as the model does alone (Gemma 2 caps its scores, its
     eager path; SDPA cannot), and gets what it gets alone."""
     source = resolve(str(model))
-    n = load_config(source, None).num_hidden_layers
-    full = next(i for i, kind in enumerate(load_config(source, None).layer_types) if kind == "full_attention")
+    config = load_config(source, None)
+    n = config.num_hidden_layers
+    full = next(i for i, kind in enumerate(config.layer_types) if kind == "full_attention")
     mixed, alone = (ShardExecutor(load_shard(source, Shard(full, full, n), progress=False), KVStore())
                     for _ in range(2))
     assert mixed.batchable(full, full)

@@ -267,8 +267,9 @@ class ShardExecutor(HopKV):
                        + [self._alone(kv, chunk.step, chunk.logits) for chunk, kv in live])
         for n, _ in ready:
             results[n] = next(out)
-        joined = {n: next(out) for n in rowed}
-        return results + [joined[n] if n in joined else next(out) if n in found else kvs[n] for n in range(len(kvs))]
+        done = {n: next(out) for n in rowed}  # the pass gives the rows' results first, then the live chunks'
+        done |= {n: next(out) for n in found if n not in done}
+        return results + [done.get(n, kv) for n, kv in enumerate(kvs)]  # a miss: its CacheMissError
 
     @torch.inference_mode()
     def run_prefills(self, steps: list[Step]) -> list[StepResult]:
