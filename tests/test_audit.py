@@ -14,6 +14,7 @@ from fabric.compute.executor import ShardExecutor
 from fabric.compute.kv import KVStore
 from fabric.compute.models import load_shard, resolve
 from fabric.node.audit import REPLAY_S_PER_POSITION, TAP_GRACE_S, AuditConfig, Auditor
+from fabric.node.replica_watch import RECHECK_S, TRUST_S
 from fabric.node.scheduler import HopScheduler, Replay, SchedulerConfig, Work
 from fabric.node.taps import Taps, kernels
 from fabric.node.verdicts import Claim, Outcome, disagreement, distance, judge, sketch
@@ -364,6 +365,42 @@ def test_no_replica_of_the_next_hop_skips_the_audit_before_the_head_replays_its_
     assert own[0] == "tcp://head" and own[1].start_layer == 0
     rig.own_layers()
     assert rig.asked == ["tcp://r1"]
+
+
+def test_a_hop_nobody_could_check_is_asked_for_no_taps_until_a_replica_joins():
+    """`meshnet up`'s split holds no other copy of its tail's layers, and taps nobody could read
+    cost 8 streams a tenth of their tokens. The head asks the tracker who else holds the first
+    hop past it, as an audit would; while the answer names nobody, a request gets no tap id (every
+    request alike) and is not drawn. The answer is asked again every RECHECK_S, so a replica that
+    joins is tapped for; a "nobody" goes unbelieved TRUST_S after it came, answered or not."""
+    rig = Rig(rate=1.0)
+    auditor, counters = rig.auditor, rig.counters
+    asks = lambda: [m for m in rig.host.tracker if isinstance(m, p.ReplicasRequest)]  # noqa: E731
+    assert auditor.draw("a", PROMPT, TAIL, now=0.0)  # unknown: tapped, and the tracker asked
+    (ask,) = asks()
+    assert (ask.start_layer, ask.end_layer, ask.suspect) == (3, 5, "") and {"tail", "head"} <= set(ask.exclude)
+    auditor.replicas(p.Replicas(ask.audit, (p.Hop("tail", "tcp://tail", 3, 5),)))  # only the hop itself: nobody
+    assert not auditor.draw("b", PROMPT, TAIL, now=1.0) and counters["audits_untapped"] == 1 and len(asks()) == 1
+    msg = p.Forward(session="b", step=0, pos=0, start_layer=0, end_layer=2, route=(TAIL,), reply_to="tcp://head")
+    auditor.forward(HEAD, msg, torch.tensor([PROMPT]))
+    assert rig.host.forwarded[-1].audit == ""  # its hops tap nothing
+    other = p.Hop("tail2", "tcp://tail2", 3, 5)
+    assert auditor.draw("c", PROMPT, other, now=2.0) and len(asks()) == 2  # another hop: asked on its own
+    auditor.replicas(p.Replicas(asks()[-1].audit, (R1,)))
+    assert auditor.draw("d", PROMPT, other, now=3.0) and len(asks()) == 2
+    assert not auditor.draw("e", PROMPT, TAIL, now=RECHECK_S) and len(asks()) == 3  # asked again, not yet answered
+    auditor.replicas(p.Replicas(ask.audit, ()))  # the old question's answer, again: changes nothing
+    auditor.replicas(p.Replicas(asks()[-1].audit, (R1,)))  # a replica joined
+    assert auditor.draw("f", PROMPT, TAIL, now=RECHECK_S + 1)
+    auditor.replicas(p.Replicas(asks()[-1].audit, ()))  # answered twice: the first answer stands
+    assert auditor.draw("g", PROMPT, TAIL, now=RECHECK_S + 2)
+    auditor.draw("h", PROMPT, TAIL, now=2 * RECHECK_S)
+    auditor.replicas(p.Replicas(asks()[-1].audit, ()))  # it left again
+    assert not auditor.draw("i", PROMPT, TAIL, now=2 * RECHECK_S + 1)
+    rig.host.has_tracker = False  # the tracker is gone: the questions go nowhere, and "nobody" lapses
+    assert not auditor.draw("j", PROMPT, TAIL, now=2 * RECHECK_S + TRUST_S - 1)
+    assert auditor.draw("k", PROMPT, TAIL, now=2 * RECHECK_S + TRUST_S)
+    assert counters["audits_untapped"] == 4 and set(auditor.tap_ids) == {"s", "a", "c", "d", "f", "g", "h", "k"}
 
 
 def test_a_longer_stretch_has_longer_to_answer():

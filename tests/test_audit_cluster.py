@@ -21,8 +21,9 @@ from fabric.compute.tensors import to_wire
 from fabric.wire import protocol as p
 from fabric.wire.liveness import TOPIC_EVENTS
 from fabric.wire.protocol import Hop
+from fabric.node import replica_watch
 from tests.cluster import node_counters
-from tests.support import at_once, free_port
+from tests.support import at_once, free_port, wait_for
 
 TOKENS = 24
 PROMPTS = ["hello world, how are you today?", "the quick brown fox", "tell me about lighthouses",
@@ -138,3 +139,25 @@ def test_a_lying_tail_is_excluded_and_nobody_else(process_cluster, tiny_models, 
     counts = node_counters(metrics, "audit")
     assert counts["audits_convicted"] >= 1 and counts["audits_passed"] >= 1, counts
     assert counts["audits_unsettled"] == 0 and counts["audit_frames_ignored"] >= 10, counts
+
+
+def test_a_split_nobody_could_check_taps_nothing_until_a_replica_joins(thread_cluster, tiny_models, monkeypatch):
+    """`meshnet up`'s split: the tracker knows no other copy of the tail's layers, so no audit could
+    check it, and its taps (a frame and two sketches a step) would be read by nobody. After the
+    head's first request asks the tracker, the tail taps nothing; once a replica joins, the next
+    question finds it and the tails tap again. The text is the same throughout."""
+    monkeypatch.setattr(replica_watch, "RECHECK_S", 0.5)
+    model = tiny_models("llama")
+    head = thread_cluster.add_node(model, 0, 2, 6, "head", audit_rate=1.0)
+    tails = [thread_cluster.add_node(model, 3, 5, 6, "tail")]
+    thread_cluster.wait_routable(model.name, 2)
+    taps = lambda: sum(t.counters["audit_taps"] for t in tails)  # noqa: E731
+    first = generate(thread_cluster, model, PROMPTS[0])
+    assert taps() > 0  # nobody had asked yet: tapped
+    assert wait_for(lambda: head.head.auditor.watch.questions == {})  # answered: nobody
+    before = taps()
+    assert generate(thread_cluster, model, PROMPTS[0]) == first and taps() == before
+    assert head.counters["audits_untapped"] == 1
+    tails.append(thread_cluster.add_node(model, 3, 5, 6, "tail2"))
+    thread_cluster.wait_routable(model.name, 3)
+    assert wait_for(lambda: generate(thread_cluster, model, PROMPTS[0]) == first and taps() > before, 10)

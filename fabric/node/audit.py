@@ -2,7 +2,8 @@
 
 Hidden states flow hop to hop, so a head never sees what a later hop received or computed;
 and a hop that knew when it is checked could be honest only then. So nothing marks an
-audited step. A head with ``audit_rate`` > 0 gives every request it heads a secret tap id
+audited step. A head with ``audit_rate`` > 0 gives every request it heads (where someone could
+check the first hop past it: fabric/node/replica_watch.py) a secret tap id
 (32 hex digits, ``secrets.token_hex(16)``) and puts it in every FORWARD of that request;
 every hop past the head answers every step with an AUDIT_TAP echoing it: count sketches of
 its input and output rows, SKETCH_DIM numbers a position (fabric/node/verdicts.py), and on
@@ -32,9 +33,9 @@ once. In a CURVE swarm each must also come with the key the tracker lists for th
 
 The price: a tap per step per hop (SKETCH_DIM float32 numbers a position: 128 bytes on a
 decode step, a few hundred bytes of sketching work), and per audited request about one
-prefill of its stretch on every layer (two where a hop disagrees; none in a swarm that holds
-no replica of the head's next hop, where nobody could check it). The request whose
-replay convicts a liar was already answered by it: an audit cannot hold a token without
+prefill of its stretch on every layer (two where a hop disagrees). A swarm that holds no
+replica of the head's next hop, where nobody could check it, pays neither: no taps, no
+replay. The request whose replay convicts a liar was already answered by it: an audit cannot hold a token without
 showing which step it checks.
 
 No sockets here: the auditor is the RouteSessions' transport and sends through the node.
@@ -54,6 +55,7 @@ import torch
 
 from ..wire import protocol as p
 from ..wire.liveness import AUDIT_RATE
+from .replica_watch import ReplicaWatch
 from .rerun import Claims, Rerun, replica_claim
 from .route_session import Transport
 from .verdicts import DEFAULT_TOLERANCE, Judgement, Outcome, judge, row_distances, sketch
@@ -100,10 +102,17 @@ class Auditor:
         self.reruns: dict[str, Rerun] = {}  # an open AUDIT's or REPLICAS_REQUEST's id -> its replay
         self.closing: dict[str, float] = {}  # tap id of a drawn session that ended -> when its replay starts
         self.convicted: set[str] = set()  # nodes this head found lying
+        self.watch = ReplicaWatch(self._ask_replicas)  # who could check a route's first hop past this node
 
-    def draw(self, session: str, ids: list[int]) -> bool:
-        """A new request ``session`` whose prompt is ``ids``: give it a tap id, and whether it is audited."""
+    def draw(self, session: str, ids: list[int], past: p.Hop | None = None, now: float | None = None) -> bool:
+        """A new request ``session`` whose prompt is ``ids``, and whose first hop past this node is
+        ``past`` (None: none, or unknown): give it a tap id, and whether it is audited. None where
+        the tracker lately named no replica of ``past``: no audit could check it, so its hops are
+        asked for no taps (fabric/node/replica_watch.py)."""
         if self.config.audit_rate <= 0:
+            return False
+        if past is not None and not self.watch.checkable(past, time.monotonic() if now is None else now):
+            self.counters["audits_untapped"] += 1
             return False
         self.tap_ids[session] = tap = secrets.token_hex(16)
         self.open_taps.add(tap)
@@ -200,6 +209,8 @@ class Auditor:
 
     def replicas(self, msg: p.Replicas) -> None:
         """The tracker's answer: who else holds the stage's layers with the same weights."""
+        if self.watch.answer(msg, {self.node_id, *self.convicted}):
+            return
         rerun = self.reruns.pop(msg.audit, None)
         if rerun is None or rerun.request != msg.audit or rerun.untried is not None:
             return
@@ -239,11 +250,16 @@ class Auditor:
             return
         rerun.request = rerun.new_id()
         self.reruns[rerun.request] = rerun
-        exclude = tuple(sorted({hop.node, self.node_id, *self.convicted}))
-        if not self.host.to_tracker(p.ReplicasRequest(rerun.request, self.model, self.fingerprint, hop.start_layer,
-                                                      hop.end_layer, exclude, node_id=self.node_id,
-                                                      suspect=hop.node)):
+        if not self._ask_replicas(rerun.request, hop, suspect=hop.node):
             self._end(rerun, "skipped")  # no tracker, nobody to ask who holds those layers
+
+    def _ask_replicas(self, question: str, hop: p.Hop, suspect: str = "") -> bool:
+        """REPLICAS_REQUEST ``question`` to the tracker: who else holds ``hop``'s layers (not it, this
+        node or a node it convicted). With ``suspect`` the tracker lists the answer as witnesses a
+        verdict on it may cite. False: this node has no tracker."""
+        exclude = tuple(sorted({hop.node, self.node_id, *self.convicted}))
+        return self.host.to_tracker(p.ReplicasRequest(question, self.model, self.fingerprint, hop.start_layer,
+                                                      hop.end_layer, exclude, node_id=self.node_id, suspect=suspect))
 
     def _input_differs(self, rerun: Rerun) -> bool:
         """A hop past the first is judged on the replay's input only if it says it received that:

@@ -126,7 +126,7 @@ class Head:
         self.requests[(identity, req.request_id)] = rs.session
         if req.resume:
             log.warning("request %s: taking it over after %d tokens (its head died)", req.request_id, len(req.resume))
-        self.auditor.draw(rs.session, prompt + list(req.resume))  # audited or not, it looks the same
+        self.auditor.draw(rs.session, prompt + list(req.resume), req.route[1] if len(req.route) > 1 else None)
         reused = self.prefixes.match(prompt + list(req.resume), req.route, tenant_of(req))
         self._emit(rs, rs.start(reused))
 
