@@ -180,6 +180,25 @@ def test_streams_a_wait_gave_up_on_still_count_toward_two_groups():
     assert [w.session for w in alone] == ["s0"] and [len(s.next_batch()) for _ in range(2)] == [4, 3]
 
 
+def test_prompts_at_a_node_that_decodes_at_once_never_wait_for_streams_to_come_back():
+    """Under a shared compute lock a gathering node holds a prompt's next piece back, for a cycle at
+    most, until the streams it just ran come back: another piece now would hold the lock while the
+    other node has their decode steps to run. A node that decodes at once runs those without the
+    lock, so the wait buys nothing; at a burst's start it held the next prompts back for the first
+    stream's whole round trip (8 streams' last first token 114 against 93 ms, docs/BENCHMARKS.md,
+    "Taps nobody could read")."""
+    def node(gather: bool) -> HopScheduler:
+        s = HopScheduler(SchedulerConfig(), {"a", "b", "c"}, shared_lock=True, gather=gather)
+        s.push(_work([1, 2, 3], "a"))
+        s.ran(s.next_batch(), 10.0, 0.01)  # "a"'s prompt ran: it decodes here next
+        s.push(_work([4, 5], "b"))
+        s.cycle_s = 0.1
+        return s
+
+    assert node(gather=True).wait(10.02) == pytest.approx(0.1)
+    assert node(gather=False).wait(10.02) == 0
+
+
 def test_quantized_cpu_nodes_of_a_split_model_decode_at_once_by_default():
     """`meshnet node` without --decode-threads: a quantized CPU node of a split model decodes at
     once (its streams a pipeline of groups, on this machine or across machines); float weights (one

@@ -230,9 +230,10 @@ class HopScheduler:
         last few cycles. A queued prefill does not wait: it runs in the meantime. Except
         under a shared compute lock, after a prefill slice: another slice now would hold the
         lock while the other nodes of the machine have those sessions' decode steps to run,
-        so the node waits (at most one of their cycles) for them to come back first. A prefill
-        that can ride the decode batch waits with it: it goes in the same pass. Under a shared
-        lock a decode batch too waits up to one cycle: the streams' other hops run meanwhile,
+        so the node waits (at most one of their cycles) for them to come back first (not a node
+        that decodes at once: the others run those steps without the lock). A prefill that can
+        ride the decode batch waits with it: it goes in the same pass. Under a shared lock a
+        decode batch too waits up to one cycle: the streams' other hops run meanwhile,
         and streams that fell into two groups (a long pass, a prompt arriving) merge again.
         When such a wait runs out without them, each group may be queued at the node the
         other waits on: for RECENT_CYCLES cycles the batch waits only a pass's time, or the
@@ -244,7 +245,7 @@ class HopScheduler:
         keep every node busy, a pipeline, where one group would leave all nodes but one idle."""
         decode = self._first(decode=True) or next((w for w in self.queue if w.verifies), None)
         gather = decode is not None and (all(w.decode or w.verifies for w in self.queue) or self._rides(decode))
-        yield_to_decode = self.ran_prefill and self.shared_lock
+        yield_to_decode = self.ran_prefill and self.shared_lock and self.gather
         queued = {w.session for w in self.queue}
         due = self._awaited(now, queued) if gather else self._due(now, queued) if yield_to_decode else []
         if not due or len(queued) >= self._decode_cap():
