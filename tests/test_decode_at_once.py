@@ -1,8 +1,10 @@
 """Decode passes at once (``--decode-threads``): nodes sharing a machine's compute lock run passes
 of decode steps alone without it, each on its share of the cores, and stop gathering their
-streams into one batch, so the streams run as a pipeline of groups. Prompts keep the lock."""
+streams into one batch, so the streams run as a pipeline of groups. Prompts keep the lock, but
+for their last few tokens (a decode step's work)."""
 from __future__ import annotations
 
+import dataclasses
 import shutil
 import subprocess
 import sys
@@ -17,7 +19,14 @@ from fabric.compute.executor import ShardExecutor
 from fabric.compute.kv import KVStore
 from fabric.compute.models import load_shard, resolve
 from fabric.node.hops import HopRunner, decodes_at_once
-from fabric.node.scheduler import SPLIT_FROM, HopScheduler, Replay, SchedulerConfig, Work
+from fabric.node.scheduler import (
+    LIGHT_TOKENS,
+    SPLIT_FROM,
+    HopScheduler,
+    Replay,
+    SchedulerConfig,
+    Work,
+)
 from fabric.wire import protocol as p
 from fabric.wire.shard import Shard
 
@@ -79,12 +88,36 @@ def test_decode_steps_run_at_once_on_their_threads_while_another_node_holds_the_
     assert seen == [1] and torch.get_num_threads() == 2  # one thread for the pass, every thread after
 
 
+def test_a_prompts_last_token_after_kept_kv_runs_at_once_as_a_decode_step(tiny_models, held, two_threads):
+    """A prompt asked again continues its kept KV with its last token: a decode step's work. It
+    goes ahead on the decode pass's threads beside the streams' steps, as they do, instead of
+    waiting for the lock and every thread (8 streams' last first token 106 against 85 ms on the
+    AVX2 paths, docs/BENCHMARKS.md, "Taps nobody could read"); so does a whole prompt of
+    LIGHT_TOKENS tokens."""
+    runner, scheduler, seen = _node(tiny_models, held, decode=1)
+    runner.executor.kv.retained.budget = 1 << 20
+    runner.executor.run("kept", 0, 5, torch.tensor([[1, 2, 3, 4, 5, 6]]), 0)
+    runner.executor.retain("kept")
+    whole = runner.executor.run("x", 0, 5, torch.tensor([[1, 2, 3, 4, 5, 6]]), 0).logits
+    seen.clear()
+    scheduler.push(_work([8], "a", pos=3))
+    chunk = _work([6], "d", pos=5)
+    scheduler.push(Work(dataclasses.replace(chunk.msg, reuse="kept"), chunk.tensor))
+    scheduler.push(_work(list(range(1, LIGHT_TOKENS + 1)), "c"))
+    assert scheduler.narrow() and runner.ready(scheduler)  # the other node holds the lock: these go ahead
+    batch = scheduler.next_batch()
+    results, _, _ = _in_time(lambda: runner.run(batch))
+    runner.done()
+    assert [w.session for w in batch] == ["a", "d", "c"] and seen == [1]
+    assert torch.allclose(results[1].logits, whole, atol=1e-4)  # it went on from the kept KV
+
+
 @pytest.mark.parametrize("other", ["prompt", "verification", "replay"])
 def test_a_prompt_a_verification_or_a_replay_still_waits_for_the_lock(tiny_models, held, two_threads, other):
     runner, scheduler, _ = _node(tiny_models, held, decode=1)
     scheduler.push(_work([8], "a", pos=3))
     if other == "prompt":
-        scheduler.push(_work([1, 2, 3], "c"))
+        scheduler.push(_work(list(range(1, LIGHT_TOKENS + 2)), "c"))
     elif other == "verification":
         scheduler.push(_work([9, 10, 11], "b", pos=3, drafts=(10, 11)))
     else:

@@ -121,11 +121,12 @@ class HopRunner:
         pings and heartbeats; the batch is picked once the lock is granted, from what is
         queued then.
 
-        With ``decode_threads``, a batch of decode steps alone runs at once, without the lock,
-        on that many threads: nodes of one machine then decode at the same time, each on its
-        share of the cores (a decode pass gains little from more threads: its products are
-        small), while prompts, verification steps and replays take the lock and every thread
-        (docs/BENCHMARKS.md, "Decode passes at once")."""
+        With ``decode_threads``, a batch of decode steps alone (or with prompts' last few tokens:
+        ``Work.light``) runs at once, without the lock, on that many threads: nodes of one
+        machine then decode at the same time, each on its share of the cores (a decode pass
+        gains little from more threads: its products are small), while other prompts,
+        verification steps and replays take the lock and every thread (docs/BENCHMARKS.md,
+        "Decode passes at once")."""
         if self.decode_threads and scheduler.narrow() and scheduler.wait(time.monotonic()) == 0:
             self._bare = self._granted = True
             return True
@@ -156,7 +157,7 @@ class HopRunner:
         chunks riding last; or short chunks of prompts); returns a result per hop, when it
         began and how long it took (perf_counter). Between ``ready()`` and ``done()`` the
         lock is held already; otherwise ``run`` blocks until it is."""
-        bare = self._bare and all(w.decode for w in batch)
+        bare = self._bare and all(w.light for w in batch)
         threads = self._threads(batch, bare)
         with contextlib.nullcontext() if bare else self.lock, on_threads(threads), self._warm_cpu(bare, threads):
             started = time.perf_counter()

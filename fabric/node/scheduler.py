@@ -26,6 +26,7 @@ from ..wire import protocol as p
 FIRST_SLICE_TOKENS = 32  # prefill tokens per slice before this node has timed any
 MIN_SLICE_TOKENS = 8  # a slice's fixed cost (reading the weights) dwarfs this many tokens' own
 MAX_SLICE_TOKENS = 4096
+LIGHT_TOKENS = 4  # a prompt's last piece this short runs as a decode step does (``Work.light``)
 WHOLE_PREFILL_TOKENS = 64  # a prefill this short runs whole: sliced, each piece would cost nearly as much
 PREFILL_BATCH_TOKENS = 256  # short prompts queued together run as one forward pass of at most this many tokens
 SLICE_PER_DECODE = 1.0  # a prefill slice beside decoding streams may take this many of their decode batches
@@ -67,6 +68,13 @@ class Work:
         """One token after a prompt: a decode step, batched with other sessions' steps in the
         batch group (not the first step of a session that starts from kept KV: a chunk)."""
         return self.tokens == 1 and self.msg.pos > 0 and not self.msg.more and not self.msg.reuse
+
+    @property
+    def light(self) -> bool:
+        """A hop a decode pass's threads run as fast as every thread would: a decode step, or a
+        prompt's last piece of at most LIGHT_TOKENS tokens (what follows kept KV of a prompt
+        asked again: a decode step's work)."""
+        return self.decode or (self.tokens <= LIGHT_TOKENS and not self.msg.more and not self.msg.drafts)
 
     @property
     def verifies(self) -> bool:
@@ -284,9 +292,10 @@ class HopScheduler:
     # -- what ---------------------------------------------------------------------------
 
     def narrow(self) -> bool:
-        """Whether the next batch is decode steps alone: no prompt, verification step or replay
-        is queued (each of those takes a pass of every thread)."""
-        return bool(self.queue) and not self.replays and all(w.decode for w in self.queue)
+        """Whether the next batch is light hops alone (``Work.light``: decode steps, prompts' last
+        pieces of a few tokens): no other prompt, verification step or replay is queued (each of
+        those takes a pass of every thread)."""
+        return bool(self.queue) and not self.replays and all(w.light for w in self.queue)
 
     def next_batch(self) -> list[Work]:
         """The next hops to run as one forward pass: queued decode steps over the same layers,
