@@ -174,23 +174,32 @@ def test_many_streams_run_as_two_groups_where_nodes_decode_at_once(streams):
     assert batches(gather=False) == ([streams] if streams < SPLIT_FROM else [(streams + 1) // 2, streams // 2])
 
 
-def test_a_burst_of_prompts_decodes_as_two_groups_from_its_first_step():
-    """Prompts that arrive together run their last pieces in one pass (riding a stream's decode
-    step here); each of their sessions decodes here next. Counted among the streams from that
-    pass on, they split into two groups at their first decode step, not a round later (a group of
-    seven and a group of one: one node idles while the other runs the seven)."""
+def test_a_burst_of_prompts_reaches_the_next_node_in_two_halves_and_decodes_as_two_groups():
+    """Prompts that arrive together run their last pieces in two passes of half the streams they
+    make (riding a stream's decode step here, or alone), not one: the next node computes the
+    first half while this one computes the second, so the burst's first tokens come sooner (one
+    pass of eight held both nodes up in turn: docs/BENCHMARKS.md, "Taps nobody could read").
+    Each of their sessions decodes here next, counted among the streams from its pass on: they
+    run as two groups from their first decode step, not a round later (a group of seven and a
+    group of one: one node idles while the other runs the seven)."""
     sessions = [f"s{i}" for i in range(SPLIT_FROM)]
     s = HopScheduler(SchedulerConfig(), set(sessions), gather=False)
     s.last_decode = {"s0": 9.9}  # decoding here already; the others' prompts are queued
     s.push(_work([8], "s0", pos=40))
     for session in sessions[1:]:
         s.push(_work([1, 2, 3], session, pos=0))
-    batch = s.next_batch()
-    assert [w.session for w in batch] == sessions and not any(w.decode for w in batch[1:])
-    s.ran(batch, 10.0, 0.02)
+    halves = [s.next_batch(), s.next_batch()]
+    assert [[w.session for w in b] for b in halves] == [sessions[:4], sessions[4:]]
+    assert halves[0][0].decode and not any(w.decode for w in halves[0][1:] + halves[1])
+    for started, half in zip((10.0, 10.02), halves):
+        s.ran(half, started, 0.02)
     for session in sessions:
         s.push(_work([9], session, pos=41))
     assert [len(s.next_batch()) for _ in range(2)] == [SPLIT_FROM // 2] * 2
+    idle = HopScheduler(SchedulerConfig(), set(), gather=False)  # and with nothing decoding here yet
+    for session in sessions:
+        idle.push(_work([1, 2, 3], session, pos=0))
+    assert [len(idle.next_batch()) for _ in range(2)] == [SPLIT_FROM // 2] * 2
 
 
 def test_streams_a_wait_gave_up_on_still_count_toward_two_groups():
@@ -199,11 +208,8 @@ def test_streams_a_wait_gave_up_on_still_count_toward_two_groups():
     and three (the give-up stops the waiting, not the count)."""
     sessions = [f"s{i}" for i in range(SPLIT_FROM)]
     s = HopScheduler(SchedulerConfig(), set(sessions), gather=False)
-    s.last_decode, s.cycle_s = {"s0": 9.9}, 0.1
-    s.push(_work([8], "s0", pos=40))
-    for session in sessions[1:]:
-        s.push(_work([1, 2, 3], session, pos=0))
-    s.ran(s.next_batch(), 10.0, 0.02)
+    s.cycle_s = 0.1
+    s.ran([_work([8], session, pos=40) for session in sessions], 10.0, 0.02)  # one pass of all eight
     s.push(_work([9], "s0", pos=41))
     assert s.wait(10.03) == pytest.approx(0.02) and s.wait(10.06) == 0  # waited for the seven, then gave up
     alone = s.next_batch()

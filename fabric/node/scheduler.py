@@ -326,7 +326,7 @@ class HopScheduler:
         if not self.batchable(*first.span):
             return [first]
         batch, rest, tokens = [first], deque(), first.tokens
-        cap = self._decode_cap() if decode else self.config.max_batch
+        cap = self._decode_cap({first.session} | self._coming() if first.short_chunk else ())
         taken = {first.session}  # a session has at most one hop in a batch
         waiting: set[str] = set()  # sessions with a hop left behind: their later hops wait too
         while self.queue:
@@ -344,14 +344,21 @@ class HopScheduler:
         self.queue = rest
         return batch
 
-    def _decode_cap(self) -> int:
-        """Decode steps one batch takes at most: ``max_batch``; without ``gather``, half of the
-        sessions decoding here where they are SPLIT_FROM or more, so that they run as two groups
-        (the steps left over go in the next pass)."""
+    def _decode_cap(self, coming: Collection[str] = ()) -> int:
+        """Rows one batch takes at most (decode steps, and prompts' short last pieces with them or
+        alone): ``max_batch``; without ``gather``, half of the sessions decoding here and
+        ``coming`` (whose prompts' last pieces are queued: they decode here next) where they are
+        SPLIT_FROM or more, so that they run as two groups (what is left over goes in the next
+        pass). A burst of prompts then reaches the next node in two halves, its first half
+        computing there while the second computes here."""
         if self.gather:
             return self.config.max_batch
-        decoding = sum(s in self.live for s in self.streams.union(self.last_decode))
+        decoding = len({s for s in self.streams.union(self.last_decode) if s in self.live}.union(coming))
         return min(self.config.max_batch, -(-decoding // 2)) if decoding >= SPLIT_FROM else self.config.max_batch
+
+    def _coming(self) -> set[str]:
+        """The sessions of the prompts' short last pieces queued here."""
+        return {w.session for w in self.queue if w.short_chunk}
 
     def _rides(self, decode: Work | None) -> bool:
         """A queued prompt can ride a decode batch that starts with ``decode``."""
@@ -362,7 +369,8 @@ class HopScheduler:
     def _riders(self, batch: list[Work]) -> list[Work]:
         """Take what rides along with the decode steps of ``batch``: a slice of the first
         queued prompt over the same layers, or, where that is a short chunk, it and the other
-        short chunks queued (at most PREFILL_BATCH_TOKENS in all)."""
+        short chunks queued (at most PREFILL_BATCH_TOKENS in all, and within ``_decode_cap``'s
+        rows)."""
         prompt = self._first(decode=False)
         if prompt is None or prompt.span != batch[0].span or not self.batchable(*prompt.span) \
                 or any(w.session == prompt.session for w in batch):
@@ -371,9 +379,10 @@ class HopScheduler:
         if not prompt.short_chunk:
             return [self.slice(prompt, "ride")]
         riders, tokens, taken, earlier = [prompt], prompt.tokens, {w.session for w in batch}, set()
+        room = self._decode_cap({prompt.session} | self._coming()) - len(batch)
         for w in list(self.queue):
             if (w.short_chunk and w.span == prompt.span and w.session not in taken | earlier
-                    and tokens + w.tokens <= PREFILL_BATCH_TOKENS):
+                    and tokens + w.tokens <= PREFILL_BATCH_TOKENS and len(riders) < room):
                 self.queue.remove(w)
                 riders.append(w)
                 tokens += w.tokens
