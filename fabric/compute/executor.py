@@ -134,10 +134,10 @@ class ShardExecutor(HopKV):
         rows = hidden[0, max(logits_from - pos, 0) if logits_from >= 0 else -1:, None]  # (n, 1, hidden); none: past it
         return torch.stack([r.logits for r in self._result(rows, end)]) if len(rows) else None  # (n, vocab)
 
-    def _chunk_kv(self, step: Step, reuse: str) -> SessionKV:
+    def _chunk_kv(self, step: Step, reuse: str, row: bool = False) -> SessionKV:
         self.check_span(step.start, step.end)
         if reuse:
-            return self.take_over(reuse, step.session, step.start, step.end, step.pos)
+            return self.take_over(reuse, step.session, step.start, step.end, step.pos, row)
         return self._session_kv(step.session, step.start, step.end, step.pos)
 
     def _chunk_done(self, kv: SessionKV, step: Step, hidden: torch.Tensor, logits: bool) -> StepResult:
@@ -252,7 +252,7 @@ class ShardExecutor(HopKV):
         kvs: list[SessionKV | CacheMissError] = []
         for chunk in chunks:
             try:
-                kvs.append(self._chunk_kv(chunk.step, chunk.reuse))
+                kvs.append(self._chunk_kv(chunk.step, chunk.reuse, row=_one_more(chunk)))
             except CacheMissError as miss:
                 kvs.append(miss)
         found = [n for n, kv in enumerate(kvs) if isinstance(kv, SessionKV)]

@@ -123,10 +123,11 @@ class HopKV:
         trim(kv.cache)  # kept, not appended to: no room to spare
         return self.kv.retain(session)
 
-    def take_over(self, reuse: str, session: str, start: int, end: int, pos: int) -> SessionKV:
+    def take_over(self, reuse: str, session: str, start: int, end: int, pos: int, row: bool = False) -> SessionKV:
         """Start ``session`` with the first ``pos`` positions of the KV kept for ``reuse``: the
         entry itself when it holds exactly pos (the new session continues all of it), else a
-        copy of its prefix, the entry staying for others. CacheMissError when no entry holds
+        copy of its prefix, the entry staying for others; with ``row`` (a session that decodes
+        in the batch group next) the copy goes straight into a row of the group. CacheMissError when no entry holds
         that much over this span, or whose sliding-window layers kept too little before pos
         (they keep their window and cache.SLACK more: a prefix may stop at most that short).
         Positions a last verification step drafted are cut off, not copied: the head offers
@@ -135,18 +136,26 @@ class HopKV:
 
         retained = self.kv.retained
         old = retained.peek(reuse)
-        cache = None
+        cache = layers = None
         if old is not None and old.length >= pos and (old.start, old.end) == (start, end):
             if old.length - old.drafted <= pos < old.length and roll_back(old.cache, start, end, pos):
                 old.length, old.drafted = pos, 0  # what followed was drafted, and never offered: cut, not copied
-            cache = old.cache if old.length == pos else self._prefix(old.cache, start, end, pos)
-        if cache is None:
+            if old.length == pos:
+                cache = old.cache
+            elif row and self.batchable(start, end):  # views: the group's row takes the one copy
+                layers = {i: (old.cache.layers[i].keys[:, :, :pos], old.cache.layers[i].values[:, :, :pos])
+                          for i in range(start, end + 1)}
+            else:
+                cache = self._prefix(old.cache, start, end, pos)
+        if cache is None and layers is None:
             retained.stats["misses"] += 1
             raise CacheMissError(0)
         if cache is old.cache:
             retained.pop(reuse)
         kv = SessionKV(cache=cache, start=start, end=end, length=pos)
         self._put(session, kv)
+        if layers is not None:
+            self._join(self._group_for(start, end), session, kv, layers)
         retained.stats["hits"] += 1
         retained.stats["reused_tokens"] += pos
         return kv
