@@ -15,7 +15,8 @@ Every cluster is started as `meshnet up` starts its nodes (no ``--threads``, the
 ``--quant auto``) and kept up; then, ``--reps`` times, each runs a wave of 1 and of 8 concurrent
 greedy streams (``bench/concurrency.py``'s), the clusters' order reversed every other rep, so
 a machine's drift falls on all alike. Printed: tok/s of every wave, then medians, the CPU
-milliseconds the nodes spent per token, and 8 streams against 1. ``--trace`` runs the nodes
+milliseconds the nodes spent per token, when the wave's last stream had its first token (how
+long a burst of requests takes to settle), and 8 streams against 1. ``--trace`` runs the nodes
 under ``bench/trace_node.py`` and adds each node's median pass time per batch size.
 """
 from __future__ import annotations
@@ -106,31 +107,7 @@ def main() -> None:
         for c in clusters:  # warm: every batch size once
             for n in streams:
                 concurrency.wave(c.tracker, source.model_id, n, 8)
-        tps = {(c.key, n): [] for c in clusters for n in streams}
-        cpu = {(c.key, n): [] for c in clusters for n in streams}
-        for rep in range(args.reps):
-            line = []
-            for n in streams:
-                for c in clusters if rep % 2 == 0 else clusters[::-1]:
-                    before = node_cpu(c)
-                    rate, _ = concurrency.wave(c.tracker, source.model_id, n, args.tokens)
-                    cpu[(c.key, n)].append((node_cpu(c) - before) / (n * args.tokens) * 1e3)
-                    tps[(c.key, n)].append(rate)
-                    line.append(f"{c.key}/{n} {rate:.1f}")
-            print(f"rep {rep + 1}: " + "  ".join(line), flush=True)
-        for n in streams:
-            print(f"{n} stream(s), tok/s (node CPU ms per token): " + "  ".join(
-                f"{c.key} {statistics.median(tps[(c.key, n)]):.1f} ({statistics.median(cpu[(c.key, n)]):.1f})"
-                for c in clusters))
-        for c in clusters[1:]:
-            print(f"{c.key} against {clusters[0].key}: " + "  ".join(
-                f"{n} stream(s) {statistics.median(tps[(c.key, n)]) / statistics.median(tps[(clusters[0].key, n)]):.2f}x"
-                for n in streams))
-        if len(streams) > 1:
-            low, high = streams[0], streams[-1]
-            print("  ".join(f"{c.key}: {high} against {low} "
-                            f"{statistics.median(tps[(c.key, high)]) / statistics.median(tps[(c.key, low)]):.2f}x"
-                            for c in clusters))
+        report(clusters, streams, measure(clusters, streams, source.model_id, args))
     finally:
         procs.stop()
     if args.trace:
@@ -142,6 +119,39 @@ def main() -> None:
                     f"{k[:-3]} {v:.0f}" if isinstance(v, float) else f"{k} {v}" for k, v in hops.items()
                     if not isinstance(v, list)) + "; compute " + ", ".join(f"{v:.0f}" for v in hops["compute_us"]))
 
+
+def measure(clusters: list, streams: list[int], model: str, args) -> dict[str, dict]:
+    """The waves, alternated: per (cluster, streams) each wave's tok/s, node CPU ms per token and
+    its last stream's first token (ms from the wave's start)."""
+    runs = {what: {(c.key, n): [] for c in clusters for n in streams} for what in ("tps", "cpu", "first")}
+    for rep in range(args.reps):
+        line = []
+        for n in streams:
+            for c in clusters if rep % 2 == 0 else clusters[::-1]:
+                before, firsts = node_cpu(c), []
+                rate, _ = concurrency.wave(c.tracker, model, n, args.tokens, firsts)
+                runs["cpu"][(c.key, n)].append((node_cpu(c) - before) / (n * args.tokens) * 1e3)
+                runs["tps"][(c.key, n)].append(rate)
+                runs["first"][(c.key, n)].append(max(firsts) * 1e3)
+                line.append(f"{c.key}/{n} {rate:.1f}")
+        print(f"rep {rep + 1}: " + "  ".join(line), flush=True)
+    return runs
+
+
+def report(clusters: list, streams: list[int], runs: dict[str, dict]) -> None:
+    med = {what: {k: statistics.median(v) for k, v in by.items()} for what, by in runs.items()}
+    tps = med["tps"]
+    for n in streams:
+        print(f"{n} stream(s), tok/s (node CPU ms per token; last first token, ms): " + "  ".join(
+            f"{c.key} {tps[(c.key, n)]:.1f} ({med['cpu'][(c.key, n)]:.1f}; {med['first'][(c.key, n)]:.0f})"
+            for c in clusters))
+    for c in clusters[1:]:
+        print(f"{c.key} against {clusters[0].key}: " + "  ".join(
+            f"{n} stream(s) {tps[(c.key, n)] / tps[(clusters[0].key, n)]:.2f}x" for n in streams))
+    if len(streams) > 1:
+        low, high = streams[0], streams[-1]
+        print("  ".join(f"{c.key}: {high} against {low} {tps[(c.key, high)] / tps[(c.key, low)]:.2f}x"
+                        for c in clusters))
 
 if __name__ == "__main__":
     main()

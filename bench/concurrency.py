@@ -129,15 +129,20 @@ def start_cluster(model: str, nodes: int, tmp: Path, threads: int = 0,
     return procs, tracker
 
 
-def wave(tracker: str, model: str, streams: int, tokens: int) -> tuple[float, list[list[int]]]:
-    """Aggregate tok/s of ``streams`` concurrent greedy generations, and their token ids."""
+def wave(tracker: str, model: str, streams: int, tokens: int,
+         firsts: list[float] | None = None) -> tuple[float, list[list[int]]]:
+    """Aggregate tok/s of ``streams`` concurrent greedy generations, and their token ids; each
+    stream's seconds from the wave's start to its first token are added to ``firsts``."""
     outputs: list[list[int]] = [[] for _ in range(streams)]
+    began = time.perf_counter()
 
     def one(i: int) -> None:
         with Client(tracker, timeout=120) as client:
             # every stream generates exactly ``tokens``, as the baseline's min_new_tokens makes it
             for event in client.generate(model, messages=[{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}],
                                          max_tokens=tokens, ignore_eos=True):
+                if event.token_ids and not outputs[i] and firsts is not None:
+                    firsts.append(time.perf_counter() - began)
                 outputs[i].extend(event.token_ids)
 
     elapsed = at_once(one, streams)
