@@ -127,9 +127,10 @@ class HopKV:
         """Start ``session`` with the first ``pos`` positions of the KV kept for ``reuse``: the
         entry itself when it holds exactly pos (the new session continues all of it), else a
         copy of its prefix, the entry staying for others; with ``row`` (a session that decodes
-        in the batch group next) the copy goes straight into a row of the group. CacheMissError when no entry holds
-        that much over this span, or whose sliding-window layers kept too little before pos
-        (they keep their window and cache.SLACK more: a prefix may stop at most that short).
+        in the batch group next) the copy goes straight into a row of the group. CacheMissError
+        when no entry holds that much over this span, or whose sliding-window layers kept too
+        little before pos (they keep their window and cache.SLACK more: a prefix may stop at
+        most that short).
         Positions a last verification step drafted are cut off, not copied: the head offers
         only what it knows every hop holds, and never a drafted position past that."""
         from .cache import roll_back

@@ -35,8 +35,8 @@ The price: a tap per step per hop (SKETCH_DIM float32 numbers a position: 128 by
 decode step, a few hundred bytes of sketching work), and per audited request about one
 prefill of its stretch on every layer (two where a hop disagrees). A swarm that holds no
 replica of the head's next hop, where nobody could check it, pays neither: no taps, no
-replay. The request whose replay convicts a liar was already answered by it: an audit cannot hold a token without
-showing which step it checks.
+replay. The request whose replay convicts a liar was already answered by it: an audit
+cannot hold a token without showing which step it checks.
 
 No sockets here: the auditor is the RouteSessions' transport and sends through the node.
 """
