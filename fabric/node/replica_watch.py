@@ -69,9 +69,9 @@ class ReplicaWatch:
         """Take the tracker's answer to one of this watch's questions, a replica being any node it names
         but the hop's own and ``skip``'s; False: not one of them."""
         key = self.questions.pop(msg.audit, None)
-        answer = self.hops.get(key) if key is not None else None
-        if answer is None or answer.question != msg.audit:
-            return key is not None
+        if key is None:
+            return False
+        answer = self.hops[key]  # an open question's hop is kept: forgetting a hop closes its question
         replicas = [h for h in msg.hops if h.node != key[0] and h.node not in skip]
         answer.nobody, answer.since, answer.question = not replicas, answer.asked, ""
         return True
