@@ -28,6 +28,7 @@ from fabric.compute.gguf_manifest import (
 from fabric.compute.gguf_partial import PEERS_DIR, PartialFile, layout, partial_name
 from fabric.compute.model_store import format_inventory, inventory
 from fabric.compute.models import fingerprint, load_config, load_shard, resolve
+from fabric.node.share import WeightShare
 from fabric.wire import protocol as p
 from fabric.wire.shard import Shard
 from tests.cluster import ROOT
@@ -147,6 +148,60 @@ def test_the_store_writes_in_the_order_handed_so_a_replaced_peers_bytes_never_st
         part.close()
 
 
+def test_a_fetch_asks_the_largest_items_first_and_the_small_ones_beside_them(model_file, tmp_path, monkeypatch):
+    """Requests (a fake peer's socket keeps them): the largest items first, then small whole items
+    riding in a request beside its first part, at most 8 parts and CHUNK_BYTES in all, each item
+    asked once and whole; a store thread takes the largest item and the other the rest."""
+    import threading
+
+    from fabric.fetch import fetcher as fm
+    from fabric.fetch.holders import Holder
+    from fabric.fetch.store import Item, Store
+
+    class Sock:
+        asked: list = []
+
+        def send_multipart(self, frames):
+            self.asked.append(p.decode(frames)[0])
+
+        def close(self, linger=None):
+            pass
+
+    manifest = compute_manifest(model_file)
+    shard = Shard(3, LAYERS - 1, LAYERS)
+    sizes = {t.name: t.nbytes for t in manifest.tensors}
+    monkeypatch.setattr(fm, "CHUNK_BYTES", max(sizes.values()) * 2)  # this small file's tensors all fit in 4 MiB
+    fetcher = fm.Fetcher(MODEL, [], None)
+    peer = fm.Peer(Holder("a", "tcp://x", "", "", (0, LAYERS - 1)), Sock(), held=(0, LAYERS - 1))
+    fetcher.peers.append(peer)
+    try:
+        fetcher.start(tmp_path / "tail.gguf", layout(manifest, shard, MODEL), shard, manifest)
+        slots = {s.name: s for s in fetcher.queue}
+        while fetcher.queue:
+            fetcher._fill(peer, 0.0)
+            peer.inflight.clear()
+        asked = [(m.name, m.offset, m.length, m.more) for m in Sock.asked]
+        parts = [n for name, _, _, more in asked for n in (name, *more)]
+        assert sorted(parts) == sorted(slots) and all(o == 0 for _, o, _, _ in asked)
+        assert all(n == slots[name].nbytes for name, _, n, _ in asked)
+        assert len(asked) < len(slots) / 3  # a layer's tensors in a few requests, not one each
+        assert all(len(more) < p.MAX_CHUNK_PARTS and n + sum(slots[m].nbytes for m in more) <= fm.CHUNK_BYTES
+                   for _, _, n, more in asked)
+        assert slots[asked[0][0]].nbytes == max(s.nbytes for s in slots.values())
+        store, hold = Store(fetcher.part, threads=2), threading.Event()
+        big = max(slots.values(), key=lambda s: s.nbytes)
+        small = [s for s in sorted(slots.values(), key=lambda s: s.name) if s is not big][:7]
+        store.put(_Held(big, hold), 0, bytes(big.nbytes))  # its thread is busy with it until released
+        for slot in small:
+            store.put(Item(slot, peer), 0, bytes(min(slot.nbytes, big.nbytes // 8)))
+        hold.set()
+        store.close()
+        assert store.lanes[big.name] == 0 and {store.lanes[s.name] for s in small} == {1}
+    finally:
+        Sock.asked.clear()
+        fetcher.close()
+
+
 class _Held:
     """A job of ``slot``'s that holds its store thread until ``event`` is set."""
 
@@ -166,9 +221,15 @@ def test_chunk_requests_are_bounded_and_uint8_travels_only_as_bytes():
         p.decode(p.encode(p.ChunkRequest(digest, "x", 0, p.MAX_CHUNK_BYTES + 1)))
     with pytest.raises(p.ProtocolError, match="sha256"):
         p.decode(p.encode(p.ChunkRequest("A" * 64, "x", 0, 1)))
+    with pytest.raises(p.ProtocolError, match="at most 8 parts"):
+        p.decode(p.encode(p.ChunkRequest(digest, "x", 0, 1, more=("y",) * p.MAX_CHUNK_PARTS)))
+    assert p.decode(p.encode(p.ChunkRequest(digest, "x", 0, 1, more=("y",) * 7)))[0].more == ("y",) * 7
     spec = p.TensorSpec("float32", (1,))
     with pytest.raises(p.ProtocolError, match="uint8"):
         p.decode(p.encode(p.Chunk(1, "x", 0, tensors=(spec,)), [bytes(4)]))
+    half = p.MAX_CHUNK_BYTES // 2 + 1
+    with pytest.raises(p.ProtocolError, match="in all"):  # each buffer fits, not both: one answer is bounded
+        p.decode(p.encode(p.Chunk(1, "x", 0, tensors=(p.TensorSpec("uint8", (half,)),) * 2), [bytes(half)] * 2))
     ids = p.TensorSpec("uint8", (1, 2))
     with pytest.raises(p.ProtocolError, match="int64 input_ids"):
         p.decode(p.encode(p.Forward("s", 0, 0, 0, 2, (), "r", tensors=(ids,)), [bytes(2)]))
@@ -295,6 +356,39 @@ def test_a_request_outside_the_file_gets_an_error_and_the_node_serves_on(process
     with open(model_file, "rb") as f:
         f.seek(read_header(model_file).find("token_embd.weight").offset + embed.nbytes - 10)
         assert data == f.read(10)
+
+
+def test_one_chunk_request_takes_several_whole_tensors_and_each_part_is_checked(process_cluster, model_file):
+    endpoint = process_cluster.start_node("a", str(model_file), "0-5", None, *EXACT)
+    assert wait_for(lambda: _listed(process_cluster, "a"), 120, 0.2), process_cluster.logs()
+    manifest, header = manifest_for(model_file), read_header(model_file)
+    more = ("blk.0.attn_norm.weight", "blk.0.ffn_norm.weight", "blk.1.attn_q.weight")
+    answer, data = ask(endpoint, p.ChunkRequest(manifest.digest, "blk.0.attn_k.weight", 4, 8, ref=3, more=more))
+    assert isinstance(answer, p.Chunk) and (answer.ref, answer.name, answer.offset) == (3, "blk.0.attn_k.weight", 4)
+    with open(model_file, "rb") as f:
+        def read(name: str, at: int = 0, n: int | None = None) -> bytes:
+            f.seek(header.find(name).offset + at)
+            return f.read(manifest.find(name).nbytes if n is None else n)
+        assert data == [read("blk.0.attn_k.weight", 4, 8), *(read(name) for name in more)]
+    answer, _ = ask(endpoint, p.ChunkRequest(manifest.digest, "blk.0.attn_k.weight", 0, 8, more=("no.such",)))
+    assert isinstance(answer, p.Error) and answer.code == p.ErrorCode.BAD_REQUEST, answer
+    assert "does not hold tensor 'no.such'" in answer.message
+
+
+def test_the_parts_of_one_chunk_request_are_bounded_in_all(model_file, monkeypatch):
+    share = WeightShare(resolve(str(model_file)), MODEL, "a", LAYERS, 0, None)
+    try:
+        q = manifest_for(model_file).find("blk.1.attn_q.weight").nbytes
+        monkeypatch.setattr(p, "MAX_CHUNK_BYTES", 3 * q)  # this small file's tensors all fit in 4 MiB together
+        ask_for = lambda *more: p.ChunkRequest(share.manifest.digest, "blk.1.attn_q.weight", 0, q, more=more)
+        assert share.request(b"x", ask_for("blk.2.attn_q.weight", "blk.3.attn_q.weight")) is None
+        refusal = share.request(b"x", ask_for("blk.2.attn_q.weight", "blk.3.attn_q.weight", "blk.0.attn_norm.weight"))
+        assert isinstance(refusal, p.Error) and "more than" in refusal.message
+        sent = []
+        assert share.pump(0.0, lambda identity, msg, data: sent.append((msg, [bytes(d) for d in data]))) == 3 * q
+        assert [len(d) for d in sent[0][1]] == [q] * 3
+    finally:
+        share.close()
 
 
 def test_a_peer_that_sends_bad_bytes_is_named_and_the_fetch_finishes_from_another(process_cluster, model_file,

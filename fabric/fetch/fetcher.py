@@ -54,7 +54,8 @@ class Peer:
     holder: Holder
     sock: zmq.Socket
     held: tuple[int, int] = (0, 0)  # the layers its file holds (its MANIFEST)
-    inflight: dict[int, tuple[str, int, int, float]] = field(default_factory=dict)  # ref -> (item, offset, length, sent at)
+    # ref -> ((item, offset, length) of each part asked for, sent at)
+    inflight: dict[int, tuple[tuple[tuple[str, int, int], ...], float]] = field(default_factory=dict)
     gone: str = ""  # why it is left out ("" while it serves)
     pause_until: float = 0.0
     heard: float = 0.0  # when it last answered, or was first asked since it had nothing to answer
@@ -180,7 +181,8 @@ class Fetcher:
         have = self.part.open()
         self.store = Store(self.part)
         self.poller.register(self.store.wake, zmq.POLLIN)
-        self.queue.extend(self.part.missing())
+        # the largest first: its sha256, taken in order on one store thread, runs beside all the rest
+        self.queue.extend(sorted(self.part.missing(), key=lambda slot: -slot.nbytes))
         self.verified = have
         return have
 
@@ -229,29 +231,50 @@ class Fetcher:
         """Keep WINDOW chunk requests in flight on ``peer`` (called again after each answer, before
         its bytes are written: the node reads the next chunk while this side hashes and writes)."""
         while not peer.gone and peer.pause_until <= now and len(peer.inflight) < WINDOW:
-            item = self._next_item(peer)
-            if item is None:
+            parts = self._parts(peer)
+            if not parts:
                 return
-            length = min(CHUNK_BYTES, item.slot.nbytes - item.next_offset)
-            ref = next(self.refs)
             if not peer.inflight:
                 peer.heard = now
-            peer.sock.send_multipart(p.encode(p.ChunkRequest(self.manifest.digest, item.slot.name,
-                                                             item.next_offset, length, ref)))
-            peer.inflight[ref] = (item.slot.name, item.next_offset, length, now)
-            item.next_offset += length
+            ref = next(self.refs)
+            (name, offset, length), more = parts[0], tuple(name for name, _, _ in parts[1:])
+            peer.sock.send_multipart(p.encode(p.ChunkRequest(self.manifest.digest, name, offset, length, ref,
+                                                             more=more)))
+            peer.inflight[ref] = (parts, now)
+
+    def _parts(self, peer: Peer) -> tuple[tuple[str, int, int], ...]:
+        """The next request's parts: the next chunk of an item of ``peer``'s, then queued items it
+        holds that fit beside it whole (a layer's small tensors: one round trip, not one each)."""
+        item = self._next_item(peer)
+        if item is None:
+            return ()
+        parts, room = [self._asked(item, CHUNK_BYTES)], CHUNK_BYTES
+        while len(parts) < p.MAX_CHUNK_PARTS and (room := room - parts[-1][2]) > 0:
+            slot = next((s for s in self.queue if s.nbytes <= room and self._serves(peer, s)), None)
+            if slot is None:
+                break
+            parts.append(self._asked(self._activate(slot, peer), room))
+        return tuple(parts)
+
+    @staticmethod
+    def _asked(item: Item, most: int) -> tuple[str, int, int]:
+        """The next part of ``item`` (at most ``most`` bytes), counted as asked for."""
+        part = (item.slot.name, item.next_offset, min(most, item.slot.nbytes - item.next_offset))
+        item.next_offset += part[2]
+        return part
+
+    def _activate(self, slot: Slot, peer: Peer) -> Item:
+        self.queue.remove(slot)
+        item = self.active[slot.name] = Item(slot, peer)
+        return item
 
     def _next_item(self, peer: Peer) -> Item | None:
         """An item of ``peer``'s with chunks not asked for yet, else the next queued item it holds."""
         for item in self.active.values():
             if item.peer is peer and item.next_offset < item.slot.nbytes:
                 return item
-        for slot in self.queue:
-            if self._serves(peer, slot):
-                self.queue.remove(slot)
-                item = self.active[slot.name] = Item(slot, peer)
-                return item
-        return None
+        slot = next((s for s in self.queue if self._serves(peer, s)), None)
+        return None if slot is None else self._activate(slot, peer)
 
     def _check_timeouts(self, now: float) -> None:
         for peer in self.peers:
@@ -270,19 +293,20 @@ class Fetcher:
             return
         if not isinstance(msg, p.Chunk) or msg.ref not in peer.inflight:
             return  # an answer to a request given up on (or a stray): nothing waits for it
-        name, offset, length, _ = peer.inflight.pop(msg.ref)
-        item = self.active.get(name)
-        if (msg.name, msg.offset, len(buffers[0])) != (name, offset, length):
+        parts, _ = peer.inflight.pop(msg.ref)
+        if (msg.name, msg.offset) != parts[0][:2] or [len(b) for b in buffers] != [n for _, _, n in parts]:
             self._leave_out(peer, f"it answered chunk {msg.ref} with other bytes than asked", bad=True)
             return
         self._fill(peer, now)
-        if item is None or item.peer is not peer:
-            return
-        self.store.put(item, offset, buffers[0])
-        item.received += length
-        peer.bytes += length
-        if item.received == item.slot.nbytes:
-            self.store.judge(item)
+        for (name, offset, length), data in zip(parts, buffers):
+            item = self.active.get(name)
+            if item is None or item.peer is not peer:
+                continue
+            self.store.put(item, offset, data)
+            item.received += length
+            peer.bytes += length
+            if item.received == item.slot.nbytes:
+                self.store.judge(item)
 
     def _refused(self, peer: Peer, msg: p.Error) -> None:
         """An ERROR: BUSY means ask again soon (the chunks it held go back); anything else leaves it out."""
@@ -290,10 +314,11 @@ class Fetcher:
             self._leave_out(peer, f"it refused a chunk: {msg.code}: {msg.message}")
             return
         peer.pause_until = time.monotonic() + BUSY_PAUSE
-        for name, offset, _, _ in peer.inflight.values():
-            item = self.active.get(name)
-            if item is not None and item.peer is peer:
-                item.next_offset = min(item.next_offset, offset)
+        for parts, _ in peer.inflight.values():
+            for name, offset, _ in parts:
+                item = self.active.get(name)
+                if item is not None and item.peer is peer:
+                    item.next_offset = min(item.next_offset, offset)
         # every unanswered chunk is asked again: received bytes are rewritten, the same bytes
         for item in self.active.values():
             if item.peer is peer:

@@ -8,8 +8,10 @@ judges each finished item against its sha256 and starts the write-back of a veri
 disk, so that the finished file's one ``fdatasync`` has little left to wait for.
 
 Where the machine has cores to spare, several such threads (``store_threads``): sha256 runs at
-1.5-2 GB/s on one core, under what a local copy moves. Each slot always goes to the same
-thread, first in first out: the bytes of an item given up on (its peer left out) are written
+1.5-2 GB/s on one core, under what a local copy moves. A slot's bytes go to the thread with
+the fewest bytes waiting when its first chunk comes (the fetch asks for the largest tensors
+first: the one sha256 that must run in order on one thread starts early, and the others share
+the rest), and from then on always to that thread, first in first out: the bytes of an item given up on (its peer left out) are written
 before those of the item that replaces it, so the bytes that stand in the file are always
 those the verdict was taken on. The loop acts on a verdict only for the item still active
 under that name: one that comes for an item given up on is dropped.
@@ -76,30 +78,43 @@ class Store:
         self.part = part
         n = threads or store_threads()
         self.jobs = [queue.SimpleQueue() for _ in range(n)]  # (item, offset, data); data None: judge; None: stop
+        self.handed = [0] * n  # bytes handed to each thread (the loop's) ...
+        self.stored = [0] * n  # ... and written by it (its own)
+        self.lanes: dict[str, int] = {}  # slot name -> the thread that takes its bytes
         self.verdicts: deque[tuple[Item, bool | OSError]] = deque()
         self.wake, self._wake_w = os.pipe()  # readable when a verdict waits: the loop polls it beside its sockets
         os.set_blocking(self.wake, False)
-        self.threads = [threading.Thread(target=self._work, args=(q,), name=f"fetch-store-{i}", daemon=True)
-                        for i, q in enumerate(self.jobs)]
+        self.threads = [threading.Thread(target=self._work, args=(i,), name=f"fetch-store-{i}", daemon=True)
+                        for i in range(n)]
         for t in self.threads:
             t.start()
 
-    def _queue(self, item: Item) -> queue.SimpleQueue:
-        return self.jobs[hash(item.slot.name) % len(self.jobs)]  # a slot's bytes, in the order handed over
+    def _lane(self, item: Item) -> int:
+        """The thread that takes the bytes of ``item``'s slot, in the order handed over: the one with
+        the fewest bytes waiting when the slot's first bytes come (a large tensor, hashed in order on
+        one thread, leaves the others to the rest)."""
+        name = item.slot.name
+        if name not in self.lanes:
+            self.lanes[name] = min(range(len(self.jobs)), key=lambda i: self.handed[i] - self.stored[i])
+        return self.lanes[name]
 
     def put(self, item: Item, offset: int, data) -> None:
-        self._queue(item).put((item, offset, data))
+        lane = self._lane(item)
+        self.handed[lane] += len(data)
+        self.jobs[lane].put((item, offset, data))
 
     def judge(self, item: Item) -> None:
         """Every chunk of ``item`` was handed over: judge it once they are written."""
-        self._queue(item).put((item, 0, None))
+        self.jobs[self._lane(item)].put((item, 0, None))
 
-    def _work(self, jobs: queue.SimpleQueue) -> None:
+    def _work(self, lane: int) -> None:
+        jobs = self.jobs[lane]
         while (job := jobs.get()) is not None:
             item, offset, data = job
             try:
                 if data is not None:
                     item.store(self.part, offset, data)
+                    self.stored[lane] += len(data)
                     continue
                 ok = item.verified(self.part)
                 if ok:

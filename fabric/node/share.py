@@ -64,7 +64,11 @@ class TokenBucket:
 class _Waiting:
     identity: bytes
     msg: p.ChunkRequest
-    offset: int  # absolute, in this node's file
+    parts: tuple[tuple[int, int], ...]  # (offset in this node's file, length) of each part asked for
+
+    @property
+    def nbytes(self) -> int:
+        return sum(n for _, n in self.parts)
 
 
 class WeightShare:
@@ -121,7 +125,8 @@ class WeightShare:
         if len(self.waiting) >= MAX_WAITING:
             return p.Error(p.ErrorCode.BUSY, f"{MAX_WAITING} chunk requests wait here already; ask again later",
                            node=self.node_id)
-        self.waiting.append(_Waiting(identity, msg, self.spans[msg.name][0] + msg.offset))
+        parts = ((self.spans[msg.name][0] + msg.offset, msg.length),) + tuple(self.spans[name] for name in msg.more)
+        self.waiting.append(_Waiting(identity, msg, parts))
         return None
 
     def _refusal(self, msg: p.ChunkRequest) -> str | None:
@@ -129,33 +134,36 @@ class WeightShare:
             return f"{self.model_id} is served from a Hugging Face directory here; only GGUF files are shared"
         if msg.digest != self.manifest.digest:
             return f"this node's file has manifest {self.manifest.digest[:16]}, not {msg.digest[:16]}"
-        span = self.spans.get(msg.name)
-        if span is None:
-            return f"this node's file does not hold tensor {msg.name!r}"
+        missing = [name for name in (msg.name, *msg.more) if name not in self.spans]
+        if missing:
+            return f"this node's file does not hold tensor {missing[0]!r}"
+        span = self.spans[msg.name]
         if msg.offset + msg.length > span[1]:
             return (f"bytes {msg.offset}-{msg.offset + msg.length - 1} lie outside {msg.name!r}, "
                     f"which has {span[1]} bytes")
+        if msg.length + sum(self.spans[name][1] for name in msg.more) > p.MAX_CHUNK_BYTES:
+            return f"the parts asked for come to more than {p.MAX_CHUNK_BYTES} bytes"
         return None
 
     def wait(self, now: float) -> float | None:
         """Seconds until the next queued chunk may go (None: none waits)."""
-        return self.bucket.wait(self.waiting[0].msg.length, now) if self.waiting else None
+        return self.bucket.wait(self.waiting[0].nbytes, now) if self.waiting else None
 
     def pump(self, now: float, send: Callable[[bytes, p.Message, list], None]) -> int:
         """Send the queued chunks the cap allows now; the bytes sent."""
         sent = 0
-        while self.waiting and self.bucket.wait(self.waiting[0].msg.length, now) <= 0:
+        while self.waiting and self.bucket.wait(self.waiting[0].nbytes, now) <= 0:
             item = self.waiting.popleft()
             try:
-                data = self.read(item.offset, item.msg.length)
+                data = [self.read(offset, length) for offset, length in item.parts]
             except (OSError, ModelError) as exc:
                 send(item.identity, p.Error(p.ErrorCode.INTERNAL, f"could not read {item.msg.name}: {exc}",
                                             node=self.node_id), [])
                 continue
-            self.bucket.take(len(data))
-            chunk = p.Chunk(item.msg.ref, item.msg.name, item.msg.offset, tensors=(p.TensorSpec("uint8", (len(data),)),))
-            send(item.identity, chunk, [data])
-            sent += len(data)
+            self.bucket.take(item.nbytes)
+            specs = tuple(p.TensorSpec("uint8", (len(d),)) for d in data)
+            send(item.identity, p.Chunk(item.msg.ref, item.msg.name, item.msg.offset, tensors=specs), data)
+            sent += item.nbytes
         return sent
 
     def read(self, offset: int, length: int) -> memoryview:

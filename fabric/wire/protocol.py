@@ -75,6 +75,7 @@ TAP_ID_CHARS = 32  # a session's tap id (FORWARD.audit): secrets.token_hex(16), 
 SKETCH_DIM = 32  # numbers per position in an AUDIT_TAP's sketches (fabric/node/verdicts.py: ``sketch``)
 MAX_AUDIT_LOGITS = 8  # positions whose logits one AUDIT_RESULT of a tail's layers carries (a replay's window)
 MAX_CHUNK_BYTES = 4 << 20  # bytes of a model file one CHUNK carries
+MAX_CHUNK_PARTS = MAX_BUFFERS  # tensors one CHUNK_REQUEST asks for (its first part, then whole ones): a buffer each
 MAX_MANIFEST_BYTES = 16 << 20  # bytes of the manifest JSON one MANIFEST carries
 MAX_TENSOR_NAME = 256  # characters of a tensor name in CHUNK_REQUEST (llama.cpp's limit is 64)
 MAX_HOPS = 64  # hops of one route (a ROUTE's, a GENERATE's, the rest of a FORWARD's, a REPORT's)
@@ -1286,28 +1287,36 @@ class Manifest(Message):
 @dataclass(frozen=True)
 class ChunkRequest(Message):
     """Anyone -> node: ``length`` bytes of tensor ``name`` (``@kv``: the metadata section) of the
-    file whose manifest digest is ``digest``, from ``offset`` bytes into it. ``ref`` comes back."""
+    file whose manifest digest is ``digest``, from ``offset`` bytes into it, then each tensor
+    ``more`` names whole, in order (small tensors: one request and one answer for several, at
+    most MAX_CHUNK_PARTS parts of MAX_CHUNK_BYTES in all). ``ref`` comes back."""
 
     KIND: ClassVar[Kind] = Kind.CHUNK_REQUEST
+    SPARSE: ClassVar[frozenset[str]] = frozenset({"more"})
     digest: str
     name: str
     offset: int
     length: int
     ref: int = 0
+    more: tuple[str, ...] = ()
 
     def validate(self) -> None:
         _check_digest(self.digest, "digest")
-        check_text(self.name, "name", MAX_TENSOR_NAME, code=ErrorCode.BAD_REQUEST)
+        for name in (self.name, *self.more):
+            check_text(name, "name", MAX_TENSOR_NAME, code=ErrorCode.BAD_REQUEST)
         if not 0 <= self.offset < 1 << 48 or not 1 <= self.length <= MAX_CHUNK_BYTES:
             raise ProtocolError(f"offset must be in [0, 2^48) and length in [1, {MAX_CHUNK_BYTES}]",
                                 ErrorCode.BAD_REQUEST)
+        if len(self.more) >= MAX_CHUNK_PARTS:
+            raise ProtocolError(f"a chunk request asks for at most {MAX_CHUNK_PARTS} parts", ErrorCode.BAD_REQUEST)
         if not 0 <= self.ref < 1 << 63:
             raise ProtocolError("ref must be in [0, 2^63)", ErrorCode.BAD_REQUEST)
 
 
 @dataclass(frozen=True)
 class Chunk(Message):
-    """Node -> asker: buffer 0 holds the bytes CHUNK_REQUEST ``ref`` asked for."""
+    """Node -> asker: the bytes CHUNK_REQUEST ``ref`` asked for, a buffer per part in the order
+    asked (``name`` and ``offset``: its first part's)."""
 
     KIND: ClassVar[Kind] = Kind.CHUNK
     ref: int
@@ -1318,8 +1327,11 @@ class Chunk(Message):
         check_text(self.name, "name", MAX_TENSOR_NAME)
         if not 0 <= self.offset < 1 << 48 or not 0 <= self.ref < 1 << 63:
             raise ProtocolError("offset must be in [0, 2^48) and ref in [0, 2^63)")
-        _check_bytes_buffer(self, MAX_CHUNK_BYTES, "CHUNK")
-
+        if not 1 <= len(self.tensors) <= MAX_CHUNK_PARTS or sum(t.nbytes for t in self.tensors) > MAX_CHUNK_BYTES:
+            raise ProtocolError(f"CHUNK carries 1-{MAX_CHUNK_PARTS} buffers of {MAX_CHUNK_BYTES} bytes in all")
+        for spec in self.tensors:
+            if spec.dtype != "uint8" or len(spec.shape) != 1:
+                raise ProtocolError("CHUNK's buffers are uint8 bytes of shape (n,)")
 
 
 MAX_BAD_PEERS = 16  # peers one FETCH_REPORT may name (a fetch asks at most 16)
