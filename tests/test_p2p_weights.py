@@ -151,12 +151,9 @@ def test_the_store_writes_in_the_order_handed_so_a_replaced_peers_bytes_never_st
 def test_a_fetch_asks_the_largest_items_first_and_the_small_ones_beside_them(model_file, tmp_path, monkeypatch):
     """Requests (a fake peer's socket keeps them): the largest items first, then small whole items
     riding in a request beside its first part, at most 8 parts and CHUNK_BYTES in all, each item
-    asked once and whole; a store thread takes the largest item and the other the rest."""
-    import threading
-
+    asked once and whole."""
     from fabric.fetch import fetcher as fm
     from fabric.fetch.holders import Holder
-    from fabric.fetch.store import Item, Store
 
     class Sock:
         asked: list = []
@@ -169,8 +166,7 @@ def test_a_fetch_asks_the_largest_items_first_and_the_small_ones_beside_them(mod
 
     manifest = compute_manifest(model_file)
     shard = Shard(3, LAYERS - 1, LAYERS)
-    sizes = {t.name: t.nbytes for t in manifest.tensors}
-    monkeypatch.setattr(fm, "CHUNK_BYTES", max(sizes.values()) * 2)  # this small file's tensors all fit in 4 MiB
+    monkeypatch.setattr(fm, "CHUNK_BYTES", max(t.nbytes for t in manifest.tensors) * 2)  # all fit in 4 MiB here
     fetcher = fm.Fetcher(MODEL, [], None)
     peer = fm.Peer(Holder("a", "tcp://x", "", "", (0, LAYERS - 1)), Sock(), held=(0, LAYERS - 1))
     fetcher.peers.append(peer)
@@ -188,18 +184,31 @@ def test_a_fetch_asks_the_largest_items_first_and_the_small_ones_beside_them(mod
         assert all(len(more) < p.MAX_CHUNK_PARTS and n + sum(slots[m].nbytes for m in more) <= fm.CHUNK_BYTES
                    for _, _, n, more in asked)
         assert slots[asked[0][0]].nbytes == max(s.nbytes for s in slots.values())
-        store, hold = Store(fetcher.part, threads=2), threading.Event()
-        big = max(slots.values(), key=lambda s: s.nbytes)
-        small = [s for s in sorted(slots.values(), key=lambda s: s.name) if s is not big][:7]
-        store.put(_Held(big, hold), 0, bytes(big.nbytes))  # its thread is busy with it until released
-        for slot in small:
-            store.put(Item(slot, peer), 0, bytes(min(slot.nbytes, big.nbytes // 8)))
-        hold.set()
-        store.close()
-        assert store.lanes[big.name] == 0 and {store.lanes[s.name] for s in small} == {1}
     finally:
         Sock.asked.clear()
         fetcher.close()
+
+
+def test_the_store_gives_the_largest_item_a_thread_and_the_rest_the_other(model_file, tmp_path):
+    import threading
+
+    from fabric.fetch.store import Item, Store
+
+    shard = Shard(3, LAYERS - 1, LAYERS)
+    part = PartialFile(tmp_path / "tail.gguf", layout(compute_manifest(model_file), shard, MODEL))
+    part.open()
+    store, hold = Store(part, threads=2), threading.Event()
+    try:
+        big = max(part.plan.slots, key=lambda s: s.nbytes)
+        small = [s for s in part.plan.slots if s is not big][:7]
+        store.put(_Held(big, hold), 0, bytes(big.nbytes))  # its thread is busy with it until released
+        for slot in small:
+            store.put(Item(slot, "peer"), 0, bytes(min(slot.nbytes, big.nbytes // 8)))
+        hold.set()
+    finally:
+        store.close()
+        part.close()
+    assert store.lanes[big.name] == 0 and {store.lanes[s.name] for s in small} == {1}
 
 
 class _Held:
