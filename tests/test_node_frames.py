@@ -334,6 +334,28 @@ def test_forward_flow_to_reply_to(node, dealer, reply_router, tiny_llama):
     assert wait_for(lambda: ping(dealer).sessions == before, 5)
 
 
+def test_a_batch_is_read_message_by_message_and_a_bad_one_costs_only_itself(node, dealer, reply_router,
+                                                                          tiny_llama):
+    router, reply_to = reply_router
+    prompts, before = {"batch-a": [1, 5, 7, 9], "batch-b": [2, 4, 6]}, ping(dealer).sessions
+    bodies = [_frames(*_forward(0, NUM_LAYERS - 1, torch.tensor([ids]), reply_to=reply_to, session=session))
+              for session, ids in prompts.items()]
+    dealer.send_multipart(p.encode_batch([bodies[0], _raw(Kind.PING, {"nonce": "x"}), bodies[1]]))
+    error = receive(dealer)
+    assert isinstance(error, p.Error) and error.code == BAD_FRAME and "nonce" in error.message
+    tokens = {}
+    while len(tokens) < len(prompts):  # both steps ran: one TOKEN each (in one BATCH where one pass ran both)
+        assert router.poll(5000), tokens
+        for body in p.unbatch(p.split_envelope(router.recv_multipart())[1]):
+            token = p.decode(body)[0]
+            tokens[token.session] = token.token
+    assert tokens == {session: reference_greedy(tiny_llama, ids, 1)[0] for session, ids in prompts.items()}
+    dealer.send_multipart(_raw(p.BATCH_KIND, {"counts": [3, 3]}, *_frames(p.Ping(1))))  # counts past its frames
+    assert receive(dealer).code == BAD_FRAME
+    dealer.send_multipart(p.encode_batch([_frames(p.Close(session)) for session in prompts]))
+    assert wait_for(lambda: ping(dealer).sessions == before, 5)
+
+
 def test_a_grammar_the_tail_cannot_compile_is_a_bad_request_for_that_session(node, dealer, reply_router):
     """A peer that bypasses the head's check: the tail answers ERROR(bad_request) for the
     session, drops it, and goes on serving (a sound constrained session right after)."""

@@ -158,6 +158,32 @@ def _queued_hops(port: int) -> float:
     return float(re.search(r"^meshnet_node_queued_hops\{[^}]*\} (\S+)$", text, re.M).group(1))
 
 
+def test_what_a_pass_sends_goes_as_one_batch_per_peer_in_order(peers, ctx):
+    """Inside ``batched()`` nothing leaves; at its end each peer gets one message: a BATCH of
+    its messages in the order sent (at most MAX_BATCH each), or the one message as it was."""
+    routers = [ctx.socket(zmq.ROUTER) for _ in range(2)]
+    ends = [f"tcp://127.0.0.1:{r.bind_to_random_port('tcp://127.0.0.1')}" for r in routers]
+    try:
+        with peers.batched():
+            for i in range(p.MAX_BATCH + 2):
+                peers.send(ends[0], "", p.encode(p.Ping(i)))
+            peers.send(ends[1], "", p.encode(p.Ping(99)))
+            assert not any(r.poll(300) for r in routers)  # held until the pass's results are all out
+        got = []
+        for _ in range(2):
+            assert routers[0].poll(5000)
+            got.append([p.decode(body)[0].nonce for body in p.unbatch(routers[0].recv_multipart()[1:])])
+        assert got == [list(range(p.MAX_BATCH)), [p.MAX_BATCH, p.MAX_BATCH + 1]]
+        assert routers[1].poll(5000)
+        alone = routers[1].recv_multipart()[1:]
+        assert p.unbatch(alone) == [alone] and p.decode(alone)[0] == p.Ping(99)
+        peers.send(ends[1], "", p.encode(p.Ping(7)))  # outside: at once
+        assert routers[1].poll(5000) and p.decode(routers[1].recv_multipart()[1:])[0] == p.Ping(7)
+    finally:
+        for r in routers:
+            r.close(linger=0)
+
+
 def test_a_node_flooded_with_reply_to_endpoints_keeps_its_fds_bounded_and_serves(process_cluster, tiny_models):
     model = tiny_models("llama")
     expected = reference_greedy(model, prompt_ids(model), 12)

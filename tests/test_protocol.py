@@ -387,6 +387,38 @@ def test_unknown_kind(kind):
     rejected(frames_of(kind, {"nonce": 1}), BAD_FRAME, "unknown message kind")
 
 
+def test_a_batch_carries_messages_as_each_would_travel_alone():
+    forward, buffers = next((m, b) for m, b in SAMPLES if isinstance(m, p.Forward) and m.start_layer)
+    bodies = [p.encode(p.Ping(1)), p.encode(p.Token("s", 3, 7, 9)), p.encode(forward, buffers)]
+    frames = p.encode_batch(bodies)
+    assert [list(map(bytes, body)) for body in p.unbatch(frames)] == [list(map(bytes, b)) for b in bodies]
+    assert [p.decode(body)[0] for body in p.unbatch(frames)][:2] == [p.Ping(1), p.Token("s", 3, 7, 9)]
+    assert p.decode(p.unbatch(frames)[2])[0] == forward
+    assert p.unbatch(bodies[0]) == [bodies[0]]  # any other message is itself
+    rejected(frames, BAD_FRAME, "not one")  # read where a single message is: refused, never misread
+
+
+@pytest.mark.parametrize("header, frames, match", [
+    ({"counts": [3, 3]}, 5, "add up to 6 frames, but 5 follow"),
+    ({"counts": []}, 0, "1-64 frame counts"),
+    ({"counts": [3] * (p.MAX_BATCH + 1)}, 3 * (p.MAX_BATCH + 1), "1-64 frame counts"),
+    ({"counts": [2, 4]}, 6, "of 3-11"),
+    ({"counts": [3, 12]}, 15, "of 3-11"),
+    ({"counts": [3], "more": 1}, 3, "header gives counts"),
+    ({"counts": "3"}, 3, "header gives counts"),
+])
+def test_a_malformed_batch_is_refused_whole(header, frames, match):
+    ping = p.encode(p.Ping(1))
+    body = frames_of(p.BATCH_KIND, header, *(ping * (frames // 3)), *([b"x"] * (frames % 3)))
+    with pytest.raises(ProtocolError, match=match) as info:
+        p.unbatch(body)
+    assert info.value.code == BAD_FRAME
+    with pytest.raises(ProtocolError, match="version"):
+        p.unbatch(frames_of(p.BATCH_KIND, {"counts": [3]}, *ping, magic=b"MESH2"))
+    with pytest.raises(ValueError):
+        p.encode_batch([ping] * (p.MAX_BATCH + 1))
+
+
 @pytest.mark.parametrize("kind_frame", [b"", b"\x07\x00", b"\x00\x07", b"77"])
 def test_kind_frame_must_be_one_byte(kind_frame):
     rejected([p.MAGIC, kind_frame, msgpack.packb({"nonce": 1})], BAD_FRAME, "one byte")

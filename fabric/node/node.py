@@ -244,7 +244,17 @@ class Node(PassOn, SessionControl, Replies):
     # -- inbound ------------------------------------------------------------------------
 
     def inbound(self, identity: bytes, frames: list) -> None:
-        """Frames a client or peer sent to this node (on the ROUTER or through the relay)."""
+        """Frames a client or peer sent to this node (on the ROUTER or through the relay); each
+        message of a BATCH as if it came alone, from the same sender."""
+        try:
+            bodies = p.unbatch(frames)
+        except p.ProtocolError as exc:
+            self._rejected(identity, exc)
+            return
+        for body in bodies:
+            self._inbound(identity, body)
+
+    def _inbound(self, identity: bytes, frames: list) -> None:
         try:
             msg, buffers = p.decode(frames, self.config.max_frame_bytes)
             if isinstance(msg, (p.AuditTap, p.AuditResult)):  # whose it is: the transport says, not the frame
@@ -252,13 +262,16 @@ class Node(PassOn, SessionControl, Replies):
                 return
             self._dispatch(identity, msg, buffers)
         except p.ProtocolError as exc:
-            self.counters["rejected_frames"] += 1
-            log.warning("rejected frame from %r: %s", identity, exc)
-            self.reply(identity, p.Error(exc.code, str(exc), node=self.config.node_id))
+            self._rejected(identity, exc)
         except Exception as exc:  # a bug must cost one request, never the node
             log.exception("failed handling a frame")
             self.reply(identity, p.Error(p.ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}",
                                          node=self.config.node_id))
+
+    def _rejected(self, identity: bytes, exc: p.ProtocolError) -> None:
+        self.counters["rejected_frames"] += 1
+        log.warning("rejected frame from %r: %s", identity, exc)
+        self.reply(identity, p.Error(exc.code, str(exc), node=self.config.node_id))
 
     def _dispatch(self, identity: bytes, msg: p.Message, buffers: list) -> None:
         match msg:

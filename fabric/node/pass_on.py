@@ -20,8 +20,8 @@ log = logging.getLogger(__name__)
 
 class PassOn:
     """Runs the scheduler's batches and sends what they produced (a mixin: the node holds
-    ``hops``, ``scheduler``, ``taps``, ``asks``, ``counters`` and ``config``, and sends with
-    ``_send``, ``send_tensors``, ``forward`` and ``_progress``)."""
+    ``hops``, ``scheduler``, ``taps``, ``asks``, ``peers``, ``counters`` and ``config``, and sends
+    with ``_send``, ``send_tensors``, ``forward`` and ``_progress``)."""
 
     def _run(self, batch: list[Work] | list[Replay]) -> None:
         if isinstance(batch[0], Replay):  # an audit's re-run for a head
@@ -31,12 +31,13 @@ class PassOn:
         self.hops.done()  # the lock goes before the results: the node they wake may wait for it on this machine
         self.scheduler.ran(batch, started, elapsed)
         taps = []
-        for work, result in zip(batch, results):
-            try:
-                taps.append(self._after_hop(work, result))
-            except Exception as exc:
-                log.exception("could not pass on session %s", work.session)
-                self._after_hop(work, exc)
+        with self.peers.batched():  # each peer's FORWARDs or TOKENs of this pass in one message
+            for work, result in zip(batch, results):
+                try:
+                    taps.append(self._after_hop(work, result))
+                except Exception as exc:
+                    log.exception("could not pass on session %s", work.session)
+                    self._after_hop(work, exc)
         for tap in filter(None, taps):  # after every session's TOKEN or FORWARD went: the next hop starts sooner
             self._tap(*tap)
 

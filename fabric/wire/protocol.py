@@ -34,6 +34,8 @@ MAGIC_PREFIX = b"MESH"
 
 MAX_HEADER_BYTES = 1 << 20  # 1 MiB of msgpack is far more than any honest header needs
 MAX_BUFFERS = 8
+MAX_BATCH = 64  # messages one BATCH carries
+BATCH_KIND = 16  # a BATCH's kind byte: several messages in one (``encode_batch``), not a message of its own
 MAX_BUFFER_BYTES = 512 << 20  # hard ceiling; nodes usually configure less
 MAX_TENSOR_DIMS = 4
 MAX_STRING = 1 << 20
@@ -1414,6 +1416,15 @@ def encode(message: Message, buffers: Sequence[Any] = ()) -> list[Any]:
     return [MAGIC, bytes([message.KIND]), msgpack.packb(header, use_bin_type=True), *buffers]
 
 
+def encode_batch(bodies: Sequence[Sequence[Any]]) -> list[Any]:
+    """One BATCH of several messages for one peer (each as ``encode`` framed it), at most MAX_BATCH:
+    a pass's FORWARDs to the next hop, or its TOKENs to a head, go as one ZeroMQ message."""
+    if not 1 <= len(bodies) <= MAX_BATCH:
+        raise ValueError(f"a BATCH carries 1-{MAX_BATCH} messages")
+    header = msgpack.packb({"counts": [len(body) for body in bodies]})
+    return [MAGIC, bytes([BATCH_KIND]), header, *(frame for body in bodies for frame in body)]
+
+
 # --------------------------------------------------------------------------- decode
 
 
@@ -1425,14 +1436,28 @@ def split_envelope(frames: Sequence[Any]) -> tuple[list[Any], list[Any]]:
     raise ProtocolError("no meshnet magic frame in the first four frames")
 
 
-def decode(body: Sequence[Any], max_buffer_bytes: int = MAX_BUFFER_BYTES) -> tuple[Message, list[memoryview]]:
-    """Validate and decode a body (frames from MAGIC on). Returns (message, buffers).
-
-    Buffers come back as memoryviews over the received frames: no copy is made.
-    """
-    if len(body) < 3:
-        raise ProtocolError(f"a message has at least 3 frames, got {len(body)}")
+def unbatch(body: Sequence[Any]) -> list[Sequence[Any]]:
+    """The messages a BATCH carries, each as the frames it would have come in alone (for ``decode``),
+    in order; any other message: ``[body]``. ProtocolError for a malformed BATCH."""
+    if len(body) < 3 or memoryview(body[1]).tobytes() != bytes([BATCH_KIND]):
+        return [body]
     views = [memoryview(f) if not isinstance(f, memoryview) else f for f in body]
+    header = _header(views)
+    counts = header.get("counts")
+    if (set(header) != {"counts"} or not isinstance(counts, list) or not 1 <= len(counts) <= MAX_BATCH
+            or not all(type(n) is int and 3 <= n <= 3 + MAX_BUFFERS for n in counts)):
+        raise ProtocolError(f"a BATCH's header gives counts: 1-{MAX_BATCH} frame counts of 3-{3 + MAX_BUFFERS}")
+    if sum(counts) != len(body) - 3:
+        raise ProtocolError(f"a BATCH's counts add up to {sum(counts)} frames, but {len(body) - 3} follow")
+    at, bodies = 3, []
+    for n in counts:
+        bodies.append(body[at:at + n])
+        at += n
+    return bodies
+
+
+def _header(views: list[memoryview]) -> dict:
+    """The header map of a body's frames, after its magic and kind frames are checked."""
     magic = views[0].tobytes()
     if magic != MAGIC:
         if magic[:4] == MAGIC_PREFIX:
@@ -1443,10 +1468,6 @@ def decode(body: Sequence[Any], max_buffer_bytes: int = MAX_BUFFER_BYTES) -> tup
         raise ProtocolError("bad magic frame")
     if views[1].nbytes != 1:
         raise ProtocolError("kind frame must be one byte")
-    try:
-        kind = Kind(views[1].tobytes()[0])
-    except ValueError:
-        raise ProtocolError(f"unknown message kind {views[1].tobytes()[0]}") from None
     if views[2].nbytes > MAX_HEADER_BYTES:
         raise ProtocolError("header too large")
     try:
@@ -1456,6 +1477,24 @@ def decode(body: Sequence[Any], max_buffer_bytes: int = MAX_BUFFER_BYTES) -> tup
         raise ProtocolError(f"header is not valid msgpack: {type(exc).__name__}") from None
     if not isinstance(header, dict):
         raise ProtocolError("header must be a msgpack map")
+    return header
+
+
+def decode(body: Sequence[Any], max_buffer_bytes: int = MAX_BUFFER_BYTES) -> tuple[Message, list[memoryview]]:
+    """Validate and decode a body (frames from MAGIC on). Returns (message, buffers).
+
+    Buffers come back as memoryviews over the received frames: no copy is made.
+    """
+    if len(body) < 3:
+        raise ProtocolError(f"a message has at least 3 frames, got {len(body)}")
+    views = [memoryview(f) if not isinstance(f, memoryview) else f for f in body]
+    if views[1].nbytes == 1 and views[1].tobytes()[0] == BATCH_KIND:
+        raise ProtocolError("a BATCH carries messages to a node; it is not one (nor inside one)")
+    header = _header(views)
+    try:
+        kind = Kind(views[1].tobytes()[0])
+    except ValueError:
+        raise ProtocolError(f"unknown message kind {views[1].tobytes()[0]}") from None
     buffers = views[3:]
     specs = _tensor_specs(header.pop("tensors", []), buffers, max_buffer_bytes)
     message = _build(MESSAGE_TYPES[kind], header, specs)
