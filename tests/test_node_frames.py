@@ -356,6 +356,32 @@ def test_a_batch_is_read_message_by_message_and_a_bad_one_costs_only_itself(node
     assert wait_for(lambda: ping(dealer).sessions == before, 5)
 
 
+def test_one_drain_of_the_router_reads_at_most_max_drain_messages_however_they_are_batched():
+    """A flood of BATCHes cannot hold the node's loop longer than as many single messages would:
+    each message a BATCH carries counts against the loop's budget for one socket."""
+    from fabric.node.node import MAX_DRAIN, Node
+
+    batch = p.encode_batch([p.encode(p.Ping(i)) for i in range(p.MAX_BATCH)])
+
+    class Router:
+        reads = 0
+
+        def recv_multipart(self, flags, copy):
+            self.reads += 1
+            return [zmq.Frame(b"peer"), *(zmq.Frame(f) for f in batch)]
+
+    class Loop:
+        router, _taps, read = Router(), [], 0
+
+        def inbound(self, identity, frames):
+            self.read += len(p.unbatch(frames))
+            return len(p.unbatch(frames))
+
+    loop = Loop()
+    Node._drain(loop, loop.router)
+    assert loop.router.reads == -(-MAX_DRAIN // p.MAX_BATCH) and loop.read < MAX_DRAIN + p.MAX_BATCH
+
+
 def test_a_grammar_the_tail_cannot_compile_is_a_bad_request_for_that_session(node, dealer, reply_router):
     """A peer that bypasses the head's check: the tail answers ERROR(bad_request) for the
     session, drops it, and goes on serving (a sound constrained session right after)."""

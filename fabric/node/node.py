@@ -57,6 +57,7 @@ from .telemetry import COUNTERS
 log = logging.getLogger(__name__)
 
 TAP_KIND = bytes([p.Kind.AUDIT_TAP])  # the kind frame of an AUDIT_TAP
+MAX_DRAIN = 256  # messages read from one socket before the loop runs work again
 
 
 class Node(PassOn, SessionControl, Replies):
@@ -185,17 +186,19 @@ class Node(PassOn, SessionControl, Replies):
             self.ctx.term()
 
     def _drain(self, sock: zmq.Socket) -> None:
-        """Read every frame waiting on ``sock`` (bounded, so work still runs)."""
-        for _ in range(256):
+        """Read what waits on ``sock``, at most MAX_DRAIN messages (each of a BATCH counts), so work still runs."""
+        budget = MAX_DRAIN
+        while budget > 0:
             try:
                 frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
+            budget -= 1
             if sock is self.router:
                 if len(frames) > 2 and frames[2].bytes == TAP_KIND:
                     self._taps.append(frames)  # kept for an audit at most: read after the batch that may be due
                     continue
-                self.inbound(frames[0].bytes, frames[1:])
+                budget -= self.inbound(frames[0].bytes, frames[1:]) - 1
             elif sock in self.peers:
                 error = self.peers.received(sock, frames)
                 if error is not None:
@@ -243,16 +246,17 @@ class Node(PassOn, SessionControl, Replies):
 
     # -- inbound ------------------------------------------------------------------------
 
-    def inbound(self, identity: bytes, frames: list) -> None:
+    def inbound(self, identity: bytes, frames: list) -> int:
         """Frames a client or peer sent to this node (on the ROUTER or through the relay); each
-        message of a BATCH as if it came alone, from the same sender."""
+        message of a BATCH as if it came alone, from the same sender. The messages read."""
         try:
             bodies = p.unbatch(frames)
         except p.ProtocolError as exc:
             self._rejected(identity, exc)
-            return
+            return 1
         for body in bodies:
             self._inbound(identity, body)
+        return len(bodies)
 
     def _inbound(self, identity: bytes, frames: list) -> None:
         try:
