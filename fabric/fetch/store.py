@@ -11,10 +11,11 @@ Where the machine has cores to spare, several such threads (``store_threads``): 
 1.5-2 GB/s on one core, under what a local copy moves. A slot's bytes go to the thread with
 the fewest bytes waiting when its first chunk comes (the fetch asks for the largest tensors
 first: the one sha256 that must run in order on one thread starts early, and the others share
-the rest), and from then on always to that thread, first in first out: the bytes of an item given up on (its peer left out) are written
-before those of the item that replaces it, so the bytes that stand in the file are always
-those the verdict was taken on. The loop acts on a verdict only for the item still active
-under that name: one that comes for an item given up on is dropped.
+the rest), and from then on always to that thread, first in first out: the bytes of an item
+given up on (its peer left out) are written before those of the item that replaces it, so the
+bytes that stand in the file are always those the verdict was taken on. The loop acts on a
+verdict only for the item still active under that name: one that comes for an item given up
+on is dropped.
 """
 from __future__ import annotations
 

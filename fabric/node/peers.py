@@ -84,7 +84,8 @@ class Peers:
                     self.send(endpoint, key, part[0] if len(part) == 1 else p.encode_batch(part), copy=False,
                               count=len(part))
 
-    def send(self, endpoint: str, key: str, frames: list, copy: bool = True, use: bool = True, count: int = 1) -> None:
+    def send(self, endpoint: str, key: str, frames: list, copy: bool = True, use: bool = True,
+             count: int = 1) -> None:
         """Send without ever blocking the loop: a full or bad peer loses the frame (the
         head's timeout re-sends the step), not the node. ``use``: the frame keeps the link
         open (a probe's PING does not). ``count``: the messages ``frames`` carries (a BATCH's)."""
