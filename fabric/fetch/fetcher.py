@@ -3,8 +3,10 @@
 The steps: ask the tracker who serves the model; ask each of them for its MANIFEST and keep
 those whose manifest hashes to the fingerprint they registered; lay out the partial file
 (``fabric.compute.gguf_partial``); then fetch the items it still lacks (the metadata section
-and each tensor the range needs) in CHUNKs of at most 4 MiB from several peers at once, a
-window of requests in flight on each. Each item comes whole from one peer, so that an item
+and each tensor the range needs), the largest first, in CHUNKs of at most 4 MiB from several
+peers at once, a window of requests in flight on each; small items ride whole in a request
+beside its first part (``CHUNK_REQUEST.more``: a layer's norms and small projections in one
+round trip). Each item comes whole from one peer, so that an item
 whose sha256 differs from the manifest's names the peer that sent it: that peer is left out
 (a log line names it, and so does the fetch's report to the tracker: ``fabric.fetch.report``)
 and the item is asked of another. A peer that stops answering is left out the same way.
