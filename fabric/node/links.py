@@ -44,7 +44,7 @@ class LinkHost(Protocol):
 
     def registration(self) -> p.Register: ...
     def heartbeat(self) -> p.Heartbeat: ...
-    def inbound(self, identity: bytes, frames: list) -> None: ...  # a peer's frame through the relay
+    def inbound(self, identity: bytes, frames: list) -> int: ...  # a peer's frame through the relay; the messages read
     def route_answer(self, msg: p.Route | p.Error) -> None: ...  # the answer to a failover request
     def replicas(self, msg: p.Replicas) -> None: ...  # the answer to an audit's question for replicas
     def probe(self, peers: dict[str, str]) -> None: ...  # endpoint -> key of peers to time
