@@ -36,6 +36,7 @@ MAX_HEADER_BYTES = 1 << 20  # 1 MiB of msgpack is far more than any honest heade
 MAX_BUFFERS = 8
 MAX_BATCH = 64  # messages one BATCH carries
 BATCH_KIND = 16  # a BATCH's kind byte: several messages in one (``encode_batch``), not a message of its own
+_BATCH_FRAME = bytes([BATCH_KIND])  # a BATCH's kind frame
 MAX_BUFFER_BYTES = 512 << 20  # hard ceiling; nodes usually configure less
 MAX_TENSOR_DIMS = 4
 MAX_STRING = 1 << 20
@@ -1244,12 +1245,13 @@ def _check_digest(value: str, name: str) -> None:
         raise ProtocolError(f"{name} must be 64 lowercase hex digits (a sha256)", ErrorCode.BAD_REQUEST)
 
 
-def _check_bytes_buffer(message: Message, limit: int, what: str) -> None:
-    if len(message.tensors) != 1:
-        raise ProtocolError(f"{what} carries exactly one buffer")
-    spec = message.tensors[0]
-    if spec.dtype != "uint8" or len(spec.shape) != 1 or spec.shape[0] > limit:
-        raise ProtocolError(f"{what}'s buffer is uint8 bytes of shape (n,), n <= {limit}")
+def _check_bytes_buffer(message: Message, limit: int, what: str, parts: int = 1) -> None:
+    """``message`` carries 1 to ``parts`` buffers of uint8 bytes, shape (n,), ``limit`` bytes in all."""
+    if not 1 <= len(message.tensors) <= parts:
+        raise ProtocolError(f"{what} carries exactly one buffer" if parts == 1 else f"{what} carries 1-{parts} buffers")
+    if (any(spec.dtype != "uint8" or len(spec.shape) != 1 for spec in message.tensors)
+            or sum(spec.nbytes for spec in message.tensors) > limit):
+        raise ProtocolError(f"{what}'s buffers are uint8 bytes of shape (n,), {limit} bytes in all")
 
 
 @dataclass(frozen=True)
@@ -1329,11 +1331,7 @@ class Chunk(Message):
         check_text(self.name, "name", MAX_TENSOR_NAME)
         if not 0 <= self.offset < 1 << 48 or not 0 <= self.ref < 1 << 63:
             raise ProtocolError("offset must be in [0, 2^48) and ref in [0, 2^63)")
-        if not 1 <= len(self.tensors) <= MAX_CHUNK_PARTS or sum(t.nbytes for t in self.tensors) > MAX_CHUNK_BYTES:
-            raise ProtocolError(f"CHUNK carries 1-{MAX_CHUNK_PARTS} buffers of {MAX_CHUNK_BYTES} bytes in all")
-        for spec in self.tensors:
-            if spec.dtype != "uint8" or len(spec.shape) != 1:
-                raise ProtocolError("CHUNK's buffers are uint8 bytes of shape (n,)")
+        _check_bytes_buffer(self, MAX_CHUNK_BYTES, "CHUNK", MAX_CHUNK_PARTS)
 
 
 MAX_BAD_PEERS = 16  # peers one FETCH_REPORT may name (a fetch asks at most 16)
@@ -1439,7 +1437,7 @@ def split_envelope(frames: Sequence[Any]) -> tuple[list[Any], list[Any]]:
 def unbatch(body: Sequence[Any]) -> list[Sequence[Any]]:
     """The messages a BATCH carries, each as the frames it would have come in alone (for ``decode``),
     in order; any other message: ``[body]``. ProtocolError for a malformed BATCH."""
-    if len(body) < 3 or memoryview(body[1]).tobytes() != bytes([BATCH_KIND]):
+    if len(body) < 3 or memoryview(body[1]).tobytes() != _BATCH_FRAME:
         return [body]
     views = [memoryview(f) if not isinstance(f, memoryview) else f for f in body]
     header = _header(views)
@@ -1488,7 +1486,7 @@ def decode(body: Sequence[Any], max_buffer_bytes: int = MAX_BUFFER_BYTES) -> tup
     if len(body) < 3:
         raise ProtocolError(f"a message has at least 3 frames, got {len(body)}")
     views = [memoryview(f) if not isinstance(f, memoryview) else f for f in body]
-    if views[1].nbytes == 1 and views[1].tobytes()[0] == BATCH_KIND:
+    if views[1].tobytes() == _BATCH_FRAME:
         raise ProtocolError("a BATCH carries messages to a node; it is not one (nor inside one)")
     header = _header(views)
     try:
