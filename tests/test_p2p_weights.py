@@ -113,6 +113,45 @@ def test_an_interrupted_layout_resumes_only_what_verifies(model_file, tmp_path):
     assert {s.name for s in again.missing()} == {s.name for s in part.plan.slots[4:]}
 
 
+def test_a_new_partial_file_holds_its_blocks_before_a_byte_arrives(model_file, tmp_path):
+    """The ``.part`` is allocated whole when it is made (a disk too small fails then), not sparse."""
+    import ctypes
+    import errno
+
+    from fabric.compute import gguf_partial
+
+    probe = os.open(tmp_path / "probe", os.O_CREAT | os.O_RDWR)
+    call = gguf_partial._libc_call("fallocate", ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64)
+    if call is None or (call(probe, 0, 0, 1 << 20) != 0 and ctypes.get_errno() == errno.EOPNOTSUPP):
+        pytest.skip("this file system allocates as writes come")
+    os.close(probe)
+    part = PartialFile(tmp_path / "tail.gguf", layout(compute_manifest(model_file), Shard(3, 5, LAYERS), MODEL))
+    part.open()
+    try:
+        assert os.fstat(part.fd).st_blocks * 512 >= part.plan.size
+    finally:
+        part.close()
+
+
+def test_a_disk_too_small_is_named_before_the_fetch_and_leaves_no_part_file(model_file, tmp_path, monkeypatch):
+    import errno
+
+    from fabric.compute import gguf_partial
+    from fabric.fetch import fetcher as fm
+    from fabric.fetch.holders import FetchError, Holder
+
+    def full(fd, size):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(gguf_partial, "_reserve", full)
+    manifest, shard = compute_manifest(model_file), Shard(3, 5, LAYERS)
+    fetcher = fm.Fetcher(MODEL, [], None)
+    fetcher.peers.append(fm.Peer(Holder("a", "tcp://x", "", "", (0, LAYERS - 1)), None, held=(0, LAYERS - 1)))
+    with pytest.raises(FetchError, match=r"not enough disk space in .* for layers 3-5 of tiny: the copy takes .* MiB are free"):
+        fetcher.start(tmp_path / "tail.gguf", layout(manifest, shard, MODEL), shard, manifest)
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_the_store_writes_in_the_order_handed_so_a_replaced_peers_bytes_never_stand(model_file, tmp_path):
     """A bad peer's chunks of a tensor, handed to the store before the tensor was asked again of
     another peer, are written first: the bytes left in the file are the good ones, and the verdicts

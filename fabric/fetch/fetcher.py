@@ -18,9 +18,11 @@ refills the peer's window and receives the next.
 """
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import logging
+import shutil
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -180,7 +182,14 @@ class Fetcher:
         if line:
             raise FetchError(line)
         self.part = PartialFile(target, plan)
-        have = self.part.open()
+        try:
+            have = self.part.open()
+        except OSError as exc:
+            if exc.errno != errno.ENOSPC:
+                raise
+            raise FetchError(f"not enough disk space in {target.parent} for layers {shard} of {self.model}: the copy "
+                             f"takes {plan.size / (1 << 20):,.0f} MiB, {shutil.disk_usage(target.parent).free / (1 << 20):,.0f} "
+                             "MiB are free") from None
         self.store = Store(self.part)
         self.poller.register(self.store.wake, zmq.POLLIN)
         # the largest first: its sha256, taken in order on one store thread, runs beside all the rest
