@@ -326,7 +326,7 @@ class HopScheduler:
         if not self.batchable(*first.span):
             return [first]
         batch, rest, tokens = [first], deque(), first.tokens
-        cap = self._decode_cap({first.session} | self._coming() if first.short_chunk else ())
+        cap = self._decode_cap(({first.session} | self._coming()) if first.short_chunk else ())
         taken = {first.session}  # a session has at most one hop in a batch
         waiting: set[str] = set()  # sessions with a hop left behind: their later hops wait too
         while self.queue:
