@@ -41,7 +41,7 @@ def main() -> int:
             arena.close()
     for o in outcomes:
         verdict = "SUCCEEDED" if o.succeeded else "failed"
-        print(f"{o.attack:24s} {verdict:9s} honest streams harmed: {o.harmed}")
+        print(f"{o.attack:28s} {verdict:9s} honest streams harmed: {o.harmed}")
     won = sum(o.succeeded for o in outcomes)
     harmed = sum(o.harmed for o in outcomes)
     print(f"attack kinds: {len(set(names))}; attacks tried: {len(outcomes)}; succeeded: {won} (goal 0); "

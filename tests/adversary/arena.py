@@ -28,9 +28,10 @@ REPO = Path(__file__).resolve().parents[2]
 PROMPTS = ["the quick brown fox jumps over the lazy dog and then", "meshnet splits a model across nodes so that",
            "hello world, how are you today? I am"]
 MAX_SESSIONS = 16  # each node's limit: session_flood must meet it
-INSIDER = {"cancel_leaked_hops", "close_leaked_hops", "forward_pos0_leaked", "forward_step_leaked"}
-LAST = ("session_flood",)
-AFTER = ("cross_tenant_prefix",)  # runs once the honest streams ended: its target is the KV they leave kept  # holds the tail's session slots until their idle timeout: run after the others
+INSIDER = {"cancel_leaked_hops", "close_leaked_hops", "forward_pos0_leaked", "forward_step_leaked",
+           "cancel_leaked_batched", "forward_step_leaked_batched"}
+LAST = ("session_flood",)  # holds the tail's session slots until their idle timeout: run after the others
+AFTER = ("cross_tenant_prefix",)  # runs once the honest streams ended: its target is the KV they leave kept
 
 
 @dataclass

@@ -26,10 +26,14 @@ def _input(hop: p.Hop, cmd: dict, tokens: int = 4) -> torch.Tensor:
 
 
 def _forward(rogue: Rogue, hops: list[p.Hop], i: int, cmd: dict, **fields) -> None:
+    rogue.send(hops[i].endpoint, *_forward_message(rogue, hops, i, cmd, **fields))
+
+
+def _forward_message(rogue: Rogue, hops: list[p.Hop], i: int, cmd: dict, **fields) -> tuple[p.Forward, tuple]:
     hop, tokens = hops[i], fields.pop("tokens", 4)
     msg = p.Forward(step=fields.pop("step", 0), start_layer=hop.start_layer, end_layer=hop.end_layer,
                     route=_route_from(hops, i), reply_to=rogue.endpoint, sampling=GREEDY, **fields)
-    rogue.send(hop.endpoint, msg, (_input(hop, cmd, tokens),))
+    return msg, (_input(hop, cmd, tokens),)
 
 
 def _computed_for_rogue(answers: list[dict]) -> bool:
@@ -130,6 +134,36 @@ def reuse_kept(rogue: Rogue, cmd: dict) -> dict:
     return {"answers": answers, "won": _computed_for_rogue(answers)}
 
 
+# -- the same, as one BATCH (what a node sends a peer for a pass): each message judged alone --
+
+def token_feed_key_batched(rogue: Rogue, cmd: dict) -> dict:
+    """token_feed_key's TOKENs as BATCHes, as a tail sends a pass's tokens to its head."""
+    key, hops = rogue.victim()
+    rogue.send_batch(hops[0].endpoint, [(p.Token(session=key, step=step, token=3, pos=step + 8), ())
+                                        for step in range(96)])
+    return {"answers": rogue.listen()}
+
+
+def cancel_leaked_batched(rogue: Rogue, cmd: dict) -> dict:
+    """A PING, which any member may send, then a CANCEL of the live session, in one BATCH to every hop."""
+    _, hops = rogue.victim()
+    for i, hop in enumerate(hops):
+        rogue.send_batch(hop.endpoint, [(p.Ping(nonce=i + 1), ()),
+                                        (p.Cancel(session=cmd["leaked"], route=_route_from(hops, i)), ())])
+    return {"answers": rogue.listen()}
+
+
+def forward_step_leaked_batched(rogue: Rogue, cmd: dict) -> dict:
+    """forward_step_leaked's steps as one BATCH to each hop, as the hop before would send a pass's."""
+    _, hops = rogue.victim()
+    for i in range(len(hops)):
+        rogue.send_batch(hops[i].endpoint, [_forward_message(rogue, hops, i, cmd, session=cmd["leaked"], pos=pos,
+                                                             tokens=1)
+                                            for pos in range(cmd["pos"], cmd["pos"] + 48)])
+    answers = rogue.listen()
+    return {"answers": answers, "won": _computed_for_rogue(answers)}
+
+
 # -- bounds ----------------------------------------------------------------------------------
 
 def bad_token_id(rogue: Rogue, cmd: dict) -> dict:
@@ -203,5 +237,5 @@ def cross_tenant_prefix(rogue: Rogue, cmd: dict) -> dict:
 ATTACKS = {f.__name__: f for f in (
     cancel_feed_key_head, cancel_feed_key_hops, close_feed_key_hops, token_feed_key, error_feed_key,
     generate_same_id, cancel_leaked_hops, close_leaked_hops, forward_pos0_leaked, forward_step_leaked,
-    reuse_kept, bad_token_id, oversized_generate, resume_flood, megabyte_prompt, forward_past_context, session_flood,
+    token_feed_key_batched, cancel_leaked_batched, forward_step_leaked_batched, reuse_kept, bad_token_id, oversized_generate, resume_flood, megabyte_prompt, forward_past_context, session_flood,
     cross_tenant_prefix)}

@@ -67,14 +67,21 @@ class Rogue:
     # -- sending and listening ------------------------------------------------------------
 
     def send(self, endpoint: str, message: p.Message, tensors: tuple[torch.Tensor, ...] = ()) -> None:
-        wired = [to_wire(t) for t in tensors]
-        message = _with_tensors(message, tuple(s for s, _ in wired))
+        self._dealer(endpoint).send_multipart(_encoded(message, tensors))
+
+    def send_batch(self, endpoint: str, messages: list[tuple[p.Message, tuple[torch.Tensor, ...]]]) -> None:
+        """``messages`` as BATCHes, each of MAX_BATCH at most, as a node sends a pass's messages to a peer."""
+        for at in range(0, len(messages), p.MAX_BATCH):
+            bodies = [_encoded(message, tensors) for message, tensors in messages[at:at + p.MAX_BATCH]]
+            self._dealer(endpoint).send_multipart(p.encode_batch(bodies))
+
+    def _dealer(self, endpoint: str) -> zmq.Socket:
         sock = self._dealers.get(endpoint)
         if sock is None:
             sock = self._dealers[endpoint] = self.ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
             sock.connect(endpoint)
-        sock.send_multipart(p.encode(message, [b for _, b in wired]))
+        return sock
 
     def listen(self, seconds: float = LISTEN_S) -> list[dict]:
         """Every frame that came back within ``seconds``: its kind and header fields."""
@@ -95,8 +102,9 @@ class Rogue:
         return got
 
 
-def _with_tensors(message: p.Message, specs: tuple) -> p.Message:
-    return dataclasses.replace(message, tensors=specs)
+def _encoded(message: p.Message, tensors: tuple[torch.Tensor, ...]) -> list:
+    wired = [to_wire(t) for t in tensors]
+    return p.encode(dataclasses.replace(message, tensors=tuple(s for s, _ in wired)), [b for _, b in wired])
 
 
 def _summary(msg: p.Message) -> dict:
