@@ -122,9 +122,10 @@ def test_a_new_partial_file_holds_its_blocks_before_a_byte_arrives(model_file, t
 
     probe = os.open(tmp_path / "probe", os.O_CREAT | os.O_RDWR)
     call = gguf_partial._libc_call("fallocate", ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64)
-    if call is None or (call(probe, 0, 0, 1 << 20) != 0 and ctypes.get_errno() == errno.EOPNOTSUPP):
-        pytest.skip("this file system allocates as writes come")
+    unsupported = call is None or (call(probe, 0, 0, 1 << 20) != 0 and ctypes.get_errno() == errno.EOPNOTSUPP)
     os.close(probe)
+    if unsupported:
+        pytest.skip("this file system allocates as writes come")
     part = PartialFile(tmp_path / "tail.gguf", layout(compute_manifest(model_file), Shard(3, 5, LAYERS), MODEL))
     part.open()
     try:
@@ -147,7 +148,8 @@ def test_a_disk_too_small_is_named_before_the_fetch_and_leaves_no_part_file(mode
     manifest, shard = compute_manifest(model_file), Shard(3, 5, LAYERS)
     fetcher = fm.Fetcher(MODEL, [], None)
     fetcher.peers.append(fm.Peer(Holder("a", "tcp://x", "", "", (0, LAYERS - 1)), None, held=(0, LAYERS - 1)))
-    with pytest.raises(FetchError, match=r"not enough disk space in .* for layers 3-5 of tiny: the copy takes .* MiB are free"):
+    with pytest.raises(FetchError, match=r"not enough disk space in .* for layers 3-5 of tiny: the copy takes .* MiB "
+                                         r"are free"):
         fetcher.start(tmp_path / "tail.gguf", layout(manifest, shard, MODEL), shard, manifest)
     assert list(tmp_path.iterdir()) == []
 

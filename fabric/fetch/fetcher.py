@@ -187,9 +187,9 @@ class Fetcher:
         except OSError as exc:
             if exc.errno != errno.ENOSPC:
                 raise
+            free = shutil.disk_usage(target.parent).free
             raise FetchError(f"not enough disk space in {target.parent} for layers {shard} of {self.model}: the copy "
-                             f"takes {plan.size / (1 << 20):,.0f} MiB, {shutil.disk_usage(target.parent).free / (1 << 20):,.0f} "
-                             "MiB are free") from None
+                             f"takes {plan.size / (1 << 20):,.0f} MiB, {free / (1 << 20):,.0f} MiB are free") from None
         self.store = Store(self.part)
         self.poller.register(self.store.wake, zmq.POLLIN)
         # the largest first: its sha256, taken in order on one store thread, runs beside all the rest

@@ -237,5 +237,5 @@ def cross_tenant_prefix(rogue: Rogue, cmd: dict) -> dict:
 ATTACKS = {f.__name__: f for f in (
     cancel_feed_key_head, cancel_feed_key_hops, close_feed_key_hops, token_feed_key, error_feed_key,
     generate_same_id, cancel_leaked_hops, close_leaked_hops, forward_pos0_leaked, forward_step_leaked,
-    token_feed_key_batched, cancel_leaked_batched, forward_step_leaked_batched, reuse_kept, bad_token_id, oversized_generate, resume_flood, megabyte_prompt, forward_past_context, session_flood,
-    cross_tenant_prefix)}
+    token_feed_key_batched, cancel_leaked_batched, forward_step_leaked_batched, reuse_kept, bad_token_id,
+    oversized_generate, resume_flood, megabyte_prompt, forward_past_context, session_flood, cross_tenant_prefix)}
