@@ -252,6 +252,12 @@ static inline __attribute__((always_inline)) void k8_rows(const DJob *j, const A
 #define GROUPED_FROM 2 /* rows from which the grouped order pays */
 #define AHEAD 2048 /* bytes of weights asked for ahead of a tile's first half */
 
+/* v's sum so far, kept in a register: without it the compiler defers each row's additions to the
+ * block's end, holding every product of the block (4 rows of 8 registers) on the stack: a
+ * 4-row product of SmolLM2's gate and up took 1.2-1.3x the time on an AVX2-only CPU (docs/BENCHMARKS.md,
+ * *Four rows' sums in registers*). */
+static inline __attribute__((always_inline)) void in_register(__m256i *v) { __asm__("" : "+x"(*v)); }
+
 /* The cache lines of `bytes` from `p` asked for now. Several rows read a tile's weights in two
  * halves of outputs: the first from memory, the second from the cache. Asking for what comes next
  * during both (the first half: AHEAD bytes on; the second: the same block of the next tile) keeps
@@ -290,6 +296,7 @@ static inline __attribute__((always_inline)) void k4_sums(const uint8_t *blk, co
             const int8_t *x = xq + r * in + 4 * g;
             p[r] = _mm256_add_epi16(p[r], _mm256_maddubs_epi16(lo, _mm256_set1_epi32(word(x))));
             p[r] = _mm256_add_epi16(p[r], _mm256_maddubs_epi16(hi, _mm256_set1_epi32(word(x + 16))));
+            in_register(&p[r]);
         }
     }
 }
@@ -340,6 +347,23 @@ static inline __attribute__((always_inline)) void k4_scales(const uint8_t *tw, i
     }
 }
 
+/* Half h's minimum terms, added to the products in out: accm = sum over blocks of min * c, in block
+ * order, as a sweep of its own over the tile (in the cache by now), so that the products' sweep
+ * holds 4 rows' sums and accumulators in AVX2's 16 registers without spilling. */
+static inline __attribute__((always_inline)) void k4_minima(const DJob *j, const Acts *a, const uint8_t *tw,
+                                                            int64_t r0, const int R, const int h, float out[RG][TILE],
+                                                            const int scales) {
+    int64_t nb = j->in / BLOCK, bb = block_bytes(k4_kind(scales));
+    __m256 accm[RG];
+    for (int r = 0; r < R; r++) accm[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        __m256 step, min;
+        k4_scales(tw, b, k4_block(tw, b, bb, scales), scales, h, &step, &min);
+        for (int r = 0; r < R; r++) accm[r] = _mm256_fmadd_ps(min, _mm256_set1_ps(a->c[(r0 + r) * nb + b]), accm[r]);
+    }
+    for (int r = 0; r < R; r++) _mm256_storeu_ps(out[r] + 8 * h, _mm256_add_ps(_mm256_loadu_ps(out[r] + 8 * h), accm[r]));
+}
+
 static inline __attribute__((always_inline)) void k4_rows(const DJob *j, const Acts *a, const uint8_t *tw,
                                                           int64_t r0, const int R, float out[RG][TILE], const int scales) {
     int64_t nb = j->in / BLOCK, bb = block_bytes(k4_kind(scales));
@@ -364,8 +388,8 @@ static inline __attribute__((always_inline)) void k4_rows(const DJob *j, const A
         return;
     }
     for (int h = 0; h < 2; h++) {
-        __m256 accs[RG], accm[RG];
-        for (int r = 0; r < R; r++) accs[r] = accm[r] = _mm256_setzero_ps();
+        __m256 accs[RG];
+        for (int r = 0; r < R; r++) accs[r] = _mm256_setzero_ps();
         for (int64_t b = 0; b < nb; b++) {
             const uint8_t *blk = k4_block(tw, b, bb, scales);
             ask_ahead(blk + (h ? next : AHEAD), bb);
@@ -374,13 +398,12 @@ static inline __attribute__((always_inline)) void k4_rows(const DJob *j, const A
             __m256 step, min;
             k4_scales(tw, b, blk, scales, h, &step, &min);
             for (int r = 0; r < R; r++) {
-                int64_t k = (r0 + r) * nb + b;
                 __m256i s = _mm256_madd_epi16(p[r], ones);
-                accs[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(step, _mm256_set1_ps(a->d[k])), accs[r]);
-                accm[r] = _mm256_fmadd_ps(min, _mm256_set1_ps(a->c[k]), accm[r]);
+                accs[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(step, _mm256_set1_ps(a->d[(r0 + r) * nb + b])), accs[r]);
             }
         }
-        for (int r = 0; r < R; r++) _mm256_storeu_ps(out[r] + 8 * h, _mm256_add_ps(accs[r], accm[r]));
+        for (int r = 0; r < R; r++) _mm256_storeu_ps(out[r] + 8 * h, accs[r]);
+        k4_minima(j, a, tw, r0, R, h, out, scales);
     }
 }
 
@@ -502,17 +525,34 @@ static inline __attribute__((always_inline)) void k8_rows(const DJob *j, const A
     default: fn(j, a, tw, r0, 4, out, flag); break;              \
     }
 
+/* Rows r0.. (at most RG) of one int4 tile, and of one int8 tile: two functions, so that the compiler
+ * allocates each kind's registers on its own. */
+static __attribute__((noinline)) void tile_k4(const DJob *j, const Acts *a, const uint8_t *tw, int64_t r0, int nrows,
+                                              float out[RG][TILE]) {
+    switch (j->kind) {
+    case K4_F16: BY_ROWS(k4_rows, j, a, tw, r0, nrows, out, S_F16); break;
+    case K4_F32: BY_ROWS(k4_rows, j, a, tw, r0, nrows, out, S_F32); break;
+    default: BY_ROWS(k4_rows, j, a, tw, r0, nrows, out, S_K); break;
+    }
+}
+
+static __attribute__((noinline)) void tile_k8(const DJob *j, const Acts *a, const uint8_t *tw, int64_t r0, int nrows,
+                                              float out[RG][TILE]) {
+    if (j->kind == K8_F16) {
+        BY_ROWS(k8_rows, j, a, tw, r0, nrows, out, 1);
+    } else {
+        BY_ROWS(k8_rows, j, a, tw, r0, nrows, out, 0);
+    }
+}
+
 /* Rows r0.. (at most RG) of one tile; the kind a constant in each copy. */
 static void tile(const DJob *j, const Acts *a, int64_t t, int64_t r0, int nrows) {
     const uint8_t *tw = j->w + t * meshnet_q8dot_tile_bytes(j->kind, j->in);
     float out[RG][TILE];
-    switch (j->kind) {
-    case K4_F16: BY_ROWS(k4_rows, j, a, tw, r0, nrows, out, S_F16); break;
-    case K4_F32: BY_ROWS(k4_rows, j, a, tw, r0, nrows, out, S_F32); break;
-    case K4_K: BY_ROWS(k4_rows, j, a, tw, r0, nrows, out, S_K); break;
-    case K8_F16: BY_ROWS(k8_rows, j, a, tw, r0, nrows, out, 1); break;
-    default: BY_ROWS(k8_rows, j, a, tw, r0, nrows, out, 0); break;
-    }
+    if (j->kind == K8_F16 || j->kind == K8_ROW)
+        tile_k8(j, a, tw, r0, nrows, out);
+    else
+        tile_k4(j, a, tw, r0, nrows, out);
     int64_t o = t * TILE, n = j->out - o < TILE ? j->out - o : TILE;
     for (int r = 0; r < nrows; r++)
         for (int64_t k = 0; k < n; k++) store(j, r0 + r, o + k, out[r][k]);
