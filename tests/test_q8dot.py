@@ -171,6 +171,26 @@ def test_the_avx2_and_plain_builds_give_the_same_bits(tmp_path, flags, path):
         assert torch.equal(DotMLP(gate_up, down)(x, h), here), rows
 
 
+def test_the_avx2_and_plain_builds_quantize_odd_values_alike(tmp_path):
+    """NaN, infinities, signed zeros, subnormals, halves that round to even, and the largest
+    floats: the AVX2 path's lanes take the plain loop's codes, steps and sums."""
+    plain, avx2 = _build(tmp_path, []), _build(tmp_path, ["-mavx2", "-mfma", "-mf16c"])
+    x = torch.randn(12, 64, generator=torch.Generator().manual_seed(8))
+    x[0, 3], x[1, 40], x[1, 41], x[2, 7] = float("nan"), float("inf"), float("-inf"), -0.0
+    x[3, :32] = torch.tensor([1e-40, -3e-39] * 16)  # subnormals
+    x[4, :32] = torch.arange(32) - 15.5  # amax 16.5: codes at halves after scaling
+    x[5, :32] = torch.arange(32) * 127 / 31 - 63.5
+    x[6, 32:] = torch.finfo(torch.float32).max * torch.sign(torch.randn(32))
+    x[7, :32] = float("nan")
+    x[8, :] = 0.0
+    for rows in (x, x.bfloat16()):
+        ours, theirs = q8dot.quantized_rows(rows, avx2), q8dot.quantized_rows(rows, plain)
+        for a, b in zip(ours, theirs):
+            assert torch.equal(a.view(torch.int32) if a.dtype == torch.float32 else a,
+                               b.view(torch.int32) if b.dtype == torch.float32 else b)
+    assert q8dot.quantized_rows(x, avx2)[0][4, :32].abs().max() == 127
+
+
 def test_a_plain_c_build_is_said_once_as_a_warning(tmp_path, caplog):
     """Without AVX2 the kernel's plain C path is several times slower: the node says so, once."""
     plain = _build(tmp_path, [])

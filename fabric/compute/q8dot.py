@@ -378,10 +378,11 @@ def silu_table() -> torch.Tensor:
     return torch.nn.functional.silu(every).contiguous()
 
 
-def quantized_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The kernel's quantization of rows x (rows, in) bfloat16 or float32 (for checks): codes
-    (rows, in) int8, steps (rows, in / 32) float32, sums of codes (rows, in / 32) int32."""
-    lib = kernel()
+def quantized_rows(x: torch.Tensor, lib: ctypes.CDLL | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The kernel's quantization of rows x (rows, in) bfloat16 or float32 (for checks), on
+    ``lib`` (another build) or this machine's: codes (rows, in) int8, steps (rows, in / 32)
+    float32, sums of codes (rows, in / 32) int32."""
+    lib = lib or kernel()
     x = x.contiguous() if x.dtype in _FORMATS else x.float().contiguous()
     rows, n = x.shape
     q = torch.empty(rows, n, dtype=torch.int8)

@@ -119,7 +119,47 @@ static inline float load_x(const DJob *j, int64_t at) {
     return j->xfmt == F_F32 ? ((const float *)j->x)[at] : widen16(((const uint16_t *)j->x)[at]);
 }
 
-/* One row's block: codes, step, and its sum; the same scalar IEEE operations on every path. */
+/* One row's block: codes, step, and its sum; the same IEEE operations on every path. */
+#if defined(__AVX2__)
+/* 8 lanes of x from `at`, as float32. */
+static inline __m256 load8_x(const DJob *j, int64_t at) {
+    if (j->xfmt == F_F32) return _mm256_loadu_ps((const float *)j->x + at);
+    __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)j->x + at));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+/* The plain loop's operations 8 lanes at a time: the largest magnitude (a maximum is exact in any
+ * order, and a NaN is passed over as fmaxf does: max_ps returns its second operand), x * (1 / d)
+ * rounded to nearest even, truncated to int32 and clamped as the plain cast and clamp do. It was
+ * 5-6% of a node's time at 8 streams as a scalar loop calling libm's fmaxf. */
+static void quantize_block(const DJob *j, int64_t at, int8_t *q, float *d, float *c, int32_t *s) {
+    __m256 v[4], mag = _mm256_setzero_ps();
+    for (int i = 0; i < 4; i++) {
+        v[i] = load8_x(j, at + 8 * i);
+        mag = _mm256_max_ps(_mm256_andnot_ps(_mm256_set1_ps(-0.0f), v[i]), mag);
+    }
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(mag), _mm256_extractf128_ps(mag, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    float amax = _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+    float step = amax / 127.0f, inv = step != 0.0f ? 1.0f / step : 0.0f;
+    const __m256i top = _mm256_set1_epi32(127), bottom = _mm256_set1_epi32(-127);
+    __m256i codes[4], sum = _mm256_setzero_si256();
+    for (int i = 0; i < 4; i++) {
+        __m256 x = _mm256_round_ps(_mm256_mul_ps(v[i], _mm256_set1_ps(inv)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        codes[i] = _mm256_max_epi32(_mm256_min_epi32(_mm256_cvttps_epi32(x), top), bottom);
+        sum = _mm256_add_epi32(sum, codes[i]);
+    }
+    __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(codes[0], codes[1]), _mm256_packs_epi32(codes[2], codes[3]));
+    packed = _mm256_permutevar8x32_epi32(packed, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    _mm256_storeu_si256((__m256i *)q, packed);
+    __m128i t = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
+    t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4e));
+    t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0xb1));
+    *d = step;
+    *s = _mm_cvtsi128_si32(t);
+    *c = step * (float)*s;
+}
+#else
 static void quantize_block(const DJob *j, int64_t at, int8_t *q, float *d, float *c, int32_t *s) {
     float v[BLOCK], amax = 0.0f;
     for (int i = 0; i < BLOCK; i++) {
@@ -138,6 +178,7 @@ static void quantize_block(const DJob *j, int64_t at, int8_t *q, float *d, float
     *s = sum;
     *c = step * (float)sum;
 }
+#endif
 
 static void quantize(const DJob *j, Acts *a) {
     int64_t nb = j->in / BLOCK;
