@@ -184,6 +184,25 @@ def test_what_a_pass_sends_goes_as_one_batch_per_peer_in_order(peers, ctx):
             r.close(linger=0)
 
 
+def test_a_held_message_sent_with_copy_is_copied(peers, ctx):
+    """A buffer handed to ``send`` inside ``batched()`` with copy (the default) may change once
+    ``send`` returns: the peer gets the bytes as they were then, BATCH or not."""
+    router = ctx.socket(zmq.ROUTER)
+    end = f"tcp://127.0.0.1:{router.bind_to_random_port('tcp://127.0.0.1')}"
+    try:
+        for count in (1, 2):
+            bodies = [[bytearray(frame) for frame in p.encode(p.Ping(i))] for i in range(count)]
+            with peers.batched():
+                for body in bodies:
+                    peers.send(end, "", body)
+                    body[-1][:] = bytes(len(body[-1]))  # the caller reuses its buffer
+            assert router.poll(5000)
+            got = p.unbatch(router.recv_multipart()[1:])
+            assert [p.decode(body)[0] for body in got] == [p.Ping(i) for i in range(count)]
+    finally:
+        router.close(linger=0)
+
+
 def test_a_node_flooded_with_reply_to_endpoints_keeps_its_fds_bounded_and_serves(process_cluster, tiny_models):
     model = tiny_models("llama")
     expected = reference_greedy(model, prompt_ids(model), 12)

@@ -89,8 +89,8 @@ class Peers:
         """Send without ever blocking the loop: a full or bad peer loses the frame (the
         head's timeout re-sends the step), not the node. ``use``: the frame keeps the link
         open (a probe's PING does not). ``count``: the messages ``frames`` carries (a BATCH's)."""
-        if self._held is not None and use:
-            self._held.setdefault((endpoint, key), []).append(frames)
+        if self._held is not None and use:  # with copy, the bytes as they are now (the caller may reuse its buffers)
+            self._held.setdefault((endpoint, key), []).append([bytes(f) for f in frames] if copy else frames)
             return
         try:
             sock = self._sock(endpoint, key)
