@@ -1486,13 +1486,14 @@ def decode(body: Sequence[Any], max_buffer_bytes: int = MAX_BUFFER_BYTES) -> tup
     if len(body) < 3:
         raise ProtocolError(f"a message has at least 3 frames, got {len(body)}")
     views = [memoryview(f) if not isinstance(f, memoryview) else f for f in body]
-    if views[1].tobytes() == _BATCH_FRAME:
+    kind_frame = views[1].tobytes()
+    if kind_frame == _BATCH_FRAME:
         raise ProtocolError("a BATCH carries messages to a node; it is not one (nor inside one)")
-    header = _header(views)
+    header = _header(views)  # (the kind frame is one byte)
     try:
-        kind = Kind(views[1].tobytes()[0])
+        kind = Kind(kind_frame[0])
     except ValueError:
-        raise ProtocolError(f"unknown message kind {views[1].tobytes()[0]}") from None
+        raise ProtocolError(f"unknown message kind {kind_frame[0]}") from None
     buffers = views[3:]
     specs = _tensor_specs(header.pop("tensors", []), buffers, max_buffer_bytes)
     message = _build(MESSAGE_TYPES[kind], header, specs)
