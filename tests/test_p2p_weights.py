@@ -121,7 +121,7 @@ def test_a_new_partial_file_holds_its_blocks_before_a_byte_arrives(model_file, t
     from fabric.compute import gguf_partial
 
     probe = os.open(tmp_path / "probe", os.O_CREAT | os.O_RDWR)
-    call = gguf_partial._libc_call("fallocate", ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64)
+    call = gguf_partial.fallocate()
     unsupported = call is None or (call(probe, 0, 0, 1 << 20) != 0 and ctypes.get_errno() == errno.EOPNOTSUPP)
     os.close(probe)
     if unsupported:

@@ -192,12 +192,17 @@ def _reserve(fd: int, size: int) -> None:
     too small fails here with ENOSPC, not hours into the fetch. On ext4 a fetch takes as long
     as into a sparse file: the writes take less CPU, the final ``fdatasync`` marks the blocks
     written."""
-    call = _libc_call("fallocate", ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64)
+    call = fallocate()
     if call is None or call(fd, 0, 0, size) == 0:
         return
     err = ctypes.get_errno()
     if err not in (errno.EOPNOTSUPP, errno.ENOSYS):  # not supported: the writes allocate as they go
         raise OSError(err, os.strerror(err))
+
+
+def fallocate():
+    """``fallocate(fd, mode, offset, length)`` from the C library (Linux), or None."""
+    return _libc_call("fallocate", ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64)
 
 
 @functools.cache
