@@ -52,6 +52,33 @@ class GrowingLayer(DynamicLayer):
         self.keys, self.values = self._keys[:, :, :n + q], self._values[:, :, :n + q]
         return self.keys, self.values
 
+    def make_room(self, q: int) -> int:
+        """Room for ``q`` more positions, as ``update`` makes it; returns the positions held."""
+        n = self.get_seq_length()
+        if n + q > self._keys.shape[-2]:
+            self._grow(room(n + q, self._keys.shape[-2]), self._keys, self._values)
+        return n
+
+    @staticmethod
+    def appending(layers: list[GrowingLayer]) -> tuple | None:
+        """Where a decode pass that writes one new position into each of ``layers`` (one session's,
+        alike in positions and room) puts it, in ``fabric.compute.decode_pass``'s terms: (keys,
+        values, lines, first, width, extend), the buffers (1, kv_heads, room, head_dim), the line
+        of each head's new key in a buffer seen as (lines, head_dim), 0, the positions attention
+        then reads, and extend() to call once they are written. None where the layers differ."""
+        held = {layer.make_room(1) for layer in layers}
+        shapes = {layer._keys.shape for layer in layers}
+        if len(held) != 1 or len(shapes) != 1:
+            return None
+        n, (_, heads, size, _) = held.pop(), shapes.pop()
+
+        def extend() -> None:
+            for layer in layers:
+                layer.keys, layer.values = layer._keys[:, :, :n + 1], layer._values[:, :, :n + 1]
+
+        lines = torch.arange(heads) * size + n
+        return [layer._keys for layer in layers], [layer._values for layer in layers], lines, 0, n + 1, extend
+
     def _grow(self, size: int, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         n = self.get_seq_length()
         keys = key_states.new_empty((*key_states.shape[:2], size, key_states.shape[-1]))

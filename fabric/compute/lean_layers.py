@@ -43,6 +43,7 @@ from torch import nn
 
 from . import attention as invariant
 from . import mixed, native
+from .decode_pass import DecodePass
 from .lean_ops import Norm, Rotary
 from .q8dot import DotLinear, DotMLP
 from .quant import Int4Linear, Int8Linear
@@ -238,13 +239,16 @@ class _KernelPass:
         self.kernel, self.keeps = kernel, {}
 
     def __call__(self, module, query, key, value, mask, scaling=None) -> tuple[torch.Tensor, None]:
-        if mask is None:
-            keep = None
-        elif (id(mask), key.shape[2]) in self.keeps:  # the masks live as long as the pass
-            keep = self.keeps[id(mask), key.shape[2]]
-        else:
-            keep = self.keeps[id(mask), key.shape[2]] = invariant.kernel_keep(mask, query.shape[2], key.shape[2])
+        keep = self.keep(mask, query.shape[2], key.shape[2])
         return invariant.by_kernel(self.kernel, query, key, value, keep, scaling, None), None
+
+    def keep(self, mask, q: int, k: int) -> torch.Tensor | None:
+        """The kernel's mask for ``mask`` over q queries and k keys (``kernel_keep``), made once a pass."""
+        if mask is None:
+            return None
+        if (id(mask), k) not in self.keeps:  # the masks live as long as the pass
+            self.keeps[id(mask), k] = invariant.kernel_keep(mask, q, k)
+        return self.keeps[id(mask), k]
 
 
 class LeanStack:
@@ -252,6 +256,7 @@ class LeanStack:
 
     def __init__(self, config, layers: dict[int, LeanLayer]):
         self.config, self.layers = config, layers
+        self.passes: dict[tuple[int, int], DecodePass | None] = {}  # (start, end) -> one call a decode pass
 
     def attend(self):
         """The attention function of the pass now running: the invariant kernel (its mask
@@ -271,12 +276,29 @@ class LeanStack:
         ``masks`` one per kind or one for all, ``kinds`` every layer's kind."""
         b, s, n = hidden.shape
         ropes = {kind: Rotary(*table) for kind, table in tables.items()}
+        if s == 1 and len(ropes) == 1 and isinstance(attend, _KernelPass):
+            out = self._in_one_call(hidden.view(b, n), ropes, masks, cache, attend, start, end)
+            if out is not None:
+                return out.view(b, s, n)
         x = hidden.reshape(b * s, n)  # (b * s, hidden)
         for i in range(start, end + 1):
             kind = kinds[i]
             x = self.layers[i](x, b, s, ropes[kind], masks[kind] if isinstance(masks, dict) else masks, cache,
                                attend)
         return x.view(b, s, n)
+
+
+    def _in_one_call(self, x: torch.Tensor, ropes: dict, masks, cache, attend, start: int,
+                     end: int) -> torch.Tensor | None:
+        """A decode pass (x (b, hidden), one kind of layer) in one kernel call where
+        ``fabric.compute.decode_pass`` takes it; else None."""
+        if (start, end) not in self.passes:
+            self.passes[start, end] = DecodePass.of(self.layers, start, end)
+        fast = self.passes[start, end]
+        if fast is None:
+            return None
+        (kind, rope), = ropes.items()
+        return fast.run(x, rope, masks[kind] if isinstance(masks, dict) else masks, cache, attend)
 
 
 def build(weights) -> LeanStack | None:
