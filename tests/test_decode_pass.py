@@ -73,13 +73,13 @@ def _against_layers(ex: ShardExecutor, monkeypatch, threads: int) -> list[bool]:
 
 
 @pytest.mark.parametrize("family,kind", [("llama", "Q4_1"), ("llama", "Q4_K"), ("llama", "Q6_K"),
-                                         ("gemma3", "Q4_1")])
+                                         ("qwen2", "Q4_0"), ("qwen3", "Q4_1"), ("gemma3", "Q4_1")])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_a_decode_pass_in_one_call_gives_the_layers_bits(tmp_path, monkeypatch, counted, family, kind, threads):
     ex = _auto(write_gguf(family, tmp_path, kind))
     same = _against_layers(ex, monkeypatch, threads)
     assert all(same) and len(same) == 1 + STEPS + 9, same
-    if family == "llama":
+    if family != "gemma3":
         assert sum(counted) >= STEPS, counted  # the pass ran: every step once the threads are settled
     else:
         assert not any(counted)  # Gemma's layers are not the lean llama layers: the kernel never runs

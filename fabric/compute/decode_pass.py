@@ -28,7 +28,8 @@ _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
 
 class _Layer(ctypes.Structure):
     """kernels/decode.c's ``Layer``."""
-    _fields_ = [("norm1", _NormArgs), ("norm2", _NormArgs), ("qkv", ctypes.POINTER(_DJob)),
+    _fields_ = [("norm1", _NormArgs), ("norm2", _NormArgs), ("qk_norm", _NormArgs), ("bias", _PTR),
+                ("qkv", ctypes.POINTER(_DJob)),
                 ("o", ctypes.POINTER(_DJob)), ("gate_up", ctypes.POINTER(_DJob)), ("down", ctypes.POINTER(_DJob)),
                 ("keys", _PTR), ("values", _PTR), ("scale", ctypes.c_float)]
 
@@ -46,14 +47,22 @@ def _address(lib: ctypes.CDLL, name: str) -> int:
     return ctypes.cast(getattr(lib, name), _PTR).value
 
 
+def _norm_args(norm) -> _NormArgs:
+    """kernels/q8dot.c's NormArgs of ``norm`` (a ``lean_ops.Norm`` on its kernel)."""
+    return _NormArgs(ctypes.cast(norm.kernel, _PTR), norm.weight.data_ptr(), norm.eps, norm.lanes)
+
+
 def takes(layer) -> bool:
-    """Whether the kernel can run ``layer`` (a ``LeanLayer``): its products on the q8dot kernel,
-    no bias, no per-head norm, its norms on their kernel and what follows attention in one call."""
-    qkv = getattr(layer.qkv, "__self__", None)
-    mlp = layer.mlp
-    return (isinstance(qkv, DotLinear) and qkv.bias is None and layer.qk_norm is None
-            and isinstance(mlp, DotMLP) and mlp.o is not None and layer.norm1.kernel is not None
-            and layer.norm1.groups == 1 and qkv.out_features == (layer.heads + 2 * layer.kv_heads) * layer.head_dim)
+    """Whether the kernel can run ``layer`` (a ``LeanLayer``): its products on the q8dot kernel
+    (q/k/v's with a bias or none), its norms on their kernel (a per-head q and k norm too, or
+    none), and what follows attention in one call."""
+    qkv, mlp, qk_norm = getattr(layer.qkv, "__self__", None), layer.mlp, layer.qk_norm
+    heads = layer.heads + layer.kv_heads
+    return (isinstance(qkv, DotLinear) and isinstance(mlp, DotMLP) and mlp.o is not None
+            and layer.norm1.kernel is not None and layer.norm1.groups == 1
+            and qkv.out_features == (heads + layer.kv_heads) * layer.head_dim
+            and (qkv.bias is None or qkv.bias.shape == (qkv.out_features,))
+            and (qk_norm is None or qk_norm.kernel is not None and qk_norm.groups == heads))
 
 
 class DecodePass:
@@ -67,6 +76,7 @@ class DecodePass:
         self.shape = (one.heads, one.kv_heads, one.head_dim)
         self.products = (one.qkv.__self__, one.mlp.o, one.mlp.gate_up, one.mlp.down)
         self.structs = None  # the kernel's layers, built at the first pass (the jobs' weights are placed by then)
+        self.biases: list[torch.Tensor] = []  # q/k/v's biases in bfloat16, as DotLinear adds them: read by address
         self.args = _Pass()
         if self.lib is not None:
             self._functions()
@@ -99,10 +109,13 @@ class DecodePass:
     def _built(self) -> ctypes.Array:
         made = (_Layer * len(self.layers))()
         for s, layer in zip(made, self.layers):
-            mlp = layer.mlp
-            s.norm1 = _NormArgs(ctypes.cast(layer.norm1.kernel, _PTR), layer.norm1.weight.data_ptr(),
-                                layer.norm1.eps, layer.norm1.lanes)
-            s.norm2 = mlp._norm
+            mlp, bias = layer.mlp, layer.qkv.__self__.bias
+            s.norm1, s.norm2 = _norm_args(layer.norm1), mlp._norm
+            if layer.qk_norm is not None:
+                s.qk_norm = _norm_args(layer.qk_norm)
+            if bias is not None:
+                self.biases.append(bias.to(torch.bfloat16).contiguous())
+                s.bias = self.biases[-1].data_ptr()
             s.qkv, s.o = ctypes.pointer(layer.qkv.__self__._job_for()), ctypes.pointer(mlp.o._job_for())
             s.gate_up, s.down = ctypes.pointer(mlp.gate_up._job_for()), ctypes.pointer(mlp.down._job_for())
             s.scale = layer.scaling

@@ -8,6 +8,7 @@
  * long as the layer's products. Here a pass of one or more rows (one new position each) is:
  *   normed = norm1(x)                       kernels/lean.c's meshnet_rms_norm
  *   qkv = qkv_proj(normed)                  kernels/q8dot.c's meshnet_q8dot
+ *   (qwen2: plus its bias; qwen3: q and k heads normed, kernels/lean.c's meshnet_rms_norm)
  *   qk = rope(qkv's q and k heads)          kernels/lean.c's meshnet_rope
  *   the new k (from qk) and v (from qkv) copied into the layer's cache lines
  *   a = attention(q, the cache)             kernels/attention.c's meshnet_attention
@@ -58,6 +59,8 @@ typedef int (*AttendFn)(const AttnJob *job, int threads);
 
 typedef struct { /* one layer: its norms and products, and where its cache lies */
     NormArgs norm1, norm2;
+    NormArgs qk_norm;               /* qwen3: a weight row per q and k head; fn NULL: none */
+    const uint16_t *bias;           /* qwen2: q/k/v's bias, bfloat16; NULL: none */
     DJob *qkv, *o, *gate_up, *down; /* the products' jobs: x, y and rows are set here */
     uint16_t *keys, *values;        /* the cache's buffers, seen as (lines, d) */
     float scale;
@@ -83,6 +86,26 @@ typedef struct {
     uint16_t *out;                   /* (b, hidden) out */
 } Pass;
 
+static inline float widen(uint16_t h) {
+    uint32_t bits = (uint32_t)h << 16;
+    float v;
+    memcpy(&v, &bits, 4);
+    return v;
+}
+
+static inline uint16_t narrow(float v) { /* round to nearest even, as torch's bfloat16; NaN stays NaN */
+    uint32_t bits;
+    memcpy(&bits, &v, 4);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits | 0x00400000u) >> 16);
+    return (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+}
+
+/* y (rows, n) += bias (n), each sum rounded to bfloat16: torch's bfloat16 add. */
+static void add_bias(uint16_t *y, const uint16_t *bias, int64_t rows, int64_t n) {
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t i = 0; i < n; i++) y[r * n + i] = narrow(widen(y[r * n + i]) + widen(bias[i]));
+}
+
 /* The new keys (from qk, after rotation) and values (from qkv) of each row into the cache lines. */
 static void put(const Pass *p, const Layer *l, const uint16_t *qk, const uint16_t *qkv) {
     const int64_t d = p->d, qk_row = (p->heads + p->kv_heads) * d, qkv_row = (p->heads + 2 * p->kv_heads) * d;
@@ -104,17 +127,26 @@ static int attend(const Pass *p, const Layer *l, const uint16_t *qk, uint16_t *a
     return p->attend(&job, p->threads[1]);
 }
 
-/* One layer over x (b, hidden) into y; s is scratch for normed, qkv, qk and a. */
+/* One layer over x (b, hidden) into y; s is scratch for normed, qkv, qk, a and qk_normed. */
 static int layer(const Pass *p, const Layer *l, const uint16_t *x, uint16_t *y, uint16_t *s) {
     const int64_t b = p->b, n = p->hidden, d = p->d;
     uint16_t *normed = s, *qkv = normed + b * n, *qk = qkv + b * l->qkv->out;
-    uint16_t *a = qk + b * (p->heads + p->kv_heads) * d;
+    uint16_t *a = qk + b * (p->heads + p->kv_heads) * d, *qk_normed = a + b * p->heads * d;
     if (p->norm(x, b, n, 1, n, n, l->norm1.weight, l->norm1.eps, l->norm1.lanes, normed))
         return -2;
     l->qkv->x = normed, l->qkv->y = qkv, l->qkv->rows = b, l->qkv->xfmt = l->qkv->yfmt = F_BF16;
     int rc = p->dot(l->qkv, p->threads[0]);
     if (rc) return rc;
-    p->rope(qkv, b, 1, p->heads + p->kv_heads, d, l->qkv->out, p->cos, p->sin, p->cs_b, p->cs_s, qk);
+    if (l->bias) add_bias(qkv, l->bias, b, l->qkv->out);
+    const int64_t heads = p->heads + p->kv_heads;
+    const uint16_t *turned = qkv; /* what the rotary embedding reads: qkv's q and k heads, or them normed */
+    if (l->qk_norm.fn) {
+        if (l->qk_norm.fn(qkv, b * heads, d, heads, d, l->qkv->out, l->qk_norm.weight, l->qk_norm.eps,
+                          l->qk_norm.lanes, qk_normed))
+            return -2;
+        turned = qk_normed;
+    }
+    p->rope(turned, b, 1, heads, d, turned == qkv ? l->qkv->out : heads * d, p->cos, p->sin, p->cs_b, p->cs_s, qk);
     put(p, l, qk, qkv);
     if (attend(p, l, qk, a)) return -1;
     l->o->x = a, l->o->rows = b, l->o->xfmt = F_BF16;
@@ -129,7 +161,7 @@ int meshnet_decode_layers(const Pass *p, const Layer *layers, int count) {
     for (int i = 0; i < count; i++)
         if (layers[i].qkv->out > widest) widest = layers[i].qkv->out;
     const int64_t b = p->b, n = p->hidden;
-    const int64_t scratch = b * (n + widest + (p->heads + p->kv_heads) * p->d + p->heads * p->d);
+    const int64_t scratch = b * (n + widest + 2 * (p->heads + p->kv_heads) * p->d + p->heads * p->d);
     uint16_t *s = malloc(sizeof(uint16_t) * (size_t)(scratch + 2 * b * n));
     if (!s) return -1;
     uint16_t *turn[2] = {s + scratch, s + scratch + b * n};
