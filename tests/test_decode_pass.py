@@ -3,8 +3,10 @@
 The kernel makes the lean layers' own kernel calls from C. Each check runs the same positions
 with it and with ``MESHNET_DECODE_PASS=0`` (the layers one by one, on the same weights) and
 compares the logits, or a middle shard's hidden states, bit for bit: one session's steps across
-a growth of its cache, a decode batch of rows of different lengths, on one thread and on two, on
-int4 (Q4_1, Q4_K) and int8 (Q8_0) files of two families. Each also checks that the pass ran.
+a growth of its cache, a decode batch of rows of different lengths, on one thread and on two, in
+llama files of Q4_1, Q4_K and Q6_K, a qwen2 file of Q4_0 (q/k/v's bias) and a qwen3 file of Q4_1
+(its per-head q and k norm). Each also checks that the pass ran; a Gemma 3 file, whose layers are
+not lean layers, checks that it did not.
 """
 from __future__ import annotations
 

@@ -4,11 +4,12 @@ A lean layer's one-token step makes about twenty Python-level calls, and on the 
 of docs/BENCHMARKS.md they cost as much as the layer's products at SmolLM2's size (*One call a
 decode pass*). The kernel makes the same kernel calls, in the same order, on the same bytes, so
 a pass through it gives the layer-by-layer bits (``tests/test_decode_pass.py``). It takes a pass
-the layers' own kernels would all run: one new position per row, every layer a llama layer whose
-norms, products, rotary embedding and attention are on their C kernels and whose o_proj, norm and
-MLP are one call (``DotMLP.after_attention``), and a cache that keeps its keys where the
-attention reads them in place: a session's own (``GrowingLayer``) or the batch group's rows
-(``RowsStep``). Anything else answers None, and the caller runs the layers one by one.
+the layers' own kernels would all run: one new position per row, every layer a lean layer (llama,
+mistral, qwen2 with its q/k/v bias, qwen3 with its per-head q and k norm) whose norms, products,
+rotary embedding and attention are on their C kernels and whose o_proj, norm and MLP are one call
+(``DotMLP.after_attention``), and a bfloat16 cache that keeps its keys where the attention reads
+them in place: a session's own (``GrowingLayer``) or the batch group's rows (``RowsStep``).
+Anything else answers None, and the caller runs the layers one by one.
 """
 from __future__ import annotations
 
@@ -69,7 +70,8 @@ class DecodePass:
     """The kernel's view of layers ``first..last`` of a ``LeanStack`` (every one ``takes``)."""
 
     def __init__(self, layers: dict, first: int, last: int):
-        self.lib = native.library("decode")
+        needed = [native.library(name) for name in ("decode", "lean", "q8dot", "attention")]
+        self.lib = needed[0] if None not in needed else None
         self.first, self.last = first, last
         self.layers = [layers[i] for i in range(first, last + 1)]
         one = self.layers[0]
@@ -87,7 +89,8 @@ class DecodePass:
         takes, or they differ in shape, or the kernel cannot be built, or ``MESHNET_DECODE_PASS=0``
         turned it off (the layers then run one by one, as a bench's baseline)."""
         chosen = [layers.get(i) for i in range(first, last + 1)]
-        if os.environ.get("MESHNET_DECODE_PASS", "1").strip() == "0" or not chosen or any(layer is None or not takes(layer) for layer in chosen):
+        if (os.environ.get("MESHNET_DECODE_PASS", "1").strip() == "0" or not chosen
+                or any(layer is None or not takes(layer) for layer in chosen)):
             return None
         shapes = {(layer.heads, layer.kv_heads, layer.head_dim, layer.qkv.__self__.in_features,
                    layer.intermediate) for layer in chosen}
@@ -174,7 +177,8 @@ class DecodePass:
             group = cache.group
             keys = [group.keys[i] for i in range(self.first, self.last + 1)]
             values = [group.values[i] for i in range(self.first, self.last + 1)]
-            if not all(k.is_contiguous() for k in keys + values) or cache.lines.dtype != torch.int64:
+            if (not all(k.is_contiguous() and k.dtype == torch.bfloat16 for k in keys + values)
+                    or cache.lines.dtype != torch.int64):
                 return None
             return keys, values, cache.lines, cache.lo * keys[0].stride(0), cache.width, lambda: None
         layers = getattr(cache, "layers", None)
@@ -182,6 +186,6 @@ class DecodePass:
             return None
         chosen = layers[self.first:self.last + 1]
         if not all(type(layer) is GrowingLayer and layer.is_initialized and layer._keys is not None
-                   for layer in chosen):
+                   and layer._keys.dtype == torch.bfloat16 for layer in chosen):
             return None
         return GrowingLayer.appending(chosen)

@@ -277,7 +277,7 @@ class LeanStack:
         b, s, n = hidden.shape
         ropes = {kind: Rotary(*table) for kind, table in tables.items()}
         if s == 1 and len(ropes) == 1 and isinstance(attend, _KernelPass):
-            out = self._in_one_call(hidden.view(b, n), ropes, masks, cache, attend, start, end)
+            out = self._in_one_call(hidden.reshape(b, n), ropes, masks, cache, attend, start, end)
             if out is not None:
                 return out.view(b, s, n)
         x = hidden.reshape(b * s, n)  # (b * s, hidden)
