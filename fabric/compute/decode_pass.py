@@ -37,7 +37,8 @@ class _Layer(ctypes.Structure):
 
 class _Pass(ctypes.Structure):
     """kernels/decode.c's ``Pass``."""
-    _fields_ = [("norm", _PTR), ("rope", _PTR), ("dot", _PTR), ("after", _PTR), ("attend", _PTR), ("silu", _PTR),
+    _fields_ = [("norm", _PTR), ("rope", _PTR), ("dot", _PTR), ("after", _PTR), ("attend", _PTR),
+                ("add_bias", _PTR), ("silu", _PTR),
                 ("cos", _PTR), ("sin", _PTR), ("cs_b", _I64), ("cs_s", _I64), ("lines", _PTR), ("first", _I64),
                 ("sk", _I64 * 3), ("keep", _PTR), ("skeep", _I64 * 2), ("b", _I64), ("hidden", _I64),
                 ("heads", _I64), ("kv_heads", _I64), ("d", _I64), ("width", _I64), ("threads", ctypes.c_int * 5),
@@ -102,7 +103,7 @@ class DecodePass:
         a = self.args
         a.norm, a.rope = _address(lean, "meshnet_rms_norm"), _address(lean, "meshnet_rope")
         a.dot, a.after = _address(q8, "meshnet_q8dot"), _address(q8, "meshnet_q8dot_after_attention")
-        a.attend = _address(attention, "meshnet_attention")
+        a.attend, a.add_bias = _address(attention, "meshnet_attention"), _address(q8, "meshnet_q8dot_add_bias")
         a.silu = self.layers[0].mlp.table.data_ptr()
         a.heads, a.kv_heads, a.d = self.shape
         a.hidden = self.products[0].in_features

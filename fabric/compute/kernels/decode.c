@@ -56,6 +56,7 @@ typedef int (*DotFn)(const DJob *job, int threads);
 typedef int (*AfterFn)(const DJob *o, const uint16_t *x, const NormArgs *norm, const DJob *gate_up, const DJob *down,
                        const uint16_t *silu, const int threads[3]);
 typedef int (*AttendFn)(const AttnJob *job, int threads);
+typedef void (*BiasFn)(uint16_t *y, const uint16_t *bias, int64_t rows, int64_t n);
 
 typedef struct { /* one layer: its norms and products, and where its cache lies */
     NormArgs norm1, norm2;
@@ -72,6 +73,7 @@ typedef struct {
     DotFn dot;
     AfterFn after;
     AttendFn attend;
+    BiasFn add_bias;                 /* kernels/q8dot.c's meshnet_q8dot_add_bias */
     const uint16_t *silu;            /* meshnet_q8dot_after_attention's table */
     const uint16_t *cos, *sin;       /* meshnet_rope's tables and their strides */
     int64_t cs_b, cs_s;
@@ -85,26 +87,6 @@ typedef struct {
     const uint16_t *x;               /* (b, hidden) in */
     uint16_t *out;                   /* (b, hidden) out */
 } Pass;
-
-static inline float widen(uint16_t h) {
-    uint32_t bits = (uint32_t)h << 16;
-    float v;
-    memcpy(&v, &bits, 4);
-    return v;
-}
-
-static inline uint16_t narrow(float v) { /* round to nearest even, as torch's bfloat16; NaN stays NaN */
-    uint32_t bits;
-    memcpy(&bits, &v, 4);
-    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits | 0x00400000u) >> 16);
-    return (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
-}
-
-/* y (rows, n) += bias (n), each sum rounded to bfloat16: torch's bfloat16 add. */
-static void add_bias(uint16_t *y, const uint16_t *bias, int64_t rows, int64_t n) {
-    for (int64_t r = 0; r < rows; r++)
-        for (int64_t i = 0; i < n; i++) y[r * n + i] = narrow(widen(y[r * n + i]) + widen(bias[i]));
-}
 
 /* The new keys (from qk, after rotation) and values (from qkv) of each row into the cache lines. */
 static void put(const Pass *p, const Layer *l, const uint16_t *qk, const uint16_t *qkv) {
@@ -137,7 +119,7 @@ static int layer(const Pass *p, const Layer *l, const uint16_t *x, uint16_t *y, 
     l->qkv->x = normed, l->qkv->y = qkv, l->qkv->rows = b, l->qkv->xfmt = l->qkv->yfmt = F_BF16;
     int rc = p->dot(l->qkv, p->threads[0]);
     if (rc) return rc;
-    if (l->bias) add_bias(qkv, l->bias, b, l->qkv->out);
+    if (l->bias) p->add_bias(qkv, l->bias, b, l->qkv->out);
     const int64_t heads = p->heads + p->kv_heads;
     const uint16_t *turned = qkv; /* what the rotary embedding reads: qkv's q and k heads, or them normed */
     if (l->qk_norm.fn) {

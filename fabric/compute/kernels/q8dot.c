@@ -673,6 +673,12 @@ int meshnet_q8dot_mlp(const DJob *gate_up, const DJob *down, const uint16_t *sil
     return rc;
 }
 
+/* y (rows, n) += bias (n), each sum rounded to bfloat16 as torch's bfloat16 add rounds it: qwen2's
+ * q/k/v bias in kernels/decode.c's pass. */
+void meshnet_q8dot_add_bias(uint16_t *y, const uint16_t *bias, int64_t rows, int64_t n) {
+    for (int64_t r = 0; r < rows; r++) add_rows(y + r * n, y + r * n, bias, n);
+}
+
 /* kernels/lean.c's meshnet_rms_norm, handed over by address (a library of its own). */
 typedef int (*NormFn)(const uint16_t *x, int64_t rows, int64_t n, int64_t groups, int64_t x_stride, int64_t x_run,
                       const uint16_t *weight, float eps, int lanes, uint16_t *out);
