@@ -310,4 +310,7 @@ def build(weights) -> LeanStack | None:
             or any(type(layer).__name__ not in FAMILIES for layer in layers.values())):
         return None
     with torch.no_grad():  # not inference mode: the modules' weights become views of these
-        return LeanStack(config, {i: LeanLayer(layer, i) for i, layer in layers.items()})
+        stack = LeanStack(config, {i: LeanLayer(layer, i) for i, layer in layers.items()})
+    first, last = min(layers), max(layers)  # the shard's own pass: its kernel built now, not at the first step
+    stack.passes[first, last] = DecodePass.of(stack.layers, first, last)
+    return stack
