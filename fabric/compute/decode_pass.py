@@ -59,12 +59,12 @@ def takes(layer) -> bool:
     (q/k/v's with a bias or none), its norms on their kernel (a per-head q and k norm too, or
     none), and what follows attention in one call."""
     qkv, mlp, qk_norm = getattr(layer.qkv, "__self__", None), layer.mlp, layer.qk_norm
-    heads = layer.heads + layer.kv_heads
+    qk_heads = layer.heads + layer.kv_heads
     return (isinstance(qkv, DotLinear) and isinstance(mlp, DotMLP) and mlp.o is not None
             and layer.norm1.kernel is not None and layer.norm1.groups == 1
-            and qkv.out_features == (heads + layer.kv_heads) * layer.head_dim
+            and qkv.out_features == (qk_heads + layer.kv_heads) * layer.head_dim
             and (qkv.bias is None or qkv.bias.shape == (qkv.out_features,))
-            and (qk_norm is None or qk_norm.kernel is not None and qk_norm.groups == heads))
+            and (qk_norm is None or qk_norm.kernel is not None and qk_norm.groups == qk_heads))
 
 
 class DecodePass:
@@ -72,7 +72,7 @@ class DecodePass:
 
     def __init__(self, layers: dict, first: int, last: int):
         needed = [native.library(name) for name in ("decode", "lean", "q8dot", "attention")]
-        self.lib = needed[0] if None not in needed else None
+        self.lib = needed[0] if None not in needed else None  # the others: the kernels it calls
         self.first, self.last = first, last
         self.layers = [layers[i] for i in range(first, last + 1)]
         one = self.layers[0]
@@ -82,7 +82,7 @@ class DecodePass:
         self.biases: list[torch.Tensor] = []  # q/k/v's biases in bfloat16, as DotLinear adds them: read by address
         self.args = _Pass()
         if self.lib is not None:
-            self._functions()
+            self._functions(*needed[1:])
 
     @classmethod
     def of(cls, layers: dict, first: int, last: int) -> DecodePass | None:
@@ -98,8 +98,7 @@ class DecodePass:
         made = cls(layers, first, last) if len(shapes) == 1 else None
         return made if made is not None and made.lib is not None else None
 
-    def _functions(self) -> None:
-        lean, q8, attention = native.library("lean"), native.library("q8dot"), native.library("attention")
+    def _functions(self, lean: ctypes.CDLL, q8: ctypes.CDLL, attention: ctypes.CDLL) -> None:
         a = self.args
         a.norm, a.rope = _address(lean, "meshnet_rms_norm"), _address(lean, "meshnet_rope")
         a.dot, a.after = _address(q8, "meshnet_q8dot"), _address(q8, "meshnet_q8dot_after_attention")

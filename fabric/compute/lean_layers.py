@@ -276,17 +276,16 @@ class LeanStack:
         ``masks`` one per kind or one for all, ``kinds`` every layer's kind."""
         b, s, n = hidden.shape
         ropes = {kind: Rotary(*table) for kind, table in tables.items()}
+        x = hidden.reshape(b * s, n)  # (b * s, hidden)
         if s == 1 and len(ropes) == 1 and isinstance(attend, _KernelPass):
-            out = self._in_one_call(hidden.reshape(b, n), ropes, masks, cache, attend, start, end)
+            out = self._in_one_call(x, ropes, masks, cache, attend, start, end)
             if out is not None:
                 return out.view(b, s, n)
-        x = hidden.reshape(b * s, n)  # (b * s, hidden)
         for i in range(start, end + 1):
             kind = kinds[i]
             x = self.layers[i](x, b, s, ropes[kind], masks[kind] if isinstance(masks, dict) else masks, cache,
                                attend)
         return x.view(b, s, n)
-
 
     def _in_one_call(self, x: torch.Tensor, ropes: dict, masks, cache, attend, start: int,
                      end: int) -> torch.Tensor | None:

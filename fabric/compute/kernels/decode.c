@@ -120,15 +120,16 @@ static int layer(const Pass *p, const Layer *l, const uint16_t *x, uint16_t *y, 
     int rc = p->dot(l->qkv, p->threads[0]);
     if (rc) return rc;
     if (l->bias) p->add_bias(qkv, l->bias, b, l->qkv->out);
-    const int64_t heads = p->heads + p->kv_heads;
+    const int64_t qk_heads = p->heads + p->kv_heads;
     const uint16_t *turned = qkv; /* what the rotary embedding reads: qkv's q and k heads, or them normed */
     if (l->qk_norm.fn) {
-        if (l->qk_norm.fn(qkv, b * heads, d, heads, d, l->qkv->out, l->qk_norm.weight, l->qk_norm.eps,
+        if (l->qk_norm.fn(qkv, b * qk_heads, d, qk_heads, d, l->qkv->out, l->qk_norm.weight, l->qk_norm.eps,
                           l->qk_norm.lanes, qk_normed))
             return -2;
         turned = qk_normed;
     }
-    p->rope(turned, b, 1, heads, d, turned == qkv ? l->qkv->out : heads * d, p->cos, p->sin, p->cs_b, p->cs_s, qk);
+    const int64_t row = turned == qkv ? l->qkv->out : qk_heads * d;
+    p->rope(turned, b, 1, qk_heads, d, row, p->cos, p->sin, p->cs_b, p->cs_s, qk);
     put(p, l, qk, qkv);
     if (attend(p, l, qk, a)) return -1;
     l->o->x = a, l->o->rows = b, l->o->xfmt = F_BF16;
@@ -139,11 +140,8 @@ static int layer(const Pass *p, const Layer *l, const uint16_t *x, uint16_t *y, 
 /* The pass over `count` layers: p->x in, p->out out. Returns 0, or the first failing call's code
  * (-1: no memory, -2: a width the norm does not take). */
 int meshnet_decode_layers(const Pass *p, const Layer *layers, int count) {
-    int64_t widest = 0;
-    for (int i = 0; i < count; i++)
-        if (layers[i].qkv->out > widest) widest = layers[i].qkv->out;
-    const int64_t b = p->b, n = p->hidden;
-    const int64_t scratch = b * (n + widest + 2 * (p->heads + p->kv_heads) * p->d + p->heads * p->d);
+    const int64_t b = p->b, n = p->hidden, qkv = (p->heads + 2 * p->kv_heads) * p->d; /* every layer's q/k/v */
+    const int64_t scratch = b * (n + qkv + 2 * (p->heads + p->kv_heads) * p->d + p->heads * p->d);
     uint16_t *s = malloc(sizeof(uint16_t) * (size_t)(scratch + 2 * b * n));
     if (!s) return -1;
     uint16_t *turn[2] = {s + scratch, s + scratch + b * n};
