@@ -45,8 +45,7 @@ class GrowingLayer(DynamicLayer):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         n, q = self.get_seq_length(), key_states.shape[-2]
-        if self._keys is None or n + q > self._keys.shape[-2]:
-            self._grow(room(n + q, 0 if self._keys is None else self._keys.shape[-2]), key_states, value_states)
+        self._room(n + q, key_states, value_states)
         self._keys[:, :, n:n + q] = key_states
         self._values[:, :, n:n + q] = value_states
         self.keys, self.values = self._keys[:, :, :n + q], self._values[:, :, :n + q]
@@ -55,9 +54,13 @@ class GrowingLayer(DynamicLayer):
     def make_room(self, q: int) -> int:
         """Room for ``q`` more positions, as ``update`` makes it; returns the positions held."""
         n = self.get_seq_length()
-        if n + q > self._keys.shape[-2]:
-            self._grow(room(n + q, self._keys.shape[-2]), self._keys, self._values)
+        self._room(n + q, self._keys, self._values)
         return n
+
+    def _room(self, positions: int, like_keys: torch.Tensor, like_values: torch.Tensor) -> None:
+        """A buffer of at least ``positions`` (grown with room to spare, shaped like ``like_*``)."""
+        if self._keys is None or positions > self._keys.shape[-2]:
+            self._grow(room(positions, 0 if self._keys is None else self._keys.shape[-2]), like_keys, like_values)
 
     @staticmethod
     def appending(layers: list[GrowingLayer]) -> tuple | None:
