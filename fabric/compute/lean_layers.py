@@ -287,13 +287,17 @@ class LeanStack:
                                attend)
         return x.view(b, s, n)
 
+    def decode_pass(self, start: int, end: int) -> DecodePass | None:
+        """Layers start..end's pass in one kernel call (made once), or None where none is taken."""
+        if (start, end) not in self.passes:
+            self.passes[start, end] = DecodePass.of(self.layers, start, end)
+        return self.passes[start, end]
+
     def _in_one_call(self, x: torch.Tensor, ropes: dict, masks, cache, attend, start: int,
                      end: int) -> torch.Tensor | None:
         """A decode pass (x (b, hidden), one kind of layer) in one kernel call where
         ``fabric.compute.decode_pass`` takes it; else None."""
-        if (start, end) not in self.passes:
-            self.passes[start, end] = DecodePass.of(self.layers, start, end)
-        fast = self.passes[start, end]
+        fast = self.decode_pass(start, end)
         if fast is None:
             return None
         (kind, rope), = ropes.items()
@@ -310,6 +314,5 @@ def build(weights) -> LeanStack | None:
         return None
     with torch.no_grad():  # not inference mode: the modules' weights become views of these
         stack = LeanStack(config, {i: LeanLayer(layer, i) for i, layer in layers.items()})
-    first, last = min(layers), max(layers)  # the shard's own pass: its kernel built now, not at the first step
-    stack.passes[first, last] = DecodePass.of(stack.layers, first, last)
+    stack.decode_pass(min(layers), max(layers))  # the shard's own pass: its kernel built now, not at the first step
     return stack
