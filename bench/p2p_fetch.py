@@ -8,10 +8,13 @@ the inter-token latency of a stream on the serving node while it serves a fetch.
 
 Starts a tracker and one node holding the whole file (``python -m fabric.cli ...``), then:
 
-1. fetch rate: ``fetch_layers`` (what ``meshnet pull MODEL --layers A-B --tracker T`` runs)
-   into an empty directory, timed from the tracker's answer to the renamed file, against
-   ``cp`` of the whole file (both read a file the page cache holds), alternated; the median of
-   ``--rounds`` (five) of each, printed as bytes/s and their ratio (target >= 0.5x). Beside them, what bounds
+1. fetch rate: ``fetch_layers`` as a node without the file runs it (``meshnet node --model ID
+   --layers A-B --tracker T``) into an empty directory, timed from the call (the tracker's
+   answer included) to the renamed file the node serves from (its bytes reach the disk after,
+   as a ``cp``'s do), against ``cp`` of the whole file (both read a file the page cache holds),
+   alternated; the median of ``--rounds`` (five) of each, printed as bytes/s and their ratio
+   (target >= 0.5x). Then the same fetch until its bytes are on disk too (``fdatasync``: what
+   ``meshnet pull MODEL --layers A-B --tracker T`` waits for). Beside them, what bounds
    the fetch on this machine: the CPU seconds the fetching process and the serving node
    spent per fetch, the same bytes through a bare ZeroMQ DEALER/ROUTER pair between two
    processes (4 MiB messages, 16 in flight, nothing hashed or written: the transport's
@@ -80,11 +83,12 @@ def wait_ready(tracker: str, model_id: str) -> None:
         raise SystemExit("the node did not come up; see its log")
 
 
-def fetch_rate(tracker: str, model_id: str, layers: str | None, tmp: Path) -> tuple[int, float]:
-    """(bytes, seconds) of one fetch into an empty directory."""
+def fetch_rate(tracker: str, model_id: str, layers: str | None, tmp: Path, durable: bool = False) -> tuple[int, float]:
+    """(bytes, seconds) of one fetch into an empty directory: until a node could serve from it
+    (``durable``: until its bytes are on disk, as ``meshnet pull`` waits)."""
     target = Path(tempfile.mkdtemp(dir=tmp))
     began = time.perf_counter()
-    path = fetch_layers(model_id, layers, tracker, None, target, progress=False, say=lambda _: None)
+    path = fetch_layers(model_id, layers, tracker, None, target, progress=False, say=lambda _: None, durable=durable)
     took = time.perf_counter() - began
     size = path.stat().st_size
     shutil.rmtree(target)
@@ -104,7 +108,7 @@ fetch_layers(model, layers, tracker, None, warm, progress=False, say=lambda _: N
 shutil.rmtree(warm)
 target, t, n = Path(tempfile.mkdtemp(dir=tmp)), time.process_time(), node_cpu()
 began = time.perf_counter()
-path = fetch_layers(model, layers, tracker, None, target, progress=False, say=lambda _: None)
+path = fetch_layers(model, layers, tracker, None, target, progress=False, say=lambda _: None, durable=False)
 took, t2 = time.perf_counter() - began, time.process_time()
 print(took, t2 - t, node_cpu() - n, path.stat().st_size)
 shutil.rmtree(target)
@@ -293,18 +297,20 @@ def main() -> None:
             fetch_layers(args.model_id, args.layers, tracker, None, tmp / "warm", progress=False, say=lambda _: None)
             shutil.rmtree(tmp / "warm")  # a first fetch: the node's manifest and page cache are warm after it
             node = node_pid[0]
-            runs, cpu, copies = [], [], []
+            runs, cpu, copies, synced = [], [], [], []
             for _ in range(args.rounds):  # a fetch, then a cp: alternated, so a busy machine's drift falls on both
                 mine, its = cpu_seconds(), cpu_seconds(node)
                 runs.append(fetch_rate(tracker, args.model_id, args.layers, tmp))
                 cpu.append((cpu_seconds() - mine, cpu_seconds(node) - its))
                 copies.append(copy_rate(source.path, tmp))
+                synced.append(fetch_rate(tracker, args.model_id, args.layers, tmp, durable=True)[1])
             size, took = runs[0][0], statistics.median(t for _, t in runs)
             csize, ctook = copies[0][0], statistics.median(t for _, t in copies)
             bare, sha = zmq_ceiling(source.path, size), sha256_seconds(source.path, size)
             whole = source.path.stat().st_size
             print(f"fetch of layers {args.layers}: {size:,} bytes in {took:.3f} s = {size / took / 1e6:.1f} MB/s "
                   f"(the file: {whole:,} bytes, {size / whole:.2f} of it; runs {', '.join(f'{t:.3f}' for _, t in runs)} s)")
+            print(f"  until its bytes are on disk too (what meshnet pull waits for): {statistics.median(synced):.3f} s")
             print(f"  CPU per fetch: fetcher {statistics.median(c for c, _ in cpu):.3f} s, serving node "
                   f"{statistics.median(c for _, c in cpu):.3f} s")
             print(f"cp of the whole file: {csize:,} bytes in {ctook:.3f} s = {csize / ctook / 1e6:.1f} MB/s")

@@ -68,7 +68,7 @@ def from_peers(args) -> None:
     try:
         path = fetch_layers(args.model, args.layers, args.tracker, security, peers_dir(),
                             progress=not args.no_progress, say=log.info, node=lambda shard: _node_id(args, shard),
-                            assign=assign)
+                            assign=assign, durable=False)  # it serves from the page cache while the disk catches up
     except NoHolders as exc:  # as unknown as before: a usage error
         raise CommandError(f"{why}; nor does a peer serve it: {exc}", 2) from None
     except FetchError as exc:

@@ -10,6 +10,13 @@ tensor written into its slot, and a journal (``NAME.part.done``) names every ite
 bytes were verified. A restarted fetch that finds the same layout hashes the journal's
 items again (local reads: fast), keeps those that still verify, and fetches the rest. The
 file is renamed to NAME once every item verified.
+
+A node serves from the page cache, as ``cp`` leaves a file: it need not wait for the disk. So
+a node's fetch renames the file at once and a thread writes it to disk (``fdatasync``) while
+the node loads and serves; until that ends, the journal stands beside the file as
+``NAME.unsynced``. A copy found with that marker (the process ended before its bytes reached
+the disk: a crash may have lost some) is not trusted as it stands: the next fetch takes it
+back as a ``.part`` and hashes its items again. ``meshnet pull`` waits for the disk.
 """
 from __future__ import annotations
 
@@ -21,6 +28,7 @@ import logging
 import os
 import struct
 import sys
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -96,12 +104,17 @@ class PartialFile:
         self.target, self.plan = target, plan
         self.part = target.with_name(target.name + ".part")
         self.journal = target.with_name(target.name + ".part.done")
+        self.unsynced = unsynced_marker(target)
+        self.syncing: threading.Thread | None = None  # the write to disk after a finish that did not wait for it
         self.done: set[str] = set()
         self.fd = -1
         self._journal = None  # the journal, open for appending once an item verified
 
     def open(self) -> int:
         """Open (resuming where a layout matches) and return the bytes already verified."""
+        if self.unsynced.exists() and self.target.exists():  # finished, but maybe not all on disk: resume it
+            self.target.replace(self.part)
+            self.unsynced.replace(self.journal)
         resumable = self.part.is_file() and self.part.stat().st_size == self.plan.size and self._header_matches()
         if not resumable:
             self.journal.unlink(missing_ok=True)
@@ -151,7 +164,7 @@ class PartialFile:
 
     def write_back(self, slot: Slot) -> None:
         """Start writing ``slot``'s bytes to disk now, without waiting (``sync_file_range``, where
-        the C library has it): the ``fdatasync`` that ``finish`` takes then waits for less."""
+        the C library has it): the ``fdatasync`` that a durable ``finish`` takes then waits for less."""
         call = _libc_call("sync_file_range", ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint)
         if call is not None:
             call(self.fd, slot.offset, slot.nbytes, _SYNC_FILE_RANGE_WRITE)
@@ -168,23 +181,58 @@ class PartialFile:
         self._journal.write(slot.name + "\n")
         self._journal.flush()
 
-    def finish(self) -> Path:
-        """Every slot verified: the ``.part`` becomes the file, its bytes on disk first (a finished
-        copy is trusted at the next start without hashing; fdatasync: the size was set when the
-        ``.part`` was made)."""
-        os.fdatasync(self.fd)
-        self.close()
+    def finish(self, durable: bool = True) -> Path:
+        """Every slot verified: the ``.part`` becomes the file. ``durable``: its bytes on disk first
+        (a finished copy is trusted at the next start without hashing; fdatasync: the size was set
+        when the ``.part`` was made); else renamed now, with its journal as the ``.unsynced``
+        marker until a thread has them on disk (``wait_synced``)."""
+        if durable:
+            os.fdatasync(self.fd)
+            self.close()
+            self.part.replace(self.target)
+            self.journal.unlink(missing_ok=True)
+            return self.target
+        self._close_journal()
+        self.journal.touch()
+        self.journal.replace(self.unsynced)  # first: a crash that keeps the rename below keeps the marker too
         self.part.replace(self.target)
-        self.journal.unlink(missing_ok=True)
+        fd, self.fd = self.fd, -1
+        self.syncing = threading.Thread(target=_sync_then_unmark, args=(fd, self.unsynced), daemon=True,
+                                        name="partial-sync")
+        self.syncing.start()
         return self.target
 
+    def wait_synced(self) -> None:
+        """Until a finish that did not wait has the file's bytes on disk."""
+        if self.syncing is not None:
+            self.syncing.join()
+
     def close(self) -> None:
-        if self._journal is not None:
-            self._journal.close()
-            self._journal = None
+        self._close_journal()
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
+
+
+    def _close_journal(self) -> None:
+        if self._journal is not None:
+            self._journal.close()
+            self._journal = None
+
+
+def unsynced_marker(path: Path) -> Path:
+    """Beside a finished partial copy while its bytes may not all be on disk yet."""
+    return path.with_name(path.name + ".unsynced")
+
+
+def _sync_then_unmark(fd: int, marker: Path) -> None:
+    try:
+        os.fdatasync(fd)
+        marker.unlink(missing_ok=True)
+    except OSError as exc:  # the disk failed: the marker stays, and the next start hashes the copy again
+        log.warning("could not write %s to disk: %s", marker.name.removesuffix(".unsynced"), exc)
+    finally:
+        os.close(fd)
 
 
 def _reserve(fd: int, size: int) -> None:
@@ -236,7 +284,7 @@ def find_partial(directory: Path, model_id: str, start: int, end: int) -> Path |
             first, last = int(a), int(b)
         except ValueError:
             continue
-        if first <= start and end <= last:
+        if first <= start and end <= last and not unsynced_marker(path).exists():
             return path
     return None
 

@@ -73,8 +73,10 @@ class Peer:
 class Fetcher:
     """One fetch: its peers' sockets, the partial file, and what is in flight where."""
 
-    def __init__(self, model: str, holders: list[Holder], security: Security | None, progress=None):
+    def __init__(self, model: str, holders: list[Holder], security: Security | None, progress=None,
+                 durable: bool = True):
         self.model, self.security = model, security
+        self.durable = durable  # the finished file's bytes on disk before ``run`` returns (else after)
         self.ctx = zmq.Context.instance()
         self.poller = zmq.Poller()
         self.peers: list[Peer] = []
@@ -190,7 +192,7 @@ class Fetcher:
             free = shutil.disk_usage(target.parent).free
             raise FetchError(f"not enough disk space in {target.parent} for layers {shard} of {self.model}: the copy "
                              f"takes {plan.size / (1 << 20):,.0f} MiB, {free / (1 << 20):,.0f} MiB are free") from None
-        self.store = Store(self.part)
+        self.store = Store(self.part, write_back=self.durable)
         self.poller.register(self.store.wake, zmq.POLLIN)
         # the largest first: its sha256, taken in order on one store thread, runs beside all the rest
         self.queue.extend(sorted(self.part.missing(), key=lambda slot: -slot.nbytes))
@@ -213,7 +215,7 @@ class Fetcher:
             if self.reporter is not None:
                 self.reporter.progress(self.verified, self.bad)
         self.store.close()  # every item was judged: nothing is left to write
-        return self.part.finish()
+        return self.part.finish(self.durable)
 
     def _drain(self, peer: Peer) -> None:
         """Every answer waiting from ``peer`` (its socket may close meanwhile: left out)."""

@@ -36,18 +36,19 @@ def local_copy(directory: Path, model: str, layers: str | None) -> Path | None:
 def fetch_layers(model: str, layers: str | None, tracker: str, security: Security | None, directory: Path,
                  progress: bool = True, say: Callable[[str], None] = print,
                  node: Callable[[Shard], str] = lambda shard: "",
-                 assign: Callable[[FileManifest], str] | None = None) -> Path:
+                 assign: Callable[[FileManifest], str] | None = None, durable: bool = True) -> Path:
     """A partial GGUF of ``model`` holding ``layers`` (all: None; ``assign``'s answer from the
     manifest where given) in ``directory``: the one here, or one fetched from the nodes the
     tracker lists for it, reported to the tracker as it goes under ``node``'s answer (the id of
     the node that will serve the shard once its span is known, "" for a pull). FetchError (one
-    line; NoHolders where no node serves it) otherwise."""
+    line; NoHolders where no node serves it) otherwise. ``durable``: the copy's bytes are on
+    disk when it returns; else a thread writes them there after (a node serves meanwhile)."""
     found = local_copy(directory, model, layers)
     if found is not None:
         say(f"layers {layers} of {model} are here already: {found}")
         return found
     holders = _holders(model, tracker, security, say)
-    fetcher = Fetcher(model, holders, security)
+    fetcher = Fetcher(model, holders, security, durable=durable)
     fetcher.reporter = reporter = FetchReporter(tracker, security, model)
     error = ""
     try:

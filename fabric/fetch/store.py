@@ -4,8 +4,10 @@ The fetch is bound by CPU: sha256 of every byte, a write into the page cache, an
 copies, on the fetching machine's cores. The loop that receives chunks and keeps each peer's
 window of requests full hands every chunk to one thread of its own (:class:`Store`), which
 hashes and writes it (both release the GIL) while the loop goes on receiving; that thread also
-judges each finished item against its sha256 and starts the write-back of a verified one to
-disk, so that the finished file's one ``fdatasync`` has little left to wait for.
+judges each finished item against its sha256 and, for a fetch that waits for the disk
+(``meshnet pull``), starts the write-back of a verified one, so that the finished file's one
+``fdatasync`` has little left to wait for (a node's fetch leaves that to the thread that syncs
+the file after: it costs CPU the fetch needs).
 
 Where the machine has cores to spare, several such threads (``store_threads``): sha256 runs at
 1.5-2 GB/s on one core, under what a local copy moves. A slot's bytes go to the thread with
@@ -75,8 +77,8 @@ class Item:
 class Store:
     """The threads that hash and write one fetch's chunks, and judge its finished items."""
 
-    def __init__(self, part: PartialFile, threads: int | None = None):
-        self.part = part
+    def __init__(self, part: PartialFile, threads: int | None = None, write_back: bool = True):
+        self.part, self.write_back = part, write_back
         n = threads or store_threads()
         self.jobs = [queue.SimpleQueue() for _ in range(n)]  # (item, offset, data); data None: judge; None: stop
         self.handed = [0] * n  # bytes handed to each thread (the loop's) ...
@@ -118,7 +120,7 @@ class Store:
                     self.stored[lane] += len(data)
                     continue
                 ok = item.verified(self.part)
-                if ok:
+                if ok and self.write_back:
                     self.part.write_back(item.slot)
                 self._tell(item, ok)
             except OSError as exc:  # the disk: full, gone; the loop raises it
