@@ -92,6 +92,7 @@ def fetch_rate(tracker: str, model_id: str, layers: str | None, tmp: Path, durab
     took = time.perf_counter() - began
     size = path.stat().st_size
     shutil.rmtree(target)
+    os.sync()  # the next measurement starts with nothing left to write back (the node's fetch syncs after)
     return size, took
 
 
@@ -209,6 +210,7 @@ def copy_rate(source: Path, tmp: Path) -> tuple[int, float]:
     subprocess.run(["cp", str(source), str(target)], check=True)
     took = time.perf_counter() - began
     target.unlink()
+    os.sync()
     return source.stat().st_size, took
 
 
