@@ -97,22 +97,25 @@ def fetch_rate(tracker: str, model_id: str, layers: str | None, tmp: Path, durab
 
 
 FETCH_ONCE = """
-import os, shutil, sys, tempfile, time
+import inspect, os, shutil, sys, tempfile, time
 from pathlib import Path
 sys.path.insert(0, sys.argv[1])
 from fabric.fetch.pull import fetch_layers
+node_path = {"durable": False} if "durable" in inspect.signature(fetch_layers).parameters else {}  # an older checkout syncs
 tracker, model, layers, tmp, node = sys.argv[2], sys.argv[3], sys.argv[4], sys.argv[5], sys.argv[6]
 def node_cpu():
     return time.clock_gettime((~int(node) << 3) | 2)  # the process's CPU clock (Linux's encoding), every thread
 warm = Path(tempfile.mkdtemp(dir=tmp))
 fetch_layers(model, layers, tracker, None, warm, progress=False, say=lambda _: None)
 shutil.rmtree(warm)
+os.sync()
 target, t, n = Path(tempfile.mkdtemp(dir=tmp)), time.process_time(), node_cpu()
 began = time.perf_counter()
-path = fetch_layers(model, layers, tracker, None, target, progress=False, say=lambda _: None, durable=False)
+path = fetch_layers(model, layers, tracker, None, target, progress=False, say=lambda _: None, **node_path)
 took, t2 = time.perf_counter() - began, time.process_time()
 print(took, t2 - t, node_cpu() - n, path.stat().st_size)
 shutil.rmtree(target)
+os.sync()  # the next measurement starts with nothing left to write back
 """
 
 
