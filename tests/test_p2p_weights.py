@@ -136,6 +136,9 @@ def test_a_copy_renamed_before_its_bytes_reached_the_disk_is_hashed_again_before
         f.seek(damaged.offset)
         f.write(b"\0\0\0\0")
     assert find_partial(tmp_path, MODEL, 3, 5) is None  # not trusted as it stands
+    (tmp_path / "models").mkdir()
+    (tmp_path / "models" / PEERS_DIR).symlink_to(tmp_path)
+    assert "hashed again before use" in format_inventory(inventory(tmp_path / "models"))
     again = PartialFile(target, part.plan)
     assert again.open() == sum(s.nbytes for s in part.plan.slots if s is not damaged)
     assert [s.name for s in again.missing()] == [damaged.name]

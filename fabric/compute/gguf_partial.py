@@ -304,4 +304,4 @@ def describe_partial(path: Path) -> dict | None:
     total = manifest.num_layers
     return {"name": meta.get(MODEL_KEY) or path.name, "path": str(path), "bytes": path.stat().st_size,
             "num_layers": total, "layers": [[first, last]], "complete": (first, last) == (0, total - 1),
-            "manifest": manifest.digest}
+            "manifest": manifest.digest, "synced": not unsynced_marker(path).exists()}

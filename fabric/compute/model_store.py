@@ -373,6 +373,7 @@ def format_inventory(inv: dict) -> str:
         lines += ["", "fetched from peers (layer ranges of GGUF files; --model MODEL --layers A-B finds them):",
                   f"{'MODEL':<40} {'LAYERS':<16} {'SIZE':>10}  WHERE"]
         lines += [f"{e['name']:<40} {_layers_text(e):<16} {human_size(e['bytes']):>10}  {e['path']}"
+                  + ("" if e.get("synced", True) else "  (not known to be on disk yet: hashed again before use)")
                   for e in inv["from_peers"]]
     lines += ["", f"pulled into {inv['directory']}:"]
     if not inv["pulled"]:
