@@ -191,6 +191,7 @@ class PartialFile:
             self.close()
             self.part.replace(self.target)
             self.journal.unlink(missing_ok=True)
+            self.unsynced.unlink(missing_ok=True)  # one left by a copy since deleted would hide this one
             return self.target
         self._close_journal()
         self.journal.touch()
@@ -212,7 +213,6 @@ class PartialFile:
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
-
 
     def _close_journal(self) -> None:
         if self._journal is not None:
