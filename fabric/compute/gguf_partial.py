@@ -198,7 +198,7 @@ class PartialFile:
         self.journal.replace(self.unsynced)  # first: a crash that keeps the rename below keeps the marker too
         self.part.replace(self.target)
         fd, self.fd = self.fd, -1
-        self.syncing = threading.Thread(target=_sync_then_unmark, args=(fd, self.unsynced), daemon=True,
+        self.syncing = threading.Thread(target=_sync_then_unmark, args=(fd, self.target), daemon=True,
                                         name="partial-sync")
         self.syncing.start()
         return self.target
@@ -225,12 +225,12 @@ def unsynced_marker(path: Path) -> Path:
     return path.with_name(path.name + ".unsynced")
 
 
-def _sync_then_unmark(fd: int, marker: Path) -> None:
+def _sync_then_unmark(fd: int, target: Path) -> None:
     try:
         os.fdatasync(fd)
-        marker.unlink(missing_ok=True)
+        unsynced_marker(target).unlink(missing_ok=True)
     except OSError as exc:  # the disk failed: the marker stays, and the next start hashes the copy again
-        log.warning("could not write %s to disk: %s", marker.name.removesuffix(".unsynced"), exc)
+        log.warning("could not write %s to disk: %s", target.name, exc)
     finally:
         os.close(fd)
 
