@@ -122,28 +122,29 @@ def test_a_copy_renamed_before_its_bytes_reached_the_disk_is_hashed_again_before
     from fabric.compute.gguf_partial import find_partial, unsynced_marker
 
     shard = Shard(3, 5, LAYERS)
-    target = tmp_path / partial_name(MODEL, "0" * 8, shard)
+    peers = tmp_path / "models" / PEERS_DIR
+    peers.mkdir(parents=True)
+    target = peers / partial_name(MODEL, "0" * 8, shard)
     part = copy_partial(model_file, shard, target)
     for slot in part.plan.slots:
         part.mark_done(slot)
     assert part.finish(durable=False) == target and target.is_file() and not part.part.exists()
     part.wait_synced()
-    assert not unsynced_marker(target).exists() and find_partial(tmp_path, MODEL, 3, 5) == target
+    assert not unsynced_marker(target).exists() and find_partial(peers, MODEL, 3, 5) == target
 
     unsynced_marker(target).write_text("".join(f"{s.name}\n" for s in part.plan.slots))  # as after a crash
     damaged = part.plan.slots[3]
     with open(target, "r+b") as f:
         f.seek(damaged.offset)
         f.write(b"\0\0\0\0")
-    assert find_partial(tmp_path, MODEL, 3, 5) is None  # not trusted as it stands
-    (tmp_path / "models").mkdir()
-    (tmp_path / "models" / PEERS_DIR).symlink_to(tmp_path)
+    assert find_partial(peers, MODEL, 3, 5) is None  # not trusted as it stands
     assert "hashed again before use" in format_inventory(inventory(tmp_path / "models"))
     again = PartialFile(target, part.plan)
     assert again.open() == sum(s.nbytes for s in part.plan.slots if s is not damaged)
     assert [s.name for s in again.missing()] == [damaged.name]
     assert again.part.is_file() and not target.exists() and not unsynced_marker(target).exists()
     again.close()
+
 
 def test_a_new_partial_file_holds_its_blocks_before_a_byte_arrives(model_file, tmp_path):
     """The ``.part`` is allocated whole when it is made (a disk too small fails then), not sparse."""
