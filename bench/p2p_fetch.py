@@ -18,7 +18,8 @@ Starts a tracker and one node holding the whole file (``python -m fabric.cli ...
    the fetch on this machine: the CPU seconds the fetching process and the serving node
    spent per fetch, the same bytes through a bare ZeroMQ DEALER/ROUTER pair between two
    processes (4 MiB messages, 16 in flight, nothing hashed or written: the transport's
-   ceiling), and sha256 over the bytes in one thread;
+   ceiling), and the manifest's hash (BLAKE3) over the bytes in one thread, as a fetch's store
+   thread takes it;
 2. ITL: one greedy stream of ``--itl-tokens`` tokens on that node alone, then the same stream
    while fetches of every layer run back to back against it from another process (its cap
    ``--itl-share-mbps``):
@@ -30,7 +31,6 @@ Starts a tracker and one node holding the whole file (``python -m fabric.cli ...
 from __future__ import annotations
 
 import argparse
-import hashlib
 import multiprocessing
 import os
 import shutil
@@ -47,6 +47,7 @@ sys.path.insert(0, str(REPO))
 from fabric import Client  # noqa: E402
 from fabric.cli.supervision import stop_processes  # noqa: E402
 from fabric.compute.gguf_info import read_header  # noqa: E402
+from fabric.compute.gguf_manifest import item_hasher  # noqa: E402
 from fabric.compute.models import resolve  # noqa: E402
 from fabric.fetch.pull import fetch_layers  # noqa: E402
 from tests.support import free_port, wait_for  # noqa: E402
@@ -198,10 +199,12 @@ def zmq_ceiling(path: Path, nbytes: int, chunk: int = 4 << 20, window: int = 16,
     return statistics.median(times[1:])
 
 
-def sha256_seconds(path: Path, nbytes: int) -> float:
+def hash_seconds(path: Path, nbytes: int) -> float:
     data = path.read_bytes()[:nbytes]
     began = time.perf_counter()
-    hashlib.sha256(data).digest()
+    hasher = item_hasher()
+    hasher.update(data)
+    hasher.digest()
     return time.perf_counter() - began
 
 
@@ -311,7 +314,7 @@ def main() -> None:
                 synced.append(fetch_rate(tracker, args.model_id, args.layers, tmp, durable=True)[1])
             size, took = runs[0][0], statistics.median(t for _, t in runs)
             csize, ctook = copies[0][0], statistics.median(t for _, t in copies)
-            bare, sha = zmq_ceiling(source.path, size), sha256_seconds(source.path, size)
+            bare, sha = zmq_ceiling(source.path, size), hash_seconds(source.path, size)
             whole = source.path.stat().st_size
             print(f"fetch of layers {args.layers}: {size:,} bytes in {took:.3f} s = {size / took / 1e6:.1f} MB/s "
                   f"(the file: {whole:,} bytes, {size / whole:.2f} of it; runs {', '.join(f'{t:.3f}' for _, t in runs)} s)")
@@ -320,7 +323,7 @@ def main() -> None:
                   f"{statistics.median(c for _, c in cpu):.3f} s")
             print(f"cp of the whole file: {csize:,} bytes in {ctook:.3f} s = {csize / ctook / 1e6:.1f} MB/s")
             print(f"bare ZeroMQ pair, the same bytes: {bare:.3f} s = {size / bare / 1e6:.1f} MB/s; "
-                  f"sha256 of them, one thread: {sha:.3f} s = {size / sha / 1e6:.1f} MB/s")
+                  f"BLAKE3 of them, one thread: {sha:.3f} s = {size / sha / 1e6:.1f} MB/s")
             print(f"fetch rate / cp rate: {(size / took) / (csize / ctook):.2f}x (target >= 0.5x); "
                   f"fetch / bare ZeroMQ: {(size / took) / (size / bare):.2f}x")
         run_node(args, tmp / "rate", args.share_mbps, (lambda t: compare(args, t, tmp / "rate")) if args.other else rate)

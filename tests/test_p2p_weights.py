@@ -48,10 +48,10 @@ def model_file(tmp_path_factory) -> Path:
     return write_gguf("llama", tmp_path_factory.mktemp("holder"), "Q8_0", num_layers=LAYERS, name=f"{MODEL}.gguf")
 
 
-def copy_partial(source: Path, shard: Shard, target: Path, flip: str = "") -> PartialFile:
-    """A partial copy of ``shard`` made from ``source`` on this machine (tensor ``flip`` with one bit flipped)."""
-    manifest = compute_manifest(source)
-    part = PartialFile(target, layout(manifest, shard, MODEL))
+def copy_partial(source: Path, shard: Shard, target: Path, flip: str = "", manifest=None) -> PartialFile:
+    """A partial copy of ``shard`` made from ``source`` on this machine (tensor ``flip`` with one bit
+    flipped; ``manifest`` where it is not the source's own)."""
+    part = PartialFile(target, layout(manifest or compute_manifest(source), shard, MODEL))
     part.open()
     offsets = {t.name: t.offset for t in read_header(source).tensors}
     with open(source, "rb") as f:
@@ -144,6 +144,42 @@ def test_a_copy_renamed_before_its_bytes_reached_the_disk_is_hashed_again_before
     assert [s.name for s in again.missing()] == [damaged.name]
     assert again.part.is_file() and not target.exists() and not unsynced_marker(target).exists()
     again.close()
+
+
+def test_a_copy_an_older_meshnet_made_is_listed_as_such_never_loaded_and_fetched_again(model_file, tmp_path):
+    """Format 1 of the manifest named each item's sha256; a copy carrying one cannot prove the
+    fingerprint today's nodes register, so it is passed over (and its layers fetched again),
+    named as outdated by ``meshnet models``, and loading it directly says what to do."""
+    import hashlib
+    import json
+
+    import blake3
+
+    from fabric.compute.gguf_manifest import MANIFEST_KEY
+    from fabric.compute.gguf_partial import find_partial
+    from fabric.compute.model_ref import ModelError
+
+    manifest = compute_manifest(model_file)
+    tensor = read_header(model_file).tensors[0]
+    with open(model_file, "rb") as f:
+        f.seek(tensor.offset)
+        data = f.read(tensor.nbytes)
+    assert manifest.find(tensor.name).blake3 == blake3.blake3(data).hexdigest()  # the format PROTOCOL.md names
+
+    shard, peers = Shard(3, 5, LAYERS), tmp_path / "models" / PEERS_DIR
+    peers.mkdir(parents=True)
+    old = manifest.to_json() | {"format": "meshnet-gguf-manifest/1", "kv_sha256": hashlib.sha256(b"kv").hexdigest()}
+    del old["kv_blake3"]
+    old["tensors"] = [{k: v for k, v in t.items() if k != "blake3"} | {"sha256": t["blake3"]} for t in old["tensors"]]
+    manifest.__dict__["_canonical"] = json.dumps(old, sort_keys=True).encode()  # as format 1 wrote it
+    target = peers / partial_name(MODEL, "0" * 8, shard)
+    copy_partial(model_file, shard, target, manifest=manifest).finish()
+    assert json.loads(read_header(target).metadata[MANIFEST_KEY])["format"] == "meshnet-gguf-manifest/1"
+
+    assert find_partial(peers, MODEL, 3, 5) is None
+    assert "made by an older meshnet" in format_inventory(inventory(tmp_path / "models"))
+    with pytest.raises(ModelError, match="fetched by an older meshnet .*fetch its layers again"):
+        manifest_for(target)
 
 
 def test_a_new_partial_file_holds_its_blocks_before_a_byte_arrives(model_file, tmp_path):

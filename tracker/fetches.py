@@ -57,7 +57,7 @@ class Fetches:
         for peer in msg.bad_peers:
             if peer not in row.bad and len(row.bad) < MAX_BAD_PEERS:
                 row.bad.append(peer)
-                self._event(msg, f"{peer} sent bytes of {msg.model} that do not match its manifest's sha256 "
+                self._event(msg, f"{peer} sent bytes of {msg.model} that do not match its manifest "
                                  f"({_who(msg)}); left out, the fetch goes on from other peers",
                             "bad_bytes", node=peer)
         if msg.final:

@@ -40,7 +40,7 @@ from .gguf_manifest import (
     MANIFEST_KEY,
     MODEL_KEY,
     FileManifest,
-    _hash_range,
+    hash_range,
 )
 
 log = logging.getLogger(__name__)
@@ -56,7 +56,7 @@ class Slot:
     name: str  # a tensor's name, or KV_NAME
     offset: int  # absolute, in the partial file
     nbytes: int
-    sha256: str
+    blake3: str  # the manifest's digest of its bytes
 
 
 @dataclass(frozen=True)
@@ -92,8 +92,8 @@ def layout(manifest: FileManifest, shard: Shard, model_id: str) -> Layout:
     header = head + bytes(manifest.kv_bytes) + extra + infos
     data_start = -(-len(header) // align) * align
     header += bytes(data_start - len(header))
-    slots = [Slot(KV_NAME, KV_START, manifest.kv_bytes, manifest.kv_sha256)]
-    slots += [Slot(t.name, data_start + off, t.nbytes, t.sha256) for t, off in zip(tensors, offsets)]
+    slots = [Slot(KV_NAME, KV_START, manifest.kv_bytes, manifest.kv_blake3)]
+    slots += [Slot(t.name, data_start + off, t.nbytes, t.blake3) for t, off in zip(tensors, offsets)]
     return Layout(header, tuple(slots), data_start + at)
 
 
@@ -170,7 +170,7 @@ class PartialFile:
             call(self.fd, slot.offset, slot.nbytes, _SYNC_FILE_RANGE_WRITE)
 
     def verify(self, slot: Slot) -> bool:
-        return _hash_range(self.fd, slot.offset, slot.nbytes) == slot.sha256
+        return hash_range(self.fd, slot.offset, slot.nbytes) == slot.blake3
 
     def mark_done(self, slot: Slot) -> None:
         """``slot`` verified: journal it. No fsync: a resumed fetch hashes every journaled item
@@ -274,7 +274,8 @@ def partial_name(model_id: str, digest: str, shard: Shard) -> str:
 
 
 def find_partial(directory: Path, model_id: str, start: int, end: int) -> Path | None:
-    """A finished partial copy of ``model_id`` in ``directory`` that holds layers ``start..end``."""
+    """A finished partial copy of ``model_id`` in ``directory`` that holds layers ``start..end``
+    (not one whose bytes may not be on disk, nor one an older meshnet made: both are fetched again)."""
     safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in model_id)
     if not directory.is_dir():
         return None
@@ -285,23 +286,29 @@ def find_partial(directory: Path, model_id: str, start: int, end: int) -> Path |
         except ValueError:
             continue
         if first <= start and end <= last and not unsynced_marker(path).exists():
-            return path
+            entry = describe_partial(path)
+            if entry is not None and not entry["outdated"]:
+                return path
     return None
 
 
 def describe_partial(path: Path) -> dict | None:
     """What ``meshnet models`` lists of a partial copy: its model, layers and bytes (None: unreadable)."""
     from .gguf_info import read_header
-    from .gguf_manifest import FileManifest
+    from .gguf_manifest import FileManifest, OutdatedManifest
     from .model_ref import ModelError
 
+    manifest = None
     try:
         meta = read_header(path).metadata
-        manifest = FileManifest.from_json(json.loads(meta[MANIFEST_KEY]))
         first, last = (int(x) for x in str(meta[LAYERS_KEY]).split("-"))
+        manifest = FileManifest.from_json(json.loads(meta[MANIFEST_KEY]))
+    except OutdatedManifest:  # listed, so that its owner can delete it; never loaded
+        pass
     except (KeyError, ValueError, OSError, ModelError):
         return None
-    total = manifest.num_layers
+    total = manifest.num_layers if manifest else None
     return {"name": meta.get(MODEL_KEY) or path.name, "path": str(path), "bytes": path.stat().st_size,
-            "num_layers": total, "layers": [[first, last]], "complete": (first, last) == (0, total - 1),
-            "manifest": manifest.digest, "synced": not unsynced_marker(path).exists()}
+            "num_layers": total, "layers": [[first, last]], "complete": (first, last) == (0, (total or 0) - 1),
+            "manifest": manifest.digest if manifest else None, "synced": not unsynced_marker(path).exists(),
+            "outdated": manifest is None}

@@ -325,6 +325,12 @@ def from_peers(models_root: Path) -> list[dict]:
     return [entry for entry in found if entry is not None]
 
 
+def _partial_note(entry: dict) -> str:
+    if entry.get("outdated"):
+        return "  (made by an older meshnet: never loaded, its layers are fetched again; delete it)"
+    return "" if entry.get("synced", True) else "  (not known to be on disk yet: hashed again before use)"
+
+
 def pulled_entry(directory: Path) -> dict:
     """What one pulled directory holds: its name, size and layers."""
     manifest = _read_manifest(directory) or {}
@@ -373,7 +379,7 @@ def format_inventory(inv: dict) -> str:
         lines += ["", "fetched from peers (layer ranges of GGUF files; --model MODEL --layers A-B finds them):",
                   f"{'MODEL':<40} {'LAYERS':<16} {'SIZE':>10}  WHERE"]
         lines += [f"{e['name']:<40} {_layers_text(e):<16} {human_size(e['bytes']):>10}  {e['path']}"
-                  + ("" if e.get("synced", True) else "  (not known to be on disk yet: hashed again before use)")
+                  + _partial_note(e)
                   for e in inv["from_peers"]]
     lines += ["", f"pulled into {inv['directory']}:"]
     if not inv["pulled"]:

@@ -7,7 +7,7 @@ and each tensor the range needs), the largest first, in CHUNKs of at most 4 MiB 
 peers at once, a window of requests in flight on each; small items ride whole in a request
 beside its first part (``CHUNK_REQUEST.more``: a layer's norms and small projections in one
 round trip). Each item comes whole from one peer, so that an item
-whose sha256 differs from the manifest's names the peer that sent it: that peer is left out
+whose BLAKE3 digest differs from the manifest's names the peer that sent it: that peer is left out
 (a log line names it, and so does the fetch's report to the tracker: ``fabric.fetch.report``)
 and the item is asked of another. A peer that stops answering is left out the same way.
 Interrupted, the fetch resumes from the ``.part`` file.
@@ -194,7 +194,7 @@ class Fetcher:
                              f"takes {plan.size / (1 << 20):,.0f} MiB, {free / (1 << 20):,.0f} MiB are free") from None
         self.store = Store(self.part, write_back=self.durable)
         self.poller.register(self.store.wake, zmq.POLLIN)
-        # the largest first: its sha256, taken in order on one store thread, runs beside all the rest
+        # the largest first: its hash, taken in order on one store thread, runs beside all the rest
         self.queue.extend(sorted(self.part.missing(), key=lambda slot: -slot.nbytes))
         self.verified = have
         return have
@@ -350,7 +350,7 @@ class Fetcher:
         del self.active[item.slot.name]
         if not ok:
             self.queue.appendleft(item.slot)
-            self._leave_out(item.peer, f"it sent bad bytes: {item.slot.name} does not match the manifest's sha256",
+            self._leave_out(item.peer, f"it sent bad bytes: {item.slot.name} does not match the manifest's digest",
                             bad=True)
             return
         self.part.mark_done(item.slot)

@@ -1,18 +1,18 @@
 """Hashing and writing a fetch's bytes off the loop that receives them.
 
-The fetch is bound by CPU: sha256 of every byte, a write into the page cache, and the socket's
-copies, on the fetching machine's cores. The loop that receives chunks and keeps each peer's
+The fetch is bound by CPU: a hash of every byte (BLAKE3), a write into the page cache, and the
+socket's copies, on the fetching machine's cores. The loop that receives chunks and keeps each peer's
 window of requests full hands every chunk to one thread of its own (:class:`Store`), which
 hashes and writes it (both release the GIL) while the loop goes on receiving; that thread also
-judges each finished item against its sha256 and, for a fetch that waits for the disk
+judges each finished item against its digest and, for a fetch that waits for the disk
 (``meshnet pull``), starts the write-back of a verified one, so that the finished file's one
 ``fdatasync`` has little left to wait for (a node's fetch leaves that to the thread that syncs
 the file after: it costs CPU the fetch needs).
 
-Where the machine has cores to spare, several such threads (``store_threads``): sha256 runs at
-1.5-2 GB/s on one core, under what a local copy moves. A slot's bytes go to the thread with
+Where the machine has cores to spare, several such threads (``store_threads``): BLAKE3 runs at
+about 3 GB/s on one AVX2 core, near what a local copy moves, and the write takes as long again. A slot's bytes go to the thread with
 the fewest bytes waiting when its first chunk comes (the fetch asks for the largest tensors
-first: the one sha256 that must run in order on one thread starts early, and the others share
+first: the one hash that must run in order on one thread starts early, and the others share
 the rest), and from then on always to that thread, first in first out: the bytes of an item
 given up on (its peer left out) are written before those of the item that replaces it, so the
 bytes that stand in the file are always those the verdict was taken on. The loop acts on a
@@ -21,13 +21,13 @@ on is dropped.
 """
 from __future__ import annotations
 
-import hashlib
 import os
 import queue
 import threading
 from collections import deque
 from dataclasses import dataclass, field
 
+from ..compute.gguf_manifest import item_hasher
 from ..compute.gguf_partial import PartialFile, Slot
 
 STORE_SLICE = 256 << 10  # bytes hashed then written at a time (fits the CPU's L2 cache)
@@ -36,21 +36,21 @@ MAX_STORE_THREADS = 4  # beyond this the receiving loop, not the hashing, bounds
 
 def store_threads() -> int:
     """Threads to hash and write with: one a core, at most MAX_STORE_THREADS. The receiving
-    loop spends most of its time waiting for answers, and the socket's I/O thread copies at
-    several times sha256's rate, so the hashing sets the pace (on 2 cores, with the serving
-    node on the same 2, two threads fetched 1.1x as fast as one)."""
+    loop spends most of its time waiting for answers, and the hash and the write set the pace
+    (on 2 cores, with the serving node on the same 2, two threads fetched 1.1x as fast as one
+    when the hash was sha256)."""
     return max(1, min(MAX_STORE_THREADS, os.cpu_count() or 1))
 
 
 @dataclass(eq=False)
 class Item:
-    """A slot being fetched from one peer; its sha256 taken as the bytes arrive in order."""
+    """A slot being fetched from one peer; its BLAKE3 digest taken as the bytes arrive in order."""
 
     slot: Slot
     peer: object  # the fetcher's Peer it is asked of
     next_offset: int = 0  # the next byte to ask for (the loop's)
     received: int = 0  # bytes received and handed to the store (the loop's)
-    hasher: object = field(default_factory=hashlib.sha256)  # the store thread's, from here on
+    hasher: object = field(default_factory=item_hasher)  # the store thread's, from here on
     hashed: int = 0  # bytes fed to ``hasher``: all of them, unless a chunk came out of order
 
     def store(self, part: PartialFile, offset: int, data) -> None:
@@ -67,10 +67,10 @@ class Item:
             self.hashed += len(view)
 
     def verified(self, part: PartialFile) -> bool:
-        """Every byte is in: do they match the manifest's sha256? (Read back where some chunk came
+        """Every byte is in: do they match the manifest's digest? (Read back where some chunk came
         twice, out of order, and so was not hashed as it came.)"""
         if self.hashed == self.slot.nbytes:
-            return self.hasher.hexdigest() == self.slot.sha256
+            return self.hasher.hexdigest() == self.slot.blake3
         return part.verify(self.slot)
 
 
