@@ -576,6 +576,43 @@ def test_an_interrupted_fetch_resumes_without_fetching_again_what_it_verified(pr
     assert manifest_for(copy).digest == manifest_for(model_file).digest
 
 
+def test_a_fetch_faster_than_its_disk_holds_a_bounded_backlog_in_memory(process_cluster, model_file, tmp_path,
+                                                                        monkeypatch):
+    """Bytes received wait for the store's threads to hash and write them; where those are slower
+    than the network, the fetch stops asking for chunks once BACKLOG bytes wait (the answers to
+    what is in flight land on top, and the chunk whose answer asked for the next), instead of
+    holding the difference in memory."""
+    import time
+
+    from fabric.fetch import fetcher as fm
+    from fabric.fetch import store as st
+    from fabric.fetch.pull import fetch_layers
+
+    process_cluster.start_node("a", str(model_file), "0-5", None, *EXACT)
+    assert wait_for(lambda: _listed(process_cluster, "a"), 120, 0.2), process_cluster.logs()
+    monkeypatch.setattr(fm, "CHUNK_BYTES", 16 << 10)
+    monkeypatch.setattr(fm, "WINDOW", 4)
+    monkeypatch.setattr(st, "BACKLOG", 64 << 10)
+    waiting, put, store = [], st.Store.put, st.Item.store
+
+    def counted(self, item, offset, data):
+        put(self, item, offset, data)
+        waiting.append(self.backlog())
+
+    def slow(self, part, offset, data):  # a disk slower than loopback
+        time.sleep(0.002)
+        store(self, part, offset, data)
+    monkeypatch.setattr(st.Store, "put", counted)
+    monkeypatch.setattr(st.Item, "store", slow)
+    path = fetch_layers(MODEL, "3-5", process_cluster.endpoint, None, tmp_path / "b", progress=False,
+                        say=lambda _: None)
+    assert manifest_for(path).digest == manifest_for(model_file).digest
+    total = sum(s.nbytes for s in layout(manifest_for(model_file), Shard(3, 5, LAYERS), MODEL).slots)
+    bound = st.BACKLOG + (fm.WINDOW + 1) * fm.CHUNK_BYTES  # the answers in flight, and the one asked again beside
+    assert total > 10 * bound
+    assert 0 < max(waiting) <= bound, max(waiting)
+
+
 def test_in_a_secured_swarm_the_fetch_travels_under_curve_and_a_stranger_gets_nothing(process_cluster, model_file,
                                                                                        tmp_path):
     process_cluster.secure()

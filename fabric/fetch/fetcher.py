@@ -243,7 +243,7 @@ class Fetcher:
     def _fill(self, peer: Peer, now: float) -> None:
         """Keep WINDOW chunk requests in flight on ``peer`` (called again after each answer, before
         its bytes are written: the node reads the next chunk while this side hashes and writes)."""
-        while not peer.gone and peer.pause_until <= now and len(peer.inflight) < WINDOW:
+        while not peer.gone and peer.pause_until <= now and len(peer.inflight) < WINDOW and not self.store.full():
             parts = self._parts(peer)
             if not parts:
                 return

@@ -31,6 +31,7 @@ from ..compute.gguf_manifest import item_hasher
 from ..compute.gguf_partial import PartialFile, Slot
 
 STORE_SLICE = 256 << 10  # bytes hashed then written at a time (fits the CPU's L2 cache)
+BACKLOG = 32 << 20  # bytes received but not yet written past which the loop asks for no more chunks
 MAX_STORE_THREADS = 4  # beyond this the receiving loop, not the hashing, bounds a fetch
 
 
@@ -83,6 +84,7 @@ class Store:
         self.jobs = [queue.SimpleQueue() for _ in range(n)]  # (item, offset, data); data None: judge; None: stop
         self.handed = [0] * n  # bytes handed to each thread (the loop's) ...
         self.stored = [0] * n  # ... and written by it (its own)
+        self.held_back = False  # the loop asks for no more until the backlog is under BACKLOG (it wakes it)
         self.lanes: dict[str, int] = {}  # slot name -> the thread that takes its bytes
         self.verdicts: deque[tuple[Item, bool | OSError]] = deque()
         self.wake, self._wake_w = os.pipe()  # readable when a verdict waits: the loop polls it beside its sockets
@@ -101,6 +103,19 @@ class Store:
             self.lanes[name] = min(range(len(self.jobs)), key=lambda i: self.handed[i] - self.stored[i])
         return self.lanes[name]
 
+    def backlog(self) -> int:
+        """Bytes handed over and not yet written."""
+        return sum(self.handed) - sum(self.stored)
+
+    def full(self) -> bool:
+        """Too many bytes wait (the network outpaces the hash and the disk): ask for no more
+        chunks until a store thread wakes the loop. Without this bound a fast link would hold
+        the whole difference in memory, gigabytes over a large file."""
+        self.held_back = True  # first: a thread that writes meanwhile sees it, and wakes the loop
+        if self.backlog() < BACKLOG:
+            self.held_back = False
+        return self.held_back
+
     def put(self, item: Item, offset: int, data) -> None:
         lane = self._lane(item)
         self.handed[lane] += len(data)
@@ -118,6 +133,9 @@ class Store:
                 if data is not None:
                     item.store(self.part, offset, data)
                     self.stored[lane] += len(data)
+                    if self.held_back and self.backlog() < BACKLOG:
+                        self.held_back = False
+                        os.write(self._wake_w, b"\0")
                     continue
                 ok = item.verified(self.part)
                 if ok and self.write_back:
