@@ -246,15 +246,15 @@ def compute_manifest(path: Path, say: Callable[[str], None] | None = None) -> Fi
     return FileManifest(header.version, align, layers, n_kv, kv_bytes, kv_digest, tuple(records))
 
 
-def item_hasher(threads: int = 1):
-    """A BLAKE3 hasher of one item's bytes (``threads`` -1: every core, for large updates)."""
-    return blake3.blake3(max_threads=blake3.blake3.AUTO if threads < 0 else threads)
+def item_hasher(every_core: bool = False):
+    """A BLAKE3 hasher of one item's bytes (``every_core``: large updates split over the cores)."""
+    return blake3.blake3(max_threads=blake3.blake3.AUTO if every_core else 1)
 
 
 def hash_range(fd: int, offset: int, length: int) -> str:
     """The BLAKE3 digest of ``length`` bytes of ``fd`` from ``offset``, hashed on every core (a
     whole file's manifest, a resumed fetch's journaled items: nothing else runs meanwhile)."""
-    h = item_hasher(threads=-1)
+    h = item_hasher(every_core=True)
     at = 0
     while at < length:
         block = os.pread(fd, min(HASH_BLOCK, length - at), offset + at)

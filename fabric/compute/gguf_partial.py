@@ -310,5 +310,5 @@ def describe_partial(path: Path) -> dict | None:
     total = manifest.num_layers if manifest else None
     return {"name": meta.get(MODEL_KEY) or path.name, "path": str(path), "bytes": path.stat().st_size,
             "num_layers": total, "layers": [[first, last]], "complete": (first, last) == (0, (total or 0) - 1),
-            "manifest": manifest.digest if manifest else None, "synced": not unsynced_marker(path).exists(),
+            "manifest": manifest and manifest.digest, "synced": not unsynced_marker(path).exists(),
             "outdated": manifest is None}

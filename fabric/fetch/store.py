@@ -1,16 +1,18 @@
 """Hashing and writing a fetch's bytes off the loop that receives them.
 
-The fetch is bound by CPU: a hash of every byte (BLAKE3), a write into the page cache, and the
-socket's copies, on the fetching machine's cores. The loop that receives chunks and keeps each peer's
-window of requests full hands every chunk to one thread of its own (:class:`Store`), which
-hashes and writes it (both release the GIL) while the loop goes on receiving; that thread also
-judges each finished item against its digest and, for a fetch that waits for the disk
-(``meshnet pull``), starts the write-back of a verified one, so that the finished file's one
-``fdatasync`` has little left to wait for (a node's fetch leaves that to the thread that syncs
-the file after: it costs CPU the fetch needs).
+The fetch is bound by CPU: a hash of every byte (BLAKE3), a write into the page cache, and
+the socket's copies, on the fetching machine's cores. The loop that receives chunks and keeps
+each peer's window of requests full hands every chunk to one thread of its own
+(:class:`Store`), which hashes and writes it (both release the GIL) while the loop goes on
+receiving; that thread also judges each finished item against its digest and, for a fetch
+that waits for the disk (``meshnet pull``), starts the write-back of a verified one, so that
+the finished file's one ``fdatasync`` has little left to wait for (a node's fetch leaves that
+to the thread that syncs the file after: it costs CPU the fetch needs). While ``BACKLOG``
+bytes wait for those threads, the loop asks for no more chunks.
 
 Where the machine has cores to spare, several such threads (``store_threads``): BLAKE3 runs at
-about 3 GB/s on one AVX2 core, near what a local copy moves, and the write takes as long again. A slot's bytes go to the thread with
+about 3 GB/s on one AVX2 core and the write into the page cache at about as much, so one
+thread moves less than a local copy does. A slot's bytes go to the thread with
 the fewest bytes waiting when its first chunk comes (the fetch asks for the largest tensors
 first: the one hash that must run in order on one thread starts early, and the others share
 the rest), and from then on always to that thread, first in first out: the bytes of an item
