@@ -314,7 +314,7 @@ def main() -> None:
                 synced.append(fetch_rate(tracker, args.model_id, args.layers, tmp, durable=True)[1])
             size, took = runs[0][0], statistics.median(t for _, t in runs)
             csize, ctook = copies[0][0], statistics.median(t for _, t in copies)
-            bare, sha = zmq_ceiling(source.path, size), hash_seconds(source.path, size)
+            bare, hashed = zmq_ceiling(source.path, size), hash_seconds(source.path, size)
             whole = source.path.stat().st_size
             print(f"fetch of layers {args.layers}: {size:,} bytes in {took:.3f} s = {size / took / 1e6:.1f} MB/s "
                   f"(the file: {whole:,} bytes, {size / whole:.2f} of it; runs {', '.join(f'{t:.3f}' for _, t in runs)} s)")
@@ -323,7 +323,7 @@ def main() -> None:
                   f"{statistics.median(c for _, c in cpu):.3f} s")
             print(f"cp of the whole file: {csize:,} bytes in {ctook:.3f} s = {csize / ctook / 1e6:.1f} MB/s")
             print(f"bare ZeroMQ pair, the same bytes: {bare:.3f} s = {size / bare / 1e6:.1f} MB/s; "
-                  f"BLAKE3 of them, one thread: {sha:.3f} s = {size / sha / 1e6:.1f} MB/s")
+                  f"BLAKE3 of them, one thread: {hashed:.3f} s = {size / hashed / 1e6:.1f} MB/s")
             print(f"fetch rate / cp rate: {(size / took) / (csize / ctook):.2f}x (target >= 0.5x); "
                   f"fetch / bare ZeroMQ: {(size / took) / (size / bare):.2f}x")
         run_node(args, tmp / "rate", args.share_mbps, (lambda t: compare(args, t, tmp / "rate")) if args.other else rate)

@@ -579,9 +579,9 @@ def test_an_interrupted_fetch_resumes_without_fetching_again_what_it_verified(pr
 def test_a_fetch_faster_than_its_disk_holds_a_bounded_backlog_in_memory(process_cluster, model_file, tmp_path,
                                                                         monkeypatch):
     """Bytes received wait for the store's threads to hash and write them; where those are slower
-    than the network, the fetch stops asking for chunks once BACKLOG bytes wait (the answers to
-    what is in flight land on top, and the chunk whose answer asked for the next), instead of
-    holding the difference in memory."""
+    than the network, the fetch stops asking for chunks once BACKLOG bytes wait, instead of
+    holding the difference in memory. On top of the bound: the answers in flight, and the chunk
+    being handed over when the last request went (a request goes before its answer is stored)."""
     import time
 
     from fabric.fetch import fetcher as fm
@@ -608,7 +608,7 @@ def test_a_fetch_faster_than_its_disk_holds_a_bounded_backlog_in_memory(process_
                         say=lambda _: None)
     assert manifest_for(path).digest == manifest_for(model_file).digest
     total = sum(s.nbytes for s in layout(manifest_for(model_file), Shard(3, 5, LAYERS), MODEL).slots)
-    bound = st.BACKLOG + (fm.WINDOW + 1) * fm.CHUNK_BYTES  # the answers in flight, and the one asked again beside
+    bound = st.BACKLOG + (fm.WINDOW + 1) * fm.CHUNK_BYTES
     assert total > 10 * bound
     assert 0 < max(waiting) <= bound, max(waiting)
 
