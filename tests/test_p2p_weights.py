@@ -149,7 +149,8 @@ def test_a_copy_renamed_before_its_bytes_reached_the_disk_is_hashed_again_before
 def test_a_copy_an_older_meshnet_made_is_listed_as_such_never_loaded_and_fetched_again(model_file, tmp_path):
     """Format 1 of the manifest named each item's sha256; a copy carrying one cannot prove the
     fingerprint today's nodes register, so it is passed over (and its layers fetched again),
-    named as outdated by ``meshnet models``, and loading it directly says what to do."""
+    named as outdated by ``meshnet models``, and loading it directly says what to do; a peer
+    still serving such a manifest is left out of a fetch, with that reason."""
     import hashlib
     import json
 
@@ -180,6 +181,21 @@ def test_a_copy_an_older_meshnet_made_is_listed_as_such_never_loaded_and_fetched
     assert "made by an older meshnet" in format_inventory(inventory(tmp_path / "models"))
     with pytest.raises(ModelError, match="fetched by an older meshnet .*fetch its layers again"):
         manifest_for(target)
+
+    from fabric.fetch import fetcher as fm
+    from fabric.fetch.holders import Holder
+
+    raw = manifest.canonical()  # a peer that still runs format 1: its manifest hashes to what it registered
+    digest = hashlib.sha256(raw).hexdigest()
+    peer = fm.Peer(Holder("old", "tcp://x", "", fingerprint_of(digest), (0, LAYERS - 1)), None)
+    answer = p.encode(p.Manifest(MODEL, digest, 0, LAYERS - 1, "old", tensors=(p.TensorSpec("uint8", (len(raw),)),)),
+                      [raw])
+    fetcher = fm.Fetcher(MODEL, [], None)
+    try:
+        assert fetcher._manifest_of(peer, answer) is None
+    finally:
+        fetcher.close()
+    assert "older meshnet" in peer.gone, peer.gone
 
 
 def test_a_new_partial_file_holds_its_blocks_before_a_byte_arrives(model_file, tmp_path):
