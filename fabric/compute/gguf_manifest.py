@@ -123,8 +123,6 @@ class FileManifest:
         """A manifest a peer sent (or a partial file holds), every field checked; ModelError if not one."""
         try:
             return _parse_manifest(raw)
-        except OutdatedManifest:
-            raise
         except (KeyError, TypeError, ValueError) as exc:
             raise ModelError(f"not a valid manifest ({type(exc).__name__}: {exc})") from None
 
@@ -252,8 +250,9 @@ def item_hasher(every_core: bool = False):
 
 
 def hash_range(fd: int, offset: int, length: int) -> str:
-    """The BLAKE3 digest of ``length`` bytes of ``fd`` from ``offset``, hashed on every core (a
-    whole file's manifest, a resumed fetch's journaled items: nothing else runs meanwhile)."""
+    """The BLAKE3 digest of ``length`` bytes of ``fd`` from ``offset``, hashed on every core: a
+    whole file's manifest and a resumed fetch's journaled items, which nothing else runs beside
+    (and, rarely, an item whose chunks came out of order, read back at its end)."""
     h = item_hasher(every_core=True)
     at = 0
     while at < length:

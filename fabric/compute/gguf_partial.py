@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..wire.shard import Shard
+from .gguf_info import read_header
 from .gguf_manifest import (
     KV_NAME,
     KV_START,
@@ -40,8 +41,10 @@ from .gguf_manifest import (
     MANIFEST_KEY,
     MODEL_KEY,
     FileManifest,
+    OutdatedManifest,
     hash_range,
 )
+from .model_ref import ModelError
 
 log = logging.getLogger(__name__)
 
@@ -294,10 +297,6 @@ def find_partial(directory: Path, model_id: str, start: int, end: int) -> Path |
 
 def describe_partial(path: Path) -> dict | None:
     """What ``meshnet models`` lists of a partial copy: its model, layers and bytes (None: unreadable)."""
-    from .gguf_info import read_header
-    from .gguf_manifest import FileManifest, OutdatedManifest
-    from .model_ref import ModelError
-
     manifest = None
     try:
         meta = read_header(path).metadata
