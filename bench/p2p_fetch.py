@@ -4,7 +4,7 @@ the inter-token latency of a stream on the serving node while it serves a fetch.
 
     python bench/p2p_fetch.py [--model smollm2-135m] [--layers 15-29] [--share-mbps 0]
                               [--rounds 5] [--other DIR] [--itl-tokens 120] [--itl-share-mbps 400]
-                              [--itl-rounds 1]
+                              [--itl-rounds 1] [--itl-speculation]
 
 Starts a tracker and one node holding the whole file (``python -m fabric.cli ...``), then:
 
@@ -26,7 +26,10 @@ Starts a tracker and one node holding the whole file (``python -m fabric.cli ...
    the p99 and median gap between tokens of each (target: p99 within 1.5x the median);
    ``--itl-rounds N`` alternates the two N times and pools each one's gaps, and also prints
    each stream's own p99 over its own median (pooled, streams whose medians the machine's
-   drift moved apart widen the spread by themselves).
+   drift moved apart widen the spread by themselves). The streams do not draft
+   (``speculation=False``) unless ``--itl-speculation``: a drafting stream's tokens come in
+   bursts (the drafts a verification kept arrive together, and a step whose drafts fail
+   costs up to twice a one-token step), so its gaps' p99 measures the drafts, not the fetch.
 """
 from __future__ import annotations
 
@@ -220,13 +223,14 @@ def copy_rate(source: Path, tmp: Path) -> tuple[int, float]:
     return source.stat().st_size, took
 
 
-def gaps(tracker: str, model_id: str, tokens: int) -> list[float]:
-    """Seconds between the tokens of one greedy stream."""
+def gaps(tracker: str, model_id: str, tokens: int, speculation: bool = False) -> list[float]:
+    """Seconds between the tokens of one greedy stream (drafting where ``speculation``)."""
     stamps = []
     with Client(tracker, timeout=120) as c:
-        for event in c.generate(model_id, messages=MESSAGES, max_tokens=tokens, ignore_eos=True):
+        for event in c.generate(model_id, messages=MESSAGES, max_tokens=tokens, ignore_eos=True,
+                                speculation=speculation):
             if event.token_ids:
-                stamps.append(time.perf_counter())
+                stamps += [time.perf_counter()] * len(event.token_ids)  # a verification's kept drafts: gaps of 0
     return [b - a for a, b in zip(stamps[1:], stamps[2:])]  # the first gap holds the prefill's tail
 
 
@@ -245,7 +249,8 @@ print(fetched)
 """
 
 
-def itl_under_fetch(tracker: str, model_id: str, tokens: int, tmp: Path) -> tuple[list[float], int]:
+def itl_under_fetch(tracker: str, model_id: str, tokens: int, tmp: Path,
+                    speculation: bool = False) -> tuple[list[float], int]:
     """The stream's gaps while fetches of every layer run back to back, from a process of their
     own (as another machine's: the fetch's threads do not hold this one's GIL while it stamps
     tokens); the bytes fetched meanwhile."""
@@ -256,7 +261,7 @@ def itl_under_fetch(tracker: str, model_id: str, tokens: int, tmp: Path) -> tupl
                             stdout=subprocess.PIPE, text=True, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
     try:
         wait_for(lambda: any(where.iterdir()), 60, 0.05)  # the fetch is under way before the stream starts
-        measured = gaps(tracker, model_id, tokens)
+        measured = gaps(tracker, model_id, tokens, speculation)
     finally:
         stop.touch()
         out, _ = loop.communicate(timeout=120)
@@ -294,6 +299,8 @@ def main() -> None:
     ap.add_argument("--itl-share-mbps", type=float, default=400.0, help="the node's cap for the ITL run")
     ap.add_argument("--itl-rounds", type=int, default=1,
                     help="streams alone and under fetch, alternated this many times (default %(default)s)")
+    ap.add_argument("--itl-speculation", action="store_true",
+                    help="the ITL streams draft (by default they do not: drafts make a stream's gaps bursty)")
     args = ap.parse_args()
     source = resolve(args.model)
     args.model_id, args.path = source.model_id, source.path
@@ -331,10 +338,11 @@ def main() -> None:
         def itl(tracker: str) -> None:
             alone, loaded, fetched = [], [], 0
             for _ in range(args.itl_rounds):  # alternated: a busy machine's drift falls on both alike
-                alone.append(gaps(tracker, args.model_id, args.itl_tokens))
-                g, n = itl_under_fetch(tracker, args.model_id, args.itl_tokens, tmp / "itl")
+                alone.append(gaps(tracker, args.model_id, args.itl_tokens, args.itl_speculation))
+                g, n = itl_under_fetch(tracker, args.model_id, args.itl_tokens, tmp / "itl", args.itl_speculation)
                 loaded, fetched = loaded + [g], fetched + n
-            print(f"{args.itl_rounds} round(s) of {args.itl_tokens} tokens, alone then serving fetches:")
+            print(f"{args.itl_rounds} round(s) of {args.itl_tokens} tokens, alone then serving fetches "
+                  f"({'drafting' if args.itl_speculation else 'no drafts'}):")
             for what, streams in (("alone", alone), (f"serving fetches ({fetched:,} bytes sent)", loaded)):
                 g = [gap for stream in streams for gap in stream]
                 each = [p99(stream) / statistics.median(stream) for stream in streams]

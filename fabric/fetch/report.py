@@ -3,14 +3,19 @@ peers it caught sending bad bytes, so that `meshnet status` and the dashboard sh
 that are fetching and name those peers (``tracker/fetches.py``).
 
 Reports are a courtesy, never a condition: one goes every REPORT_EVERY seconds, at once when
-a bad peer is caught, and at the end. A tracker that does not answer within REPORT_WAIT (or
-an older one that does not know the kind) gets no more reports from this fetch; the fetch
-goes on.
+a bad peer is caught, and at the end. A thread of the reporter's own sends them, so the fetch
+never waits for the tracker (which is never in the data path): a report not sent yet gives
+way to a newer one, which says as much and more (bad peers are named in every report after
+the first that names them). A tracker that does not answer within REPORT_WAIT (or an older
+one that does not know the kind) gets no more reports from this fetch; the fetch goes on.
+The thread outlives the fetch until the last report is answered (REPORT_WAIT at most), so
+a process that ends after a fetch (``meshnet pull``) waits that long for it.
 """
 from __future__ import annotations
 
 import logging
 import secrets
+import threading
 import time
 from collections import deque
 
@@ -27,13 +32,16 @@ RATE_WINDOW = 5.0  # seconds of progress the reported rate is taken over
 
 
 class FetchReporter:
-    """The reports of one fetch, over a client of its own to the tracker."""
+    """The reports of one fetch, sent by a thread of its own over a client of its own to the tracker."""
 
     def __init__(self, tracker: str, security: Security | None, model: str, node: str = ""):
         self.tracker, self.security, self.model, self.node = tracker, security, model, node
         self.fetch = secrets.token_hex(8)
-        self.client = None  # made at the first report
-        self.silent = False  # the tracker did not take a report: no more
+        self.silent = False  # the tracker did not take a report: no more (set by the thread)
+        self.due: p.FetchReport | None = None  # the newest report the thread has not sent yet
+        self.ended = False  # the last report is made: the thread stops once it is sent
+        self.wake = threading.Condition()
+        self.thread: threading.Thread | None = None  # started by the first report
         self.shard: Shard | None = None
         self.total = 0
         self.sent_at = 0.0
@@ -54,10 +62,11 @@ class FetchReporter:
             self._send(done, bad, now)
 
     def end(self, done: int, bad: list[str], error: str = "") -> None:
+        """The last report; the thread sends it after the fetch has returned."""
         self._send(done, bad, time.monotonic(), final=True, error=error[:1024])
-        if self.client is not None:
-            self.client.close()
-            self.client = None
+        with self.wake:
+            self.ended = True
+            self.wake.notify()
 
     def _rate(self) -> int:
         (t0, d0), (t1, d1) = self.samples[0], self.samples[-1]
@@ -70,12 +79,29 @@ class FetchReporter:
         report = p.FetchReport(self.fetch, self.model, self.shard.start, self.shard.end, min(done, self.total),
                                self.total, rate=max(0, self._rate()), bad_peers=tuple(bad[:p.MAX_BAD_PEERS]),
                                node=self.node, final=final, error=error)
-        try:
-            if self.client is None:
-                self.client = Client(self.tracker, timeout=REPORT_WAIT, security=self.security)
-            answer = self.client.ask(report)
-        except (FabricError, p.ProtocolError) as exc:
-            answer = exc
-        if not isinstance(answer, p.Ack):
-            self.silent = True
-            log.info("the tracker took no report of this fetch (%s): it goes on without reporting", answer)
+        with self.wake:
+            self.due = report  # one not sent yet is replaced: this one says as much and more
+            self.wake.notify()
+        if self.thread is None:  # not a daemon: a process ending after the fetch waits for the last report
+            self.thread = threading.Thread(target=self._run, name="fetch-report")
+            self.thread.start()
+
+    def _next(self) -> p.FetchReport | None:
+        """The next report to send; None once the last one is sent."""
+        with self.wake:
+            while self.due is None and not self.ended:
+                self.wake.wait()
+            report, self.due = self.due, None
+            return report
+
+    def _run(self) -> None:
+        with Client(self.tracker, timeout=REPORT_WAIT, security=self.security) as client:
+            while (report := self._next()) is not None:
+                try:
+                    answer = client.ask(report)
+                except (FabricError, p.ProtocolError) as exc:
+                    answer = exc
+                if not isinstance(answer, p.Ack):
+                    self.silent = True
+                    log.info("the tracker took no report of this fetch (%s): it goes on without reporting", answer)
+                    return
