@@ -1,5 +1,15 @@
 """logits -> token. Seeded draws depend only on (seed, position), so a request replays
-identically after a re-prefill or a failover onto other nodes."""
+identically after a re-prefill or a failover onto other nodes.
+
+A sampling request's token is defined on the vocabulary in one order: likeliest first, ties
+by token id (a stable sort). Top-k keeps the first k of it, top-p the shortest prefix whose
+mass reaches p; the draw u in [0, 1) picks the first token whose running sum (float64, in
+that order) exceeds u times the kept tokens' total (float64, summed in token-id order). A
+draw needs only the start of the order: the likeliest CANDIDATES tokens, taken without
+sorting the rest, hold the answer whenever the kept mass it needs lies among them (nearly
+every draw of a trained model); otherwise the whole vocabulary is sorted. Both give the same
+token: the candidates are the first tokens of the whole order, in its order. (A full sort of
+SmolLM2's 49,152 tokens took 4.2 ms a token here, ten times the rest of a draw.)"""
 from __future__ import annotations
 
 import hashlib
@@ -17,28 +27,80 @@ def draw(seed: int, position: int, stream: str = "") -> float:
     return (int.from_bytes(digest, "little") >> 11) / float(1 << 53)
 
 
+CANDIDATES = 256  # the likeliest tokens a draw looks among before it sorts the whole vocabulary
+
+
+def _probs(logits: torch.Tensor, params: Sampling) -> torch.Tensor:
+    logits = logits.cpu()  # the draws are CPU float64 numbers
+    return torch.softmax(logits.float() / params.temperature, dim=-1)
+
+
+def _likeliest(probs: torch.Tensor, k: int) -> torch.Tensor:
+    """The first ids of the order (likeliest first, ties by id): at least ``k`` of them, and every
+    token as likely as the k-th (all of them where ``k`` reaches the vocabulary's size)."""
+    if k >= probs.numel():
+        return torch.sort(probs, descending=True, stable=True).indices
+    floor = torch.topk(probs, k, sorted=False).values.min()
+    ids = (probs >= floor).nonzero().view(-1)  # ascending: the stable sort keeps ties by id
+    return ids[torch.sort(probs[ids], descending=True, stable=True).indices]
+
+
+def _cut(probs: torch.Tensor, order: torch.Tensor, params: Sampling) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """Top-k and top-p on ``order``, the first ids of the whole order: (ids, their probabilities,
+    whether the kept tokens end within ``order``)."""
+    whole = order.numel() == probs.numel()
+    ranked = probs[order]
+    if params.top_k and params.top_k <= order.numel():
+        order, ranked, whole = order[: params.top_k], ranked[: params.top_k], True
+    if params.top_p < 1.0:
+        # keep the shortest prefix whose mass reaches top_p (always at least one token)
+        keep = torch.cumsum(ranked, dim=0) - ranked < params.top_p
+        whole = whole or not bool(keep.all())
+        order, ranked = order[keep], ranked[keep]
+    return order, ranked, whole
+
+
 def kept(logits: torch.Tensor, params: Sampling) -> tuple[torch.Tensor, torch.Tensor]:
     """The tokens a sampling request may pick from ``logits`` (vocab,), likeliest first, with
     their probabilities after temperature, top-k and top-p, not renormalized: (ids, probs)."""
-    logits = logits.cpu()  # the draws are CPU float64 numbers
-    probs = torch.softmax(logits.float() / params.temperature, dim=-1)
-    sorted_probs, order = torch.sort(probs, descending=True)
-    if params.top_k:
-        sorted_probs = sorted_probs[: params.top_k]
-        order = order[: params.top_k]
-    if params.top_p < 1.0:
-        # keep the smallest prefix whose mass reaches top_p (always at least one token)
-        before = torch.cumsum(sorted_probs, dim=0) - sorted_probs
-        keep = before < params.top_p
-        sorted_probs, order = sorted_probs[keep], order[keep]
-    return order, sorted_probs
+    probs = _probs(logits, params)
+    order, ranked, _ = _cut(probs, _likeliest(probs, probs.numel()), params)
+    return order, ranked
+
+
+def _total(probs: torch.Tensor, ids: torch.Tensor | None) -> float:
+    """The kept tokens' mass (all of them: None), summed in float64 in token-id order (one
+    running sum: the same bits on any machine, whatever its threads)."""
+    mass = probs.double() if ids is None else probs[torch.sort(ids).values].double()
+    return float(torch.cumsum(mass, dim=0)[-1])
 
 
 def _pick(order: torch.Tensor, weights: torch.Tensor, u: float) -> int:
     """The token of ``order`` whose share of ``weights`` (not normalized) holds ``u`` in [0, 1)."""
     cdf = torch.cumsum(weights.double(), dim=0)
-    index = int(torch.searchsorted(cdf, torch.tensor([u * float(cdf[-1])], dtype=torch.float64), right=True)[0])
+    return _crossing(order, cdf, u * float(cdf[-1]))
+
+
+def _crossing(order: torch.Tensor, cdf: torch.Tensor, target: float) -> int:
+    """The token of ``order`` where the running sum ``cdf`` first exceeds ``target`` (the last
+    where none does)."""
+    index = int(torch.searchsorted(cdf, torch.tensor([target], dtype=torch.float64), right=True)[0])
     return int(order[min(index, len(order) - 1)])
+
+
+def _sampled(probs: torch.Tensor, params: Sampling, u: float) -> int:
+    """The draw ``u``'s token (the module's docstring): among the CANDIDATES likeliest where the
+    running sum crosses its target there, else on the whole order."""
+    cut = bool(params.top_k) or params.top_p < 1.0
+    order, ranked, ends = _cut(probs, _likeliest(probs, max(CANDIDATES, params.top_k)), params)
+    if cut and not ends:  # the nucleus goes on past the candidates
+        order, ranked, ends = _cut(probs, _likeliest(probs, probs.numel()), params)
+    target = u * _total(probs, order if cut else None)
+    cdf = torch.cumsum(ranked.double(), dim=0)
+    if not ends and float(cdf[-1]) <= target:  # the draw lands past the candidates
+        order, ranked, _ = _cut(probs, _likeliest(probs, probs.numel()), params)
+        cdf = torch.cumsum(ranked.double(), dim=0)
+    return _crossing(order, cdf, target)
 
 
 def sample(logits: torch.Tensor, params: Sampling, position: int) -> int:
@@ -49,8 +111,7 @@ def sample(logits: torch.Tensor, params: Sampling, position: int) -> int:
             # the OpenMP pool for one row, which on a busy 2-core machine cost ~3x as much (measured)
             return int(logits.numpy().argmax())
         return int(torch.argmax(logits))
-    order, probs = kept(logits, params)
-    return _pick(order, probs, draw(params.seed or 0, position))
+    return _sampled(_probs(logits, params), params, draw(params.seed or 0, position))
 
 
 def propose(logits: torch.Tensor, params: Sampling, position: int, limit: int) -> tuple[int, DraftDist]:
