@@ -3,6 +3,7 @@
     python bench/ab_waves.py old@/tmp/old new                 # another checkout against this one
     python bench/ab_waves.py P S10:GOMP_SPINCOUNT=10000       # an environment variable
     python bench/ab_waves.py t1:--threads=1 auto --reps 6     # a node flag
+    python bench/ab_waves.py old@/tmp/old new --temperature 1 # sampled streams, as OpenAI's clients ask
     python bench/ab_waves.py up h15:layers=15                 # the head's layer count
     python bench/ab_waves.py one:machines two:machines,--decode-threads=0   # a core and a lock per node
 
@@ -91,6 +92,9 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=6)
     ap.add_argument("--tokens", type=int, default=32, help="tokens per stream (default %(default)s)")
     ap.add_argument("--streams", default="1,8", help="stream counts of the waves (default %(default)s)")
+    ap.add_argument("--temperature", type=float, default=0.0,
+                    help="the streams sample at this temperature, a seed each (default 0: greedy; "
+                         "OpenAI's clients send 1)")
     ap.add_argument("--trace", action="store_true", help="nodes under bench/trace_node.py: pass times per batch size")
     args = ap.parse_args()
     from fabric.compute.models import default_cache_root, load_config, resolve
@@ -129,7 +133,7 @@ def measure(clusters: list, streams: list[int], model: str, args) -> dict[str, d
         for n in streams:
             for c in clusters if rep % 2 == 0 else clusters[::-1]:
                 before, firsts = node_cpu(c), []
-                rate, _ = concurrency.wave(c.tracker, model, n, args.tokens, firsts)
+                rate, _ = concurrency.wave(c.tracker, model, n, args.tokens, firsts, args.temperature)
                 runs["cpu"][(c.key, n)].append((node_cpu(c) - before) / (n * args.tokens) * 1e3)
                 runs["tps"][(c.key, n)].append(rate)
                 runs["first"][(c.key, n)].append(max(firsts) * 1e3)

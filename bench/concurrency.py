@@ -130,9 +130,10 @@ def start_cluster(model: str, nodes: int, tmp: Path, threads: int = 0,
 
 
 def wave(tracker: str, model: str, streams: int, tokens: int,
-         firsts: list[float] | None = None) -> tuple[float, list[list[int]]]:
-    """Aggregate tok/s of ``streams`` concurrent greedy generations, and their token ids; each
-    stream's seconds from the wave's start to its first token are added to ``firsts``."""
+         firsts: list[float] | None = None, temperature: float = 0.0) -> tuple[float, list[list[int]]]:
+    """Aggregate tok/s of ``streams`` concurrent generations (greedy; sampled at ``temperature``
+    with a seed per stream where it is above 0), and their token ids; each stream's seconds
+    from the wave's start to its first token are added to ``firsts``."""
     outputs: list[list[int]] = [[] for _ in range(streams)]
     began = time.perf_counter()
 
@@ -140,7 +141,8 @@ def wave(tracker: str, model: str, streams: int, tokens: int,
         with Client(tracker, timeout=120) as client:
             # every stream generates exactly ``tokens``, as the baseline's min_new_tokens makes it
             for event in client.generate(model, messages=[{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}],
-                                         max_tokens=tokens, ignore_eos=True):
+                                         max_tokens=tokens, ignore_eos=True, temperature=temperature,
+                                         seed=i if temperature else None):
                 if event.token_ids and not outputs[i] and firsts is not None:
                     firsts.append(time.perf_counter() - began)
                 outputs[i].extend(event.token_ids)
