@@ -40,9 +40,12 @@ def _likeliest(probs: torch.Tensor, k: int) -> torch.Tensor:
     token as likely as the k-th (all of them where ``k`` reaches the vocabulary's size)."""
     if k >= probs.numel():
         return torch.sort(probs, descending=True, stable=True).indices
-    floor = torch.topk(probs, k, sorted=False).values.min()
-    ids = (probs >= floor).nonzero().view(-1)  # ascending: the stable sort keeps ties by id
-    return ids[torch.sort(probs[ids], descending=True, stable=True).indices]
+    top = torch.topk(probs, k + 1)
+    if top.values[k - 1] > top.values[k]:  # the k likeliest are these k, whatever order topk gave ties
+        ids = torch.sort(top.indices[:k]).values
+    else:  # tokens past them tie with the k-th: take every one of them
+        ids = (probs >= top.values[k - 1]).nonzero().view(-1)
+    return ids[torch.sort(probs[ids], descending=True, stable=True).indices]  # ids ascending: ties by id
 
 
 def _cut(probs: torch.Tensor, order: torch.Tensor, params: Sampling) -> tuple[torch.Tensor, torch.Tensor, bool]:
