@@ -76,3 +76,19 @@ def test_a_draw_among_the_likeliest_tokens_is_the_draw_on_the_whole_vocabulary(m
     for pos in range(200):
         sample(rows["peaked"], Sampling(temperature=1.0, seed=5), pos)
     assert sorted_whole == [False] * 200
+
+
+def test_a_drafts_distribution_is_the_start_of_the_kept_order():
+    """``propose`` (a draft model's token and q) reads only the likeliest tokens: the same q and
+    token as the whole kept order's first ``limit``, renormalized."""
+    from fabric.compute.sampling import _pick, kept, propose
+
+    torch.manual_seed(3)
+    for logits in (torch.randn(49152) * 6, torch.randn(49152) * 0.5, torch.randint(0, 3, (49152,)).float()):
+        for params in (Sampling(temperature=1.0, seed=4), Sampling(temperature=0.8, top_p=0.5, seed=4),
+                       Sampling(temperature=1.3, top_k=20, seed=4)):
+            order, probs = kept(logits, params)
+            order, probs = order[:64], probs[:64].double() / probs[:64].double().sum()
+            want = _pick(order, probs, draw(4, 9, "draft"))
+            token, q = propose(logits, params, 9, 64)
+            assert (token, q.ids, q.probs) == (want, tuple(order.tolist()), tuple(probs.tolist())), params

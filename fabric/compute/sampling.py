@@ -124,8 +124,9 @@ def propose(logits: torch.Tensor, params: Sampling, position: int, limit: int) -
     was drawn from: the request's own cut (temperature, top-k, top-p) of the draft's
     ``logits``, its ``limit`` likeliest tokens, renormalized (the tail's acceptance rule is
     exact for any q, as long as it is the one the draft was drawn from)."""
-    order, probs = kept(logits, params)
-    order, probs = order[:limit], probs[:limit].double()
+    probs = _probs(logits, params)
+    order, ranked, _ = _cut(probs, _likeliest(probs, max(limit, params.top_k)), params)  # the kept order's start
+    order, probs = order[:limit], ranked[:limit].double()
     probs = probs / probs.sum()
     token = _pick(order, probs, draw(params.seed or 0, position, "draft"))
     return token, DraftDist(tuple(order.tolist()), tuple(probs.tolist()))
