@@ -37,6 +37,7 @@ def reference(logits: torch.Tensor, params: Sampling, position: int) -> int:
     top-k, top-p, then the running sum against u times the kept mass summed in id order."""
     probs = torch.softmax(logits.float() / params.temperature, dim=-1)
     order = torch.sort(probs, descending=True, stable=True).indices
+    order = order[probs[order] > 0]  # a token of probability 0 is never drawn
     ranked = probs[order]
     if params.top_k:
         order, ranked = order[: params.top_k], ranked[: params.top_k]
@@ -51,16 +52,18 @@ def reference(logits: torch.Tensor, params: Sampling, position: int) -> int:
 
 def test_a_draw_among_the_likeliest_tokens_is_the_draw_on_the_whole_vocabulary(monkeypatch):
     """Peaked rows (a trained model's), flat ones (a random model's: most draws land past the
-    candidates), ties, a grammar's mask and a small vocabulary, under every kind of cut: the
-    token is the one the whole sorted vocabulary gives. And a peaked row's draws never sort the
-    whole vocabulary (4 ms a token on SmolLM2's 49,152)."""
+    candidates), ties, masks (a grammar's five tokens) and a small vocabulary, under every kind
+    of cut: the token is the one the whole sorted vocabulary gives. And the draws of a peaked
+    row, or of five tokens a grammar allows, never sort the whole vocabulary (4 ms a token on
+    SmolLM2's 49,152)."""
     import fabric.compute.sampling as sampling
 
     torch.manual_seed(2)
     vocab = 49152
-    masked = torch.full((vocab,), float("-inf"))
+    masked, grammar = torch.full((vocab,), float("-inf")), torch.full((vocab,), float("-inf"))
     masked[torch.randperm(vocab)[:500]] = torch.randn(500)
-    rows = {"peaked": torch.randn(vocab) * 6, "flat": torch.randn(vocab) * 0.5,
+    grammar[[7, 300, 301, 9000, 40000]] = torch.tensor([1.0, 2.0, 2.0, 0.5, 3.0])  # five tokens a grammar allows
+    rows = {"peaked": torch.randn(vocab) * 6, "flat": torch.randn(vocab) * 0.5, "grammar": grammar,
             "ties": torch.randint(0, 4, (vocab,)).float(), "masked": masked, "small": torch.randn(50) * 3}
     cuts = [Sampling(temperature=t, top_k=k, top_p=p, seed=11) for t in (0.6, 1.0, 1.7)
             for k in (0, 1, 40, 300) for p in (1.0, 0.9, 0.3, 1e-6)]
@@ -71,11 +74,16 @@ def test_a_draw_among_the_likeliest_tokens_is_the_draw_on_the_whole_vocabulary(m
 
     sorted_whole = []
     likeliest = sampling._likeliest
-    monkeypatch.setattr(sampling, "_likeliest", lambda probs, k: sorted_whole.append(k >= probs.numel())
-                        or likeliest(probs, k))
+
+    def counted(probs: torch.Tensor, k: int):
+        order, every = likeliest(probs, k)
+        sorted_whole.append(k >= probs.numel() or order.numel() == probs.numel())
+        return order, every
+    monkeypatch.setattr(sampling, "_likeliest", counted)
     for pos in range(200):
+        assert sample(rows["grammar"], Sampling(temperature=1.0, seed=5), pos) in (7, 300, 301, 9000, 40000)
         sample(rows["peaked"], Sampling(temperature=1.0, seed=5), pos)
-    assert sorted_whole == [False] * 200
+    assert sorted_whole == [False] * 400
 
 
 def test_a_drafts_distribution_is_the_start_of_the_kept_order():

@@ -2,7 +2,7 @@
 identically after a re-prefill or a failover onto other nodes.
 
 A sampling request's token is defined on the vocabulary in one order: likeliest first, ties
-by token id (a stable sort). Top-k keeps the first k of it, top-p the shortest prefix whose
+by token id (a stable sort), tokens of probability 0 left out. Top-k keeps the first k of it, top-p the shortest prefix whose
 mass reaches p; the draw u in [0, 1) picks the first token whose running sum (float64, in
 that order) exceeds u times the kept tokens' total (float64, summed in token-id order). A
 draw needs only the start of the order: the likeliest CANDIDATES tokens, taken without
@@ -36,23 +36,31 @@ def _probs(logits: torch.Tensor, params: Sampling) -> torch.Tensor:
     return torch.softmax(logits.float() / params.temperature, dim=-1)
 
 
-def _likeliest(probs: torch.Tensor, k: int) -> torch.Tensor:
-    """The first ids of the order (likeliest first, ties by id): at least ``k`` of them, and every
-    token as likely as the k-th (all of them where ``k`` reaches the vocabulary's size)."""
+def _likeliest(probs: torch.Tensor, k: int) -> tuple[torch.Tensor, bool]:
+    """The first ids of the order (likeliest first, ties by id; a token of probability 0, which
+    no draw can pick, is never in it): at least ``k`` of them, or every one there is, and every
+    token as likely as the k-th; and whether that is every token of the order."""
     if k >= probs.numel():
-        return torch.sort(probs, descending=True, stable=True).indices
+        order = torch.sort(probs, descending=True, stable=True).indices
+        drawable = order[probs[order] > 0]
+        return (drawable if drawable.numel() else order), True  # none: not a number anywhere
     top = torch.topk(probs, k + 1)
     if top.values[k - 1] > top.values[k]:  # the k likeliest are these k, whatever order topk gave ties
-        ids = torch.sort(top.indices[:k]).values
-    else:  # tokens past them tie with the k-th: take every one of them
-        ids = (probs >= top.values[k - 1]).nonzero().view(-1)
-    return ids[torch.sort(probs[ids], descending=True, stable=True).indices]  # ids ascending: ties by id
+        ids, every = torch.sort(top.indices[:k]).values, bool(top.values[k] == 0)
+    elif top.values[k - 1] > 0:  # tokens past them tie with the k-th: take every one of them
+        ids, every = (probs >= top.values[k - 1]).nonzero().view(-1), False
+    else:  # fewer than k tokens can be drawn at all (a grammar's mask): these are all
+        ids, every = (probs > 0).nonzero().view(-1), True
+    if not ids.numel():  # not a number anywhere (a broken model's logits): the whole order decides
+        return _likeliest(probs, probs.numel())
+    return ids[torch.sort(probs[ids], descending=True, stable=True).indices], every  # ids ascending: ties by id
 
 
-def _cut(probs: torch.Tensor, order: torch.Tensor, params: Sampling) -> tuple[torch.Tensor, torch.Tensor, bool]:
-    """Top-k and top-p on ``order``, the first ids of the whole order: (ids, their probabilities,
-    whether the kept tokens end within ``order``)."""
-    whole = order.numel() == probs.numel()
+def _cut(probs: torch.Tensor, likeliest: tuple[torch.Tensor, bool],
+         params: Sampling) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """Top-k and top-p on ``likeliest`` (``_likeliest``'s answer): (ids, their probabilities,
+    whether the kept tokens end within them)."""
+    order, whole = likeliest
     ranked = probs[order]
     if params.top_k and params.top_k <= order.numel():
         order, ranked, whole = order[: params.top_k], ranked[: params.top_k], True
