@@ -3,7 +3,7 @@
     python bench/ab_waves.py old@/tmp/old new                 # another checkout against this one
     python bench/ab_waves.py P S10:GOMP_SPINCOUNT=10000       # an environment variable
     python bench/ab_waves.py t1:--threads=1 auto --reps 6     # a node flag
-    python bench/ab_waves.py old@/tmp/old new --temperature 1 # sampled streams, as OpenAI's clients ask
+    python bench/ab_waves.py old@/tmp/old new --temperature 1 # sampled, at OpenAI's default temperature
     python bench/ab_waves.py up h15:layers=15                 # the head's layer count
     python bench/ab_waves.py one:machines two:machines,--decode-threads=0   # a core and a lock per node
 
@@ -94,7 +94,7 @@ def main() -> None:
     ap.add_argument("--streams", default="1,8", help="stream counts of the waves (default %(default)s)")
     ap.add_argument("--temperature", type=float, default=0.0,
                     help="the streams sample at this temperature, a seed each (default 0: greedy; "
-                         "OpenAI's clients send 1)")
+                         "an OpenAI request that names none samples at 1)")
     ap.add_argument("--trace", action="store_true", help="nodes under bench/trace_node.py: pass times per batch size")
     args = ap.parse_args()
     from fabric.compute.models import default_cache_root, load_config, resolve
