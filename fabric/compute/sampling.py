@@ -2,8 +2,8 @@
 identically after a re-prefill or a failover onto other nodes.
 
 A sampling request's token is defined on the vocabulary in one order: likeliest first, ties
-by token id (a stable sort), tokens of probability 0 left out. Top-k keeps the first k of it, top-p the shortest prefix whose
-mass reaches p; the draw u in [0, 1) picks the first token whose running sum (float64, in
+by token id (a stable sort), tokens of probability 0 left out. Top-k keeps the first k of it,
+top-p the shortest prefix whose mass reaches p; the draw u in [0, 1) picks the first token whose running sum (float64, in
 that order) exceeds u times the kept tokens' total (float64, summed in token-id order). A
 draw needs only the start of the order: the likeliest CANDIDATES tokens, taken without
 sorting the rest, hold the answer whenever the kept mass it needs lies among them (91% of
