@@ -293,6 +293,7 @@ def test_a_fetch_asks_the_largest_items_first_and_the_small_ones_beside_them(mod
     manifest = compute_manifest(model_file)
     shard = Shard(3, LAYERS - 1, LAYERS)
     monkeypatch.setattr(fm, "CHUNK_BYTES", max(t.nbytes for t in manifest.tensors) * 2)  # all fit in 4 MiB here
+    monkeypatch.setattr(fm, "FIRST_CHUNK", fm.CHUNK_BYTES)  # as though it had answered at loopback's rate
     fetcher = fm.Fetcher(MODEL, [], None)
     peer = fm.Peer(Holder("a", "tcp://x", "", "", (0, LAYERS - 1)), Sock(), held=(0, LAYERS - 1))
     fetcher.peers.append(peer)
@@ -590,6 +591,52 @@ def test_an_interrupted_fetch_resumes_without_fetching_again_what_it_verified(pr
     assert kept >= 4 and have > 0 and fetched == total - have, again.stdout
     (copy,) = peer_copies(b)
     assert manifest_for(copy).digest == manifest_for(model_file).digest
+
+
+def test_a_peer_behind_a_low_cap_is_asked_for_chunks_it_sends_in_time_and_serves_the_whole_fetch(
+        process_cluster, model_file, tmp_path, monkeypatch):
+    """A peer whose cap needs longer than CHUNK_TIMEOUT for a full request (here 1 s, and a
+    request of up to 4 MiB at 4 Mbps takes several) is asked for what it sends in a fraction of
+    it, at the rate measured from its answers, and is never left out as silent: it serves the
+    whole fetch. (It was left out, with its first request of ~1 MB, and the fetch failed.)"""
+    from fabric.fetch import fetcher as fm
+    from fabric.fetch.pull import fetch_layers
+
+    process_cluster.start_node("capped", str(model_file), "0-5", None, *EXACT, "--share-mbps", "4")
+    assert wait_for(lambda: _listed(process_cluster, "capped"), 120, 0.2), process_cluster.logs()
+    monkeypatch.setattr(fm, "CHUNK_TIMEOUT", 1.0)
+    asked, room = [], fm.Peer.room
+    monkeypatch.setattr(fm.Peer, "room", lambda peer: asked.append(room(peer)) or asked[-1])
+    path = fetch_layers(MODEL, "3-5", process_cluster.endpoint, None, tmp_path / "b", progress=False,
+                        say=lambda _: None)
+    assert manifest_for(path).digest == manifest_for(model_file).digest
+    cap = 4 * 125_000 * fm.CHUNK_TIMEOUT  # bytes the cap lets through in CHUNK_TIMEOUT
+    assert asked[0] == fm.FIRST_CHUNK and max(asked) < cap / 2 and len(set(asked)) > 1, asked
+
+
+def test_a_peers_rate_sizes_its_requests_between_the_least_and_a_whole_chunk():
+    """The rule itself: what a peer delivers in CHUNK_TIMEOUT / PACE, measured over its answers
+    (a burst of answers read at once counts the time the peer worked on them, not the burst)."""
+    from fabric.fetch import fetcher as fm
+    from fabric.fetch.holders import Holder
+
+    peer = fm.Peer(Holder("a", "tcp://x", "", "", (0, 1)), None)
+    assert peer.room() == fm.FIRST_CHUNK
+    rooms = []
+    while peer.room() < fm.CHUNK_BYTES:  # loopback: the whole chunk, one doubling an answer
+        rooms.append(peer.room())
+        peer.answered(rooms[-1], peer.since + 0.001)
+    assert rooms == [fm.FIRST_CHUNK << n for n in range(len(rooms))] and rooms[-1] == fm.CHUNK_BYTES // 2
+    for _ in range(100):  # 100 KB a second
+        peer.answered(100_000, peer.since + 1.0)
+    assert peer.room() == pytest.approx(100_000 * fm.CHUNK_TIMEOUT / fm.PACE, rel=0.01)
+    for _ in range(100):  # answers read two at once, after 0.1 s more of work each time
+        peer.answered(100_000, peer.since + 0.1)
+        peer.answered(100_000, peer.since)
+    assert peer.room() == pytest.approx(2_000_000 * fm.CHUNK_TIMEOUT / fm.PACE, rel=0.02)
+    for _ in range(40):  # a peer that crawls: the least
+        peer.answered(1_000, peer.since + 1.0)
+    assert peer.room() == fm.MIN_CHUNK
 
 
 def test_a_fetch_faster_than_its_disk_holds_a_bounded_backlog_in_memory(process_cluster, model_file, tmp_path,

@@ -4,7 +4,10 @@ The steps: ask the tracker who serves the model; ask each of them for its MANIFE
 those whose manifest hashes to the fingerprint they registered; lay out the partial file
 (``fabric.compute.gguf_partial``); then fetch the items it still lacks (the metadata section
 and each tensor the range needs), the largest first, in CHUNKs of at most 4 MiB from several
-peers at once, a window of requests in flight on each; small items ride whole in a request
+peers at once, a window of requests in flight on each. A request asks for what its peer
+delivers in a fraction of CHUNK_TIMEOUT, at the rate measured from its answers so far: a peer
+behind a low ``--share-mbps`` gets small chunks and answers often, never so seldom that it
+looks gone (the first requests, before any answer, are small). Small items ride whole in a request
 beside its first part (``CHUNK_REQUEST.more``: a layer's norms and small projections in one
 round trip). Each item comes whole from one peer, so that an item
 whose BLAKE3 digest differs from the manifest's names the peer that sent it: that peer is left out
@@ -22,6 +25,7 @@ import errno
 import hashlib
 import json
 import logging
+import math
 import shutil
 import time
 from collections import deque
@@ -48,6 +52,10 @@ WINDOW = 16  # chunk requests in flight on each peer (within the node's queue of
 CHUNK_BYTES = p.MAX_CHUNK_BYTES
 CHUNK_TIMEOUT = 15.0  # seconds a peer with chunks asked of it may go without answering any before it counts as
 # gone (progress, not a deadline per chunk: a peer behind a low --share-mbps answers slowly but steadily)
+FIRST_CHUNK = 64 << 10  # bytes a request asks of a peer before any answer has shown its rate
+MIN_CHUNK = 16 << 10  # the least a request asks for (where the item has as much left)
+PACE = 8  # a request asks for what its peer delivers in CHUNK_TIMEOUT / PACE seconds at its measured rate
+RATE_MEMORY = 2.0  # seconds: the weight of what a peer delivered falls by e each RATE_MEMORY seconds since
 MANIFEST_TIMEOUT = 5.0  # seconds to wait for the holders' manifests
 BUSY_PAUSE = 0.2  # seconds before asking a peer that answered BUSY again
 MAX_PEERS = 16  # peers fetched from at once
@@ -64,10 +72,33 @@ class Peer:
     pause_until: float = 0.0
     heard: float = 0.0  # when it last answered, or was first asked since it had nothing to answer
     bytes: int = 0
+    since: float = 0.0  # when it began on its next answer: its last CHUNK, or when asked with nothing in flight
+    busy: tuple[float, float] = (0.0, 0.0)  # (bytes, seconds) of its answers, the older faded (RATE_MEMORY)
+    largest: int = 0  # bytes of its largest answer
 
     @property
     def name(self) -> str:
         return self.holder.node
+
+    def answered(self, nbytes: int, now: float) -> None:
+        """Count a CHUNK of ``nbytes`` into the measured rate: the seconds since ``since`` are the
+        time it worked on this one. Summed over answers, the seconds telescope to the time it was
+        busy, so a burst of answers read at once measures what the peer delivered, not the burst."""
+        got, took = self.busy
+        worked = max(0.0, now - self.since)
+        fade = math.exp(-worked / RATE_MEMORY)
+        self.busy = (got * fade + nbytes, took * fade + worked)
+        self.since, self.largest = now, max(self.largest, nbytes)
+
+    def room(self) -> int:
+        """The bytes one request asks of this peer: what it delivers in CHUNK_TIMEOUT / PACE, and at
+        most twice its largest answer yet (its first answers may come at its cap's burst, or from
+        what it had buffered: a rate they show is trusted one doubling at a time)."""
+        got, took = self.busy
+        if not got:
+            return min(FIRST_CHUNK, CHUNK_BYTES)
+        paced = CHUNK_BYTES if took <= 0 else got / took * CHUNK_TIMEOUT / PACE
+        return int(min(CHUNK_BYTES, max(MIN_CHUNK, min(paced, max(FIRST_CHUNK, 2 * self.largest)))))
 
 
 class Fetcher:
@@ -248,7 +279,7 @@ class Fetcher:
             if not parts:
                 return
             if not peer.inflight:
-                peer.heard = now
+                peer.heard = peer.since = now
             ref = next(self.refs)
             (name, offset, length), more = parts[0], tuple(name for name, _, _ in parts[1:])
             peer.sock.send_multipart(p.encode(p.ChunkRequest(self.manifest.digest, name, offset, length, ref,
@@ -261,7 +292,8 @@ class Fetcher:
         item = self._next_item(peer)
         if item is None:
             return ()
-        parts, room = [self._asked(item, CHUNK_BYTES)], CHUNK_BYTES
+        room = peer.room()
+        parts = [self._asked(item, room)]
         while len(parts) < p.MAX_CHUNK_PARTS and (room := room - parts[-1][2]) > 0:
             slot = next((s for s in self.queue if s.nbytes <= room and self._serves(peer, s)), None)
             if slot is None:
@@ -307,6 +339,7 @@ class Fetcher:
         if not isinstance(msg, p.Chunk) or msg.ref not in peer.inflight:
             return  # an answer to a request given up on (or a stray): nothing waits for it
         parts, _ = peer.inflight.pop(msg.ref)
+        peer.answered(sum(n for _, _, n in parts), now)
         if (msg.name, msg.offset) != parts[0][:2] or [len(b) for b in buffers] != [n for _, _, n in parts]:
             self._leave_out(peer, f"it answered chunk {msg.ref} with other bytes than asked", bad=True)
             return
