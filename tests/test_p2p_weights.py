@@ -623,10 +623,11 @@ def test_a_peers_rate_sizes_its_requests_between_the_least_and_a_whole_chunk():
     peer = fm.Peer(Holder("a", "tcp://x", "", "", (0, 1)), None)
     assert peer.room() == fm.FIRST_CHUNK
     rooms = []
-    while peer.room() < fm.CHUNK_BYTES:  # loopback: the whole chunk, one doubling an answer
+    while peer.room() < fm.CHUNK_BYTES:  # loopback: the whole chunk, as soon as twice the bytes answered allow
         rooms.append(peer.room())
         peer.answered(rooms[-1], peer.since + 0.001)
-    assert rooms == [fm.FIRST_CHUNK << n for n in range(len(rooms))] and rooms[-1] == fm.CHUNK_BYTES // 2
+    assert rooms[0] == fm.FIRST_CHUNK and all(r == 2 * sum(rooms[:n]) for n, r in enumerate(rooms[1:], 1)), rooms
+    assert len(rooms) == 5, rooms
     for _ in range(100):  # 100 KB a second
         peer.answered(100_000, peer.since + 1.0)
     assert peer.room() == pytest.approx(100_000 * fm.CHUNK_TIMEOUT / fm.PACE, rel=0.01)

@@ -74,7 +74,7 @@ class Peer:
     bytes: int = 0
     since: float = 0.0  # when it began on its next answer: its last CHUNK, or when asked with nothing in flight
     busy: tuple[float, float] = (0.0, 0.0)  # (bytes, seconds) of its answers, the older faded (RATE_MEMORY)
-    largest: int = 0  # bytes of its largest answer
+    answered_bytes: int = 0  # bytes of all its CHUNKs
 
     @property
     def name(self) -> str:
@@ -88,17 +88,18 @@ class Peer:
         worked = max(0.0, now - self.since)
         fade = math.exp(-worked / RATE_MEMORY)
         self.busy = (got * fade + nbytes, took * fade + worked)
-        self.since, self.largest = now, max(self.largest, nbytes)
+        self.since = now
+        self.answered_bytes += nbytes
 
     def room(self) -> int:
         """The bytes one request asks of this peer: what it delivers in CHUNK_TIMEOUT / PACE, and at
-        most twice its largest answer yet (its first answers may come at its cap's burst, or from
-        what it had buffered: a rate they show is trusted one doubling at a time)."""
+        most twice the bytes it has answered in all (its first answers may come at its cap's burst,
+        or from what it had buffered: the rate they show is trusted as they add up)."""
         got, took = self.busy
         if not got:
             return min(FIRST_CHUNK, CHUNK_BYTES)
         paced = CHUNK_BYTES if took <= 0 else got / took * CHUNK_TIMEOUT / PACE
-        return int(min(CHUNK_BYTES, max(MIN_CHUNK, min(paced, max(FIRST_CHUNK, 2 * self.largest)))))
+        return int(min(CHUNK_BYTES, max(MIN_CHUNK, min(paced, max(FIRST_CHUNK, 2 * self.answered_bytes)))))
 
 
 class Fetcher:
