@@ -640,6 +640,37 @@ def test_a_peers_rate_sizes_its_requests_between_the_least_and_a_whole_chunk():
     assert peer.room() == fm.MIN_CHUNK
 
 
+def test_ctrl_c_stops_a_pull_which_says_how_to_resume_and_the_tracker_hears_the_fetch_ended(process_cluster,
+                                                                                         model_file, tmp_path):
+    """Ctrl-C during `meshnet pull`: status 130 and a line saying that the same command fetches
+    only the rest; the items verified stay; the tracker hears the fetch ended (its last report,
+    which the reporter's thread sends as the process ends)."""
+    process_cluster.start_node("slow", str(model_file), "0-5", None, *EXACT, "--share-mbps", "1")
+    assert wait_for(lambda: _listed(process_cluster, "slow"), 120, 0.2), process_cluster.logs()
+    b = home(tmp_path, "b")
+    peers = Path(b["XDG_CACHE_HOME"]) / "meshnet" / "models" / "peers"
+    running = subprocess.Popen([sys.executable, "-m", "fabric.cli", "pull", MODEL, "--layers", "3-5", "--tracker",
+                                process_cluster.endpoint, "--no-progress"], cwd=ROOT,
+                               env={**os.environ, "PYTHONPATH": str(ROOT), **b}, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)
+
+    def verified() -> int:  # items the .part's journal names as verified
+        journal = next(iter(peers.glob("*.part.done")), None)
+        return 0 if journal is None else len(journal.read_text().split())
+    # at 1 Mbps a request asks for what the node sends in 1.9 s (fabric.fetch.fetcher.Peer.room), so
+    # items verify one by one through the fetch's 15 s, and the interrupt finds it mid-way
+    assert wait_for(lambda: verified() >= 2, 60, 0.02), process_cluster.logs()
+    running.send_signal(signal.SIGINT)
+    out, err = running.communicate(timeout=60)
+    assert running.returncode == 130, (out, err)
+    assert "interrupted: the layers verified so far stay in" in err and "fetches only the rest" in err, err
+    assert verified() >= 2
+    with process_cluster.client() as client:
+        (fetch,) = client.status()["fetches"]
+    assert fetch["state"] == "failed" and fetch["error"] == "KeyboardInterrupt", fetch
+    assert 0 < fetch["done"] < fetch["total"], fetch
+
+
 def test_a_fetch_faster_than_its_disk_holds_a_bounded_backlog_in_memory(process_cluster, model_file, tmp_path,
                                                                         monkeypatch):
     """Bytes received wait for the store's threads to hash and write them; where those are slower

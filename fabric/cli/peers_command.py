@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import sys
 from pathlib import Path
 
 from ..flags import CommandError, endpoint, refuse_absent_tracker
@@ -44,6 +45,10 @@ def cmd_pull(args, hub) -> int:
                      progress=not args.no_progress)
     except FetchError as exc:
         raise CommandError(str(exc), 1) from None
+    except KeyboardInterrupt:
+        print(f"\ninterrupted: the layers verified so far stay in {peers_dir()}; the same command fetches "
+              "only the rest", file=sys.stderr)
+        return 130
     return 0
 
 
