@@ -606,12 +606,39 @@ def test_a_peer_behind_a_low_cap_is_asked_for_chunks_it_sends_in_time_and_serves
     assert wait_for(lambda: _listed(process_cluster, "capped"), 120, 0.2), process_cluster.logs()
     monkeypatch.setattr(fm, "CHUNK_TIMEOUT", 1.0)
     asked, room = [], fm.Peer.room
-    monkeypatch.setattr(fm.Peer, "room", lambda peer: asked.append(room(peer)) or asked[-1])
+    monkeypatch.setattr(fm.Peer, "room", lambda peer, now: asked.append(room(peer, now)) or asked[-1])
     path = fetch_layers(MODEL, "3-5", process_cluster.endpoint, None, tmp_path / "b", progress=False,
                         say=lambda _: None)
     assert manifest_for(path).digest == manifest_for(model_file).digest
     cap = 4 * 125_000 * fm.CHUNK_TIMEOUT  # bytes the cap lets through in CHUNK_TIMEOUT
     assert asked[0] == fm.FIRST_CHUNK and max(asked) < cap / 2 and len(set(asked)) > 1, asked
+
+
+def test_a_fetch_from_a_fast_and_a_slow_peer_ends_at_the_fast_ones_pace(process_cluster, model_file, tmp_path,
+                                                                          monkeypatch):
+    """The slow peer (0.1 Mbps: a second chunk waits 5 s behind its first) is asked for its first
+    items as the fast one is; once the fast one has nothing else to fetch, it takes those items
+    over and fetches them whole, and the fetch ends without waiting for the slow one (which
+    would take some 80 s for the 16 requests asked of it)."""
+    from fabric.fetch import fetcher as fm
+    from fabric.fetch.pull import fetch_layers
+
+    process_cluster.start_node("fast", str(model_file), "0-5", None, *EXACT, "--share-mbps", "0")
+    process_cluster.start_node("slow", str(model_file), "0-5", None, *EXACT, "--share-mbps", "0.1")
+    assert wait_for(lambda: _listed(process_cluster, "fast") and _listed(process_cluster, "slow"), 120, 0.2), \
+        process_cluster.logs()
+    sent, close = {}, fm.Fetcher.close
+
+    def closing(fetcher):
+        sent.update({peer.name: peer.bytes for peer in fetcher.peers})
+        close(fetcher)
+    monkeypatch.setattr(fm.Fetcher, "close", closing)
+    path = fetch_layers(MODEL, "3-5", process_cluster.endpoint, None, tmp_path / "b", progress=False,
+                        say=lambda _: None)
+    assert manifest_for(path).digest == manifest_for(model_file).digest
+    total = sum(s.nbytes for s in layout(manifest_for(model_file), Shard(3, 5, LAYERS), MODEL).slots)
+    assert set(sent) == {"fast", "slow"} and sent["slow"] <= 2 * fm.FIRST_CHUNK, sent
+    assert sent["fast"] + sent["slow"] >= total, sent
 
 
 def test_a_peers_rate_sizes_its_requests_between_the_least_and_a_whole_chunk():
@@ -621,23 +648,23 @@ def test_a_peers_rate_sizes_its_requests_between_the_least_and_a_whole_chunk():
     from fabric.fetch.holders import Holder
 
     peer = fm.Peer(Holder("a", "tcp://x", "", "", (0, 1)), None)
-    assert peer.room() == fm.FIRST_CHUNK
+    assert peer.room(peer.since) == fm.FIRST_CHUNK
     rooms = []
-    while peer.room() < fm.CHUNK_BYTES:  # loopback: the whole chunk, as soon as twice the bytes answered allow
-        rooms.append(peer.room())
+    while peer.room(peer.since) < fm.CHUNK_BYTES:  # loopback: the whole chunk, as soon as twice the bytes answered allow
+        rooms.append(peer.room(peer.since))
         peer.answered(rooms[-1], peer.since + 0.001)
     assert rooms[0] == fm.FIRST_CHUNK and all(r == 2 * sum(rooms[:n]) for n, r in enumerate(rooms[1:], 1)), rooms
     assert len(rooms) == 5, rooms
     for _ in range(100):  # 100 KB a second
         peer.answered(100_000, peer.since + 1.0)
-    assert peer.room() == pytest.approx(100_000 * fm.CHUNK_TIMEOUT / fm.PACE, rel=0.01)
+    assert peer.room(peer.since) == pytest.approx(100_000 * fm.CHUNK_TIMEOUT / fm.PACE, rel=0.01)
     for _ in range(100):  # answers read two at once, after 0.1 s more of work each time
         peer.answered(100_000, peer.since + 0.1)
         peer.answered(100_000, peer.since)
-    assert peer.room() == pytest.approx(2_000_000 * fm.CHUNK_TIMEOUT / fm.PACE, rel=0.02)
+    assert peer.room(peer.since) == pytest.approx(2_000_000 * fm.CHUNK_TIMEOUT / fm.PACE, rel=0.02)
     for _ in range(40):  # a peer that crawls: the least
         peer.answered(1_000, peer.since + 1.0)
-    assert peer.room() == fm.MIN_CHUNK
+    assert peer.room(peer.since) == fm.MIN_CHUNK
 
 
 def test_ctrl_c_stops_a_pull_which_says_how_to_resume_and_the_tracker_hears_the_fetch_ended(process_cluster,

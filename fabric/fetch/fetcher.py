@@ -7,7 +7,9 @@ and each tensor the range needs), the largest first, in CHUNKs of at most 4 MiB 
 peers at once, a window of requests in flight on each. A request asks for what its peer
 delivers in a fraction of CHUNK_TIMEOUT, at the rate measured from its answers so far: a peer
 behind a low ``--share-mbps`` gets small chunks and answers often, never so seldom that it
-looks gone (the first requests, before any answer, are small). Small items ride whole in a request
+looks gone (the first requests, before any answer, are small). A peer with nothing left to
+fetch takes over a slower peer's item where it fetches it whole sooner, so a fetch from a
+fast and a slow peer ends at the fast one's pace. Small items ride whole in a request
 beside its first part (``CHUNK_REQUEST.more``: a layer's norms and small projections in one
 round trip). Each item comes whole from one peer, so that an item
 whose BLAKE3 digest differs from the manifest's names the peer that sent it: that peer is left out
@@ -56,6 +58,7 @@ FIRST_CHUNK = 64 << 10  # bytes a request asks of a peer before any answer has s
 MIN_CHUNK = 16 << 10  # the least a request asks for (where the item has as much left)
 PACE = 8  # a request asks for what its peer delivers in CHUNK_TIMEOUT / PACE seconds at its measured rate
 RATE_MEMORY = 2.0  # seconds: the weight of what a peer delivered falls by e each RATE_MEMORY seconds since
+TAKEOVER_GAIN = 0.5  # seconds a peer with nothing left to fetch must save to take a slower peer's item over
 MANIFEST_TIMEOUT = 5.0  # seconds to wait for the holders' manifests
 BUSY_PAUSE = 0.2  # seconds before asking a peer that answered BUSY again
 MAX_PEERS = 16  # peers fetched from at once
@@ -91,14 +94,32 @@ class Peer:
         self.since = now
         self.answered_bytes += nbytes
 
-    def room(self) -> int:
+    def rate(self, now: float) -> float | None:
+        """Bytes a second it delivers: its answers, and the wait for the next one so far (a peer that
+        goes quiet slows as it stays quiet); None before any answer."""
+        got, took = self.busy
+        if not got:
+            return None
+        waiting = max(0.0, now - self.since) if self.inflight else 0.0
+        fade = math.exp(-waiting / RATE_MEMORY)
+        return got * fade / max(took * fade + waiting, 1e-9)
+
+    def seconds_for(self, nbytes: int, now: float) -> float:
+        """How long it takes to send ``nbytes`` at its rate. Before any answer: none while it was
+        asked less than TAKEOVER_GAIN ago, else forever."""
+        rate = self.rate(now)
+        if rate is None:
+            return math.inf if self.inflight and now - self.since > TAKEOVER_GAIN else 0.0
+        return nbytes / rate
+
+    def room(self, now: float) -> int:
         """The bytes one request asks of this peer: what it delivers in CHUNK_TIMEOUT / PACE, and at
         most twice the bytes it has answered in all (its first answers may come at its cap's burst,
         or from what it had buffered: the rate they show is trusted as they add up)."""
-        got, took = self.busy
-        if not got:
+        rate = self.rate(now)
+        if rate is None:
             return min(FIRST_CHUNK, CHUNK_BYTES)
-        paced = CHUNK_BYTES if took <= 0 else got / took * CHUNK_TIMEOUT / PACE
+        paced = rate * CHUNK_TIMEOUT / PACE
         return int(min(CHUNK_BYTES, max(MIN_CHUNK, min(paced, max(FIRST_CHUNK, 2 * self.answered_bytes)))))
 
 
@@ -276,7 +297,7 @@ class Fetcher:
         """Keep WINDOW chunk requests in flight on ``peer`` (called again after each answer, before
         its bytes are written: the node reads the next chunk while this side hashes and writes)."""
         while not peer.gone and peer.pause_until <= now and len(peer.inflight) < WINDOW and not self.store.full():
-            parts = self._parts(peer)
+            parts = self._parts(peer, now)
             if not parts:
                 return
             if not peer.inflight:
@@ -287,13 +308,13 @@ class Fetcher:
                                                              more=more)))
             peer.inflight[ref] = (parts, now)
 
-    def _parts(self, peer: Peer) -> tuple[tuple[str, int, int], ...]:
+    def _parts(self, peer: Peer, now: float) -> tuple[tuple[str, int, int], ...]:
         """The next request's parts: the next chunk of an item of ``peer``'s, then queued items it
         holds that fit beside it whole (a layer's small tensors: one round trip, not one each)."""
-        item = self._next_item(peer)
+        item = self._next_item(peer, now)
         if item is None:
             return ()
-        room = peer.room()
+        room = peer.room(now)
         parts = [self._asked(item, room)]
         while len(parts) < p.MAX_CHUNK_PARTS and (room := room - parts[-1][2]) > 0:
             slot = next((s for s in self.queue if s.nbytes <= room and self._serves(peer, s)), None)
@@ -314,13 +335,35 @@ class Fetcher:
         item = self.active[slot.name] = Item(slot, peer)
         return item
 
-    def _next_item(self, peer: Peer) -> Item | None:
-        """An item of ``peer``'s with chunks not asked for yet, else the next queued item it holds."""
+    def _next_item(self, peer: Peer, now: float) -> Item | None:
+        """An item of ``peer``'s with chunks not asked for yet, else the next queued item it holds,
+        else a slower peer's item it takes over."""
         for item in self.active.values():
             if item.peer is peer and item.next_offset < item.slot.nbytes:
                 return item
         slot = next((s for s in self.queue if self._serves(peer, s)), None)
-        return None if slot is None else self._activate(slot, peer)
+        return self._take_over(peer, now) if slot is None else self._activate(slot, peer)
+
+    def _take_over(self, peer: Peer, now: float) -> Item | None:
+        """The item of another peer's that ``peer`` fetches whole sooner than that peer sends the
+        rest (in half the time and TAKEOVER_GAIN sooner at least, at the rates so far), the one
+        it saves most on; None where there is none. The other peer's answers for it are dropped
+        as they come (the store writes those handed over before this peer's: the bytes that
+        stand are those judged). A fetch from a fast and a slow peer then ends at the fast one's
+        pace, not when the slow one has sent what it was asked for first."""
+        rate = peer.rate(now)
+        best, most = None, TAKEOVER_GAIN
+        for item in self.active.values() if rate else ():
+            mine = item.slot.nbytes / rate
+            theirs = item.peer.seconds_for(item.slot.nbytes - item.received, now)
+            if item.peer is not peer and theirs > 2 * mine and theirs - mine > most and self._serves(peer, item.slot):
+                best, most = item, theirs - mine
+        if best is None:
+            return None
+        log.info("fetch of %s: %s fetches %s instead of %s (%.1f s sooner at the rates so far)", self.model,
+                 peer.name, best.slot.name, best.peer.name, most)
+        item = self.active[best.slot.name] = Item(best.slot, peer)
+        return item
 
     def _check_timeouts(self, now: float) -> None:
         for peer in self.peers:
