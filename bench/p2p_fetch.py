@@ -3,8 +3,8 @@
 the inter-token latency of a stream on the serving node while it serves a fetch.
 
     python bench/p2p_fetch.py [--model smollm2-135m] [--layers 15-29] [--share-mbps 0]
-                              [--rounds 5] [--other DIR] [--itl-tokens 120] [--itl-share-mbps 400]
-                              [--itl-rounds 1] [--itl-speculation]
+                              [--rounds 5] [--other DIR] [--slow-peer MBPS] [--itl-tokens 120]
+                              [--itl-share-mbps 400] [--itl-rounds 1] [--itl-speculation]
 
 Starts a tracker and one node holding the whole file (``python -m fabric.cli ...``), then:
 
@@ -19,7 +19,8 @@ Starts a tracker and one node holding the whole file (``python -m fabric.cli ...
    spent per fetch, the same bytes through a bare ZeroMQ DEALER/ROUTER pair between two
    processes (4 MiB messages, 16 in flight, nothing hashed or written: the transport's
    ceiling), and the manifest's hash (BLAKE3) over the bytes in one thread, as a fetch's store
-   thread takes it;
+   thread takes it. ``--slow-peer MBPS``: a second node holds the file too, behind that cap, and
+   every fetch of the rate run asks both (a LAN with one machine on a slow link);
 2. ITL: one greedy stream of ``--itl-tokens`` tokens on that node alone, then the same stream
    while fetches of every layer run back to back against it from another process (its cap
    ``--itl-share-mbps``):
@@ -66,21 +67,24 @@ def spawn(tmp: Path, name: str, *args: str) -> subprocess.Popen:
                             stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **env_cache}, cwd=REPO)
 
 
-def start(tmp: Path, model: str, layers: int, share_mbps: float) -> tuple[list[subprocess.Popen], str]:
+def start(tmp: Path, model: str, layers: int, *caps: float) -> tuple[list[subprocess.Popen], str]:
+    """A tracker and a node holding the whole file for each cap in ``caps`` (``--share-mbps``)."""
     tracker = f"tcp://127.0.0.1:{free_port()}"
     procs = [spawn(tmp, "tracker", "tracker", "--bind", tracker, "--pub", f"tcp://127.0.0.1:{free_port()}",
                    "--db", str(tmp / "ledger.sqlite3"))]
-    procs.append(spawn(tmp, f"node-{share_mbps:g}", "node", "--model", model, "--tracker", tracker,
-                       "--layers", f"0-{layers - 1}", "--bind", f"tcp://127.0.0.1:{free_port()}", "--no-progress",
-                       "--share-mbps", str(share_mbps), "--compute-lock", "none"))
+    for i, share_mbps in enumerate(caps):
+        procs.append(spawn(tmp, f"node{i}-{share_mbps:g}", "node", "--model", model, "--tracker", tracker,
+                           "--layers", f"0-{layers - 1}", "--bind", f"tcp://127.0.0.1:{free_port()}",
+                           "--no-progress", "--share-mbps", str(share_mbps), "--compute-lock", "none"))
     return procs, tracker
 
 
-def wait_ready(tracker: str, model_id: str) -> None:
+def wait_ready(tracker: str, model_id: str, nodes: int = 1) -> None:
     def ready() -> bool:
         try:
             with Client(tracker, timeout=2) as c:
-                return bool(c.status()["plans"].get(model_id))
+                status = c.status()
+            return bool(status["plans"].get(model_id)) and len(status["nodes"]) >= nodes
         except Exception:  # noqa: BLE001 -- still starting
             return False
     if not wait_for(ready, 300, 0.5):
@@ -275,12 +279,12 @@ def p99(values: list[float]) -> float:
 node_pid = [0]  # the serving node's pid, for its CPU seconds
 
 
-def run_node(args, tmp: Path, share_mbps: float, body) -> None:
+def run_node(args, tmp: Path, body, *caps: float) -> None:
     tmp.mkdir()
-    procs, tracker = start(tmp, args.model, args.num_layers, share_mbps)
+    procs, tracker = start(tmp, args.model, args.num_layers, *caps)
     node_pid[0] = procs[1].pid
     try:
-        wait_ready(tracker, args.model_id)
+        wait_ready(tracker, args.model_id, len(caps))
         body(tracker)
     finally:
         stop_processes(procs)
@@ -295,6 +299,8 @@ def main() -> None:
     ap.add_argument("--other", default=None, metavar="DIR",
                     help="another checkout (e.g. `git worktree add`): its fetches alternate with this one's, each in "
                          "a process of its own, with CPU seconds per fetch of both (the rate run only)")
+    ap.add_argument("--slow-peer", type=float, default=None, metavar="MBPS",
+                    help="a second node holding the file behind this cap: the rate run's fetches ask both")
     ap.add_argument("--itl-tokens", type=int, default=120)
     ap.add_argument("--itl-share-mbps", type=float, default=400.0, help="the node's cap for the ITL run")
     ap.add_argument("--itl-rounds", type=int, default=1,
@@ -333,7 +339,8 @@ def main() -> None:
                   f"BLAKE3 of them, one thread: {hashed:.3f} s = {size / hashed / 1e6:.1f} MB/s")
             print(f"fetch rate / cp rate: {(size / took) / (csize / ctook):.2f}x (target >= 0.5x); "
                   f"fetch / bare ZeroMQ: {(size / took) / (size / bare):.2f}x")
-        run_node(args, tmp / "rate", args.share_mbps, (lambda t: compare(args, t, tmp / "rate")) if args.other else rate)
+        caps = (args.share_mbps,) if args.slow_peer is None else (args.share_mbps, args.slow_peer)
+        run_node(args, tmp / "rate", (lambda t: compare(args, t, tmp / "rate")) if args.other else rate, *caps)
 
         def itl(tracker: str) -> None:
             alone, loaded, fetched = [], [], 0
@@ -350,7 +357,7 @@ def main() -> None:
                       f"p99/median {p99(g) / statistics.median(g):.2f} (target <= 1.5); each stream's own: "
                       f"{', '.join(f'{r:.2f}' for r in each)} (median {statistics.median(each):.2f})")
         if args.itl_tokens:
-            run_node(args, tmp / "itl", args.itl_share_mbps, itl)
+            run_node(args, tmp / "itl", itl, args.itl_share_mbps)
 
 
 if __name__ == "__main__":
