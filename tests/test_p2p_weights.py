@@ -529,7 +529,9 @@ def test_the_parts_of_one_chunk_request_are_bounded_in_all(model_file, monkeypat
 
 def test_a_peer_that_sends_bad_bytes_is_named_and_the_fetch_finishes_from_another(process_cluster, model_file,
                                                                                    tmp_path):
-    process_cluster.start_node("honest", str(model_file), "0-5", None, *EXACT)
+    # the honest peer at 8 Mbps: the corrupt one's items are done (and judged) long before the
+    # honest one has nothing left and could take them over (fabric.fetch.fetcher.Fetcher._take_over)
+    process_cluster.start_node("honest", str(model_file), "0-5", None, *EXACT, "--share-mbps", "8")
     process_cluster.start_node("corrupt", str(model_file), "0-5", None, *EXACT,
                                entry=(str(ROOT / "tests" / "corrupt_share_node.py"),))
     assert wait_for(lambda: _listed(process_cluster, "honest") and _listed(process_cluster, "corrupt"), 120, 0.2)
