@@ -3,14 +3,15 @@ identically after a re-prefill or a failover onto other nodes.
 
 A sampling request's token is defined on the vocabulary in one order: likeliest first, ties
 by token id (a stable sort), tokens of probability 0 left out. Top-k keeps the first k of it,
-top-p the shortest prefix whose mass reaches p; the draw u in [0, 1) picks the first token whose running sum (float64, in
-that order) exceeds u times the kept tokens' total (float64, summed in token-id order). A
-draw needs only the start of the order: the likeliest CANDIDATES tokens, taken without
-sorting the rest, hold the answer whenever the kept mass it needs lies among them (91% of
-SmolLM2's draws at temperature 1, `bench/sampling.py`); else 16 times as many, else the
-whole vocabulary sorted. Each gives the same token: the candidates are the first tokens of
-the whole order, in its order. (A full sort of SmolLM2's 49,152 tokens took 4.2 ms a token
-here, ten times the rest of a draw.)"""
+top-p the shortest prefix whose mass reaches p; the draw u in [0, 1) picks the first token
+whose running sum (float64, in that order) exceeds u times the kept tokens' total (float64,
+summed in token-id order). A draw needs only the start of the order: the likeliest
+CANDIDATES tokens, taken without sorting the rest, hold the answer whenever the kept mass it
+needs lies among them (91% of SmolLM2's draws at temperature 1, `bench/sampling.py`); else
+16 times as many, else the whole vocabulary sorted. Each gives the same token: the
+candidates are the first tokens of the whole order, in its order. (A full sort of SmolLM2's
+49,152 tokens took 4.2 ms a token here, ten times the rest of a draw.) A draft model's
+token is kept or replaced (``accept``) on the same start of the order."""
 from __future__ import annotations
 
 import hashlib
@@ -144,20 +145,45 @@ def accept(logits: torch.Tensor, params: Sampling, position: int, draft: int, q:
     """The standard acceptance rule for a draft drawn from ``q``: the token for ``position``
     is ``draft`` with probability min(1, p(draft) / q(draft)), else one drawn from
     norm(max(0, p - q)); either way it is distributed as p, the request's distribution over
-    ``logits`` (vocab,). Greedy keeps the draft only where it is the argmax."""
+    ``logits`` (vocab,). Greedy keeps the draft only where it is the argmax.
+
+    Exactly (docs/PROTOCOL.md §4): with T the kept tokens' mass (``_total``) and P their
+    probabilities before normalizing, p(draft) = P(draft) / T, 0 where it is not kept. The
+    residual of a kept token is max(0, P - q T) in the kept order, and its total R is T less
+    min(P, q T) of each of q's kept ids, in id order (float64); the draw u picks the first
+    token whose running sum of residuals exceeds u R, read among the likeliest tokens as
+    ``sample`` does (the whole order only where the crossing lies past them). Where R is not
+    above 0 (p and q agree to rounding), the token is ``sample``'s."""
     if params.temperature == 0.0:
         return sample(logits, params, position)
-    order, probs = kept(logits, params)
-    p = probs.double() / probs.double().sum()  # (n,) over order
-    at = (order == draft).nonzero()
-    p_draft = float(p[at[0, 0]]) if len(at) else 0.0
-    if draw(params.seed or 0, position, "accept") * q.prob(draft) < p_draft:
+    probs = _probs(logits, params)
+    seed, cut = params.seed or 0, bool(params.top_k) or params.top_p < 1.0
+    for k in (CANDIDATES, 16 * CANDIDATES, probs.numel()):  # the kept order's start, as in ``_sampled``
+        order, ranked, ends = _cut(probs, _likeliest(probs, max(k, params.top_k)), params)
+        if not cut or ends:
+            break
+    total = _total(probs, order if cut else None)
+    kept_ids = set(order.tolist()) if cut else None
+
+    def kept(token: int) -> bool:
+        return token in kept_ids if cut else 0 <= token < probs.numel() and float(probs[token]) > 0.0
+    if not total > 0.0:  # not a number anywhere: the plain draw decides
+        return _sampled(probs, params, draw(seed, position))
+    p_draft = float(probs[draft]) / total if kept(draft) else 0.0
+    if draw(seed, position, "accept") * q.prob(draft) < p_draft:
         return draft
-    dense = torch.zeros(logits.shape[-1], dtype=torch.float64)  # (vocab,): q, 0 off its ids
-    ids = [(t, v) for t, v in zip(q.ids, q.probs) if t < len(dense)]
-    dense[[t for t, _ in ids]] = torch.tensor([v for _, v in ids], dtype=torch.float64)
-    q_on = dense[order]  # (n,)
-    residual = (p - q_on).clamp(min=0.0)
-    if float(residual.sum()) <= 0.0:  # p == q (to rounding): nothing to correct
-        residual = p
-    return _pick(order, residual, draw(params.seed or 0, position))
+    owed = {t: v * total for t, v in zip(q.ids, q.probs) if kept(t)}  # q T of each of q's kept ids
+    residual = total
+    for t in sorted(owed):
+        residual -= min(float(probs[t]), owed[t])
+    if not residual > 0.0:
+        return _sampled(probs, params, draw(seed, position))
+    target, dense = draw(seed, position) * residual, torch.zeros(probs.numel(), dtype=torch.float64)
+    dense[list(owed)] = torch.tensor(list(owed.values()), dtype=torch.float64)
+    for k in (k, 16 * CANDIDATES, probs.numel()):
+        if k > order.numel() and not ends:
+            order, ranked, ends = _cut(probs, _likeliest(probs, max(k, params.top_k)), params)
+        cdf = torch.cumsum((ranked.double() - dense[order]).clamp(min=0.0), dim=0)
+        if ends or float(cdf[-1]) > target:
+            return _crossing(order, cdf, target)
+    raise AssertionError("the whole vocabulary's order ends every draw")
