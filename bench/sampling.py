@@ -9,6 +9,10 @@ Gathers the logits of ``--positions`` positions of three chat replies, sampled a
 both draws on each row for the OpenAI API's default (temperature 1) and two cuts, alternated
 ``--reps`` times: microseconds a token, their ratio, how often a draw had to sort the whole
 vocabulary, and the mass the 256 likeliest tokens hold. Both draws must give the same tokens.
+Then a draft model's acceptance (``sampling.accept``, its drafts ``propose``d from the same
+logits with noise added, as another model's would be) against the same rule with the whole
+vocabulary sorted every time (``CANDIDATES`` set to the vocabulary): microseconds a drafted
+position, and the same tokens.
 """
 from __future__ import annotations
 
@@ -97,6 +101,33 @@ def main() -> None:
         print(f"{name}: {statistics.median(new) * 1e6:.0f} us a token against {statistics.median(old) * 1e6:.0f} "
               f"sorting the whole vocabulary ({statistics.median(new) / statistics.median(old):.2f}x); "
               f"{sorted_whole(rows, params):.1%} of draws sorted it; the same tokens")
+    acceptance(rows, CUTS["temperature 1 (OpenAI's default)"], args.reps)
+
+
+def acceptance(rows: list[torch.Tensor], params: Sampling, reps: int) -> None:
+    """``accept`` on the likeliest tokens against ``accept`` on the whole vocabulary sorted."""
+    noise = torch.Generator().manual_seed(1)
+    drafted = [sampling.propose(r.float() + torch.randn(r.shape, generator=noise), params, pos, 64)
+               for pos, r in enumerate(rows)]
+
+    def accept(row: torch.Tensor, params: Sampling, pos: int) -> int:
+        return sampling.accept(row, params, pos, *drafted[pos])
+    new, old, candidates = [], [], sampling.CANDIDATES
+    for _ in range(reps):
+        took, tokens = timed(accept, rows, params)
+        new.append(took)
+        sampling.CANDIDATES = rows[0].numel()  # every draw on the whole order
+        try:
+            took, reference = timed(accept, rows, params)
+        finally:
+            sampling.CANDIDATES = candidates
+        old.append(took)
+        if tokens != reference:
+            raise SystemExit("the acceptances differ")
+    kept = sum(t == d for t, (d, _) in zip(tokens, drafted)) / len(rows)
+    print(f"a draft's acceptance at temperature {params.temperature:g}: {statistics.median(new) * 1e6:.0f} us a "
+          f"position against {statistics.median(old) * 1e6:.0f} sorting the whole vocabulary "
+          f"({statistics.median(new) / statistics.median(old):.2f}x); {kept:.0%} of drafts kept; the same tokens")
 
 
 def sorted_whole(rows: list[torch.Tensor], params: Sampling) -> float:
