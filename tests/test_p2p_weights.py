@@ -561,16 +561,22 @@ def test_a_peer_that_sends_bad_bytes_is_named_and_the_fetch_finishes_from_anothe
     assert re.search(r"fetched layers 3-5: .* MiB; bad bytes from corrupt \(left out\)", shown), shown
 
 
+def pull_from_a_slow_holder(cluster, model_file: Path, tmp_path: Path, **popen) -> tuple[subprocess.Popen, dict, Path]:
+    """A `meshnet pull` of layers 3-5 running on machine b from the one holder, at 1 Mbps: (the
+    process, b's environment, b's directory of peer copies)."""
+    cluster.start_node("slow", str(model_file), "0-5", None, *EXACT, "--share-mbps", "1")
+    assert wait_for(lambda: _listed(cluster, "slow"), 120, 0.2), cluster.logs()
+    b = home(tmp_path, "b")
+    running = subprocess.Popen([sys.executable, "-m", "fabric.cli", "pull", MODEL, "--layers", "3-5", "--tracker",
+                                cluster.endpoint, "--no-progress"], cwd=ROOT,
+                               env={**os.environ, "PYTHONPATH": str(ROOT), **b}, **popen)
+    return running, b, Path(b["XDG_CACHE_HOME"]) / "meshnet" / "models" / "peers"
+
+
 def test_an_interrupted_fetch_resumes_without_fetching_again_what_it_verified(process_cluster, model_file,
                                                                              tmp_path):
-    process_cluster.start_node("slow", str(model_file), "0-5", None, *EXACT, "--share-mbps", "1")
-    assert wait_for(lambda: _listed(process_cluster, "slow"), 120, 0.2), process_cluster.logs()
-    b = home(tmp_path, "b")
-    peers = Path(b["XDG_CACHE_HOME"]) / "meshnet" / "models" / "peers"
-    first = subprocess.Popen([sys.executable, "-m", "fabric.cli", "pull", MODEL, "--layers", "3-5", "--tracker",
-                              process_cluster.endpoint, "--no-progress"], cwd=ROOT,
-                             env={**os.environ, "PYTHONPATH": str(ROOT), **b}, stdout=subprocess.DEVNULL,
-                             stderr=subprocess.DEVNULL)
+    first, b, peers = pull_from_a_slow_holder(process_cluster, model_file, tmp_path, stdout=subprocess.DEVNULL,
+                                              stderr=subprocess.DEVNULL)
 
     def journal() -> Path | None:
         return next(iter(peers.glob("*.part.done")), None)
@@ -652,7 +658,7 @@ def test_a_peers_rate_sizes_its_requests_between_the_least_and_a_whole_chunk():
     peer = fm.Peer(Holder("a", "tcp://x", "", "", (0, 1)), None)
     assert peer.room(peer.since) == fm.FIRST_CHUNK
     rooms = []
-    while peer.room(peer.since) < fm.CHUNK_BYTES:  # loopback: the whole chunk, as soon as twice the bytes answered allow
+    while peer.room(peer.since) < fm.CHUNK_BYTES:  # loopback: the whole chunk, once twice the bytes answered allow
         rooms.append(peer.room(peer.since))
         peer.answered(rooms[-1], peer.since + 0.001)
     assert rooms[0] == fm.FIRST_CHUNK and all(r == 2 * sum(rooms[:n]) for n, r in enumerate(rooms[1:], 1)), rooms
@@ -674,14 +680,8 @@ def test_ctrl_c_stops_a_pull_which_says_how_to_resume_and_the_tracker_hears_the_
     """Ctrl-C during `meshnet pull`: status 130 and a line saying that the same command fetches
     only the rest; the items verified stay; the tracker hears the fetch ended (its last report,
     which the reporter's thread sends as the process ends)."""
-    process_cluster.start_node("slow", str(model_file), "0-5", None, *EXACT, "--share-mbps", "1")
-    assert wait_for(lambda: _listed(process_cluster, "slow"), 120, 0.2), process_cluster.logs()
-    b = home(tmp_path, "b")
-    peers = Path(b["XDG_CACHE_HOME"]) / "meshnet" / "models" / "peers"
-    running = subprocess.Popen([sys.executable, "-m", "fabric.cli", "pull", MODEL, "--layers", "3-5", "--tracker",
-                                process_cluster.endpoint, "--no-progress"], cwd=ROOT,
-                               env={**os.environ, "PYTHONPATH": str(ROOT), **b}, stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE, text=True)
+    running, _, peers = pull_from_a_slow_holder(process_cluster, model_file, tmp_path, stdout=subprocess.PIPE,
+                                                stderr=subprocess.PIPE, text=True)
 
     def verified() -> int:  # items the .part's journal names as verified
         journal = next(iter(peers.glob("*.part.done")), None)

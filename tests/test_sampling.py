@@ -57,14 +57,26 @@ def reference(logits: torch.Tensor, params: Sampling, position: int) -> int:
     return int(order[min(int(torch.searchsorted(cdf, target, right=True)[0]), len(order) - 1)])
 
 
+def whole_sorts(monkeypatch) -> list[bool]:
+    """From now on, for each look at the likeliest tokens: whether it sorted the whole vocabulary."""
+    import fabric.compute.sampling as sampling
+
+    sorted_whole, likeliest = [], sampling._likeliest
+
+    def counted(probs: torch.Tensor, k: int):
+        order, every = likeliest(probs, k)
+        sorted_whole.append(k >= probs.numel() or order.numel() == probs.numel())
+        return order, every
+    monkeypatch.setattr(sampling, "_likeliest", counted)
+    return sorted_whole
+
+
 def test_a_draw_among_the_likeliest_tokens_is_the_draw_on_the_whole_vocabulary(monkeypatch):
     """Peaked rows (a trained model's), flat ones (a random model's: most draws land past the
     candidates), ties, masks (a grammar's five tokens) and a small vocabulary, under every kind
     of cut: the token is the one the whole sorted vocabulary gives. And the draws of a peaked
     row, or of five tokens a grammar allows, never sort the whole vocabulary (4 ms a token on
     SmolLM2's 49,152)."""
-    import fabric.compute.sampling as sampling
-
     torch.manual_seed(2)
     vocab = 49152
     masked, grammar = torch.full((vocab,), float("-inf")), torch.full((vocab,), float("-inf"))
@@ -79,14 +91,7 @@ def test_a_draw_among_the_likeliest_tokens_is_the_draw_on_the_whole_vocabulary(m
             got = [sample(logits, params, pos) for pos in range(12)]
             assert got == [reference(logits, params, pos) for pos in range(12)], (name, params)
 
-    sorted_whole = []
-    likeliest = sampling._likeliest
-
-    def counted(probs: torch.Tensor, k: int):
-        order, every = likeliest(probs, k)
-        sorted_whole.append(k >= probs.numel() or order.numel() == probs.numel())
-        return order, every
-    monkeypatch.setattr(sampling, "_likeliest", counted)
+    sorted_whole = whole_sorts(monkeypatch)
     for pos in range(200):
         assert sample(rows["grammar"], Sampling(temperature=1.0, seed=5), pos) in (7, 300, 301, 9000, 40000)
         sample(rows["peaked"], Sampling(temperature=1.0, seed=5), pos)
@@ -154,14 +159,7 @@ def test_a_drafts_acceptance_among_the_likeliest_tokens_is_the_rule_on_the_whole
                     outcomes.add(got == draft)
     assert outcomes == {True, False}  # drafts were kept and replaced
 
-    sorted_whole = []
-    likeliest = sampling._likeliest
-
-    def counted(probs: torch.Tensor, k: int):
-        order, every = likeliest(probs, k)
-        sorted_whole.append(k >= probs.numel() or order.numel() == probs.numel())
-        return order, every
-    monkeypatch.setattr(sampling, "_likeliest", counted)
+    sorted_whole = whole_sorts(monkeypatch)
     peaked, hot = rows["peaked"], Sampling(temperature=1.0, seed=5)
     for pos in range(100):
         accept(peaked, hot, pos, *propose(peaked + torch.randn(vocab), hot, pos, 64))
