@@ -511,6 +511,31 @@ def test_one_chunk_request_takes_several_whole_tensors_and_each_part_is_checked(
     assert "does not hold tensor 'no.such'" in answer.message
 
 
+def test_a_sharing_node_takes_its_askers_in_turn_and_bounds_each(model_file):
+    """Chunks go a chunk an asker in turn, so a fetch that asks while another's window waits
+    hears its first answer after one of the other's chunks (behind a cap of 20 Mbps, 16 chunks
+    of 4 MiB are 27 s: it would give the node up as silent). One asker holds at most
+    MAX_WAITING_EACH places of the queue; another still gets in."""
+    from fabric.node import share as sh
+
+    share = WeightShare(resolve(str(model_file)), MODEL, "a", LAYERS, 0, None)
+    try:
+        def ask(identity: bytes, ref: int) -> p.Error | None:
+            return share.request(identity, p.ChunkRequest(share.manifest.digest, "blk.1.attn_q.weight", 0, 64, ref))
+        assert all(ask(b"a", ref) is None for ref in range(1, 6))
+        assert all(ask(b"b", ref) is None for ref in (1, 2))
+        sent = []
+        assert share.pump(0.0, lambda identity, msg, data: sent.append((identity, msg.ref))) == 7 * 64
+        assert sent == [(b"a", 1), (b"b", 1), (b"a", 2), (b"b", 2), (b"a", 3), (b"a", 4), (b"a", 5)]
+        assert share.wait(0.0) is None and not share.waiting
+        assert all(ask(b"a", ref) is None for ref in range(sh.MAX_WAITING_EACH))
+        busy = ask(b"a", 99)
+        assert isinstance(busy, p.Error) and busy.code == p.ErrorCode.BUSY, busy
+        assert ask(b"b", 1) is None and share.queued == sh.MAX_WAITING_EACH + 1
+    finally:
+        share.close()
+
+
 def test_the_parts_of_one_chunk_request_are_bounded_in_all(model_file, monkeypatch):
     share = WeightShare(resolve(str(model_file)), MODEL, "a", LAYERS, 0, None)
     try:
@@ -647,6 +672,39 @@ def test_a_fetch_from_a_fast_and_a_slow_peer_ends_at_the_fast_ones_pace(process_
     total = sum(s.nbytes for s in layout(manifest_for(model_file), Shard(3, 5, LAYERS), MODEL).slots)
     assert set(sent) == {"fast", "slow"} and sent["slow"] <= 2 * fm.FIRST_CHUNK, sent
     assert sent["fast"] + sent["slow"] >= total, sent
+
+
+def test_two_fetches_from_one_capped_peer_both_finish_when_the_second_starts_behind_the_first(
+        process_cluster, model_file, tmp_path, monkeypatch):
+    """The second fetch asks while the first's window of requests waits behind the cap (8 Mbps,
+    CHUNK_TIMEOUT 1 s here: the first's queue holds some 1.5 s). The node takes them in turn, so
+    the second hears its first answer after one of the first's chunks, and neither gives the
+    node up as silent."""
+    import threading
+    import time
+
+    from fabric.fetch import fetcher as fm
+    from fabric.fetch.pull import fetch_layers
+
+    process_cluster.start_node("capped", str(model_file), "0-5", None, *EXACT, "--share-mbps", "8")
+    assert wait_for(lambda: _listed(process_cluster, "capped"), 120, 0.2), process_cluster.logs()
+    monkeypatch.setattr(fm, "CHUNK_TIMEOUT", 1.0)
+    done: dict[str, object] = {}
+
+    def fetch(name: str) -> None:
+        try:
+            done[name] = fetch_layers(MODEL, "3-5", process_cluster.endpoint, None, tmp_path / name, progress=False,
+                                      say=lambda _: None)
+        except Exception as exc:  # noqa: BLE001 -- the assertion names it
+            done[name] = exc
+    first = threading.Thread(target=fetch, args=("first",))
+    first.start()
+    time.sleep(0.3)  # the first's requests, sized to the cap by now, wait at the node
+    fetch("second")
+    first.join(60)
+    digest = manifest_for(model_file).digest
+    assert all(isinstance(path, Path) and manifest_for(path).digest == digest for path in done.values()), done
+    assert set(done) == {"first", "second"}
 
 
 def test_a_peers_rate_sizes_its_requests_between_the_least_and_a_whole_chunk():

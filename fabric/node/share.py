@@ -5,7 +5,11 @@ It serves only the file it loaded its own layers from, only tensors that file ho
 ranges inside them, and no faster than its cap (``--share-mbps``, a token bucket): serving
 tokens comes first. Chunks are read and sent by the node's own loop between compute steps
 (:meth:`WeightShare.pump`), never inside one; a request the cap holds back waits in a bounded
-queue, and past that bound the asker hears BUSY and asks again later.
+queue, and past that bound the asker hears BUSY and asks again later. The queue takes its
+askers in turn, a chunk each: a fetch that starts while another has its window of requests
+waiting hears its first answer after one of the other's chunks, not after all of them (at a
+cap of 20 Mbps, 16 requests of 4 MiB wait 27 s, and the newcomer would give this node up as
+silent), and one asker can hold at most MAX_WAITING_EACH of the places.
 
 A chunk goes out as a view of the file mapped into memory (ZeroMQ sends it from the page
 cache, zero copy): no read into a fresh buffer per chunk, which cost as much as the send
@@ -30,6 +34,7 @@ from ..wire import protocol as p
 log = logging.getLogger(__name__)
 
 MAX_WAITING = 64  # chunk requests queued behind the cap; more are answered BUSY
+MAX_WAITING_EACH = 32  # of those, one asker's (a fetch keeps 16 in flight)
 BURST_SECONDS = 0.05  # the bucket holds this many seconds of the cap; a larger chunk waits for a full bucket
 # and leaves it owing the rest, so the cap holds over any few chunks
 
@@ -79,7 +84,8 @@ class WeightShare:
         self.model_id, self.node_id = model_id, node_id
         self.path = source.path if source.kind == "gguf" else None
         self.bucket = TokenBucket(share_bytes_per_s, max(1.0, share_bytes_per_s * BURST_SECONDS))
-        self.waiting: deque[_Waiting] = deque()
+        self.waiting: dict[bytes, deque[_Waiting]] = {}  # each asker's queue, in the order they take turns
+        self.queued = 0  # requests waiting, every asker's
         self.fd, self.map = -1, None
         if self.path is None:
             return
@@ -122,11 +128,15 @@ class WeightShare:
         refusal = self._refusal(msg)
         if refusal is not None:
             return p.Error(p.ErrorCode.BAD_REQUEST, refusal, node=self.node_id)
-        if len(self.waiting) >= MAX_WAITING:
-            return p.Error(p.ErrorCode.BUSY, f"{MAX_WAITING} chunk requests wait here already; ask again later",
-                           node=self.node_id)
+        mine = self.waiting.setdefault(identity, deque())
+        if self.queued >= MAX_WAITING or len(mine) >= MAX_WAITING_EACH:
+            if not mine:
+                del self.waiting[identity]
+            return p.Error(p.ErrorCode.BUSY, f"{MAX_WAITING} chunk requests wait here already, or "
+                           f"{MAX_WAITING_EACH} of yours; ask again later", node=self.node_id)
         parts = ((self.spans[msg.name][0] + msg.offset, msg.length),) + tuple(self.spans[name] for name in msg.more)
-        self.waiting.append(_Waiting(identity, msg, parts))
+        mine.append(_Waiting(identity, msg, parts))
+        self.queued += 1
         return None
 
     def _refusal(self, msg: p.ChunkRequest) -> str | None:
@@ -145,15 +155,30 @@ class WeightShare:
             return f"the parts asked for come to more than {p.MAX_CHUNK_BYTES} bytes"
         return None
 
+    def _next(self) -> _Waiting | None:
+        """The chunk whose turn it is: the first of the asker first in turn."""
+        return self.waiting[next(iter(self.waiting))][0] if self.waiting else None
+
+    def _take(self) -> _Waiting:
+        """Take the next chunk; its asker's turn goes to the back (its queue goes where empty)."""
+        identity = next(iter(self.waiting))
+        mine = self.waiting.pop(identity)
+        item = mine.popleft()
+        if mine:
+            self.waiting[identity] = mine
+        self.queued -= 1
+        return item
+
     def wait(self, now: float) -> float | None:
         """Seconds until the next queued chunk may go (None: none waits)."""
-        return self.bucket.wait(self.waiting[0].nbytes, now) if self.waiting else None
+        item = self._next()
+        return None if item is None else self.bucket.wait(item.nbytes, now)
 
     def pump(self, now: float, send: Callable[[bytes, p.Message, list], None]) -> int:
-        """Send the queued chunks the cap allows now; the bytes sent."""
+        """Send the queued chunks the cap allows now, the askers in turn; the bytes sent."""
         sent = 0
-        while self.waiting and self.bucket.wait(self.waiting[0].nbytes, now) <= 0:
-            item = self.waiting.popleft()
+        while self.waiting and self.bucket.wait(self._next().nbytes, now) <= 0:
+            item = self._take()
             try:
                 data = [self.read(offset, length) for offset, length in item.parts]
             except (OSError, ModelError) as exc:
