@@ -33,7 +33,7 @@ from fabric.wire import protocol as p
 from fabric.wire.shard import Shard
 from tests.cluster import ROOT
 from tests.gguf_models import write_gguf
-from tests.support import wait_for
+from tests.support import cli, wait_for
 from tests.tiny_models import assert_clear_lead
 
 MODEL = "tiny"  # the model id the swarm lists: the file's stem
@@ -587,12 +587,12 @@ def test_a_peer_that_sends_bad_bytes_is_named_and_the_fetch_finishes_from_anothe
 
 
 def pull_from_a_slow_holder(cluster, model_file: Path, tmp_path: Path, **popen) -> tuple[subprocess.Popen, dict, Path]:
-    """A `meshnet pull` of layers 3-5 running on machine b from the one holder, at 1 Mbps: (the
-    process, b's environment, b's directory of peer copies)."""
+    """A `meshnet pull` of layers 3-5 running on machine b from the one holder, at 1 Mbps, as at a
+    terminal (a SIGINT is a Ctrl-C): (the process, b's environment, b's directory of peer copies)."""
     cluster.start_node("slow", str(model_file), "0-5", None, *EXACT, "--share-mbps", "1")
     assert wait_for(lambda: _listed(cluster, "slow"), 120, 0.2), cluster.logs()
     b = home(tmp_path, "b")
-    running = subprocess.Popen([sys.executable, "-m", "fabric.cli", "pull", MODEL, "--layers", "3-5", "--tracker",
+    running = subprocess.Popen([*cli(interruptible=True), "pull", MODEL, "--layers", "3-5", "--tracker",
                                 cluster.endpoint, "--no-progress"], cwd=ROOT,
                                env={**os.environ, "PYTHONPATH": str(ROOT), **b}, **popen)
     return running, b, Path(b["XDG_CACHE_HOME"]) / "meshnet" / "models" / "peers"

@@ -15,10 +15,20 @@ CLI_REPORTING_TORCH = ("import runpy, sys\ntry:\n    runpy.run_module('fabric.cl
                        "finally:\n    print('torch:', 'torch' in sys.modules)")
 
 
-def cli(report_torch: bool = False) -> list[str]:
-    """The command that runs this checkout's `meshnet`: ``python -m fabric.cli``, or with
-    ``report_torch`` ``CLI_REPORTING_TORCH`` (stdout then ends with whether torch was imported)."""
-    return [sys.executable, "-c", CLI_REPORTING_TORCH] if report_torch else [sys.executable, "-m", "fabric.cli"]
+# `python -c CLI_AT_A_TERMINAL ARGS` runs `meshnet ARGS` with SIGINT's default, as a shell gives its
+# foreground job: a suite started in the background (`cmd &` in a script) runs with SIGINT ignored,
+# an ignored SIGINT stays ignored across exec, and a Ctrl-C sent to `meshnet` would do nothing
+CLI_AT_A_TERMINAL = ("import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); "
+                     "os.execv(sys.executable, [sys.executable, '-m', 'fabric.cli', *sys.argv[1:]])")
+
+
+def cli(report_torch: bool = False, interruptible: bool = False) -> list[str]:
+    """The command that runs this checkout's `meshnet`: ``python -m fabric.cli``; with
+    ``report_torch`` ``CLI_REPORTING_TORCH`` (stdout then ends with whether torch was imported);
+    with ``interruptible`` ``CLI_AT_A_TERMINAL`` (a SIGINT sent to it is a Ctrl-C)."""
+    if report_torch:
+        return [sys.executable, "-c", CLI_REPORTING_TORCH]
+    return [sys.executable, "-c", CLI_AT_A_TERMINAL] if interruptible else [sys.executable, "-m", "fabric.cli"]
 
 
 _HANDED_OUT: set[int] = set()
