@@ -511,11 +511,12 @@ def test_one_chunk_request_takes_several_whole_tensors_and_each_part_is_checked(
     assert "does not hold tensor 'no.such'" in answer.message
 
 
-def test_a_sharing_node_takes_its_askers_in_turn_and_bounds_each(model_file):
-    """Chunks go a chunk an asker in turn, so a fetch that asks while another's window waits
-    hears its first answer after one of the other's chunks (behind a cap of 20 Mbps, 16 chunks
-    of 4 MiB are 27 s: it would give the node up as silent). One asker holds at most
-    MAX_WAITING_EACH places of the queue; another still gets in."""
+def test_a_sharing_node_shares_its_cap_among_its_askers_by_bytes_and_bounds_each(model_file):
+    """The askers share the cap by bytes: a fetch that asks while another's window waits hears
+    its first answer after one of the other's chunks (behind a cap of 20 Mbps, 16 chunks of 4
+    MiB are 27 s: it would give the node up as silent), and an asker of small chunks gets as
+    many bytes as one of large chunks. One asker holds at most MAX_WAITING_EACH places of the
+    queue; another still gets in."""
     from fabric.node import share as sh
 
     share = WeightShare(resolve(str(model_file)), MODEL, "a", LAYERS, 0, None)
@@ -528,6 +529,12 @@ def test_a_sharing_node_takes_its_askers_in_turn_and_bounds_each(model_file):
         assert share.pump(0.0, lambda identity, msg, data: sent.append((identity, msg.ref))) == 7 * 64
         assert sent == [(b"a", 1), (b"b", 1), (b"a", 2), (b"b", 2), (b"a", 3), (b"a", 4), (b"a", 5)]
         assert share.wait(0.0) is None and not share.waiting
+        big = p.ChunkRequest(share.manifest.digest, "blk.1.attn_q.weight", 0, 256, 1)
+        assert share.request(b"a", big) is None and share.request(b"a", big) is None
+        assert all(ask(b"b", ref) is None for ref in range(1, 9))  # shared by bytes: four of b's to one of a's
+        sent.clear()
+        share.pump(0.0, lambda identity, msg, data: sent.append(identity))
+        assert sent == [b"a"] + [b"b"] * 4 + [b"a"] + [b"b"] * 4, sent
         assert all(ask(b"a", ref) is None for ref in range(sh.MAX_WAITING_EACH))
         busy = ask(b"a", 99)
         assert isinstance(busy, p.Error) and busy.code == p.ErrorCode.BUSY, busy
@@ -677,7 +684,7 @@ def test_a_fetch_from_a_fast_and_a_slow_peer_ends_at_the_fast_ones_pace(process_
 def test_two_fetches_from_one_capped_peer_both_finish_when_the_second_starts_behind_the_first(
         process_cluster, model_file, tmp_path, monkeypatch):
     """The second fetch asks while the first's window of requests waits behind the cap (8 Mbps,
-    CHUNK_TIMEOUT 1 s here: the first's queue holds some 1.5 s). The node takes them in turn, so
+    CHUNK_TIMEOUT 1 s here: the first's queue holds some 1.5 s). The node shares its cap by bytes, so
     the second hears its first answer after one of the first's chunks, and neither gives the
     node up as silent."""
     import threading

@@ -5,11 +5,15 @@ It serves only the file it loaded its own layers from, only tensors that file ho
 ranges inside them, and no faster than its cap (``--share-mbps``, a token bucket): serving
 tokens comes first. Chunks are read and sent by the node's own loop between compute steps
 (:meth:`WeightShare.pump`), never inside one; a request the cap holds back waits in a bounded
-queue, and past that bound the asker hears BUSY and asks again later. The queue takes its
-askers in turn, a chunk each: a fetch that starts while another has its window of requests
-waiting hears its first answer after one of the other's chunks, not after all of them (at a
-cap of 20 Mbps, 16 requests of 4 MiB wait 27 s, and the newcomer would give this node up as
-silent), and one asker can hold at most MAX_WAITING_EACH of the places.
+queue, and past that bound the asker hears BUSY and asks again later.
+
+The queue shares the cap among its askers by bytes (start-time fair queueing: each request is
+tagged with the bytes its asker has waiting before it, counted from the tag of the request
+sent last, and the lowest tag goes next). A fetch that starts while another has its window of
+requests waiting hears its first answer after one of the other's chunks, not after all of
+them (at a cap of 20 Mbps, 16 requests of 4 MiB wait 27 s, and the newcomer would give this
+node up as silent), and then gets as many bytes a second as the other, whatever its chunks'
+size. One asker can hold at most MAX_WAITING_EACH of the places.
 
 A chunk goes out as a view of the file mapped into memory (ZeroMQ sends it from the page
 cache, zero copy): no read into a fresh buffer per chunk, which cost as much as the send
@@ -70,6 +74,8 @@ class _Waiting:
     identity: bytes
     msg: p.ChunkRequest
     parts: tuple[tuple[int, int], ...]  # (offset in this node's file, length) of each part asked for
+    start: float = 0.0  # its fair-queueing tag: the queue's bytes sent, as its asker's turn counts them
+    order: int = 0  # ties go to the request that came first
 
     @property
     def nbytes(self) -> int:
@@ -84,8 +90,10 @@ class WeightShare:
         self.model_id, self.node_id = model_id, node_id
         self.path = source.path if source.kind == "gguf" else None
         self.bucket = TokenBucket(share_bytes_per_s, max(1.0, share_bytes_per_s * BURST_SECONDS))
-        self.waiting: dict[bytes, deque[_Waiting]] = {}  # each asker's queue, in the order they take turns
+        self.waiting: dict[bytes, deque[_Waiting]] = {}  # each asker's queue
         self.queued = 0  # requests waiting, every asker's
+        self.vtime = 0.0  # the tag of the request sent last
+        self.arrivals = 0
         self.fd, self.map = -1, None
         if self.path is None:
             return
@@ -135,7 +143,10 @@ class WeightShare:
             return p.Error(p.ErrorCode.BUSY, f"{MAX_WAITING} chunk requests wait here already, or "
                            f"{MAX_WAITING_EACH} of yours; ask again later", node=self.node_id)
         parts = ((self.spans[msg.name][0] + msg.offset, msg.length),) + tuple(self.spans[name] for name in msg.more)
-        mine.append(_Waiting(identity, msg, parts))
+        start = max(self.vtime, mine[-1].start + mine[-1].nbytes) if mine else self.vtime
+        waiting = _Waiting(identity, msg, parts, start, self.arrivals)
+        self.arrivals += 1
+        mine.append(waiting)
         self.queued += 1
         return None
 
@@ -156,17 +167,19 @@ class WeightShare:
         return None
 
     def _next(self) -> _Waiting | None:
-        """The chunk whose turn it is: the first of the asker first in turn."""
-        return self.waiting[next(iter(self.waiting))][0] if self.waiting else None
+        """The chunk whose turn it is: of each asker's first, the lowest tag."""
+        return min((mine[0] for mine in self.waiting.values()), key=lambda w: (w.start, w.order), default=None)
 
     def _take(self) -> _Waiting:
-        """Take the next chunk; its asker's turn goes to the back (its queue goes where empty)."""
-        identity = next(iter(self.waiting))
-        mine = self.waiting.pop(identity)
-        item = mine.popleft()
-        if mine:
-            self.waiting[identity] = mine
+        """Take the next chunk (an asker's queue goes once empty: asking again, it starts from the
+        queue's tag, so what this node holds is bounded by the requests waiting)."""
+        item = self._next()
+        mine = self.waiting[item.identity]
+        mine.popleft()
+        if not mine:
+            del self.waiting[item.identity]
         self.queued -= 1
+        self.vtime = item.start
         return item
 
     def wait(self, now: float) -> float | None:
@@ -175,7 +188,7 @@ class WeightShare:
         return None if item is None else self.bucket.wait(item.nbytes, now)
 
     def pump(self, now: float, send: Callable[[bytes, p.Message, list], None]) -> int:
-        """Send the queued chunks the cap allows now, the askers in turn; the bytes sent."""
+        """Send the queued chunks the cap allows now, the askers sharing it by bytes; the bytes sent."""
         sent = 0
         while self.waiting and self.bucket.wait(self._next().nbytes, now) <= 0:
             item = self._take()
