@@ -635,22 +635,22 @@ def test_an_interrupted_fetch_resumes_without_fetching_again_what_it_verified(pr
 
 def test_a_peer_behind_a_low_cap_is_asked_for_chunks_it_sends_in_time_and_serves_the_whole_fetch(
         process_cluster, model_file, tmp_path, monkeypatch):
-    """A peer whose cap needs longer than CHUNK_TIMEOUT for a full request (here 1 s, and a
-    request of up to 4 MiB at 4 Mbps takes several) is asked for what it sends in a fraction of
-    it, at the rate measured from its answers, and is never left out as silent: it serves the
-    whole fetch. (It was left out, with its first request of ~1 MB, and the fetch failed.)"""
+    """A peer whose cap needs longer than CHUNK_TIMEOUT for a full request (here 2 s, and a
+    request of up to 4 MiB at 3 Mbps takes 11) is asked for what it sends in a fraction of it,
+    at the rate measured from its answers, and is never left out as silent: it serves the whole
+    fetch. (It was left out, with its first request of ~1 MB, 3 s, and the fetch failed.)"""
     from fabric.fetch import fetcher as fm
     from fabric.fetch.pull import fetch_layers
 
-    process_cluster.start_node("capped", str(model_file), "0-5", None, *EXACT, "--share-mbps", "4")
+    process_cluster.start_node("capped", str(model_file), "0-5", None, *EXACT, "--share-mbps", "3")
     assert wait_for(lambda: _listed(process_cluster, "capped"), 120, 0.2), process_cluster.logs()
-    monkeypatch.setattr(fm, "CHUNK_TIMEOUT", 1.0)
+    monkeypatch.setattr(fm, "CHUNK_TIMEOUT", 2.0)
     asked, room = [], fm.Peer.room
     monkeypatch.setattr(fm.Peer, "room", lambda peer, now: asked.append(room(peer, now)) or asked[-1])
     path = fetch_layers(MODEL, "3-5", process_cluster.endpoint, None, tmp_path / "b", progress=False,
                         say=lambda _: None)
     assert manifest_for(path).digest == manifest_for(model_file).digest
-    cap = 4 * 125_000 * fm.CHUNK_TIMEOUT  # bytes the cap lets through in CHUNK_TIMEOUT
+    cap = 3 * 125_000 * fm.CHUNK_TIMEOUT  # bytes the cap lets through in CHUNK_TIMEOUT
     assert asked[0] == fm.FIRST_CHUNK and max(asked) < cap / 2 and len(set(asked)) > 1, asked
 
 
@@ -683,8 +683,8 @@ def test_a_fetch_from_a_fast_and_a_slow_peer_ends_at_the_fast_ones_pace(process_
 
 def test_two_fetches_from_one_capped_peer_both_finish_when_the_second_starts_behind_the_first(
         process_cluster, model_file, tmp_path, monkeypatch):
-    """The second fetch asks while the first's window of requests waits behind the cap (8 Mbps,
-    CHUNK_TIMEOUT 1 s here: the first's queue holds some 1.5 s). The node shares its cap by bytes, so
+    """The second fetch asks while the first's window of requests waits behind the cap (3 Mbps,
+    CHUNK_TIMEOUT 2 s here: the first's queue holds some 4 s). The node shares its cap by bytes, so
     the second hears its first answer after one of the first's chunks, and neither gives the
     node up as silent."""
     import threading
@@ -693,9 +693,9 @@ def test_two_fetches_from_one_capped_peer_both_finish_when_the_second_starts_beh
     from fabric.fetch import fetcher as fm
     from fabric.fetch.pull import fetch_layers
 
-    process_cluster.start_node("capped", str(model_file), "0-5", None, *EXACT, "--share-mbps", "8")
+    process_cluster.start_node("capped", str(model_file), "0-5", None, *EXACT, "--share-mbps", "3")
     assert wait_for(lambda: _listed(process_cluster, "capped"), 120, 0.2), process_cluster.logs()
-    monkeypatch.setattr(fm, "CHUNK_TIMEOUT", 1.0)
+    monkeypatch.setattr(fm, "CHUNK_TIMEOUT", 2.0)
     done: dict[str, object] = {}
 
     def fetch(name: str) -> None:
@@ -706,7 +706,7 @@ def test_two_fetches_from_one_capped_peer_both_finish_when_the_second_starts_beh
             done[name] = exc
     first = threading.Thread(target=fetch, args=("first",))
     first.start()
-    time.sleep(0.3)  # the first's requests, sized to the cap by now, wait at the node
+    time.sleep(0.5)  # the first's requests, sized to the cap by now, wait at the node
     fetch("second")
     first.join(60)
     digest = manifest_for(model_file).digest
