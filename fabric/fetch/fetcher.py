@@ -151,6 +151,7 @@ class Fetcher:
         self.reporter: FetchReporter | None = None  # tells the tracker how the fetch goes
         self.bad: list[str] = []  # peers caught sending bad bytes (or a manifest that fails), first caught first
         self.verified = 0  # bytes of the partial copy verified, here before or fetched now
+        self.overtaken: set[str] = set()  # peers whose items a faster one took over
 
     def close(self) -> None:
         for peer in self.peers:
@@ -360,8 +361,12 @@ class Fetcher:
                 best, most = item, theirs - mine
         if best is None:
             return None
-        log.info("fetch of %s: %s fetches %s instead of %s (%.1f s sooner at the rates so far)", self.model,
-                 peer.name, best.slot.name, best.peer.name, most)
+        first = best.peer.name not in self.overtaken  # one line a slow peer; the rest at debug level
+        self.overtaken.add(best.peer.name)
+        log.log(logging.INFO if first else logging.DEBUG, "fetch of %s: %s fetches %s instead of %s (%.1f s sooner "
+                "at the rates so far)%s", self.model, peer.name, best.slot.name, best.peer.name, most,
+                f"; from now on any item {best.peer.name} owes goes to a peer that fetches it sooner (logged at "
+                "debug level)" if first else "")
         item = self.active[best.slot.name] = Item(best.slot, peer)
         return item
 
