@@ -101,13 +101,24 @@ def _crossing(order: torch.Tensor, cdf: torch.Tensor, target: float) -> int:
     return int(order[min(index, len(order) - 1)])
 
 
+def _prefixes(probs: torch.Tensor, params: Sampling):
+    """The kept order's start, cut (``_cut``'s answers), wider each time: among the CANDIDATES
+    likeliest, then 16 times as many, then the whole order, which ends every cut."""
+    for k in (CANDIDATES, 16 * CANDIDATES, probs.numel()):
+        yield _cut(probs, _likeliest(probs, max(k, params.top_k)), params)
+
+
+def _cuts(params: Sampling) -> bool:
+    """Does the request keep fewer tokens than every drawable one (top-k, top-p)?"""
+    return bool(params.top_k) or params.top_p < 1.0
+
+
 def _sampled(probs: torch.Tensor, params: Sampling, u: float) -> int:
     """The draw ``u``'s token (the module's docstring): among the CANDIDATES likeliest where the
     running sum crosses its target there, else among 16 times as many, else on the whole order."""
-    cut = bool(params.top_k) or params.top_p < 1.0
+    cut = _cuts(params)
     uncut = None if cut else u * _total(probs, None)  # the target where every token is kept
-    for k in (CANDIDATES, 16 * CANDIDATES, probs.numel()):  # the whole order ends every cut
-        order, ranked, ends = _cut(probs, _likeliest(probs, max(k, params.top_k)), params)
+    for order, ranked, ends in _prefixes(probs, params):
         if cut and not ends:
             continue  # the nucleus goes on past these
         target = u * _total(probs, order) if cut else uncut
@@ -157,22 +168,21 @@ def accept(logits: torch.Tensor, params: Sampling, position: int, draft: int, q:
     if params.temperature == 0.0:
         return sample(logits, params, position)
     probs = _probs(logits, params)
-    seed, cut = params.seed or 0, bool(params.top_k) or params.top_p < 1.0
-    for k in (CANDIDATES, 16 * CANDIDATES, probs.numel()):  # the kept order's start, as in ``_sampled``
-        order, ranked, ends = _cut(probs, _likeliest(probs, max(k, params.top_k)), params)
-        if not cut or ends:
-            break
+    seed, cut, prefixes = params.seed or 0, _cuts(params), _prefixes(probs, params)
+    order, ranked, ends = next(prefixes)
+    while cut and not ends:  # a cut's kept tokens, all of them: the draft's p needs their mass
+        order, ranked, ends = next(prefixes)
     total = _total(probs, order if cut else None)
     kept_ids = set(order.tolist()) if cut else None
 
-    def kept(token: int) -> bool:
+    def is_kept(token: int) -> bool:
         return token in kept_ids if cut else 0 <= token < probs.numel() and float(probs[token]) > 0.0
     if not total > 0.0:  # not a number anywhere: the plain draw decides
         return _sampled(probs, params, draw(seed, position))
-    p_draft = float(probs[draft]) / total if kept(draft) else 0.0
+    p_draft = float(probs[draft]) / total if is_kept(draft) else 0.0
     if draw(seed, position, "accept") * q.prob(draft) < p_draft:
         return draft
-    owed = {t: v * total for t, v in zip(q.ids, q.probs) if kept(t)}  # q T of each of q's kept ids
+    owed = {t: v * total for t, v in zip(q.ids, q.probs) if is_kept(t)}  # q T of each of q's kept ids
     residual = total
     for t in sorted(owed):
         residual -= min(float(probs[t]), owed[t])
@@ -180,10 +190,8 @@ def accept(logits: torch.Tensor, params: Sampling, position: int, draft: int, q:
         return _sampled(probs, params, draw(seed, position))
     target, dense = draw(seed, position) * residual, torch.zeros(probs.numel(), dtype=torch.float64)
     dense[list(owed)] = torch.tensor(list(owed.values()), dtype=torch.float64)
-    for k in (k, 16 * CANDIDATES, probs.numel()):
-        if k > order.numel() and not ends:
-            order, ranked, ends = _cut(probs, _likeliest(probs, max(k, params.top_k)), params)
+    while True:  # the whole order, the last prefix, ends every draw
         cdf = torch.cumsum((ranked.double() - dense[order]).clamp(min=0.0), dim=0)
         if ends or float(cdf[-1]) > target:
             return _crossing(order, cdf, target)
-    raise AssertionError("the whole vocabulary's order ends every draw")
+        order, ranked, ends = next(prefixes)

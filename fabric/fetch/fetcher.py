@@ -83,26 +83,28 @@ class Peer:
     def name(self) -> str:
         return self.holder.node
 
+    def _busy_after(self, worked: float) -> tuple[float, float]:
+        """``busy`` with ``worked`` more seconds on it, the older answers faded by them."""
+        got, took = self.busy
+        fade = math.exp(-worked / RATE_MEMORY)
+        return got * fade, took * fade + worked
+
     def answered(self, nbytes: int, now: float) -> None:
         """Count a CHUNK of ``nbytes`` into the measured rate: the seconds since ``since`` are the
         time it worked on this one. Summed over answers, the seconds telescope to the time it was
         busy, so a burst of answers read at once measures what the peer delivered, not the burst."""
-        got, took = self.busy
-        worked = max(0.0, now - self.since)
-        fade = math.exp(-worked / RATE_MEMORY)
-        self.busy = (got * fade + nbytes, took * fade + worked)
+        got, took = self._busy_after(max(0.0, now - self.since))
+        self.busy = (got + nbytes, took)
         self.since = now
         self.answered_bytes += nbytes
 
     def rate(self, now: float) -> float | None:
         """Bytes a second it delivers: its answers, and the wait for the next one so far (a peer that
         goes quiet slows as it stays quiet); None before any answer."""
-        got, took = self.busy
-        if not got:
+        if not self.busy[0]:
             return None
-        waiting = max(0.0, now - self.since) if self.inflight else 0.0
-        fade = math.exp(-waiting / RATE_MEMORY)
-        return got * fade / max(took * fade + waiting, 1e-9)
+        got, took = self._busy_after(max(0.0, now - self.since) if self.inflight else 0.0)
+        return got / max(took, 1e-9)
 
     def seconds_for(self, nbytes: int, now: float) -> float:
         """How long it takes to send ``nbytes`` at its rate. Before any answer: none while it was

@@ -91,7 +91,6 @@ class WeightShare:
         self.path = source.path if source.kind == "gguf" else None
         self.bucket = TokenBucket(share_bytes_per_s, max(1.0, share_bytes_per_s * BURST_SECONDS))
         self.waiting: dict[bytes, deque[_Waiting]] = {}  # each asker's queue
-        self.queued = 0  # requests waiting, every asker's
         self.vtime = 0.0  # the tag of the request sent last
         self.arrivals = 0
         self.fd, self.map = -1, None
@@ -147,7 +146,6 @@ class WeightShare:
         waiting = _Waiting(identity, msg, parts, start, self.arrivals)
         self.arrivals += 1
         mine.append(waiting)
-        self.queued += 1
         return None
 
     def _refusal(self, msg: p.ChunkRequest) -> str | None:
@@ -166,21 +164,23 @@ class WeightShare:
             return f"the parts asked for come to more than {p.MAX_CHUNK_BYTES} bytes"
         return None
 
+    @property
+    def queued(self) -> int:
+        """Requests waiting, every asker's (at most MAX_WAITING)."""
+        return sum(len(mine) for mine in self.waiting.values())
+
     def _next(self) -> _Waiting | None:
         """The chunk whose turn it is: of each asker's first, the lowest tag."""
         return min((mine[0] for mine in self.waiting.values()), key=lambda w: (w.start, w.order), default=None)
 
-    def _take(self) -> _Waiting:
-        """Take the next chunk (an asker's queue goes once empty: asking again, it starts from the
-        queue's tag, so what this node holds is bounded by the requests waiting)."""
-        item = self._next()
+    def _take(self, item: _Waiting) -> None:
+        """Take ``item``, the next chunk (an asker's queue goes once empty: asking again, it starts
+        from the queue's tag, so what this node holds is bounded by the requests waiting)."""
         mine = self.waiting[item.identity]
         mine.popleft()
         if not mine:
             del self.waiting[item.identity]
-        self.queued -= 1
         self.vtime = item.start
-        return item
 
     def wait(self, now: float) -> float | None:
         """Seconds until the next queued chunk may go (None: none waits)."""
@@ -190,8 +190,8 @@ class WeightShare:
     def pump(self, now: float, send: Callable[[bytes, p.Message, list], None]) -> int:
         """Send the queued chunks the cap allows now, the askers sharing it by bytes; the bytes sent."""
         sent = 0
-        while self.waiting and self.bucket.wait(self._next().nbytes, now) <= 0:
-            item = self._take()
+        while (item := self._next()) is not None and self.bucket.wait(item.nbytes, now) <= 0:
+            self._take(item)
             try:
                 data = [self.read(offset, length) for offset, length in item.parts]
             except (OSError, ModelError) as exc:
