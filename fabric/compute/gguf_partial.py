@@ -176,13 +176,18 @@ class PartialFile:
         return hash_range(self.fd, slot.offset, slot.nbytes) == slot.blake3
 
     def mark_done(self, slot: Slot) -> None:
-        """``slot`` verified: journal it. No fsync: a resumed fetch hashes every journaled item
-        again, so one whose bytes a crash lost is fetched again, not trusted."""
+        """``slot`` verified: journal it (``flush_journal`` hands the lines to the OS). No fsync: a
+        resumed fetch hashes every journaled item again, so one whose bytes a crash lost is fetched
+        again, not trusted."""
         self.done.add(slot.name)
         if self._journal is None:
             self._journal = open(self.journal, "a")
         self._journal.write(slot.name + "\n")
-        self._journal.flush()
+
+    def flush_journal(self) -> None:
+        """The items marked done so far, out of this process's buffer: a kill loses none of them."""
+        if self._journal is not None:
+            self._journal.flush()
 
     def finish(self, durable: bool = True) -> Path:
         """Every slot verified: the ``.part`` becomes the file. ``durable``: its bytes on disk first

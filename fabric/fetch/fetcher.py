@@ -354,12 +354,13 @@ class Fetcher:
         as they come (the store writes those handed over before this peer's: the bytes that
         stand are those judged). A fetch from a fast and a slow peer then ends at the fast one's
         pace, not when the slow one has sent what it was asked for first."""
-        rate = peer.rate(now)
+        others = [item for item in self.active.values() if item.peer is not peer]
+        rate = peer.rate(now) if others else None  # alone (the common case) it is asked nothing more
         best, most = None, TAKEOVER_GAIN
-        for item in self.active.values() if rate else ():
+        for item in others if rate else ():
             mine = item.slot.nbytes / rate
             theirs = item.peer.seconds_for(item.slot.nbytes - item.received, now)
-            if item.peer is not peer and theirs > 2 * mine and theirs - mine > most and self._serves(peer, item.slot):
+            if theirs > 2 * mine and theirs - mine > most and self._serves(peer, item.slot):
                 best, most = item, theirs - mine
         if best is None:
             return None
@@ -424,11 +425,14 @@ class Fetcher:
 
     def _judged(self) -> None:
         """Act on the store's verdicts (one for an item given up on meanwhile is dropped)."""
-        for item, verdict in self.store.judged():
-            if isinstance(verdict, OSError):
-                raise verdict
-            if self.active.get(item.slot.name) is item:
-                self._complete(item, verdict)
+        try:
+            for item, verdict in self.store.judged():
+                if isinstance(verdict, OSError):
+                    raise verdict
+                if self.active.get(item.slot.name) is item:
+                    self._complete(item, verdict)
+        finally:
+            self.part.flush_journal()  # once for the verdicts read together, not once an item
 
     def _complete(self, item: Item, ok: bool) -> None:
         del self.active[item.slot.name]
