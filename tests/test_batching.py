@@ -1,12 +1,15 @@
 """Decode steps of concurrent sessions batched into one forward pass give the same tokens."""
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
 from fabric.compute.executor import CacheMissError, Chunk, ShardExecutor, Step
 from fabric.compute.kv import KVStore
 from fabric.compute.models import load_shard, resolve
+from fabric.compute.rows import RowGroup
 from fabric.wire.shard import Shard
 from tests.tiny_models import FAMILIES, assert_clear_lead, reference_greedy
 
@@ -129,6 +132,7 @@ def test_rows_packed_and_grown_under_churn_stay_exact(tiny_models, monkeypatch):
     row, and its return."""
     monkeypatch.setattr("fabric.compute.kv.GROW_MIN", 1)
     monkeypatch.setattr("fabric.compute.rows.MIN_ROWS", 1)
+    monkeypatch.setattr("fabric.compute.rows.LAZY_FROM", 0)  # every buffer mapped on first touch, as a real model's
     ex = ShardExecutor(load_shard(resolve(str(tiny_models("qwen3"))), Shard(0, 5, 6), progress=False), KVStore())
     expected = [greedy_alone(ex, f"alone{i}", p, 16) for i, p in enumerate(PROMPTS)]
     run = Sessions(ex)
@@ -151,6 +155,31 @@ def test_rows_packed_and_grown_under_churn_stay_exact(tiny_models, monkeypatch):
     assert run.tokens[:2] + run.tokens[3:] == expected[:2] + expected[3:]
     assert run.tokens[2] == before + greedy_alone(ex, "after", PROMPTS[2] + before + [7], 16 - len(before))
     assert ex.kv.get("s2").group is ex.group
+
+
+def test_a_group_keeps_resident_only_the_columns_its_sessions_fill():
+    """A group's buffers have room for rows and columns nobody fills yet (four rows for one
+    session, half as many columns again); only what its sessions write becomes resident, and a
+    rebuild copies each row's own positions, so its rows past them stay zero (they are read,
+    masked, by a pass)."""
+    group, layers = RowGroup(0, 29), 30
+    keys = torch.randn(1, 3, 3000, 64).to(torch.bfloat16)  # SmolLM2's shape: 69 MB a row of 3,000 positions
+    before = _resident()
+    group.join("a", {i: (keys, keys + 1) for i in range(layers)})
+    buffer = group.kv.numel() * group.kv.element_size()
+    assert group.kv.shape[2] == 4 and group.columns == 4500
+    assert _resident() - before < buffer / 3  # one row of four, 2/3 of its columns (new_zeros: all of it)
+    group.lengths[0] = group.columns  # full: the next step grows the buffers
+    group.step_cache(0, 1)
+    assert group.columns > 4500 and torch.equal(group.keys[7][0, :, :3000], keys[0])
+    assert torch.equal(group.values[29][0, :, :3000], keys[0] + 1)
+    assert not group.kv[:, :, 1:].any() and not group.kv[:, :, 0, :, :, 4500:].any()
+
+
+def _resident() -> int:
+    """This process's resident bytes."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -19,12 +19,16 @@ and the buffers are rebuilt when a row is full.
 """
 from __future__ import annotations
 
+import math
+import mmap
+
 import torch
 
 from .kv import spare
 from .lean_ops import put_lines
 
 MIN_ROWS = 4  # rows allocated at least; more double
+LAZY_FROM = 1 << 20  # bytes from which a group's buffer is mapped on first touch (smaller: the heap's)
 
 
 class RowGroup:
@@ -128,7 +132,7 @@ class RowGroup:
     # -- storage --------------------------------------------------------------------------
 
     def _allocate(self, like: torch.Tensor, rows: int, columns: int) -> None:
-        self.kv = like.new_zeros((2, self.end - self.start + 1, rows, like.shape[1], columns, like.shape[-1]))
+        self.kv = zeroed((2, self.end - self.start + 1, rows, like.shape[1], columns, like.shape[-1]), like)
         for i in range(self.start, self.end + 1):
             self.keys[i], self.values[i] = self.kv[0, i - self.start], self.kv[1, i - self.start]
         self.column_bytes = 2 * (self.end - self.start + 1) * like.shape[1] * like.shape[-1] * like.element_size()
@@ -147,9 +151,25 @@ class RowGroup:
         self.sessions = []
         self._allocate(kv[0, 0], rows, columns)
         self.sessions[:len(sessions)] = sessions
-        n, w = len(sessions), int(lengths.max())
-        self.kv[:, :, :n, :, :w] = kv[:, :, :, :, :w]
-        self.lengths[:n] = lengths
+        for row, n in enumerate(lengths.tolist()):  # a row's filled columns only: the rest stays untouched
+            if n:
+                self.kv[:, :, row, :, :n] = kv[:, :, row, :, :n]
+        self.lengths[:len(sessions)] = lengths
+
+
+def zeroed(shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
+    """Zeros of ``shape``, ``like``'s dtype and device. On a CPU, pages the OS maps on first touch,
+    zero already: a group's buffers come with room for rows and columns no session fills yet (four
+    rows for one session, half as many columns again), and ``new_zeros`` wrote every byte of them,
+    which made all of it resident and cost a fault a page inside the step that grew the buffers
+    (docs/BENCHMARKS.md, *A batch group's buffers*). Unmapped whole when the tensor goes."""
+    if like.device.type != "cpu":
+        return like.new_zeros(shape)
+    nbytes = math.prod(shape) * like.element_size()
+    if nbytes < LAZY_FROM:
+        return like.new_zeros(shape)
+    pages = mmap.mmap(-1, nbytes)  # anonymous: zero-filled by the OS as it is touched
+    return torch.frombuffer(pages, dtype=torch.uint8).view(like.dtype).view(shape)  # holds ``pages``
 
 
 class RowsStep:

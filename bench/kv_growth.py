@@ -1,0 +1,93 @@
+#!/usr/bin/env python
+"""What a batch group's growth costs the decode step that triggers it, and what its buffers keep resident.
+
+    python bench/kv_growth.py [--shape smollm2|1.7b] [--positions 750,3000] [--sessions 1,2]
+                              [--reps 3] [--other DIR]
+
+Sessions decoding together keep their KV in the rows of one buffer (``fabric.compute.rows.RowGroup``);
+when a row is full, the next step rebuilds it with half as many columns again and copies the rows
+over. Each measurement runs in a fresh process (a heap with nothing freed in it, as after a node's
+idle trim): ``--sessions`` sessions of ``--positions`` positions join a group of the model's shape
+(``smollm2``: 30 layers x 3 KV heads x 64; ``1.7b``: 24 x 32 x 64, bfloat16), their rows are
+marked full, and the step that grows the buffers is timed, with the page faults it took and the
+resident memory the group holds after it against the buffer's size. ``--other DIR`` runs another
+checkout the same way, alternated measurement by measurement, and prints the ratio of the medians.
+No sockets, no model weights.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+SHAPES = {"smollm2": (30, 3, 64), "1.7b": (24, 32, 64)}
+
+ONE = r"""
+import json, os, resource, sys, time
+sys.path.insert(0, sys.argv[1])
+import torch
+from fabric.compute.quant import release_freed_memory
+from fabric.compute.rows import RowGroup
+layers, heads, dim, positions, sessions = map(int, sys.argv[2:7])
+torch.set_num_threads(2)
+def resident():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+keys = torch.randn(1, heads, positions, dim).to(torch.bfloat16)
+before = resident()
+group = RowGroup(0, layers - 1)
+for s in range(sessions):
+    group.join(f"s{s}", {i: (keys, keys) for i in range(layers)})
+group.lengths[:sessions] = group.columns  # full: the next step grows the buffers
+release_freed_memory()
+faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+began = time.perf_counter()
+group.step_cache(0, sessions)
+took = time.perf_counter() - began
+faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
+print(json.dumps({"seconds": took, "faults": faults, "resident": resident() - before,
+                  "buffer": group.kv.numel() * group.kv.element_size()}))
+"""
+
+
+def measure(checkout: Path, shape: tuple[int, int, int], positions: int, sessions: int) -> dict:
+    out = subprocess.run([sys.executable, "-c", ONE, str(checkout), *map(str, shape), str(positions), str(sessions)],
+                         capture_output=True, text=True, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="smollm2")
+    ap.add_argument("--positions", default="750,3000", help="positions each session holds (comma-separated)")
+    ap.add_argument("--sessions", default="1,2", help="sessions in the group (comma-separated)")
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--other", metavar="DIR", help="another checkout, alternated measurement by measurement")
+    args = ap.parse_args()
+    shape = SHAPES[args.shape]
+    checkouts = [("this", REPO)] + ([("other", Path(args.other).resolve())] if args.other else [])
+    print(f"shape {args.shape}: {shape[0]} layers x {shape[1]} KV heads x {shape[2]}, bfloat16")
+    for positions in map(int, args.positions.split(",")):
+        for sessions in map(int, args.sessions.split(",")):
+            runs = {name: [] for name, _ in checkouts}
+            for _ in range(args.reps):
+                for name, checkout in checkouts:
+                    runs[name].append(measure(checkout, shape, positions, sessions))
+            medians = {}
+            for name, got in runs.items():
+                medians[name] = statistics.median(r["seconds"] for r in got)
+                last, each = got[-1], ", ".join(f"{r['seconds'] * 1e3:.1f}" for r in got)
+                print(f"  {positions} positions x {sessions} session(s), {name}: "
+                      f"growth step {medians[name] * 1e3:.1f} ms "
+                      f"(runs {each}), {last['faults']} page faults, "
+                      f"resident {last['resident'] / 2**20:.0f} MiB of a {last['buffer'] / 2**20:.0f} MiB buffer")
+            if args.other:
+                print(f"    this / other: {medians['this'] / medians['other']:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
