@@ -105,8 +105,6 @@ def test_a_batch_spread_over_the_group_runs_only_its_own_rows(tiny_models, famil
     batch group. A pass runs every row from its batch's first to its last, so their rows are
     brought side by side first: each pass then runs only its own rows, rows move once, not at
     every pass, and every session's tokens stay those it gets alone."""
-    from fabric.compute.rows import RowGroup
-
     ex = ShardExecutor(load_shard(resolve(str(tiny_models(family))), Shard(0, 5, 6), progress=False), KVStore())
     expected = [greedy_alone(ex, f"alone{i}", p, 14) for i, p in enumerate(PROMPTS)]
     run = Sessions(ex)
