@@ -1,18 +1,20 @@
 #!/usr/bin/env python
-"""What a batch group's growth costs the decode step that triggers it, and what its buffers keep resident.
+"""What a batch group's growth costs the decode steps of its sessions, and what its buffers keep resident.
 
-    python bench/kv_growth.py [--shape smollm2|1.7b] [--positions 750,3000] [--sessions 1,2]
-                              [--reps 3] [--other DIR]
+    python bench/kv_growth.py [--shape smollm2|1.7b] [--positions 100,1000] [--sessions 1,2]
+                              [--steps 2000] [--reps 3] [--other DIR]
 
 Sessions decoding together keep their KV in the rows of one buffer (``fabric.compute.rows.RowGroup``);
-when a row is full, the next step rebuilds it with half as many columns again and copies the rows
-over. Each measurement runs in a fresh process (a heap with nothing freed in it, as after a node's
-idle trim): ``--sessions`` sessions of ``--positions`` positions join a group of the model's shape
-(``smollm2``: 30 layers x 3 KV heads x 64; ``1.7b``: 24 x 32 x 64, bfloat16), their rows are
-marked full, and the step that grows the buffers is timed, with the page faults it took and the
-resident memory the group holds after it against the buffer's size. ``--other DIR`` runs another
-checkout the same way, alternated measurement by measurement, and prints the ratio of the medians.
-No sockets, no model weights.
+when a row is full, the next step rebuilds the buffer with more columns and copies the rows over,
+which stalls that step of every session in it. Each measurement runs in a fresh process (a heap
+with nothing freed in it, as after a node's idle trim): ``--sessions`` sessions of
+``--positions`` positions join a group of the model's shape (``smollm2``: 30 layers x 3 KV heads
+x 64; ``1.7b``: 24 x 32 x 64, bfloat16), then ``--steps`` decode steps make room for a column and
+write one in each row, as a pass does (no layers are computed). Printed: the rebuilds, the time
+they stalled their steps (in all, and the longest), the page faults, and the memory the group
+holds resident at the end against the buffer's size. ``--other DIR`` runs another checkout the
+same way, alternated measurement by measurement, with the ratio of the stalls' medians. No
+sockets, no model weights.
 """
 from __future__ import annotations
 
@@ -32,7 +34,7 @@ sys.path.insert(0, sys.argv[1])
 import torch
 from fabric.compute.quant import release_freed_memory
 from fabric.compute.rows import RowGroup
-layers, heads, dim, positions, sessions = map(int, sys.argv[2:7])
+layers, heads, dim, positions, sessions, steps = map(int, sys.argv[2:8])
 torch.set_num_threads(2)
 def resident():
     with open("/proc/self/statm") as f:
@@ -42,20 +44,24 @@ before = resident()
 group = RowGroup(0, layers - 1)
 for s in range(sessions):
     group.join(f"s{s}", {i: (keys, keys) for i in range(layers)})
-group.lengths[:sessions] = group.columns  # full: the next step grows the buffers
 release_freed_memory()
-faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-began = time.perf_counter()
-group.step_cache(0, sessions)
-took = time.perf_counter() - began
+rows, stalls, faults = list(range(sessions)), [], resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+for _ in range(steps):  # what a decode step does to the buffers: room for a column, then one written in each row
+    columns, began = group.columns, time.perf_counter()
+    group.step_cache(0, sessions)
+    if group.columns != columns:
+        stalls.append(time.perf_counter() - began)
+    group.kv[:, :, rows, :, int(group.lengths[0])] = 1
+    group.advance(rows)
 faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
-print(json.dumps({"seconds": took, "faults": faults, "resident": resident() - before,
+print(json.dumps({"stalls": stalls, "faults": faults, "resident": resident() - before,
                   "buffer": group.kv.numel() * group.kv.element_size()}))
 """
 
 
-def measure(checkout: Path, shape: tuple[int, int, int], positions: int, sessions: int) -> dict:
-    out = subprocess.run([sys.executable, "-c", ONE, str(checkout), *map(str, shape), str(positions), str(sessions)],
+def measure(checkout: Path, shape: tuple[int, int, int], positions: int, sessions: int, steps: int) -> dict:
+    out = subprocess.run([sys.executable, "-c", ONE, str(checkout), *map(str, shape), str(positions), str(sessions),
+                          str(steps)],
                          capture_output=True, text=True, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -63,8 +69,9 @@ def measure(checkout: Path, shape: tuple[int, int, int], positions: int, session
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", choices=sorted(SHAPES), default="smollm2")
-    ap.add_argument("--positions", default="750,3000", help="positions each session holds (comma-separated)")
+    ap.add_argument("--positions", default="100,1000", help="positions each session holds (comma-separated)")
     ap.add_argument("--sessions", default="1,2", help="sessions in the group (comma-separated)")
+    ap.add_argument("--steps", type=int, default=2000, help="decode steps after the sessions join")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--other", metavar="DIR", help="another checkout, alternated measurement by measurement")
     args = ap.parse_args()
@@ -76,17 +83,18 @@ def main() -> None:
             runs = {name: [] for name, _ in checkouts}
             for _ in range(args.reps):
                 for name, checkout in checkouts:
-                    runs[name].append(measure(checkout, shape, positions, sessions))
+                    runs[name].append(measure(checkout, shape, positions, sessions, args.steps))
             medians = {}
             for name, got in runs.items():
-                medians[name] = statistics.median(r["seconds"] for r in got)
-                last, each = got[-1], ", ".join(f"{r['seconds'] * 1e3:.1f}" for r in got)
-                print(f"  {positions} positions x {sessions} session(s), {name}: "
-                      f"growth step {medians[name] * 1e3:.1f} ms "
-                      f"(runs {each}), {last['faults']} page faults, "
-                      f"resident {last['resident'] / 2**20:.0f} MiB of a {last['buffer'] / 2**20:.0f} MiB buffer")
+                medians[name] = statistics.median(sum(r["stalls"]) for r in got)
+                last, each = got[-1], ", ".join(f"{sum(r['stalls']) * 1e3:.0f}" for r in got)
+                print(f"  {sessions} session(s) of {positions} positions, {args.steps} steps, {name}: "
+                      f"{len(last['stalls'])} growth(s), {medians[name] * 1e3:.0f} ms of stalls in all "
+                      f"(runs {each}; the longest {max(last['stalls'], default=0) * 1e3:.0f} ms), "
+                      f"{last['faults']} page faults, resident {last['resident'] / 2**20:.0f} MiB "
+                      f"of a {last['buffer'] / 2**20:.0f} MiB buffer")
             if args.other:
-                print(f"    this / other: {medians['this'] / medians['other']:.2f}x")
+                print(f"    this / other, stalls: {medians['this'] / max(medians['other'], 1e-9):.2f}x")
 
 
 if __name__ == "__main__":

@@ -131,6 +131,7 @@ def test_rows_packed_and_grown_under_churn_stay_exact(tiny_models, monkeypatch):
     monkeypatch.setattr("fabric.compute.kv.GROW_MIN", 1)
     monkeypatch.setattr("fabric.compute.rows.MIN_ROWS", 1)
     monkeypatch.setattr("fabric.compute.rows.LAZY_FROM", 0)  # every buffer mapped on first touch, as a real model's
+    monkeypatch.setattr("fabric.compute.rows.RESERVE_COLUMNS", 0)  # ... and grown as often as the heap's
     ex = ShardExecutor(load_shard(resolve(str(tiny_models("qwen3"))), Shard(0, 5, 6), progress=False), KVStore())
     expected = [greedy_alone(ex, f"alone{i}", p, 16) for i, p in enumerate(PROMPTS)]
     run = Sessions(ex)
@@ -157,9 +158,9 @@ def test_rows_packed_and_grown_under_churn_stay_exact(tiny_models, monkeypatch):
 
 def test_a_group_keeps_resident_only_the_columns_its_sessions_fill():
     """A group's buffers have room for rows and columns nobody fills yet (four rows for one
-    session, half as many columns again); only what its sessions write becomes resident, and a
+    session, half as many columns again); only what its sessions write becomes resident, a
     rebuild copies each row's own positions, so its rows past them stay zero (they are read,
-    masked, by a pass)."""
+    masked, by a pass), and a row freed gives its pages back."""
     group, layers = RowGroup(0, 29), 30
     keys = torch.randn(1, 3, 3000, 64).to(torch.bfloat16)  # SmolLM2's shape: 69 MB a row of 3,000 positions
     before = _resident()
@@ -172,6 +173,10 @@ def test_a_group_keeps_resident_only_the_columns_its_sessions_fill():
     assert group.columns > 4500 and torch.equal(group.keys[7][0, :, :3000], keys[0])
     assert torch.equal(group.values[29][0, :, :3000], keys[0] + 1)
     assert not group.kv[:, :, 1:].any() and not group.kv[:, :, 0, :, :, 4500:].any()
+    held = _resident()
+    group.free(0)  # its pages go back to the OS
+    assert held - _resident() > 0.9 * 3000 * group.column_bytes
+    assert group.row_bytes(0) == 0
 
 
 def _resident() -> int:

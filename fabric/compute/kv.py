@@ -45,7 +45,7 @@ class SessionKV:
     def nbytes(self) -> int:
         """Bytes of this session's KV, room to grow included (its row's while it is one of a group)."""
         if self.group is not None:
-            return self.group.row_bytes()
+            return self.group.row_bytes(self.row)
         total = 0
         for layer in getattr(self.cache, "layers", ()):
             if hasattr(layer, "nbytes"):  # a buffer grown in place (fabric/compute/cache.py)

@@ -15,7 +15,10 @@ keys in fixed tiles of columns: the bits of a position do not depend on the batc
 
 KV moves only when the line-up changes: a session joins by copying its KV into a free row,
 leaves by freeing the row (``take`` copies it out first where the session still needs it),
-and the buffers are rebuilt when a row is full.
+and the buffers are rebuilt when a row is full. On a CPU the buffers lie in memory the OS
+maps as it is first written (``mapped``): the rows and columns nobody fills cost address space,
+not memory, so the columns reach far ahead (RESERVE_COLUMNS) and a rebuild, which stalls the
+step of every session in the group, comes seldom; a freed row's pages go back.
 """
 from __future__ import annotations
 
@@ -29,6 +32,9 @@ from .lean_ops import put_lines
 
 MIN_ROWS = 4  # rows allocated at least; more double
 LAZY_FROM = 1 << 20  # bytes from which a group's buffer is mapped on first touch (smaller: the heap's)
+# columns a buffer mapped on first touch has at least: the columns no row reaches cost address space,
+# not memory, and a rebuild stalls every row's step (it copies them all), so one reserves far ahead
+RESERVE_COLUMNS = 2048
 
 
 class RowGroup:
@@ -43,6 +49,7 @@ class RowGroup:
         self.lengths: torch.Tensor | None = None  # (rows,) long: positions each row holds, from column 0
         self.columns = 0  # columns of the buffers
         self.column_bytes = 0  # bytes of one column of one row, over every layer's keys and values
+        self.pages: mmap.mmap | None = None  # the memory of ``kv`` where the OS maps it on first touch
 
     def row(self, session: str) -> int | None:
         try:
@@ -59,10 +66,10 @@ class RowGroup:
         k0, _ = layers[self.start]
         n = k0.shape[-2]
         if not self.keys:
-            self._allocate(k0, MIN_ROWS, spare(n))
+            self._allocate(k0, MIN_ROWS, n)
         row = self._free_row()
         if n >= self.columns:
-            self._rebuild(len(self.sessions), spare(n))
+            self._rebuild(len(self.sessions), n)
         for i, (k, v) in layers.items():
             self.keys[i][row, :, :n] = k[0]
             self.values[i][row, :, :n] = v[0]
@@ -83,21 +90,33 @@ class RowGroup:
         self.lengths[row] = pos
 
     def free(self, row: int) -> None:
+        """Row ``row`` holds nobody; where the OS maps the buffer as it fills, the pages wholly inside
+        the row go back to it (the next session in the row finds zeros there, stale values at the
+        edges, as a row of the heap's holds: either way read only where masked)."""
         self.sessions[row] = None
         self.lengths[row] = 0
+        if self.pages is not None:
+            block = self.kv[0, 0, 0].numel() * self.kv.element_size()  # a row of one layer's keys (or values)
+            page = mmap.PAGESIZE
+            for side_layer in range(self.kv.shape[0] * self.kv.shape[1]):
+                at = (side_layer * self.kv.shape[2] + row) * block
+                lo, hi = -(-at // page) * page, (at + block) // page * page  # the pages wholly inside it
+                if hi > lo:
+                    self.pages.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
 
     def chunk(self, row: int, q: int) -> "RowChunk":
         """The cache of ``q`` positions that continue row ``row`` in place (a verification step
         of a session that decodes in the group): the buffers grow first if the row has no room."""
         end = int(self.lengths[row]) + q
         if end > self.columns:
-            self._rebuild(len(self.sessions), spare(end))
+            self._rebuild(len(self.sessions), end)
         return RowChunk(self, row, q)
 
-    def row_bytes(self) -> int:
-        """Bytes one row occupies (every layer's keys and values, free columns included); safe
-        to ask from another thread (metrics)."""
-        return self.columns * self.column_bytes
+    def row_bytes(self, row: int) -> int:
+        """Bytes row ``row`` holds: its positions over every layer's keys and values, and its
+        columns to spare unless the OS maps them only as they fill. Safe to ask from another
+        thread (metrics)."""
+        return (int(self.lengths[row]) if self.pages is not None else self.columns) * self.column_bytes
 
     def gathering(self, rows: list[int]) -> list[tuple[int, int]]:
         """Swaps of rows that bring ``rows`` side by side: into the window of as many rows
@@ -122,7 +141,7 @@ class RowGroup:
         """The cache a forward pass over rows lo..hi reads and appends to (one new column each)."""
         longest = int(self.lengths[lo:hi].max())
         if longest + 1 > self.columns:
-            self._rebuild(len(self.sessions), spare(longest))
+            self._rebuild(len(self.sessions), longest)
         return RowsStep(self, lo, hi, self.lengths[lo:hi].clone())
 
     def advance(self, stepped: list[int]) -> None:
@@ -131,8 +150,21 @@ class RowGroup:
 
     # -- storage --------------------------------------------------------------------------
 
-    def _allocate(self, like: torch.Tensor, rows: int, columns: int) -> None:
-        self.kv = zeroed((2, self.end - self.start + 1, rows, like.shape[1], columns, like.shape[-1]), like)
+    def _allocate(self, like: torch.Tensor, rows: int, n: int) -> None:
+        """Zeroed buffers of ``rows`` rows with room for ``n`` positions and more. On a CPU the OS
+        maps their pages as they fill (``mapped``), so the room reaches far ahead: RESERVE_COLUMNS,
+        twice the columns so far where the rows outgrew them, else as many. Elsewhere, or where the
+        OS refuses the mapping, half as many again as ``n`` (``spare``)."""
+        def shape(columns: int) -> tuple[int, ...]:
+            return 2, self.end - self.start + 1, rows, like.shape[1], columns, like.shape[-1]
+
+        columns, self.kv, self.pages = spare(n), None, None
+        if like.device.type == "cpu":
+            far = max(columns, RESERVE_COLUMNS, 2 * self.columns if n >= self.columns else self.columns)
+            self.kv, self.pages = mapped(shape(far), like)
+            columns = far if self.kv is not None else columns
+        if self.kv is None:
+            self.kv = like.new_zeros(shape(columns))
         for i in range(self.start, self.end + 1):
             self.keys[i], self.values[i] = self.kv[0, i - self.start], self.kv[1, i - self.start]
         self.column_bytes = 2 * (self.end - self.start + 1) * like.shape[1] * like.shape[-1] * like.element_size()
@@ -142,14 +174,14 @@ class RowGroup:
 
     def _free_row(self) -> int:
         if None not in self.sessions:
-            self._rebuild(2 * len(self.sessions), self.columns)
+            self._rebuild(2 * len(self.sessions), int(self.lengths.max()))
         return self.sessions.index(None)
 
-    def _rebuild(self, rows: int, columns: int) -> None:
-        """New buffers of ``rows`` x ``columns``; the rows keep their positions."""
+    def _rebuild(self, rows: int, n: int) -> None:
+        """New buffers of ``rows`` rows with room for ``n`` positions and more; the rows keep theirs."""
         kv, lengths, sessions = self.kv, self.lengths, self.sessions
         self.sessions = []
-        self._allocate(kv[0, 0], rows, columns)
+        self._allocate(kv[0, 0], rows, n)
         self.sessions[:len(sessions)] = sessions
         for row, n in enumerate(lengths.tolist()):  # a row's filled columns only: the rest stays untouched
             if n:
@@ -157,19 +189,20 @@ class RowGroup:
         self.lengths[:len(sessions)] = lengths
 
 
-def zeroed(shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
-    """Zeros of ``shape``, ``like``'s dtype and device. On a CPU, pages the OS maps on first touch,
-    zero already: a group's buffers come with room for rows and columns no session fills yet (four
-    rows for one session, half as many columns again), and ``new_zeros`` wrote every byte of them,
-    which made all of it resident and cost a fault a page inside the step that grew the buffers
-    (docs/BENCHMARKS.md, *A batch group's buffers*). Unmapped whole when the tensor goes."""
-    if like.device.type != "cpu":
-        return like.new_zeros(shape)
+def mapped(shape: tuple[int, ...], like: torch.Tensor) -> tuple[torch.Tensor | None, mmap.mmap | None]:
+    """Zeros of ``shape`` and ``like``'s dtype in pages the OS maps on first touch, zero already,
+    and that memory; (None, None) under LAZY_FROM bytes, or where the OS refuses (memory strictly
+    committed). Only what sessions write becomes resident: ``new_zeros`` wrote every byte of a
+    group's room to spare, all of it resident, and took a fault a page inside the step that grew
+    it (docs/BENCHMARKS.md, *A batch group's buffers*). Unmapped when the tensor goes."""
     nbytes = math.prod(shape) * like.element_size()
     if nbytes < LAZY_FROM:
-        return like.new_zeros(shape)
-    pages = mmap.mmap(-1, nbytes)  # anonymous: zero-filled by the OS as it is touched
-    return torch.frombuffer(pages, dtype=torch.uint8).view(like.dtype).view(shape)  # holds ``pages``
+        return None, None
+    try:
+        pages = mmap.mmap(-1, nbytes)  # anonymous: zero-filled by the OS as it is touched
+    except OSError:
+        return None, None
+    return torch.frombuffer(pages, dtype=torch.uint8).view(like.dtype).view(shape), pages  # the tensor holds them
 
 
 class RowsStep:
