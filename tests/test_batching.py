@@ -130,8 +130,8 @@ def test_rows_packed_and_grown_under_churn_stay_exact(tiny_models, monkeypatch):
     row, and its return."""
     monkeypatch.setattr("fabric.compute.kv.GROW_MIN", 1)
     monkeypatch.setattr("fabric.compute.rows.MIN_ROWS", 1)
-    monkeypatch.setattr("fabric.compute.rows.LAZY_FROM", 0)  # every buffer mapped on first touch, as a real model's
-    monkeypatch.setattr("fabric.compute.rows.RESERVE_COLUMNS", 0)  # ... and grown as often as the heap's
+    monkeypatch.setattr("fabric.compute.kv.LAZY_FROM", 0)  # every buffer mapped on first touch, as a real model's
+    monkeypatch.setattr("fabric.compute.kv.RESERVE_POSITIONS", 0)  # ... and grown as often as the heap's
     ex = ShardExecutor(load_shard(resolve(str(tiny_models("qwen3"))), Shard(0, 5, 6), progress=False), KVStore())
     expected = [greedy_alone(ex, f"alone{i}", p, 16) for i, p in enumerate(PROMPTS)]
     run = Sessions(ex)
@@ -177,6 +177,26 @@ def test_a_group_keeps_resident_only_the_columns_its_sessions_fill():
     group.free(0)  # its pages go back to the OS
     assert held - _resident() > 0.9 * 3000 * group.column_bytes
     assert group.row_bytes(0) == 0
+
+
+def test_a_sessions_own_cache_reserves_far_ahead_and_counts_only_its_positions():
+    """A session's own cache on a CPU lies in memory mapped as it fills: a prompt's buffers
+    reserve RESERVE_POSITIONS, so the steps after it neither copy nor grow them, and its bytes
+    are its positions'; kept for reuse, it is cut to exactly them on the heap."""
+    from fabric.compute.cache import GrowingLayer
+    from fabric.compute.kv import RESERVE_POSITIONS
+
+    layer, keys = GrowingLayer(), torch.randn(1, 8, 300, 64).to(torch.bfloat16)
+    layer.update(keys[:, :, :100], keys[:, :, :100] + 1)  # a prompt
+    buffer, per_position = layer._keys.data_ptr(), 2 * 8 * 64 * 2
+    assert layer.mapped and layer._keys.shape[-2] == RESERVE_POSITIONS and layer.nbytes() == 100 * per_position
+    for pos in range(100, 300):
+        layer.update(keys[:, :, pos:pos + 1], keys[:, :, pos:pos + 1] + 1)
+    assert layer._keys.data_ptr() == buffer and torch.equal(layer.keys, keys) and torch.equal(layer.values, keys + 1)
+    assert layer.nbytes() == 300 * per_position
+    layer.trim()
+    assert not layer.mapped and layer._keys.shape[-2] == 300 and layer.nbytes() == 300 * per_position
+    assert torch.equal(layer.keys, keys)
 
 
 def _resident() -> int:

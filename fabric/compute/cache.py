@@ -6,7 +6,8 @@ holds. A ``GrowingLayer`` keeps its positions in a buffer with room to spare and
 new ones in place; ``keys`` and ``values`` are views of the filled part, so everything
 that reads a ``DynamicLayer`` (masks, attention, ``crop``) reads it unchanged. The buffer
 is reallocated only when full, half as large again, so a session's appends copy each
-position a bounded number of times over its life.
+position a bounded number of times over its life. On a CPU it lies in memory the OS maps as
+it is written (``fabric.compute.kv.mapped``), so it reserves far ahead and grows seldom.
 
 A sliding-window layer's queries see only the last ``window`` positions, their own
 included. A ``WindowLayer`` keeps the last ``window - 1 + SLACK`` positions: what the next
@@ -26,7 +27,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
-from .kv import room
+from .kv import mapped, reserve, room
 
 SLACK = 64  # positions a sliding-window layer keeps beyond what its next query needs: the most a reuse cuts back
 ROOM = 64  # positions of room a sliding-window layer's buffer has beyond those it keeps
@@ -39,6 +40,7 @@ class GrowingLayer(DynamicLayer):
         super().__init__(**kwargs)
         self._keys: torch.Tensor | None = None  # the buffer; ``keys`` is its filled part
         self._values: torch.Tensor | None = None
+        self.mapped = False  # the buffers lie in memory the OS maps as they fill (``kv.mapped``)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args,
                **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
@@ -84,12 +86,27 @@ class GrowingLayer(DynamicLayer):
 
     def _grow(self, size: int, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         n = self.get_seq_length()
-        keys = key_states.new_empty((*key_states.shape[:2], size, key_states.shape[-1]))
-        values = value_states.new_empty((*value_states.shape[:2], size, value_states.shape[-1]))
+        keys, values = self._buffers(size, key_states, value_states)
         if n:
             keys[:, :, :n] = self.keys
             values[:, :, :n] = self.values
         self._keys, self._values = keys, values
+
+    def _buffers(self, size: int, like_keys: torch.Tensor,
+                 like_values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Buffers for ``size`` positions or more. On a CPU, both in one mapping the OS fills as they
+        are written, reserved far ahead (``kv.reserve``): the room costs no memory, and a session
+        grows them seldom (a growth copies every position inside a step). Elsewhere ``size``."""
+        have = 0 if self._keys is None else self._keys.shape[-2]
+        self.mapped = False
+        if like_keys.device.type == "cpu" and like_keys.shape == like_values.shape and \
+                like_keys.dtype == like_values.dtype:
+            both, _ = mapped((2, *like_keys.shape[:2], reserve(size, have), like_keys.shape[-1]), like_keys)
+            if both is not None:
+                self.mapped = True
+                return both[0], both[1]
+        return (like_keys.new_empty((*like_keys.shape[:2], size, like_keys.shape[-1])),
+                like_values.new_empty((*like_values.shape[:2], size, like_values.shape[-1])))
 
     def adopt(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Hold ``keys`` and ``values`` (batch, kv_heads, positions, head_dim), which nothing else
@@ -98,6 +115,7 @@ class GrowingLayer(DynamicLayer):
         if not self.is_initialized:
             self.lazy_initialization(keys, values)
         self._keys, self._values = self.keys, self.values = keys, values
+        self.mapped = False
 
     def roll_back(self, pos: int) -> None:
         """Keep the first ``pos`` positions: the rest is forgotten where it lies (views shrink, nothing is copied)."""
@@ -106,18 +124,21 @@ class GrowingLayer(DynamicLayer):
     def trim(self) -> None:
         """Give back the room to spare: the buffer becomes exactly the filled part."""
         if self._keys is not None and self._keys.shape[-2] != self.get_seq_length():
-            self._keys, self._values = self.keys.clone(), self.values.clone()
+            self._keys, self._values = self.keys.clone(), self.values.clone()  # on the heap, exact
             self.keys, self.values = self._keys, self._values
+            self.mapped = False
 
     def reset(self) -> None:
         self._keys = self._values = None
+        self.mapped = False
         super().reset()
 
     def nbytes(self) -> int:
-        """Bytes this layer holds, room to spare included."""
+        """Bytes this layer holds: room to spare included, unless the OS maps it only as it fills."""
         if self._keys is None:
             return 0
-        return self._keys.numel() * self._keys.element_size() + self._values.numel() * self._values.element_size()
+        held = self._keys.numel() * self._keys.element_size() + self._values.numel() * self._values.element_size()
+        return held * self.get_seq_length() // self._keys.shape[-2] if self.mapped else held
 
 
 class WindowLayer(DynamicSlidingWindowLayer):

@@ -2,6 +2,8 @@
 of ended sessions kept for reuse by later requests that share their prefix."""
 from __future__ import annotations
 
+import math
+import mmap
 import os
 import time
 from collections import Counter, OrderedDict
@@ -15,6 +17,34 @@ GROW_MIN = 64  # positions a full buffer grows by at least
 def spare(n: int) -> int:
     """``n`` positions and room to grow: half as much again, at least GROW_MIN more."""
     return n + max(GROW_MIN, n // 2)
+
+
+LAZY_FROM = 1 << 20  # bytes from which a KV buffer on a CPU is mapped as it fills (smaller: the heap's)
+# positions a buffer mapped as it fills has room for at least: the room no position reaches costs address
+# space, not memory, and growing a buffer stalls a step (it copies every position), so it reserves far ahead
+RESERVE_POSITIONS = 2048
+
+
+def reserve(needed: int, have: int) -> int:
+    """Positions for a buffer mapped as it fills that must hold ``needed`` and holds ``have``:
+    RESERVE_POSITIONS at least, twice ``have`` once outgrown, else as many (more rows, say)."""
+    return max(spare(needed), RESERVE_POSITIONS, 2 * have if needed >= have else have)
+
+
+def mapped(shape: tuple[int, ...], like: torch.Tensor) -> tuple[torch.Tensor | None, mmap.mmap | None]:
+    """Zeros of ``shape`` and ``like``'s dtype in pages the OS maps on first touch, zero already,
+    and that memory; (None, None) under LAZY_FROM bytes, or where the OS refuses (memory strictly
+    committed). Only what sessions write becomes resident: ``new_zeros`` wrote every byte of a
+    group's room to spare, all of it resident, and took a fault a page inside the step that grew
+    it (docs/BENCHMARKS.md, *A batch group's buffers*). Unmapped when the tensor goes."""
+    nbytes = math.prod(shape) * like.element_size()
+    if nbytes < LAZY_FROM:
+        return None, None
+    try:
+        pages = mmap.mmap(-1, nbytes)  # anonymous: zero-filled by the OS as it is touched
+    except OSError:
+        return None, None
+    return torch.frombuffer(pages, dtype=torch.uint8).view(like.dtype).view(shape), pages  # the tensor holds them
 
 
 def room(needed: int, have: int) -> int:

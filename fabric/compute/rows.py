@@ -17,24 +17,19 @@ KV moves only when the line-up changes: a session joins by copying its KV into a
 leaves by freeing the row (``take`` copies it out first where the session still needs it),
 and the buffers are rebuilt when a row is full. On a CPU the buffers lie in memory the OS
 maps as it is first written (``mapped``): the rows and columns nobody fills cost address space,
-not memory, so the columns reach far ahead (RESERVE_COLUMNS) and a rebuild, which stalls the
+not memory, so the columns reach far ahead (``reserve``) and a rebuild, which stalls the
 step of every session in the group, comes seldom; a freed row's pages go back.
 """
 from __future__ import annotations
 
-import math
 import mmap
 
 import torch
 
-from .kv import spare
+from .kv import mapped, reserve, spare
 from .lean_ops import put_lines
 
 MIN_ROWS = 4  # rows allocated at least; more double
-LAZY_FROM = 1 << 20  # bytes from which a group's buffer is mapped on first touch (smaller: the heap's)
-# columns a buffer mapped on first touch has at least: the columns no row reaches cost address space,
-# not memory, and a rebuild stalls every row's step (it copies them all), so one reserves far ahead
-RESERVE_COLUMNS = 2048
 
 
 class RowGroup:
@@ -152,15 +147,14 @@ class RowGroup:
 
     def _allocate(self, like: torch.Tensor, rows: int, n: int) -> None:
         """Zeroed buffers of ``rows`` rows with room for ``n`` positions and more. On a CPU the OS
-        maps their pages as they fill (``mapped``), so the room reaches far ahead: RESERVE_COLUMNS,
-        twice the columns so far where the rows outgrew them, else as many. Elsewhere, or where the
-        OS refuses the mapping, half as many again as ``n`` (``spare``)."""
+        maps their pages as they fill (``mapped``), so the room reaches far ahead (``reserve``).
+        Elsewhere, or where the OS refuses the mapping, half as many again as ``n`` (``spare``)."""
         def shape(columns: int) -> tuple[int, ...]:
             return 2, self.end - self.start + 1, rows, like.shape[1], columns, like.shape[-1]
 
         columns, self.kv, self.pages = spare(n), None, None
         if like.device.type == "cpu":
-            far = max(columns, RESERVE_COLUMNS, 2 * self.columns if n >= self.columns else self.columns)
+            far = reserve(n, self.columns)
             self.kv, self.pages = mapped(shape(far), like)
             columns = far if self.kv is not None else columns
         if self.kv is None:
@@ -187,22 +181,6 @@ class RowGroup:
             if n:
                 self.kv[:, :, row, :, :n] = kv[:, :, row, :, :n]
         self.lengths[:len(sessions)] = lengths
-
-
-def mapped(shape: tuple[int, ...], like: torch.Tensor) -> tuple[torch.Tensor | None, mmap.mmap | None]:
-    """Zeros of ``shape`` and ``like``'s dtype in pages the OS maps on first touch, zero already,
-    and that memory; (None, None) under LAZY_FROM bytes, or where the OS refuses (memory strictly
-    committed). Only what sessions write becomes resident: ``new_zeros`` wrote every byte of a
-    group's room to spare, all of it resident, and took a fault a page inside the step that grew
-    it (docs/BENCHMARKS.md, *A batch group's buffers*). Unmapped when the tensor goes."""
-    nbytes = math.prod(shape) * like.element_size()
-    if nbytes < LAZY_FROM:
-        return None, None
-    try:
-        pages = mmap.mmap(-1, nbytes)  # anonymous: zero-filled by the OS as it is touched
-    except OSError:
-        return None, None
-    return torch.frombuffer(pages, dtype=torch.uint8).view(like.dtype).view(shape), pages  # the tensor holds them
 
 
 class RowsStep:
