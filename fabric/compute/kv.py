@@ -73,7 +73,8 @@ class SessionKV:
         self.last_used = time.monotonic()
 
     def nbytes(self) -> int:
-        """Bytes of this session's KV, room to grow included (its row's while it is one of a group)."""
+        """Bytes of this session's KV (its row's while it is one of a group): room to grow included,
+        unless it lies in memory the OS maps as it fills (``mapped``)."""
         if self.group is not None:
             return self.group.row_bytes(self.row)
         total = 0
