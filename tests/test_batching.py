@@ -163,15 +163,16 @@ def test_a_group_keeps_resident_only_the_columns_its_sessions_fill():
     masked, by a pass), and a row freed gives its pages back."""
     group, layers = RowGroup(0, 29), 30
     keys = torch.randn(1, 3, 3000, 64).to(torch.bfloat16)  # SmolLM2's shape: 69 MB a row of 3,000 positions
+    values = keys + 1
     before = _resident()
-    group.join("a", {i: (keys, keys + 1) for i in range(layers)})
+    group.join("a", {i: (keys, values) for i in range(layers)})
     buffer = group.kv.numel() * group.kv.element_size()
     assert group.kv.shape[2] == 4 and group.columns == 4500
     assert _resident() - before < buffer / 3  # one row of four, 2/3 of its columns (new_zeros: all of it)
     group.lengths[0] = group.columns  # full: the next step grows the buffers
     group.step_cache(0, 1)
     assert group.columns > 4500 and torch.equal(group.keys[7][0, :, :3000], keys[0])
-    assert torch.equal(group.values[29][0, :, :3000], keys[0] + 1)
+    assert torch.equal(group.values[29][0, :, :3000], values[0])
     assert not group.kv[:, :, 1:].any() and not group.kv[:, :, 0, :, :, 4500:].any()
     held = _resident()
     group.free(0)  # its pages go back to the OS
