@@ -6,8 +6,9 @@ import os
 import pytest
 import torch
 
+from fabric.compute.cache import GrowingLayer
 from fabric.compute.executor import CacheMissError, Chunk, ShardExecutor, Step
-from fabric.compute.kv import KVStore
+from fabric.compute.kv import RESERVE_POSITIONS, KVStore
 from fabric.compute.models import load_shard, resolve
 from fabric.compute.rows import RowGroup
 from fabric.wire.shard import Shard
@@ -184,9 +185,6 @@ def test_a_sessions_own_cache_reserves_far_ahead_and_counts_only_its_positions()
     """A session's own cache on a CPU lies in memory mapped as it fills: a prompt's buffers
     reserve RESERVE_POSITIONS, so the steps after it neither copy nor grow them, and its bytes
     are its positions'; kept for reuse, it is cut to exactly them on the heap."""
-    from fabric.compute.cache import GrowingLayer
-    from fabric.compute.kv import RESERVE_POSITIONS
-
     layer, keys = GrowingLayer(), torch.randn(1, 8, 300, 64).to(torch.bfloat16)
     layer.update(keys[:, :, :100], keys[:, :, :100] + 1)  # a prompt
     buffer, per_position = layer._keys.data_ptr(), 2 * 8 * 64 * 2
