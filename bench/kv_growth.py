@@ -35,7 +35,7 @@ import json, os, resource, sys, time
 sys.path.insert(0, sys.argv[1])
 import torch
 from fabric.compute.cache import GrowingLayer
-from fabric.compute.quant import release_freed_memory
+from fabric.compute.heap import release_freed_memory
 from fabric.compute.rows import RowGroup
 layers, heads, dim, positions, sessions, steps = map(int, sys.argv[2:8])
 own = sys.argv[8] == "own"

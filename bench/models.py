@@ -61,7 +61,7 @@ import transformers
 import fabric.node, fabric.cli
 from fabric.compute.empty import empty_model
 from fabric.compute.models import default_cache_root, load_config, load_tokenizer, resolve
-from fabric.compute.quant import release_freed_memory
+from fabric.compute.heap import release_freed_memory
 empty_model(load_config(resolve({path!r}), default_cache_root()))  # as a node builds it: parsed once, cached
 gc.collect()
 release_freed_memory()  # as a node does once loaded: what loading freed goes back to the OS

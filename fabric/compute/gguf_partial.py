@@ -22,18 +22,17 @@ from __future__ import annotations
 
 import ctypes
 import errno
-import functools
 import json
 import logging
 import os
 import struct
-import sys
 import threading
 from dataclasses import dataclass
 from pathlib import Path
 
 from ..wire.shard import Shard
 from .gguf_info import read_header
+from .heap import libc_call
 from .gguf_manifest import (
     KV_NAME,
     KV_START,
@@ -168,7 +167,7 @@ class PartialFile:
     def write_back(self, slot: Slot) -> None:
         """Start writing ``slot``'s bytes to disk now, without waiting (``sync_file_range``, where
         the C library has it): the ``fdatasync`` that a durable ``finish`` takes then waits for less."""
-        call = _libc_call("sync_file_range", ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint)
+        call = libc_call("sync_file_range", ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint)
         if call is not None:
             call(self.fd, slot.offset, slot.nbytes, _SYNC_FILE_RANGE_WRITE)
 
@@ -258,18 +257,7 @@ def _reserve(fd: int, size: int) -> None:
 
 def fallocate():
     """``fallocate(fd, mode, offset, length)`` from the C library (Linux), or None."""
-    return _libc_call("fallocate", ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64)
-
-
-@functools.cache
-def _libc_call(name: str, *argtypes):
-    """``name`` from the C library the process runs with (Linux), taking ``argtypes``, or None."""
-    if sys.platform != "linux":
-        return None
-    call = getattr(ctypes.CDLL(None, use_errno=True), name, None)
-    if call is not None:
-        call.argtypes = list(argtypes)
-    return call
+    return libc_call("fallocate", ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64)
 
 
 _SYNC_FILE_RANGE_WRITE = 2  # start writing the range's dirty pages back; wait for none

@@ -387,7 +387,8 @@ def _load_gguf(source: ModelSource, cache_root: Path | None, model, config, shar
     own modules hold them."""
     from tqdm import tqdm
 
-    from .quant import quantize_modules, release_freed_memory
+    from .heap import release_freed_memory
+    from .quant import quantize_modules
 
     tensors = _gguf_tensors(source, cache_root)
     lazy_embed = GGUFEmbedding.from_tensors(tensors, model, config) if shard.is_first else None

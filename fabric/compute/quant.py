@@ -39,7 +39,6 @@ Qwen3-MoE) are not ``nn.Linear`` and stay bfloat16; their attention linears are 
 """
 from __future__ import annotations
 
-import functools
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING
 
@@ -47,6 +46,7 @@ import torch
 from torch import nn
 
 from . import q8dot
+from .heap import release_freed_memory
 
 if TYPE_CHECKING:
     from .gguf_grid import FileGrid
@@ -305,26 +305,3 @@ def quantized_layer_bytes(config, scheme: str) -> int:
                 linear_params.add(id(m.bias))
                 total += out_f * 2
     return total + sum(p.numel() * 2 for p in layer.parameters() if id(p) not in linear_params)
-
-
-def release_freed_memory() -> None:
-    """Hand the heap that loading and quantizing freed back to the OS (glibc keeps it).
-
-    Measured: a full SmolLM2 node's RSS after ``load_shard(quant="int8")`` fell from about
-    1070 MiB to 590 MiB with this (the float copies were freed but still resident)."""
-    if (trim := _malloc_trim()) is not None:
-        trim(0)
-
-
-@functools.cache
-def _malloc_trim():
-    """glibc's ``malloc_trim``, looked up once (``find_library`` runs ``ldconfig``: a node trims
-    again each time it goes idle); None where the C library has none."""
-    import ctypes
-    import ctypes.util
-
-    name = ctypes.util.find_library("c")
-    try:
-        return getattr(ctypes.CDLL(name), "malloc_trim", None) if name else None
-    except OSError:  # not glibc: nothing to do
-        return None

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from ..compute.quant import release_freed_memory
+from ..compute.heap import release_freed_memory
 
 IDLE_TRIM_S = 2.0  # seconds without a hop here before the freed heap goes back (a stream steps far more often)
 
