@@ -51,6 +51,36 @@ def _wrap(owner, name: str, make) -> None:
     setattr(owner, name, make(original))
 
 
+def _timed(kind: str, fields=lambda *args, **kwargs: ()):
+    """A hook: the call, recorded as ``(kind, *fields(its arguments), t0, t1)``."""
+    def make(orig):
+        def wrapper(*args, **kwargs):
+            t0 = _now()
+            try:
+                return orig(*args, **kwargs)
+            finally:
+                EVENTS.append((kind, *fields(*args, **kwargs), t0, _now()))
+        return wrapper
+    return make
+
+
+def _dispatched(orig):
+    """A hook on ``Node._dispatch``: its entry only (what came, when)."""
+    def wrapper(self, identity, msg, buffers):
+        EVENTS.append(("dispatch", type(msg).__name__, getattr(msg, "session", None), getattr(msg, "pos", None),
+                       bool(identity), _now()))
+        return orig(self, identity, msg, buffers)
+    return wrapper
+
+
+def _collected(phase: str, info: dict) -> None:
+    """A garbage collection, from gc's callbacks."""
+    if phase == "start":
+        _collected.t0 = _now()
+    else:
+        EVENTS.append(("gc", info["generation"], info["collected"], _collected.t0, _now()))
+
+
 def install() -> None:
     import fabric.node.asks as asks_mod
     import fabric.node.node as node_mod
@@ -58,103 +88,20 @@ def install() -> None:
     from fabric.node.hops import HopRunner
     from fabric.node.route_session import RouteSession
 
-    add = EVENTS.append
-
-    def run(orig):
-        def wrapper(self, session, start, end, inputs, pos, **kw):
-            t0 = _now()
-            try:
-                return orig(self, session, start, end, inputs, pos, **kw)
-            finally:
-                add(("run", session, pos, int(inputs.shape[1]), start, end, t0, _now()))
-        return wrapper
-
-    def one_pass(orig):
-        def wrapper(self, batch):
-            t0 = _now()
-            try:
-                return orig(self, batch)
-            finally:
-                add(("pass", [[w.session, w.msg.pos, w.tokens, w.decode] for w in batch], t0, _now()))
-        return wrapper
-
-    def inbound(orig):
-        def wrapper(self, identity, frames):
-            t0 = _now()
-            try:
-                return orig(self, identity, frames)
-            finally:
-                add(("inbound", t0, _now()))
-        return wrapper
-
-    def dispatch(orig):
-        def wrapper(self, identity, msg, buffers):
-            add(("dispatch", type(msg).__name__, getattr(msg, "session", None), getattr(msg, "pos", None),
-                 bool(identity), _now()))
-            return orig(self, identity, msg, buffers)
-        return wrapper
-
-    def forward(orig):
-        def wrapper(self, hop, message, tensor):
-            t0 = _now()
-            try:
-                return orig(self, hop, message, tensor)
-            finally:
-                add(("forward", message.session, message.pos, hop.endpoint == self.endpoint, t0, _now()))
-        return wrapper
-
-    def reply(orig):
-        def wrapper(self, identity, message, buffers=()):
-            t0 = _now()
-            try:
-                return orig(self, identity, message, buffers)
-            finally:
-                add(("reply", type(message).__name__, t0, _now()))
-        return wrapper
-
-    def sample(orig):
-        def wrapper(*args, **kwargs):
-            t0 = _now()
-            try:
-                return orig(*args, **kwargs)
-            finally:
-                add(("sample", t0, _now()))
-        return wrapper
-
-    def on_token(orig):
-        def wrapper(self, msg):
-            t0 = _now()
-            try:
-                return orig(self, msg)
-            finally:
-                add(("on_token", self.session, getattr(msg, "pos", None), t0, _now()))
-        return wrapper
-
-    def after_hop(orig):
-        def wrapper(self, work, result):
-            t0 = _now()
-            try:
-                return orig(self, work, result)
-            finally:
-                add(("after", work.session, t0, _now()))
-        return wrapper
-
-    def collected(phase: str, info: dict) -> None:
-        if phase == "start":
-            collected.t0 = _now()
-        else:
-            add(("gc", info["generation"], info["collected"], collected.t0, _now()))
-
-    gc.callbacks.append(collected)
-    _wrap(ShardExecutor, "run", run)
-    _wrap(HopRunner, "run", one_pass)
-    _wrap(node_mod.Node, "inbound", inbound)
-    _wrap(node_mod.Node, "_dispatch", dispatch)
-    _wrap(node_mod.Node, "forward", forward)
-    _wrap(node_mod.Node, "_after_hop", after_hop)
-    _wrap(node_mod.Node, "reply", reply)
-    _wrap(asks_mod, "sample", sample)
-    _wrap(RouteSession, "on_token", on_token)
+    gc.callbacks.append(_collected)
+    _wrap(ShardExecutor, "run", _timed("run", lambda self, session, start, end, inputs, pos, **kw: (
+        session, pos, int(inputs.shape[1]), start, end)))
+    _wrap(HopRunner, "run", _timed("pass", lambda self, batch: (
+        [[w.session, w.msg.pos, w.tokens, w.decode] for w in batch],)))
+    _wrap(node_mod.Node, "inbound", _timed("inbound"))
+    _wrap(node_mod.Node, "_dispatch", _dispatched)
+    _wrap(node_mod.Node, "forward", _timed("forward", lambda self, hop, message, tensor: (
+        message.session, message.pos, hop.endpoint == self.endpoint)))
+    _wrap(node_mod.Node, "_after_hop", _timed("after", lambda self, work, result: (work.session,)))
+    _wrap(node_mod.Node, "reply", _timed("reply", lambda self, identity, message, buffers=(): (
+        type(message).__name__,)))
+    _wrap(asks_mod, "sample", _timed("sample"))
+    _wrap(RouteSession, "on_token", _timed("on_token", lambda self, msg: (self.session, getattr(msg, "pos", None))))
 
 
 def _dump(path: str) -> None:

@@ -390,69 +390,88 @@ def _dims(family: str, hidden: int, vocab: int, num_layers: int) -> dict:
                 layers=num_layers)
 
 
+class _Draw:
+    """Random tensors of a tiny model, float32, drawn from one generator in the order asked."""
+
+    def __init__(self, rng: np.random.Generator):
+        self.rng = rng
+
+    def matrix(self, *shape):
+        return self.rng.normal(0.0, WEIGHT_STD, shape).astype(np.float32)
+
+    def norm(self, size):
+        # the scale the layer multiplies by, near 1. llama.cpp stores gemma's (1 + w) parametrisation
+        # as that scale too (HF weight + 1), which transformers turns back by subtracting 1.
+        return (1.0 + self.rng.normal(0.0, 0.05, size)).astype(np.float32)
+
+    def bias(self, size):
+        return self.rng.normal(0.0, 0.05, size).astype(np.float32)
+
+
 def _tensors(family: str, dims: dict, rng: np.random.Generator, hf_order: bool) -> dict[str, np.ndarray]:
     """The model's tensors under their GGUF names (float32): as the GGUF stores them, or with
     `hf_order` as transformers holds them (attn_q/attn_k rows not permuted, gemma norms less 1)."""
-    h, ff, hd = dims["hidden"], dims["intermediate"], dims["head_dim"]
-    q_rows, kv_rows = dims["heads"] * hd, dims["kv_heads"] * hd
+    h, draw = dims["hidden"], _Draw(rng)
     gemma = family.startswith("gemma")
-
-    def matrix(*shape):
-        return rng.normal(0.0, WEIGHT_STD, shape).astype(np.float32)
-
-    def norm(size):
-        # the scale the layer multiplies by, near 1. llama.cpp stores gemma's (1 + w) parametrisation
-        # as that scale too (HF weight + 1), which transformers turns back by subtracting 1.
-        return (1.0 + rng.normal(0.0, 0.05, size)).astype(np.float32)
-
-    def bias(size):
-        return rng.normal(0.0, 0.05, size).astype(np.float32)
-
     if gemma:  # see GEMMA_EMBED_RMS
         embedding = rng.normal(0.0, GEMMA_EMBED_RMS * h ** -0.5, (dims["vocab"], h)).astype(np.float32)
     else:
-        embedding = matrix(dims["vocab"], h)
+        embedding = draw.matrix(dims["vocab"], h)
     out = {"token_embd.weight": embedding}
     for i in range(dims["layers"]):
-        p = f"blk.{i}."
-        out[p + "attn_norm.weight"] = norm(h)
-        if family == "phi3":
-            out[p + "attn_qkv.weight"] = matrix(q_rows + 2 * kv_rows, h)
-        else:
-            q, k = matrix(q_rows, h), matrix(kv_rows, h)
-            if family in ("llama", "mistral") and not hf_order:
-                q, k = _permute(q, dims["heads"]), _permute(k, dims["heads"], dims["kv_heads"])
-            out[p + "attn_q.weight"], out[p + "attn_k.weight"] = q, k
-            out[p + "attn_v.weight"] = matrix(kv_rows, h)
-            if family == "qwen2":
-                out[p + "attn_q.bias"], out[p + "attn_k.bias"] = bias(q_rows), bias(kv_rows)
-                out[p + "attn_v.bias"] = bias(kv_rows)
-            if family in ("qwen3", "qwen3_moe", "gemma3"):
-                out[p + "attn_q_norm.weight"], out[p + "attn_k_norm.weight"] = norm(hd), norm(hd)
-        out[p + "attn_output.weight"] = matrix(h, q_rows)
-        if gemma:
-            out[p + "post_attention_norm.weight"] = norm(h)
-        out[p + "ffn_norm.weight"] = norm(h)
-        if family == "qwen3_moe":
-            e, mff = NUM_EXPERTS, MOE_INTERMEDIATE
-            out[p + "ffn_gate_inp.weight"] = matrix(e, h)
-            out[p + "ffn_gate_exps.weight"] = matrix(e, mff, h)
-            out[p + "ffn_up_exps.weight"] = matrix(e, mff, h)
-            out[p + "ffn_down_exps.weight"] = matrix(e, h, mff)
-        elif family == "phi3":
-            out[p + "ffn_up.weight"] = matrix(2 * ff, h)  # gate and up, fused, gate first
-            out[p + "ffn_down.weight"] = matrix(h, ff)
-        else:
-            out[p + "ffn_gate.weight"] = matrix(ff, h)
-            out[p + "ffn_up.weight"] = matrix(ff, h)
-            out[p + "ffn_down.weight"] = matrix(h, ff)
-        if gemma:
-            out[p + "post_ffw_norm.weight"] = norm(h)
-    out["output_norm.weight"] = norm(h) * (GEMMA_OUTPUT_NORM if gemma else 1.0)
+        out.update(_attention_tensors(family, dims, draw, hf_order, f"blk.{i}."))
+        out.update(_ffn_tensors(family, dims, draw, f"blk.{i}."))
+    out["output_norm.weight"] = draw.norm(h) * (GEMMA_OUTPUT_NORM if gemma else 1.0)
     if not gemma:  # gemma ties the output to the embedding: llama.cpp writes no output.weight
-        out["output.weight"] = matrix(dims["vocab"], h)
+        out["output.weight"] = draw.matrix(dims["vocab"], h)
     if gemma and hf_order:
         out = {k: v - 1 if k.endswith("norm.weight") else v for k, v in out.items()}
+    return out
+
+
+def _attention_tensors(family: str, dims: dict, draw: _Draw, hf_order: bool, p: str) -> dict[str, np.ndarray]:
+    """One layer's attention tensors (and its norm before), named with the layer's prefix ``p``."""
+    h, hd = dims["hidden"], dims["head_dim"]
+    q_rows, kv_rows = dims["heads"] * hd, dims["kv_heads"] * hd
+    out = {p + "attn_norm.weight": draw.norm(h)}
+    if family == "phi3":
+        out[p + "attn_qkv.weight"] = draw.matrix(q_rows + 2 * kv_rows, h)
+    else:
+        q, k = draw.matrix(q_rows, h), draw.matrix(kv_rows, h)
+        if family in ("llama", "mistral") and not hf_order:
+            q, k = _permute(q, dims["heads"]), _permute(k, dims["heads"], dims["kv_heads"])
+        out[p + "attn_q.weight"], out[p + "attn_k.weight"] = q, k
+        out[p + "attn_v.weight"] = draw.matrix(kv_rows, h)
+        if family == "qwen2":
+            out[p + "attn_q.bias"], out[p + "attn_k.bias"] = draw.bias(q_rows), draw.bias(kv_rows)
+            out[p + "attn_v.bias"] = draw.bias(kv_rows)
+        if family in ("qwen3", "qwen3_moe", "gemma3"):
+            out[p + "attn_q_norm.weight"], out[p + "attn_k_norm.weight"] = draw.norm(hd), draw.norm(hd)
+    out[p + "attn_output.weight"] = draw.matrix(h, q_rows)
+    if family.startswith("gemma"):
+        out[p + "post_attention_norm.weight"] = draw.norm(h)
+    return out
+
+
+def _ffn_tensors(family: str, dims: dict, draw: _Draw, p: str) -> dict[str, np.ndarray]:
+    """One layer's feed-forward tensors (and its norms), named with the layer's prefix ``p``."""
+    h, ff = dims["hidden"], dims["intermediate"]
+    out = {p + "ffn_norm.weight": draw.norm(h)}
+    if family == "qwen3_moe":
+        e, mff = NUM_EXPERTS, MOE_INTERMEDIATE
+        out[p + "ffn_gate_inp.weight"] = draw.matrix(e, h)
+        out[p + "ffn_gate_exps.weight"] = draw.matrix(e, mff, h)
+        out[p + "ffn_up_exps.weight"] = draw.matrix(e, mff, h)
+        out[p + "ffn_down_exps.weight"] = draw.matrix(e, h, mff)
+    elif family == "phi3":
+        out[p + "ffn_up.weight"] = draw.matrix(2 * ff, h)  # gate and up, fused, gate first
+        out[p + "ffn_down.weight"] = draw.matrix(h, ff)
+    else:
+        out[p + "ffn_gate.weight"] = draw.matrix(ff, h)
+        out[p + "ffn_up.weight"] = draw.matrix(ff, h)
+        out[p + "ffn_down.weight"] = draw.matrix(h, ff)
+    if family.startswith("gemma"):
+        out[p + "post_ffw_norm.weight"] = draw.norm(h)
     return out
 
 

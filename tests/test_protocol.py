@@ -125,6 +125,11 @@ def _audit_samples() -> list[tuple[p.Message, list]]:
 
 def samples() -> list[tuple[p.Message, list]]:
     """One or more valid messages of every kind, with non-default values where possible."""
+    return [*_session_samples(), *_tracker_samples(), *_audit_samples()]
+
+
+def _session_samples() -> list[tuple[p.Message, list]]:
+    """The messages of a request: between client, head and nodes."""
     return [
         _forward_ids(),
         _forward_hidden(),
@@ -150,6 +155,12 @@ def samples() -> list[tuple[p.Message, list]]:
         (p.Event("r1", "progress", prompt_tokens=300, prefilled=96, prefill_tokens=300), []),
         (p.Event("r1", "done", finish_reason="stop", prompt_tokens=3, completion_tokens=9, route=FULL), []),
         (p.Event("r1", "error", text="no", finish_reason="error", error_code=ErrorCode.HOP_FAILED), []),
+    ]
+
+
+def _tracker_samples() -> list[tuple[p.Message, list]]:
+    """The messages between nodes, clients and the tracker, and the relay's."""
+    return [
         (p.Register(node_id="a", endpoint=HEAD.endpoint, model="tiny", fingerprint="f00d", num_layers=8,
                     start_layer=0, end_layer=2, hardware={"device": "cpu", "threads": 4}, benchmark=12.5,
                     max_sessions=64), []),
@@ -177,7 +188,6 @@ def samples() -> list[tuple[p.Message, list]]:
         (p.RelayOpen("a"), []),
         (p.RelayOpen("a", endpoint="tcp://relay:40001"), []),
         (p.RelayOpened("a", "tcp://relay:40001", key="k" * 40), []),
-        *_audit_samples(),
     ]
 
 
