@@ -278,3 +278,16 @@ def test_in_plaintext_only_the_heads_own_connection_may_audit_in_its_name(tracke
         assert isinstance(reply, Error) and "not registered on this connection" in reply.message
     assert isinstance(head.call(ask), Replicas)  # the head itself asks, as its auditor does
     assert all(not n["excluded"] for n in head.status()["nodes"])
+
+
+def test_a_report_whose_time_a_token_rounds_to_zero_feeds_nothing_and_is_answered(tracker):
+    """A finite elapsed so small that elapsed / tokens is 0.0 (a subnormal float): the rate would be
+    its reciprocal. The report is billed as any other, the statistics take nothing from it, and an
+    honest report still counts."""
+    peer = tracker.peer
+    peer.call(register("a", 0, 29))
+    assert isinstance(peer.call(_final("tiny", "a", FULL("a"), 20, 5e-324)), Ack)  # 5e-324 s / 20 tokens == 0.0
+    stats = peer.status()["stats"]
+    assert stats["layer_steps_per_s"] == [] and stats["routes"] == [] and stats["counts"]["too_short"] == 1, stats
+    assert isinstance(peer.call(_final("ok", "a", FULL("a"), 20, 2.0)), Ack)
+    assert [r["node"] for r in peer.status()["stats"]["layer_steps_per_s"]] == ["a"]

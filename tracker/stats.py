@@ -62,16 +62,18 @@ def decode_timing(completion_tokens: int, elapsed: float,
 
     With a progress observation of k >= 1 tokens at time t and the final n tokens at T,
     the decode rate is (n - k) / (T - t) -- prefill excluded -- and the first token came
-    at t - (k - 1) * seconds_per_token. Without one, elapsed / n (prefill included).
+    at t - (k - 1) * seconds_per_token. Without one, elapsed / n (prefill included). None where
+    a time per token rounds to 0 (a report's elapsed of 1e-320 s): a rate is its reciprocal.
     """
     if completion_tokens <= 0 or elapsed <= 0:
         return None
+    per_token, ttft = elapsed / completion_tokens, None
     if first_progress is not None:
         k, t = first_progress
         if 1 <= k < completion_tokens and 0 < t < elapsed:
             per_token = (elapsed - t) / (completion_tokens - k)
-            return DecodeTiming(per_token, max(0.0, t - (k - 1) * per_token))
-    return DecodeTiming(elapsed / completion_tokens, None)
+            ttft = max(0.0, t - (k - 1) * per_token)
+    return DecodeTiming(per_token, ttft) if per_token > 0 else None
 
 
 def attribute_hops(weights: Sequence[float], seconds: float) -> list[float]:
