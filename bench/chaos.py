@@ -231,7 +231,8 @@ def report(s: dict, args: argparse.Namespace) -> None:
           f"{led['wrong_counts']} with other token counts {led['examples'] or ''}")
 
 
-def main() -> int:
+def parse_args() -> tuple[argparse.Namespace, list[str]]:
+    """The command line, and the kinds of process that may be stopped."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="smollm2-135m", help="model alias, GGUF or directory (default: %(default)s)")
     parser.add_argument("--clients", type=int, default=3, help="concurrent streaming clients (default: %(default)s)")
@@ -251,6 +252,38 @@ def main() -> int:
     targets = [t for t in args.targets.split(",") if t]
     if not targets or set(targets) - {"tail", "head", "tracker"}:
         parser.error("--targets takes tail, head and tracker, comma separated")
+    return args, targets
+
+
+def load_under_chaos(swarm: Swarm, args: argparse.Namespace, targets: list[str], tmp: Path) -> tuple:
+    """Runs the load on the serving swarm while processes are stopped and restarted; returns the
+    outcomes, the reference answers, the stops, the RSS before and after, and the ledger's check."""
+    refs = references(swarm, args.tokens)
+    note("references taken; the load starts")
+    before, stops = rss(swarm.cluster), []
+    deadline = time.monotonic() + args.minutes * 60
+    killer = threading.Thread(target=chaos, args=(swarm, targets, args.interval, args.down, deadline,
+                                                  args.seed, stops), daemon=True)
+    killer.start()
+    outcomes = load(swarm, args.clients, args.tokens, deadline, args.seed)
+    note(f"load ended ({len(outcomes)} requests)")
+    killer.join()
+    after = rss(swarm.cluster)
+    note("the swarm serves again" if swarm.serving() else "the swarm did NOT serve again")
+    time.sleep(2.0)  # the heads' final reports reach a restarted tracker
+    ledger = ledger_check(tmp / "ledger.sqlite3", [o for o in outcomes if not o.error])
+    return outcomes, refs, stops, before, after, ledger
+
+
+def write_json(args: argparse.Namespace, s: dict, outcomes: list[Outcome]) -> None:
+    """Writes the arguments, the summary and every request's outcome (events only of slow streams) to ``--json``."""
+    given = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
+    rows = [asdict(o) | {"ids": len(o.ids), "events": o.events if o.worst_gap > SLOW else []} for o in outcomes]
+    args.json.write_text(json.dumps({"args": given, **s, "outcomes": rows}, indent=1))
+
+
+def main() -> int:
+    args, targets = parse_args()
     extra = () if args.quant_default else ("--dtype", "float32", "--quant", "none")
     with tempfile.TemporaryDirectory() as tmp:
         cluster = ProcessCluster(Path(tmp), Path(tmp) / "cache", heartbeat=HEARTBEAT_INTERVAL)  # as a user runs it
@@ -260,20 +293,7 @@ def main() -> int:
                 swarm.start(name)
             if not swarm.serving(300):
                 raise SystemExit("the swarm did not come up:\n" + cluster.logs())
-            refs = references(swarm, args.tokens)
-            note("references taken; the load starts")
-            before, stops = rss(cluster), []
-            deadline = time.monotonic() + args.minutes * 60
-            killer = threading.Thread(target=chaos, args=(swarm, targets, args.interval, args.down, deadline,
-                                                          args.seed, stops), daemon=True)
-            killer.start()
-            outcomes = load(swarm, args.clients, args.tokens, deadline, args.seed)
-            note(f"load ended ({len(outcomes)} requests)")
-            killer.join()
-            after = rss(cluster)
-            note("the swarm serves again" if swarm.serving() else "the swarm did NOT serve again")
-            time.sleep(2.0)  # the heads' final reports reach a restarted tracker
-            ledger = ledger_check(Path(tmp) / "ledger.sqlite3", [o for o in outcomes if not o.error])
+            outcomes, refs, stops, before, after, ledger = load_under_chaos(swarm, args, targets, Path(tmp))
         finally:
             cluster.close()
             if args.logs:
@@ -283,9 +303,7 @@ def main() -> int:
     s = summary(outcomes, refs, stops, before, after, ledger)
     report(s, args)
     if args.json:
-        given = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
-        rows = [asdict(o) | {"ids": len(o.ids), "events": o.events if o.worst_gap > SLOW else []} for o in outcomes]
-        args.json.write_text(json.dumps({"args": given, **s, "outcomes": rows}, indent=1))
+        write_json(args, s, outcomes)
     return 0 if s["failed"] == 0 and s["identical"] == s["done"] else 1
 
 

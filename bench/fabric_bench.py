@@ -451,7 +451,8 @@ class Baseline:
         n = len(clock.times)
         aborted = bool(abort is not None and abort.is_set()) and len(ids) < n_tokens and ids[-1] not in self.eos
         return {"ids": ids, "tokens": len(ids), "ttft_s": clock.times[0] - t_start, "aborted": aborted,
-                "error": None, "decode_tps": (n - 1) / (clock.end_t - clock.times[0]) if n > 1 and not aborted else None}
+                "error": None,
+                "decode_tps": (n - 1) / (clock.end_t - clock.times[0]) if n > 1 and not aborted else None}
 
 
 # --------------------------------------------------------------------------- raw zmq round trip
@@ -519,8 +520,8 @@ class RawRTT:
         quiet = [b for b in self.blocks if b["quiet"]]
         use = quiet or self.blocks
         xs = [x for b in use for x in b["samples"]]
-        return {"bytes": len(self.payload), "median_us": median(xs), "p10_us": _pct(xs, 10), "p90_us": _pct(xs, 90), "n": len(xs),
-                "quiet_blocks": len(quiet), "blocks": len(self.blocks),
+        return {"bytes": len(self.payload), "median_us": median(xs), "p10_us": _pct(xs, 10), "p90_us": _pct(xs, 90),
+                "n": len(xs), "quiet_blocks": len(quiet), "blocks": len(self.blocks),
                 "block_medians_us": [round(b["median_us"], 1) for b in self.blocks],
                 "block_foreign_load": [round(b["foreign_load"], 3) for b in self.blocks]}
 
@@ -564,51 +565,60 @@ def traced_sessions(runs: list[dict], skip: int = 1) -> list[str]:
     return sorted(first, key=first.get)[skip:]
 
 
+def _step_row(runs: list[dict], traces: list[dict], s: str, pos: int) -> dict | None:
+    """One decode step of session ``s`` at ``pos`` (µs): compute per node, forward legs, return leg and,
+    where the hooks allow, the finer split of the first forward leg and of the return leg; None when a
+    node lacks that step or the head the next one."""
+    if (s, pos + 1) not in runs[0] or not all((s, pos) in r for r in runs):
+        return None
+    head, tail = traces[0], traces[-1]
+    steps = [r[(s, pos)] for r in runs]
+    nxt = runs[0][(s, pos + 1)]
+    row = {"compute": [(e[7] - e[6]) / 1e3 for e in steps],
+           "forward_legs": [(steps[i + 1][6] - steps[i][7]) / 1e3 for i in range(len(steps) - 1)],
+           "return_leg": (nxt[6] - steps[-1][7]) / 1e3,
+           "per_token": (nxt[6] - steps[0][6]) / 1e3}
+    # finer split of the first forward leg and of the return leg, where the hooks allow
+    if len(steps) > 1:
+        fwd = _last_before([e for e in head.get("forward", []) if not e[3]], steps[1][6])
+        inb = _last_before(traces[1].get("inbound", []), steps[1][6])
+        dsp = _last_before(traces[1].get("dispatch", []), steps[1][6])
+        if fwd and inb and dsp and fwd[4] >= steps[0][7]:
+            row["fwd_encode_send"] = (fwd[5] - fwd[4]) / 1e3
+            row["fwd_wire_wake"] = (inb[1] - fwd[5]) / 1e3
+            row["fwd_decode"] = (dsp[-1] - inb[1]) / 1e3
+            row["fwd_queue"] = (steps[1][6] - dsp[-1]) / 1e3
+    smp = _last_before(tail.get("sample", []), nxt[6])
+    tok = _last_before(head.get("on_token", []), nxt[6])
+    if smp and tok and smp[1] >= steps[-1][7] and tok[3] >= smp[2]:
+        row["ret_sample"] = (smp[2] - smp[1]) / 1e3
+        if len(steps) > 1:
+            inb = _last_before(head.get("inbound", []), tok[3])
+            dsp = _last_before(head.get("dispatch", []), tok[3])
+            if inb and dsp and inb[1] >= smp[2]:
+                row["ret_send_wire_wake"] = (inb[1] - smp[2]) / 1e3
+                row["ret_decode"] = (dsp[-1] - inb[1]) / 1e3
+                row["ret_dispatch"] = (tok[3] - dsp[-1]) / 1e3
+        else:
+            row["ret_send_local"] = (tok[3] - smp[2]) / 1e3
+        row["ret_on_token"] = (tok[4] - tok[3]) / 1e3
+        row["ret_emit_loop"] = (nxt[6] - tok[4]) / 1e3
+    return row
+
+
 def hop_breakdown(c: Cluster) -> dict:
     """Per decode step of the timed sessions: compute per node, forward legs, return leg (µs)."""
     traces = [load_trace(trace) for _, _, trace in c.nodes]
     if not traces or not all(t.get("run") for t in traces):
         return {}
     runs = [{(e[1], e[2]): e for e in t["run"]} for t in traces]
-    head, tail = traces[0], traces[-1]
     rows = []
     for s in traced_sessions(runs):
         positions = sorted(pos for (sess, pos), e in runs[0].items() if sess == s and e[3] == 1)
         for pos in positions:
-            if (s, pos + 1) not in runs[0] or not all((s, pos) in r for r in runs):
-                continue
-            steps = [r[(s, pos)] for r in runs]
-            nxt = runs[0][(s, pos + 1)]
-            row = {"compute": [(e[7] - e[6]) / 1e3 for e in steps],
-                   "forward_legs": [(steps[i + 1][6] - steps[i][7]) / 1e3 for i in range(len(steps) - 1)],
-                   "return_leg": (nxt[6] - steps[-1][7]) / 1e3,
-                   "per_token": (nxt[6] - steps[0][6]) / 1e3}
-            # finer split of the first forward leg and of the return leg, where the hooks allow
-            if len(steps) > 1:
-                fwd = _last_before([e for e in head.get("forward", []) if not e[3]], steps[1][6])
-                inb = _last_before(traces[1].get("inbound", []), steps[1][6])
-                dsp = _last_before(traces[1].get("dispatch", []), steps[1][6])
-                if fwd and inb and dsp and fwd[4] >= steps[0][7]:
-                    row["fwd_encode_send"] = (fwd[5] - fwd[4]) / 1e3
-                    row["fwd_wire_wake"] = (inb[1] - fwd[5]) / 1e3
-                    row["fwd_decode"] = (dsp[-1] - inb[1]) / 1e3
-                    row["fwd_queue"] = (steps[1][6] - dsp[-1]) / 1e3
-            smp = _last_before(tail.get("sample", []), nxt[6])
-            tok = _last_before(head.get("on_token", []), nxt[6])
-            if smp and tok and smp[1] >= steps[-1][7] and tok[3] >= smp[2]:
-                row["ret_sample"] = (smp[2] - smp[1]) / 1e3
-                if len(steps) > 1:
-                    inb = _last_before(head.get("inbound", []), tok[3])
-                    dsp = _last_before(head.get("dispatch", []), tok[3])
-                    if inb and dsp and inb[1] >= smp[2]:
-                        row["ret_send_wire_wake"] = (inb[1] - smp[2]) / 1e3
-                        row["ret_decode"] = (dsp[-1] - inb[1]) / 1e3
-                        row["ret_dispatch"] = (tok[3] - dsp[-1]) / 1e3
-                else:
-                    row["ret_send_local"] = (tok[3] - smp[2]) / 1e3
-                row["ret_on_token"] = (tok[4] - tok[3]) / 1e3
-                row["ret_emit_loop"] = (nxt[6] - tok[4]) / 1e3
-            rows.append(row)
+            row = _step_row(runs, traces, s, pos)
+            if row is not None:
+                rows.append(row)
     if not rows:
         return {}
     keys = sorted({k for r in rows for k in r if k not in ("compute", "forward_legs")})
@@ -683,9 +693,96 @@ def measure_round(jobs: list[tuple], base: Baseline, model: str, n_tokens: int, 
     raw.measure(1000)
 
 
-def run(args, state: dict) -> dict:
+def _report_header(args, state: dict, cores: int, num_layers: int, hidden: int, tmp: Path) -> dict:
+    """The run's report, kept in ``state`` (an interrupted run writes it), with what ran on what."""
     import torch
     import transformers
+
+    report: dict = state.setdefault("report", {})
+    report.update({
+        "command": " ".join([Path(sys.executable).name, _relative(sys.argv[0]), *sys.argv[1:]]),
+        "started": time.strftime("%Y-%m-%d %H:%M:%S %z"),
+        "machine": {"cores": cores, "cpu": _cpu_name(), "torch": torch.__version__,
+                    "transformers": transformers.__version__, "python": platform.python_version(),
+                    "mem_total_gib": round(psutil.virtual_memory().total / 2**30, 1)},
+        "model": args.model, "device": _device_name(args.device), "dtype": args.dtype, "layers": num_layers,
+        "hidden": hidden, "tokens": args.tokens, "reps": args.reps,
+        "quiet_threshold": QUIET, "tries": args.tries, "logs": str(tmp),
+    })
+    return report
+
+
+def _phase_a(args, procs: Procs, main: list[Cluster], base: Baseline, cores: int, results: dict, raw: RawRTT,
+             gate: Gate) -> dict:
+    """Phase A, what users run (threads per node as `meshnet up` assigns them): waits for the started
+    ``main`` clusters, warms them up, times them against the baseline and stops them; returns the
+    baseline's warm-up generation (the reference token ids)."""
+    wait_ready(procs, main, args.model_id)
+    reference = base.generate(args.tokens, cores)  # warm-up and the reference token ids
+    results[f"baseline-{cores}t-warmup"] = [reference]
+    for c in main:
+        warm_up(c, args, results)
+    jobs = [("baseline", f"baseline-{cores}t", cores)] + [("fabric", c.key, c) for c in main if not c.failed]
+    for rep in range(args.reps):
+        measure_round(jobs, base, args.model_id, args.tokens, rep, results, raw, gate)
+    procs.stop([p for c in main for p in c.procs])
+    return reference
+
+
+def _phase_b(args, procs: Procs, tmp: Path, extra, base: Baseline, num_layers: int, cores: int, results: dict,
+             raw: RawRTT, gate: Gate) -> list[Cluster]:
+    """Phase B, traced diagnostic clusters with equal thread counts for the per-hop breakdown: starts,
+    warms up, times and stops them (their nodes write their traces on exit); returns the clusters."""
+    from fabric.wire.shard import even_split
+
+    diag = [Cluster("diag-1n-1t", "traced 1 node, 1 thread", even_split(num_layers, 1), 1, traced=True),
+            Cluster("diag-2n-1t", "traced 2 nodes, 1 thread each", even_split(num_layers, 2), 1, traced=True)]
+    if not args.quick and cores > 1:
+        diag.append(Cluster(f"diag-2n-{cores}t", f"traced 2 nodes, {cores} threads each",
+                            even_split(num_layers, 2), cores, traced=True))
+    for c in diag:
+        start_cluster(procs, c, args.model, tmp, extra)
+    wait_ready(procs, diag, args.model_id)
+    results["baseline-1t-warmup"] = [base.generate(args.tokens, 1)]
+    for c in diag:
+        warm_up(c, args, results)
+    jobs = [("baseline", "baseline-1t", 1)] + [("fabric", c.key, c) for c in diag if not c.failed]
+    if len(diag) > 2:
+        jobs.insert(1, ("baseline", f"baseline-{cores}t-diag", cores))
+    for rep in range(args.reps):
+        measure_round(jobs, base, args.model_id, args.tokens, args.reps + rep, results, raw, gate)
+    procs.stop([p for c in diag for p in c.procs])  # the traced nodes write their traces on exit
+    return diag
+
+
+def _finish_report(args, report: dict, cores, main, diag, results, reference, raw: RawRTT, half) -> None:
+    """Adds the analysis to ``report``, with the raw round trip paced like a 2-node decode step and the
+    memory above the runtime floor."""
+    two = [r["decode_tps"] for r in results.get("diag-2n-1t", []) if r.get("decode_tps")]
+    paced = raw.measure_paced(100 if args.quick else 300, 0.5 / median(two)) if two else None
+    report.update(analyse(args, cores, main, diag, results, reference, raw, half))
+    report["raw_rtt"]["paced"] = paced
+    if paced and report["summary"]["hop_added_us"] is not None:
+        report["summary"]["hop_ratio_paced"] = report["summary"]["hop_added_us"] / paced["median_us"]
+    report["memory"]["runtime_floor_rss"] = floor = runtime_floor()
+    for m in report["memory"].values():
+        if isinstance(m, dict) and floor and m["full_rss"] and m["half_rss"]:
+            m["ratio_above_floor"] = (m["half_rss"] - floor) / (m["full_rss"] - floor)
+
+
+def _clean_up(args, procs: Procs, tmp: Path, report: dict) -> None:
+    """Stops every process of the run, even on a second Ctrl-C, and removes its logs and traces once
+    the run finished, unless ``--keep-logs``."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut the clean-up short
+    procs.stop()
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    if not args.keep_logs and "summary" in report:
+        shutil.rmtree(tmp, ignore_errors=True)
+        report["logs"] = None
+
+
+def run(args, state: dict) -> dict:
+    import torch
 
     from fabric.compute.models import (
         default_cache_root,
@@ -706,16 +803,7 @@ def run(args, state: dict) -> dict:
     tmp = Path(tempfile.mkdtemp(prefix="meshnet-bench-"))
     procs = Procs(tmp)
     half = Shard(0, num_layers // 2 - 1, num_layers)
-    report: dict = state.setdefault("report", {})
-    report.update({
-        "command": " ".join([Path(sys.executable).name, _relative(sys.argv[0]), *sys.argv[1:]]),
-        "started": time.strftime("%Y-%m-%d %H:%M:%S %z"),
-        "machine": {"cores": cores, "cpu": _cpu_name(), "torch": torch.__version__,
-                    "transformers": transformers.__version__, "python": platform.python_version(),
-                    "mem_total_gib": round(psutil.virtual_memory().total / 2**30, 1)},
-        "model": args.model, "device": _device_name(args.device), "dtype": args.dtype, "layers": num_layers, "hidden": hidden, "tokens": args.tokens, "reps": args.reps,
-        "quiet_threshold": QUIET, "tries": args.tries, "logs": str(tmp),
-    })
+    report = _report_header(args, state, cores, num_layers, hidden, tmp)
     log(f"logs and traces in {tmp}")
     results: dict[str, list] = state.setdefault("results", {})
     gate = Gate(args.tries, args.max_wait, args.budget * 60)
@@ -729,50 +817,11 @@ def run(args, state: dict) -> dict:
             start_cluster(procs, c, args.model, tmp, extra)
         log("loading the single-process baseline while the nodes load")
         base = Baseline(source, tokenizer, eos, args.dtype, args.device)
-        wait_ready(procs, main, args.model_id)
-        reference = base.generate(args.tokens, cores)  # warm-up and the reference token ids
-        results[f"baseline-{cores}t-warmup"] = [reference]
-        for c in main:
-            warm_up(c, args, results)
-        jobs = [("baseline", f"baseline-{cores}t", cores)] + [("fabric", c.key, c) for c in main if not c.failed]
-        for rep in range(args.reps):
-            measure_round(jobs, base, args.model_id, args.tokens, rep, results, raw, gate)
-        procs.stop([p for c in main for p in c.procs])
-        # phase B: traced diagnostic clusters, equal thread counts, for the per-hop breakdown
-        diag = [Cluster("diag-1n-1t", "traced 1 node, 1 thread", even_split(num_layers, 1), 1, traced=True),
-                Cluster("diag-2n-1t", "traced 2 nodes, 1 thread each", even_split(num_layers, 2), 1, traced=True)]
-        if not args.quick and cores > 1:
-            diag.append(Cluster(f"diag-2n-{cores}t", f"traced 2 nodes, {cores} threads each",
-                                even_split(num_layers, 2), cores, traced=True))
-        for c in diag:
-            start_cluster(procs, c, args.model, tmp, extra)
-        wait_ready(procs, diag, args.model_id)
-        results["baseline-1t-warmup"] = [base.generate(args.tokens, 1)]
-        for c in diag:
-            warm_up(c, args, results)
-        jobs = [("baseline", "baseline-1t", 1)] + [("fabric", c.key, c) for c in diag if not c.failed]
-        if len(diag) > 2:
-            jobs.insert(1, ("baseline", f"baseline-{cores}t-diag", cores))
-        for rep in range(args.reps):
-            measure_round(jobs, base, args.model_id, args.tokens, args.reps + rep, results, raw, gate)
-        procs.stop([p for c in diag for p in c.procs])  # the traced nodes write their traces on exit
-        two = [r["decode_tps"] for r in results.get("diag-2n-1t", []) if r.get("decode_tps")]
-        paced = raw.measure_paced(100 if args.quick else 300, 0.5 / median(two)) if two else None
-        report.update(analyse(args, cores, main, diag, results, reference, raw, half))
-        report["raw_rtt"]["paced"] = paced
-        if paced and report["summary"]["hop_added_us"] is not None:
-            report["summary"]["hop_ratio_paced"] = report["summary"]["hop_added_us"] / paced["median_us"]
-        report["memory"]["runtime_floor_rss"] = floor = runtime_floor()
-        for m in report["memory"].values():
-            if isinstance(m, dict) and floor and m["full_rss"] and m["half_rss"]:
-                m["ratio_above_floor"] = (m["half_rss"] - floor) / (m["full_rss"] - floor)
+        reference = _phase_a(args, procs, main, base, cores, results, raw, gate)
+        diag = _phase_b(args, procs, tmp, extra, base, num_layers, cores, results, raw, gate)
+        _finish_report(args, report, cores, main, diag, results, reference, raw, half)
     finally:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut the clean-up short
-        procs.stop()
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-        if not args.keep_logs and "summary" in report:
-            shutil.rmtree(tmp, ignore_errors=True)
-            report["logs"] = None
+        _clean_up(args, procs, tmp, report)
     report["results"] = {k: [{kk: vv for kk, vv in r.items() if kk != "ids"} for r in v]
                          for k, v in results.items()}
     return report
@@ -801,45 +850,53 @@ def _cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
-def analyse(args, cores, main, diag, results, reference, raw, half) -> dict:
-    ref_ids = reference["ids"]
+def _stats(results: dict, key: str) -> dict:
+    """Decode tok/s of configuration ``key``: median over its quiet runs (all runs when too few were
+    quiet), over all runs, how many of each, its failures, runs cut short and the others' median load."""
+    every = results.get(key, [])
+    runs = [r for r in every if not r.get("error") and not r.get("aborted")]
+    quiet = [r for r in runs if r["quiet"]]
+    use = quiet if len(quiet) >= MIN_QUIET else runs
+    return {"tps": median([r["decode_tps"] for r in use]), "tps_all": median([r["decode_tps"] for r in runs]),
+            "n_quiet": len(quiet), "n_all": len(runs), "noisy": len(quiet) < MIN_QUIET,
+            "failed": [r["error"] for r in every + results.get(f"{key}-warmup", []) if r.get("error")],
+            "cut_short": sum(1 for r in every if r.get("aborted")),
+            "foreign_load": median([r["foreign_load"] for r in use])}
 
-    def stats(key):
-        every = results.get(key, [])
-        runs = [r for r in every if not r.get("error") and not r.get("aborted")]
-        quiet = [r for r in runs if r["quiet"]]
-        use = quiet if len(quiet) >= MIN_QUIET else runs
-        return {"tps": median([r["decode_tps"] for r in use]), "tps_all": median([r["decode_tps"] for r in runs]),
-                "n_quiet": len(quiet), "n_all": len(runs), "noisy": len(quiet) < MIN_QUIET,
-                "failed": [r["error"] for r in every + results.get(f"{key}-warmup", []) if r.get("error")],
-                "cut_short": sum(1 for r in every if r.get("aborted")),
-                "foreign_load": median([r["foreign_load"] for r in use])}
 
-    def ids_check(key):
-        runs = [r for r in results.get(key, []) + results.get(f"{key}-warmup", [])
-                if not r.get("error") and not r.get("aborted")]
-        for r in runs:
-            if r["ids"] != ref_ids:
-                first = next((i for i, (a, b) in enumerate(zip(r["ids"], ref_ids)) if a != b),
-                             min(len(r["ids"]), len(ref_ids)))
-                return {"ids_match": False, "first_mismatch": first, "ids_checked": len(runs)}
-        return {"ids_match": True, "first_mismatch": None, "ids_checked": len(runs)}
+def _ids_check(results: dict, key: str, ref_ids: list[int]) -> dict:
+    """Whether every completed run of ``key`` (warm-ups included) gave the reference token ids, the
+    first token that differs where one did not, and how many runs were checked."""
+    runs = [r for r in results.get(key, []) + results.get(f"{key}-warmup", [])
+            if not r.get("error") and not r.get("aborted")]
+    for r in runs:
+        if r["ids"] != ref_ids:
+            first = next((i for i, (a, b) in enumerate(zip(r["ids"], ref_ids)) if a != b),
+                         min(len(r["ids"]), len(ref_ids)))
+            return {"ids_match": False, "first_mismatch": first, "ids_checked": len(runs)}
+    return {"ids_match": True, "first_mismatch": None, "ids_checked": len(runs)}
 
-    def row(key, label, layout, threads, vs):
-        r = {"key": key, "label": label, "layout": layout, "threads": threads, "vs": vs, **stats(key),
-             **ids_check(key)}
-        return r
 
+def _row(results: dict, ref_ids: list[int], key, label, layout, threads, vs) -> dict:
+    """One configuration's row of the report, compared with row ``vs`` (ratios are added later)."""
+    return {"key": key, "label": label, "layout": layout, "threads": threads, "vs": vs, **_stats(results, key),
+            **_ids_check(results, key, ref_ids)}
+
+
+def _throughput_rows(args, cores, main, diag, results, ref_ids) -> tuple[list, list, dict]:
+    """The rows of the timed configurations and of the diagnostic ones, each with its processes lost
+    and its ratios against its ``vs`` row, and every row by key."""
     base_key = f"baseline-{cores}t"
     full_layout = f"0-{args.layers_total - 1}"
-    rows = [row(base_key, "transformers generate, 1 process", full_layout, cores, base_key)]
-    rows += [row(c.key, c.label, c.layout(), c.threads, base_key) for c in main]
-    diag_rows = [row("baseline-1t", "transformers generate, 1 process", full_layout, 1, "baseline-1t")]
+    rows = [_row(results, ref_ids, base_key, "transformers generate, 1 process", full_layout, cores, base_key)]
+    rows += [_row(results, ref_ids, c.key, c.label, c.layout(), c.threads, base_key) for c in main]
+    diag_rows = [_row(results, ref_ids, "baseline-1t", "transformers generate, 1 process", full_layout, 1,
+                      "baseline-1t")]
     if results.get(f"{base_key}-diag"):
-        diag_rows.append(row(f"{base_key}-diag", "transformers generate, 1 process", full_layout, cores,
-                             f"{base_key}-diag"))
-    diag_rows += [row(c.key, c.label, c.layout(), c.threads, "baseline-1t" if c.threads == 1 else f"{base_key}-diag")
-                  for c in diag]
+        diag_rows.append(_row(results, ref_ids, f"{base_key}-diag", "transformers generate, 1 process", full_layout,
+                              cores, f"{base_key}-diag"))
+    diag_rows += [_row(results, ref_ids, c.key, c.label, c.layout(), c.threads,
+                       "baseline-1t" if c.threads == 1 else f"{base_key}-diag") for c in diag]
     everything = {r["key"]: r for r in rows + diag_rows}
     for c in main + diag:
         everything[c.key]["lost"] = [f"{' '.join(map(str, a))} exited with {code}" for a, code in c.lost]
@@ -848,16 +905,14 @@ def analyse(args, cores, main, diag, results, reference, raw, half) -> dict:
         r["ratio"] = r["tps"] / vs["tps"] if r["tps"] and vs["tps"] else None
         r["ratio_all"] = r["tps_all"] / vs["tps_all"] if r["tps_all"] and vs["tps_all"] else None
         r["ratio_noisy"] = r["noisy"] or vs["noisy"]
+    return rows, diag_rows, everything
 
-    rawsum = raw.summary()
-    trace = {c.key: hop_breakdown(c) for c in diag}
-    t1, t2 = trace.get("diag-1n-1t") or {}, trace.get("diag-2n-1t") or {}
-    hop_us = (t2["overhead_us"] - t1["overhead_us"]) if t1 and t2 else None
-    d1, d2 = everything["diag-1n-1t"]["tps"], everything["diag-2n-1t"]["tps"]
-    indirect_us = (1e6 / d2 - 1e6 / d1) if d1 and d2 else None
 
+def _memory_figures(clusters: list[Cluster], full_layout: str, half) -> tuple[dict, dict]:
+    """RSS and USS of the full and the half node after load and after a generation (medians, and the
+    half / full RSS ratio), and every node's figures by its layers."""
     by_layers: dict[str, list] = {}
-    for c in main + diag:
+    for c in clusters:
         for (shard, _, _), load_m, gen_m in zip(c.nodes, c.rss_load, c.rss_gen):
             by_layers.setdefault(str(shard), []).append({"cluster": c.key, "threads": c.threads,
                                                         "rss_load": load_m[0], "uss_load": load_m[1],
@@ -870,14 +925,24 @@ def analyse(args, cores, main, diag, results, reference, raw, half) -> dict:
         mem[when] = {"full_rss": f, "half_rss": h, "ratio": h / f if f and h else None,
                      "full_uss": median([m[f"uss_{when}"] for m in full]),
                      "half_uss": median([m[f"uss_{when}"] for m in halfm])}
+    return mem, by_layers
 
+
+def _summary(everything: dict, trace: dict, rawsum: dict, mem: dict) -> dict:
+    """The headline figures (2-node ratio, added latency per hop, memory ratios) and whether each meets
+    its target."""
+    t1, t2 = trace.get("diag-1n-1t") or {}, trace.get("diag-2n-1t") or {}
+    hop_us = (t2["overhead_us"] - t1["overhead_us"]) if t1 and t2 else None
+    d1, d2 = everything["diag-1n-1t"]["tps"], everything["diag-2n-1t"]["tps"]
+    indirect_us = (1e6 / d2 - 1e6 / d1) if d1 and d2 else None
     two = everything["fabric-2"]
     summary = {
         "two_node_ratio": two["ratio"], "two_node_ratio_all_runs": two["ratio_all"],
         "two_node_noisy": two["ratio_noisy"],
         "hop_added_us": hop_us, "hop_indirect_us": indirect_us, "raw_rtt_us": rawsum["median_us"],
         "hop_ratio": hop_us / rawsum["median_us"] if hop_us is not None and rawsum["median_us"] else None,
-        "hop_noisy": everything["diag-1n-1t"]["noisy"] or everything["diag-2n-1t"]["noisy"] or not rawsum["quiet_blocks"],
+        "hop_noisy": (everything["diag-1n-1t"]["noisy"] or everything["diag-2n-1t"]["noisy"]
+                      or not rawsum["quiet_blocks"]),
         "memory_ratio_gen": mem["gen"]["ratio"], "memory_ratio_load": mem["load"]["ratio"],
     }
     summary["pass"] = {
@@ -885,6 +950,16 @@ def analyse(args, cores, main, diag, results, reference, raw, half) -> dict:
         "hop": summary["hop_ratio"] is not None and summary["hop_ratio"] <= TARGETS["hop_ratio"],
         "memory": all(m["ratio"] is not None and m["ratio"] <= TARGETS["memory_ratio"] for m in mem.values()),
     }
+    return summary
+
+
+def analyse(args, cores, main, diag, results, reference, raw, half) -> dict:
+    ref_ids = reference["ids"]
+    rows, diag_rows, everything = _throughput_rows(args, cores, main, diag, results, ref_ids)
+    rawsum = raw.summary()
+    trace = {c.key: hop_breakdown(c) for c in diag}
+    mem, by_layers = _memory_figures(main + diag, f"0-{args.layers_total - 1}", half)
+    summary = _summary(everything, trace, rawsum, mem)
     return {"throughput": rows, "diagnostics": diag_rows, "hop_trace": trace, "raw_rtt": rawsum,
             "memory": mem, "memory_by_layers": by_layers, "summary": summary,
             "reference_tokens": len(ref_ids), "reference_ids": ref_ids}
@@ -906,8 +981,34 @@ def _mib(x):
     return "n/a" if not x else f"{x / 2**20:.0f}"
 
 
-def print_report(r: dict) -> None:
-    m, s = r["machine"], r["summary"]
+def _us(x):
+    """``x`` µs as a whole number, or n/a."""
+    return _f(x, "{:.0f}")
+
+
+def _table(rows) -> None:
+    """Prints one throughput table: a line per configuration, then its failures and lost processes."""
+    print(f"  {'configuration':<34} {'layers':<19} {'thr':>3} {'tok/s':>6} {'ratio':>5} {'quiet':>5}"
+          f" {'others':>6} | {'all runs':>8} {'ratio':>5}  greedy ids vs transformers")
+    for row in rows:
+        ids = ("no successful run" if not row["ids_checked"] else "identical" if row["ids_match"]
+               else f"DIFFER from token {row['first_mismatch']}")
+        flag = "*" if row["noisy"] else " "
+        print(f"  {row['label']:<34} {row['layout']:<19} {row['threads']:>3} {_f(row['tps']):>6}{flag}"
+              f"{_f(row['ratio']):>5} {row['n_quiet']:>2}/{row['n_all']:<2} {_f(row['foreign_load'], '{:.0%}'):>6}"
+              f" | {_f(row['tps_all']):>8} {_f(row['ratio_all']):>5}  {ids} ({row['ids_checked']} runs)"
+              + (f"; {row['cut_short']} cut short" if row["cut_short"] else "")
+              + (f"; {len(row['failed'])} run(s) FAILED" if row["failed"] else ""))
+    for row in rows:
+        for err in row["failed"]:
+            print(f"      {row['key']} failed: {err}")
+        for lost in row.get("lost", []):
+            print(f"      {row['key']}: a process died during the run (killed from outside?): {lost}")
+
+
+def _print_header(r: dict) -> None:
+    """Prints what was measured, on what machine, with which threads."""
+    m = r["machine"]
     cores = m["cores"]
     print(f"\nmeshnet fabric bench: {r['model']} ({r['layers']} layers, hidden {r['hidden']}), "
           f"{r['tokens']} new tokens, {r['reps']} reps per configuration, medians; "
@@ -917,90 +1018,100 @@ def print_report(r: dict) -> None:
     print(f"threads: baseline {cores}; each fabric node gets (as `meshnet up`): "
           + ", ".join(f"{row['layout'].count('|') + 1} node(s) -> {row['threads']}" for row in r["throughput"][1:]))
 
-    def table(rows):
-        print(f"  {'configuration':<34} {'layers':<19} {'thr':>3} {'tok/s':>6} {'ratio':>5} {'quiet':>5}"
-              f" {'others':>6} | {'all runs':>8} {'ratio':>5}  greedy ids vs transformers")
-        for row in rows:
-            ids = ("no successful run" if not row["ids_checked"] else "identical" if row["ids_match"]
-                   else f"DIFFER from token {row['first_mismatch']}")
-            flag = "*" if row["noisy"] else " "
-            print(f"  {row['label']:<34} {row['layout']:<19} {row['threads']:>3} {_f(row['tps']):>6}{flag}"
-                  f"{_f(row['ratio']):>5} {row['n_quiet']:>2}/{row['n_all']:<2} {_f(row['foreign_load'], '{:.0%}'):>6}"
-                  f" | {_f(row['tps_all']):>8} {_f(row['ratio_all']):>5}  {ids} ({row['ids_checked']} runs)"
-                  + (f"; {row['cut_short']} cut short" if row["cut_short"] else "")
-                  + (f"; {len(row['failed'])} run(s) FAILED" if row["failed"] else ""))
-        for row in rows:
-            for err in row["failed"]:
-                print(f"      {row['key']} failed: {err}")
-            for lost in row.get("lost", []):
-                print(f"      {row['key']}: a process died during the run (killed from outside?): {lost}")
 
+def _print_throughput(r: dict) -> None:
+    """Prints section 1: decode tok/s of every configuration, then of the diagnostic ones."""
     print(f"\n1. decode tok/s, first token event -> done (transformers: first streamed token -> end); ratio vs the\n"
           f"   single process with the same threads. Medians over the quiet runs (other tenants used <= "
-          f"{r['quiet_threshold']:.0%} of the CPU;\n   'quiet' = quiet/completed runs, 'others' = their median foreign load; runs that others\n"
+          f"{r['quiet_threshold']:.0%} of the CPU;\n   'quiet' = quiet/completed runs, 'others' = their median "
+          f"foreign load; runs that others\n"
           f"   disturbed were cut short and retried); "
           f"* = fewer than {MIN_QUIET} quiet runs, median of all runs")
-    table(r["throughput"])
+    _table(r["throughput"])
     print("   diagnostics: traced nodes (same CLI + timing hooks), equal thread counts:")
-    table(r["diagnostics"])
+    _table(r["diagnostics"])
 
-    raw = r["raw_rtt"]
+
+def _print_hop_steps(t1: dict, t2: dict) -> None:
+    """Prints the traced decode steps of 1 and 2 nodes, split into their parts (medians, µs)."""
+    print(f"   traced decode steps (medians, µs; {t1['steps']} steps on 1 node, {t2['steps']} on 2 nodes):")
+    print(f"     1 node : compute {_us(t1['compute_us'][0])}; non-compute per token {_us(t1['overhead_us'])}"
+          f" = sample {_us(t1.get('ret_sample_us'))} + token to self {_us(t1.get('ret_send_local_us'))}"
+          f" + on_token {_us(t1.get('ret_on_token_us'))} + emit/loop {_us(t1.get('ret_emit_loop_us'))}")
+    print(f"     2 nodes: compute {' + '.join(_us(x) for x in t2['compute_us'])}; non-compute per token "
+          f"{_us(t2['overhead_us'])}")
+    print(f"       forward leg {_us(t2['forward_legs_us'][0])} = encode+send {_us(t2.get('fwd_encode_send_us'))}"
+          f" + wire/wake {_us(t2.get('fwd_wire_wake_us'))} + decode {_us(t2.get('fwd_decode_us'))}"
+          f" + queue {_us(t2.get('fwd_queue_us'))}")
+    print(f"       return leg {_us(t2.get('return_leg_us'))} = sample {_us(t2.get('ret_sample_us'))}"
+          f" + encode/send/wire/wake {_us(t2.get('ret_send_wire_wake_us'))} + decode {_us(t2.get('ret_decode_us'))}"
+          f" + dispatch {_us(t2.get('ret_dispatch_us'))} + on_token {_us(t2.get('ret_on_token_us'))}"
+          f" + emit/loop {_us(t2.get('ret_emit_loop_us'))}")
+
+
+def _print_hop(r: dict) -> None:
+    """Prints section 2: the raw round trip, the traced decode steps and the latency each hop adds."""
+    raw, s = r["raw_rtt"], r["summary"]
     print(f"\n2. per hop. raw pyzmq DEALER->ROUTER echo round trip of {raw.get('bytes', r['hidden'] * 4)} B: median "
           f"{_f(raw['median_us'], '{:.0f}')} µs (p10 {_f(raw['p10_us'], '{:.0f}')}, p90 {_f(raw['p90_us'], '{:.0f}')}, "
           f"{raw['n']} round trips, {raw['quiet_blocks']}/{raw['blocks']} quiet blocks)")
     t1, t2 = r["hop_trace"].get("diag-1n-1t") or {}, r["hop_trace"].get("diag-2n-1t") or {}
-    us = lambda x: _f(x, "{:.0f}")  # noqa: E731
     if t1 and t2:
-        print(f"   traced decode steps (medians, µs; {t1['steps']} steps on 1 node, {t2['steps']} on 2 nodes):")
-        print(f"     1 node : compute {us(t1['compute_us'][0])}; non-compute per token {us(t1['overhead_us'])}"
-              f" = sample {us(t1.get('ret_sample_us'))} + token to self {us(t1.get('ret_send_local_us'))}"
-              f" + on_token {us(t1.get('ret_on_token_us'))} + emit/loop {us(t1.get('ret_emit_loop_us'))}")
-        print(f"     2 nodes: compute {' + '.join(us(x) for x in t2['compute_us'])}; non-compute per token "
-              f"{us(t2['overhead_us'])}")
-        print(f"       forward leg {us(t2['forward_legs_us'][0])} = encode+send {us(t2.get('fwd_encode_send_us'))}"
-              f" + wire/wake {us(t2.get('fwd_wire_wake_us'))} + decode {us(t2.get('fwd_decode_us'))}"
-              f" + queue {us(t2.get('fwd_queue_us'))}")
-        print(f"       return leg {us(t2.get('return_leg_us'))} = sample {us(t2.get('ret_sample_us'))}"
-              f" + encode/send/wire/wake {us(t2.get('ret_send_wire_wake_us'))} + decode {us(t2.get('ret_decode_us'))}"
-              f" + dispatch {us(t2.get('ret_dispatch_us'))} + on_token {us(t2.get('ret_on_token_us'))}"
-              f" + emit/loop {us(t2.get('ret_emit_loop_us'))}")
-    print(f"   added per hop = 2-node non-compute − 1-node non-compute = {us(s['hop_added_us'])} µs = "
+        _print_hop_steps(t1, t2)
+    print(f"   added per hop = 2-node non-compute − 1-node non-compute = {_us(s['hop_added_us'])} µs = "
           f"{_f(s['hop_ratio'])}× raw")
     print(f"   cross-check, per-token time 2 nodes − 1 node (1 thread each, compute noise included): "
-          f"{us(s['hop_indirect_us'])} µs")
+          f"{_us(s['hop_indirect_us'])} µs")
     paced = raw.get("paced")
     if paced:
         print(f"   raw round trip paced like a decode step (both ends idle {paced['gap_ms']:.0f} ms first, as each "
-              f"node idles while the other computes): median {us(paced['median_us'])} µs (p90 "
-              f"{us(paced['p90_us'])}, {paced['n']} round trips); added per hop = "
+              f"node idles while the other computes): median {_us(paced['median_us'])} µs (p90 "
+              f"{_us(paced['p90_us'])}, {paced['n']} round trips); added per hop = "
               f"{_f(s.get('hop_ratio_paced'))}× that")
 
+
+def _print_memory(r: dict) -> None:
+    """Prints section 3: every node's resident memory, the half / full ratio and the runtime floor."""
     print("\n3. resident memory, MiB: RSS after load / after one generation (USS in brackets)")
     for layers, ms in sorted(r["memory_by_layers"].items(), key=lambda kv: int(kv[0].split("-")[0])):
         for mm in ms:
             print(f"   layers {layers:<6} {mm['cluster']:<11} {mm['threads']}t  {_mib(mm['rss_load']):>5} / "
                   f"{_mib(mm['rss_gen']):>5}  ({_mib(mm['uss_load'])} / {_mib(mm['uss_gen'])})")
     mem = r["memory"]
-    print(f"   half (0-{r['layers'] // 2 - 1}) / full (0-{r['layers'] - 1}) RSS: after load {_f(mem['load']['ratio'])}, "
-          f"after a generation {_f(mem['gen']['ratio'])}")
+    print(f"   half (0-{r['layers'] // 2 - 1}) / full (0-{r['layers'] - 1}) RSS: after load "
+          f"{_f(mem['load']['ratio'])}, after a generation {_f(mem['gen']['ratio'])}")
     if mem.get("runtime_floor_rss"):
         print(f"   runtime floor (python + torch + transformers + fabric imported, no weights): "
               f"{_mib(mem['runtime_floor_rss'])} MiB; above it half / full = "
               f"{_f(mem['load'].get('ratio_above_floor'))} after load, "
               f"{_f(mem['gen'].get('ratio_above_floor'))} after a generation")
 
-    def verdict(ok, noisy=False):
-        return ("PASS" if ok else "MISS") + ("?" if noisy else "")
 
+def _verdict(ok, noisy=False):
+    """PASS or MISS, with a '?' when the figure comes from noisy runs."""
+    return ("PASS" if ok else "MISS") + ("?" if noisy else "")
+
+
+def _print_targets(r: dict) -> None:
+    """Prints each target of DESIGN.md with its figure and verdict."""
+    s, mem = r["summary"], r["memory"]
     print("\ntargets (DESIGN.md; '?' = based on noisy runs, rerun when the machine is quieter):")
-    print(f"  [{verdict(s['pass']['two_node'], s['two_node_noisy'])}] 2-node decode >= "
+    print(f"  [{_verdict(s['pass']['two_node'], s['two_node_noisy'])}] 2-node decode >= "
           f"{TARGETS['two_node_ratio']}x single process: {_f(s['two_node_ratio'])}x "
           f"(all runs: {_f(s['two_node_ratio_all_runs'])}x)")
-    print(f"  [{verdict(s['pass']['hop'], s['hop_noisy'])}] added latency per hop <= {TARGETS['hop_ratio']}x raw "
-          f"round trip: {_f(s['hop_ratio'])}x ({us(s['hop_added_us'])} µs vs {us(s['raw_rtt_us'])} µs)"
+    print(f"  [{_verdict(s['pass']['hop'], s['hop_noisy'])}] added latency per hop <= {TARGETS['hop_ratio']}x raw "
+          f"round trip: {_f(s['hop_ratio'])}x ({_us(s['hop_added_us'])} µs vs {_us(s['raw_rtt_us'])} µs)"
           + (f"; {_f(s['hop_ratio_paced'])}x a raw trip paced like a decode step" if s.get("hop_ratio_paced") else ""))
-    print(f"  [{verdict(s['pass']['memory'])}] half-model node RSS <= {TARGETS['memory_ratio']}x full node: "
+    print(f"  [{_verdict(s['pass']['memory'])}] half-model node RSS <= {TARGETS['memory_ratio']}x full node: "
           f"{_f(mem['load']['ratio'])}x after load, {_f(mem['gen']['ratio'])}x after a generation")
+
+
+def print_report(r: dict) -> None:
+    _print_header(r)
+    _print_throughput(r)
+    _print_hop(r)
+    _print_memory(r)
+    _print_targets(r)
 
 
 def _device_name(device: str) -> str:

@@ -290,7 +290,8 @@ def run_node(args, tmp: Path, body, *caps: float) -> None:
         stop_processes(procs)
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
+    """The command line."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--layers", default="15-29", help="the range fetched for the rate (default %(default)s)")
@@ -307,57 +308,66 @@ def main() -> None:
                     help="streams alone and under fetch, alternated this many times (default %(default)s)")
     ap.add_argument("--itl-speculation", action="store_true",
                     help="the ITL streams draft (by default they do not: drafts make a stream's gaps bursty)")
-    args = ap.parse_args()
+    return ap.parse_args()
+
+
+def rate(args, tracker: str, tmp: Path) -> None:
+    """Prints the fetch rate of ``--layers`` against a cp of the whole file, with what bounds it here."""
+    fetch_layers(args.model_id, args.layers, tracker, None, tmp / "warm", progress=False, say=lambda _: None)
+    shutil.rmtree(tmp / "warm")  # a first fetch: the node's manifest and page cache are warm after it
+    node = node_pid[0]
+    runs, cpu, copies, synced = [], [], [], []
+    for _ in range(args.rounds):  # a fetch, then a cp: alternated, so a busy machine's drift falls on both
+        mine, its = cpu_seconds(), cpu_seconds(node)
+        runs.append(fetch_rate(tracker, args.model_id, args.layers, tmp))
+        cpu.append((cpu_seconds() - mine, cpu_seconds(node) - its))
+        copies.append(copy_rate(args.path, tmp))
+        synced.append(fetch_rate(tracker, args.model_id, args.layers, tmp, durable=True)[1])
+    size, took = runs[0][0], statistics.median(t for _, t in runs)
+    csize, ctook = copies[0][0], statistics.median(t for _, t in copies)
+    bare, hashed = zmq_ceiling(args.path, size), hash_seconds(args.path, size)
+    whole = args.path.stat().st_size
+    print(f"fetch of layers {args.layers}: {size:,} bytes in {took:.3f} s = {size / took / 1e6:.1f} MB/s "
+          f"(the file: {whole:,} bytes, {size / whole:.2f} of it; runs {', '.join(f'{t:.3f}' for _, t in runs)} s)")
+    print(f"  until its bytes are on disk too (what meshnet pull waits for): {statistics.median(synced):.3f} s")
+    print(f"  CPU per fetch: fetcher {statistics.median(c for c, _ in cpu):.3f} s, serving node "
+          f"{statistics.median(c for _, c in cpu):.3f} s")
+    print(f"cp of the whole file: {csize:,} bytes in {ctook:.3f} s = {csize / ctook / 1e6:.1f} MB/s")
+    print(f"bare ZeroMQ pair, the same bytes: {bare:.3f} s = {size / bare / 1e6:.1f} MB/s; "
+          f"BLAKE3 of them, one thread: {hashed:.3f} s = {size / hashed / 1e6:.1f} MB/s")
+    print(f"fetch rate / cp rate: {(size / took) / (csize / ctook):.2f}x (target >= 0.5x); "
+          f"fetch / bare ZeroMQ: {(size / took) / (size / bare):.2f}x")
+
+
+def itl(args, tracker: str, tmp: Path) -> None:
+    """Prints the gaps between a stream's tokens alone and while the node serves fetches, ``--itl-rounds`` of each."""
+    alone, loaded, fetched = [], [], 0
+    for _ in range(args.itl_rounds):  # alternated: a busy machine's drift falls on both alike
+        alone.append(gaps(tracker, args.model_id, args.itl_tokens, args.itl_speculation))
+        g, n = itl_under_fetch(tracker, args.model_id, args.itl_tokens, tmp / "itl", args.itl_speculation)
+        loaded, fetched = loaded + [g], fetched + n
+    print(f"{args.itl_rounds} round(s) of {args.itl_tokens} tokens, alone then serving fetches "
+          f"({'drafting' if args.itl_speculation else 'no drafts'}):")
+    for what, streams in (("alone", alone), (f"serving fetches ({fetched:,} bytes sent)", loaded)):
+        g = [gap for stream in streams for gap in stream]
+        each = [p99(stream) / statistics.median(stream) for stream in streams]
+        print(f"ITL {what}: median {statistics.median(g) * 1000:.1f} ms, p99 {p99(g) * 1000:.1f} ms, "
+              f"p99/median {p99(g) / statistics.median(g):.2f} (target <= 1.5); each stream's own: "
+              f"{', '.join(f'{r:.2f}' for r in each)} (median {statistics.median(each):.2f})")
+
+
+def main() -> None:
+    args = parse_args()
     source = resolve(args.model)
     args.model_id, args.path = source.model_id, source.path
     args.num_layers = read_header(source.path).key("block_count")
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
-
-        def rate(tracker: str) -> None:
-            fetch_layers(args.model_id, args.layers, tracker, None, tmp / "warm", progress=False, say=lambda _: None)
-            shutil.rmtree(tmp / "warm")  # a first fetch: the node's manifest and page cache are warm after it
-            node = node_pid[0]
-            runs, cpu, copies, synced = [], [], [], []
-            for _ in range(args.rounds):  # a fetch, then a cp: alternated, so a busy machine's drift falls on both
-                mine, its = cpu_seconds(), cpu_seconds(node)
-                runs.append(fetch_rate(tracker, args.model_id, args.layers, tmp))
-                cpu.append((cpu_seconds() - mine, cpu_seconds(node) - its))
-                copies.append(copy_rate(source.path, tmp))
-                synced.append(fetch_rate(tracker, args.model_id, args.layers, tmp, durable=True)[1])
-            size, took = runs[0][0], statistics.median(t for _, t in runs)
-            csize, ctook = copies[0][0], statistics.median(t for _, t in copies)
-            bare, hashed = zmq_ceiling(source.path, size), hash_seconds(source.path, size)
-            whole = source.path.stat().st_size
-            print(f"fetch of layers {args.layers}: {size:,} bytes in {took:.3f} s = {size / took / 1e6:.1f} MB/s "
-                  f"(the file: {whole:,} bytes, {size / whole:.2f} of it; runs {', '.join(f'{t:.3f}' for _, t in runs)} s)")
-            print(f"  until its bytes are on disk too (what meshnet pull waits for): {statistics.median(synced):.3f} s")
-            print(f"  CPU per fetch: fetcher {statistics.median(c for c, _ in cpu):.3f} s, serving node "
-                  f"{statistics.median(c for _, c in cpu):.3f} s")
-            print(f"cp of the whole file: {csize:,} bytes in {ctook:.3f} s = {csize / ctook / 1e6:.1f} MB/s")
-            print(f"bare ZeroMQ pair, the same bytes: {bare:.3f} s = {size / bare / 1e6:.1f} MB/s; "
-                  f"BLAKE3 of them, one thread: {hashed:.3f} s = {size / hashed / 1e6:.1f} MB/s")
-            print(f"fetch rate / cp rate: {(size / took) / (csize / ctook):.2f}x (target >= 0.5x); "
-                  f"fetch / bare ZeroMQ: {(size / took) / (size / bare):.2f}x")
         caps = (args.share_mbps,) if args.slow_peer is None else (args.share_mbps, args.slow_peer)
-        run_node(args, tmp / "rate", (lambda t: compare(args, t, tmp / "rate")) if args.other else rate, *caps)
-
-        def itl(tracker: str) -> None:
-            alone, loaded, fetched = [], [], 0
-            for _ in range(args.itl_rounds):  # alternated: a busy machine's drift falls on both alike
-                alone.append(gaps(tracker, args.model_id, args.itl_tokens, args.itl_speculation))
-                g, n = itl_under_fetch(tracker, args.model_id, args.itl_tokens, tmp / "itl", args.itl_speculation)
-                loaded, fetched = loaded + [g], fetched + n
-            print(f"{args.itl_rounds} round(s) of {args.itl_tokens} tokens, alone then serving fetches "
-                  f"({'drafting' if args.itl_speculation else 'no drafts'}):")
-            for what, streams in (("alone", alone), (f"serving fetches ({fetched:,} bytes sent)", loaded)):
-                g = [gap for stream in streams for gap in stream]
-                each = [p99(stream) / statistics.median(stream) for stream in streams]
-                print(f"ITL {what}: median {statistics.median(g) * 1000:.1f} ms, p99 {p99(g) * 1000:.1f} ms, "
-                      f"p99/median {p99(g) / statistics.median(g):.2f} (target <= 1.5); each stream's own: "
-                      f"{', '.join(f'{r:.2f}' for r in each)} (median {statistics.median(each):.2f})")
+        body = (lambda t: compare(args, t, tmp / "rate")) if args.other else (lambda t: rate(args, t, tmp))
+        run_node(args, tmp / "rate", body, *caps)
         if args.itl_tokens:
-            run_node(args, tmp / "itl", itl, args.itl_share_mbps)
+            run_node(args, tmp / "itl", lambda t: itl(args, t, tmp), args.itl_share_mbps)
 
 
 if __name__ == "__main__":

@@ -412,6 +412,60 @@ def median(xs):
     return statistics.median(xs) if xs else None
 
 
+def _wanted(args, notes: list[str]) -> list[str]:
+    """The configurations to measure: ``--configs`` less llama.cpp when it is not installed, with
+    ``executor-SCHEME`` for a ``node-SCHEME`` the CLI cannot start yet (each change noted)."""
+    import importlib.util
+
+    wanted = list(args.configs)
+    if "llama.cpp" in wanted and importlib.util.find_spec("llama_cpp") is None:
+        wanted.remove("llama.cpp")
+        notes.append("llama.cpp: skipped, llama-cpp-python is not installed (pip install llama-cpp-python "
+                     "compiles llama.cpp for many minutes); no measured llama.cpp baseline in this run")
+    choices = cli_quant_choices()
+    for scheme in SCHEMES:
+        kind = f"node-{scheme}"
+        if kind in wanted and scheme not in choices:
+            wanted[wanted.index(kind)] = f"executor-{scheme}"
+            notes.append(f"{kind}: `meshnet node` has no --quant {scheme} yet; measured executor-{scheme} instead "
+                         f"(load_shard(quant='{scheme}') + ShardExecutor in a worker process, no sockets)")
+    return wanted
+
+
+def _start(procs: Procs, args, tmp: Path, wanted: list[str], notes: list[str]) -> list:
+    """A loaded worker or node cluster per wanted configuration; one that fails to start is noted and left out."""
+    targets: list = []
+    for kind in wanted:
+        log(f"loading {kind} ({args.threads} threads)")
+        try:
+            targets.append(NodeCluster(procs, args, tmp, kind.removeprefix("node-")) if kind.startswith("node-")
+                           else Worker(procs, kind, args))
+        except Exception as exc:  # noqa: BLE001 - report it and go on with the others
+            notes.append(f"{kind}: failed to start: {exc}")
+            log(f"{kind} failed: {exc}")
+    return targets
+
+
+def _timed_reps(args, targets: list) -> dict[str, list]:
+    """Every target's timed runs, ``--reps`` rounds in rotating order: tok/s, the others' CPU share,
+    CPU ms per token and the greedy ids."""
+    results: dict[str, list] = {t.kind: [] for t in targets}
+    for rep in range(args.reps):
+        order = targets[rep % len(targets):] + targets[:rep % len(targets)]
+        for t in order:
+            before = wait_quiet(args.max_wait)
+            with LoadMeter(t.pids) as meter:
+                r = t.run()
+            runs = r["runs"]
+            tps = sum(x["decode_tokens"] for x in runs) / max(1e-9, sum(x["decode_s"] for x in runs))
+            tokens = sum(len(x["ids"]) for x in runs)
+            results[t.kind].append({"tps": tps, "foreign": meter.foreign, "foreign_before": before,
+                                    "cpu_ms_per_token": 1e3 * r.get("cpu_s", 0.0) / max(1, tokens),
+                                    "ids": [x["ids"] for x in runs]})
+            log(f"rep {rep + 1}/{args.reps} {t.kind}: {tps:.1f} tok/s (others used {meter.foreign:.0%} of the CPU)")
+    return results
+
+
 def run(args) -> dict:
     tmp = Path(tempfile.mkdtemp(prefix="quant-bench-"))
     procs = Procs(tmp)
@@ -421,44 +475,9 @@ def run(args) -> dict:
 
     signal.signal(signal.SIGTERM, on_term)
     notes: list[str] = []
-    targets: list = []
     try:
-        import importlib.util
-
-        wanted = list(args.configs)
-        if "llama.cpp" in wanted and importlib.util.find_spec("llama_cpp") is None:
-            wanted.remove("llama.cpp")
-            notes.append("llama.cpp: skipped, llama-cpp-python is not installed (pip install llama-cpp-python "
-                         "compiles llama.cpp for many minutes); no measured llama.cpp baseline in this run")
-        choices = cli_quant_choices()
-        for scheme in SCHEMES:
-            kind = f"node-{scheme}"
-            if kind in wanted and scheme not in choices:
-                wanted[wanted.index(kind)] = f"executor-{scheme}"
-                notes.append(f"{kind}: `meshnet node` has no --quant {scheme} yet; measured executor-{scheme} instead "
-                             f"(load_shard(quant='{scheme}') + ShardExecutor in a worker process, no sockets)")
-        for kind in wanted:
-            log(f"loading {kind} ({args.threads} threads)")
-            try:
-                targets.append(NodeCluster(procs, args, tmp, kind.removeprefix("node-")) if kind.startswith("node-")
-                               else Worker(procs, kind, args))
-            except Exception as exc:  # noqa: BLE001 - report it and go on with the others
-                notes.append(f"{kind}: failed to start: {exc}")
-                log(f"{kind} failed: {exc}")
-        results: dict[str, list] = {t.kind: [] for t in targets}
-        for rep in range(args.reps):
-            order = targets[rep % len(targets):] + targets[:rep % len(targets)]
-            for t in order:
-                before = wait_quiet(args.max_wait)
-                with LoadMeter(t.pids) as meter:
-                    r = t.run()
-                runs = r["runs"]
-                tps = sum(x["decode_tokens"] for x in runs) / max(1e-9, sum(x["decode_s"] for x in runs))
-                tokens = sum(len(x["ids"]) for x in runs)
-                results[t.kind].append({"tps": tps, "foreign": meter.foreign, "foreign_before": before,
-                                        "cpu_ms_per_token": 1e3 * r.get("cpu_s", 0.0) / max(1, tokens),
-                                        "ids": [x["ids"] for x in runs]})
-                log(f"rep {rep + 1}/{args.reps} {t.kind}: {tps:.1f} tok/s (others used {meter.foreign:.0%} of the CPU)")
+        targets = _start(procs, args, tmp, _wanted(args, notes), notes)
+        results = _timed_reps(args, targets)
         info = {t.kind: t.info for t in targets}
     finally:
         procs.stop()
@@ -466,7 +485,9 @@ def run(args) -> dict:
     return analyse(args, results, info, notes)
 
 
-def analyse(args, results: dict, info: dict, notes: list[str]) -> dict:
+def _rows(results: dict, info: dict) -> dict:
+    """Per configuration: median tok/s and CPU ms per token over the quiet reps (all reps, flagged
+    noisy, when none was quiet), every rep's figures, load time and RSS."""
     rows = {}
     for kind, reps in results.items():
         quiet = [r for r in reps if r["foreign"] <= QUIET]
@@ -476,38 +497,53 @@ def analyse(args, results: dict, info: dict, notes: list[str]) -> dict:
                       "foreign": [round(r["foreign"], 3) for r in reps], "quiet_reps": len(quiet),
                       "noisy": not quiet,
                       "load_s": info.get(kind, {}).get("load_s"), "rss": info.get(kind, {}).get("rss")}
-    ratios, checks, verdicts = {}, {}, {}
-    for scheme in SCHEMES:
-        fab = next((k for k in (f"node-{scheme}", f"executor-{scheme}") if k in rows), None)
-        if fab is None:
-            continue
-        for base in ("hf-float32", "hf-bfloat16", f"hf-{scheme}", "llama.cpp"):
-            if base in rows and rows[base]["tps"] and rows[fab]["tps"]:
-                ratios[f"{fab} / {base}"] = rows[fab]["tps"] / rows[base]["tps"]
-        ref = f"hf-{scheme}"
-        if ref in results:
-            want = results[ref][0]["ids"]
-            checks[f"{fab} greedy ids == {ref} (every prompt, every rep)"] = all(r["ids"] == want for r in results[fab])
-            checks[f"{ref} greedy ids identical across reps"] = all(r["ids"] == want for r in results[ref])
-            got = next((r["ids"] for r in results[fab] if r["ids"] != want), None)
-            for i, (a, b) in enumerate(zip(got or [], want)):
-                if a != b:
-                    notes.append(f"{fab} diverges from {ref} on prompt {i}: {_prefix(a, b)} tokens agree")
-        if "hf-float32" in results:
-            want = results["hf-float32"][0]["ids"]
-            checks[f"{fab} vs hf-float32: tokens before the first difference, per prompt"] = [
-                _prefix(a, b) for a, b in zip(results[fab][0]["ids"], want)]
-        key = f"{fab} / llama.cpp"
-        if key in ratios:
-            verdicts[key] = "PASS" if ratios[key] >= TARGET else "MISS"
-    if "floor-int8" in rows:
-        for other in ("hf-int8", "node-int8", "executor-int8", "compiled-int8", "llama.cpp"):
-            if other in rows and rows[other]["tps"] and rows["floor-int8"]["tps"]:
-                ratios[f"{other} / floor-int8"] = rows[other]["tps"] / rows["floor-int8"]["tps"]
-        if "llama.cpp" in rows and rows["llama.cpp"]["tps"] and rows["floor-int8"]["tps"]:
-            # the time per token a node may spend outside the int8 products and still reach the target
-            budget = 1e3 / (TARGET * rows["llama.cpp"]["tps"]) - 1e3 / rows["floor-int8"]["tps"]
-            checks["ms per token left for everything but the int8 products at the 0.8x target"] = round(budget, 2)
+    return rows
+
+
+def _scheme_figures(scheme: str, rows: dict, results: dict, ratios: dict, checks: dict, verdicts: dict,
+                    notes: list[str]) -> None:
+    """Adds the ratios, greedy checks and verdict of ``scheme``'s node (or executor) against its
+    baselines to ``ratios``, ``checks`` and ``verdicts``, and where it diverges to ``notes``."""
+    fab = next((k for k in (f"node-{scheme}", f"executor-{scheme}") if k in rows), None)
+    if fab is None:
+        return
+    for base in ("hf-float32", "hf-bfloat16", f"hf-{scheme}", "llama.cpp"):
+        if base in rows and rows[base]["tps"] and rows[fab]["tps"]:
+            ratios[f"{fab} / {base}"] = rows[fab]["tps"] / rows[base]["tps"]
+    ref = f"hf-{scheme}"
+    if ref in results:
+        want = results[ref][0]["ids"]
+        checks[f"{fab} greedy ids == {ref} (every prompt, every rep)"] = all(r["ids"] == want for r in results[fab])
+        checks[f"{ref} greedy ids identical across reps"] = all(r["ids"] == want for r in results[ref])
+        got = next((r["ids"] for r in results[fab] if r["ids"] != want), None)
+        for i, (a, b) in enumerate(zip(got or [], want)):
+            if a != b:
+                notes.append(f"{fab} diverges from {ref} on prompt {i}: {_prefix(a, b)} tokens agree")
+    if "hf-float32" in results:
+        want = results["hf-float32"][0]["ids"]
+        checks[f"{fab} vs hf-float32: tokens before the first difference, per prompt"] = [
+            _prefix(a, b) for a, b in zip(results[fab][0]["ids"], want)]
+    key = f"{fab} / llama.cpp"
+    if key in ratios:
+        verdicts[key] = "PASS" if ratios[key] >= TARGET else "MISS"
+
+
+def _floor_figures(rows: dict, ratios: dict, checks: dict) -> None:
+    """Adds each int8 configuration's tok/s over the bare int8 kernels' to ``ratios`` and, with llama.cpp
+    measured, the time per token left for everything else at the target to ``checks``."""
+    if "floor-int8" not in rows:
+        return
+    for other in ("hf-int8", "node-int8", "executor-int8", "compiled-int8", "llama.cpp"):
+        if other in rows and rows[other]["tps"] and rows["floor-int8"]["tps"]:
+            ratios[f"{other} / floor-int8"] = rows[other]["tps"] / rows["floor-int8"]["tps"]
+    if "llama.cpp" in rows and rows["llama.cpp"]["tps"] and rows["floor-int8"]["tps"]:
+        # the time per token a node may spend outside the int8 products and still reach the target
+        budget = 1e3 / (TARGET * rows["llama.cpp"]["tps"]) - 1e3 / rows["floor-int8"]["tps"]
+        checks["ms per token left for everything but the int8 products at the 0.8x target"] = round(budget, 2)
+
+
+def _reference_checks(results: dict, checks: dict) -> None:
+    """Adds to ``checks`` whether compiled-int8 matches hf-int8, and how far bfloat16 agrees with float32."""
     if "compiled-int8" in results and "hf-int8" in results:
         want = results["hf-int8"][0]["ids"]
         checks["compiled-int8 greedy ids == hf-int8 (every prompt, every rep)"] = all(
@@ -515,6 +551,15 @@ def analyse(args, results: dict, info: dict, notes: list[str]) -> dict:
     if "hf-bfloat16" in results and "hf-float32" in results:
         checks["hf-bfloat16 vs hf-float32: tokens before the first difference, per prompt"] = [
             _prefix(a, b) for a, b in zip(results["hf-bfloat16"][0]["ids"], results["hf-float32"][0]["ids"])]
+
+
+def analyse(args, results: dict, info: dict, notes: list[str]) -> dict:
+    rows = _rows(results, info)
+    ratios, checks, verdicts = {}, {}, {}
+    for scheme in SCHEMES:
+        _scheme_figures(scheme, rows, results, ratios, checks, verdicts, notes)
+    _floor_figures(rows, ratios, checks)
+    _reference_checks(results, checks)
     return {"command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]), "model": args.model,
             "threads": args.threads, "tokens": args.tokens, "reps": args.reps, "prompts": list(PROMPTS),
             "machine": {"cpu": _cpu_name(), "cores": os.cpu_count(), "python": platform.python_version(),
