@@ -379,17 +379,19 @@ class Fetcher:
                 self._leave_out(peer, f"it answered none of {len(peer.inflight)} chunks for {CHUNK_TIMEOUT:g} s")
 
     def _received(self, peer: Peer, frames) -> None:
-        peer.heard = now = time.monotonic()
+        now = time.monotonic()
         try:
             msg, buffers = p.decode(frames, CHUNK_BYTES)
         except p.ProtocolError as exc:
             self._leave_out(peer, f"it sent a bad frame ({exc})")
             return
         if isinstance(msg, p.Error):
+            peer.heard = now
             self._refused(peer, msg)
             return
         if not isinstance(msg, p.Chunk) or msg.ref not in peer.inflight:
-            return  # an answer to a request given up on (or a stray): nothing waits for it
+            return  # an answer to a request given up on, or a stray: nothing waits for it, nor is it an answer
+        peer.heard = now  # only an answer shows the peer at work: strays would keep one that sends no chunk
         parts, _ = peer.inflight.pop(msg.ref)
         peer.answered(sum(n for _, _, n in parts), now)
         if (msg.name, msg.offset) != parts[0][:2] or [len(b) for b in buffers] != [n for _, _, n in parts]:
