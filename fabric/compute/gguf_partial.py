@@ -32,7 +32,6 @@ from pathlib import Path
 
 from ..wire.shard import Shard
 from .gguf_info import read_header
-from .heap import libc_call
 from .gguf_manifest import (
     KV_NAME,
     KV_START,
@@ -43,6 +42,7 @@ from .gguf_manifest import (
     OutdatedManifest,
     hash_range,
 )
+from .heap import libc_call
 from .model_ref import ModelError
 
 log = logging.getLogger(__name__)

@@ -23,9 +23,9 @@ import zmq
 from ..compute.compute_lock import ComputeLock, Members
 from ..compute.executor import ShardExecutor
 from ..compute.grammar import Grammars
+from ..compute.heap import release_freed_memory
 from ..compute.kv import KVStore, default_budget
 from ..compute.models import fingerprint, load_shard, load_tokenizer
-from ..compute.heap import release_freed_memory
 from ..compute.tensors import TORCH_DTYPES, from_wire, to_wire
 from ..metrics import Sample
 from ..net.peer_liveness import PeerLiveness
