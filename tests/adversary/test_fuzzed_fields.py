@@ -6,7 +6,9 @@ map or hop inside it) replaced by an extreme value of its type (0, -1, 2**63 - 1
 the largest float, an empty, huge or control-character string, an endpoint) or by a value of
 another type, to every node and to the tracker, from a DEALER that never registered. A mutant
 the wire refuses costs an ERROR reply; one it accepts must be handled as the hostile input it
-may be. The values come from a seeded generator: a failure names the mutant, and repeats.
+may be. Every fourth mutant also travels in a BATCH, as a peer sends a pass's messages, and in
+one whose count is wrong. The values come from a seeded generator: a failure names the mutant,
+and repeats.
 """
 from __future__ import annotations
 
@@ -73,6 +75,16 @@ def mutants(rng: random.Random):
                 yield f"{type(message).__name__}.{name} = {x!r:.60}", [frames[0], frames[1], packed, *frames[3:]]
 
 
+def batched(frames: list, i: int) -> list[list]:
+    """Every fourth mutant also as a node's peer would send a pass's messages: in a BATCH beside a
+    PING, and in one whose count claims a frame more than follows."""
+    if i % 4:
+        return []
+    ping = p.encode(p.Ping(i))
+    wrong = msgpack.packb({"counts": [len(frames) + 1]})
+    return [p.encode_batch([frames, ping]), [p.MAGIC, bytes([p.BATCH_KIND]), wrong, *frames, *ping]]
+
+
 def errors(caplog) -> list[str]:
     """What the swarm logged as an error, with the exception it caught."""
     return [f"{r.getMessage()}: {r.exc_info[1]!r}" if r.exc_info else r.getMessage()
@@ -97,7 +109,8 @@ def test_fuzzed_fields_of_every_message_cost_a_swarm_nothing(tiny_models, caplog
         with caplog.at_level(logging.WARNING):
             for what, frames in mutants(random.Random(0)):
                 for sock in socks:
-                    sock.send_multipart(frames)
+                    for each in [frames, *batched(frames, sent)]:
+                        sock.send_multipart(each)
                     while sock.poll(0):
                         sock.recv_multipart()
                 sent += 1
