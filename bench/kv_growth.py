@@ -47,21 +47,17 @@ keys = torch.randn(1, heads, positions, dim).to(torch.bfloat16)
 one = keys[:, :, :1].clone()
 before = resident()
 if own:  # each session's own cache: a buffer per layer, as a stream decoding alone keeps it
-    caches = [[GrowingLayer() for _ in range(layers)] for _ in range(sessions)]
-    for cache in caches:
-        for layer in cache:
-            layer.update(keys, keys)  # the prompt
-    def buffers():
-        return [layer._keys.data_ptr() for cache in caches for layer in cache]
+    every = [GrowingLayer() for _ in range(sessions * layers)]  # every session's layers, one after another
+    for layer in every:
+        layer.update(keys, keys)  # the prompt
+    buffers = lambda: [layer._keys.data_ptr() for layer in every]
     def step():
-        for cache in caches:
-            for layer in cache:
-                layer.make_room(1)
+        for layer in every:
+            layer.make_room(1)
     def write():
-        for cache in caches:
-            for layer in cache:
-                layer.update(one, one)
-    held = lambda: sum(layer._keys.numel() + layer._values.numel() for cache in caches for layer in cache) * 2
+        for layer in every:
+            layer.update(one, one)
+    held = lambda: sum(layer._keys.numel() + layer._values.numel() for layer in every) * 2
 else:  # a batch group's rows
     group = RowGroup(0, layers - 1)
     for s in range(sessions):

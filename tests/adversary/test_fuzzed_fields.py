@@ -7,8 +7,8 @@ the largest float, an empty, huge or control-character string, an endpoint) or b
 another type, to every node and to the tracker, from a DEALER that never registered. A mutant
 the wire refuses costs an ERROR reply; one it accepts must be handled as the hostile input it
 may be. Every fourth mutant also travels in a BATCH, as a peer sends a pass's messages, and in
-one whose count is wrong. The values come from a seeded generator: a failure names the mutant,
-and repeats.
+one whose counts do not add up to the frames that follow. The values come from a seeded
+generator: a failure names the mutant, and repeats.
 """
 from __future__ import annotations
 
@@ -76,7 +76,7 @@ def mutants(rng: random.Random):
 
 def batched(frames: list, i: int) -> list[list]:
     """Every fourth mutant also as a node's peer would send a pass's messages: in a BATCH beside a
-    PING, and in one whose count claims a frame more than follows."""
+    PING, and in one whose counts do not add up to the frames that follow."""
     if i % 4:
         return []
     ping = p.encode(p.Ping(i))
@@ -94,7 +94,7 @@ def drained(socks: list[zmq.Socket], nonce: int) -> bool:
             if not sock.poll(60_000):
                 return False
             msg, _ = p.decode(sock.recv_multipart())
-            if isinstance(msg, p.Status) if tracker else isinstance(msg, p.Pong) and msg.nonce == nonce:
+            if isinstance(msg, p.Status if tracker else p.Pong) and (tracker or msg.nonce == nonce):
                 break
     return True
 
