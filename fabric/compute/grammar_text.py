@@ -2,8 +2,10 @@
 
 ``to_llguidance`` turns a ``protocol.Grammar`` (a JSON schema, any JSON object, a regex or a
 Lark grammar) into llguidance's grammar text; ``problem`` is what the head and the web UI
-check before a grammar travels. The web UI imports this, not fabric/compute/grammar.py, whose
-masks need torch: a web UI process never loads it.
+check before a grammar travels. An object schema that lists its properties and says nothing of
+others allows no others (``closed``), as llama.cpp's server and vLLM's default engine read it.
+The web UI imports this, not fabric/compute/grammar.py, whose masks need torch: a web UI
+process never loads it.
 """
 from __future__ import annotations
 
@@ -18,6 +20,14 @@ from ..wire.protocol import Grammar, GrammarKind
 _COMPACT = {"whitespace_flexible": False}
 
 
+# where a schema holds schemas: one (a map), several (a list), or a map of name -> schema
+_ONE = ("additionalProperties", "items", "not", "if", "then", "else", "contains", "propertyNames",
+        "unevaluatedProperties", "unevaluatedItems", "additionalItems")
+_SEVERAL = ("anyOf", "oneOf", "prefixItems", "items")
+_NAMED = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+MAX_SCHEMA_DEPTH = 128  # llguidance refuses a schema whose JSON nests deeper than about this
+
+
 class GrammarError(Exception):
     """A grammar that does not compile, or tokens it does not allow (a re-prefill's history)."""
 
@@ -30,16 +40,47 @@ def to_llguidance(grammar: Grammar) -> str:
         case GrammarKind.JSON_SCHEMA:
             try:
                 schema = json.loads(grammar.source)
+            except RecursionError:
+                raise GrammarError("the schema nests too deeply") from None
             except ValueError as exc:
                 raise GrammarError(f"the schema is not JSON: {exc}") from None
             if not isinstance(schema, (dict, bool)):
                 raise GrammarError("a JSON schema is an object (or true/false)")
-            return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=_COMPACT)
+            return llguidance.LLMatcher.grammar_from_json_schema(closed(schema), defaults=_COMPACT)
         case GrammarKind.REGEX:
             return llguidance.LLMatcher.grammar_from_regex(grammar.source)
         case GrammarKind.LARK:
             return llguidance.LLMatcher.grammar_from_lark(grammar.source)
     raise GrammarError(f"unknown grammar kind {grammar.kind!r}")
+
+
+def closed(schema, within_all_of: bool = False, depth: int = 0):
+    """``schema`` with ``"additionalProperties": false`` on each object schema that lists
+    ``properties`` (or ``patternProperties``) and says nothing of others. JSON Schema would allow
+    any other key there, and a model given the room fills it: a function's arguments would come
+    with keys nobody declared. ``true`` (or a schema) keeps them allowed. Only places that hold
+    schemas are walked (never a ``const``, ``enum`` or ``default`` value), nothing under an
+    ``allOf`` (whose branches each see only their own properties), and nothing deeper than
+    MAX_SCHEMA_DEPTH, which llguidance refuses anyway. A copy; the input is unchanged."""
+    if not isinstance(schema, dict) or depth > MAX_SCHEMA_DEPTH:
+        return schema
+    inner = depth + 1
+    out = dict(schema)
+    for key in _ONE:
+        if isinstance(out.get(key), dict):
+            out[key] = closed(out[key], within_all_of, inner)
+    for key in _SEVERAL:
+        if isinstance(out.get(key), list):
+            out[key] = [closed(s, within_all_of, inner) for s in out[key]]
+    for key in _NAMED:
+        if isinstance(out.get(key), dict):
+            out[key] = {name: closed(s, within_all_of, inner) for name, s in out[key].items()}
+    if isinstance(out.get("allOf"), list):
+        out["allOf"] = [closed(s, True, inner) for s in out["allOf"]]
+    lists = isinstance(out.get("properties"), dict) or isinstance(out.get("patternProperties"), dict)
+    if lists and "additionalProperties" not in out and "allOf" not in out and not within_all_of:
+        out["additionalProperties"] = False
+    return out
 
 
 def problem(grammar: Grammar) -> str:

@@ -3,7 +3,8 @@
 A Lark grammar as llguidance reads it: the family's markers around ``%json`` rules, each a JSON
 schema ``{"name": <const>, <arguments key>: <the function's parameters>}`` (an ``anyOf`` over
 the functions for "required"). So every call the tail lets through names an offered function
-and its arguments validate against that function's parameters. Separators are the ones
+and its arguments validate against that function's parameters, with no key they do not declare
+unless they allow others (``closed``). Separators are the ones
 Python's ``json.dumps`` writes (what templates' ``tojson`` shows the model), and no other
 whitespace, so a model cannot pad a call with spaces until ``max_tokens``.
 """
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import json
 
+from ..compute.grammar_text import closed
 from ..wire.protocol import Grammar, GrammarKind, ToolChoice, Tools
 from .syntax import Syntax
 
@@ -26,7 +28,7 @@ def call_schema(tools: Tools, syntax: Syntax) -> dict:
 
 
 def _one(function: dict, syntax: Syntax) -> dict:
-    parameters = function.get("parameters") or {"type": "object", "properties": {}}
+    parameters = closed(function.get("parameters") or {"type": "object", "properties": {}})
     return {"type": "object", "properties": {"name": {"const": function["name"]}, syntax.arguments: parameters},
             "required": ["name", syntax.arguments], "additionalProperties": False}
 
