@@ -1,0 +1,69 @@
+"""Ctrl-C under a flood: a node or tracker process stopped while a stranger floods it with
+fuzzed frames (tests/adversary/test_fuzzed_fields.py's mutants, read by nobody) exits cleanly,
+with code 0 and nothing logged worse than a warning, whatever still waits unread in its sockets
+and in ZeroMQ's queues."""
+from __future__ import annotations
+
+import random
+import signal
+import threading
+import time
+
+import zmq
+
+from tests.adversary.test_fuzzed_fields import batched, mutants
+
+FLOOD_S = 4.0  # how long the flood runs before the processes get their SIGINT
+
+
+def flood(endpoints: list[str], stop: threading.Event) -> int:
+    """Send mutants to every endpoint, round after round, until ``stop``: the count sent.
+    Answers are read and dropped; a full queue drops the mutant (the sender never blocks)."""
+    ctx = zmq.Context()
+    socks = [ctx.socket(zmq.DEALER) for _ in endpoints]
+    for sock, endpoint in zip(socks, endpoints):
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(endpoint)
+    sent = 0
+    try:
+        while not stop.is_set():
+            for _, frames in mutants(random.Random(sent)):
+                if stop.is_set():
+                    break
+                for sock in socks:
+                    for each in [frames, *batched(frames, sent)]:
+                        try:
+                            sock.send_multipart(each, zmq.NOBLOCK)
+                        except zmq.Again:
+                            pass
+                    while sock.poll(0):
+                        sock.recv_multipart()
+                sent += 1
+    finally:
+        for sock in socks:
+            sock.close()
+        ctx.term()
+    return sent
+
+
+def test_processes_stopped_under_a_flood_exit_cleanly(tiny_models, process_cluster):
+    model, c = tiny_models("llama"), process_cluster
+    endpoints = [c.start_node("a", str(model), "0-2"), c.start_node("b", str(model), "3-5"), c.endpoint]
+    c.wait_nodes(["a", "b"], model.name)
+    stop, sent = threading.Event(), []
+    flooder = threading.Thread(target=lambda: sent.append(flood(endpoints, stop)))
+    flooder.start()
+    try:
+        time.sleep(FLOOD_S)
+        procs = {name: c.procs.pop(name) for name in ("a", "b", "tracker")}
+        for proc in procs.values():
+            proc.send_signal(signal.SIGINT)
+        codes = {name: proc.wait(30) for name, proc in procs.items()}
+    finally:
+        stop.set()
+        flooder.join()
+    logs = c.logs()
+    assert codes == {"a": 0, "b": 0, "tracker": 0}, (codes, logs)
+    assert sent[0] > 100
+    assert not any(word in logs for word in ("Traceback", "Assertion", "ERROR", "Fatal")), logs
+    assert "tracker stopped" in logs and logs.count("node stopped") == 2
