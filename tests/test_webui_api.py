@@ -157,6 +157,22 @@ async def test_chat_passes_every_field(fake, client):
     assert call.max_tokens == 3
 
 
+async def test_content_as_text_parts_and_the_developer_role_reach_the_fabric_as_text_and_system(fake, client):
+    """OpenAI's newer shapes, which its SDK and agent frameworks send: content as an array of
+    parts (text parts joined by newlines, as vLLM joins them) and "developer" for "system"."""
+    body = chat_body(messages=[{"role": "developer", "content": [{"type": "text", "text": "be brief"}]},
+                               {"role": "user", "content": [{"type": "text", "text": "hi"},
+                                                            {"type": "text", "text": "there"}]},
+                               {"role": "assistant", "content": None, "tool_calls": [
+                                   {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
+                               {"role": "tool", "tool_call_id": "c1", "content": [{"type": "text", "text": "42"}]}])
+    status, _ = await post(client, CHAT, body)
+    assert status == 200
+    (call,) = fake.calls
+    assert [(m["role"], m["content"]) for m in call.messages] == [
+        ("system", "be brief"), ("user", "hi\nthere"), ("assistant", None), ("tool", "42")]
+
+
 async def test_chat_defaults(fake, client):
     status, _ = await post(client, CHAT, chat_body())
     assert status == 200
@@ -350,7 +366,14 @@ BAD_CHAT_FIELDS = [
     ({"messages": [{"role": "user"}]}, "messages[0].content"),
     ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
     ({"messages": [{"role": "user", "content": None}]}, "messages[0].content"),
-    ({"messages": [{"role": "user", "content": [{"type": "text", "text": "x"}]}]}, "messages[0].content"),
+    ({"messages": [{"role": "user", "content": []}]}, "messages[0].content"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+     "messages[0].content[0]"),
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, "b"]}]}, "messages[0].content[1]"),
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]}, "messages[0].content[0].text"),
+    ({"messages": [{"role": "user", "content": [{"type": "text"}]}]}, "messages[0].content[0].text"),
+    ({"messages": [{"role": "assistant", "content": 5, "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]}, "messages[0].content"),
     ({"messages": [{"role": "user", "content": "ok"}, {"content": "x"}]}, "messages[1].role"),
     ({"temperature": -0.1}, "temperature"),
     ({"temperature": 2.01}, "temperature"),

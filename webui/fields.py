@@ -62,8 +62,9 @@ COMPLETIONS_ONLY = frozenset({COMPLETIONS})
 
 FIELDS: dict[str, Rule] = {
     "model": _honoured(BOTH, "the model to run (one GET /v1/models lists)"),
-    "messages": _honoured(CHAT_ONLY, "the chat; roles system, user, assistant, tool; content a string (null "
-                          "beside an assistant's tool_calls); a tool message's tool_call_id"),
+    "messages": _honoured(CHAT_ONLY, "the chat; roles system (or developer, as system), user, assistant, tool; "
+                          "content a string or an array of text parts (joined by newlines; an image part is "
+                          "refused), null beside an assistant's tool_calls; a tool message's tool_call_id"),
     "prompt": _honoured(COMPLETIONS_ONLY, "the raw prompt (one string)"),
     "max_tokens": _honoured(BOTH, "tokens to generate at most; absent: the default, or what the context leaves"),
     "max_completion_tokens": _honoured(CHAT_ONLY, "as max_tokens, and wins over it"),

@@ -38,6 +38,8 @@ if TYPE_CHECKING:
     from .config import WebUIConfig
 
 ROLES = ("system", "user", "assistant", "tool")
+ALIASES = {"developer": "system"}  # OpenAI's newer name for the system message
+MAX_PARTS = 1024  # text parts of one message's content
 MESSAGE_KEYS = ("role", "content", "name", "tool_calls", "tool_call_id")  # name is accepted, and not passed on
 
 
@@ -209,22 +211,44 @@ def _message(item: Any, index: int) -> ChatMessage:
     if not isinstance(item, dict):
         raise ApiError.invalid(f"{param} must be an object with role and content", param)
     role = item.get("role")
+    role = ALIASES.get(role, role) if isinstance(role, str) else role
     if role not in ROLES:
-        raise ApiError.invalid(f"{param}.role must be one of {', '.join(ROLES)}", f"{param}.role")
+        raise ApiError.invalid(f"{param}.role must be one of {', '.join(ROLES)} (or developer, "
+                               "as system)", f"{param}.role")
     for key, value in item.items():
         if key not in MESSAGE_KEYS and value is not None:
             raise ApiError.invalid(f"{param}.{key!s:.64} is not supported in a message (only "
                                    f"{', '.join(MESSAGE_KEYS)})", f"{param}.{key!s:.64}", "unsupported_parameter")
-    content = item.get("content")
+    content = _content(item.get("content"), f"{param}.content")
     if not isinstance(content, str) and not (content is None and item.get("tool_calls")):
-        raise ApiError.invalid(f"{param}.content must be a string (null only beside tool_calls)", f"{param}.content")
+        raise ApiError.invalid(f"{param}.content must be a string or an array of text parts (null only "
+                               "beside tool_calls)", f"{param}.content")
     try:
-        check_message(item)
+        check_message({**item, "role": role, "content": content})
     except ProtocolError as exc:
         where = f"{param}.tool_call_id" if "tool_call_id" in str(exc) else f"{param}.tool_calls"
         raise ApiError.invalid(f"{where}: {exc}", where) from None
     return ChatMessage(role, None if content is None else _text(content, f"{param}.content"),
                        tuple(item.get("tool_calls") or ()), item.get("tool_call_id"))
+
+
+def _content(value: Any, param: str) -> Any:
+    """A message's content: OpenAI's array of parts becomes its text parts joined by newlines (as
+    vLLM joins them), and a part of another kind (an image, audio) is refused by name. Anything
+    else comes back as it is, for the caller to check."""
+    if not isinstance(value, list):
+        return value
+    if not value or len(value) > MAX_PARTS:
+        raise ApiError.invalid(f"{param} must hold 1 to {MAX_PARTS} parts", param)
+    texts = []
+    for i, part in enumerate(value):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind != "text":
+            shown = f"of type {kind!s:.32}" if isinstance(kind, str) else "without a type"
+            raise ApiError.invalid(f"{param}[{i}] is a part {shown}: this server takes text parts only "
+                                   '({"type": "text", "text": ...})', f"{param}[{i}]")
+        texts.append(_text(part.get("text"), f"{param}[{i}].text"))
+    return "\n".join(texts)
 
 
 def _stop(value: Any) -> tuple[str, ...]:
