@@ -71,14 +71,14 @@ def test_a_required_call_s_arguments_take_no_key_its_function_does_not_declare(a
     assert not allows(grammar, call.format(bad))
 
 
-def test_only_schemas_are_closed_never_values_nor_an_all_of_s_branches():
+def test_only_schemas_are_closed_never_values():
     inner = {"type": "object", "properties": {"a": {"type": "string"}}}
     source = {"type": "object", "properties": {
         "properties": {"type": "string"},  # a property of that name: its schema, not a schema's map
         "fixed": {"const": {"properties": {}}, "default": {"properties": 1}, "enum": [{"properties": 2}]},
         "list": {"type": "array", "items": inner, "prefixItems": [inner]},
         "either": {"anyOf": [inner, {"type": "null"}]},
-        "both": {"allOf": [inner, {"properties": {"b": {"type": "integer"}}}]},
+        "open": {**inner, "additionalProperties": {"type": "integer"}},
         "ref": {"$ref": "#/$defs/thing"}},
         "$defs": {"thing": inner}}
     before = json.dumps(source)
@@ -91,8 +91,23 @@ def test_only_schemas_are_closed_never_values_nor_an_all_of_s_branches():
     assert props["fixed"] == source["properties"]["fixed"]
     assert props["list"]["items"] == shut and props["list"]["prefixItems"] == [shut]
     assert props["either"]["anyOf"] == [shut, {"type": "null"}]
-    assert props["both"] == source["properties"]["both"]
+    assert props["open"] == source["properties"]["open"] and props["ref"] == {"$ref": "#/$defs/thing"}
     assert closed({"type": "object"}) == {"type": "object"} and closed(True) is True
+
+
+@pytest.mark.parametrize("combined", [
+    {"allOf": [{"$ref": "#/$defs/base"}, {"properties": {"b": {"type": "integer"}}, "required": ["b"]}]},
+    {"$ref": "#/$defs/base", "properties": {"b": {"type": "integer"}}, "required": ["b"]},
+    {"properties": {"a": {"type": "string"}}, "if": {"required": ["a"]}, "then": {"properties": {"b": {}}}},
+])
+def test_a_schema_that_intersects_schemas_is_left_as_written(allows, combined):
+    """Closing one side of an intersection would refuse the other side's keys: a base and its
+    extension (OpenAPI's inheritance) would have no valid object left."""
+    document = {**combined, "$defs": {"base": {"type": "object", "properties": {"a": {"type": "string"}},
+                                               "required": ["a"]}}}
+    assert closed(document) == document
+    if "if" not in document:
+        assert allows(schema(document), '{"a":"x","b":1}')
 
 
 def test_a_schema_nested_too_deeply_is_a_clear_problem_not_a_crash():
