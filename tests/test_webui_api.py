@@ -329,6 +329,11 @@ async def test_completions_stream_with_usage(client):
     assert all(c["choices"][0]["finish_reason"] is None for c in texts[:-1])
 
 
+async def test_completions_prompt_as_an_array_of_one_string(fake, client):
+    status, _ = await post(client, TEXT, {"model": MODEL, "prompt": ["Once upon"], "max_tokens": 2})
+    assert status == 200 and fake.calls[0].prompt == "Once upon"
+
+
 async def test_completions_stream_without_usage(client):
     _, response = await post(client, TEXT, text_body(stream=True))
     chunks = sse_payloads(await response.get_data())
@@ -339,6 +344,9 @@ async def test_completions_stream_without_usage(client):
     ({"model": MODEL}, "prompt"),
     ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}, "prompt"),
     ({"model": MODEL, "prompt": ["a", "b"]}, "prompt"),
+    ({"model": MODEL, "prompt": []}, "prompt"),
+    ({"model": MODEL, "prompt": [[1, 2, 3]]}, "prompt"),
+    ({"model": MODEL, "prompt": [1, 2, 3]}, "prompt"),
     ({"model": MODEL, "prompt": 5}, "prompt"),
     ({"prompt": "x"}, "model"),
     ({"model": MODEL, "prompt": "x", "max_tokens": 0}, "max_tokens"),

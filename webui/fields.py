@@ -65,7 +65,7 @@ FIELDS: dict[str, Rule] = {
     "messages": _honoured(CHAT_ONLY, "the chat; roles system (or developer, as system), user, assistant, tool; "
                           "content a string or an array of text parts (joined by newlines; an image part is "
                           "refused), null beside an assistant's tool_calls; a tool message's tool_call_id"),
-    "prompt": _honoured(COMPLETIONS_ONLY, "the raw prompt (one string)"),
+    "prompt": _honoured(COMPLETIONS_ONLY, "the raw prompt: one string, or an array of one string"),
     "max_tokens": _honoured(BOTH, "tokens to generate at most; absent: the default, or what the context leaves"),
     "max_completion_tokens": _honoured(CHAT_ONLY, "as max_tokens, and wins over it"),
     "temperature": _honoured(BOTH, "0..2; 0 is greedy"),

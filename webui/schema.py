@@ -130,6 +130,11 @@ def parse_completion(body: dict[str, Any], config: WebUIConfig) -> GenerationReq
     if prompt is None:  # before the fields: chat's messages sent here lack a prompt, first of all
         raise ApiError.invalid("prompt is required", "prompt")
     check_fields(body, COMPLETIONS)
+    if isinstance(prompt, list):  # an array of one prompt: what LangChain and others send for one call
+        if len(prompt) != 1 or not isinstance(prompt[0], str):
+            raise ApiError.invalid("prompt must be a string or an array of one string (token ids are not "
+                                   "taken, nor several prompts at once: send a request for each)", "prompt")
+        prompt = prompt[0]
     prompt = _text(prompt, "prompt")
     _check_prompt_length(len(prompt), config, "prompt")
     max_tokens = _integer(body, "max_tokens", None, 1, config.max_tokens_limit)
