@@ -16,6 +16,7 @@ import socket
 import sys
 from importlib import metadata
 from pathlib import Path
+from urllib.parse import urlsplit
 
 ENDPOINT_FORM = "tcp://HOST:PORT"
 # * (every interface), [IPv6], or a host name, IPv4 address or interface name
@@ -99,6 +100,24 @@ def refuse_absent_tracker(tracker: str, before: str = "", status: int = 1) -> No
                            "that port (is it running? `meshnet tracker` or `meshnet up` starts one)", status) from None
     except (OSError, ValueError):
         return
+
+
+def origins(text: str) -> frozenset[str]:
+    """``--cors-origins``: comma-separated web origins (``scheme://host[:port]``, as a browser
+    sends them), or ``*`` for any."""
+    found = frozenset(o.strip().rstrip("/").lower() for o in text.split(",") if o.strip())
+    for origin in found - {"*"}:
+        try:
+            parts = urlsplit(origin)
+            parts.port  # noqa: B018 -- raises on a port out of range
+        except ValueError:
+            parts = None
+        if parts is None or parts.scheme not in ("http", "https") or not parts.hostname or parts.path or parts.query:
+            raise argparse.ArgumentTypeError(f"{origin!r} is not a web origin: expected scheme://host[:port] "
+                                             "(such as http://192.168.1.20:3000), or * for any")
+    if not found:
+        raise argparse.ArgumentTypeError("name at least one origin, or * for any")
+    return found
 
 
 def port(text: str) -> int:

@@ -21,6 +21,7 @@ from werkzeug.exceptions import HTTPException, InternalServerError
 
 from fabric import metrics
 
+from . import cors
 from .accounting import Accounting
 from .config import WebUIConfig
 from .dashboard import LIVE_EXTENSION
@@ -80,6 +81,11 @@ def create_app(config: WebUIConfig, client: Any) -> Quart:
     app.register_error_handler(ApiError, render_api_error)
     app.register_error_handler(HTTPException, _http_error)
     app.register_error_handler(Exception, _unexpected_error)
+
+    @app.after_request
+    async def cross_origin(response: Response) -> Response:
+        return cors.add_headers(response, config.cors_origins)
+
     app.asgi_app = JsonErrors(app.asgi_app)  # what escapes Quart's handlers is a JSON error too
 
     registry = metrics.registry_for(lambda: _metrics(app))

@@ -38,9 +38,13 @@ class WebUIConfig:
     call_idle_timeout: float = 120.0
     # CurveZMQ keys (fabric.net.security.Security) for the tracker and nodes; None: plaintext.
     security: object | None = None
+    # Origins whose web pages may read /v1's answers (webui/cors.py), beside this machine's
+    # loopback names (localhost, 127.0.0.1, [::1], any port), which always may; "*" for any.
+    cors_origins: frozenset[str] = frozenset()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "api_keys", frozenset(self.api_keys))
+        object.__setattr__(self, "cors_origins", frozenset(self.cors_origins))
         object.__setattr__(self, "pub", self.pub or None)
         if any(not isinstance(k, str) or not k for k in self.api_keys):
             raise ValueError("api_keys must be non-empty strings")

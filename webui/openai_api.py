@@ -16,7 +16,7 @@ from quart import Blueprint, Response, current_app, g, jsonify, request
 
 from fabric.wire.protocol import function_name
 
-from . import sse
+from . import cors, sse
 from .accounting import Accounting
 from .errors import SERVER_ERROR, ApiError, api_error_from
 from .formats import ChatFormat, ResponseFormat, TextFormat
@@ -54,10 +54,11 @@ def api_context() -> ApiContext:
 
 @blueprint.before_request
 async def check_api_key() -> None:
-    """With keys configured, every /v1 request needs ``Authorization: Bearer <key>``."""
+    """With keys configured, every /v1 request needs ``Authorization: Bearer <key>`` (but a
+    browser's CORS preflight, which asks whether it may send one)."""
     keys = api_context().config.api_keys
     g.api_key = None
-    if not keys:
+    if not keys or cors.is_preflight():  # a browser's preflight never carries the key
         return
     key = bearer_token(request.headers.get("Authorization", ""))
     if key is None or not any(hmac.compare_digest(key.encode(), k.encode()) for k in keys):

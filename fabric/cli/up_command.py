@@ -14,6 +14,7 @@ from .node_command import check_draft_device, check_runnable, checked_draft, dra
 from .options import device_flags, keys_flag, load_security, quant_flag
 from .ports import refuse_ports_in_use
 from .supervision import supervise
+from .webui_command import cors_flag
 
 log = logging.getLogger("meshnet")
 
@@ -43,6 +44,7 @@ def add_parser(sub) -> None:
                         "--help` (default: none)")
     draft_quant_flag(p, "each node's")
     keys_flag(p)
+    cors_flag(p)
     p.set_defaults(func=cmd_up)
 
 
@@ -87,11 +89,17 @@ def cmd_up(args) -> int:
     keys = ["--keys", args.keys] if args.keys else []
     commands = [[*me, "tracker", "--bind", args.tracker, "--pub", args.pub, *keys]]
     commands += node_commands(args, shards, devices, [*me, "node"], keys)
-    commands.append([*me, "webui", "--tracker", args.tracker, "--pub", args.pub, "--host", args.host,
-                     "--port", str(args.port), *keys])
+    commands.append(webui_command(args, me, keys))
     url = f"http://{args.host}:{args.port}"
     return supervise(commands, announce=functools.partial(_announce_when_ready, args.tracker, len(shards), url,
                                                           security))
+
+
+def webui_command(args, me: list[str], keys: list[str]) -> list[str]:
+    """The web UI's command line, with ``up``'s flags for it."""
+    cors = ["--cors-origins", ",".join(sorted(args.cors_origins))] if args.cors_origins else []
+    return [*me, "webui", "--tracker", args.tracker, "--pub", args.pub, "--host", args.host, "--port", str(args.port),
+            *keys, *cors]
 
 
 def node_commands(args, shards: list, devices: list[str], node: list[str], keys: list[str]) -> list[list[str]]:

@@ -1,7 +1,7 @@
 """``meshnet webui``: the dashboard and the OpenAI-compatible API."""
 from __future__ import annotations
 
-from ..flags import CommandError, endpoint, port
+from ..flags import CommandError, endpoint, origins, port
 from ..wire.liveness import DEFAULT_PUB
 from .options import load_security, tracker_flag
 from .ports import listening, refuse_ports_in_use
@@ -18,7 +18,15 @@ def add_parser(sub) -> None:
     p.add_argument("--api-keys", default=None, metavar="FILE",
                    help="file with one API key per line; requests must then carry one "
                         "(default: no authentication)")
+    cors_flag(p)
     p.set_defaults(func=cmd_webui)
+
+
+def cors_flag(p) -> None:
+    p.add_argument("--cors-origins", type=origins, default=frozenset(), metavar="ORIGINS",
+                   help="web origins whose pages may call the API (/v1) and read its answers, comma-separated "
+                        "(http://HOST:PORT), or * for any; pages of this machine's localhost, 127.0.0.1 and "
+                        "[::1] (any port) always may (default: no others)")
 
 
 def read_api_keys(path: str) -> frozenset[str]:
@@ -45,5 +53,5 @@ def cmd_webui(args) -> int:
 
     with listening("--host or --port", f"{args.host}:{args.port}"):
         serve(WebUIConfig(tracker=args.tracker, pub=args.pub, host=args.host, port=args.port, api_keys=keys,
-                          security=security))
+                          security=security, cors_origins=args.cors_origins))
     return 0
