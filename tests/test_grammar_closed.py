@@ -10,7 +10,7 @@ import json
 import pytest
 
 from fabric.compute.grammar import GrammarError, Grammars, problem
-from fabric.compute.grammar_text import MAX_SCHEMA_DEPTH, closed
+from fabric.wire.json_schema import MAX_SCHEMA_DEPTH, closed
 from fabric.toolcalls import SYNTAXES
 from fabric.toolcalls.grammar import call_grammar
 from fabric.toolcalls.request import tools_of

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 
-from ..compute.grammar_text import closed
+from ..wire.json_schema import closed
 from ..wire.protocol import Grammar, GrammarKind, ToolChoice, Tools
 from .syntax import Syntax
 
