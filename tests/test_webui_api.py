@@ -109,6 +109,20 @@ async def test_models_when_tracker_fails(fake, client):
     await assert_error(await client.get("/v1/models"), 503, type_="server_error")
 
 
+async def test_health_says_whether_a_request_can_be_served_now(fake):
+    client = create_app(WebUIConfig(pub=None, api_keys=frozenset({"sk-1"})), fake).test_client()  # needs no key
+    ok = await client.get("/health")
+    assert ok.status_code == 200 and await ok.get_json() == {"status": "ok", "models": [MODEL]}
+    fake.model_list = [{"id": MODEL, "num_layers": 30, "nodes": 1, "routable": False}]
+    partial = await client.get("/health")
+    assert partial.status_code == 503 and "every layer" in (await partial.get_json())["reason"]
+    fake.model_list = []
+    assert "no node" in (await (await client.get("/health")).get_json())["reason"]
+    fake.models_error = ErrorCode.INTERNAL
+    down = await client.get("/health")
+    assert down.status_code == 503 and (await down.get_json())["status"] == "unavailable"
+
+
 # --------------------------------------------------------------------------- chat, non-stream
 
 

@@ -16,7 +16,7 @@ from typing import Any, Awaitable, Callable
 
 from hypercorn.asyncio import serve as hypercorn_serve
 from hypercorn.config import Config as HypercornConfig
-from quart import Quart, Response, request
+from quart import Quart, Response, jsonify, request
 from werkzeug.exceptions import HTTPException, InternalServerError
 
 from fabric import metrics
@@ -94,11 +94,30 @@ def create_app(config: WebUIConfig, client: Any) -> Quart:
     async def prometheus() -> Response:
         return Response(metrics.render(registry), content_type=metrics.CONTENT_TYPE)
 
+    @app.get("/health")
+    async def health() -> tuple[Response, int]:
+        return await _health(client)
+
     @app.get("/")
     async def index() -> Response:
         return await app.send_static_file("index.html")
 
     return app
+
+
+async def _health(client: Any) -> tuple[Response, int]:
+    """Whether this web UI can serve a request now, for a load balancer, a container's health
+    check or a script waiting for start-up: 200 and the routable models while some model has
+    a node for every layer, else 503 and why. No API key needed, as for /metrics."""
+    try:
+        models = await client.models()
+    except Exception as exc:  # the tracker does not answer: nothing can be routed
+        return jsonify({"status": "unavailable", "reason": f"the tracker did not list models: {exc}"[:500]}), 503
+    routable = sorted(m["id"] for m in models if m.get("routable"))
+    if not routable:
+        reason = "no model has a node for every layer yet" if models else "no node serves a model yet"
+        return jsonify({"status": "unavailable", "reason": reason, "models": []}), 503
+    return jsonify({"status": "ok", "models": routable}), 200
 
 
 async def _http_error(error: HTTPException) -> Any:
