@@ -16,6 +16,7 @@ from typing import Sequence
 from fabric.toolcalls import ToolCall
 from fabric.wire.protocol import Event, Logprob, TokenLogprobs
 
+from . import sse
 from .generation import Completed
 from .tool_replies import TOOL_CALLS, ToolReplies, call_deltas
 from .tool_replies import finish_reason as tool_finish
@@ -36,6 +37,15 @@ class ResponseFormat:
 
     CHUNK_OBJECT = ""
     OBJECT = ""
+    END = sse.DONE  # what ends a stream
+
+    def encode(self, chunk: dict) -> bytes:
+        """One streamed chunk on the wire."""
+        return sse.event(chunk)
+
+    def error(self, body: dict) -> dict:
+        """The chunk that reports a failure mid-stream (an OpenAI error object)."""
+        return body
 
     def opening(self) -> list[dict]:
         """Chunks sent before the first token."""
@@ -48,7 +58,7 @@ class ResponseFormat:
         """The chunks of one token event."""
         return [self.delta(text, logprobs)]
 
-    def endings(self, finish_reason: str) -> list[dict]:
+    def endings(self, finish_reason: str, prompt_tokens: int = 0, completion_tokens: int = 0) -> list[dict]:
         """The chunks that end the reply (before the usage chunk)."""
         return [self.closing(finish_reason)]
 
@@ -94,7 +104,7 @@ class ChatFormat(ResponseFormat):
             return [self.delta(text, logprobs)]
         return self._pieces(self.tools.feed(text), logprobs)
 
-    def endings(self, finish_reason: str) -> list[dict]:
+    def endings(self, finish_reason: str, prompt_tokens: int = 0, completion_tokens: int = 0) -> list[dict]:
         if self.tools is None:
             return [self.closing(finish_reason)]
         chunks = self._pieces(self.tools.finish())

@@ -20,6 +20,8 @@ from . import cors, sse
 from .accounting import Accounting
 from .errors import SERVER_ERROR, ApiError, api_error_from
 from .formats import ChatFormat, ResponseFormat, TextFormat
+from .responses import chat_body, echo
+from .responses_format import ResponsesFormat
 from .generation import Generation, collect
 from .schema import GenerationRequest, parse_chat, parse_completion, parse_json_object
 from .tool_replies import ToolReplies
@@ -105,6 +107,15 @@ async def completions() -> Response:
                                          req.logprobs is not None))
 
 
+@blueprint.post("/responses")
+async def responses() -> Response:
+    body = parse_json_object(await request.get_data())
+    req = parse_chat(chat_body(body), api_context().config)
+    tools = ToolReplies(frozenset(function_name(t) for t in req.tools.functions)) if req.tools else None
+    chat = ChatFormat(f"resp_{uuid.uuid4().hex}", req.model, tools=tools)
+    return await respond(req, ResponsesFormat(chat.id, req.model, chat, settings=echo(body)))
+
+
 async def respond(req: GenerationRequest, fmt: ResponseFormat) -> Response:
     """Open the one producer, then stream it as SSE or collect it into one object."""
     ctx = api_context()
@@ -144,29 +155,29 @@ async def stream_events(generation: Generation, fmt: ResponseFormat) -> AsyncIte
     """
     try:
         for chunk in fmt.opening():
-            yield sse.event(chunk)
+            yield fmt.encode(chunk)
         async for event in generation:
             if event.event == "token" and (event.text or event.logprobs):
                 for chunk in fmt.deltas(event.text, event.logprobs):
-                    yield sse.event(chunk)
+                    yield fmt.encode(chunk)
             elif event.event == "start":
                 fmt.started(event)
             elif event.event == "progress":  # a comment: OpenAI clients skip it, the dashboard shows it
                 yield sse.comment(progress_comment(event))
             elif event.event == "done":
-                for chunk in fmt.endings(event.finish_reason or "stop"):
-                    yield sse.event(chunk)
+                for chunk in fmt.endings(event.finish_reason or "stop", event.prompt_tokens, event.completion_tokens):
+                    yield fmt.encode(chunk)
                 if fmt.include_usage:
-                    yield sse.event(fmt.usage_chunk(event.prompt_tokens, event.completion_tokens))
+                    yield fmt.encode(fmt.usage_chunk(event.prompt_tokens, event.completion_tokens))
     except ApiError as error:
         logger.warning("stream %s failed mid-way: %s", fmt.id, error)
-        yield sse.event(error.body())
+        yield fmt.encode(fmt.error(error.body()))
     except Exception:  # headers are sent: report in-band rather than cut the connection
         logger.exception("stream %s broke", fmt.id)
-        yield sse.event(INTERNAL_ERROR.body())
+        yield fmt.encode(fmt.error(INTERNAL_ERROR.body()))
     finally:
         await generation.aclose()
-    yield sse.DONE
+    yield fmt.END
 
 
 def progress_comment(event) -> str:
