@@ -42,6 +42,26 @@ def test_openai_sdk_against_a_real_cluster(served):
         client.chat.completions.create(model=model, messages=[])
 
 
+def test_the_responses_api_gives_the_chat_s_greedy_text_whole_and_streamed(served):
+    """The same conversation asked as a chat completion and as a response: the same tokens."""
+    _, model, url = served
+    client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello world"},
+                {"role": "assistant", "content": "hi there"}, {"role": "user", "content": "[again]"}]
+    chat = client.chat.completions.create(model=model, messages=messages, max_tokens=12, temperature=0)
+    response = client.responses.create(model=model, instructions="be brief", input=messages[1:],
+                                       max_output_tokens=12, temperature=0)
+    assert response.output_text == chat.choices[0].message.content
+    assert response.usage.input_tokens == chat.usage.prompt_tokens
+    assert response.usage.output_tokens == chat.usage.completion_tokens
+    with client.responses.stream(model=model, instructions="be brief", input=messages[1:], max_output_tokens=12,
+                                 temperature=0) as stream:
+        deltas = "".join(e.delta for e in stream if e.type == "response.output_text.delta")
+        final = stream.get_final_response()
+    assert deltas == final.output_text == response.output_text
+    assert final.status == ("incomplete" if chat.choices[0].finish_reason == "length" else "completed")
+
+
 def test_disconnect_mid_stream_frees_every_node_within_a_second(served):
     cluster, model, url = served
     conn = http.client.HTTPConnection(url.removeprefix("http://"), timeout=30)
