@@ -17,8 +17,9 @@ from .errors import ApiError
 
 CHAT = "chat"
 COMPLETIONS = "completions"
+RESPONSES = "responses"
 BOTH = frozenset({CHAT, COMPLETIONS})
-PATHS = {CHAT: "/v1/chat/completions", COMPLETIONS: "/v1/completions"}
+PATHS = {CHAT: "/v1/chat/completions", COMPLETIONS: "/v1/completions", RESPONSES: "/v1/responses"}
 
 
 @dataclass(frozen=True)
@@ -123,11 +124,12 @@ FIELDS: dict[str, Rule] = {
 }
 
 
-def check_fields(body: dict[str, Any], endpoint: str) -> None:
+def check_fields(body: dict[str, Any], endpoint: str, rules: dict[str, Rule] | None = None) -> None:
     """A 400 naming the first field of ``body`` that ``endpoint`` does not honour or accept
-    with the value given (null is absent, as everywhere in ``schema``)."""
+    with the value given (null is absent, as everywhere in ``schema``). ``rules``: another
+    endpoint's table than FIELDS (/v1/responses has its own)."""
     for name, value in body.items():
-        rule = FIELDS.get(name)
+        rule = (FIELDS if rules is None else rules).get(name)
         if rule is None or endpoint not in rule.endpoints:
             raise ApiError.invalid(f"{name!s:.64} is not a field {PATHS[endpoint]} supports", name[:64],
                                    "unsupported_parameter")

@@ -1,4 +1,4 @@
-"""The OpenAI-compatible HTTP API: /v1/models, /v1/chat/completions, /v1/completions.
+"""The OpenAI-compatible HTTP API: /v1/models, /v1/chat/completions, /v1/completions, /v1/responses.
 
 Handlers only translate: parse and validate the body into a ``GenerationRequest``, open
 one ``Generation`` (the fabric's event stream), and hand it either to ``stream_events``
@@ -20,9 +20,9 @@ from . import cors, sse
 from .accounting import Accounting
 from .errors import SERVER_ERROR, ApiError, api_error_from
 from .formats import ChatFormat, ResponseFormat, TextFormat
+from .generation import Generation, collect
 from .responses import chat_body, echo
 from .responses_format import ResponsesFormat
-from .generation import Generation, collect
 from .schema import GenerationRequest, parse_chat, parse_completion, parse_json_object
 from .tool_replies import ToolReplies
 

@@ -16,9 +16,10 @@ from __future__ import annotations
 from typing import Any
 
 from .errors import ApiError
-from .fields import Rule, _harmless, _is, _never, _only
+from .fields import RESPONSES as ENDPOINT
+from .fields import Rule, _harmless, _is, _never, _only, check_fields
 
-RESPONSES = frozenset({"responses"})
+RESPONSES = frozenset({ENDPOINT})
 ROLES = ("user", "assistant", "system", "developer")
 TEXT_PARTS = ("input_text", "output_text", "text")  # a part's types that carry text
 MAX_ITEMS = 4096  # items of one input
@@ -75,13 +76,7 @@ RULES: dict[str, Rule] = {
 
 def chat_body(body: dict[str, Any]) -> dict[str, Any]:
     """The chat completions body ``body`` describes; a 400 naming what does not fit."""
-    for name, value in body.items():
-        rule = RULES.get(name)
-        if rule is None:
-            raise ApiError.invalid(f"{name!s:.64} is not a field /v1/responses supports", name[:64],
-                                   "unsupported_parameter")
-        if value is not None and rule.allows is not None and not rule.allows(value):
-            raise ApiError.invalid(f"{name}: {rule.refusal}", name, "unsupported_parameter")
+    check_fields(body, ENDPOINT, RULES)
     if body.get("input") is None:
         raise ApiError.invalid("input is required", "input")
     instructions = body.get("instructions")
