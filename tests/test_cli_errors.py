@@ -83,9 +83,10 @@ def test_an_address_that_cannot_be_bound_while_starting_is_a_runtime_error(meshn
     refused(out, 1, "cannot listen on 192.0.2.1:", "choose another --host or --port")
 
 
-def test_a_missing_api_keys_file_is_one_line(meshnet, tmp_path):
+@pytest.mark.parametrize("command", ["webui", "up"])
+def test_a_missing_api_keys_file_is_one_line(meshnet, tmp_path, command):
     missing = tmp_path / "missing.keys"
-    refused(meshnet("webui", "--api-keys", str(missing)), 2, f"--api-keys {missing}", "No such file",
+    refused(meshnet(command, "--api-keys", str(missing)), 2, f"--api-keys {missing}", "No such file",
             "one API key per line")
 
 

@@ -69,7 +69,7 @@ async def test_the_dashboard_s_own_paths_and_requests_without_an_origin_get_none
         "Origin": "http://localhost:3000"})).headers
 
 
-async def test_meshnet_up_hands_its_origins_to_the_web_ui():
+async def test_meshnet_up_hands_its_origins_and_api_keys_to_the_web_ui():
     from fabric.cli import build_parser
     from fabric.cli.up_command import webui_command
 
@@ -79,6 +79,8 @@ async def test_meshnet_up_hands_its_origins_to_the_web_ui():
     assert parser.parse_args(argv).cors_origins == up.cors_origins == {"http://192.168.1.20:3000",
                                                                        "https://chat.example"}
     assert "--cors-origins" not in webui_command(parser.parse_args(["up"]), [], [])
+    keyed = parser.parse_args(["up", "--api-keys", "/etc/keys.txt"])
+    assert parser.parse_args(webui_command(keyed, [], [])).api_keys == "/etc/keys.txt"
 
 
 @pytest.mark.parametrize("text", ["ftp://x", "http://a:99999", "http://a/path", "localhost:3000", ",", "http://"])

@@ -14,7 +14,7 @@ from .node_command import check_draft_device, check_runnable, checked_draft, dra
 from .options import device_flags, keys_flag, load_security, quant_flag
 from .ports import refuse_ports_in_use
 from .supervision import supervise
-from .webui_command import cors_flag
+from .webui_command import api_keys_flag, cors_flag, read_api_keys
 
 log = logging.getLogger("meshnet")
 
@@ -44,6 +44,7 @@ def add_parser(sub) -> None:
                         "--help` (default: none)")
     draft_quant_flag(p, "each node's")
     keys_flag(p)
+    api_keys_flag(p)
     cors_flag(p)
     p.set_defaults(func=cmd_up)
 
@@ -69,6 +70,8 @@ def cmd_up(args) -> int:
         check_device_flags(args.device, args.quant)
     # checked here, so a bad key directory fails before anything starts; up's tracker runs with DIR's key pair
     security = load_security(args, f"{args.keys}/id.key (the key pair `meshnet up` runs its tracker with)")
+    if args.api_keys:
+        read_api_keys(args.api_keys)  # a file that cannot be read, or holds no key: one line, before anything starts
     check_runnable(args.model)  # a model that names nothing, a port taken: one line, before torch loads
     refuse_ports_in_use({"the tracker, --tracker": args.tracker, "its feed, --pub": args.pub,
                           "the web UI, --port": f"tcp://{args.host}:{args.port}"},
@@ -98,8 +101,9 @@ def cmd_up(args) -> int:
 def webui_command(args, me: list[str], keys: list[str]) -> list[str]:
     """The web UI's command line, with ``up``'s flags for it."""
     cors = ["--cors-origins", ",".join(sorted(args.cors_origins))] if args.cors_origins else []
+    api_keys = ["--api-keys", args.api_keys] if args.api_keys else []
     return [*me, "webui", "--tracker", args.tracker, "--pub", args.pub, "--host", args.host, "--port", str(args.port),
-            *keys, *cors]
+            *keys, *api_keys, *cors]
 
 
 def node_commands(args, shards: list, devices: list[str], node: list[str], keys: list[str]) -> list[list[str]]:

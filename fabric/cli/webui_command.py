@@ -15,11 +15,15 @@ def add_parser(sub) -> None:
     p.add_argument("--host", default="127.0.0.1",
                    help="interface the web server listens on; 0.0.0.0 for every one (default %(default)s)")
     p.add_argument("--port", type=port, default=8000, help="port the web server listens on (default %(default)s)")
-    p.add_argument("--api-keys", default=None, metavar="FILE",
-                   help="file with one API key per line; requests must then carry one "
-                        "(default: no authentication)")
+    api_keys_flag(p)
     cors_flag(p)
     p.set_defaults(func=cmd_webui)
+
+
+def api_keys_flag(p) -> None:
+    p.add_argument("--api-keys", default=None, metavar="FILE",
+                   help="file with one API key per line; requests to the API (/v1) and the dashboard's /api must "
+                        "then carry one (default: no authentication)")
 
 
 def cors_flag(p) -> None:
