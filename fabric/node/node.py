@@ -31,7 +31,7 @@ from ..metrics import Sample
 from ..net.peer_liveness import PeerLiveness
 from ..net.security import serve_securely, start_authenticator
 from ..wire import protocol as p
-from ..wire.liveness import PEER_SILENCE, PING_INTERVAL
+from ..wire.liveness import KEEPALIVE_IDLE_S, KEEPALIVE_INTVL_S, KEEPALIVE_PROBES, PEER_SILENCE
 from . import telemetry
 from .asks import SessionAsks
 from .config import NodeConfig
@@ -272,11 +272,6 @@ class Node(PassOn, SessionControl, Replies):
             self.reply(identity, p.Error(p.ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}",
                                          node=self.config.node_id))
 
-    def _rejected(self, identity: bytes, exc: p.ProtocolError) -> None:
-        self.counters["rejected_frames"] += 1
-        log.warning("rejected frame from %r: %s", identity, exc)
-        self.reply(identity, p.Error(exc.code, str(exc), node=self.config.node_id))
-
     def _dispatch(self, identity: bytes, msg: p.Message, buffers: list) -> None:
         match msg:
             case p.Forward():
@@ -401,11 +396,20 @@ def bound_router(ctx: zmq.Context, config: NodeConfig) -> zmq.Socket:
     serve_securely(router, config.security)
     router.setsockopt(zmq.LINGER, 0)
     # a reply to a connection that closed fails (EHOSTUNREACH) instead of vanishing: that
-    # client is gone, and the requests it opened stop (``_periodic``); ZeroMQ's heartbeat
-    # closes a connection whose far end went silent without closing it
+    # client is gone, and the requests it opened stop (``_periodic``)
     router.setsockopt(zmq.ROUTER_MANDATORY, 1)
-    router.setsockopt(zmq.HEARTBEAT_IVL, int(PING_INTERVAL * 1000))
-    router.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(PEER_SILENCE * 1000))
+    # The kernel closes a connection whose far end went silent without closing it: keepalive
+    # probes when it is idle, and TCP_USER_TIMEOUT (ZMQ_TCP_MAXRT) when what this node sent stays
+    # unacknowledged (a client's machine gone mid-stream). Not ZeroMQ's own heartbeat
+    # (ZMQ_HEARTBEAT_IVL): in libzmq 4.3.5 its timer writes to a connection that closed while its
+    # input was stopped (a peer filled this socket's queue, then left), and the assertion
+    # !_io_error aborts the process. Any peer could crash a node so
+    # (tests/adversary/test_flood_stop.py).
+    router.setsockopt(zmq.TCP_MAXRT, int(PEER_SILENCE * 1000))
+    router.setsockopt(zmq.TCP_KEEPALIVE, 1)
+    router.setsockopt(zmq.TCP_KEEPALIVE_IDLE, KEEPALIVE_IDLE_S)
+    router.setsockopt(zmq.TCP_KEEPALIVE_INTVL, KEEPALIVE_INTVL_S)
+    router.setsockopt(zmq.TCP_KEEPALIVE_CNT, KEEPALIVE_PROBES)
     router.bind(config.bind)
     return router
 

@@ -12,6 +12,9 @@ TRACKER_SILENCE = 5.0  # seconds a running tracker takes at most to answer: a cl
 PING_INTERVAL = 0.25  # a head pings the hops of its active routes this often
 PEER_SILENCE = 10.0  # a hop that answers nothing this long is dead (hung, unreachable)
 LINK_GRACE = 0.25  # a hop whose TCP link stays down this long is dead (its process died)
+# a node's connection silent this long is probed by the kernel, once a second, and closed after
+# this many probes unanswered: a client whose machine vanished is gone in about PEER_SILENCE
+KEEPALIVE_IDLE_S, KEEPALIVE_INTVL_S, KEEPALIVE_PROBES = 5, 1, 5
 
 AUDIT_RATE = 0.05  # share of a head's requests whose steps replicas re-run after they end
 AUDIT_TOLERANCE = 0.1  # relative distance allowed between a hop's and a replica's output at any position

@@ -1,7 +1,7 @@
-"""Ctrl-C under a flood: a node or tracker process stopped while a stranger floods it with
+"""Floods that end: a node or tracker process stopped (Ctrl-C) while a stranger floods it with
 fuzzed frames (tests/adversary/test_fuzzed_fields.py's mutants, read by nobody) exits cleanly,
 with code 0 and nothing logged worse than a warning, whatever still waits unread in its sockets
-and in ZeroMQ's queues."""
+and in ZeroMQ's queues; and a node outlives a stranger that fills its queue and leaves."""
 from __future__ import annotations
 
 import random
@@ -12,6 +12,7 @@ import time
 import zmq
 
 from tests.adversary.test_fuzzed_fields import batched, mutants
+from tests.cluster import ping
 
 FLOOD_S = 4.0  # how long the flood runs before the processes get their SIGINT
 
@@ -67,3 +68,32 @@ def test_processes_stopped_under_a_flood_exit_cleanly(tiny_models, process_clust
     assert sent[0] > 100
     assert not any(word in logs for word in ("Traceback", "Assertion", "ERROR", "Fatal")), logs
     assert "tracker stopped" in logs and logs.count("node stopped") == 2
+
+
+def test_a_stranger_that_fills_a_node_s_queue_and_leaves_cannot_crash_it(tiny_models, process_cluster):
+    """Frames cheaper to send than to reject (one byte each) fill the node's receive queue; the
+    stranger then closes its connection. With ZeroMQ's heartbeat on the node's ROUTER (libzmq
+    4.3.5) the next heartbeat aborted the process ("Assertion failed: !_io_error"), within two
+    such rounds here. The node must live, answer, and log the flood in a few lines."""
+    model, c = tiny_models("llama"), process_cluster
+    endpoint = c.start_node("a", str(model), "0-5")
+    c.wait_nodes(["a"], model.name)
+    ctx = zmq.Context()
+    try:
+        for _ in range(4):
+            stranger = ctx.socket(zmq.DEALER)
+            stranger.setsockopt(zmq.LINGER, 0)
+            stranger.setsockopt(zmq.SNDHWM, 0)
+            stranger.connect(endpoint)
+            until = time.monotonic() + 0.5
+            while time.monotonic() < until:
+                stranger.send(b"\0", zmq.NOBLOCK)
+            stranger.close()
+            time.sleep(0.5)  # heartbeats would have fired on the closed connection by now
+            assert c.procs["a"].poll() is None, c.logs()
+    finally:
+        ctx.term()
+    assert ping(endpoint, timeout=10) is not None
+    log = (c.tmp / "a.log").read_text()
+    assert log.count("rejected frame from") <= 5 * 4 and log.count("is not reading") <= 5 * 4, log[-2000:]
+    assert "more frames rejected: counted, and not logged one by one" in log, log[-2000:]
