@@ -6,8 +6,8 @@ A page the dashboard did not serve (a chat front end on another port, a notebook
 preflight OPTIONS, which must be answered without the key. Pages served from this machine's
 loopback names (``localhost``, ``127.0.0.1``, ``[::1]``, any port) always may, as Ollama allows;
 ``--cors-origins`` (``fabric.flags.origins``) adds others, or ``*`` for any. Pages of other
-origins get no such header, so the browser keeps the answer from them. The dashboard's own requests are same-origin
-and need none of this.
+origins get no such header, so the browser keeps the answer from them. The dashboard's own
+requests are same-origin and need none of this.
 """
 from __future__ import annotations
 

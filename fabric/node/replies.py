@@ -19,8 +19,8 @@ WARN_BURST = 5
 class Throttled:
     """One kind of warning a peer can cause at will (a frame rejected, an event it does not read):
     the first WARN_BURST of each WARN_WINDOW_S logged one by one, then one line that says so, and
-    the rest as one count when the next window opens. A peer that floods a node cannot fill its disk with a line each; every
-    occurrence is still counted where the node counts it (/metrics)."""
+    the rest as one count when the next window opens. A peer that floods a node cannot fill its
+    disk with a line each; every occurrence is still counted where the node counts it (/metrics)."""
 
     def __init__(self, what: str):
         self.what = what  # the summary's words: "frames rejected"
