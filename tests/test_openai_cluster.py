@@ -60,6 +60,12 @@ def test_the_responses_api_gives_the_chat_s_greedy_text_whole_and_streamed(serve
         final = stream.get_final_response()
     assert deltas == final.output_text == response.output_text
     assert final.status == ("incomplete" if chat.choices[0].finish_reason == "length" else "completed")
+    chained = client.responses.create(model=model, previous_response_id=response.id, input="[more]",
+                                      max_output_tokens=8, temperature=0)  # the kept conversation, then the input
+    whole = [*messages[1:], {"role": "assistant", "content": response.output_text},
+             {"role": "user", "content": "[more]"}]
+    again = client.chat.completions.create(model=model, messages=whole, max_tokens=8, temperature=0)
+    assert chained.output_text == again.choices[0].message.content
 
 
 def test_disconnect_mid_stream_frees_every_node_within_a_second(served):

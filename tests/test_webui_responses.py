@@ -22,10 +22,10 @@ WEATHER = {"type": "function", "name": "get_weather", "description": "the weathe
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
 
 
-def sdk_for(fake: FakeClient):
-    app = create_app(WebUIConfig(pub=None), fake)
+def sdk_for(fake: FakeClient, app=None, key: str = "unused"):
+    app = app or create_app(WebUIConfig(pub=None), fake)
     http = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://webui")
-    return openai.AsyncOpenAI(base_url="http://webui/v1", api_key="unused", http_client=http, max_retries=0)
+    return openai.AsyncOpenAI(base_url="http://webui/v1", api_key=key, http_client=http, max_retries=0)
 
 
 async def test_a_text_reply_whole_and_what_the_fabric_was_asked():
@@ -94,6 +94,8 @@ async def test_a_json_schema_format_becomes_the_grammar():
 
 @pytest.mark.parametrize("fields, param", [
     ({"previous_response_id": "resp_1"}, "previous_response_id"),
+    ({"previous_response_id": 5}, "previous_response_id"),
+    ({"store": "yes"}, "store"),
     ({"reasoning": {"effort": "low"}}, "reasoning"),
     ({"background": True}, "background"),
     ({"tools": [{"type": "web_search"}]}, "tools[0]"),
@@ -127,3 +129,58 @@ async def test_every_field_the_sdk_can_send_has_a_rule():
 
     missing = set(typing.get_type_hints(params.ResponseCreateParamsBase)) | {"stream"}
     assert not missing - set(RULES), sorted(missing - set(RULES))
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_previous_response_id_continues_a_kept_conversation_as_openai_s_multi_turn_example(stream):
+    fake = FakeClient()
+    sdk = sdk_for(fake)
+    first = await sdk.responses.create(model=MODEL, instructions="be brief", input="tell me a joke")
+    if stream:
+        async with sdk.responses.stream(model=MODEL, input="another", previous_response_id=first.id) as events:
+            second = await events.get_final_response()
+    else:
+        second = await sdk.responses.create(model=MODEL, input="another", previous_response_id=first.id)
+    third = await sdk.responses.create(model=MODEL, input="and a third", previous_response_id=second.id,
+                                       instructions="be kind")
+    assert second.previous_response_id == first.id and third.output_text == "Hello, world!"
+    assert [(m["role"], m["content"]) for m in fake.calls[2].messages] == [
+        ("system", "be kind"),  # instructions apply to their own request only
+        ("user", "tell me a joke"), ("assistant", "Hello, world!"), ("user", "another"),
+        ("assistant", "Hello, world!"), ("user", "and a third")]
+
+
+async def test_a_kept_call_is_continued_by_its_output():
+    fake = FakeClient(script=Script(tokens=(CALL,)))
+    sdk = sdk_for(fake)
+    first = await sdk.responses.create(model=MODEL, input="weather?", tools=[WEATHER])
+    (call,) = first.output
+    await sdk.responses.create(model=MODEL, tools=[WEATHER], previous_response_id=first.id, input=[
+        {"type": "function_call_output", "call_id": call.call_id, "output": "rain"}])
+    asked = fake.calls[1].messages
+    assert [m["role"] for m in asked] == ["user", "assistant", "tool"]
+    assert asked[1]["tool_calls"][0]["id"] == call.call_id and asked[2]["tool_call_id"] == call.call_id
+
+
+async def test_what_is_not_kept_cannot_be_continued():
+    fake = FakeClient()
+    app = create_app(WebUIConfig(pub=None, api_keys=frozenset({"sk-a", "sk-b"})), fake)
+    alice, bob = sdk_for(fake, app, "sk-a"), sdk_for(fake, app, "sk-b")
+    kept = await alice.responses.create(model=MODEL, input="mine")
+    unkept = await alice.responses.create(model=MODEL, input="forget it", store=False)
+    assert unkept.store is False
+    for sdk, response_id in ((bob, kept.id), (alice, unkept.id), (alice, "resp_nobody")):
+        with pytest.raises(openai.BadRequestError) as refused:
+            await sdk.responses.create(model=MODEL, input="next", previous_response_id=response_id)
+        assert refused.value.body["code"] == "previous_response_not_found"
+    assert len(fake.calls) == 2  # nothing reached the fabric for the refused ones
+
+
+async def test_the_store_keeps_the_last_ones_only():
+    from webui.responses_store import ResponseStore
+
+    store = ResponseStore(max_kept=2)
+    for i in range(3):
+        store.put("", f"r{i}", [{"role": "user", "content": str(i)}], [])
+    assert store.get("", "r0") is None and len(store) == 2
+    assert store.get("", "r2") == [{"role": "user", "content": "2"}, {"role": "assistant", "content": ""}]

@@ -9,7 +9,7 @@ from __future__ import annotations
 import hmac
 import logging
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, AsyncIterator
 
 from quart import Blueprint, Response, current_app, g, jsonify, request
@@ -21,8 +21,9 @@ from .accounting import Accounting
 from .errors import SERVER_ERROR, ApiError, api_error_from
 from .formats import ChatFormat, ResponseFormat, TextFormat
 from .generation import Generation, collect
-from .responses import chat_body, echo
+from .responses import chat_body, checked, echo, turn
 from .responses_format import ResponsesFormat
+from .responses_store import ResponseStore
 from .schema import GenerationRequest, parse_chat, parse_completion, parse_json_object
 from .tool_replies import ToolReplies
 
@@ -45,6 +46,7 @@ class ApiContext:
     config: WebUIConfig
     client: Any  # fabric.client.AsyncClient or anything with its interface
     accounting: Accounting
+    responses: ResponseStore = field(default_factory=ResponseStore)  # what previous_response_id continues
 
 
 def api_context() -> ApiContext:
@@ -109,11 +111,20 @@ async def completions() -> Response:
 
 @blueprint.post("/responses")
 async def responses() -> Response:
-    body = parse_json_object(await request.get_data())
-    req = parse_chat(chat_body(body), api_context().config)
+    ctx, body = api_context(), checked(parse_json_object(await request.get_data()))
+    tenant, earlier = g.api_key or "", []
+    if (previous := body.get("previous_response_id")) is not None:
+        earlier = ctx.responses.get(tenant, previous)
+        if earlier is None:
+            raise ApiError.invalid(f"previous_response_id: no response {previous!s:.64} is kept here (this web UI "
+                                   f"keeps the last {ctx.responses.max_kept} with store not false, in memory)",
+                                   "previous_response_id", "previous_response_not_found")
+    messages = turn(body, earlier)
+    req = parse_chat(chat_body(body, messages), ctx.config)
     tools = ToolReplies(frozenset(function_name(t) for t in req.tools.functions)) if req.tools else None
     chat = ChatFormat(f"resp_{uuid.uuid4().hex}", req.model, tools=tools)
-    return await respond(req, ResponsesFormat(chat.id, req.model, chat, settings=echo(body)))
+    keep = None if body.get("store") is False else (lambda output: ctx.responses.put(tenant, chat.id, messages, output))
+    return await respond(req, ResponsesFormat(chat.id, req.model, chat, settings=echo(body), keep=keep))
 
 
 async def respond(req: GenerationRequest, fmt: ResponseFormat) -> Response:

@@ -6,10 +6,10 @@ whose content is text parts, ``function_call`` items the model made and
 ``function_call_output`` items answering them), ``instructions`` (a system message first),
 ``max_output_tokens``, ``text.format`` (a JSON schema's grammar) and flat function tools.
 ``chat_body`` rewrites a request into a chat completions body, which ``parse_chat`` then reads
-as it reads any, so both endpoints check every value alike. Nothing is stored:
-``previous_response_id`` is refused, and the whole conversation travels each time, as the
-SDK's ``store=False`` sends it. Every field is honoured, accepted as harmless, or refused, as
-on the other endpoints (``RULES``; README, *The Responses API*).
+as it reads any, so both endpoints check every value alike. A request may continue a response
+this web UI kept by ``previous_response_id`` (webui/responses_store.py). Every field is
+honoured, accepted as harmless, or refused, as on the other endpoints (``RULES``; README, *The
+Responses API*).
 """
 from __future__ import annotations
 
@@ -43,8 +43,8 @@ RULES: dict[str, Rule] = {
     "parallel_tool_calls": _does("as chat's"),
     "text": _does('{"format": {"type": "text"}, {"type": "json_object"} or {"type": "json_schema", "schema": '
                   '...}}: the tail masks what the grammar forbids'),
-    "store": _harmless(RESPONSES, bool, "accepted, no effect: nothing is stored"),
-    "metadata": _harmless(RESPONSES, dict, "accepted, no effect: nothing is stored"),
+    "store": _does("true (the default): the conversation is kept for previous_response_id; false: not kept"),
+    "metadata": _harmless(RESPONSES, dict, "accepted, repeated in the response"),
     "user": _harmless(RESPONSES, str, "accepted, no effect (as chat's)"),
     "safety_identifier": _harmless(RESPONSES, str, "accepted, no effect"),
     "prompt_cache_key": _harmless(RESPONSES, str, "accepted, no effect: prefix reuse is automatic, per API key"),
@@ -59,9 +59,10 @@ RULES: dict[str, Rule] = {
     "include": _only(RESPONSES, _is([]), "[] only", "nothing more can be included"),
     "top_logprobs": _only(RESPONSES, _is(0), "0 only", "logprobs are served by /v1/chat/completions"),
     "background": _only(RESPONSES, _is(False), "false only", "background responses are not supported"),
-    "previous_response_id": _only(RESPONSES, _never, "refused",
-                                  "responses are not stored: send the whole conversation as input"),
-    "conversation": _only(RESPONSES, _never, "refused", "conversations are not stored: send them as input"),
+    "previous_response_id": _does("continue a response this web UI kept (store not false; the last 256, per API "
+                                  "key, in memory): its conversation comes before the input"),
+    "conversation": _only(RESPONSES, _never, "refused", "the Conversations API is not supported: send the "
+                          "conversation as input, or previous_response_id"),
     "prompt": _only(RESPONSES, _never, "refused", "stored prompt templates are not supported"),
     "reasoning": _only(RESPONSES, _never, "refused", "not supported: the model's chat template decides how it "
                        "reasons"),
@@ -74,15 +75,27 @@ RULES: dict[str, Rule] = {
 }
 
 
-def chat_body(body: dict[str, Any]) -> dict[str, Any]:
-    """The chat completions body ``body`` describes; a 400 naming what does not fit."""
+def checked(body: dict[str, Any]) -> dict[str, Any]:
+    """``body`` once its fields are known and allowed; a 400 naming the first that is not."""
     check_fields(body, ENDPOINT, RULES)
     if body.get("input") is None:
         raise ApiError.invalid("input is required", "input")
+    for name, kind in (("instructions", str), ("previous_response_id", str), ("store", bool)):
+        if body.get(name) is not None and not isinstance(body[name], kind):
+            raise ApiError.invalid(f"{name} must be a {'string' if kind is str else 'boolean'}", name)
+    return body
+
+
+def turn(body: dict[str, Any], earlier: list[dict] = ()) -> list[dict]:
+    """The conversation this request continues (``earlier``, a kept response's) and its input, as
+    chat messages: what the next request may continue from, with this response's turn."""
+    return [*earlier, *_messages(body["input"])]
+
+
+def chat_body(body: dict[str, Any], messages: list[dict]) -> dict[str, Any]:
+    """The chat completions body of ``body`` (checked) over the conversation ``messages``."""
     instructions = body.get("instructions")
-    if instructions is not None and not isinstance(instructions, str):
-        raise ApiError.invalid("instructions must be a string", "instructions")
-    messages = ([{"role": "system", "content": instructions}] if instructions else []) + _messages(body["input"])
+    messages = ([{"role": "system", "content": instructions}] if instructions else []) + messages
     chat = {"model": body.get("model"), "messages": messages, "stream": body.get("stream"),
             "max_completion_tokens": body.get("max_output_tokens"), "temperature": body.get("temperature"),
             "top_p": body.get("top_p"), "parallel_tool_calls": body.get("parallel_tool_calls"),
@@ -98,7 +111,8 @@ def echo(body: dict[str, Any]) -> dict[str, Any]:
             "tools": body.get("tools") or [], "tool_choice": body.get("tool_choice") or "auto",
             "parallel_tool_calls": body.get("parallel_tool_calls", True) is not False,
             "text": body.get("text") or {"format": {"type": "text"}}, "metadata": body.get("metadata") or {},
-            "store": False, "previous_response_id": None, "reasoning": None, "truncation": "disabled"}
+            "store": body.get("store") is not False, "previous_response_id": body.get("previous_response_id"),
+            "reasoning": None, "truncation": "disabled"}
 
 
 def _messages(value: Any) -> list[dict]:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import secrets
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Callable, Sequence
 
 from fabric.wire.protocol import Event, TokenLogprobs
 
@@ -48,6 +48,7 @@ class ResponsesFormat:
     model: str
     chat: ChatFormat
     settings: dict = field(default_factory=dict)  # what the response object repeats of the request
+    keep: Callable[[list[dict]], None] | None = None  # given the output items of a response that completed
     include_usage: bool = False  # stream_events asks; the completed event always carries usage
     created: int = 0
     _seq: int = 0
@@ -64,6 +65,8 @@ class ResponsesFormat:
         message = choice["message"]
         output = [text_item(message["content"])] if message.get("content") else []
         output += [call_item(call) for call in message.get(TOOL_CALLS, ())]
+        if self.keep is not None:
+            self.keep(output)
         return self._response("completed", output, choice["finish_reason"], done.prompt_tokens,
                               done.completion_tokens)
 
@@ -108,6 +111,8 @@ class ResponsesFormat:
         events += self._close()
         finish = chunks[-1]["choices"][0]["finish_reason"]
         response = self._response("completed", self._items, finish, prompt, completion)
+        if self.keep is not None:
+            self.keep(self._items)
         return events + [{"type": "response.completed", "response": response}]
 
     def usage_chunk(self, prompt_tokens: int, completion_tokens: int) -> dict:
