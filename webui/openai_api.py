@@ -97,9 +97,8 @@ async def retrieve_model(model_id: str) -> Response:
 @blueprint.post("/chat/completions")
 async def chat_completions() -> Response:
     req = parse_chat(parse_json_object(await request.get_data()), api_context().config)
-    tools = ToolReplies(frozenset(function_name(t) for t in req.tools.functions)) if req.tools else None
     return await respond(req, ChatFormat(f"chatcmpl-{uuid.uuid4().hex}", req.model, req.include_usage,
-                                         req.logprobs is not None, tools=tools))
+                                         req.logprobs is not None, tools=tool_replies(req)))
 
 
 @blueprint.post("/completions")
@@ -121,10 +120,14 @@ async def responses() -> Response:
                                    "previous_response_id", "previous_response_not_found")
     messages = turn(body, earlier)
     req = parse_chat(chat_body(body, messages), ctx.config)
-    tools = ToolReplies(frozenset(function_name(t) for t in req.tools.functions)) if req.tools else None
-    chat = ChatFormat(f"resp_{uuid.uuid4().hex}", req.model, tools=tools)
+    chat = ChatFormat(f"resp_{uuid.uuid4().hex}", req.model, tools=tool_replies(req))
     keep = None if body.get("store") is False else (lambda output: ctx.responses.put(tenant, chat.id, messages, output))
-    return await respond(req, ResponsesFormat(chat.id, req.model, chat, settings=echo(body), keep=keep))
+    return await respond(req, ResponsesFormat(chat, settings=echo(body), keep=keep))
+
+
+def tool_replies(req: GenerationRequest) -> ToolReplies | None:
+    """The parser of a reply's calls, among the functions ``req`` offers (None: it offers none)."""
+    return ToolReplies(frozenset(function_name(t) for t in req.tools.functions)) if req.tools else None
 
 
 async def respond(req: GenerationRequest, fmt: ResponseFormat) -> Response:

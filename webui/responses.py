@@ -128,8 +128,7 @@ def _messages(value: Any) -> list[dict]:
         if kind == "message":
             out.append(_message(item, f"input[{i}]"))
         elif kind == "function_call":
-            call = {"id": _string(item, "call_id", i), "type": "function",
-                    "function": {"name": _string(item, "name", i), "arguments": _string(item, "arguments", i)}}
+            call = chat_call(_string(item, "call_id", i), _string(item, "name", i), _string(item, "arguments", i))
             if out and out[-1]["role"] == "assistant" and out[-1].get("tool_calls"):
                 out[-1]["tool_calls"].append(call)  # calls made together: one assistant turn
             else:
@@ -141,6 +140,11 @@ def _messages(value: Any) -> list[dict]:
             raise ApiError.invalid(f"input[{i}] is an item of type {kind!s:.32}: this server takes messages, "
                                    "function_call and function_call_output items", f"input[{i}].type")
     return out
+
+
+def chat_call(call_id: str, name: str, arguments: str) -> dict:
+    """A function call as an assistant's chat message holds it (``tool_calls``)."""
+    return {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
 
 
 def _message(item: dict, param: str) -> dict:

@@ -44,19 +44,25 @@ def call_item(call: dict, status: str = "completed", item_id: str = "") -> dict:
 class ResponsesFormat:
     """One response: its echo of the request (``settings``), and the chat format it reads the reply by."""
 
-    id: str
-    model: str
-    chat: ChatFormat
+    chat: ChatFormat  # its id, model and creation time are the response's
     settings: dict = field(default_factory=dict)  # what the response object repeats of the request
     keep: Callable[[list[dict]], None] | None = None  # given the output items of a response that completed
     include_usage: bool = False  # stream_events asks; the completed event always carries usage
-    created: int = 0
     _seq: int = 0
     _items: list = field(default_factory=list)  # streamed output items so far, the last maybe open
-    _open: dict | None = None  # the item being streamed: {"kind", "index", "id", "text"}
+    _open: dict | None = None  # the item being streamed: {"kind", "index", "id", "text", "item"}
 
-    def __post_init__(self) -> None:
-        self.created = self.chat.created
+    @property
+    def id(self) -> str:
+        return self.chat.id
+
+    @property
+    def model(self) -> str:
+        return self.chat.model
+
+    @property
+    def created(self) -> int:
+        return self.chat.created
 
     # -- whole ---------------------------------------------------------------------------
 

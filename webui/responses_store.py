@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
+from .responses import chat_call
+
 MAX_KEPT = 256  # conversations kept; the least recently used goes first
 
 
@@ -42,8 +44,7 @@ class ResponseStore:
 def reply_messages(output: list[dict]) -> list[dict]:
     """A response's output items as the assistant's chat turn: its text, and its calls."""
     text = "".join(part["text"] for item in output if item["type"] == "message" for part in item["content"])
-    calls = [{"id": item["call_id"], "type": "function",
-              "function": {"name": item["name"], "arguments": item["arguments"]}}
+    calls = [chat_call(item["call_id"], item["name"], item["arguments"])
              for item in output if item["type"] == "function_call"]
     if calls:
         return [{"role": "assistant", "content": text or None, "tool_calls": calls}]
