@@ -11,7 +11,7 @@ import time
 
 import zmq
 
-from tests.adversary.test_fuzzed_fields import batched, mutants
+from tests.adversary.test_fuzzed_fields import mutants, send_to_all
 from tests.cluster import ping
 
 FLOOD_S = 4.0  # how long the flood runs before the processes get their SIGINT
@@ -31,14 +31,7 @@ def flood(endpoints: list[str], stop: threading.Event) -> int:
             for _, frames in mutants(random.Random(sent)):
                 if stop.is_set():
                     break
-                for sock in socks:
-                    for each in [frames, *batched(frames, sent)]:
-                        try:
-                            sock.send_multipart(each, zmq.NOBLOCK)
-                        except zmq.Again:
-                            pass
-                    while sock.poll(0):
-                        sock.recv_multipart()
+                send_to_all(socks, frames, sent, zmq.NOBLOCK)
                 sent += 1
     finally:
         for sock in socks:

@@ -84,6 +84,19 @@ def batched(frames: list, i: int) -> list[list]:
     return [p.encode_batch([frames, ping]), [p.MAGIC, bytes([p.BATCH_KIND]), wrong, *frames, *ping]]
 
 
+def send_to_all(socks: list[zmq.Socket], frames: list, i: int, flags: int = 0) -> None:
+    """The ``i``-th mutant, and its BATCHes, to every socket; what came back is read and dropped.
+    With ``flags`` NOBLOCK a full queue drops a frame instead of waiting."""
+    for sock in socks:
+        for each in [frames, *batched(frames, i)]:
+            try:
+                sock.send_multipart(each, flags)
+            except zmq.Again:
+                pass
+        while sock.poll(0):
+            sock.recv_multipart()
+
+
 def drained(socks: list[zmq.Socket], nonce: int) -> bool:
     """Each target has read all it was sent: a PING to a node (a STATUS_REQUEST to the tracker, the
     last socket), sent after the mutants on the same socket, is answered within a minute."""
@@ -122,11 +135,7 @@ def test_fuzzed_fields_of_every_message_cost_a_swarm_nothing(tiny_models, caplog
         sent = 0
         with caplog.at_level(logging.WARNING):
             for what, frames in mutants(random.Random(0)):
-                for sock in socks:
-                    for each in [frames, *batched(frames, sent)]:
-                        sock.send_multipart(each)
-                    while sock.poll(0):
-                        sock.recv_multipart()
+                send_to_all(socks, frames, sent)
                 sent += 1
                 if sent % 100 == 0:  # the swarm has read them all: a logged error names its hundred
                     assert drained(socks, sent), f"a target answers nothing after the 100 mutants up to {what}"
